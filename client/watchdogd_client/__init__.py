@@ -1,0 +1,93 @@
+"""Thin client for watchdogd, the per-host watchdog daemon for hung worker processes.
+
+A worker tells the daemon "if I am still inside this block in T seconds, I am hung"::
+
+    from watchdogd_client import expires
+
+    with expires(after=30):
+        train_step()
+
+If the block is still running 30 seconds later, the daemon carries out the timer's
+policy on the process (SIGKILL by default). The daemon, not the worker, keeps the time,
+so a worker stuck in C code or a deadlock is caught all the same.
+
+This package depends on msgspec only; it never imports trio or click.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ._version import __version__
+from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
+from .errors import (
+    DaemonUnavailable,
+    FrameTooLarge,
+    ProtocolError,
+    RequestRefused,
+    WatchdogdError,
+)
+from .protocol import ErrorCode
+from .scope import caller_scope
+
+__all__ = [
+    "BaseClient",
+    "Client",
+    "DaemonStatus",
+    "DaemonUnavailable",
+    "ErrorCode",
+    "FrameTooLarge",
+    "NullClient",
+    "OnUnavailable",
+    "ProtocolError",
+    "RequestRefused",
+    "Timer",
+    "WatchdogdError",
+    "__version__",
+    "configure",
+    "default_client",
+    "expires",
+]
+
+
+class _Default:
+    """The module-level client of `configure` and `expires`."""
+
+    client: BaseClient | None = None
+    lock = threading.Lock()
+
+
+def configure(client: BaseClient | None) -> None:
+    """Make ``client`` the one module-level `expires` uses (None: back to the default)."""
+    with _Default.lock:
+        _Default.client = client
+
+
+def default_client() -> BaseClient:
+    """The configured client, else one made on first use: a `NullClient` when
+    ``WATCHDOGD_DISABLE=1``, otherwise a `Client` on the default socket
+    (``$WATCHDOGD_SOCKET`` or the host's daemon)."""
+    client = _Default.client
+    if client is not None:
+        return client
+    with _Default.lock:
+        if _Default.client is None:
+            disabled = os.environ.get("WATCHDOGD_DISABLE", "") not in ("", "0")
+            _Default.client = NullClient() if disabled else Client()
+        return _Default.client
+
+
+def expires(
+    after: float,
+    scope: str | None = None,
+    *,
+    policy: str | None = None,
+    client: BaseClient | None = None,
+) -> Timer:
+    """Arm a timer of ``after`` seconds for the block; see `BaseClient.expires`.
+
+    Uses ``client``, else the one given to `configure`, else `default_client()`.
+    """
+    chosen = client if client is not None else default_client()
+    return chosen.expires(after, caller_scope() if scope is None else scope, policy=policy)

@@ -1,0 +1,428 @@
+"""The blocking client: `Client`, `NullClient` and the `Timer` handle of ``expires()``.
+
+`Client` keeps one connection to the daemon, opened on first use. Requests are
+serialised by a lock, so any number of threads may share one client. A child process
+created by ``fork()`` never uses its parent's connection: it opens its own on first
+use, and its requests are about its own pid. Every request is idempotent (acquire
+re-arms, release of an absent timer succeeds), so one that fails because an established
+connection broke (the daemon restarted) is sent again once on a new connection.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+from types import TracebackType
+from typing import Final, Literal, TypeVar
+
+import msgspec
+
+from ._version import __version__ as _version
+from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
+from .paths import client_socket_path
+from .protocol import (
+    MAX_REPLY_FRAME,
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    DaemonInfo,
+    Error,
+    ErrorCode,
+    FrameReader,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    ReplyMessage,
+    Request,
+    Status,
+    StatusReply,
+    TimerInfo,
+    Welcome,
+    decode_reply,
+    encode_frame_into,
+)
+from .scope import caller_scope
+
+__all__ = ["BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"]
+
+log = logging.getLogger("watchdogd_client")
+
+OnUnavailable = Literal["raise", "warn"]
+_R = TypeVar("_R", bound=ReplyMessage)
+
+_DEFAULT_TIMEOUT: Final = 10.0
+#: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
+_RECV_SIZE: Final = 64 * 1024
+_STATUS_PAGE: Final = 1000
+
+
+class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What `BaseClient.status` returns: the daemon's summary and every timer the
+    caller may see, soonest deadline first."""
+
+    daemon: DaemonInfo
+    timers: list[TimerInfo]
+
+
+class BaseClient(abc.ABC):
+    """What every client offers: arm, release, inspect, and the `expires` block."""
+
+    @abc.abstractmethod
+    def acquire(
+        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+    ) -> float:
+        """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
+        ``timeout`` seconds, the daemon carries out ``policy`` on the process.
+
+        ``pid`` defaults to the calling process. Returns the seconds left on the timer.
+        """
+
+    @abc.abstractmethod
+    def release(self, scope: str, *, pid: int | None = None) -> bool:
+        """Disarm the timer ``(pid, scope)``. Returns whether one was armed."""
+
+    @abc.abstractmethod
+    def status(self) -> DaemonStatus:
+        """The daemon's summary and the timers this caller may see."""
+
+    @abc.abstractmethod
+    def ping(self) -> float:
+        """Check the daemon answers; returns the round trip in seconds."""
+
+    def expires(
+        self, after: float, scope: str | None = None, *, policy: str | None = None
+    ) -> Timer:
+        """A context manager that arms a timer of ``after`` seconds on entry and
+        releases it on exit, also when an exception leaves the block.
+
+        ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
+        the main thread). The block gets a `Timer` to release early or renew.
+        """
+        return Timer(self, after, caller_scope() if scope is None else scope, policy)
+
+
+class Timer:
+    """The handle of an ``expires()`` block.
+
+    `release` disarms early (the rest of the block runs unprotected; calling it again
+    does nothing). `renew` re-arms with the same or a new timeout, also after
+    `release`, and the block's exit then releases again.
+    """
+
+    __slots__ = ("_armed", "after", "client", "policy", "scope")
+
+    def __init__(self, client: BaseClient, after: float, scope: str, policy: str | None) -> None:
+        self.client = client
+        self.after = after
+        self.scope = scope
+        self.policy = policy
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether this handle's timer is armed (as far as this handle knows)."""
+        return self._armed
+
+    def release(self) -> None:
+        """Disarm now; idempotent."""
+        if self._armed:
+            self._armed = False
+            self.client.release(self.scope)
+
+    def renew(self, after: float | None = None) -> None:
+        """Re-arm: the timer now expires ``after`` (default: the last timeout) from now."""
+        if after is not None:
+            self.after = after
+        self.client.acquire(self.scope, self.after, policy=self.policy)
+        self._armed = True
+
+    def __enter__(self) -> Timer:
+        self.renew()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._armed:
+            return
+        if exc_type is None:
+            self.release()
+            return
+        # The block's own exception is what the caller needs to see; a failed
+        # release must not replace it.
+        try:
+            self.release()
+        except WatchdogdError as release_error:
+            log.warning("could not release timer %r: %s", self.scope, release_error)
+
+
+class NullClient(BaseClient):
+    """A client that accepts everything and does nothing (tests, ``WATCHDOGD_DISABLE=1``)."""
+
+    def acquire(
+        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+    ) -> float:
+        return float(timeout)
+
+    def release(self, scope: str, *, pid: int | None = None) -> bool:
+        return False
+
+    def status(self) -> DaemonStatus:
+        info = DaemonInfo(
+            version="disabled",
+            pid=0,
+            uptime=0.0,
+            timers=0,
+            processes=0,
+            connections=0,
+            requests=0,
+            expired=0,
+            exited=0,
+        )
+        return DaemonStatus(daemon=info, timers=[])
+
+    def ping(self) -> float:
+        return 0.0
+
+
+class _ConnectionLost(Exception):
+    """The established connection broke; the request may be sent again once."""
+
+
+class Client(BaseClient):
+    """A blocking, thread-safe, fork-safe connection to the daemon.
+
+    ``socket_path`` defaults as `watchdogd_client.paths.client_socket_path` says.
+    ``timeout`` bounds each request (connect, send and reply), in seconds.
+    ``on_unavailable="warn"`` makes `acquire` and `release` log a warning and carry on
+    unprotected when the daemon cannot be reached, instead of raising
+    `DaemonUnavailable`; other refusals always raise `RequestRefused`.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float = _DEFAULT_TIMEOUT,
+        on_unavailable: OnUnavailable = "raise",
+        max_reply: int = MAX_REPLY_FRAME,
+    ) -> None:
+        if on_unavailable not in ("raise", "warn"):
+            raise ValueError(f"on_unavailable must be 'raise' or 'warn', not {on_unavailable!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, not {timeout!r}")
+        self.socket_path = client_socket_path(socket_path)
+        self.timeout = timeout
+        self.on_unavailable: OnUnavailable = on_unavailable
+        self._max_reply = max_reply
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader(max_reply)
+        self._owner_pid = 0
+        # next() on a count is atomic under the GIL: requests get their ids
+        # before taking the lock.
+        self._ids = itertools.count(1)
+        self._out = bytearray()
+        _live_clients.add(self)
+
+    def __repr__(self) -> str:
+        return f"Client({self.socket_path!r})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; the next request opens a new one."""
+        with self._lock:
+            self._disconnect()
+
+    def acquire(
+        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+    ) -> float:
+        request = Acquire(id=next(self._ids), scope=scope, timeout=timeout, policy=policy, pid=pid)
+        try:
+            return self._call(request, Acquired).remaining
+        except DaemonUnavailable as exc:
+            self._unavailable(exc)
+            return float(timeout)
+
+    def release(self, scope: str, *, pid: int | None = None) -> bool:
+        try:
+            return self._call(Release(id=next(self._ids), scope=scope, pid=pid), Released).found
+        except DaemonUnavailable as exc:
+            self._unavailable(exc)
+            return False
+
+    def status(self) -> DaemonStatus:
+        timers: list[TimerInfo] = []
+        cursor: str | None = None
+        while True:
+            page = self.status_page(limit=_STATUS_PAGE, cursor=cursor)
+            timers.extend(page.timers)
+            cursor = page.cursor
+            if cursor is None:
+                return DaemonStatus(daemon=page.daemon, timers=timers)
+
+    def status_page(self, *, limit: int = _STATUS_PAGE, cursor: str | None = None) -> StatusReply:
+        """One page of `status`; pass the reply's ``cursor`` to get the next."""
+        return self._call(Status(id=next(self._ids), limit=limit, cursor=cursor), StatusReply)
+
+    def ping(self) -> float:
+        started = time.perf_counter()
+        self._call(Ping(id=next(self._ids)), Pong)
+        return time.perf_counter() - started
+
+    def _unavailable(self, exc: DaemonUnavailable) -> None:
+        if self.on_unavailable == "raise":
+            raise exc
+        log.warning("running unprotected: %s", exc)
+
+    def _call(self, request: Request, expected: type[_R]) -> _R:
+        with self._lock:
+            if self._sock is not None and self._owner_pid != os.getpid():
+                self._disconnect()
+            reused = self._sock is not None
+            if not reused:
+                self._connect()
+            try:
+                return self._round_trip(request, expected)
+            except _ConnectionLost as exc:
+                self._disconnect()
+                if not reused:
+                    raise self._error(f"the connection closed ({exc})") from None
+            # The connection was older than this request: the daemon may have
+            # restarted. Every request is idempotent, so send it once more.
+            self._connect()
+            try:
+                return self._round_trip(request, expected)
+            except _ConnectionLost as exc:
+                self._disconnect()
+                raise self._error(f"the connection closed ({exc})") from None
+
+    def _round_trip(self, request: Request, expected: type[_R]) -> _R:
+        reply = self._exchange(request)
+        if reply.id != request.id and not (isinstance(reply, Error) and reply.id is None):
+            self._disconnect()
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"reply id {reply.id} does not match request {request.id}"
+            )
+        if isinstance(reply, Error):
+            raise RequestRefused(reply.code, reply.message)
+        if not isinstance(reply, expected):
+            self._disconnect()
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"expected a {expected.__name__} reply, got {type(reply).__name__}",
+            )
+        return reply
+
+    def _exchange(self, request: Request) -> ReplyMessage:
+        sock = self._sock
+        assert sock is not None
+        out = self._out
+        out.clear()
+        encode_frame_into(request, out)
+        try:
+            sock.sendall(out)
+            while True:
+                data = sock.recv(_RECV_SIZE)
+                if not data:
+                    raise _ConnectionLost("the daemon closed it")
+                frames = self._reader.feed(data)
+                if frames:
+                    # One request is in flight at a time, so one reply is due.
+                    return decode_reply(frames[0])
+        except BlockingIOError:
+            # SO_RCVTIMEO / SO_SNDTIMEO ran out.
+            self._disconnect()
+            raise self._error(f"no reply within {self.timeout:g} s") from None
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise _ConnectionLost(exc.strerror) from None
+        except ProtocolError:
+            self._disconnect()
+            raise
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # Kernel-side timeouts: settimeout() would add a poll() before every recv.
+        seconds = int(self.timeout)
+        timeval = struct.pack("ll", seconds, int((self.timeout - seconds) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        try:
+            sock.connect(self.socket_path)
+        except FileNotFoundError:
+            sock.close()
+            raise self._error("no socket there") from None
+        except ConnectionRefusedError:
+            sock.close()
+            raise self._error("nothing is listening on it") from None
+        except BlockingIOError:
+            sock.close()
+            raise self._error(f"its backlog stayed full for {self.timeout:g} s") from None
+        except OSError as exc:
+            sock.close()
+            raise self._error(exc.strerror or str(exc)) from None
+        self._sock = sock
+        self._owner_pid = os.getpid()
+        self._reader = FrameReader(self._max_reply)
+        hello = Hello(id=next(self._ids), version=PROTOCOL_VERSION, client=f"python/{_version}")
+        try:
+            reply = self._exchange(hello)
+        except _ConnectionLost as exc:
+            self._disconnect()
+            raise self._error(f"the connection closed during the handshake ({exc})") from None
+        if isinstance(reply, Error):
+            self._disconnect()
+            raise RequestRefused(reply.code, reply.message)
+        if not isinstance(reply, Welcome):
+            self._disconnect()
+            raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _error(self, reason: str) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"watchdogd is not reachable at {self.socket_path}: {reason}. "
+            "Start it with `watchdogd` (or `systemctl start watchdogd.socket`), "
+            "or point WATCHDOGD_SOCKET at the socket it listens on.",
+            self.socket_path,
+        )
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's connection belongs to the parent: drop our copy of the fd
+        # (closing a copy sends nothing on the socket). A lock another thread held
+        # at fork time would stay held forever in the child.
+        self._lock = threading.Lock()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+_live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _reset_clients_in_child() -> None:
+    for client in list(_live_clients):
+        client._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_clients_in_child)

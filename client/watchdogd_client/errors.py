@@ -1,0 +1,50 @@
+"""Exceptions raised by the watchdogd client; all derive from `WatchdogdError`."""
+
+from __future__ import annotations
+
+
+class WatchdogdError(Exception):
+    """Base class of every exception raised by `watchdogd_client`."""
+
+
+class DaemonUnavailable(WatchdogdError):
+    """Raised when the daemon cannot be reached or stops answering.
+
+    The message names the socket that was tried and says how to start the daemon.
+    """
+
+    def __init__(self, message: str, socket_path: str) -> None:
+        super().__init__(message)
+        self.socket_path = socket_path
+
+
+class RequestRefused(WatchdogdError):
+    """Raised when the daemon answers a request with an error reply.
+
+    `code` is machine-readable (one of `protocol.ErrorCode`, or a code added by a newer
+    daemon); the message is the daemon's own explanation.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} [{code}]")
+        self.code = code
+        self.message = message
+
+
+class ProtocolError(WatchdogdError):
+    """Raised when bytes on the wire do not follow the watchdogd protocol.
+
+    The daemon turns it into an error reply carrying `code`; the client raises it when
+    the daemon's reply cannot be understood. `request_id` is the id of the offending
+    request when it could still be read.
+    """
+
+    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class FrameTooLarge(ProtocolError):
+    """Raised by `FrameReader` when a frame declares a length over the reader's bound."""

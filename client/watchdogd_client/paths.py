@@ -1,0 +1,53 @@
+"""Where the daemon's socket is.
+
+The daemon listens on, in order: its ``--socket`` option, ``$WATCHDOGD_SOCKET``, the
+``socket`` key of its config file, else the default for its uid: `SYSTEM_SOCKET` for
+root, ``$XDG_RUNTIME_DIR/watchdogd.sock`` for another user, or, without
+XDG_RUNTIME_DIR, ``/tmp/watchdogd-<uid>/watchdogd.sock`` (a directory only that user
+may enter).
+
+A client uses its explicit path, else ``$WATCHDOGD_SOCKET``, else the per-user default
+when a socket exists there (a user running a daemon of their own), else `SYSTEM_SOCKET`:
+a worker running as an unprivileged user finds the host's daemon without configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Final
+
+ENV_SOCKET: Final = "WATCHDOGD_SOCKET"
+SYSTEM_SOCKET: Final = "/run/watchdogd/watchdogd.sock"
+SOCKET_NAME: Final = "watchdogd.sock"
+
+
+def user_socket_path(uid: int | None = None) -> str:
+    """The default socket of a daemon run by ``uid`` (the current user by default)."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return SYSTEM_SOCKET
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        return os.path.join(runtime_dir, SOCKET_NAME)
+    return os.path.join(f"/tmp/watchdogd-{uid}", SOCKET_NAME)
+
+
+def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The socket a client connects to (see the module docstring for the order)."""
+    if explicit is not None:
+        return os.fspath(explicit)
+    from_env = os.environ.get(ENV_SOCKET)
+    if from_env:
+        return from_env
+    own = user_socket_path()
+    if own != SYSTEM_SOCKET and _is_socket(own):
+        return own
+    return SYSTEM_SOCKET
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,352 @@
+"""The watchdogd wire protocol: message types and framing, with no I/O.
+
+A connection is a byte stream of frames. Each frame is a 4-byte big-endian unsigned
+length followed by one msgpack message of exactly that length. Messages are tagged,
+frozen msgspec Structs; the tag travels in the ``type`` key.
+
+Invariants the daemon and the client both rely on:
+
+- The first request on a connection is `Hello`; the daemon answers `Welcome` or an
+  `Error` and closes the connection when the major version is not one it speaks.
+- Every request carries an ``id`` that its reply echoes, so a client may pipeline.
+  An `Error` whose ``id`` is None answers something whose id could not be read.
+- A frame that declares more bytes than the receiver's bound is refused before any
+  buffer of that size exists (`FrameReader` raises `FrameTooLarge`).
+- Time on the wire is always relative seconds (``timeout``, ``remaining``); absolute
+  deadlines never leave the daemon.
+- New fields are added only with defaults, and unknown fields are ignored, so an older
+  peer can read a newer peer's messages (msgspec's schema-evolution rules).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .errors import FrameTooLarge, ProtocolError
+
+__all__ = [
+    "MAX_REPLY_FRAME",
+    "MAX_REQUEST_FRAME",
+    "PROTOCOL_VERSION",
+    "Acquire",
+    "Acquired",
+    "DaemonInfo",
+    "Error",
+    "ErrorCode",
+    "FrameReader",
+    "Hello",
+    "Ping",
+    "Pong",
+    "Release",
+    "Released",
+    "Reply",
+    "Request",
+    "Status",
+    "StatusReply",
+    "TimerInfo",
+    "Welcome",
+    "decode_reply",
+    "decode_request",
+    "encode_frame",
+    "encode_frame_into",
+]
+
+#: Major protocol version. A peer with another major version is refused at handshake.
+PROTOCOL_VERSION: Final = 1
+#: Default bound on a frame the daemon accepts (requests are small).
+MAX_REQUEST_FRAME: Final = 64 * 1024
+#: Default bound on a frame the client accepts (status pages can be large).
+MAX_REPLY_FRAME: Final = 16 * 1024 * 1024
+
+_HEADER: Final = struct.Struct(">I")
+HEADER_SIZE: Final = _HEADER.size
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Negative pids and 0 mean process groups to kill(2); they are never a valid target.
+Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+#: The byte-length bound on a scope is the daemon's (configurable) limit.
+Scope = Annotated[str, Meta(min_length=1)]
+#: NaN, zero and negative values fail here; infinity and the configured maximum are
+#: refused by the daemon with a message that states its limit.
+Timeout = Annotated[float, Meta(gt=0)]
+PolicyName = Annotated[str, Meta(min_length=1, max_length=128)]
+PageSize = Annotated[int, Meta(ge=1, le=10_000)]
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable codes carried by `Error` replies."""
+
+    #: Raised when the first frame on a connection is not `Hello`.
+    HANDSHAKE_REQUIRED = "handshake_required"
+    #: The client speaks a major protocol version the daemon does not.
+    UNSUPPORTED_VERSION = "unsupported_version"
+    #: A frame declared a length over the receiver's bound; the connection is closed.
+    FRAME_TOO_LARGE = "frame_too_large"
+    #: The frame is not a msgpack message.
+    MALFORMED = "malformed"
+    #: The ``type`` names no request this daemon knows.
+    UNKNOWN_OP = "unknown_op"
+    #: The message decodes but a field is missing, of the wrong type or out of range.
+    INVALID_REQUEST = "invalid_request"
+    #: The named policy is not configured.
+    UNKNOWN_POLICY = "unknown_policy"
+    #: The caller could not kill(2) the target process, or the target is protected.
+    PERMISSION_DENIED = "permission_denied"
+    #: The target pid does not exist.
+    NO_SUCH_PROCESS = "no_such_process"
+    #: A per-uid or global bound on timers or connections was reached.
+    LIMIT_EXCEEDED = "limit_exceeded"
+    #: The daemon failed while handling a valid request (a bug; it is logged).
+    INTERNAL = "internal"
+
+
+class Request(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """Base of every client-to-daemon message."""
+
+    id: RequestId
+
+
+class Hello(Request, tag="hello", frozen=True, kw_only=True):
+    """First request on a connection: the client's protocol version."""
+
+    version: int
+    client: str = ""
+
+
+class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
+    """Arm, or re-arm, the timer ``(pid, scope)`` to expire ``timeout`` seconds from now.
+
+    ``pid`` defaults to the caller (as the kernel reports it). ``policy`` defaults to
+    the daemon's default policy. Re-arming replaces the timeout and the policy.
+    """
+
+    scope: Scope
+    timeout: Timeout
+    policy: PolicyName | None = None
+    pid: Pid | None = None
+
+
+class Release(Request, tag="release", frozen=True, kw_only=True):
+    """Disarm the timer ``(pid, scope)``; releasing an absent timer succeeds."""
+
+    scope: Scope
+    pid: Pid | None = None
+
+
+class Status(Request, tag="status", frozen=True, kw_only=True):
+    """One page of the armed timers, soonest first, with a summary of the daemon.
+
+    Pass the reply's ``cursor`` to get the next page.
+    """
+
+    limit: PageSize = 1000
+    cursor: str | None = None
+
+
+class Ping(Request, tag="ping", frozen=True, kw_only=True):
+    """Liveness check."""
+
+
+class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """Base of every daemon-to-client message; ``id`` echoes the request's."""
+
+    id: RequestId
+
+
+class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
+    """Answer to `Hello`: the daemon's protocol version, release and pid."""
+
+    version: int
+    server: str
+    pid: int
+
+
+class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
+    """Answer to `Acquire`: seconds left on the timer, and whether it replaced one."""
+
+    remaining: float
+    rearmed: bool
+
+
+class Released(Reply, tag="released", frozen=True, kw_only=True):
+    """Answer to `Release`: whether a timer was armed under that key."""
+
+    found: bool
+
+
+class DaemonInfo(Struct, frozen=True, kw_only=True):
+    """A summary of the daemon, sent with every status page."""
+
+    version: str
+    pid: int
+    uptime: float
+    timers: int
+    processes: int
+    connections: int
+    requests: int
+    expired: int
+    exited: int
+
+
+class TimerInfo(Struct, frozen=True, kw_only=True):
+    """One armed timer as a status page shows it."""
+
+    pid: int
+    scope: str
+    remaining: float
+    policy: str
+    uid: int
+    command: str
+
+
+class StatusReply(Reply, tag="status", frozen=True, kw_only=True):
+    """Answer to `Status`. ``cursor`` is None on the last page."""
+
+    daemon: DaemonInfo
+    timers: list[TimerInfo]
+    cursor: str | None = None
+
+
+class Pong(Reply, tag="pong", frozen=True, kw_only=True):
+    """Answer to `Ping`."""
+
+
+class Error(Reply, tag="error", frozen=True, kw_only=True):
+    """A refused request. ``id`` is None when the request's id could not be read."""
+
+    id: RequestId | None = None  # type: ignore[assignment]  # widened on purpose
+    code: str
+    message: str
+
+
+RequestMessage = Hello | Acquire | Release | Status | Ping
+ReplyMessage = Welcome | Acquired | Released | StatusReply | Pong | Error
+
+_REQUEST_TAGS: Final = tuple(sorted(str(t.__struct_config__.tag) for t in RequestMessage.__args__))
+
+
+class _Envelope(Struct):
+    """The two fields an error reply needs from a request that failed validation."""
+
+    id: RequestId | None = None
+    type: str | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(RequestMessage)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode_frame(message: Request | Reply) -> bytes:
+    """Return one complete frame carrying ``message``."""
+    out = bytearray()
+    encode_frame_into(message, out)
+    return bytes(out)
+
+
+def encode_frame_into(message: Request | Reply, out: bytearray) -> None:
+    """Append one complete frame carrying ``message`` to ``out``.
+
+    Several replies appended to one buffer go out in one send.
+    """
+    start = len(out)
+    out += b"\0\0\0\0"
+    _encoder.encode_into(message, out, start + HEADER_SIZE)
+    _HEADER.pack_into(out, start, len(out) - start - HEADER_SIZE)
+
+
+def decode_request(frame: bytes) -> RequestMessage:
+    """Decode and validate one request frame body.
+
+    Raises `ProtocolError` with the code to answer with and, when it could be read,
+    the request's id.
+    """
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise _invalid_request(frame, exc) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"not a msgpack message: {exc}") from None
+
+
+def _invalid_request(frame: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+    try:
+        envelope = _envelope_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        envelope = _Envelope()
+    if envelope.type is not None and envelope.type not in _REQUEST_TAGS:
+        known = ", ".join(_REQUEST_TAGS)
+        return ProtocolError(
+            ErrorCode.UNKNOWN_OP,
+            f"unknown request type {envelope.type!r}; known: {known}",
+            envelope.id,
+        )
+    return ProtocolError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", envelope.id)
+
+
+def decode_reply(frame: bytes) -> ReplyMessage:
+    """Decode one reply frame body; raises `ProtocolError` if it is not a valid reply."""
+    try:
+        return _reply_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unreadable reply from daemon: {exc}") from None
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies.
+
+    Bytes are buffered only up to the end of the current frame; a header that declares
+    more than ``max_frame`` bytes raises `FrameTooLarge` before anything is allocated
+    for it. After `FrameTooLarge` the stream is out of sync and must be closed.
+    """
+
+    __slots__ = ("_buffer", "_max_frame")
+
+    def __init__(self, max_frame: int) -> None:
+        self._max_frame = max_frame
+        self._buffer = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received of a frame not yet complete (0 between frames)."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add received bytes; return every frame body they complete, in order."""
+        if not self._buffer:
+            # Fast path: most reads hold exactly one whole request.
+            if len(data) >= HEADER_SIZE:
+                (length,) = _HEADER.unpack_from(data)
+                self._check(length)
+                if len(data) == HEADER_SIZE + length:
+                    return [data[HEADER_SIZE:]]
+            buffer = self._buffer = bytearray(data)
+        else:
+            buffer = self._buffer
+            buffer += data
+        frames: list[bytes] = []
+        start = 0
+        end = len(buffer)
+        while end - start >= HEADER_SIZE:
+            (length,) = _HEADER.unpack_from(buffer, start)
+            self._check(length)
+            stop = start + HEADER_SIZE + length
+            if stop > end:
+                break
+            frames.append(bytes(buffer[start + HEADER_SIZE : stop]))
+            start = stop
+        del buffer[:start]
+        return frames
+
+    def _check(self, length: int) -> None:
+        if length > self._max_frame:
+            raise FrameTooLarge(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"frame declares {length} bytes; the limit is {self._max_frame}",
+            )

@@ -1,0 +1,39 @@
+"""Where daemon and client look for the socket."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from watchdogd_client.paths import SYSTEM_SOCKET, client_socket_path, user_socket_path
+
+
+def test_root_uses_the_system_socket() -> None:
+    assert user_socket_path(0) == SYSTEM_SOCKET == "/run/watchdogd/watchdogd.sock"
+
+
+def test_other_users_use_their_runtime_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert user_socket_path(1000) == "/run/user/1000/watchdogd.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert user_socket_path(1000) == "/tmp/watchdogd-1000/watchdogd.sock"
+
+
+def test_client_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WATCHDOGD_SOCKET", "/from/env.sock")
+    assert client_socket_path("/explicit.sock") == "/explicit.sock"
+    assert client_socket_path(tmp_path / "p.sock") == str(tmp_path / "p.sock")
+    assert client_socket_path() == "/from/env.sock"
+    monkeypatch.delenv("WATCHDOGD_SOCKET")
+    monkeypatch.setattr("os.getuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # No daemon of the user's own: the host's daemon.
+    assert client_socket_path() == SYSTEM_SOCKET
+    own = socket.socket(socket.AF_UNIX)
+    own.bind(str(tmp_path / "watchdogd.sock"))
+    try:
+        assert client_socket_path() == str(tmp_path / "watchdogd.sock")
+    finally:
+        own.close()

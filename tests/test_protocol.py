@@ -1,0 +1,298 @@
+"""The wire protocol: golden bytes for every message, framing, validation."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import msgspec
+import pytest
+
+from watchdogd_client.errors import FrameTooLarge, ProtocolError
+from watchdogd_client.protocol import (
+    MAX_REQUEST_FRAME,
+    Acquire,
+    Acquired,
+    DaemonInfo,
+    Error,
+    ErrorCode,
+    FrameReader,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    Reply,
+    Request,
+    Status,
+    StatusReply,
+    TimerInfo,
+    Welcome,
+    decode_reply,
+    decode_request,
+    encode_frame,
+)
+
+INFO = DaemonInfo(
+    version="0.1.0",
+    pid=99,
+    uptime=1.0,
+    timers=1,
+    processes=1,
+    connections=1,
+    requests=5,
+    expired=0,
+    exited=0,
+)
+TIMER = TimerInfo(pid=4242, scope="step", remaining=1.5, policy="kill", uid=0, command="python")
+
+GOLDEN = [
+    pytest.param(
+        Hello(id=1, version=1, client="python/0.1.0"),
+        (
+            "0000002d84a474797065a568656c6c6fa2696401a776657273696f6e01a6636c"
+            "69656e74ac707974686f6e2f302e312e30"
+        ),
+        id="Hello-0",
+    ),
+    pytest.param(
+        Acquire(id=2, scope="train.py:10", timeout=30.0),
+        (
+            "0000003584a474797065a761637175697265a2696402a573636f7065ab747261"
+            "696e2e70793a3130a774696d656f7574cb403e000000000000"
+        ),
+        id="Acquire-1",
+    ),
+    pytest.param(
+        Acquire(id=3, scope="step", timeout=1.5, policy="term", pid=4242),
+        (
+            "0000004186a474797065a761637175697265a2696403a573636f7065a4737465"
+            "70a774696d656f7574cb3ff8000000000000a6706f6c696379a47465726da370"
+            "6964cd1092"
+        ),
+        id="Acquire-2",
+    ),
+    pytest.param(
+        Release(id=4, scope="step"),
+        ("0000001d83a474797065a772656c65617365a2696404a573636f7065a473746570"),
+        id="Release-3",
+    ),
+    pytest.param(
+        Release(id=5, scope="step", pid=4242),
+        ("0000002484a474797065a772656c65617365a2696405a573636f7065a473746570a3706964cd1092"),
+        id="Release-4",
+    ),
+    pytest.param(
+        Status(id=6),
+        ("0000001182a474797065a6737461747573a2696406"),
+        id="Status-5",
+    ),
+    pytest.param(
+        Status(id=7, limit=10, cursor="12.5/3"),
+        ("0000002684a474797065a6737461747573a2696407a56c696d69740aa6637572736f72a631322e352f33"),
+        id="Status-6",
+    ),
+    pytest.param(
+        Ping(id=8),
+        ("0000000f82a474797065a470696e67a2696408"),
+        id="Ping-7",
+    ),
+    pytest.param(
+        Welcome(id=1, version=1, server="watchdogd/0.1.0", pid=99),
+        (
+            "0000003785a474797065a777656c636f6d65a2696401a776657273696f6e01a6"
+            "736572766572af7761746368646f67642f302e312e30a370696463"
+        ),
+        id="Welcome-8",
+    ),
+    pytest.param(
+        Acquired(id=2, remaining=30.0, rearmed=False),
+        (
+            "0000002f84a474797065a86163717569726564a2696402a972656d61696e696e"
+            "67cb403e000000000000a7726561726d6564c2"
+        ),
+        id="Acquired-9",
+    ),
+    pytest.param(
+        Released(id=4, found=True),
+        ("0000001a83a474797065a872656c6561736564a2696404a5666f756e64c3"),
+        id="Released-10",
+    ),
+    pytest.param(
+        StatusReply(id=6, daemon=INFO, timers=[TIMER]),
+        (
+            "000000c584a474797065a6737461747573a2696406a66461656d6f6e89a77665"
+            "7273696f6ea5302e312e30a370696463a6757074696d65cb3ff0000000000000"
+            "a674696d65727301a970726f63657373657301ab636f6e6e656374696f6e7301"
+            "a8726571756573747305a76578706972656400a665786974656400a674696d65"
+            "72739186a3706964cd1092a573636f7065a473746570a972656d61696e696e67"
+            "cb3ff8000000000000a6706f6c696379a46b696c6ca375696400a7636f6d6d61"
+            "6e64a6707974686f6e"
+        ),
+        id="StatusReply-11",
+    ),
+    pytest.param(
+        Pong(id=8),
+        ("0000000f82a474797065a4706f6e67a2696408"),
+        id="Pong-12",
+    ),
+    pytest.param(
+        Error(id=9, code="unknown_policy", message="no policy 'x'"),
+        (
+            "0000003a84a474797065a56572726f72a2696409a4636f6465ae756e6b6e6f77"
+            "6e5f706f6c696379a76d657373616765ad6e6f20706f6c69637920277827"
+        ),
+        id="Error-13",
+    ),
+    pytest.param(
+        Error(code="frame_too_large", message="too big"),
+        (
+            "0000003183a474797065a56572726f72a4636f6465af6672616d655f746f6f5f"
+            "6c61726765a76d657373616765a7746f6f20626967"
+        ),
+        id="Error-14",
+    ),
+]
+
+
+@pytest.mark.parametrize(("message", "golden"), GOLDEN)
+def test_encoding_is_pinned(message: Request | Reply, golden: str) -> None:
+    assert encode_frame(message).hex() == golden
+
+
+@pytest.mark.parametrize(("message", "golden"), GOLDEN)
+def test_golden_bytes_decode_to_the_message(message: Request | Reply, golden: str) -> None:
+    body = bytes.fromhex(golden)[4:]
+    decoded = decode_request(body) if isinstance(message, Request) else decode_reply(body)
+    assert decoded == message
+
+
+def test_every_message_type_has_golden_bytes() -> None:
+    pinned = {type(message) for message, _ in (param.values for param in GOLDEN)}
+    assert pinned == {
+        Hello, Acquire, Release, Status, Ping,
+        Welcome, Acquired, Released, StatusReply, Pong, Error,
+    }  # fmt: skip
+
+
+def test_frame_header_is_big_endian_length_of_body() -> None:
+    frame = encode_frame(Ping(id=1))
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert msgspec.msgpack.decode(frame[4:]) == {"type": "ping", "id": 1}
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    body = msgspec.msgpack.encode({"type": "ping", "id": 3, "added_later": [1, 2]})
+    assert decode_request(body) == Ping(id=3)
+
+
+class TestValidation:
+    def _error(self, fields: dict[str, object]) -> ProtocolError:
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(msgspec.msgpack.encode(fields))
+        return caught.value
+
+    def test_unknown_op_names_the_known_ones(self) -> None:
+        error = self._error({"type": "explode", "id": 7})
+        assert error.code == ErrorCode.UNKNOWN_OP
+        assert error.request_id == 7
+        assert "'explode'" in error.message
+        assert "acquire" in error.message
+
+    def test_missing_type(self) -> None:
+        error = self._error({"id": 7})
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert error.request_id == 7
+
+    def test_wrong_type_keeps_the_id(self) -> None:
+        error = self._error({"type": "acquire", "id": 8, "scope": "s", "timeout": "soon"})
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert error.request_id == 8
+        assert "timeout" in error.message
+
+    @pytest.mark.parametrize("timeout", [math.nan, -1.0, 0.0, -math.inf])
+    def test_bad_timeouts_are_invalid(self, timeout: float) -> None:
+        error = self._error({"type": "acquire", "id": 9, "scope": "s", "timeout": timeout})
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert error.request_id == 9
+
+    def test_empty_scope_is_invalid(self) -> None:
+        error = self._error({"type": "release", "id": 10, "scope": ""})
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert "scope" in error.message
+
+    @pytest.mark.parametrize("pid", [0, -1, 2**31])
+    def test_pids_that_mean_groups_or_nothing_are_invalid(self, pid: int) -> None:
+        error = self._error({"type": "acquire", "id": 11, "scope": "s", "timeout": 1, "pid": pid})
+        assert error.code == ErrorCode.INVALID_REQUEST
+
+    def test_unreadable_id_is_none(self) -> None:
+        error = self._error({"type": "acquire", "id": "eleven", "scope": "s", "timeout": 1})
+        assert error.request_id is None
+
+    @pytest.mark.parametrize(
+        "body",
+        [b"", b"\xc1", b"\x92", b"\x91" * 100_000 + b"\x00"],
+        ids=["empty", "reserved-byte", "truncated", "deeply-nested"],
+    )
+    def test_garbage_is_malformed_not_a_crash(self, body: bytes) -> None:
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(body)
+        assert caught.value.code in (ErrorCode.MALFORMED, ErrorCode.INVALID_REQUEST)
+
+    def test_not_a_map(self) -> None:
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(msgspec.msgpack.encode([1, 2, 3]))
+        assert caught.value.code == ErrorCode.INVALID_REQUEST
+
+    def test_infinite_timeout_passes_the_schema_for_the_daemon_to_bound(self) -> None:
+        # The maximum is configurable, so the daemon refuses it with its own limit.
+        request = decode_request(
+            msgspec.msgpack.encode({"type": "acquire", "id": 1, "scope": "s", "timeout": math.inf})
+        )
+        assert isinstance(request, Acquire)
+
+    def test_an_unreadable_reply_is_a_protocol_error(self) -> None:
+        with pytest.raises(ProtocolError):
+            decode_reply(msgspec.msgpack.encode({"type": "welcome", "id": 1}))
+
+
+class TestFrameReader:
+    def test_one_whole_frame(self) -> None:
+        frame = encode_frame(Ping(id=1))
+        assert FrameReader(MAX_REQUEST_FRAME).feed(frame) == [frame[4:]]
+
+    def test_frames_split_anywhere_come_out_whole_and_in_order(self) -> None:
+        stream = b"".join(encode_frame(Ping(id=i)) for i in range(20))
+        for chunk_size in (1, 2, 3, 5, 7, 64):
+            reader = FrameReader(MAX_REQUEST_FRAME)
+            frames = []
+            for start in range(0, len(stream), chunk_size):
+                frames += reader.feed(stream[start : start + chunk_size])
+            assert [decode_request(frame) for frame in frames] == [Ping(id=i) for i in range(20)]
+            assert reader.buffered == 0
+
+    def test_buffered_counts_a_partial_frame(self) -> None:
+        reader = FrameReader(MAX_REQUEST_FRAME)
+        frame = encode_frame(Ping(id=1))
+        assert reader.feed(frame[:5]) == []
+        assert reader.buffered == 5
+
+    def test_declared_length_over_the_limit_is_refused_from_the_header_alone(self) -> None:
+        reader = FrameReader(1024)
+        with pytest.raises(FrameTooLarge) as caught:
+            reader.feed(struct.pack(">I", 1025))
+        assert caught.value.code == ErrorCode.FRAME_TOO_LARGE
+        assert "1025" in caught.value.message
+        assert reader.buffered == 0  # nothing of the announced size was kept
+
+    def test_huge_declared_length_after_a_good_frame(self) -> None:
+        reader = FrameReader(1024)
+        good = encode_frame(Ping(id=1))
+        with pytest.raises(FrameTooLarge):
+            reader.feed(good + struct.pack(">I", 2**32 - 1))
+
+    def test_frame_at_the_limit_is_accepted(self) -> None:
+        reader = FrameReader(16)
+        assert reader.feed(struct.pack(">I", 16) + b"x" * 16) == [b"x" * 16]
