@@ -1,0 +1,108 @@
+"""Fakes for the service's process port, and a service built on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from watchdogd.config import DaemonConfig
+from watchdogd.errors import Refusal
+from watchdogd.process import Peer
+from watchdogd.service import Caller, Service
+from watchdogd_client.protocol import ErrorCode
+
+DAEMON_PID = 50
+ROOT = Peer(pid=100, uid=0, gid=0)
+ALICE = Peer(pid=200, uid=1000, gid=1000)
+BOB = Peer(pid=300, uid=2000, gid=2000)
+
+
+@dataclass(eq=False)
+class FakeProcess:
+    pid: int
+    uid: int
+    saved_uid: int
+    refs: int = 1
+    exited: bool = False
+
+    def retain(self) -> FakeProcess:
+        self.refs += 1
+        return self
+
+    def close(self) -> None:
+        assert self.refs > 0, "closed more often than retained"
+        self.refs -= 1
+
+
+@dataclass
+class FakeHost:
+    """pid -> (real uid, saved uid); pids in ``dead`` are gone."""
+
+    processes: dict[int, tuple[int, int]]
+    dead: set[int] = field(default_factory=set)
+    tracked: set[int] = field(default_factory=set)
+    opened: list[FakeProcess] = field(default_factory=list)
+
+    def open(self, pid: int, peer: Peer) -> FakeProcess:
+        if pid not in self.processes or pid in self.dead:
+            raise Refusal(ErrorCode.NO_SUCH_PROCESS, f"no process with pid {pid}")
+        uid, saved = self.processes[pid]
+        process = FakeProcess(pid, uid, saved)
+        self.opened.append(process)
+        return process
+
+    def alive(self, process: FakeProcess) -> bool:
+        return not process.exited and process.pid not in self.dead
+
+    def command(self, process: FakeProcess) -> str:
+        return f"cmd-{process.pid}"
+
+    def track(self, process: FakeProcess) -> None:
+        assert process.pid not in self.tracked
+        self.tracked.add(process.pid)
+
+    def untrack(self, process: FakeProcess) -> None:
+        self.tracked.remove(process.pid)
+        process.close()
+
+
+def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list[float]]:
+    host = FakeHost(
+        {
+            100: (0, 0),
+            200: (1000, 1000),
+            201: (1000, 1000),
+            202: (3000, 1000),  # setuid: saved uid is alice's
+            300: (2000, 2000),
+            DAEMON_PID: (0, 0),
+            1: (0, 0),
+        }
+    )
+    notified: list[float] = []
+    service = Service(
+        DaemonConfig(**limits),  # type: ignore[arg-type]
+        host,
+        policies={"kill", "term"},
+        default_policy="kill",
+        daemon_pid=DAEMON_PID,
+        now=0.0,
+        on_deadline=notified.append,
+    )
+    return service, host, notified
+
+
+@dataclass
+class World:
+    """A service on a fake host, with one open connection each for alice, bob and root."""
+
+    service: Service[FakeProcess]
+    host: FakeHost
+    notified: list[float]
+    alice: Caller[FakeProcess]
+    bob: Caller[FakeProcess]
+    root: Caller[FakeProcess]
+
+
+def make_world(**limits: object) -> World:
+    service, host, notified = make_service(**limits)
+    alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
+    return World(service, host, notified, alice, bob, root)

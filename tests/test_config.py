@@ -1,0 +1,75 @@
+"""Config files: defaults, bounds, and errors that name the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from watchdogd.cli import daemon_socket_path
+from watchdogd.config import Config, load_config, parse_config
+from watchdogd.errors import ConfigError
+
+
+def test_no_file_means_every_default() -> None:
+    config = parse_config(b"", "empty.toml")
+    assert config == Config()
+    assert config.daemon.max_frame_bytes == 64 * 1024
+    assert config.daemon.max_scope_bytes == 256
+    assert config.daemon.max_timeout == 30 * 86400
+    assert config.daemon.socket_mode == 0o666
+
+
+def test_a_full_daemon_table(tmp_path: Path) -> None:
+    path = tmp_path / "watchdogd.toml"
+    path.write_text(
+        """
+        [daemon]
+        socket = "/run/custom.sock"
+        socket_mode = 0o660
+        log_level = "debug"
+        max_timers_per_uid = 50
+        max_timeout = 3600
+        """
+    )
+    daemon = load_config(str(path)).daemon
+    assert (daemon.socket, daemon.socket_mode, daemon.log_level) == (
+        "/run/custom.sock",
+        0o660,
+        "debug",
+    )
+    assert (daemon.max_timers_per_uid, daemon.max_timeout) == (50, 3600.0)
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ("[daemon]\nmax_timerz = 5\n", "unknown field `max_timerz`"),
+        ("[daemon]\nmax_timers = 0\n", "daemon.max_timers: Expected `int` >= 1"),
+        ('[daemon]\nlog_level = "loud"\n', "daemon.log_level"),
+        ("[deamon]\n", "unknown field `deamon`"),
+        ("[daemon\n", "not valid TOML"),
+        ("[daemon]\nsocket_mode = 0o1777\n", "daemon.socket_mode"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(document, "/etc/watchdogd.toml")
+    message = str(caught.value)
+    assert message.startswith("/etc/watchdogd.toml: ")
+    assert expected in message
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(str(tmp_path / "missing.toml"))
+
+
+def test_socket_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    from_file = parse_config('[daemon]\nsocket = "/from/file.sock"\n', "x")
+    monkeypatch.setenv("WATCHDOGD_SOCKET", "/from/env.sock")
+    assert daemon_socket_path("/from/option.sock", from_file) == "/from/option.sock"
+    assert daemon_socket_path(None, from_file) == "/from/env.sock"
+    monkeypatch.delenv("WATCHDOGD_SOCKET")
+    assert daemon_socket_path(None, from_file) == "/from/file.sock"
+    assert daemon_socket_path(None, Config()).endswith("watchdogd.sock")

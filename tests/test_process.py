@@ -1,0 +1,95 @@
+"""pidfds, peer credentials and /proc, on real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+
+from watchdogd.errors import Refusal
+from watchdogd.process import open_process, peer_of, read_start_time, read_uids
+from watchdogd_client.protocol import ErrorCode
+
+from conftest import reap, sleeper
+
+
+def test_open_reads_identity_and_signals_exactly_that_process() -> None:
+    child = sleeper()
+    try:
+        process = open_process(child.pid)
+        assert (process.uid, process.saved_uid) == (os.getuid(), os.getuid())
+        assert process.start_time == read_start_time(child.pid)
+        assert process.command() == "sleep 300"
+        assert process.alive()
+        process.send_signal(signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+        process.close()
+    finally:
+        reap(child)
+
+
+def test_a_reaped_process_is_never_signalled_again() -> None:
+    child = sleeper()
+    process = open_process(child.pid)
+    reap(child)
+    assert not process.alive()
+    # Whatever process may hold the pid now, the pidfd refers to the old one.
+    with pytest.raises(ProcessLookupError):
+        process.send_signal(signal.SIGKILL)
+    process.close()
+
+
+def test_a_zombie_still_holds_its_pid() -> None:
+    child = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    process = open_process(child.pid)
+    assert process.alive()
+    assert process.command() == "[true]"
+    process.close()
+    child.wait()
+
+
+def test_missing_pid_is_refused() -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    with pytest.raises(Refusal) as caught:
+        open_process(child.pid)
+    assert caught.value.code == ErrorCode.NO_SUCH_PROCESS
+
+
+def test_references_close_the_pidfd_with_the_last() -> None:
+    process = open_process(os.getpid())
+    fd = process.fd
+    process.retain()
+    process.close()
+    os.fstat(fd)  # still open
+    process.close()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)
+
+
+def test_peer_credentials_come_from_the_kernel() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        peer = peer_of(left)
+        assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.getuid(), os.getgid())
+        if peer.pidfd is not None:  # Linux >= 6.5
+            process = open_process(peer.pid, peer)
+            assert process.fd != peer.pidfd
+            assert process.alive()
+            process.close()
+            os.close(peer.pidfd)
+
+
+def test_start_time_parses_names_with_spaces_and_parentheses(tmp_path: os.PathLike[str]) -> None:
+    odd = os.path.join(tmp_path, "a) b (c")
+    os.symlink("/bin/sleep", odd)
+    child = subprocess.Popen([odd, "300"])
+    try:
+        assert read_start_time(child.pid) > 0
+        assert read_uids(child.pid) == (os.getuid(), os.getuid())
+    finally:
+        reap(child)

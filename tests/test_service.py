@@ -1,0 +1,325 @@
+"""Request handling against a fake process port: targets, authorization, limits,
+status paging, exits. The clock is a number passed in."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from watchdogd.errors import Refusal
+from watchdogd.process import Peer
+from watchdogd.service import Caller, Service
+from watchdogd_client.protocol import (
+    Acquire,
+    Acquired,
+    ErrorCode,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    Status,
+    StatusReply,
+    Welcome,
+)
+
+from fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeProcess, make_service, make_world
+
+
+def refusal(
+    service: Service[FakeProcess], request: object, caller: Caller[FakeProcess], now: float = 1.0
+) -> Refusal:
+    with pytest.raises(Refusal) as caught:
+        service.handle(request, caller, now)  # type: ignore[arg-type]
+    return caught.value
+
+
+class TestAcquire:
+    def test_targets_the_caller_by_default(self) -> None:
+        w = make_world()
+        service = w.service
+        reply = service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
+        assert reply == Acquired(id=1, remaining=5, rearmed=False)
+        timer = service.table.get(ALICE.pid, "s")
+        assert timer is not None
+        assert (timer.deadline, timer.policy, timer.uid, timer.owner) == (6.0, "kill", 1000, 1000)
+        assert w.host.tracked == {ALICE.pid}
+        assert w.notified == [6.0]
+
+    def test_rearm_replaces_timeout_and_policy(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
+        reply = service.handle(Acquire(id=2, scope="s", timeout=9, policy="term"), w.alice, 2.0)
+        assert reply == Acquired(id=2, remaining=9, rearmed=True)
+        timer = service.table.get(ALICE.pid, "s")
+        assert timer is not None
+        assert (timer.deadline, timer.policy) == (11.0, "term")
+        assert len(service.table) == 1
+
+    def test_one_handle_per_process(self) -> None:
+        w = make_world()
+        service = w.service
+        for scope in "abc":
+            service.handle(Acquire(id=1, scope=scope, timeout=5), w.alice, 1.0)
+        assert len(w.host.opened) == 1
+
+    def test_unknown_policy_lists_the_known_ones(self) -> None:
+        w = make_world()
+        service = w.service
+        error = refusal(service, Acquire(id=1, scope="s", timeout=5, policy="nuke"), w.alice)
+        assert error.code == ErrorCode.UNKNOWN_POLICY
+        assert "kill, term" in error.message
+
+    def test_scope_bytes_are_bounded(self) -> None:
+        w = make_world(max_scope_bytes=8)
+        service = w.service
+        service.handle(Acquire(id=1, scope="é" * 4, timeout=5), w.alice, 1.0)  # 8 bytes
+        error = refusal(service, Acquire(id=2, scope="é" * 5, timeout=5), w.alice)
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert "10 bytes" in error.message
+
+    @pytest.mark.parametrize("timeout", [math.inf, 31 * 86400.0])
+    def test_timeout_is_bounded(self, timeout: float) -> None:
+        w = make_world()
+        service = w.service
+        error = refusal(service, Acquire(id=1, scope="s", timeout=timeout), w.alice)
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert "at most 2.592e+06 s" in error.message
+
+    def test_a_stale_handle_is_replaced_when_the_pid_was_reused(self) -> None:
+        w = make_world()
+        w.service.handle(Acquire(id=1, scope="old", timeout=5), w.alice, 1.0)
+        first = w.service.table.process(ALICE.pid)
+        assert first is not None
+        # The process exited and its pid went to a new process, which connects,
+        # before the exit was processed: it must not inherit the old timers.
+        first.exited = True
+        newcomer = w.service.open_connection(ALICE)
+        w.service.handle(Acquire(id=2, scope="new", timeout=5), newcomer, 2.0)
+        assert w.service.table.get(ALICE.pid, "old") is None
+        assert w.service.table.get(ALICE.pid, "new") is not None
+        assert w.service.table.process(ALICE.pid) is not first
+        w.service.close_connection(w.alice)
+        assert first.refs == 0
+
+
+class TestAuthorization:
+    @pytest.mark.parametrize(
+        ("peer", "target", "allowed"),
+        [
+            (ALICE, 201, True),  # same uid
+            (ALICE, 202, True),  # caller uid is the target's saved uid
+            (ALICE, 300, False),  # someone else's
+            (ALICE, 100, False),  # root's
+            (BOB, 200, False),
+            (ROOT, 200, True),
+            (ROOT, 300, True),
+        ],
+    )
+    def test_kill_rule(self, peer: Peer, target: int, allowed: bool) -> None:
+        w = make_world()
+        service = w.service
+        request = Acquire(id=1, scope="s", timeout=5, pid=target)
+        if allowed:
+            assert isinstance(service.handle(request, service.open_connection(peer), 1.0), Acquired)
+            assert service.table.get(target, "s") is not None
+        else:
+            error = refusal(service, request, service.open_connection(peer))
+            assert error.code == ErrorCode.PERMISSION_DENIED
+            assert f"pid {target}" in error.message
+            assert len(service.table) == 0
+            assert all(process.refs == 0 for process in w.host.opened)
+
+    @pytest.mark.parametrize("peer", [ROOT, ALICE])
+    @pytest.mark.parametrize("target", [1, DAEMON_PID])
+    def test_init_and_the_daemon_are_never_targets(self, peer: Peer, target: int) -> None:
+        w = make_world()
+        service = w.service
+        caller = service.open_connection(peer)
+        error = refusal(service, Acquire(id=1, scope="s", timeout=5, pid=target), caller)
+        assert error.code == ErrorCode.PERMISSION_DENIED
+
+    def test_missing_process(self) -> None:
+        w = make_world()
+        service = w.service
+        error = refusal(service, Acquire(id=1, scope="s", timeout=5, pid=4040), w.root)
+        assert error.code == ErrorCode.NO_SUCH_PROCESS
+        assert "4040" in error.message
+
+    def test_release_follows_the_same_rule(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="s", timeout=5, pid=300), w.root, 1.0)
+        error = refusal(service, Release(id=2, scope="s", pid=300), w.alice)
+        assert error.code == ErrorCode.PERMISSION_DENIED
+        assert service.table.get(300, "s") is not None
+        # Nor may a stranger probe for timers that do not exist.
+        error = refusal(service, Release(id=3, scope="nothing", pid=100), w.alice)
+        assert error.code == ErrorCode.PERMISSION_DENIED
+        assert service.handle(Release(id=4, scope="s", pid=300), w.bob, 1.0) == Released(
+            id=4, found=True
+        )
+        assert all(process.refs == 0 for process in w.host.opened)
+
+
+class TestRelease:
+    def test_release_says_whether_a_timer_was_armed(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
+        assert service.handle(Release(id=2, scope="s"), w.alice, 1.0) == Released(id=2, found=True)
+        assert service.handle(Release(id=3, scope="s"), w.alice, 1.0) == Released(id=3, found=False)
+        assert w.host.tracked == set()
+        [process] = w.host.opened
+        assert process.refs == 1  # kept by alice's connection, for her next acquire
+        service.close_connection(w.alice)
+        assert process.refs == 0
+
+    def test_the_callers_process_is_opened_once_per_connection(self) -> None:
+        w = make_world()
+        for i in range(5):
+            w.service.handle(Acquire(id=i, scope="s", timeout=5), w.alice, 1.0)
+            w.service.handle(Release(id=i, scope="s"), w.alice, 1.0)
+        assert len(w.host.opened) == 1
+
+    def test_release_of_another_scope_leaves_the_process_tracked(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.alice, 1.0)
+        assert service.handle(Release(id=2, scope="b"), w.alice, 1.0) == Released(id=2, found=False)
+        assert w.host.tracked == {ALICE.pid}
+
+
+class TestLimits:
+    def test_timers_per_uid_apply_to_non_root(self) -> None:
+        w = make_world(max_timers_per_uid=2)
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.alice, 1.0)
+        service.handle(Acquire(id=2, scope="b", timeout=5, pid=201), w.alice, 1.0)
+        error = refusal(service, Acquire(id=3, scope="c", timeout=5), w.alice)
+        assert error.code == ErrorCode.LIMIT_EXCEEDED
+        assert "uid 1000" in error.message
+        # Re-arming an existing timer is not a new one.
+        service.handle(Acquire(id=4, scope="a", timeout=9), w.alice, 1.0)
+        # Others, and w.root, are not affected.
+        service.handle(Acquire(id=5, scope="a", timeout=5), w.bob, 1.0)
+        for scope in "abc":
+            service.handle(Acquire(id=6, scope=scope, timeout=5), w.root, 1.0)
+
+    def test_global_cap_binds_root_too(self) -> None:
+        w = make_world(max_timers=2)
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.root, 1.0)
+        service.handle(Acquire(id=2, scope="b", timeout=5), w.root, 1.0)
+        assert (
+            refusal(service, Acquire(id=3, scope="c", timeout=5), w.root).code
+            == ErrorCode.LIMIT_EXCEEDED
+        )
+
+    def test_connections_per_uid_and_in_total(self) -> None:
+        service, _, _ = make_service(max_connections_per_uid=2, max_connections=3)
+        first = service.open_connection(ALICE)
+        service.open_connection(ALICE)
+        with pytest.raises(Refusal, match="uid 1000 has 2 connections open") as caught:
+            service.open_connection(ALICE)
+        assert caught.value.code == ErrorCode.LIMIT_EXCEEDED
+        service.open_connection(ROOT)
+        with pytest.raises(Refusal, match="the daemon has 3 connections open"):
+            service.open_connection(ROOT)  # the global cap binds root too
+        service.close_connection(first)
+        service.open_connection(BOB)
+        assert service.connections == 3
+
+
+class TestStatus:
+    def test_soonest_first_with_time_left_and_command(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="late", timeout=50), w.alice, 0.0)
+        service.handle(Acquire(id=2, scope="soon", timeout=5), w.bob, 0.0)
+        reply = service.handle(Status(id=3), w.root, 2.0)
+        assert isinstance(reply, StatusReply)
+        assert [(t.pid, t.scope, t.remaining, t.command) for t in reply.timers] == [
+            (300, "soon", 3.0, "cmd-300"),
+            (200, "late", 48.0, "cmd-200"),
+        ]
+        assert reply.cursor is None
+        assert (reply.daemon.timers, reply.daemon.processes, reply.daemon.pid) == (2, 2, DAEMON_PID)
+        assert reply.daemon.uptime == 2.0
+
+    def test_non_root_sees_only_its_own_uid(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.alice, 0.0)
+        service.handle(Acquire(id=2, scope="b", timeout=5), w.bob, 0.0)
+        service.handle(Acquire(id=3, scope="c", timeout=5, pid=201), w.root, 0.0)  # on alice's
+        reply = service.handle(Status(id=4), w.alice, 0.0)
+        assert isinstance(reply, StatusReply)
+        assert sorted(t.scope for t in reply.timers) == ["a", "c"]
+
+    def test_pages_cover_every_timer_once(self) -> None:
+        w = make_world()
+        service = w.service
+        for i in range(25):
+            service.handle(Acquire(id=i, scope=f"s{i}", timeout=1 + i % 7), w.alice, 0.0)
+        seen: list[str] = []
+        cursor = None
+        while True:
+            reply = service.handle(Status(id=99, limit=10, cursor=cursor), w.alice, 0.0)
+            assert isinstance(reply, StatusReply)
+            assert len(reply.timers) <= 10
+            seen += [t.scope for t in reply.timers]
+            cursor = reply.cursor
+            if cursor is None:
+                break
+        assert sorted(seen) == sorted(f"s{i}" for i in range(25))
+        remaining = [service.table.get(ALICE.pid, scope).deadline for scope in seen]  # type: ignore[union-attr]
+        assert remaining == sorted(remaining)
+
+    def test_bad_cursor(self) -> None:
+        w = make_world()
+        service = w.service
+        assert refusal(service, Status(id=1, cursor="x"), w.root).code == ErrorCode.INVALID_REQUEST
+
+
+class TestExpiryAndExit:
+    def test_expire_due_hands_out_retained_handles(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=1), w.alice, 0.0)
+        service.handle(Acquire(id=2, scope="b", timeout=9), w.alice, 0.0)
+        service.handle(Acquire(id=3, scope="a", timeout=1), w.bob, 0.0)
+        expired = service.expire_due(1.0)
+        assert [(e.timer.pid, e.orphaned) for e in expired] == [(200, False), (300, True)]
+        alice, bob = expired[0].process, expired[1].process
+        assert alice.refs == 3  # the table's, the action's and her connection's
+        assert bob.refs == 2  # the action's and his connection's: he left the table
+        assert w.host.tracked == {200}
+        assert service.counters.expired == 2
+
+    def test_exit_drops_every_timer_of_the_process(self) -> None:
+        w = make_world()
+        service = w.service
+        for scope in "abc":
+            service.handle(Acquire(id=1, scope=scope, timeout=5), w.alice, 0.0)
+        process = service.table.process(ALICE.pid)
+        assert process is not None
+        dropped = service.process_exited(process)
+        assert sorted(t.scope for t in dropped) == ["a", "b", "c"]
+        assert len(service.table) == 0
+        assert w.host.tracked == set()
+        assert process.refs == 1  # alice's connection still holds it
+        assert service.counters.exited == 1
+        assert service.process_exited(process) == []  # reported twice: no effect
+
+
+def test_ping_and_hello() -> None:
+    w = make_world()
+    service = w.service
+    assert service.handle(Ping(id=5), w.alice, 0.0) == Pong(id=5)
+    welcome = service.handle(Hello(id=6, version=1), w.alice, 0.0)
+    assert isinstance(welcome, Welcome)
+    assert welcome.pid == DAEMON_PID
+    assert refusal(service, Hello(id=7, version=2), w.alice).code == ErrorCode.UNSUPPORTED_VERSION

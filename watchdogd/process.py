@@ -1,0 +1,184 @@
+"""Processes as the daemon sees them: pidfds, peer credentials and /proc.
+
+Every signal the daemon sends goes through a pidfd (`Process.send_signal`), opened
+when the process's first timer was armed, so a pid that was recycled in the meantime is
+never signalled: the old pidfd only ever refers to the old process.
+
+Identity comes from the kernel only: `peer_of` reads SO_PEERCRED (pid, uid, gid) and,
+where the kernel has it (Linux >= 6.5), SO_PEERPIDFD, a pidfd for the exact process
+that connected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from watchdogd_client.protocol import ErrorCode
+
+from .errors import Refusal
+
+#: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
+SO_PEERPIDFD: Final = getattr(socket, "SO_PEERPIDFD", 77)
+_CREDENTIALS: Final = struct.Struct("3i")
+_COMMAND_BYTES: Final = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class Peer:
+    """The process at the other end of a connection, as the kernel reported it when
+    it connected. ``pidfd`` is None on kernels without SO_PEERPIDFD."""
+
+    pid: int
+    uid: int
+    gid: int
+    pidfd: int | None = None
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """Read the credentials of a connected AF_UNIX socket's peer.
+
+    The returned ``pidfd`` belongs to the caller, who must close it."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    pid, uid, gid = _CREDENTIALS.unpack(raw)
+    try:
+        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pidfd = None
+    return Peer(pid=pid, uid=uid, gid=gid, pidfd=pidfd)
+
+
+class Process:
+    """A pidfd for one process, with the identity read when it was opened.
+
+    Reference-counted: the timer table, a connection whose caller it is, and each
+    expiry being carried out hold one reference each (`retain`); the pidfd closes with
+    the last, after ``on_last_close`` (set by whoever watches the pidfd) has run.
+    """
+
+    __slots__ = ("_refs", "fd", "on_last_close", "pid", "saved_uid", "start_time", "uid")
+
+    def __init__(self, pid: int, fd: int, *, uid: int, saved_uid: int, start_time: int) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.uid = uid
+        self.saved_uid = saved_uid
+        self.start_time = start_time
+        self.on_last_close: Callable[[Process], None] | None = None
+        self._refs = 1
+
+    def __repr__(self) -> str:
+        return f"<Process pid={self.pid} fd={self.fd} uid={self.uid}>"
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def retain(self) -> Process:
+        """Take one more reference; balance it with `close`."""
+        self._refs += 1
+        return self
+
+    @property
+    def refs(self) -> int:
+        return self._refs
+
+    def close(self) -> None:
+        """Drop one reference; the pidfd closes with the last."""
+        self._refs -= 1
+        if self._refs == 0:
+            if self.on_last_close is not None:
+                self.on_last_close(self)
+                self.on_last_close = None
+            os.close(self.fd)
+            self.fd = -1
+
+    def send_signal(self, signum: int) -> None:
+        """Signal exactly this process. Raises ProcessLookupError once it is reaped."""
+        signal.pidfd_send_signal(self.fd, signum)
+
+    def alive(self) -> bool:
+        """Whether the process still holds its pid (running, stopped or a zombie)."""
+        try:
+            signal.pidfd_send_signal(self.fd, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # it exists; we may merely not signal it
+        return True
+
+    def command(self) -> str:
+        """The process's command line, or ``[comm]`` when it has none (a zombie)."""
+        return command_of(self.pid)
+
+
+def open_process(pid: int, peer: Peer | None = None) -> Process:
+    """Open a pidfd for ``pid`` and read its uids and start time.
+
+    For the peer itself its SO_PEERPIDFD is duplicated, which is exact even if the
+    peer's pid has been recycled since it connected. /proc is read after the pidfd is
+    open and the process is checked to be alive afterwards, so what was read belongs
+    to the process the pidfd refers to (a pid is not reused while its process holds
+    it, zombie included). Raises `Refusal` (``no_such_process``) when it is gone.
+    """
+    if peer is not None and pid == peer.pid and peer.pidfd is not None:
+        fd = os.dup(peer.pidfd)
+    else:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise _no_such_process(pid) from None
+    try:
+        uid, saved_uid = read_uids(pid)
+        start_time = read_start_time(pid)
+        process = Process(pid, fd, uid=uid, saved_uid=saved_uid, start_time=start_time)
+    except (FileNotFoundError, ProcessLookupError):
+        os.close(fd)
+        raise _no_such_process(pid) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    if not process.alive():
+        process.close()
+        raise _no_such_process(pid)
+    return process
+
+
+def _no_such_process(pid: int) -> Refusal:
+    return Refusal(ErrorCode.NO_SUCH_PROCESS, f"no process with pid {pid}")
+
+
+def read_uids(pid: int) -> tuple[int, int]:
+    """The real and saved uid of ``pid``, from /proc/PID/status."""
+    with open(f"/proc/{pid}/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"Uid:"):
+                real, _effective, saved, _fs = line.split()[1:5]
+                return int(real), int(saved)
+    raise ProcessLookupError(pid)
+
+
+def read_start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        data = stat.read()
+    # The command name (field 2) may contain spaces and parentheses: split after
+    # the last ')'. Field 3 is then the first of the rest, field 22 the 20th.
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
+def command_of(pid: int) -> str:
+    """The command line of ``pid`` (at most 4 KiB of it), or ``[comm]``, or ``?``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            raw = cmdline.read(_COMMAND_BYTES)
+        if raw:
+            return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/comm", "rb") as comm:
+            return "[" + comm.read().strip().decode(errors="replace") + "]"
+    except OSError:
+        return "?"

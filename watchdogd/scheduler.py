@@ -1,0 +1,66 @@
+"""The task that fires timers on time.
+
+It sleeps until the earliest deadline, with no polling interval, and is woken early
+only when a deadline earlier than the one it sleeps for is armed (`notify`); re-arms
+that move deadlines later, the common case, cost it nothing. Firing is synchronous
+and never waits on an action, so one slow action cannot delay another timer.
+
+On the daemon's own clock (CLOCK_MONOTONIC) it sleeps on a `TimerFd`, which wakes it
+within microseconds of the deadline; on any other clock (trio's test clocks) it
+sleeps with trio's own deadlines.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import trio
+
+from .timerfd import TimerFd
+
+
+class Scheduler:
+    """Calls ``fire(now)`` whenever a deadline may have passed."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        next_deadline: Callable[[], float | None],
+        fire: Callable[[float], None],
+    ) -> None:
+        self._clock = clock
+        self._next_deadline = next_deadline
+        self._fire = fire
+        self._target = math.inf
+        self._sleep: trio.CancelScope | None = None
+
+    def notify(self, deadline: float) -> None:
+        """A timer with ``deadline`` was armed: wake up if it is the new earliest."""
+        if deadline < self._target:
+            self._target = deadline
+            if self._sleep is not None:
+                self._sleep.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        timer = TimerFd() if self._clock is time.monotonic else None
+        try:
+            task_status.started()
+            while True:
+                self._fire(self._clock())
+                deadline = self._next_deadline()
+                self._target = math.inf if deadline is None else deadline
+                with trio.CancelScope() as self._sleep:
+                    if timer is not None:
+                        timer.set(self._target)
+                        await trio.lowlevel.wait_readable(timer)
+                        timer.clear()
+                    else:
+                        self._sleep.deadline = trio.current_time() + (self._target - self._clock())
+                        await trio.sleep_forever()
+                self._sleep = None
+        finally:
+            if timer is not None:
+                timer.close()

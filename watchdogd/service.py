@@ -1,0 +1,414 @@
+"""Request handling: the one place where every request type is dispatched.
+
+Synchronous and free of sockets and clock reads: the caller passes ``now`` (on the
+monotonic clock the table uses) and the processes port does the few system calls
+that opening and watching a process need. That keeps every rule here testable with
+a fake port and a number for the time.
+
+Rules kept here:
+
+- The target of a request is the caller (its kernel-reported pid) unless it names a
+  pid; a named pid is allowed where the caller could kill(2) it: root, or the caller's
+  uid equal to the target's real or saved uid. pid 1 and the daemon are never targets.
+- Release is authorized like arming: you may release what you could have armed.
+- Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
+- A non-root caller sees only the timers on its own uid's processes or that it armed.
+
+Process handles are reference-counted: the table holds one per process in it, each
+connection holds one on its caller's own process (so a worker that arms and releases
+in a loop does not reopen a pidfd each time), and a request holds one while it runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Final, Generic, Protocol, TypeVar, assert_never
+
+from watchdogd_client.protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    DaemonInfo,
+    ErrorCode,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    ReplyMessage,
+    RequestMessage,
+    Status,
+    StatusReply,
+    TimerInfo,
+    Welcome,
+)
+
+from ._version import __version__
+from .config import DaemonConfig
+from .errors import Refusal
+from .logs import log, logfmt
+from .process import Peer
+from .timers import Expired, Timer, TimerTable
+
+ROOT: Final = 0
+
+
+class TargetProcess(Protocol):
+    """What the service needs of a process handle."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def saved_uid(self) -> int: ...
+    def retain(self) -> TargetProcess: ...
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=TargetProcess)
+
+
+class ProcessPort(Protocol[P]):
+    """The system calls request handling needs, behind one interface."""
+
+    def open(self, pid: int, peer: Peer) -> P:
+        """Open a handle on ``pid``; raise `Refusal` (no_such_process) if it is gone."""
+
+    def alive(self, process: P) -> bool:
+        """Whether the process still holds its pid."""
+
+    def command(self, process: P) -> str:
+        """Its command line, for status."""
+
+    def track(self, process: P) -> None:
+        """Watch it for its exit (it entered the table); idempotent."""
+
+    def untrack(self, process: P) -> None:
+        """Drop the table's reference (it left the table)."""
+
+
+@dataclass(slots=True, eq=False)
+class Caller(Generic[P]):
+    """One connection's caller: its kernel-reported credentials and, once it has
+    armed a timer on itself, a handle on its process kept for the connection's life."""
+
+    peer: Peer
+    process: P | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    """Totals since start, reported by status."""
+
+    requests: int = 0
+    expired: int = 0
+    exited: int = 0
+
+
+class Service(Generic[P]):
+    """The daemon's state and its answer to every request."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        processes: ProcessPort[P],
+        *,
+        policies: Collection[str],
+        default_policy: str,
+        daemon_pid: int,
+        now: float,
+        on_deadline: Callable[[float], None] = lambda deadline: None,
+    ) -> None:
+        self.config = config
+        self.table: TimerTable[P] = TimerTable()
+        self.counters = Counters()
+        self.policies = policies
+        self.default_policy = default_policy
+        self.daemon_pid = daemon_pid
+        self._processes = processes
+        self._started = now
+        self._on_deadline = on_deadline
+        self._connections: Counter[int] = Counter()
+
+    @property
+    def connections(self) -> int:
+        return self._connections.total()
+
+    def open_connection(self, peer: Peer) -> Caller[P]:
+        """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
+        if self.connections >= self.config.max_connections:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the daemon has {self.config.max_connections} connections open, its limit",
+            )
+        if peer.uid != ROOT and self._connections[peer.uid] >= self.config.max_connections_per_uid:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid} has {self.config.max_connections_per_uid} connections open, "
+                "its limit",
+            )
+        self._connections[peer.uid] += 1
+        return Caller(peer)
+
+    def close_connection(self, caller: Caller[P]) -> None:
+        """Uncount a connection and drop its handle on the caller's process."""
+        uid = caller.peer.uid
+        self._connections[uid] -= 1
+        if not self._connections[uid]:
+            del self._connections[uid]
+        if caller.process is not None:
+            caller.process.close()
+            caller.process = None
+
+    def handle(self, request: RequestMessage, caller: Caller[P], now: float) -> ReplyMessage:
+        """Answer one validated request. Raises `Refusal` to refuse it."""
+        self.counters.requests += 1
+        match request:
+            case Acquire():
+                return self._acquire(request, caller, now)
+            case Release():
+                return self._release(request, caller)
+            case Status():
+                return self._status(request, caller.peer, now)
+            case Ping():
+                return Pong(id=request.id)
+            case Hello():
+                return self.welcome(request)
+            case _:
+                assert_never(request)
+
+    def welcome(self, hello: Hello) -> Welcome:
+        """Answer a handshake; refuses a major version this daemon does not speak."""
+        if hello.version != PROTOCOL_VERSION:
+            raise Refusal(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"this daemon speaks protocol version {PROTOCOL_VERSION}, "
+                f"the client speaks {hello.version}; upgrade the older of the two",
+            )
+        return Welcome(
+            id=hello.id,
+            version=PROTOCOL_VERSION,
+            server=f"watchdogd/{__version__}",
+            pid=self.daemon_pid,
+        )
+
+    def _acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
+        limits = self.config
+        scope_bytes = len(request.scope.encode())
+        if scope_bytes > limits.max_scope_bytes:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"scope is {scope_bytes} bytes long; the limit is {limits.max_scope_bytes}",
+            )
+        if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"timeout must be finite and at most {limits.max_timeout:g} s, "
+                f"not {request.timeout!r}",
+            )
+        policy = self.default_policy if request.policy is None else request.policy
+        if policy not in self.policies:
+            known = ", ".join(sorted(self.policies))
+            raise Refusal(ErrorCode.UNKNOWN_POLICY, f"no policy {policy!r}; known: {known}")
+        target = caller.peer.pid if request.pid is None else request.pid
+        if self.table.get(target, request.scope) is None:
+            self._check_timer_limits(caller.peer)
+        process = self._target(request.pid, caller)
+        try:
+            entering = self.table.process(process.pid) is None
+            timer, rearmed = self.table.arm(
+                process,
+                request.scope,
+                timeout=request.timeout,
+                policy=policy,
+                uid=process.uid,
+                owner=caller.peer.uid,
+                now=now,
+            )
+            if entering:
+                process.retain()
+                self._processes.track(process)
+        finally:
+            process.close()
+        self._on_deadline(timer.deadline)
+        return Acquired(id=request.id, remaining=request.timeout, rearmed=rearmed)
+
+    def _release(self, request: Release, caller: Caller[P]) -> Released:
+        if request.pid is None and self.table.process(caller.peer.pid) is None:
+            return Released(id=request.id, found=False)
+        process = self._target(request.pid, caller)
+        try:
+            if self.table.process(process.pid) is not process:
+                return Released(id=request.id, found=False)
+            timer, gone = self.table.disarm(process.pid, request.scope)
+            if gone is not None:
+                self._processes.untrack(gone)
+        finally:
+            process.close()
+        return Released(id=request.id, found=timer is not None)
+
+    def _target(self, pid: int | None, caller: Caller[P]) -> P:
+        """A handle on the process a request is about, after authorization, with a
+        reference of its own that the request must `close`.
+
+        The handle is the table's while its process has timers, else the caller's
+        own (for its pid), else a new one. A handle whose process has gone is never
+        reused: its pid may already belong to another process.
+        """
+        peer = caller.peer
+        if pid is not None:
+            if pid <= 1:
+                raise Refusal(ErrorCode.PERMISSION_DENIED, "pid 1 (init) is never a target")
+            if pid == self.daemon_pid:
+                raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
+        target = peer.pid if pid is None else pid
+        process = self.table.process(target)
+        # The caller's own handle is exact (its pidfd came from the connection); any
+        # other handle for the pid is checked, since the exit watcher may not have
+        # reported its process's exit yet.
+        if (
+            process is not None
+            and process is not caller.process
+            and not self._processes.alive(process)
+        ):
+            # Its exit is not processed yet: settle it now rather than attach a
+            # timer to a dead handle.
+            self.process_exited(process)
+            process = None
+        if process is None and target == peer.pid:
+            process = caller.process
+            if process is not None and not self._processes.alive(process):
+                caller.process = None
+                process.close()
+                process = None
+            if process is None:
+                process = caller.process = self._processes.open(target, peer)
+        if process is not None:
+            process.retain()
+        else:
+            process = self._processes.open(target, peer)
+        if pid is not None and not self._may_signal(peer, process):
+            process.close()
+            raise Refusal(
+                ErrorCode.PERMISSION_DENIED,
+                f"uid {peer.uid} may not signal pid {target} (real uid {process.uid}, "
+                f"saved uid {process.saved_uid}); only root or the owner may arm or release "
+                "its timers",
+            )
+        return process
+
+    @staticmethod
+    def _may_signal(peer: Peer, process: TargetProcess) -> bool:
+        """kill(2)'s rule for an unprivileged sender."""
+        return peer.uid == ROOT or peer.uid in (process.uid, process.saved_uid)
+
+    def _check_timer_limits(self, peer: Peer) -> None:
+        limits = self.config
+        if len(self.table) >= limits.max_timers:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the daemon holds {limits.max_timers} timers, its limit",
+            )
+        if peer.uid != ROOT and self.table.owned_by(peer.uid) >= limits.max_timers_per_uid:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid} has {limits.max_timers_per_uid} timers armed, its limit",
+            )
+
+    def _status(self, request: Status, peer: Peer, now: float) -> StatusReply:
+        after = _parse_cursor(request.cursor)
+        visible = (
+            timer
+            for timer in self.table.timers()
+            if (peer.uid == ROOT or peer.uid in (timer.uid, timer.owner))
+            and (timer.deadline, timer.seq) > after
+        )
+        page = heapq.nsmallest(request.limit + 1, visible, key=_sort_key)
+        cursor = None
+        if len(page) > request.limit:
+            page = page[: request.limit]
+            cursor = f"{page[-1].deadline!r}/{page[-1].seq}"
+        commands: dict[int, str] = {}
+        timers = []
+        for timer in page:
+            command = commands.get(timer.pid)
+            if command is None:
+                process = self.table.process(timer.pid)
+                command = commands[timer.pid] = (
+                    "?" if process is None else self._processes.command(process)
+                )
+            timers.append(
+                TimerInfo(
+                    pid=timer.pid,
+                    scope=timer.scope,
+                    remaining=max(0.0, timer.deadline - now),
+                    policy=timer.policy,
+                    uid=timer.uid,
+                    command=command,
+                )
+            )
+        return StatusReply(id=request.id, daemon=self.info(now), timers=timers, cursor=cursor)
+
+    def info(self, now: float) -> DaemonInfo:
+        """The daemon summary sent with status."""
+        return DaemonInfo(
+            version=__version__,
+            pid=self.daemon_pid,
+            uptime=now - self._started,
+            timers=len(self.table),
+            processes=self.table.process_count,
+            connections=self.connections,
+            requests=self.counters.requests,
+            expired=self.counters.expired,
+            exited=self.counters.exited,
+        )
+
+    def expire_due(self, now: float) -> list[Expired[P]]:
+        """Take out the timers due at ``now``. Each returned process handle is
+        retained for the caller, who closes it when the action is done."""
+        expired = self.table.pop_due(now)
+        for item in expired:
+            item.process.retain()
+            if item.orphaned:
+                self._processes.untrack(item.process)
+        self.counters.expired += len(expired)
+        return expired
+
+    def close(self) -> None:
+        """Drop every timer and the table's handles (the daemon is stopping)."""
+        for timer in list(self.table.timers()):
+            _, gone = self.table.disarm(timer.pid, timer.scope)
+            if gone is not None:
+                self._processes.untrack(gone)
+
+    def process_exited(self, process: P) -> list[Timer]:
+        """Drop every timer of a process that exited; returns them."""
+        if self.table.process(process.pid) is not process:
+            return []
+        forgotten = self.table.forget(process.pid)
+        assert forgotten is not None
+        _, timers = forgotten
+        self._processes.untrack(process)
+        if timers:
+            self.counters.exited += 1
+            log.info(logfmt("exited", pid=process.pid, timers=len(timers)))
+        return timers
+
+
+def _sort_key(timer: Timer) -> tuple[float, int]:
+    return (timer.deadline, timer.seq)
+
+
+def _parse_cursor(cursor: str | None) -> tuple[float, int]:
+    if cursor is None:
+        return (-math.inf, -1)
+    try:
+        deadline, seq = cursor.split("/")
+        return (float(deadline), int(seq))
+    except ValueError:
+        raise Refusal(ErrorCode.INVALID_REQUEST, f"not a status cursor: {cursor!r}") from None

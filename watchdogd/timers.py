@@ -1,0 +1,198 @@
+"""The table of armed timers, keyed by ``(pid, scope)``.
+
+Pure and synchronous: times are passed in by the caller, on one monotonic clock, and
+processes are opaque handles. Invariants:
+
+- Every armed timer is in the deadline heap under its key, and every key in the heap
+  is an armed timer.
+- A process is in the table exactly while it has at least one armed timer. The
+  table holds one handle per process (not per timer); the methods that take a process
+  out of the table return its handle so the caller can stop watching it and close it.
+- ``owner`` counts (timers per arming uid) always equal a recount of the timers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import msgspec
+
+from .heap import DeadlineHeap
+
+
+class ProcessRef(Protocol):
+    """What the table needs of a process handle."""
+
+    @property
+    def pid(self) -> int: ...
+
+
+P = TypeVar("P", bound=ProcessRef)
+Key = tuple[int, str]
+
+
+class Timer(msgspec.Struct, frozen=True, kw_only=True):
+    """One armed timer. ``uid`` is the target process's uid, ``owner`` the uid of
+    the caller that armed it; times are on the table's clock. (A Struct: one is
+    made per acquire, and Struct construction is several times cheaper than a
+    frozen dataclass's.)"""
+
+    pid: int
+    scope: str
+    policy: str
+    uid: int
+    owner: int
+    timeout: float
+    armed_at: float
+    deadline: float
+    seq: int
+
+    @property
+    def key(self) -> Key:
+        return (self.pid, self.scope)
+
+
+@dataclass(slots=True)
+class _Tracked(Generic[P]):
+    process: P
+    scopes: dict[str, Timer] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Expired(Generic[P]):
+    """A timer that reached its deadline, with its process. ``orphaned`` says the
+    process left the table with it (it had no other timer)."""
+
+    timer: Timer
+    process: P
+    orphaned: bool
+
+
+class TimerTable(Generic[P]):
+    """Armed timers, their deadlines, and the processes they belong to."""
+
+    __slots__ = ("_by_owner", "_deadlines", "_processes", "_seq")
+
+    def __init__(self) -> None:
+        self._deadlines: DeadlineHeap[Key] = DeadlineHeap()
+        self._processes: dict[int, _Tracked[P]] = {}
+        self._by_owner: Counter[int] = Counter()
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+    @property
+    def process_count(self) -> int:
+        return len(self._processes)
+
+    def owned_by(self, uid: int) -> int:
+        """How many timers ``uid`` has armed."""
+        return self._by_owner[uid]
+
+    def process(self, pid: int) -> P | None:
+        """The handle held for ``pid``, or None when it has no timer."""
+        tracked = self._processes.get(pid)
+        return None if tracked is None else tracked.process
+
+    def get(self, pid: int, scope: str) -> Timer | None:
+        tracked = self._processes.get(pid)
+        return None if tracked is None else tracked.scopes.get(scope)
+
+    def timers(self) -> Iterator[Timer]:
+        """Every armed timer, in no particular order."""
+        for tracked in self._processes.values():
+            yield from tracked.scopes.values()
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next_deadline()
+
+    def arm(
+        self,
+        process: P,
+        scope: str,
+        *,
+        timeout: float,
+        policy: str,
+        uid: int,
+        owner: int,
+        now: float,
+    ) -> tuple[Timer, bool]:
+        """Arm or re-arm ``(process.pid, scope)``; returns the timer and whether it
+        replaced one. A process new to the table is added with it; a process already
+        in the table must be passed as the same handle."""
+        pid = process.pid
+        tracked = self._processes.get(pid)
+        if tracked is None:
+            tracked = self._processes[pid] = _Tracked(process)
+        elif tracked.process is not process:
+            raise ValueError(f"pid {pid} is already tracked with another handle")
+        previous = tracked.scopes.get(scope)
+        if previous is not None:
+            self._by_owner[previous.owner] -= 1
+        timer = Timer(
+            pid=pid,
+            scope=scope,
+            policy=policy,
+            uid=uid,
+            owner=owner,
+            timeout=timeout,
+            armed_at=now,
+            deadline=now + timeout,
+            seq=next(self._seq),
+        )
+        tracked.scopes[scope] = timer
+        self._by_owner[owner] += 1
+        self._deadlines.set(timer.key, timer.deadline)
+        return timer, previous is not None
+
+    def disarm(self, pid: int, scope: str) -> tuple[Timer | None, P | None]:
+        """Disarm ``(pid, scope)``. Returns the timer (None if none was armed) and the
+        process handle if it left the table (its last timer went)."""
+        tracked = self._processes.get(pid)
+        if tracked is None:
+            return None, None
+        timer = tracked.scopes.pop(scope, None)
+        if timer is None:
+            return None, None
+        self._deadlines.remove(timer.key)
+        self._uncount(timer.owner)
+        if tracked.scopes:
+            return timer, None
+        del self._processes[pid]
+        return timer, tracked.process
+
+    def pop_due(self, now: float) -> list[Expired[P]]:
+        """Take out every timer whose deadline is ``<= now``, earliest first."""
+        expired: list[Expired[P]] = []
+        for (pid, scope), _ in self._deadlines.pop_due(now):
+            tracked = self._processes[pid]
+            timer = tracked.scopes.pop(scope)
+            self._uncount(timer.owner)
+            orphaned = not tracked.scopes
+            if orphaned:
+                del self._processes[pid]
+            expired.append(Expired(timer, tracked.process, orphaned))
+        return expired
+
+    def forget(self, pid: int) -> tuple[P, list[Timer]] | None:
+        """Take out a process and all its timers (it exited)."""
+        tracked = self._processes.pop(pid, None)
+        if tracked is None:
+            return None
+        timers = list(tracked.scopes.values())
+        for timer in timers:
+            self._deadlines.remove(timer.key)
+            self._uncount(timer.owner)
+        return tracked.process, timers
+
+    def _uncount(self, owner: int) -> None:
+        remaining = self._by_owner[owner] - 1
+        if remaining:
+            self._by_owner[owner] = remaining
+        else:
+            del self._by_owner[owner]
