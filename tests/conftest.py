@@ -1,0 +1,145 @@
+"""Shared fixtures: a real daemon on a socket under tmp_path, and real workers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from watchdogd_client import Client, DaemonUnavailable
+
+#: Generous bound for things that should take milliseconds, so a loaded CI machine
+#: does not turn a working feature into a failure.
+PATIENCE = 10.0
+
+
+class RunningDaemon:
+    """A ``watchdogd`` process started as a user would start it."""
+
+    def __init__(self, socket_path: Path, log_path: Path, args: list[str]) -> None:
+        self.socket_path = socket_path
+        self.log_path = log_path
+        self.args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "watchdogd", "--socket", str(self.socket_path), *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        wait_until(self._answers, what=f"the daemon to answer on {self.socket_path}")
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"watchdogd exited at start:\n{self.log()}")
+        try:
+            with Client(self.socket_path, timeout=1.0) as client:
+                client.ping()
+        except DaemonUnavailable:
+            return False
+        return True
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        return self.process.wait(timeout=PATIENCE)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def client(self, **options: object) -> Client:
+        return Client(self.socket_path, **options)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_until(condition: object, *, what: str, timeout: float = PATIENCE) -> None:
+    """Poll ``condition()`` until true; fail naming ``what`` after ``timeout`` s."""
+    assert callable(condition)
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    directory = Path(tempfile.mkdtemp(prefix="wd-", dir="/tmp"))
+    yield directory / "watchdogd.sock"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    running = RunningDaemon(socket_path, tmp_path / "watchdogd.log", [])
+    running.start()
+    yield running
+    status = running.stop()
+    assert status == 0, f"watchdogd exited {status}:\n{running.log()}"
+
+
+@pytest.fixture
+def client(daemon: RunningDaemon) -> Iterator[Client]:
+    with daemon.client() as connected:
+        yield connected
+
+
+def python_worker(
+    source: str, *args: str, socket: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Start a Python process running ``source`` with WATCHDOGD_SOCKET set.
+
+    The worker prints "ready" on stdout once its set-up is done; its stdin, stdout
+    and stderr are pipes.
+    """
+    full_env = {**os.environ, "WATCHDOGD_SOCKET": str(socket), **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        env=full_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_ready(worker: subprocess.Popen[str]) -> None:
+    """Block until the worker printed its "ready" line."""
+    assert worker.stdout is not None
+    line = worker.stdout.readline()
+    if line.strip() != "ready":
+        _, err = worker.communicate(timeout=PATIENCE)
+        raise AssertionError(f"worker failed before ready: {line!r}\n{err}")
+
+
+def sleeper() -> subprocess.Popen[bytes]:
+    """A victim that sleeps and dies by whatever signal reaches it."""
+    return subprocess.Popen(["sleep", "300"])
+
+
+def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+    """Kill (if need be) and reap a child, and close its pipes."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()

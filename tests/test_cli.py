@@ -1,0 +1,105 @@
+"""The watchdogd command: start-up errors, clean stops, the default socket."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PATIENCE, RunningDaemon, reap, sleeper
+
+WATCHDOGD = [sys.executable, "-m", "watchdogd"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stops_cleanly_and_fires_nothing(daemon: RunningDaemon, signum: int) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire("s", 0.5, pid=victim.pid)
+        assert daemon.stop(signum) == 0
+        assert not daemon.socket_path.exists()
+        with pytest.raises(subprocess.TimeoutExpired):
+            victim.wait(timeout=1.0)  # its timer did not fire on the way out
+        assert "event=stopped timers=1" in daemon.log()
+    finally:
+        reap(victim)
+
+
+def test_says_where_it_listens(daemon: RunningDaemon) -> None:
+    assert f"event=listening socket={daemon.socket_path}" in daemon.log()
+
+
+def test_bad_config_stops_it_at_start_naming_file_and_key(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[daemon]\nmax_timers_per_user = 5\n")
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert str(config) in result.stderr
+    assert "max_timers_per_user" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_refuses_a_socket_path_another_daemon_answers_on(daemon: RunningDaemon) -> None:
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(daemon.socket_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert "another daemon is listening" in result.stderr
+    with daemon.client() as client:
+        client.ping()  # the first one is untouched
+
+
+def test_config_file_sets_limits(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text('[daemon]\nmax_scope_bytes = 4\nlog_level = "warning"\n')
+    running = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    running.start()
+    try:
+        with running.client() as client:
+            client.acquire("four", 5)
+            with pytest.raises(Exception, match="5 bytes long; the limit is 4"):
+                client.acquire("fives", 5)
+            client.release("four")
+    finally:
+        assert running.stop() == 0
+    assert "event=listening" not in running.log()  # log_level = warning
+
+
+def test_environment_names_the_socket(tmp_path: Path, socket_path: Path) -> None:
+    process = subprocess.Popen(
+        WATCHDOGD,
+        env={"WATCHDOGD_SOCKET": str(socket_path), "PATH": "/usr/bin:/bin"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        seen = [process.stderr.readline() for _ in range(1)]
+        while "event=listening" not in seen[-1] and len(seen) < 10:
+            seen.append(process.stderr.readline())
+        assert f"socket={socket_path}" in seen[-1], seen
+    finally:
+        process.terminate()
+        assert process.wait(timeout=PATIENCE) == 0
+        process.stderr.close()  # type: ignore[union-attr]
+
+
+def test_version() -> None:
+    result = subprocess.run([*WATCHDOGD, "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "watchdogd, version 0.1.0"

@@ -1,0 +1,298 @@
+"""The socket server, in-process, over real Unix sockets: framing bounds, pipelining,
+slow and hostile clients, and the socket file's life."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import stat
+import struct
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import trio
+
+from watchdogd.config import Config, DaemonConfig
+from watchdogd.daemon import run
+from watchdogd.errors import ListenError
+from watchdogd.server import open_listener
+from watchdogd.service import Service
+from watchdogd_client.protocol import (
+    Acquire,
+    Acquired,
+    Error,
+    ErrorCode,
+    FrameReader,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    ReplyMessage,
+    RequestMessage,
+    Status,
+    StatusReply,
+    Welcome,
+    decode_reply,
+    encode_frame,
+)
+
+from conftest import reap, sleeper
+
+StartDaemon = Callable[..., Awaitable[Service[Any]]]
+
+
+@pytest.fixture
+async def start_daemon(socket_path: Path, nursery: trio.Nursery) -> AsyncIterator[StartDaemon]:
+    """Starts the daemon in-process; closes the test's connections at the end."""
+
+    async def start(**settings: Any) -> Service[Any]:
+        config = Config(daemon=DaemonConfig(**settings))
+        service: Service[Any] = await nursery.start(
+            functools.partial(run, config, str(socket_path), handle_signals=False)
+        )
+        return service
+
+    yield start
+    while Conn.opened:
+        await Conn.opened.pop().stream.aclose()
+
+
+class Conn:
+    """A raw protocol connection, for saying exactly what a client may say.
+
+    Every connection opened in a test is closed when the test ends."""
+
+    opened: ClassVar[list[Conn]] = []
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.reader = FrameReader(1 << 24)
+        self.frames: list[bytes] = []
+
+    @classmethod
+    async def open(cls, path: Path, *, greet: bool = True) -> Conn:
+        conn = cls(await trio.open_unix_socket(str(path)))
+        cls.opened.append(conn)
+        if greet:
+            assert isinstance(await conn.ask(Hello(id=0, version=1)), Welcome)
+        return conn
+
+    async def send(self, *messages: RequestMessage) -> None:
+        await self.stream.send_all(b"".join(encode_frame(message) for message in messages))
+
+    async def receive(self) -> ReplyMessage:
+        while not self.frames:
+            data = await self.stream.receive_some()
+            if not data:
+                raise EOFError
+            self.frames += self.reader.feed(data)
+        return decode_reply(self.frames.pop(0))
+
+    async def ask(self, message: RequestMessage) -> ReplyMessage:
+        await self.send(message)
+        return await self.receive()
+
+    async def closed_by_daemon(self) -> bool:
+        """Whether the daemon closes the connection (within a generous bound)."""
+        with trio.move_on_after(10):
+            try:
+                while await self.stream.receive_some():
+                    pass
+            except trio.BrokenResourceError:
+                pass
+            return True
+        return False
+
+
+async def test_pipelined_requests_are_answered_in_order_with_their_ids(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    await start_daemon()
+    conn = await Conn.open(socket_path, greet=False)
+    await conn.send(
+        Hello(id=1, version=1),
+        Acquire(id=2, scope="a", timeout=60),
+        Acquire(id=3, scope="b", timeout=60),
+        Acquire(id=4, scope="a", timeout=90),
+        Release(id=5, scope="b"),
+        Ping(id=6),
+    )
+    replies = [await conn.receive() for _ in range(6)]
+    assert [reply.id for reply in replies] == [1, 2, 3, 4, 5, 6]
+    assert replies[1:] == [
+        Acquired(id=2, remaining=60, rearmed=False),
+        Acquired(id=3, remaining=60, rearmed=False),
+        Acquired(id=4, remaining=90, rearmed=True),
+        Released(id=5, found=True),
+        Pong(id=6),
+    ]
+
+
+async def test_oversized_frame_gets_an_error_then_the_connection_closes(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    service = await start_daemon()
+    conn = await Conn.open(socket_path)
+    await conn.stream.send_all(struct.pack(">I", 64 * 1024 + 1))
+    reply = await conn.receive()
+    assert isinstance(reply, Error)
+    assert reply.code == ErrorCode.FRAME_TOO_LARGE
+    assert await conn.closed_by_daemon()
+    assert service.connections == 0
+
+
+async def test_bad_frames_leave_the_connection_and_others_usable(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    await start_daemon()
+    bystander = await Conn.open(socket_path)
+    conn = await Conn.open(socket_path)
+    await conn.stream.send_all(struct.pack(">I", 1) + b"\xc1")
+    reply = await conn.receive()
+    assert isinstance(reply, Error)
+    assert reply.code == ErrorCode.MALFORMED
+    assert await conn.ask(Ping(id=7)) == Pong(id=7)
+    assert await bystander.ask(Ping(id=8)) == Pong(id=8)
+
+
+async def test_first_frame_must_be_hello(start_daemon: StartDaemon, socket_path: Path) -> None:
+    await start_daemon()
+    conn = await Conn.open(socket_path, greet=False)
+    reply = await conn.ask(Ping(id=1))
+    assert isinstance(reply, Error)
+    assert reply.code == ErrorCode.HANDSHAKE_REQUIRED
+    assert await conn.closed_by_daemon()
+
+
+async def test_half_sent_frame_times_out_but_idle_connection_stays(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    await start_daemon(partial_frame_timeout=0.3)
+    idle = await Conn.open(socket_path)
+    stalled = await Conn.open(socket_path)
+    await stalled.stream.send_all(encode_frame(Ping(id=1))[:3])
+    assert await stalled.closed_by_daemon()
+    await trio.sleep(0.5)
+    assert await idle.ask(Ping(id=2)) == Pong(id=2)
+
+
+async def test_client_that_never_reads_is_disconnected(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    service = await start_daemon(send_timeout=0.3)
+    greedy = await Conn.open(socket_path)
+    burst = encode_frame(Status(id=1, limit=1)) * 2000
+    with trio.move_on_after(20):
+        try:
+            while True:  # keep asking, never read: the daemon must let go
+                await greedy.stream.send_all(burst)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    with trio.fail_after(10):
+        while service.connections:
+            await trio.sleep(0.01)
+    other = await Conn.open(socket_path)
+    assert await other.ask(Ping(id=2)) == Pong(id=2)
+
+
+async def test_timers_outlive_their_connection(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    service = await start_daemon()
+    victim = sleeper()
+    try:
+        conn = await Conn.open(socket_path)
+        assert isinstance(
+            await conn.ask(Acquire(id=1, scope="s", timeout=0.2, pid=victim.pid)), Acquired
+        )
+        await conn.stream.aclose()
+        with trio.fail_after(10):
+            while victim.poll() is None:
+                await trio.sleep(0.01)
+        assert victim.returncode == -9
+        assert service.counters.expired == 1
+    finally:
+        reap(victim)
+
+
+async def test_exit_drops_timers_at_once(start_daemon: StartDaemon, socket_path: Path) -> None:
+    service = await start_daemon()
+    victim = sleeper()
+    try:
+        conn = await Conn.open(socket_path)
+        for scope in ("a", "b"):
+            await conn.ask(Acquire(id=1, scope=scope, timeout=600, pid=victim.pid))
+        reply = await conn.ask(Status(id=2))
+        assert isinstance(reply, StatusReply)
+        assert {t.scope for t in reply.timers} == {"a", "b"}
+        victim.kill()
+        with trio.fail_after(10):
+            while len(service.table):
+                await trio.sleep(0.001)
+        assert service.counters.exited == 1
+        assert service.table.process_count == 0
+    finally:
+        reap(victim)
+
+
+async def test_unknown_process_is_refused(start_daemon: StartDaemon, socket_path: Path) -> None:
+    await start_daemon()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    conn = await Conn.open(socket_path)
+    reply = await conn.ask(Acquire(id=1, scope="s", timeout=5, pid=gone.pid))
+    assert isinstance(reply, Error)
+    assert reply.code == ErrorCode.NO_SUCH_PROCESS
+
+
+async def test_socket_mode_is_applied(start_daemon: StartDaemon, socket_path: Path) -> None:
+    await start_daemon()
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o666
+
+
+class TestSocketFile:
+    def test_stale_socket_is_replaced(self, socket_path: Path) -> None:
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(str(socket_path))
+        dead.close()  # the file stays; nothing listens
+        listener = open_listener(str(socket_path), 0o600)
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+        listener.close()
+        assert not socket_path.exists()
+
+    def test_a_live_daemon_is_never_replaced(self, socket_path: Path) -> None:
+        live = open_listener(str(socket_path), 0o666)
+        try:
+            with pytest.raises(ListenError, match="another daemon is listening"):
+                open_listener(str(socket_path), 0o666)
+            assert stat.S_ISSOCK(os.stat(socket_path).st_mode)
+        finally:
+            live.close()
+
+    def test_a_path_that_is_not_a_socket_is_never_removed(self, socket_path: Path) -> None:
+        socket_path.write_text("precious")
+        with pytest.raises(ListenError, match="is not a socket"):
+            open_listener(str(socket_path), 0o666)
+        assert socket_path.read_text() == "precious"
+
+    def test_close_leaves_a_replaced_path_alone(self, socket_path: Path) -> None:
+        listener = open_listener(str(socket_path), 0o666)
+        socket_path.unlink()
+        socket_path.write_text("someone else's")
+        listener.close()
+        assert socket_path.read_text() == "someone else's"
+
+    def test_private_tmp_directory_must_be_ours(self, tmp_path: Path) -> None:
+        shared = Path("/tmp") / f"wd-shared-{os.getpid()}"
+        shared.mkdir(mode=0o777)
+        os.chmod(shared, 0o777)
+        try:
+            with pytest.raises(ListenError, match="not a private directory"):
+                open_listener(str(shared / "watchdogd.sock"), 0o666)
+        finally:
+            shared.rmdir()

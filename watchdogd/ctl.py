@@ -1,0 +1,255 @@
+"""``watchdogctl``: the operator's view of the daemon, over the thin client.
+
+Every command takes ``--socket`` (before the command name) and ``--json``. When the
+daemon cannot be reached, or refuses a request, the command prints one line on stderr
+and exits non-zero; it never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any, Final
+
+import click
+import msgspec
+
+from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
+from watchdogd_client.protocol import DaemonInfo, TimerInfo
+
+from ._version import __version__
+
+#: Exit status of `run` when watchdogctl itself fails (as GNU timeout does).
+RUN_FAILED: Final = 125
+_FORWARDED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_COMMAND_WIDTH: Final = 40
+_SCOPE_WIDTH: Final = 40
+
+
+class _RunFailed(click.ClickException):
+    """watchdogctl run could not run its command under a timer."""
+
+    exit_code = RUN_FAILED
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+class _Group(click.Group):
+    """Turns the client's errors into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except WatchdogdError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--socket",
+    "socket_path",
+    metavar="PATH",
+    envvar="WATCHDOGD_SOCKET",
+    help="The daemon's socket (default: $WATCHDOGD_SOCKET, else the host's daemon).",
+)
+@click.version_option(__version__, prog_name="watchdogctl")
+@click.pass_context
+def main(ctx: click.Context, socket_path: str | None) -> None:
+    """Inspect and drive the watchdogd daemon."""
+    ctx.obj = Client(socket_path)
+    ctx.call_on_close(ctx.obj.close)
+
+
+def _client() -> Client:
+    client = click.get_current_context().obj
+    assert isinstance(client, Client)
+    return client
+
+
+def _print_json(value: object) -> None:
+    click.echo(msgspec.json.encode(value).decode())
+
+
+@main.command()
+@json_option
+def status(as_json: bool) -> None:
+    """The daemon's summary and its armed timers, soonest first."""
+    report = _client().status()
+    if as_json:
+        _print_json({"daemon": report.daemon, "timers": report.timers})
+        return
+    click.echo(_summary(report.daemon))
+    click.echo()
+    click.echo(_table(report) if report.timers else "No timers armed.")
+
+
+def _summary(info: DaemonInfo) -> str:
+    return (
+        f"watchdogd {info.version}  pid {info.pid}  up {format_duration(info.uptime)}\n"
+        f"timers {info.timers}  processes {info.processes}  connections {info.connections}  "
+        f"requests {info.requests}  expired {info.expired}  exited {info.exited}"
+    )
+
+
+def _table(report: DaemonStatus) -> str:
+    rows = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
+    rows += [_row(timer) for timer in report.timers]
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _row(timer: TimerInfo) -> tuple[str, str, str, str, str, str]:
+    return (
+        str(timer.pid),
+        _clip(timer.command, _COMMAND_WIDTH),
+        _clip(timer.scope, _SCOPE_WIDTH),
+        format_duration(timer.remaining),
+        timer.policy,
+        str(timer.uid),
+    )
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as people read them: 0.25s, 42.0s, 5m02s, 3h07m, 2d04h."""
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+@main.command()
+@json_option
+def ping(as_json: bool) -> None:
+    """Check that the daemon answers."""
+    client = _client()
+    seconds = client.ping()
+    if as_json:
+        _print_json({"socket": client.socket_path, "round_trip": seconds})
+    else:
+        click.echo(f"watchdogd at {client.socket_path} answered in {seconds * 1000:.2f} ms")
+
+
+@main.command()
+@click.option("--pid", type=click.IntRange(min=1), required=True, help="The process to watch.")
+@click.option("--scope", required=True, help="The timer's scope.")
+@click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds."
+)
+@click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
+@json_option
+def arm(pid: int, scope: str, timeout: float, policy: str | None, as_json: bool) -> None:
+    """Arm (or re-arm) the timer (PID, SCOPE)."""
+    remaining = _client().acquire(scope, timeout, policy=policy, pid=pid)
+    if as_json:
+        _print_json({"pid": pid, "scope": scope, "remaining": remaining})
+    else:
+        click.echo(f"armed pid {pid} scope {scope!r}: {format_duration(remaining)} left")
+
+
+@main.command()
+@click.option("--pid", type=click.IntRange(min=1), required=True, help="The process.")
+@click.option("--scope", required=True, help="The timer's scope.")
+@json_option
+def release(pid: int, scope: str, as_json: bool) -> None:
+    """Disarm the timer (PID, SCOPE); succeeds also when none was armed."""
+    found = _client().release(scope, pid=pid)
+    if as_json:
+        _print_json({"pid": pid, "scope": scope, "found": found})
+    else:
+        state = "released" if found else "no timer was armed for"
+        click.echo(f"{state} pid {pid} scope {scope!r}")
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds."
+)
+@click.option("--scope", help="The timer's scope (default: run:<command name>).")
+@click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
+@json_option
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(
+    timeout: float, scope: str | None, policy: str | None, as_json: bool, command: Sequence[str]
+) -> None:
+    """Run COMMAND under a timer; exit with its status (128+N if signal N ended it).
+
+    SIGINT, SIGTERM and SIGHUP are passed on to COMMAND. If watchdogctl itself fails
+    (no daemon, a refused timer, a command that cannot start), it exits 125.
+    """
+    client = _client()
+    scope = scope or f"run:{os.path.basename(command[0])}"
+    try:
+        client.ping()
+        child = subprocess.Popen(command)
+    except (WatchdogdError, OSError) as exc:
+        raise _RunFailed(str(exc)) from None
+    previous = {signum: signal.signal(signum, _forward_to(child)) for signum in _FORWARDED}
+    try:
+        _arm_child(client, child, scope, timeout, policy)
+        # Wait without reaping, so the pid still names the child when its timer
+        # is released; then reap.
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        _release_child(client, child, scope)
+        returncode = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    status = returncode if returncode >= 0 else 128 - returncode
+    if as_json:
+        _print_json({"pid": child.pid, "scope": scope, "status": status})
+    sys.exit(status)
+
+
+def _forward_to(child: subprocess.Popen[bytes]) -> Any:
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signum)
+
+    return forward
+
+
+def _arm_child(
+    client: Client, child: subprocess.Popen[bytes], scope: str, timeout: float, policy: str | None
+) -> None:
+    try:
+        client.acquire(scope, timeout, policy=policy, pid=child.pid)
+    except RequestRefused as exc:
+        if exc.code == ErrorCode.NO_SUCH_PROCESS:
+            return  # it has exited already; nothing to watch
+        _abandon(child)
+        raise _RunFailed(str(exc)) from None
+    except WatchdogdError as exc:
+        _abandon(child)
+        raise _RunFailed(str(exc)) from None
+
+
+def _release_child(client: Client, child: subprocess.Popen[bytes], scope: str) -> None:
+    try:
+        client.release(scope, pid=child.pid)
+    except WatchdogdError as exc:
+        # The child has exited, so the daemon drops its timer on its own.
+        click.echo(f"watchdogctl: could not release the timer: {exc}", err=True)
+
+
+def _abandon(child: subprocess.Popen[bytes]) -> None:
+    """The child must not run unprotected when its timer could not be armed."""
+    child.kill()
+    child.wait()
