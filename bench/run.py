@@ -1,0 +1,290 @@
+"""watchdogd benchmarks, each printed with its ratio to a floor measured in the same run.
+
+The floor is a raw Python AF_UNIX ping-pong between two processes, with the same
+message size and the same CPU placement as the daemon and its clients: servers (the
+floor's echo process, the daemon) on CPU 0, clients on CPU 1. Waking a process on the
+other core dominates a round trip, so unpinned figures swing from run to run.
+
+Figures:
+- acked round trips per second for one client (acquire and release alternating);
+- acked requests per second from 8 client processes;
+- for >= 1,000 victims while 10,000 other timers are armed: deadline to death (the
+  victim's pidfd reporting its exit in this process) and deadline to signal (the
+  daemon's own ``late_ms``), p50 and p99.
+
+Run with ``make bench``; ``--quick`` shortens every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdogd_client import Client
+from watchdogd_client.protocol import Acquire, encode_frame
+
+SERVER_CPU = 0
+CLIENT_CPU = 1
+REQUEST = encode_frame(Acquire(id=1, scope="bench", timeout=60.0))
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    ratio: float
+    note: str
+
+
+def pin(cpu: int, pid: int = 0) -> None:
+    if cpu < os.cpu_count():  # type: ignore[operator]
+        os.sched_setaffinity(pid, {cpu})
+
+
+def floor_round_trip(count: int) -> float:
+    """Seconds per raw ping-pong round trip between two pinned processes."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:  # the echo server
+        ours.close()
+        pin(SERVER_CPU)
+        while data := theirs.recv(65536):
+            theirs.sendall(data)
+        os._exit(0)
+    theirs.close()
+    pin(CLIENT_CPU)
+    for _ in range(1000):  # warm up
+        ours.sendall(REQUEST)
+        ours.recv(65536)
+    started = time.perf_counter()
+    for _ in range(count):
+        ours.sendall(REQUEST)
+        ours.recv(65536)
+    elapsed = time.perf_counter() - started
+    ours.close()
+    os.waitpid(child, 0)
+    return elapsed / count
+
+
+@contextmanager
+def running_daemon(directory: Path) -> Iterator[tuple[Path, Path]]:
+    socket_path = directory / "watchdogd.sock"
+    log_path = directory / "watchdogd.log"
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "watchdogd",
+                "--socket",
+                str(socket_path),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    pin(SERVER_CPU, daemon.pid)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with Client(socket_path) as client:
+                    client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        yield socket_path, log_path
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+
+def single_client(socket_path: Path, count: int) -> float:
+    """Seconds per acked request, one client, acquire and release alternating."""
+    pin(CLIENT_CPU)
+    with Client(socket_path) as client:
+        for _ in range(500):
+            client.acquire("bench", 60.0)
+            client.release("bench")
+        started = time.perf_counter()
+        for _ in range(count // 2):
+            client.acquire("bench", 60.0)
+            client.release("bench")
+        elapsed = time.perf_counter() - started
+    return elapsed / (count // 2 * 2)
+
+
+def many_clients(socket_path: Path, clients: int, seconds: float) -> float:
+    """Acked requests per second from ``clients`` processes at once."""
+    start_r, start_w = os.pipe()
+    result_r, result_w = os.pipe()
+    children = []
+    for n in range(clients):
+        child = os.fork()
+        if child == 0:
+            os.close(start_w)
+            pin(CLIENT_CPU)
+            done = 0
+            with Client(socket_path) as client:
+                client.ping()
+                os.read(start_r, 1)
+                stop = time.perf_counter() + seconds
+                while time.perf_counter() < stop:
+                    client.acquire(f"c{n}", 60.0)
+                    client.release(f"c{n}")
+                    done += 2
+            os.write(result_w, f"{done}\n".encode())
+            os._exit(0)
+        children.append(child)
+    os.close(start_r)
+    os.close(result_w)
+    time.sleep(0.5)  # let every client connect
+    os.write(start_w, b"x" * clients)
+    os.close(start_w)
+    with os.fdopen(result_r) as results:
+        total = sum(int(line) for line in results)
+    for child in children:
+        os.waitpid(child, 0)
+    return total / seconds
+
+
+def deadline_to_death(
+    socket_path: Path, log_path: Path, victims: int, others: int, spacing: float
+) -> tuple[list[float], list[float]]:
+    """Lateness of each victim's death and of each SIGKILL, in seconds."""
+    pin(CLIENT_CPU)
+    with Client(socket_path) as client:
+        for i in range(others):
+            client.acquire(f"other-{i}", 3600.0)
+        children = [subprocess.Popen(["sleep", "3600"]) for _ in range(victims)]
+        pidfds = {os.pidfd_open(child.pid): child for child in children}
+        poller = select.epoll()
+        for fd in pidfds:
+            poller.register(fd, select.EPOLLIN)
+        deadlines: dict[int, float] = {}
+        base = 0.5 + victims * 0.0002  # time to arm them all before the first fires
+        first = time.monotonic()
+        for index, child in enumerate(children):
+            timeout = base + index * spacing - (time.monotonic() - first)
+            sent = time.monotonic()
+            remaining = client.acquire("victim", timeout, pid=child.pid)
+            acked = time.monotonic()
+            deadlines[child.pid] = (sent + acked) / 2 + remaining
+        lateness: list[float] = []
+        while len(lateness) < victims:
+            for fd, _ in poller.poll(5.0):
+                died = time.monotonic()
+                child = pidfds[fd]
+                poller.unregister(fd)
+                lateness.append(died - deadlines[child.pid])
+        poller.close()
+        for fd, child in pidfds.items():
+            os.close(fd)
+            child.wait()
+        for i in range(others):
+            client.release(f"other-{i}")
+    signalled = [float(m) / 1000 for m in re.findall(r"late_ms=([0-9.e+-]+)", log_path.read_text())]
+    return lateness, signalled
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
+    options = parser.parse_args()
+    round_trips = 5_000 if options.quick else 40_000
+    seconds = 1.0 if options.quick else 4.0
+    victims = 200 if options.quick else 1_000
+    others = 2_000 if options.quick else 10_000
+
+    print(f"cpus: {os.cpu_count()}, servers on CPU {SERVER_CPU}, clients on CPU {CLIENT_CPU}")
+    floor = floor_round_trip(round_trips)
+    floor_rate = 1 / floor
+    figures = [
+        Figure(
+            "floor: raw AF_UNIX ping-pong",
+            floor * 1e6,
+            "us/round trip",
+            1.0,
+            f"{floor_rate:,.0f}/s",
+        )
+    ]
+    with (
+        tempfile.TemporaryDirectory(prefix="wd-bench-") as directory,
+        running_daemon(Path(directory)) as (path, log),
+    ):
+        one = single_client(path, round_trips)
+        figures.append(
+            Figure(
+                "1 client: acked request",
+                one * 1e6,
+                "us/round trip",
+                one / floor,
+                f"{1 / one:,.0f}/s",
+            )
+        )
+        eight = many_clients(path, 8, seconds)
+        figures.append(
+            Figure(
+                "8 clients: acked requests",
+                eight,
+                "requests/s",
+                eight / floor_rate,
+                "ratio = rate / floor rate",
+            )
+        )
+        death, signalled = deadline_to_death(path, log, victims, others, spacing=0.003)
+        for label, values in (
+            ("deadline -> death", death),
+            ("deadline -> SIGKILL sent", signalled),
+        ):
+            for name, fraction in (("p50", 0.5), ("p99", 0.99)):
+                value = percentile(values, fraction)
+                figures.append(
+                    Figure(
+                        f"{label} {name}",
+                        value * 1e3,
+                        "ms",
+                        value / floor,
+                        f"n={len(values)}, {others} others armed",
+                    )
+                )
+        figures.append(
+            Figure(
+                "deadline -> death mean",
+                statistics.fmean(death) * 1e3,
+                "ms",
+                statistics.fmean(death) / floor,
+                "",
+            )
+        )
+    width = max(len(f.name) for f in figures)
+    print(f"{'figure':<{width}}  {'value':>12}  {'unit':<14} {'x floor':>8}  note")
+    for f in figures:
+        print(f"{f.name:<{width}}  {f.value:>12,.2f}  {f.unit:<14} {f.ratio:>8.2f}  {f.note}")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()
