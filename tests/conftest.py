@@ -135,6 +135,20 @@ def sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen(["sleep", "300"])
 
 
+def where_is(pid: int) -> str:
+    """What a process that should have ended is doing: state, wait channel, kernel stack."""
+    parts = []
+    for name in ("status", "wchan", "stack"):
+        try:
+            text = Path(f"/proc/{pid}/{name}").read_text()
+        except OSError as exc:
+            text = f"({exc.strerror})"
+        if name == "status":
+            text = next((line for line in text.splitlines() if line.startswith("State")), text)
+        parts.append(f"{name}: {text.strip()}")
+    return "; ".join(parts)
+
+
 def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
     """Kill (if need be) and reap a child, and close its pipes."""
     if process.poll() is None:

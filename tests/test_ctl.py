@@ -14,7 +14,7 @@ import pytest
 
 from watchdogd.ctl import format_duration
 
-from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until
+from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until, where_is
 
 WATCHDOGCTL = str(Path(sys.executable).parent / "watchdogctl")
 
@@ -160,8 +160,12 @@ class TestRun:
         assert run.stdout is not None
         assert run.stdout.readline().strip() == "ready"
         run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=PATIENCE) == 7
-        run.stdout.close()
+        try:
+            assert run.wait(timeout=PATIENCE) == 7
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"watchdogctl run did not end: {where_is(run.pid)}") from None
+        finally:
+            reap(run)
 
     def test_the_timer_is_on_the_child(self, daemon: RunningDaemon) -> None:
         run = subprocess.Popen(

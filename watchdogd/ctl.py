@@ -7,6 +7,7 @@ and exits non-zero; it never shows a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -199,31 +200,64 @@ def run(
     scope = scope or f"run:{os.path.basename(command[0])}"
     try:
         client.ping()
-        child = subprocess.Popen(command)
-    except (WatchdogdError, OSError) as exc:
+    except WatchdogdError as exc:
         raise _RunFailed(str(exc)) from None
-    previous = {signum: signal.signal(signum, _forward_to(child)) for signum in _FORWARDED}
-    try:
+    with _Forwarder() as forwarder:
+        try:
+            child = subprocess.Popen(command)
+        except OSError as exc:
+            raise _RunFailed(str(exc)) from None
+        forwarder.attach(child.pid)
         _arm_child(client, child, scope, timeout, policy)
         # Wait without reaping, so the pid still names the child when its timer
         # is released; then reap.
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
         _release_child(client, child, scope)
         returncode = child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     status = returncode if returncode >= 0 else 128 - returncode
     if as_json:
         _print_json({"pid": child.pid, "scope": scope, "status": status})
     sys.exit(status)
 
 
-def _forward_to(child: subprocess.Popen[bytes]) -> Any:
-    def forward(signum: int, frame: object) -> None:
-        child.send_signal(signum)
+class _Forwarder:
+    """Passes SIGINT, SIGTERM and SIGHUP on to the child, through its pidfd.
 
-    return forward
+    The handlers are in place before the child starts; a signal that arrives before
+    the child exists is passed on as soon as it does. A pidfd (rather than
+    Popen.send_signal, which may reap) keeps the child unreaped until `run` reaps it.
+    """
+
+    def __init__(self) -> None:
+        self._pidfd: int | None = None
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Forwarder:
+        self._previous = {signum: signal.signal(signum, self._forward) for signum in _FORWARDED}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+
+    def attach(self, pid: int) -> None:
+        self._pidfd = os.pidfd_open(pid)
+        for signum in self._pending:
+            self._send(signum)
+
+    def _forward(self, signum: int, frame: object) -> None:
+        if self._pidfd is None:
+            self._pending.append(signum)
+        else:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        assert self._pidfd is not None
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signum)
 
 
 def _arm_child(

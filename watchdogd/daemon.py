@@ -10,6 +10,7 @@ removed, and no timer fires on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -98,15 +99,24 @@ async def run(
         now=clock(),
         on_deadline=scheduler.notify,
     )
+    # Signals are caught before the socket is announced, so a SIGTERM sent as soon
+    # as the daemon answers still stops it cleanly.
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(watcher.run, service.process_exited)
-            await nursery.start(scheduler.run)
-            await nursery.start(functools.partial(serve, listener, service, clock=clock))
-            log.info(logfmt("listening", socket=socket_path, pid=os.getpid(), version=__version__))
-            task_status.started(service)
-            if handle_signals:
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with contextlib.ExitStack() as stack:
+            signals = (
+                stack.enter_context(trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT))
+                if handle_signals
+                else None
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(watcher.run, service.process_exited)
+                await nursery.start(scheduler.run)
+                await nursery.start(functools.partial(serve, listener, service, clock=clock))
+                log.info(
+                    logfmt("listening", socket=socket_path, pid=os.getpid(), version=__version__)
+                )
+                task_status.started(service)
+                if signals is not None:
                     async for signum in signals:
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
                         nursery.cancel_scope.cancel()
