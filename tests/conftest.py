@@ -103,7 +103,11 @@ def client(daemon: RunningDaemon) -> Iterator[Client]:
 
 
 def python_worker(
-    source: str, *args: str, socket: Path, env: dict[str, str] | None = None
+    source: str,
+    *args: str,
+    socket: Path,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
 ) -> subprocess.Popen[str]:
     """Start a Python process running ``source`` with WATCHDOGD_SOCKET set.
 
@@ -118,6 +122,7 @@ def python_worker(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,
     )
 
 
@@ -133,6 +138,29 @@ def wait_ready(worker: subprocess.Popen[str]) -> None:
 def sleeper() -> subprocess.Popen[bytes]:
     """A victim that sleeps and dies by whatever signal reaches it."""
     return subprocess.Popen(["sleep", "300"])
+
+
+WATCHDOGCTL = str(Path(sys.executable).parent / "watchdogctl")
+
+
+def ctl_command(socket: Path, *args: str) -> list[str]:
+    return [WATCHDOGCTL, "--socket", str(socket), *args]
+
+
+def ctl(socket: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run watchdogctl as an operator would; never raises on its exit status."""
+    return subprocess.run(
+        ctl_command(socket, *args), capture_output=True, text=True, check=False, timeout=timeout
+    )
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it will never run again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def where_is(pid: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from watchdogd.config import DaemonConfig
+from watchdogd.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.errors import Refusal
 from watchdogd.process import Peer
 from watchdogd.service import Caller, Service
@@ -79,13 +79,15 @@ def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list
     )
     notified: list[float] = []
     service = Service(
-        DaemonConfig(**limits),  # type: ignore[arg-type]
+        Config(
+            daemon=DaemonConfig(**limits),  # type: ignore[arg-type]
+            policies={"ops": PolicyConfig(steps=[], root_only=True)},
+        ),
         host,
-        policies={"kill", "term"},
-        default_policy="kill",
         daemon_pid=DAEMON_PID,
         now=0.0,
         on_deadline=notified.append,
+        wall=lambda: 1_700_000_000.0,
     )
     return service, host, notified
 

@@ -14,23 +14,16 @@ import pytest
 
 from watchdogd.ctl import format_duration
 
-from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until, where_is
-
-WATCHDOGCTL = str(Path(sys.executable).parent / "watchdogctl")
-
-
-def ctl_command(socket: Path, *args: str) -> list[str]:
-    return [WATCHDOGCTL, "--socket", str(socket), *args]
-
-
-def ctl(socket: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ctl_command(socket, *args),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
+from conftest import (
+    PATIENCE,
+    RunningDaemon,
+    ctl,
+    ctl_command,
+    reap,
+    sleeper,
+    wait_until,
+    where_is,
+)
 
 
 def test_arm_status_release(daemon: RunningDaemon) -> None:
@@ -95,6 +88,53 @@ def test_status_entry_goes_when_its_process_exits(daemon: RunningDaemon) -> None
         wait_until(lambda: not client.status().timers, what="the timer to be dropped")
     # "A fraction of a second": the exit is noticed through the pidfd, not a poll.
     assert time.monotonic() - exited < 1.0
+
+
+def test_events_lists_expiries_and_exits(daemon: RunningDaemon) -> None:
+    victim, bystander = sleeper(), sleeper()
+    try:
+        ctl(
+            daemon.socket_path,
+            "arm",
+            "--pid",
+            str(victim.pid),
+            "--scope",
+            "hung",
+            "--timeout",
+            "0.1",
+        )
+        ctl(
+            daemon.socket_path,
+            "arm",
+            "--pid",
+            str(bystander.pid),
+            "--scope",
+            "a",
+            "--timeout",
+            "60",
+        )
+        assert victim.wait(timeout=PATIENCE) == -9
+        bystander.kill()
+        bystander.wait()
+        with daemon.client() as client:
+            wait_until(lambda: len(client.events().events) >= 2, what="the events")
+    finally:
+        reap(victim)
+        reap(bystander)
+    lines = ctl(daemon.socket_path, "events").stdout.splitlines()
+    expired = next(line for line in lines if " expired " in line)
+    assert f"pid={victim.pid}" in expired
+    assert "scope=hung  policy=kill" in expired
+    assert "[SIGKILL: sent SIGKILL]" in expired
+    assert "outcome=exited" in expired
+    exited = next(line for line in lines if " exited " in line and f"pid={bystander.pid}" in line)
+    assert "exited with 1 timer(s) armed: a" in exited
+    as_json = [
+        json.loads(line) for line in ctl(daemon.socket_path, "events", "--json").stdout.splitlines()
+    ]
+    assert [event["seq"] for event in as_json] == sorted(event["seq"] for event in as_json)
+    assert {"kind", "time", "pid", "scope", "policy"} <= set(as_json[-1])
+    assert len(ctl(daemon.socket_path, "events", "--limit", "1").stdout.splitlines()) == 1
 
 
 def test_ping(daemon: RunningDaemon) -> None:

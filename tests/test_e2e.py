@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from conftest import PATIENCE, RunningDaemon, python_worker, reap, wait_ready
+from conftest import PATIENCE, RunningDaemon, python_worker, reap, wait_ready, wait_until
 
 
 def finish(worker: subprocess.Popen[str]) -> tuple[int, str]:
@@ -35,7 +35,7 @@ def test_a_hung_worker_dies_by_sigkill_about_one_second_after_arming(daemon: Run
         reap(worker)
     assert status == -signal.SIGKILL
     assert 0.9 < lived < 3.0
-    assert "event=expired" in daemon.log()
+    wait_until(lambda: "event=expired" in daemon.log(), what="the expiry's log line")
     assert "policy=kill" in daemon.log()
 
 

@@ -16,9 +16,17 @@ from watchdogd_client.protocol import (
     DaemonInfo,
     Error,
     ErrorCode,
+    EventInfo,
+    Events,
+    EventsReply,
     FrameReader,
     Hello,
+    Metrics,
+    MetricsReply,
     Ping,
+    Policies,
+    PoliciesReply,
+    PolicyInfo,
     Pong,
     Release,
     Released,
@@ -26,6 +34,7 @@ from watchdogd_client.protocol import (
     Request,
     Status,
     StatusReply,
+    StepResult,
     TimerInfo,
     Welcome,
     decode_reply,
@@ -45,6 +54,19 @@ INFO = DaemonInfo(
     exited=0,
 )
 TIMER = TimerInfo(pid=4242, scope="step", remaining=1.5, policy="kill", uid=0, command="python")
+EVENT = EventInfo(
+    seq=6,
+    kind="expired",
+    time=1700000000.0,
+    pid=4242,
+    uid=0,
+    scope="step",
+    policy="term",
+    late=0.0005,
+    outcome="exited",
+    steps=[StepResult(step="SIGTERM", result="sent SIGTERM")],
+)
+POLICY = PolicyInfo(name="kill", target="process", steps=["SIGKILL"], root_only=False, builtin=True)
 
 GOLDEN = [
     pytest.param(
@@ -152,6 +174,53 @@ GOLDEN = [
         ),
         id="Error-14",
     ),
+    pytest.param(
+        Events(id=10, after=5, limit=50, wait=30.0),
+        (
+            "0000002d85a474797065a66576656e7473a269640aa5616674657205a56c696d"
+            "697432a477616974cb403e000000000000"
+        ),
+        id="Events",
+    ),
+    pytest.param(
+        Policies(id=11),
+        ("0000001382a474797065a8706f6c6963696573a269640b"),
+        id="Policies",
+    ),
+    pytest.param(
+        Metrics(id=12),
+        ("0000001282a474797065a76d657472696373a269640c"),
+        id="Metrics",
+    ),
+    pytest.param(
+        EventsReply(id=10, events=[EVENT], last=6),
+        (
+            "000000f684a474797065a66576656e7473a269640aa66576656e747391de0012"
+            "a373657106a46b696e64a765787069726564a474696d65cb41d954fc40000000"
+            "a3706964cd1092a375696400a573636f7065a473746570a6706f6c696379a474"
+            "65726da7636f6d6d616e64a0a861726d65645f6174c0a8646561646c696e65c0"
+            "a866697265645f6174c0a46c617465cb3f40624dd2f1a9fca76f7574636f6d65"
+            "a6657869746564a573746570739183a473746570a75349475445524da6726573"
+            "756c74ac73656e74205349475445524da66f7574707574a0a674696d657273c0"
+            "a46e6f7465a0a57374617465a0a5776368616ea0a46c61737406"
+        ),
+        id="EventsReply",
+    ),
+    pytest.param(
+        PoliciesReply(id=11, policies=[POLICY], default="kill"),
+        (
+            "0000006784a474797065a8706f6c6963696573a269640ba8706f6c6963696573"
+            "9185a46e616d65a46b696c6ca6746172676574a770726f63657373a573746570"
+            "7391a75349474b494c4ca9726f6f745f6f6e6c79c2a76275696c74696ec3a764"
+            "656661756c74a46b696c6c"
+        ),
+        id="PoliciesReply",
+    ),
+    pytest.param(
+        MetricsReply(id=12, text="watchdogd_up 1\n"),
+        ("0000002783a474797065a76d657472696373a269640ca474657874af7761746368646f67645f757020310a"),
+        id="MetricsReply",
+    ),
 ]
 
 
@@ -170,8 +239,9 @@ def test_golden_bytes_decode_to_the_message(message: Request | Reply, golden: st
 def test_every_message_type_has_golden_bytes() -> None:
     pinned = {type(message) for message, _ in (param.values for param in GOLDEN)}
     assert pinned == {
-        Hello, Acquire, Release, Status, Ping,
-        Welcome, Acquired, Released, StatusReply, Pong, Error,
+        Hello, Acquire, Release, Status, Ping, Events, Policies, Metrics,
+        Welcome, Acquired, Released, StatusReply, Pong, EventsReply, PoliciesReply, MetricsReply,
+        Error,
     }  # fmt: skip
 
 

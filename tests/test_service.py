@@ -70,7 +70,14 @@ class TestAcquire:
         service = w.service
         error = refusal(service, Acquire(id=1, scope="s", timeout=5, policy="nuke"), w.alice)
         assert error.code == ErrorCode.UNKNOWN_POLICY
-        assert "kill, term" in error.message
+        assert "abort, kill, log, ops, term" in error.message
+
+    def test_root_only_policies(self) -> None:
+        w = make_world()
+        error = refusal(w.service, Acquire(id=1, scope="s", timeout=5, policy="ops"), w.alice)
+        assert error.code == ErrorCode.PERMISSION_DENIED
+        assert "'ops' may be chosen by root only" in error.message
+        w.service.handle(Acquire(id=2, scope="s", timeout=5, policy="ops"), w.root, 1.0)
 
     def test_scope_bytes_are_bounded(self) -> None:
         w = make_world(max_scope_bytes=8)
@@ -297,7 +304,6 @@ class TestExpiryAndExit:
         assert alice.refs == 3  # the table's, the action's and her connection's
         assert bob.refs == 2  # the action's and his connection's: he left the table
         assert w.host.tracked == {200}
-        assert service.counters.expired == 2
 
     def test_exit_drops_every_timer_of_the_process(self) -> None:
         w = make_world()
@@ -311,7 +317,7 @@ class TestExpiryAndExit:
         assert len(service.table) == 0
         assert w.host.tracked == set()
         assert process.refs == 1  # alice's connection still holds it
-        assert service.counters.exited == 1
+        assert service.metrics.exited == 1
         assert service.process_exited(process) == []  # reported twice: no effect
 
 

@@ -28,6 +28,7 @@ def exchange(session: Session, message: object) -> tuple[ReplyMessage, bool]:
     body = message if isinstance(message, bytes) else encode_frame(message)[4:]  # type: ignore[arg-type]
     out = bytearray()
     keep_open = session.receive(body, 1.0, out)
+    assert isinstance(keep_open, bool)
     [frame] = FrameReader(1 << 20).feed(bytes(out))
     return decode_reply(frame), keep_open
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import click
@@ -40,17 +41,36 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     type=click.Choice(list(LEVELS)),
     help="Overrides the config's log_level (default: info).",
 )
+@click.option(
+    "--metrics-textfile",
+    metavar="PATH",
+    help="Write the Prometheus metrics to PATH every few seconds, atomically "
+    "(for node_exporter's textfile collector).",
+)
 @click.version_option(__version__, prog_name="watchdogd")
-def main(socket_option: str | None, config_path: str | None, log_level: str | None) -> None:
+def main(
+    socket_option: str | None,
+    config_path: str | None,
+    log_level: str | None,
+    metrics_textfile: str | None,
+) -> None:
     """Run the watchdog daemon in the foreground.
 
     Workers arm timers over its Unix socket; a timer that passes its deadline has
     its policy carried out on the worker (SIGKILL by default). SIGTERM or SIGINT
-    stops it.
+    stops it; SIGHUP reloads the config file.
     """
     try:
         config = load_config(config_path) if config_path else Config()
         setup(log_level or config.daemon.log_level)
-        trio.run(run, config, daemon_socket_path(socket_option, config))
+        trio.run(
+            functools.partial(
+                run,
+                config,
+                daemon_socket_path(socket_option, config),
+                config_path=config_path,
+                metrics_textfile=metrics_textfile,
+            )
+        )
     except DaemonError as exc:
         raise click.ClickException(str(exc)) from None

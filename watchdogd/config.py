@@ -4,6 +4,17 @@ Unknown keys are errors, every number has a bound, and every error names the fil
 the key and what was expected. Each setting has a default, so the daemon runs with no
 file at all. Precedence for the socket: ``--socket``, then ``$WATCHDOGD_SOCKET``, then
 the file's ``[daemon] socket``, then the default of `watchdogd_client.paths`.
+
+Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they mean::
+
+    [policies.graceful]
+    target = "tree"                     # or "process" (default), "group"
+    steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
+    root_only = false
+
+A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
+(an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
+take an optional ``timeout`` (seconds, default 10).
 """
 
 from __future__ import annotations
@@ -17,12 +28,25 @@ from msgspec import Meta, Struct
 from watchdogd_client.protocol import MAX_REQUEST_FRAME
 
 from .errors import ConfigError
+from .policies import (
+    BUILTIN,
+    DEFAULT_STEP_TIMEOUT,
+    Dump,
+    Exec,
+    Policy,
+    Signal,
+    Step,
+    TargetKind,
+    Wait,
+    signal_number,
+)
 
 DAY: Final = 86_400.0
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 Seconds = Annotated[float, Meta(gt=0, le=365 * DAY)]
 Count = Annotated[int, Meta(ge=1, le=100_000_000)]
+PolicyName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -52,25 +76,105 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     send_timeout: Seconds = 10.0
     #: A frame still incomplete this long after its first byte closes its connection.
     partial_frame_timeout: Seconds = 10.0
+    #: The policy of timers armed without one.
+    default_policy: PolicyName = "kill"
+    #: Events kept in memory for ``watchdogctl events``.
+    events: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+    #: A target still alive this long after SIGKILL is reported as unkillable.
+    unkillable_after: Seconds = 5.0
+    #: How often ``--metrics-textfile`` is rewritten.
+    metrics_interval: Seconds = 5.0
+
+
+class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One entry of a policy's ``steps``: exactly one of the four kinds."""
+
+    signal: str | int | None = None
+    wait: Annotated[float, Meta(ge=0, le=DAY)] | None = None
+    exec: Annotated[list[str], Meta(min_length=1)] | None = None
+    dump: bool | Annotated[list[str], Meta(min_length=1)] | None = None
+    timeout: Annotated[float, Meta(gt=0, le=DAY)] | None = None
+
+
+class PolicyConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``[policies.NAME]`` table."""
+
+    target: TargetKind = "process"
+    steps: list[StepConfig] = []
+    root_only: bool = False
 
 
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A whole config file."""
 
     daemon: DaemonConfig = DaemonConfig()
+    policies: dict[PolicyName, PolicyConfig] = {}
+
+    def policy_set(self, source: str = "config") -> dict[str, Policy]:
+        """The built-in policies overlaid with the configured ones; raises
+        `ConfigError` naming ``source`` and the key when a step is wrong."""
+        policies = dict(BUILTIN)
+        for name, table in self.policies.items():
+            steps = tuple(
+                _step(step, f"{source}: policies.{name}.steps[{index}]")
+                for index, step in enumerate(table.steps)
+            )
+            policies[name] = Policy(
+                name=name, steps=steps, target=table.target, root_only=table.root_only
+            )
+        if self.daemon.default_policy not in policies:
+            known = ", ".join(sorted(policies))
+            raise ConfigError(
+                f"{source}: daemon.default_policy: no policy {self.daemon.default_policy!r}; "
+                f"known: {known}"
+            )
+        return policies
+
+
+def _step(step: StepConfig, where: str) -> Step:
+    kinds = [
+        kind
+        for kind, value in (
+            ("signal", step.signal),
+            ("wait", step.wait),
+            ("exec", step.exec),
+            ("dump", step.dump),
+        )
+        if value is not None and value is not False
+    ]
+    if len(kinds) != 1:
+        found = ", ".join(kinds) or "none"
+        raise ConfigError(f"{where}: a step has exactly one of signal, wait, exec, dump ({found})")
+    timeout = DEFAULT_STEP_TIMEOUT if step.timeout is None else step.timeout
+    if step.timeout is not None and kinds[0] not in ("exec", "dump"):
+        raise ConfigError(f"{where}: timeout applies to exec and dump steps only")
+    if step.signal is not None:
+        try:
+            return Signal(signal_number(step.signal))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.signal: {exc}") from None
+    if step.wait is not None:
+        return Wait(step.wait)
+    if step.exec is not None:
+        return Exec(tuple(step.exec), timeout)
+    if isinstance(step.dump, list):
+        return Dump(tuple(step.dump), timeout)
+    return Dump(timeout=timeout)
 
 
 _AT_PATH: Final = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def parse_config(data: bytes | str, source: str) -> Config:
-    """Decode a config document; ``source`` names it in error messages."""
+    """Decode and check a config document; ``source`` names it in error messages."""
     try:
-        return msgspec.toml.decode(data, type=Config)
+        config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_explain(str(exc))}") from None
+        raise ConfigError(f"{source}: {_locate_in_policies(data) or _explain(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    config.policy_set(source)
+    return config
 
 
 def load_config(path: str) -> Config:
@@ -81,6 +185,24 @@ def load_config(path: str) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
     return parse_config(data, path)
+
+
+def _locate_in_policies(data: bytes | str) -> str | None:
+    """msgspec reports an error inside a policy table as ``policies[...]``; decode
+    the tables one by one to name the policy."""
+    try:
+        document = msgspec.toml.decode(data)
+    except msgspec.DecodeError:
+        return None
+    tables = document.get("policies") if isinstance(document, dict) else None
+    if not isinstance(tables, dict):
+        return None
+    for name, table in tables.items():
+        try:
+            msgspec.convert(table, PolicyConfig)
+        except msgspec.ValidationError as exc:
+            return _explain(str(exc).replace("`$", f"`$.policies.{name}", 1))
+    return None
 
 
 def _explain(message: str) -> str:

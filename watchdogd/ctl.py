@@ -8,10 +8,12 @@ and exits non-zero; it never shows a traceback.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -19,7 +21,7 @@ import click
 import msgspec
 
 from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import DaemonInfo, TimerInfo
+from watchdogd_client.protocol import DaemonInfo, EventInfo, TimerInfo
 
 from ._version import __version__
 
@@ -27,6 +29,8 @@ from ._version import __version__
 RUN_FAILED: Final = 125
 _FORWARDED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _COMMAND_WIDTH: Final = 40
+#: Seconds each follow request waits for news before asking again.
+_FOLLOW_WAIT: Final = 30.0
 _SCOPE_WIDTH: Final = 40
 
 
@@ -98,7 +102,11 @@ def _summary(info: DaemonInfo) -> str:
 
 def _table(report: DaemonStatus) -> str:
     rows = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
-    rows += [_row(timer) for timer in report.timers]
+    return _columns(rows + [_row(timer) for timer in report.timers])
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as left-aligned columns two spaces apart."""
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -147,6 +155,93 @@ def ping(as_json: bool) -> None:
         _print_json({"socket": client.socket_path, "round_trip": seconds})
     else:
         click.echo(f"watchdogd at {client.socket_path} answered in {seconds * 1000:.2f} ms")
+
+
+@main.command()
+@json_option
+@click.option("--follow", "-f", is_flag=True, help="Keep printing events as they happen.")
+@click.option(
+    "--limit",
+    "-n",
+    type=click.IntRange(min=1, max=10_000),
+    default=20,
+    show_default=True,
+    help="How many of the latest events to print first.",
+)
+def events(as_json: bool, follow: bool, limit: int) -> None:
+    """Recorded events: expiries with each step's result, exits with timers armed,
+    unkillable targets, reloads. --json prints one JSON object per line."""
+    client = _client()
+    page = client.events(limit=limit)
+    _print_events(page.events, as_json)
+    if not follow:
+        return
+    last = page.last
+    try:
+        while True:
+            page = client.events(after=last, limit=1000, wait=_FOLLOW_WAIT)
+            _print_events(page.events, as_json)
+            last = page.last
+    except KeyboardInterrupt:
+        return
+
+
+def _print_events(items: Sequence[EventInfo], as_json: bool) -> None:
+    for event in items:
+        if as_json:
+            _print_json(event)
+        else:
+            click.echo(_event_line(event))
+            for step in event.steps:
+                if step.output:
+                    click.echo(textwrap.indent(step.output.rstrip("\n"), "    | "))
+    sys.stdout.flush()
+
+
+def _event_line(event: EventInfo) -> str:
+    when = datetime.datetime.fromtimestamp(event.time).strftime("%Y-%m-%d %H:%M:%S")
+    parts = [when, event.kind, f"pid={event.pid}"]
+    if event.scope:
+        parts.append(f"scope={event.scope}")
+    if event.policy:
+        parts.append(f"policy={event.policy}")
+    if event.late is not None:
+        parts.append(f"late={event.late * 1000:.2f}ms")
+    if event.outcome:
+        parts.append(f"outcome={event.outcome}")
+    if event.state:
+        parts.append(f"state={event.state!r} wchan={event.wchan}")
+    parts += [f"[{step.step}: {step.result}]" for step in event.steps]
+    if event.note:
+        parts.append(f"({event.note})")
+    return "  ".join(parts)
+
+
+@main.command()
+@json_option
+def policies(as_json: bool) -> None:
+    """The policies a timer may use, with their steps; * marks the default."""
+    reply = _client().policies()
+    if as_json:
+        _print_json({"default": reply.default, "policies": reply.policies})
+        return
+    rows = [("NAME", "TARGET", "STEPS", "")]
+    for policy in reply.policies:
+        marks = [
+            mark
+            for mark, on in (("root only", policy.root_only), ("built in", policy.builtin))
+            if on
+        ]
+        name = f"{policy.name}*" if policy.name == reply.default else policy.name
+        steps = ", ".join(policy.steps) or "(record only)"
+        rows.append((name, policy.target, steps, ", ".join(marks)))
+    click.echo(_columns(rows))
+
+
+@main.command()
+def metrics() -> None:
+    """The daemon's metrics in the Prometheus text exposition format."""
+    click.echo(_client().metrics(), nl=False)
 
 
 @main.command()

@@ -1,11 +1,13 @@
-"""The daemon: listener, exit watcher, scheduler and request handling, wired together.
+"""The daemon: listener, exit watcher, scheduler, actions and requests, wired together.
 
 `run` is the whole daemon and is callable in-process (tests start it in a nursery and
 cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 (CLOCK_MONOTONIC: wall-clock jumps never fire or delay a timer).
 
-SIGTERM and SIGINT stop it cleanly: connections close, the socket file it created is
-removed, and no timer fires on the way out.
+Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
+created is removed, no timer fires on the way out, and a policy in progress is
+abandoned); SIGHUP reloads the config file, keeping the old config when the new one
+is invalid.
 """
 
 from __future__ import annotations
@@ -17,22 +19,22 @@ import resource
 import signal
 import time
 from collections.abc import Callable
-from typing import Final
 
 import trio
 
+from watchdogd_client.protocol import EventInfo
+
 from ._version import __version__
 from .actions import Actions
-from .config import Config
+from .config import Config, load_config
+from .errors import ConfigError
 from .exits import ExitWatcher
-from .logs import log, logfmt
+from .logs import log, logfmt, set_level
+from .metrics import write_textfile
 from .process import Peer, Process, open_process
 from .scheduler import Scheduler
 from .server import open_listener, serve
 from .service import Service
-
-DEFAULT_POLICY: Final = "kill"
-POLICIES: Final = frozenset({DEFAULT_POLICY})
 
 
 class HostProcesses:
@@ -69,55 +71,69 @@ async def run(
     config: Config,
     socket_path: str,
     *,
+    config_path: str | None = None,
+    metrics_textfile: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     handle_signals: bool = True,
     task_status: trio.TaskStatus[Service[Process]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon on ``socket_path`` until cancelled or sent SIGTERM/SIGINT.
 
-    ``task_status.started`` receives the service once the socket accepts connections.
+    ``config_path`` is re-read on SIGHUP. ``task_status.started`` receives the
+    service once the socket accepts connections.
     """
-    settings = config.daemon
     raise_nofile_limit()
-    listener = open_listener(socket_path, settings.socket_mode)
+    listener = open_listener(socket_path, config.daemon.socket_mode)
     watcher = ExitWatcher()
-    actions = Actions(clock)
+    news = trio.lowlevel.ParkingLot()
+    actions: Actions | None = None
 
     def fire(now: float) -> None:
-        actions.carry_out(service.expire_due(now))
+        expired = service.expire_due(now)
+        if expired:
+            assert actions is not None
+            actions.carry_out(expired)
 
     def next_deadline() -> float | None:
         return service.table.next_deadline()
 
     scheduler = Scheduler(clock=clock, next_deadline=next_deadline, fire=fire)
     service: Service[Process] = Service(
-        settings,
+        config,
         HostProcesses(watcher),
-        policies=POLICIES,
-        default_policy=DEFAULT_POLICY,
         daemon_pid=os.getpid(),
         now=clock(),
         on_deadline=scheduler.notify,
+        on_event=news.unpark_all,
     )
-    # Signals are caught before the socket is announced, so a SIGTERM sent as soon
-    # as the daemon answers still stops it cleanly.
+    signals_wanted = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if handle_signals else ()
     try:
         with contextlib.ExitStack() as stack:
+            # Signals are caught before the socket is announced, so a SIGTERM sent
+            # as soon as the daemon answers still stops it cleanly.
             signals = (
-                stack.enter_context(trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT))
-                if handle_signals
+                stack.enter_context(trio.open_signal_receiver(*signals_wanted))
+                if signals_wanted
                 else None
             )
             async with trio.open_nursery() as nursery:
+                actions = Actions(service, nursery, clock=clock)
                 await nursery.start(watcher.run, service.process_exited)
                 await nursery.start(scheduler.run)
-                await nursery.start(functools.partial(serve, listener, service, clock=clock))
+                await nursery.start(
+                    functools.partial(serve, listener, service, clock=clock, news=news)
+                )
+                if metrics_textfile is not None:
+                    nursery.start_soon(_write_metrics, service, metrics_textfile)
                 log.info(
                     logfmt("listening", socket=socket_path, pid=os.getpid(), version=__version__)
                 )
                 task_status.started(service)
                 if signals is not None:
                     async for signum in signals:
+                        if signum == signal.SIGHUP:
+                            reload(service, config_path)
+                            continue
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
                         nursery.cancel_scope.cancel()
                         break
@@ -126,3 +142,50 @@ async def run(
         log.info(logfmt("stopped", timers=len(service.table)))
         service.close()
         watcher.close()
+
+
+def reload(service: Service[Process], config_path: str | None) -> bool:
+    """Re-read the config file and apply it; on any error keep the old config.
+    Records a ``reloaded`` or ``reload_failed`` event either way."""
+    if config_path is None:
+        note = "no config file was given at start; nothing to reload"
+        ok = False
+    else:
+        try:
+            config = load_config(config_path)
+        except ConfigError as exc:
+            note = f"kept the old config: {exc}"
+            ok = False
+        else:
+            service.reconfigure(config)
+            set_level(config.daemon.log_level)
+            count = len(service.policies)
+            note = f"{config_path}: {count} policies, default {service.default_policy!r}"
+            ok = True
+    service.metrics.reloads["ok" if ok else "failed"] += 1
+    if not ok:
+        log.error(logfmt("reload_failed", note=note))
+    service.events.record(
+        EventInfo(
+            seq=0,
+            kind="reloaded" if ok else "reload_failed",
+            time=time.time(),
+            pid=service.daemon_pid,
+            uid=0,
+            scope="",
+            policy="",
+            note=note,
+        )
+    )
+    return ok
+
+
+async def _write_metrics(service: Service[Process], path: str) -> None:
+    """Rewrite the node_exporter textfile every ``metrics_interval`` seconds."""
+    while True:
+        text = service.metrics_text()
+        try:
+            await trio.to_thread.run_sync(write_textfile, path, text)
+        except OSError as exc:
+            log.error(logfmt("metrics_textfile_failed", path=path, error=exc.strerror))
+        await trio.sleep(service.config.metrics_interval)

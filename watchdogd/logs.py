@@ -39,6 +39,11 @@ def _value(value: object) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def set_level(level: str) -> None:
+    """Change the daemon's log level (a reloaded config may)."""
+    logging.getLogger().setLevel(LEVELS[level])
+
+
 def setup(level: str) -> None:
     """Send the daemon's log lines to stderr (the journal, under systemd)."""
     logging.basicConfig(

@@ -162,13 +162,66 @@ def read_uids(pid: int) -> tuple[int, int]:
     raise ProcessLookupError(pid)
 
 
-def read_start_time(pid: int) -> int:
-    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22)."""
+@dataclass(slots=True, frozen=True)
+class Stat:
+    """The fields of /proc/PID/stat the daemon uses."""
+
+    state: str
+    ppid: int
+    pgrp: int
+    start_time: int  # clock ticks since boot
+
+
+def read_stat(pid: int) -> Stat:
+    """Parse /proc/PID/stat (raises OSError when the process is gone)."""
     with open(f"/proc/{pid}/stat", "rb") as stat:
         data = stat.read()
     # The command name (field 2) may contain spaces and parentheses: split after
-    # the last ')'. Field 3 is then the first of the rest, field 22 the 20th.
-    return int(data[data.rindex(b")") + 2 :].split()[19])
+    # the last ')'. Field 3 is then the first of the rest.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return Stat(
+        state=fields[0].decode(),
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        start_time=int(fields[19]),
+    )
+
+
+def read_start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22)."""
+    return read_stat(pid).start_time
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (empty when it is gone)."""
+    children: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as listing:
+                children += [int(child) for child in listing.read().split()]
+        except OSError:
+            continue
+    return children
+
+
+def state_and_wchan(pid: int) -> tuple[str, str]:
+    """The ``State:`` line of /proc/PID/status and /proc/PID/wchan, for reports."""
+    state = wchan = "?"
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"State:"):
+                    state = line.split(b":", 1)[1].strip().decode()
+                    break
+        with open(f"/proc/{pid}/wchan", "rb") as channel:
+            wchan = channel.read().decode(errors="replace") or "0"
+    except OSError:
+        pass
+    return state, wchan
 
 
 def command_of(pid: int) -> str:

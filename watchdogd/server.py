@@ -25,9 +25,8 @@ from typing import Any, Final
 import trio
 
 from watchdogd_client.errors import FrameTooLarge
-from watchdogd_client.protocol import Error, FrameReader, encode_frame_into
+from watchdogd_client.protocol import Error, Events, FrameReader, encode_frame_into
 
-from .config import DaemonConfig
 from .errors import ListenError, Refusal
 from .logs import log, logfmt
 from .process import peer_of
@@ -130,9 +129,11 @@ async def serve(
     service: Service[Any],
     *,
     clock: Callable[[], float],
+    news: trio.lowlevel.ParkingLot,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept connections forever, each served by its own task."""
+    """Accept connections forever, each served by its own task. ``news`` is unparked
+    whenever an event is recorded (for followers of ``events``)."""
     async with trio.open_nursery() as nursery:
         task_status.started()
         sock = listener.socket
@@ -151,11 +152,14 @@ async def serve(
                     log.error(logfmt("accept_failed", error=exc.strerror))
                     await trio.sleep(0.1)
                     break
-                nursery.start_soon(_connection, conn, service, clock)
+                nursery.start_soon(_connection, conn, service, clock, news)
 
 
 async def _connection(
-    conn: socket.socket, service: Service[Any], clock: Callable[[], float]
+    conn: socket.socket,
+    service: Service[Any],
+    clock: Callable[[], float],
+    news: trio.lowlevel.ParkingLot,
 ) -> None:
     peer = None
     try:
@@ -170,7 +174,7 @@ async def _connection(
                 conn.send(out)
             return
         try:
-            await _converse(conn, Session(service, caller), service.config, clock)
+            await _converse(conn, Session(service, caller), clock, news)
         finally:
             service.close_connection(caller)
     except (ConnectionResetError, BrokenPipeError):
@@ -185,9 +189,13 @@ async def _connection(
 
 
 async def _converse(
-    conn: socket.socket, session: Session, config: DaemonConfig, clock: Callable[[], float]
+    conn: socket.socket,
+    session: Session,
+    clock: Callable[[], float],
+    news: trio.lowlevel.ParkingLot,
 ) -> None:
-    reader = FrameReader(config.max_frame_bytes)
+    service = session.service
+    reader = FrameReader(service.config.max_frame_bytes)
     partial_deadline: float | None = None
     burst = 0
     while True:
@@ -205,39 +213,75 @@ async def _converse(
             with trio.move_on_at(partial_deadline):
                 await trio.lowlevel.wait_readable(conn)
                 continue
-            log.info(
-                logfmt(
-                    "partial_frame_timeout",
-                    pid=session.caller.peer.pid,
-                    uid=session.caller.peer.uid,
-                )
-            )
+            log.info(logfmt("partial_frame_timeout", pid=session.caller.peer.pid))
             return
         if not data:
             return
-        out = bytearray()
-        keep_open = True
         try:
             frames = reader.feed(data)
         except FrameTooLarge as exc:
-            frames = []
-            keep_open = False
+            out = bytearray()
             encode_frame_into(Error(code=exc.code, message=exc.message), out)
-        for frame in frames:
-            keep_open = session.receive(frame, clock(), out)
-            if not keep_open:
-                break
-        if out and not await _send_all(conn, out, config.send_timeout):
-            log.info(
-                logfmt("unread_replies", pid=session.caller.peer.pid, uid=session.caller.peer.uid)
-            )
+            await _flush(conn, session, out)
             return
-        if not keep_open:
+        if not await _answer(conn, session, frames, clock, news):
             return
         if not reader.buffered:
             partial_deadline = None
         elif partial_deadline is None or frames:
-            partial_deadline = trio.current_time() + config.partial_frame_timeout
+            partial_deadline = trio.current_time() + service.config.partial_frame_timeout
+
+
+async def _answer(
+    conn: socket.socket,
+    session: Session,
+    frames: list[bytes],
+    clock: Callable[[], float],
+    news: trio.lowlevel.ParkingLot,
+) -> bool:
+    """Answer ``frames``, sending the replies together; False to close."""
+    out = bytearray()
+    for frame in frames:
+        outcome = session.receive(frame, clock(), out)
+        if outcome is False:
+            await _flush(conn, session, out)
+            return False
+        if outcome is not True:
+            # A follower waiting for news: answer what came before it first.
+            if not await _flush(conn, session, out):
+                return False
+            out = bytearray()
+            await _wait_for_news(conn, session, outcome, news)
+            session.answer(outcome, clock(), out)
+    return await _flush(conn, session, out)
+
+
+async def _flush(conn: socket.socket, session: Session, out: bytearray) -> bool:
+    """Send ``out``; False (logged) when the client left its replies unread."""
+    if not out or await _send_all(conn, out, session.service.config.send_timeout):
+        return True
+    log.info(logfmt("unread_replies", pid=session.caller.peer.pid, uid=session.caller.peer.uid))
+    return False
+
+
+async def _wait_for_news(
+    conn: socket.socket, session: Session, request: Events, news: trio.lowlevel.ParkingLot
+) -> None:
+    """Hold an events request until an event it may see is recorded, its wait runs
+    out, or the client sends more (or hangs up)."""
+    caller = session.caller.peer.uid
+    events = session.service.events
+    with trio.move_on_after(request.wait):
+        async with trio.open_nursery() as nursery:
+
+            async def until_client_speaks() -> None:
+                await trio.lowlevel.wait_readable(conn)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(until_client_speaks)
+            while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
+                await news.park()
+            nursery.cancel_scope.cancel()
 
 
 async def _send_all(conn: socket.socket, data: bytearray, timeout: float) -> bool:

@@ -1,9 +1,9 @@
 """Request handling: the one place where every request type is dispatched.
 
-Synchronous and free of sockets and clock reads: the caller passes ``now`` (on the
-monotonic clock the table uses) and the processes port does the few system calls
-that opening and watching a process need. That keeps every rule here testable with
-a fake port and a number for the time.
+Synchronous and free of sockets: the caller passes ``now`` (on the monotonic clock
+the table uses), the wall clock that stamps events is injected, and the processes
+port does the few system calls that opening and watching a process need. That keeps
+every rule here testable with a fake port and numbers for the time.
 
 Rules kept here:
 
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, Generic, Protocol, TypeVar, assert_never
 
@@ -34,8 +35,16 @@ from watchdogd_client.protocol import (
     Acquired,
     DaemonInfo,
     ErrorCode,
+    EventInfo,
+    Events,
+    EventsReply,
     Hello,
+    Metrics,
+    MetricsReply,
     Ping,
+    Policies,
+    PoliciesReply,
+    PolicyInfo,
     Pong,
     Release,
     Released,
@@ -48,13 +57,17 @@ from watchdogd_client.protocol import (
 )
 
 from ._version import __version__
-from .config import DaemonConfig
+from .config import Config
 from .errors import Refusal
-from .logs import log, logfmt
+from .events import EventLog
+from .metrics import Counters
+from .policies import Policy
 from .process import Peer
 from .timers import Expired, Timer, TimerTable
 
 ROOT: Final = 0
+#: Scopes named in an ``exited`` event; the count covers the rest.
+_LISTED_SCOPES: Final = 10
 
 
 class TargetProcess(Protocol):
@@ -101,43 +114,46 @@ class Caller(Generic[P]):
     process: P | None = None
 
 
-@dataclass(slots=True)
-class Counters:
-    """Totals since start, reported by status."""
-
-    requests: int = 0
-    expired: int = 0
-    exited: int = 0
-
-
 class Service(Generic[P]):
     """The daemon's state and its answer to every request."""
 
     def __init__(
         self,
-        config: DaemonConfig,
+        config: Config,
         processes: ProcessPort[P],
         *,
-        policies: Collection[str],
-        default_policy: str,
         daemon_pid: int,
         now: float,
         on_deadline: Callable[[float], None] = lambda deadline: None,
+        on_event: Callable[[], object] = lambda: None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
+        self.config = config.daemon
+        self.policies: Mapping[str, Policy] = config.policy_set()
         self.table: TimerTable[P] = TimerTable()
-        self.counters = Counters()
-        self.policies = policies
-        self.default_policy = default_policy
+        self.metrics = Counters()
+        self.events = EventLog(config.daemon.events, on_event)
         self.daemon_pid = daemon_pid
         self._processes = processes
         self._started = now
+        self._wall = wall
         self._on_deadline = on_deadline
         self._connections: Counter[int] = Counter()
 
     @property
     def connections(self) -> int:
         return self._connections.total()
+
+    @property
+    def default_policy(self) -> str:
+        return self.config.default_policy
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded config: policies, limits, the event ring's size. A timer
+        whose policy is gone keeps its name; at expiry the default stands in."""
+        self.policies = config.policy_set()
+        self.config = config.daemon
+        self.events.resize(config.daemon.events)
 
     def open_connection(self, peer: Peer) -> Caller[P]:
         """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
@@ -153,6 +169,7 @@ class Service(Generic[P]):
                 "its limit",
             )
         self._connections[peer.uid] += 1
+        self.metrics.connections_total += 1
         return Caller(peer)
 
     def close_connection(self, caller: Caller[P]) -> None:
@@ -167,7 +184,6 @@ class Service(Generic[P]):
 
     def handle(self, request: RequestMessage, caller: Caller[P], now: float) -> ReplyMessage:
         """Answer one validated request. Raises `Refusal` to refuse it."""
-        self.counters.requests += 1
         match request:
             case Acquire():
                 return self._acquire(request, caller, now)
@@ -175,6 +191,12 @@ class Service(Generic[P]):
                 return self._release(request, caller)
             case Status():
                 return self._status(request, caller.peer, now)
+            case Events():
+                return self._events(request, caller.peer)
+            case Policies():
+                return self._policies(request)
+            case Metrics():
+                return MetricsReply(id=request.id, text=self.metrics_text())
             case Ping():
                 return Pong(id=request.id)
             case Hello():
@@ -212,9 +234,14 @@ class Service(Generic[P]):
                 f"not {request.timeout!r}",
             )
         policy = self.default_policy if request.policy is None else request.policy
-        if policy not in self.policies:
+        chosen = self.policies.get(policy)
+        if chosen is None:
             known = ", ".join(sorted(self.policies))
             raise Refusal(ErrorCode.UNKNOWN_POLICY, f"no policy {policy!r}; known: {known}")
+        if chosen.root_only and caller.peer.uid != ROOT:
+            raise Refusal(
+                ErrorCode.PERMISSION_DENIED, f"policy {policy!r} may be chosen by root only"
+            )
         target = caller.peer.pid if request.pid is None else request.pid
         if self.table.get(target, request.scope) is None:
             self._check_timer_limits(caller.peer)
@@ -363,9 +390,41 @@ class Service(Generic[P]):
             timers=len(self.table),
             processes=self.table.process_count,
             connections=self.connections,
-            requests=self.counters.requests,
-            expired=self.counters.expired,
-            exited=self.counters.exited,
+            requests=self.metrics.requests_total,
+            expired=self.metrics.expired,
+            exited=self.metrics.exited,
+        )
+
+    def _events(self, request: Events, peer: Peer) -> EventsReply:
+        def visible(event: EventInfo) -> bool:
+            return peer.uid in (ROOT, event.uid)
+
+        events = self.events.page(request.after, request.limit, visible)
+        last = events[-1].seq if events else self.events.last
+        return EventsReply(id=request.id, events=events, last=last)
+
+    def _policies(self, request: Policies) -> PoliciesReply:
+        infos = [
+            PolicyInfo(
+                name=policy.name,
+                target=policy.target,
+                steps=policy.describe(),
+                root_only=policy.root_only,
+                builtin=policy.builtin,
+            )
+            for policy in sorted(self.policies.values(), key=lambda policy: policy.name)
+        ]
+        return PoliciesReply(id=request.id, policies=infos, default=self.default_policy)
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition of the metrics and the current gauges."""
+        return self.metrics.exposition(
+            {
+                "timers_armed": ("Timers armed now.", len(self.table)),
+                "processes_watched": ("Processes with timers armed now.", self.table.process_count),
+                "connections_open": ("Connections open now.", self.connections),
+                "events_kept": ("Events kept in memory now.", len(self.events)),
+            }
         )
 
     def expire_due(self, now: float) -> list[Expired[P]]:
@@ -376,7 +435,6 @@ class Service(Generic[P]):
             item.process.retain()
             if item.orphaned:
                 self._processes.untrack(item.process)
-        self.counters.expired += len(expired)
         return expired
 
     def close(self) -> None:
@@ -387,7 +445,8 @@ class Service(Generic[P]):
                 self._processes.untrack(gone)
 
     def process_exited(self, process: P) -> list[Timer]:
-        """Drop every timer of a process that exited; returns them."""
+        """Drop every timer of a process that exited; returns them, and records the
+        exit when it had any."""
         if self.table.process(process.pid) is not process:
             return []
         forgotten = self.table.forget(process.pid)
@@ -395,8 +454,25 @@ class Service(Generic[P]):
         _, timers = forgotten
         self._processes.untrack(process)
         if timers:
-            self.counters.exited += 1
-            log.info(logfmt("exited", pid=process.pid, timers=len(timers)))
+            self.metrics.exited += 1
+            scopes = sorted(timer.scope for timer in timers)
+            shown = ", ".join(scopes[:_LISTED_SCOPES])
+            more = (
+                f" and {len(scopes) - _LISTED_SCOPES} more" if len(scopes) > _LISTED_SCOPES else ""
+            )
+            self.events.record(
+                EventInfo(
+                    seq=0,
+                    kind="exited",
+                    time=self._wall(),
+                    pid=process.pid,
+                    uid=process.uid,
+                    scope="",
+                    policy="",
+                    timers=len(timers),
+                    note=f"exited with {len(timers)} timer(s) armed: {shown}{more}",
+                )
+            )
         return timers
 
 

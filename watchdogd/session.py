@@ -9,18 +9,22 @@ buffer, and says when the connection must close. Invariants:
   carrying its id (when readable) and the connection stays usable.
 - No exception leaves `Session.receive`: a bug while handling a valid request is
   logged and answered with ``internal``.
+- Every request is counted once, by op and result, when it is answered.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from watchdogd_client.errors import ProtocolError
 from watchdogd_client.protocol import (
     Error,
     ErrorCode,
+    Events,
+    EventsReply,
     Hello,
     ReplyMessage,
+    RequestMessage,
     decode_request,
     encode_frame_into,
 )
@@ -40,12 +44,14 @@ class Session:
         self.caller = caller
         self.greeted = False
 
-    def receive(self, frame: bytes, now: float, out: bytearray) -> bool:
+    def receive(self, frame: bytes, now: float, out: bytearray) -> bool | Events:
         """Handle one frame body, appending the reply to ``out``. Returns False when
-        the connection must close after ``out`` is sent."""
+        the connection must close after ``out`` is sent, or the `Events` request to
+        answer with `answer` once an event happens (or its wait runs out)."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
+            self.service.metrics.count_request("invalid", exc.code)
             if self.greeted:
                 error = Error(id=exc.request_id, code=exc.code, message=exc.message)
             else:
@@ -53,29 +59,58 @@ class Session:
                 error = Error(id=exc.request_id, code=ErrorCode.HANDSHAKE_REQUIRED, message=message)
             encode_frame_into(error, out)
             return self.greeted
-        reply: ReplyMessage
         if not self.greeted:
+            reply: ReplyMessage
+            result = "ok"
             if isinstance(request, Hello):
                 try:
                     reply = self.service.welcome(request)
                     self.greeted = True
                 except Refusal as refusal:
+                    result = refusal.code
                     reply = Error(id=request.id, code=refusal.code, message=refusal.message)
             else:
+                result = ErrorCode.HANDSHAKE_REQUIRED
                 message = "the first request on a connection must be hello"
-                reply = Error(id=request.id, code=ErrorCode.HANDSHAKE_REQUIRED, message=message)
+                reply = Error(id=request.id, code=result, message=message)
+            self.service.metrics.count_request(_OPS[type(request)], result)
             encode_frame_into(reply, out)
             return self.greeted
+        return self.answer(request, now, out, may_wait=True)
+
+    def answer(
+        self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
+    ) -> bool | Events:
+        """Handle a decoded request, appending its reply to ``out``."""
+        result = "ok"
+        reply: ReplyMessage
         try:
             reply = self.service.handle(request, self.caller, now)
         except Refusal as refusal:
+            result = refusal.code
             reply = Error(id=request.id, code=refusal.code, message=refusal.message)
         except Exception:
             log.exception("internal error handling %r from pid %d", request, self.caller.peer.pid)
+            result = ErrorCode.INTERNAL
             reply = Error(
                 id=request.id,
                 code=ErrorCode.INTERNAL,
                 message="the daemon failed on this request; see its log",
             )
+        if (
+            may_wait
+            and isinstance(request, Events)
+            and isinstance(reply, EventsReply)
+            and request.after is not None
+            and request.wait > 0
+            and not reply.events
+        ):
+            return request
+        self.service.metrics.count_request(_OPS[type(request)], result)
         encode_frame_into(reply, out)
         return True
+
+
+_OPS: Final[dict[type[RequestMessage], str]] = {
+    kind: str(kind.__struct_config__.tag) for kind in RequestMessage.__args__
+}

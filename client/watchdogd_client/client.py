@@ -35,9 +35,15 @@ from .protocol import (
     DaemonInfo,
     Error,
     ErrorCode,
+    Events,
+    EventsReply,
     FrameReader,
     Hello,
+    Metrics,
+    MetricsReply,
     Ping,
+    Policies,
+    PoliciesReply,
     Pong,
     Release,
     Released,
@@ -287,27 +293,51 @@ class Client(BaseClient):
         self._call(Ping(id=next(self._ids)), Pong)
         return time.perf_counter() - started
 
+    def events(
+        self, *, after: int | None = None, limit: int = 100, wait: float = 0.0
+    ) -> EventsReply:
+        """Recorded events, oldest first: the latest ``limit``, or those after the
+        number ``after``. With ``wait``, the daemon holds the reply up to that many
+        seconds for a new event (pass the reply's ``last`` as the next ``after``)."""
+        request = Events(id=next(self._ids), after=after, limit=limit, wait=wait)
+        return self._call(request, EventsReply, wait=wait)
+
+    def policies(self) -> PoliciesReply:
+        """The daemon's policies and its default policy."""
+        return self._call(Policies(id=next(self._ids)), PoliciesReply)
+
+    def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text exposition format."""
+        return self._call(Metrics(id=next(self._ids)), MetricsReply).text
+
     def _unavailable(self, exc: DaemonUnavailable) -> None:
         if self.on_unavailable == "raise":
             raise exc
         log.warning("running unprotected: %s", exc)
 
-    def _call(self, request: Request, expected: type[_R]) -> _R:
+    def _call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> _R:
         with self._lock:
             if self._sock is not None and self._owner_pid != os.getpid():
                 self._disconnect()
             reused = self._sock is not None
             if not reused:
                 self._connect()
+            if wait:
+                self._set_timeouts(self.timeout + wait)
             try:
                 return self._round_trip(request, expected)
             except _ConnectionLost as exc:
                 self._disconnect()
                 if not reused:
                     raise self._error(f"the connection closed ({exc})") from None
+            finally:
+                if wait and self._sock is not None:
+                    self._set_timeouts(self.timeout)
             # The connection was older than this request: the daemon may have
             # restarted. Every request is idempotent, so send it once more.
             self._connect()
+            if wait:
+                self._set_timeouts(self.timeout + wait)
             try:
                 return self._round_trip(request, expected)
             except _ConnectionLost as exc:
@@ -358,27 +388,22 @@ class Client(BaseClient):
             raise
 
     def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        # Kernel-side timeouts: settimeout() would add a poll() before every recv.
-        seconds = int(self.timeout)
-        timeval = struct.pack("ll", seconds, int((self.timeout - seconds) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._set_timeouts(self.timeout)
         try:
             sock.connect(self.socket_path)
         except FileNotFoundError:
-            sock.close()
+            self._disconnect()
             raise self._error("no socket there") from None
         except ConnectionRefusedError:
-            sock.close()
+            self._disconnect()
             raise self._error("nothing is listening on it") from None
         except BlockingIOError:
-            sock.close()
+            self._disconnect()
             raise self._error(f"its backlog stayed full for {self.timeout:g} s") from None
         except OSError as exc:
-            sock.close()
+            self._disconnect()
             raise self._error(exc.strerror or str(exc)) from None
-        self._sock = sock
         self._owner_pid = os.getpid()
         self._reader = FrameReader(self._max_reply)
         hello = Hello(id=next(self._ids), version=PROTOCOL_VERSION, client=f"python/{_version}")
@@ -393,6 +418,14 @@ class Client(BaseClient):
         if not isinstance(reply, Welcome):
             self._disconnect()
             raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
+
+    def _set_timeouts(self, seconds: float) -> None:
+        # Kernel-side timeouts: settimeout() would add a poll() before every recv.
+        assert self._sock is not None
+        whole = int(seconds)
+        timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
     def _disconnect(self) -> None:
         if self._sock is not None:

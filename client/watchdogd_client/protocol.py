@@ -38,9 +38,17 @@ __all__ = [
     "DaemonInfo",
     "Error",
     "ErrorCode",
+    "EventInfo",
+    "Events",
+    "EventsReply",
     "FrameReader",
     "Hello",
+    "Metrics",
+    "MetricsReply",
     "Ping",
+    "Policies",
+    "PoliciesReply",
+    "PolicyInfo",
     "Pong",
     "Release",
     "Released",
@@ -48,6 +56,7 @@ __all__ = [
     "Request",
     "Status",
     "StatusReply",
+    "StepResult",
     "TimerInfo",
     "Welcome",
     "decode_reply",
@@ -152,6 +161,27 @@ class Ping(Request, tag="ping", frozen=True, kw_only=True):
     """Liveness check."""
 
 
+class Events(Request, tag="events", frozen=True, kw_only=True):
+    """Recorded events, oldest first.
+
+    With ``after`` None: the latest ``limit`` events. Otherwise the events whose
+    ``seq`` is greater than ``after``; when there are none yet, the daemon holds the
+    reply up to ``wait`` seconds for one to happen (a long poll, for following).
+    """
+
+    after: Annotated[int, Meta(ge=0)] | None = None
+    limit: PageSize = 100
+    wait: Annotated[float, Meta(ge=0, le=300)] = 0.0
+
+
+class Policies(Request, tag="policies", frozen=True, kw_only=True):
+    """The configured policies and the default one."""
+
+
+class Metrics(Request, tag="metrics", frozen=True, kw_only=True):
+    """The daemon's metrics in the Prometheus text exposition format."""
+
+
 class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
     """Base of every daemon-to-client message; ``id`` echoes the request's."""
 
@@ -216,6 +246,69 @@ class Pong(Reply, tag="pong", frozen=True, kw_only=True):
     """Answer to `Ping`."""
 
 
+class StepResult(Struct, frozen=True, kw_only=True):
+    """What one step of a policy did, with any output it captured."""
+
+    step: str
+    result: str
+    output: str = ""
+
+
+class EventInfo(Struct, frozen=True, kw_only=True):
+    """One recorded event. ``kind`` is ``expired``, ``exited``, ``unkillable``,
+    ``reloaded`` or ``reload_failed``; times are Unix seconds, ``late`` is seconds
+    from the deadline to the first step."""
+
+    seq: int
+    kind: str
+    time: float
+    pid: int
+    uid: int
+    scope: str
+    policy: str
+    command: str = ""
+    armed_at: float | None = None
+    deadline: float | None = None
+    fired_at: float | None = None
+    late: float | None = None
+    outcome: str = ""
+    steps: list[StepResult] = []
+    timers: int | None = None
+    note: str = ""
+    state: str = ""
+    wchan: str = ""
+
+
+class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
+    """Answer to `Events`. Pass ``last`` as the next request's ``after``."""
+
+    events: list[EventInfo]
+    last: int
+
+
+class PolicyInfo(Struct, frozen=True, kw_only=True):
+    """A policy as `Policies` lists it."""
+
+    name: str
+    target: str
+    steps: list[str]
+    root_only: bool
+    builtin: bool
+
+
+class PoliciesReply(Reply, tag="policies", frozen=True, kw_only=True):
+    """Answer to `Policies`."""
+
+    policies: list[PolicyInfo]
+    default: str
+
+
+class MetricsReply(Reply, tag="metrics", frozen=True, kw_only=True):
+    """Answer to `Metrics`: Prometheus text exposition format."""
+
+    text: str
+
+
 class Error(Reply, tag="error", frozen=True, kw_only=True):
     """A refused request. ``id`` is None when the request's id could not be read."""
 
@@ -224,8 +317,18 @@ class Error(Reply, tag="error", frozen=True, kw_only=True):
     message: str
 
 
-RequestMessage = Hello | Acquire | Release | Status | Ping
-ReplyMessage = Welcome | Acquired | Released | StatusReply | Pong | Error
+RequestMessage = Hello | Acquire | Release | Status | Ping | Events | Policies | Metrics
+ReplyMessage = (
+    Welcome
+    | Acquired
+    | Released
+    | StatusReply
+    | Pong
+    | EventsReply
+    | PoliciesReply
+    | MetricsReply
+    | Error
+)
 
 _REQUEST_TAGS: Final = tuple(sorted(str(t.__struct_config__.tag) for t in RequestMessage.__args__))
 

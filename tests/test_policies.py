@@ -1,0 +1,99 @@
+"""The policy model: built-ins, signal names, and config tables turned into policies."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from watchdogd.config import parse_config
+from watchdogd.errors import ConfigError
+from watchdogd.policies import BUILTIN, Dump, Exec, Signal, Wait, signal_number
+
+
+def test_builtins_are_the_documented_ones() -> None:
+    assert {name: policy.describe() for name, policy in BUILTIN.items()} == {
+        "kill": ["SIGKILL"],
+        "term": ["SIGTERM", "wait 10s", "SIGKILL"],
+        "abort": ["SIGABRT", "wait 10s", "SIGKILL"],
+        "log": [],
+    }
+    assert all(policy.target == "process" and policy.builtin for policy in BUILTIN.values())
+
+
+@pytest.mark.parametrize(("value", "number"), [("SIGTERM", 15), ("term", 15), ("KILL", 9), (6, 6)])
+def test_signal_names_and_numbers(value: str | int, number: int) -> None:
+    assert signal_number(value) == number
+
+
+def test_unknown_signal() -> None:
+    with pytest.raises(ValueError, match="no signal named 'SIGNOPE'"):
+        signal_number("SIGNOPE")
+
+
+def test_config_adds_and_overrides_policies() -> None:
+    config = parse_config(
+        """
+        [daemon]
+        default_policy = "graceful"
+
+        [policies.graceful]
+        target = "tree"
+        steps = [
+            { exec = ["/usr/bin/logger", "{pid}"], timeout = 2 },
+            { dump = true },
+            { signal = "TERM" },
+            { wait = 5 },
+            { signal = 9 },
+        ]
+        root_only = true
+
+        [policies.kill]
+        steps = [ { dump = ["gdb", "-p", "{pid}"] }, { signal = "SIGKILL" } ]
+        """,
+        "x.toml",
+    )
+    policies = config.policy_set()
+    graceful = policies["graceful"]
+    assert graceful.target == "tree"
+    assert graceful.root_only
+    assert graceful.steps == (
+        Exec(("/usr/bin/logger", "{pid}"), 2.0),
+        Dump(),
+        Signal(signal.SIGTERM),
+        Wait(5.0),
+        Signal(signal.SIGKILL),
+    )
+    assert policies["kill"].steps[0] == Dump(("gdb", "-p", "{pid}"))
+    assert not policies["kill"].builtin
+    assert policies["term"] == BUILTIN["term"]  # untouched built-ins stay
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        (
+            "[policies.x]\nsteps = [{ signal = 'SIGNOPE' }]",
+            "policies.x.steps[0].signal: no signal named",
+        ),
+        (
+            "[policies.x]\nsteps = [{ wait = 1, signal = 9 }]",
+            "policies.x.steps[0]: a step has exactly one",
+        ),
+        ("[policies.x]\nsteps = [{}]", "policies.x.steps[0]: a step has exactly one of signal"),
+        ("[policies.x]\nsteps = [{ wait = 1, timeout = 2 }]", "timeout applies to exec and dump"),
+        (
+            "[policies.x]\nsteps = [{ wiat = 1 }]",
+            "policies.x.steps[0]: Object contains unknown field `wiat`",
+        ),
+        ("[policies.x]\ntarget = 'world'", "policies.x.target"),
+        ("[policies.x]\nsteps = [{ exec = [] }]", "policies.x.steps[0].exec"),
+        ("[daemon]\ndefault_policy = 'nope'", "daemon.default_policy: no policy 'nope'"),
+        ("[policies.'two words']\nsteps = []", "policies"),
+    ],
+)
+def test_bad_policies_name_file_and_key(document: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(document, "/etc/watchdogd.toml")
+    assert str(caught.value).startswith("/etc/watchdogd.toml: ")
+    assert expected in str(caught.value)

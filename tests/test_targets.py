@@ -1,0 +1,136 @@
+"""Policy targets on real process trees and groups."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import trio
+
+from watchdogd.process import open_process
+from watchdogd.targets import open_target
+
+from conftest import PATIENCE, gone, reap
+
+# A parent with two children: one in the parent's group, one in a session of its own.
+FAMILY = textwrap.dedent(
+    """
+    import os, sys, time
+    kids = []
+    for new_session in (False, True):
+        pid = os.fork()
+        if pid == 0:
+            if new_session:
+                os.setsid()
+            time.sleep(300)
+            os._exit(0)
+        kids.append(pid)
+    print(*kids, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def start_family() -> tuple[subprocess.Popen[str], int, int]:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FAMILY], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert parent.stdout is not None
+    same_group, own_session = map(int, parent.stdout.readline().split())
+    return parent, same_group, own_session
+
+
+def wait_dead(*pids: int) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if not gone(p)]}"
+        time.sleep(0.01)
+
+
+def kill_all(*pids: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_tree_reaches_a_descendant_in_its_own_session() -> None:
+    parent, same_group, own_session = start_family()
+    process = open_process(parent.pid)
+    target = open_target("tree", process, os.getpgrp())
+    try:
+        assert {member.pid for member in target.members} == {parent.pid, same_group, own_session}
+        assert target.signal(signal.SIGKILL) == "sent SIGKILL to 3 processes"
+        wait_dead(parent.pid, same_group, own_session)
+        assert not target.alive()
+        assert target.signal(signal.SIGKILL) == "gone"
+    finally:
+        target.close()
+        process.close()
+        kill_all(same_group, own_session)
+        reap(parent)
+
+
+def test_group_reaches_the_group_but_not_another_session() -> None:
+    parent, same_group, own_session = start_family()
+    process = open_process(parent.pid)
+    target = open_target("group", process, os.getpgrp())
+    try:
+        assert target.kind == "group"
+        assert target.pgid == parent.pid
+        assert target.signal(signal.SIGKILL) == f"sent SIGKILL to group {parent.pid}"
+        wait_dead(parent.pid, same_group)
+        assert not gone(own_session)
+    finally:
+        target.close()
+        process.close()
+        kill_all(same_group, own_session)
+        reap(parent)
+
+
+def test_group_never_signals_the_daemons_own_group() -> None:
+    child = subprocess.Popen(["sleep", "300"])  # in this process's group
+    process = open_process(child.pid)
+    target = open_target("group", process, os.getpgrp())
+    try:
+        assert target.kind == "process"
+        assert "daemon's own process group" in target.note
+        assert target.signal(signal.SIGKILL) == "sent SIGKILL"
+        assert child.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        target.close()
+        process.close()
+        reap(child)
+
+
+async def test_wait_ends_when_every_member_exits() -> None:
+    parent, same_group, own_session = start_family()
+    process = open_process(parent.pid)
+    target = open_target("tree", process, os.getpgrp())
+    try:
+        assert await target.wait_exit(0.05) is False
+        kill_all(same_group, own_session, parent.pid)
+        with trio.fail_after(PATIENCE):
+            assert await target.wait_exit(PATIENCE) is True
+    finally:
+        target.close()
+        process.close()
+        reap(parent)
+
+
+@pytest.mark.parametrize("kind", ["process", "group", "tree"])
+def test_each_target_holds_its_own_descriptors(kind: str) -> None:
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    process = open_process(child.pid)
+    target = open_target(kind, process, os.getpgrp())  # type: ignore[arg-type]
+    try:
+        assert all(member.fd != process.fd for member in target.members)
+    finally:
+        target.close()
+        process.close()
+        reap(child)

@@ -1,0 +1,120 @@
+"""Running a policy's ``exec`` and ``dump`` programs: bounded in time and output.
+
+The program comes from the root-owned config, never from a request. It runs without
+a shell, in a session of its own (so that a timeout kills everything it started),
+with a small fixed environment. ``{pid}`` and ``{scope}`` are substituted only where
+they are a whole argument, so a scope can never inject arguments or a command.
+Its stdout and stderr are captured together, keeping at most `OUTPUT_LIMIT` bytes;
+past its time limit its whole session is killed and the step says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+
+OUTPUT_LIMIT: Final = 64 * 1024
+_READ: Final = 16 * 1024
+#: Time to read what a hook wrote just before it ended.
+_DRAIN: Final = 0.5
+_DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(slots=True, frozen=True)
+class HookResult:
+    """How a hook ended: ``status`` is its exit status (128+N for signal N), None
+    if it could not start or was killed at its limit; ``result`` says it in words."""
+
+    status: int | None
+    result: str
+    output: str
+
+
+def search_path() -> str:
+    """Where hooks and dumpers are looked up: the daemon's PATH, then the directory
+    of its own interpreter (where ``pip install py-spy`` puts py-spy)."""
+    return os.pathsep.join(
+        [os.environ.get("PATH") or _DEFAULT_PATH, os.path.dirname(sys.executable)]
+    )
+
+
+def substitute(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """Replace arguments that are exactly ``{name}``; leave all else as written."""
+    return [
+        values.get(arg[1:-1], arg) if arg.startswith("{") and arg.endswith("}") else arg
+        for arg in argv
+    ]
+
+
+async def run_hook(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> HookResult:
+    """Run ``argv`` with ``env`` for at most ``timeout`` seconds."""
+    path = search_path()
+    program = shutil.which(argv[0], path=path)
+    if program is None:
+        return HookResult(None, f"not found: {argv[0]}", "")
+    try:
+        process = await trio.lowlevel.open_process(
+            [program, *argv[1:]],
+            env={"PATH": path, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd="/",
+        )
+    except OSError as exc:
+        return HookResult(None, f"could not start: {exc.strerror}", "")
+    output = bytearray()
+    dropped = 0
+    drained = trio.Event()
+
+    async def read_output() -> None:
+        nonlocal dropped
+        assert process.stdout is not None
+        while chunk := await process.stdout.receive_some(_READ):
+            keep = min(len(chunk), max(0, OUTPUT_LIMIT - len(output)))
+            output.extend(chunk[:keep])
+            dropped += len(chunk) - keep
+        drained.set()
+
+    timed_out = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_output)
+        with trio.move_on_after(timeout):
+            await process.wait()
+            timed_out = False
+        if timed_out:
+            # The hook is not reaped yet, so its pid, and the session it leads,
+            # cannot have been reused: kill everything it started.
+            _kill_session(process.pid)
+        with trio.CancelScope(shield=True):
+            await process.wait()
+            with trio.move_on_after(_DRAIN):
+                await drained.wait()
+        nursery.cancel_scope.cancel()
+    assert process.stdout is not None
+    await process.stdout.aclose()
+    text = output.decode(errors="replace")
+    if dropped:
+        text += f"\n[{dropped} more bytes dropped]"
+    if timed_out:
+        return HookResult(None, f"killed after {timeout:g}s", text)
+    status = process.returncode
+    assert status is not None
+    if status < 0:
+        return HookResult(128 - status, f"killed by {signal.Signals(-status).name}", text)
+    return HookResult(status, f"exit {status}", text)
+
+
+def _kill_session(leader: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGKILL)

@@ -1,0 +1,117 @@
+"""Policies: what happens to a process whose timer expires.
+
+A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
+early once the target has exited), `Exec` (a hook from the config, never from a
+request) and `Dump` (a stack dumper). The target is the process itself, its process
+group, or its tree (the process and its descendants).
+
+The built-in policies are always present unless the config overrides them by name:
+
+- ``kill`` (the default): SIGKILL.
+- ``term``: SIGTERM, wait up to 10 s, SIGKILL.
+- ``abort``: SIGABRT (core dump, or a Python faulthandler traceback), wait up to
+  10 s, SIGKILL.
+- ``log``: record the expiry and do nothing else.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from typing import Final, Literal
+
+from msgspec import Struct
+
+TargetKind = Literal["process", "group", "tree"]
+
+#: How long a hook or a dumper may run unless its step says otherwise.
+DEFAULT_STEP_TIMEOUT: Final = 10.0
+#: The stack dumper a ``dump`` step runs unless it names its own.
+DEFAULT_DUMPER: Final = ("py-spy", "dump", "--pid", "{pid}")
+
+
+class Signal(Struct, frozen=True):
+    """Send ``signum`` to the target."""
+
+    signum: int
+
+    def describe(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class Wait(Struct, frozen=True):
+    """Wait up to ``seconds`` for the target to exit."""
+
+    seconds: float
+
+    def describe(self) -> str:
+        return f"wait {self.seconds:g}s"
+
+
+class Exec(Struct, frozen=True):
+    """Run ``argv`` (no shell), killed after ``timeout`` seconds."""
+
+    argv: tuple[str, ...]
+    timeout: float = DEFAULT_STEP_TIMEOUT
+
+    def describe(self) -> str:
+        return "exec " + " ".join(self.argv)
+
+
+class Dump(Struct, frozen=True):
+    """Run a stack dumper on the target and keep its output."""
+
+    argv: tuple[str, ...] = DEFAULT_DUMPER
+    timeout: float = DEFAULT_STEP_TIMEOUT
+
+    def describe(self) -> str:
+        return "dump " + " ".join(self.argv)
+
+
+Step = Signal | Wait | Exec | Dump
+
+
+class Policy(Struct, frozen=True, kw_only=True):
+    """A named list of steps carried out on a target at expiry."""
+
+    name: str
+    steps: tuple[Step, ...]
+    target: TargetKind = "process"
+    #: Only root callers may arm timers with it (sensible for exec and dump steps).
+    root_only: bool = False
+    builtin: bool = False
+
+    def describe(self) -> list[str]:
+        return [step.describe() for step in self.steps]
+
+
+BUILTIN: Final[Mapping[str, Policy]] = {
+    policy.name: policy
+    for policy in (
+        Policy(name="kill", steps=(Signal(signal.SIGKILL),), builtin=True),
+        Policy(
+            name="term",
+            steps=(Signal(signal.SIGTERM), Wait(10.0), Signal(signal.SIGKILL)),
+            builtin=True,
+        ),
+        Policy(
+            name="abort",
+            steps=(Signal(signal.SIGABRT), Wait(10.0), Signal(signal.SIGKILL)),
+            builtin=True,
+        ),
+        Policy(name="log", steps=(), builtin=True),
+    )
+}
+
+
+def signal_number(value: str | int) -> int:
+    """``"SIGTERM"``, ``"TERM"`` or ``15`` as a signal number; ValueError otherwise."""
+    if isinstance(value, int):
+        return int(signal.Signals(value))
+    name = value.upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise ValueError(f"no signal named {value!r}") from None
