@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -94,6 +95,22 @@ def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
     yield running
     status = running.stop()
     assert status == 0, f"watchdogd exited {status}:\n{running.log()}"
+
+
+@contextlib.contextmanager
+def configured_daemon(
+    socket_path: Path, tmp_path: Path, config: str, *, for_everyone: bool = False
+) -> Iterator[RunningDaemon]:
+    """A daemon started with ``--config`` (the file is ``tmp_path/watchdogd.toml``);
+    ``for_everyone`` lets other users, uid 65534 among them, reach its socket."""
+    if for_everyone:
+        os.chmod(socket_path.parent, 0o755)
+    config_file = tmp_path / "watchdogd.toml"
+    config_file.write_text(config)
+    running = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config_file)])
+    running.start()
+    yield running
+    assert running.stop() == 0, running.log()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from watchdogd_client import Client, ErrorCode, RequestRefused
 from watchdogd_client.protocol import EventInfo
 
-from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until
+from conftest import PATIENCE, RunningDaemon, configured_daemon, reap, sleeper, wait_until
 
 FIRST = """
 [daemon]
@@ -33,12 +33,8 @@ steps = [ { signal = "SIGKILL" } ]
 
 @pytest.fixture
 def configured(socket_path: Path, tmp_path: Path) -> Iterator[tuple[RunningDaemon, Path]]:
-    config = tmp_path / "watchdogd.toml"
-    config.write_text(FIRST)
-    running = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
-    running.start()
-    yield running, config
-    assert running.stop() == 0, running.log()
+    with configured_daemon(socket_path, tmp_path, FIRST) as running:
+        yield running, tmp_path / "watchdogd.toml"
 
 
 def events_of(client: Client, kind: str) -> list[EventInfo]:

@@ -4,6 +4,7 @@ slow and hostile clients, and the socket file's life."""
 from __future__ import annotations
 
 import functools
+import grp
 import os
 import socket
 import stat
@@ -266,6 +267,17 @@ class TestSocketFile:
         assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
         listener.close()
         assert not socket_path.exists()
+
+    def test_mode_and_group(self, socket_path: Path) -> None:
+        listener = open_listener(str(socket_path), 0o660, "nogroup")
+        try:
+            info = os.stat(socket_path)
+            assert stat.S_IMODE(info.st_mode) == 0o660
+            assert info.st_gid == grp.getgrnam("nogroup").gr_gid
+        finally:
+            listener.close()
+        with pytest.raises(ListenError, match="no group named 'no-such-group'"):
+            open_listener(str(socket_path), 0o660, "no-such-group")
 
     def test_a_live_daemon_is_never_replaced(self, socket_path: Path) -> None:
         live = open_listener(str(socket_path), 0o666)

@@ -57,6 +57,9 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: Permission bits of the socket. Every request is authorized on its own, from
     #: the caller's kernel-reported credentials, so 0o666 is the default.
     socket_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o666
+    #: Group of the socket (a name or a gid), with e.g. ``socket_mode = 0o660`` to let
+    #: only its members connect. None leaves the daemon's own group.
+    socket_group: str | Annotated[int, Meta(ge=0)] | None = None
     log_level: LogLevel = "info"
     #: Largest request frame accepted; larger declared lengths close the connection.
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 1024 * 1024)] = MAX_REQUEST_FRAME

@@ -13,7 +13,6 @@ is invalid.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import resource
 import signal
@@ -33,7 +32,7 @@ from .logs import log, logfmt, set_level
 from .metrics import write_textfile
 from .process import Peer, Process, open_process
 from .scheduler import Scheduler
-from .server import open_listener, serve
+from .server import Context, open_listener, serve
 from .service import Service
 
 
@@ -83,7 +82,7 @@ async def run(
     service once the socket accepts connections.
     """
     raise_nofile_limit()
-    listener = open_listener(socket_path, config.daemon.socket_mode)
+    listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
     watcher = ExitWatcher()
     news = trio.lowlevel.ParkingLot()
     actions: Actions | None = None
@@ -120,9 +119,8 @@ async def run(
                 actions = Actions(service, nursery, clock=clock)
                 await nursery.start(watcher.run, service.process_exited)
                 await nursery.start(scheduler.run)
-                await nursery.start(
-                    functools.partial(serve, listener, service, clock=clock, news=news)
-                )
+                context = Context(clock=clock, news=news, tick=scheduler.poll)
+                await nursery.start(serve, listener, service, context)
                 if metrics_textfile is not None:
                     nursery.start_soon(_write_metrics, service, metrics_textfile)
                 log.info(

@@ -3,7 +3,9 @@
 It sleeps until the earliest deadline, with no polling interval, and is woken early
 only when a deadline earlier than the one it sleeps for is armed (`notify`); re-arms
 that move deadlines later, the common case, cost it nothing. Firing is synchronous
-and never waits on an action, so one slow action cannot delay another timer.
+and never waits on an action, so one slow action cannot delay another timer. Tasks
+that serve requests also call `poll` between requests, so timers fire on time even
+while a flood of requests keeps the event loop busy.
 
 On the daemon's own clock (CLOCK_MONOTONIC) it sleeps on a `TimerFd`, which wakes it
 within microseconds of the deadline; on any other clock (trio's test clocks) it
@@ -36,6 +38,15 @@ class Scheduler:
         self._fire = fire
         self._target = math.inf
         self._sleep: trio.CancelScope | None = None
+
+    def poll(self, now: float) -> None:
+        """Fire what is due at ``now`` if anything is. Called by busy connection tasks,
+        so that a flood of requests cannot keep the scheduler task from running on
+        time; O(1) when nothing is due."""
+        if now >= self._target:
+            self._fire(now)
+            deadline = self._next_deadline()
+            self._target = math.inf if deadline is None else deadline
 
     def notify(self, deadline: float) -> None:
         """A timer with ``deadline`` was armed: wake up if it is the new earliest."""

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import os
 import socket
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import trio
@@ -35,8 +37,14 @@ from .session import Session
 
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024
-#: Requests served back to back from one connection before it yields to the others.
+#: Reads served back to back from one connection before it yields to the others.
 _BURST: Final = 16
+#: Frames of one read answered before the task yields: a pipelined flood shares
+#: the loop with everyone else a few requests at a time.
+_FRAMES_PER_TURN: Final = 8
+#: Replies are sent once this many bytes are pending, so a pipelined burst of large
+#: replies is never held in memory at once.
+_FLUSH_AT: Final = 256 * 1024
 _BACKLOG: Final = 1024
 
 
@@ -62,19 +70,22 @@ class Listener:
         self.socket.close()
 
 
-def open_listener(path: str, mode: int) -> Listener:
-    """Bind and listen on ``path``.
+def open_listener(path: str, mode: int, group: str | int | None = None) -> Listener:
+    """Bind and listen on ``path`` with permission bits ``mode`` and owning ``group``.
 
     A socket file already there is replaced only when connecting to it is refused
     (its daemon is gone); a daemon that answers, or a path that is not a socket, is
     an error and nothing is removed.
     """
+    gid = _group_id(group)
     _prepare_directory(os.path.dirname(path) or ".")
     _remove_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind(path)
         inode = os.lstat(path).st_ino
+        if gid is not None:
+            os.chown(path, -1, gid)
         os.chmod(path, mode)
         sock.listen(_BACKLOG)
     except OSError as exc:
@@ -82,6 +93,15 @@ def open_listener(path: str, mode: int) -> Listener:
         raise ListenError(f"cannot listen on {path}: {exc.strerror}") from None
     sock.setblocking(False)
     return Listener(sock, path, inode)
+
+
+def _group_id(group: str | int | None) -> int | None:
+    if group is None or isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ListenError(f"socket_group: no group named {group!r}") from None
 
 
 def _prepare_directory(directory: str) -> None:
@@ -124,16 +144,26 @@ def _remove_stale_socket(path: str) -> None:
     raise ListenError(f"another daemon is listening on {path}; stop it or use --socket")
 
 
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What every connection shares besides the service."""
+
+    #: The clock deadlines are on.
+    clock: Callable[[], float]
+    #: Unparked whenever an event is recorded (for followers of ``events``).
+    news: trio.lowlevel.ParkingLot
+    #: Fires the timers due at a given time (`Scheduler.poll`).
+    tick: Callable[[float], None]
+
+
 async def serve(
     listener: Listener,
     service: Service[Any],
+    context: Context,
     *,
-    clock: Callable[[], float],
-    news: trio.lowlevel.ParkingLot,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept connections forever, each served by its own task. ``news`` is unparked
-    whenever an event is recorded (for followers of ``events``)."""
+    """Accept connections forever, each served by its own task."""
     async with trio.open_nursery() as nursery:
         task_status.started()
         sock = listener.socket
@@ -152,15 +182,10 @@ async def serve(
                     log.error(logfmt("accept_failed", error=exc.strerror))
                     await trio.sleep(0.1)
                     break
-                nursery.start_soon(_connection, conn, service, clock, news)
+                nursery.start_soon(_connection, conn, service, context)
 
 
-async def _connection(
-    conn: socket.socket,
-    service: Service[Any],
-    clock: Callable[[], float],
-    news: trio.lowlevel.ParkingLot,
-) -> None:
+async def _connection(conn: socket.socket, service: Service[Any], context: Context) -> None:
     peer = None
     try:
         conn.setblocking(False)
@@ -174,7 +199,7 @@ async def _connection(
                 conn.send(out)
             return
         try:
-            await _converse(conn, Session(service, caller), clock, news)
+            await _Connection(conn, Session(service, caller), context).converse()
         finally:
             service.close_connection(caller)
     except (ConnectionResetError, BrokenPipeError):
@@ -188,100 +213,105 @@ async def _connection(
             os.close(peer.pidfd)
 
 
-async def _converse(
-    conn: socket.socket,
-    session: Session,
-    clock: Callable[[], float],
-    news: trio.lowlevel.ParkingLot,
-) -> None:
-    service = session.service
-    reader = FrameReader(service.config.max_frame_bytes)
-    partial_deadline: float | None = None
-    burst = 0
-    while True:
-        try:
-            data = conn.recv(_RECV_SIZE)
-            burst += 1
-            if burst >= _BURST:
+class _Connection:
+    """Reads frames, answers them, and enforces the per-connection bounds."""
+
+    def __init__(self, conn: socket.socket, session: Session, context: Context) -> None:
+        self.conn = conn
+        self.session = session
+        self.context = context
+        self.config = session.service.config
+
+    async def converse(self) -> None:
+        conn = self.conn
+        reader = FrameReader(self.config.max_frame_bytes)
+        partial_deadline: float | None = None
+        burst = 0
+        while True:
+            self.config = self.session.service.config  # a reload may have changed it
+            try:
+                data = conn.recv(_RECV_SIZE)
+                burst += 1
+                if burst >= _BURST:
+                    burst = 0
+                    await trio.lowlevel.checkpoint()
+            except BlockingIOError:
                 burst = 0
-                await trio.lowlevel.checkpoint()
-        except BlockingIOError:
-            burst = 0
-            if partial_deadline is None:
-                await trio.lowlevel.wait_readable(conn)
-                continue
-            with trio.move_on_at(partial_deadline):
-                await trio.lowlevel.wait_readable(conn)
-                continue
-            log.info(logfmt("partial_frame_timeout", pid=session.caller.peer.pid))
-            return
-        if not data:
-            return
-        try:
-            frames = reader.feed(data)
-        except FrameTooLarge as exc:
-            out = bytearray()
-            encode_frame_into(Error(code=exc.code, message=exc.message), out)
-            await _flush(conn, session, out)
-            return
-        if not await _answer(conn, session, frames, clock, news):
-            return
-        if not reader.buffered:
-            partial_deadline = None
-        elif partial_deadline is None or frames:
-            partial_deadline = trio.current_time() + service.config.partial_frame_timeout
+                if partial_deadline is None:
+                    await trio.lowlevel.wait_readable(conn)
+                    continue
+                with trio.move_on_at(partial_deadline):
+                    await trio.lowlevel.wait_readable(conn)
+                    continue
+                log.info(logfmt("partial_frame_timeout", pid=self.session.caller.peer.pid))
+                return
+            if not data:
+                return
+            try:
+                frames = reader.feed(data)
+            except FrameTooLarge as exc:
+                out = bytearray()
+                encode_frame_into(Error(code=exc.code, message=exc.message), out)
+                await self.flush(out)
+                return
+            if not await self.answer(frames):
+                return
+            if not reader.buffered:
+                partial_deadline = None
+            elif partial_deadline is None or frames:
+                partial_deadline = trio.current_time() + self.config.partial_frame_timeout
 
-
-async def _answer(
-    conn: socket.socket,
-    session: Session,
-    frames: list[bytes],
-    clock: Callable[[], float],
-    news: trio.lowlevel.ParkingLot,
-) -> bool:
-    """Answer ``frames``, sending the replies together; False to close."""
-    out = bytearray()
-    for frame in frames:
-        outcome = session.receive(frame, clock(), out)
-        if outcome is False:
-            await _flush(conn, session, out)
-            return False
-        if outcome is not True:
-            # A follower waiting for news: answer what came before it first.
-            if not await _flush(conn, session, out):
+    async def answer(self, frames: list[bytes]) -> bool:
+        """Answer ``frames``; False to close. Replies go out together, or in parts of
+        about `_FLUSH_AT` bytes; every `_FRAMES_PER_TURN` frames the task fires what
+        is due and lets the other tasks run."""
+        clock, tick = self.context.clock, self.context.tick
+        out = bytearray()
+        for count, frame in enumerate(frames, 1):
+            now = clock()
+            tick(now)
+            outcome = self.session.receive(frame, now, out)
+            if outcome is False:
+                await self.flush(out)
                 return False
-            out = bytearray()
-            await _wait_for_news(conn, session, outcome, news)
-            session.answer(outcome, clock(), out)
-    return await _flush(conn, session, out)
+            if outcome is not True:
+                # A follower waiting for news: answer what came before it first.
+                if not await self.flush(out):
+                    return False
+                out = bytearray()
+                await self.wait_for_news(outcome)
+                self.session.answer(outcome, clock(), out)
+            if len(out) >= _FLUSH_AT or count % _FRAMES_PER_TURN == 0:
+                if not await self.flush(out):
+                    return False
+                out = bytearray()
+                await trio.lowlevel.checkpoint()
+        return await self.flush(out)
 
+    async def flush(self, out: bytearray) -> bool:
+        """Send ``out``; False (logged) when the client left its replies unread."""
+        if not out or await _send_all(self.conn, out, self.config.send_timeout):
+            return True
+        peer = self.session.caller.peer
+        log.info(logfmt("unread_replies", pid=peer.pid, uid=peer.uid))
+        return False
 
-async def _flush(conn: socket.socket, session: Session, out: bytearray) -> bool:
-    """Send ``out``; False (logged) when the client left its replies unread."""
-    if not out or await _send_all(conn, out, session.service.config.send_timeout):
-        return True
-    log.info(logfmt("unread_replies", pid=session.caller.peer.pid, uid=session.caller.peer.uid))
-    return False
+    async def wait_for_news(self, request: Events) -> None:
+        """Hold an events request until an event it may see is recorded, its wait
+        runs out, or the client sends more (or hangs up)."""
+        caller = self.session.caller.peer.uid
+        events = self.session.service.events
+        with trio.move_on_after(request.wait):
+            async with trio.open_nursery() as nursery:
 
+                async def until_client_speaks() -> None:
+                    await trio.lowlevel.wait_readable(self.conn)
+                    nursery.cancel_scope.cancel()
 
-async def _wait_for_news(
-    conn: socket.socket, session: Session, request: Events, news: trio.lowlevel.ParkingLot
-) -> None:
-    """Hold an events request until an event it may see is recorded, its wait runs
-    out, or the client sends more (or hangs up)."""
-    caller = session.caller.peer.uid
-    events = session.service.events
-    with trio.move_on_after(request.wait):
-        async with trio.open_nursery() as nursery:
-
-            async def until_client_speaks() -> None:
-                await trio.lowlevel.wait_readable(conn)
+                nursery.start_soon(until_client_speaks)
+                while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
+                    await self.context.news.park()
                 nursery.cancel_scope.cancel()
-
-            nursery.start_soon(until_client_speaks)
-            while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
-                await news.park()
-            nursery.cancel_scope.cancel()
 
 
 async def _send_all(conn: socket.socket, data: bytearray, timeout: float) -> bool:
