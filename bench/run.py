@@ -8,6 +8,7 @@ other core dominates a round trip, so unpinned figures swing from run to run.
 Figures:
 - acked round trips per second for one client (acquire and release alternating);
 - acked requests per second from 8 client processes;
+- both again with durable state off (``--no-state``), and the ratio on/off;
 - for >= 1,000 victims while 10,000 other timers are armed: deadline to death (the
   victim's pidfd reporting its exit in this process) and deadline to signal (the
   daemon's own ``late_ms``), p50 and p99.
@@ -81,7 +82,7 @@ def floor_round_trip(count: int) -> float:
 
 
 @contextmanager
-def running_daemon(directory: Path) -> Iterator[tuple[Path, Path]]:
+def running_daemon(directory: Path, *options: str) -> Iterator[tuple[Path, Path]]:
     socket_path = directory / "watchdogd.sock"
     log_path = directory / "watchdogd.log"
     with open(log_path, "wb") as log:
@@ -94,6 +95,7 @@ def running_daemon(directory: Path) -> Iterator[tuple[Path, Path]]:
                 str(socket_path),
                 "--log-level",
                 "warning",
+                *options,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -204,6 +206,21 @@ def deadline_to_death(
     return lateness, signalled
 
 
+def lateness_figures(
+    path: Path, log: Path, victims: int, others: int, floor: float
+) -> list[Figure]:
+    death, signalled = deadline_to_death(path, log, victims, others, spacing=0.003)
+    figures = []
+    for name, values in (("deadline -> death", death), ("deadline -> SIGKILL sent", signalled)):
+        for tag, fraction in (("p50", 0.5), ("p99", 0.99)):
+            value = percentile(values, fraction)
+            note = f"n={len(values)}, {others} others armed"
+            figures.append(Figure(f"{name} {tag}", value * 1e3, "ms", value / floor, note))
+    mean = statistics.fmean(death)
+    figures.append(Figure("deadline -> death mean", mean * 1e3, "ms", mean / floor, ""))
+    return figures
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -213,8 +230,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
     options = parser.parse_args()
-    round_trips = 5_000 if options.quick else 40_000
-    seconds = 1.0 if options.quick else 4.0
+    round_trips = 6_000 if options.quick else 40_000
+    seconds = 1.5 if options.quick else 8.0
+    rounds = 3 if options.quick else 5
     victims = 200 if options.quick else 1_000
     others = 2_000 if options.quick else 10_000
 
@@ -230,55 +248,49 @@ def main() -> None:
             f"{floor_rate:,.0f}/s",
         )
     ]
+    # Both daemons run side by side and take the load in turns, round after round:
+    # this machine's speed drifts over seconds, and the comparison must not.
+    singles: dict[str, list[float]] = {"off": [], "on": []}
+    eights: dict[str, list[float]] = {"off": [], "on": []}
     with (
-        tempfile.TemporaryDirectory(prefix="wd-bench-") as directory,
-        running_daemon(Path(directory)) as (path, log),
+        tempfile.TemporaryDirectory(prefix="wd-bench-") as off_dir,
+        tempfile.TemporaryDirectory(prefix="wd-bench-") as on_dir,
+        running_daemon(Path(off_dir), "--no-state") as (off_path, _),
+        running_daemon(Path(on_dir)) as (on_path, on_log),
     ):
-        one = single_client(path, round_trips)
-        figures.append(
-            Figure(
-                "1 client: acked request",
-                one * 1e6,
-                "us/round trip",
-                one / floor,
-                f"{1 / one:,.0f}/s",
-            )
-        )
-        eight = many_clients(path, 8, seconds)
-        figures.append(
-            Figure(
-                "8 clients: acked requests",
-                eight,
-                "requests/s",
-                eight / floor_rate,
-                "ratio = rate / floor rate",
-            )
-        )
-        death, signalled = deadline_to_death(path, log, victims, others, spacing=0.003)
-        for label, values in (
-            ("deadline -> death", death),
-            ("deadline -> SIGKILL sent", signalled),
+        for _ in range(rounds):
+            for state, path in (("off", off_path), ("on", on_path)):
+                singles[state].append(single_client(path, round_trips // rounds))
+                eights[state].append(many_clients(path, 8, seconds / rounds))
+        for state in ("off", "on"):
+            one = statistics.median(singles[state])
+            eight = statistics.median(eights[state])
+            figures += [
+                Figure(
+                    f"1 client, state {state}",
+                    one * 1e6,
+                    "us/round trip",
+                    one / floor,
+                    f"{1 / one:,.0f}/s",
+                ),
+                Figure(
+                    f"8 clients, state {state}",
+                    eight,
+                    "requests/s",
+                    eight / floor_rate,
+                    "rate / floor rate",
+                ),
+            ]
+        for what, kept in (
+            ("1 client", [off / on for on, off in zip(singles["on"], singles["off"], strict=True)]),
+            ("8 clients", [on / off for on, off in zip(eights["on"], eights["off"], strict=True)]),
         ):
-            for name, fraction in (("p50", 0.5), ("p99", 0.99)):
-                value = percentile(values, fraction)
-                figures.append(
-                    Figure(
-                        f"{label} {name}",
-                        value * 1e3,
-                        "ms",
-                        value / floor,
-                        f"n={len(values)}, {others} others armed",
-                    )
-                )
-        figures.append(
-            Figure(
-                "deadline -> death mean",
-                statistics.fmean(death) * 1e3,
-                "ms",
-                statistics.fmean(death) / floor,
-                "",
+            ratio = statistics.median(kept)
+            spread = ", ".join(f"{k * 100:.0f}" for k in kept)
+            figures.append(
+                Figure(f"{what}: state on / off", ratio * 100, "%", ratio, f"per round: {spread}")
             )
-        )
+        figures += lateness_figures(on_path, on_log, victims, others, floor)
     width = max(len(f.name) for f in figures)
     print(f"{'figure':<{width}}  {'value':>12}  {'unit':<14} {'x floor':>8}  note")
     for f in figures:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 
 #: Generous bound for things that should take milliseconds, so a loaded CI machine
@@ -26,18 +27,28 @@ PATIENCE = 10.0
 class RunningDaemon:
     """A ``watchdogd`` process started as a user would start it."""
 
-    def __init__(self, socket_path: Path, log_path: Path, args: list[str]) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        log_path: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.log_path = log_path
         self.args = args
+        self.env = env
+        self.command = command or [sys.executable, "-m", "watchdogd", "--socket", str(socket_path)]
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "watchdogd", "--socket", str(self.socket_path), *self.args],
+                [*self.command, *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=None if self.env is None else {**os.environ, **self.env},
             )
         wait_until(self._answers, what=f"the daemon to answer on {self.socket_path}")
 
@@ -57,6 +68,11 @@ class RunningDaemon:
         if self.process.poll() is None:
             self.process.send_signal(signum)
         return self.process.wait(timeout=PATIENCE)
+
+    @property
+    def state_path(self) -> str:
+        """Where the daemon keeps its timers by default: beside its socket."""
+        return default_state_path(str(self.socket_path))
 
     @property
     def pid(self) -> int:

@@ -23,6 +23,7 @@ class FakeProcess:
     saved_uid: int
     refs: int = 1
     exited: bool = False
+    start_time: int = 1000
 
     def retain(self) -> FakeProcess:
         self.refs += 1

@@ -122,7 +122,12 @@ class Actions:
             outcome = "unkillable" if killed else "alive"
         else:
             outcome = "exited"
-        notes = [text for text in (note, target.note) if text]
+        downtime = (
+            "fell due while the daemon was not running"
+            if timer.deadline < self._service.started
+            else ""
+        )
+        notes = [text for text in (note, target.note, downtime) if text]
         self._service.metrics.expiries[(policy.name, outcome)] += 1
         self._service.events.record(
             EventInfo(

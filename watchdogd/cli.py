@@ -15,6 +15,9 @@ from .config import Config, load_config
 from .daemon import run
 from .errors import DaemonError
 from .logs import LEVELS, setup
+from .server import Listener
+from .store import default_state_path
+from .systemd import inherited_listener
 
 
 def daemon_socket_path(option: str | None, config: Config) -> str:
@@ -47,27 +50,50 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     help="Write the Prometheus metrics to PATH every few seconds, atomically "
     "(for node_exporter's textfile collector).",
 )
+@click.option(
+    "--state",
+    "state_option",
+    metavar="PATH",
+    help="Keep armed timers in PATH (SQLite) across restarts (default: the config's "
+    "state, else beside the socket, e.g. /run/watchdogd/watchdogd.state.db).",
+)
+@click.option("--no-state", is_flag=True, help="Keep timers in memory only.")
 @click.version_option(__version__, prog_name="watchdogd")
 def main(
+    *,
     socket_option: str | None,
     config_path: str | None,
     log_level: str | None,
     metrics_textfile: str | None,
+    state_option: str | None,
+    no_state: bool,
 ) -> None:
     """Run the watchdog daemon in the foreground.
 
     Workers arm timers over its Unix socket; a timer that passes its deadline has
-    its policy carried out on the worker (SIGKILL by default). SIGTERM or SIGINT
-    stops it; SIGHUP reloads the config file.
+    its policy carried out on the worker (SIGKILL by default). Armed timers are kept
+    in a state file and survive a restart. SIGTERM or SIGINT stops it; SIGHUP reloads
+    the config file. Under systemd it serves a socket passed by socket activation
+    and reports readiness and watchdog pings through $NOTIFY_SOCKET.
     """
     try:
         config = load_config(config_path) if config_path else Config()
         setup(log_level or config.daemon.log_level)
+        inherited = inherited_listener()
+        if inherited is not None:
+            socket_path = inherited.getsockname()
+            listener: Listener | None = Listener(inherited, socket_path, inode=None)
+        else:
+            socket_path = daemon_socket_path(socket_option, config)
+            listener = None
+        state = None if no_state else state_option or config.daemon.state
         trio.run(
             functools.partial(
                 run,
                 config,
-                daemon_socket_path(socket_option, config),
+                socket_path,
+                listener=listener,
+                state_path=None if no_state else state or default_state_path(socket_path),
                 config_path=config_path,
                 metrics_textfile=metrics_textfile,
             )

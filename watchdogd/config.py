@@ -61,6 +61,9 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: only its members connect. None leaves the daemon's own group.
     socket_group: str | Annotated[int, Meta(ge=0)] | None = None
     log_level: LogLevel = "info"
+    #: State file (SQLite) for armed timers; ``--state``/``--no-state`` override it,
+    #: and by default it lies beside the socket.
+    state: str | None = None
     #: Largest request frame accepted; larger declared lengths close the connection.
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 1024 * 1024)] = MAX_REQUEST_FRAME
     #: Longest scope, in UTF-8 bytes.

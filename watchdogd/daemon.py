@@ -32,8 +32,10 @@ from .logs import log, logfmt, set_level
 from .metrics import write_textfile
 from .process import Peer, Process, open_process
 from .scheduler import Scheduler
-from .server import Context, open_listener, serve
+from .server import Context, Listener, open_listener, serve
 from .service import Service
+from .store import Row, Store
+from .systemd import Notifier, watchdog_interval
 
 
 class HostProcesses:
@@ -70,76 +72,144 @@ async def run(
     config: Config,
     socket_path: str,
     *,
+    state_path: str | None = None,
+    listener: Listener | None = None,
     config_path: str | None = None,
     metrics_textfile: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     handle_signals: bool = True,
     task_status: trio.TaskStatus[Service[Process]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon on ``socket_path`` until cancelled or sent SIGTERM/SIGINT.
+    """Run the daemon on ``socket_path`` (or on ``listener``, a socket passed by
+    systemd) until cancelled or sent SIGTERM/SIGINT.
 
-    ``config_path`` is re-read on SIGHUP. ``task_status.started`` receives the
-    service once the socket accepts connections.
+    Timers are kept in ``state_path`` (None: in memory only) and restored from it at
+    start. ``config_path`` is re-read on SIGHUP. ``task_status.started`` receives the
+    service once the socket accepts connections and the state is loaded.
     """
     raise_nofile_limit()
-    listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
-    watcher = ExitWatcher()
-    news = trio.lowlevel.ParkingLot()
-    actions: Actions | None = None
-
-    def fire(now: float) -> None:
-        expired = service.expire_due(now)
-        if expired:
-            assert actions is not None
-            actions.carry_out(expired)
-
-    def next_deadline() -> float | None:
-        return service.table.next_deadline()
-
-    scheduler = Scheduler(clock=clock, next_deadline=next_deadline, fire=fire)
-    service: Service[Process] = Service(
-        config,
-        HostProcesses(watcher),
-        daemon_pid=os.getpid(),
-        now=clock(),
-        on_deadline=scheduler.notify,
-        on_event=news.unpark_all,
-    )
-    signals_wanted = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if handle_signals else ()
+    if listener is None:
+        listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
+    daemon = Daemon(config, listener, state_path=state_path, clock=clock)
     try:
         with contextlib.ExitStack() as stack:
             # Signals are caught before the socket is announced, so a SIGTERM sent
             # as soon as the daemon answers still stops it cleanly.
             signals = (
-                stack.enter_context(trio.open_signal_receiver(*signals_wanted))
-                if signals_wanted
+                stack.enter_context(
+                    trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                )
+                if handle_signals
                 else None
             )
             async with trio.open_nursery() as nursery:
-                actions = Actions(service, nursery, clock=clock)
-                await nursery.start(watcher.run, service.process_exited)
-                await nursery.start(scheduler.run)
-                context = Context(clock=clock, news=news, tick=scheduler.poll)
-                await nursery.start(serve, listener, service, context)
-                if metrics_textfile is not None:
-                    nursery.start_soon(_write_metrics, service, metrics_textfile)
-                log.info(
-                    logfmt("listening", socket=socket_path, pid=os.getpid(), version=__version__)
-                )
-                task_status.started(service)
+                await daemon.start(nursery, metrics_textfile)
+                task_status.started(daemon.service)
                 if signals is not None:
                     async for signum in signals:
                         if signum == signal.SIGHUP:
-                            reload(service, config_path)
+                            reload(daemon.service, config_path)
                             continue
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
+                        daemon.notifier.send("STOPPING=1")
                         nursery.cancel_scope.cancel()
                         break
     finally:
-        listener.close()
-        log.info(logfmt("stopped", timers=len(service.table)))
-        service.close()
-        watcher.close()
+        daemon.close()
+
+
+class Daemon:
+    """The daemon's parts, built and restored before anything runs."""
+
+    def __init__(
+        self,
+        config: Config,
+        listener: Listener,
+        *,
+        state_path: str | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.listener = listener
+        self.clock = clock
+        self.store: Store | None = None
+        rows: list[Row] = []
+        if state_path is not None:
+            self.store, rows = Store.open(state_path)
+        self.watcher = ExitWatcher()
+        self.news = trio.lowlevel.ParkingLot()
+        self.notifier = Notifier()
+        self.actions: Actions | None = None
+        interval = watchdog_interval()
+        self.scheduler = Scheduler(
+            clock=clock,
+            next_deadline=self._next_deadline,
+            fire=self._fire,
+            heartbeat=None if interval is None else (interval, self._beat),
+        )
+        self.service: Service[Process] = Service(
+            config,
+            HostProcesses(self.watcher),
+            daemon_pid=os.getpid(),
+            now=clock(),
+            on_deadline=self.scheduler.notify,
+            on_event=self.news.unpark_all,
+            journal=self.store,
+        )
+        restored, dropped = self.service.restore(rows)
+        if self.store is not None:
+            log.info(logfmt("state", path=self.store.path, restored=restored, dropped=dropped))
+
+    async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
+        """Start every task in ``nursery``; returns once the socket is served."""
+        self.actions = Actions(self.service, nursery, clock=self.clock)
+        await nursery.start(self.watcher.run, self.service.process_exited)
+        if self.store is not None:
+            await nursery.start(self.store.run)
+        await nursery.start(self.scheduler.run)
+        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
+        await nursery.start(serve, self.listener, self.service, context)
+        if metrics_textfile is not None:
+            nursery.start_soon(_write_metrics, self.service, metrics_textfile)
+        state = "none" if self.store is None else self.store.path
+        log.info(
+            logfmt(
+                "listening",
+                socket=self.listener.path,
+                pid=os.getpid(),
+                version=__version__,
+                state=state,
+            )
+        )
+        self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
+
+    def _fire(self, now: float) -> None:
+        expired = self.service.expire_due(now)
+        if expired:
+            assert self.actions is not None
+            self.actions.carry_out(expired)
+
+    def _next_deadline(self) -> float | None:
+        return self.service.table.next_deadline()
+
+    def _beat(self) -> None:
+        self.notifier.send("WATCHDOG=1", f"STATUS={_status_line(self.service)}")
+
+    def close(self) -> None:
+        self.listener.close()
+        log.info(logfmt("stopped", timers=len(self.service.table)))
+        self.service.close()
+        self.watcher.close()
+        if self.store is not None:
+            self.store.write_now()
+            self.store.close()
+        self.notifier.close()
+
+
+def _status_line(service: Service[Process]) -> str:
+    return (
+        f"{len(service.table)} timers on {service.table.process_count} processes, "
+        f"{service.connections} connections"
+    )
 
 
 def reload(service: Service[Process], config_path: str | None) -> bool:

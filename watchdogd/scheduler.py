@@ -32,10 +32,15 @@ class Scheduler:
         clock: Callable[[], float],
         next_deadline: Callable[[], float | None],
         fire: Callable[[float], None],
+        heartbeat: tuple[float, Callable[[], object]] | None = None,
     ) -> None:
+        """``heartbeat`` is (interval, beat): ``beat()`` is called from this task's
+        own loop at least every ``interval`` seconds (systemd's WATCHDOG=1), so a
+        stalled loop stops beating."""
         self._clock = clock
         self._next_deadline = next_deadline
         self._fire = fire
+        self._heartbeat = heartbeat
         self._target = math.inf
         self._sleep: trio.CancelScope | None = None
 
@@ -57,21 +62,33 @@ class Scheduler:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         timer = TimerFd() if self._clock is time.monotonic else None
+        next_beat = -math.inf if self._heartbeat is not None else math.inf
         try:
             task_status.started()
             while True:
-                self._fire(self._clock())
+                now = self._clock()
+                if now >= next_beat:
+                    next_beat = self._beat(now)
+                self._fire(now)
                 deadline = self._next_deadline()
                 self._target = math.inf if deadline is None else deadline
+                wake = min(self._target, next_beat)
                 with trio.CancelScope() as self._sleep:
                     if timer is not None:
-                        timer.set(self._target)
+                        timer.set(wake)
                         await trio.lowlevel.wait_readable(timer)
                         timer.clear()
                     else:
-                        self._sleep.deadline = trio.current_time() + (self._target - self._clock())
+                        self._sleep.deadline = trio.current_time() + (wake - self._clock())
                         await trio.sleep_forever()
                 self._sleep = None
         finally:
             if timer is not None:
                 timer.close()
+
+    def _beat(self, now: float) -> float:
+        """Beat; returns when the next beat is due."""
+        assert self._heartbeat is not None
+        interval, beat = self._heartbeat
+        beat()
+        return now + interval

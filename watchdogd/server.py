@@ -10,6 +10,9 @@ frame and the connection closes; a frame still incomplete ``partial_frame_timeou
 after it began closes the connection (an idle connection between frames stays); a
 client that leaves its replies unread for ``send_timeout`` is disconnected, so
 nothing is buffered for it without bound.
+
+A reply is an acknowledgement: it is sent only once the changes made before it are
+committed to the state file (see `watchdogd.store`).
 """
 
 from __future__ import annotations
@@ -221,6 +224,8 @@ class _Connection:
         self.session = session
         self.context = context
         self.config = session.service.config
+        self.journal = session.service.journal
+        self.durable = self.journal.generation
 
     async def converse(self) -> None:
         conn = self.conn
@@ -289,8 +294,18 @@ class _Connection:
         return await self.flush(out)
 
     async def flush(self, out: bytearray) -> bool:
-        """Send ``out``; False (logged) when the client left its replies unread."""
-        if not out or await _send_all(self.conn, out, self.config.send_timeout):
+        """Send ``out`` once every change made so far is in the store (a reply is an
+        acknowledgement); False (logged) when the client left its replies unread."""
+        if not out:
+            return True
+        if self.journal.generation != self.durable:
+            changed = self.journal.generation
+            # Let every other task of this turn of the loop add its changes, so
+            # that one commit serves them all.
+            await trio.lowlevel.checkpoint()
+            await self.journal.commit(changed)
+            self.durable = changed
+        if await _send_all(self.conn, out, self.config.send_timeout):
             return True
         peer = self.session.caller.peer
         log.info(logfmt("unread_replies", pid=peer.pid, uid=peer.uid))

@@ -25,7 +25,7 @@ import heapq
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Generic, Protocol, TypeVar, assert_never
 
@@ -63,6 +63,7 @@ from .events import EventLog
 from .metrics import Counters
 from .policies import Policy
 from .process import Peer
+from .store import Journal, NullJournal, Row
 from .timers import Expired, Timer, TimerTable
 
 ROOT: Final = 0
@@ -79,6 +80,8 @@ class TargetProcess(Protocol):
     def uid(self) -> int: ...
     @property
     def saved_uid(self) -> int: ...
+    @property
+    def start_time(self) -> int: ...
     def retain(self) -> TargetProcess: ...
     def close(self) -> None: ...
 
@@ -127,6 +130,7 @@ class Service(Generic[P]):
         on_deadline: Callable[[float], None] = lambda deadline: None,
         on_event: Callable[[], object] = lambda: None,
         wall: Callable[[], float] = time.time,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config.daemon
         self.policies: Mapping[str, Policy] = config.policy_set()
@@ -135,8 +139,9 @@ class Service(Generic[P]):
         self.events = EventLog(config.daemon.events, on_event)
         self.daemon_pid = daemon_pid
         self._processes = processes
-        self._started = now
+        self.started = now
         self._wall = wall
+        self.journal: Journal = NullJournal() if journal is None else journal
         self._on_deadline = on_deadline
         self._connections: Counter[int] = Counter()
 
@@ -260,6 +265,7 @@ class Service(Generic[P]):
             if entering:
                 process.retain()
                 self._processes.track(process)
+            self.journal.put(timer, process.start_time)
         finally:
             process.close()
         self._on_deadline(timer.deadline)
@@ -275,6 +281,8 @@ class Service(Generic[P]):
             timer, gone = self.table.disarm(process.pid, request.scope)
             if gone is not None:
                 self._processes.untrack(gone)
+            if timer is not None:
+                self.journal.drop(timer.key)
         finally:
             process.close()
         return Released(id=request.id, found=timer is not None)
@@ -386,7 +394,7 @@ class Service(Generic[P]):
         return DaemonInfo(
             version=__version__,
             pid=self.daemon_pid,
-            uptime=now - self._started,
+            uptime=now - self.started,
             timers=len(self.table),
             processes=self.table.process_count,
             connections=self.connections,
@@ -435,10 +443,60 @@ class Service(Generic[P]):
             item.process.retain()
             if item.orphaned:
                 self._processes.untrack(item.process)
+            self.journal.drop(item.timer.key)
+        if expired:
+            self.journal.commit_soon()
         return expired
 
+    def restore(self, rows: Iterable[Row]) -> tuple[int, int]:
+        """Re-arm stored timers on their original deadlines (the daemon restarted).
+
+        A timer is dropped when its process is gone or its pid now belongs to another
+        process (its start time differs). Returns (restored, dropped)."""
+        restored = dropped = 0
+        handles: dict[int, P | None] = {}
+        for row in rows:
+            if row.pid not in handles:
+                handles[row.pid] = self._reopen(row)
+            process = handles[row.pid]
+            if process is None:
+                self.journal.drop((row.pid, row.scope))
+                self.journal.commit_soon()
+                dropped += 1
+                continue
+            entering = self.table.process(process.pid) is None
+            timer = self.table.restore(
+                process,
+                row.scope,
+                policy=row.policy,
+                uid=row.uid,
+                owner=row.owner,
+                timeout=row.timeout,
+                armed_at=row.armed_at,
+                deadline=row.deadline,
+            )
+            if entering:
+                self._processes.track(process)
+            self._on_deadline(timer.deadline)
+            restored += 1
+        for process in handles.values():
+            if process is not None and self.table.process(process.pid) is not process:
+                process.close()
+        return restored, dropped
+
+    def _reopen(self, row: Row) -> P | None:
+        try:
+            process = self._processes.open(row.pid, Peer(pid=0, uid=0, gid=0))
+        except Refusal:
+            return None
+        if process.start_time != row.start_time:
+            process.close()  # the pid was reused while the daemon was down
+            return None
+        return process
+
     def close(self) -> None:
-        """Drop every timer and the table's handles (the daemon is stopping)."""
+        """Drop every timer and the table's handles (the daemon is stopping). The
+        journal is not told: the timers stay in the store for the next start."""
         for timer in list(self.table.timers()):
             _, gone = self.table.disarm(timer.pid, timer.scope)
             if gone is not None:
@@ -453,7 +511,10 @@ class Service(Generic[P]):
         assert forgotten is not None
         _, timers = forgotten
         self._processes.untrack(process)
+        for timer in timers:
+            self.journal.drop(timer.key)
         if timers:
+            self.journal.commit_soon()
             self.metrics.exited += 1
             scopes = sorted(timer.scope for timer in timers)
             shown = ", ".join(scopes[:_LISTED_SCOPES])

@@ -150,6 +150,28 @@ class TimerTable(Generic[P]):
         self._deadlines.set(timer.key, timer.deadline)
         return timer, previous is not None
 
+    def restore(
+        self,
+        process: P,
+        scope: str,
+        *,
+        policy: str,
+        uid: int,
+        owner: int,
+        timeout: float,
+        armed_at: float,
+        deadline: float,
+    ) -> Timer:
+        """Put back a timer with its original times (after a restart)."""
+        timer, _ = self.arm(
+            process, scope, timeout=timeout, policy=policy, uid=uid, owner=owner, now=armed_at
+        )
+        if timer.deadline != deadline:
+            timer = msgspec.structs.replace(timer, deadline=deadline)
+            self._processes[process.pid].scopes[scope] = timer
+            self._deadlines.set(timer.key, deadline)
+        return timer
+
     def disarm(self, pid: int, scope: str) -> tuple[Timer | None, P | None]:
         """Disarm ``(pid, scope)``. Returns the timer (None if none was armed) and the
         process handle if it left the table (its last timer went)."""

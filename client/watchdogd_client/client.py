@@ -69,6 +69,8 @@ _DEFAULT_TIMEOUT: Final = 10.0
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024
 _STATUS_PAGE: Final = 1000
+#: How long a client whose connection broke waits for the daemon to come back.
+_RECONNECT_TIMEOUT: Final = 5.0
 
 
 class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,6 +217,8 @@ class Client(BaseClient):
     ``on_unavailable="warn"`` makes `acquire` and `release` log a warning and carry on
     unprotected when the daemon cannot be reached, instead of raising
     `DaemonUnavailable`; other refusals always raise `RequestRefused`.
+    When an established connection breaks (the daemon restarted), the client keeps
+    trying to reconnect for up to ``reconnect_timeout`` seconds before it gives up.
     """
 
     def __init__(
@@ -224,6 +228,7 @@ class Client(BaseClient):
         timeout: float = _DEFAULT_TIMEOUT,
         on_unavailable: OnUnavailable = "raise",
         max_reply: int = MAX_REPLY_FRAME,
+        reconnect_timeout: float = _RECONNECT_TIMEOUT,
     ) -> None:
         if on_unavailable not in ("raise", "warn"):
             raise ValueError(f"on_unavailable must be 'raise' or 'warn', not {on_unavailable!r}")
@@ -231,6 +236,7 @@ class Client(BaseClient):
             raise ValueError(f"timeout must be > 0, not {timeout!r}")
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
         self.on_unavailable: OnUnavailable = on_unavailable
         self._max_reply = max_reply
         self._lock = threading.Lock()
@@ -335,7 +341,7 @@ class Client(BaseClient):
                     self._set_timeouts(self.timeout)
             # The connection was older than this request: the daemon may have
             # restarted. Every request is idempotent, so send it once more.
-            self._connect()
+            self._reconnect()
             if wait:
                 self._set_timeouts(self.timeout + wait)
             try:
@@ -418,6 +424,21 @@ class Client(BaseClient):
         if not isinstance(reply, Welcome):
             self._disconnect()
             raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
+
+    def _reconnect(self) -> None:
+        """Connect again, waiting out a daemon restart for ``reconnect_timeout``."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        pause = 0.01
+        while True:
+            try:
+                self._connect()
+            except DaemonUnavailable:
+                if time.monotonic() + pause > deadline:
+                    raise
+            else:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
 
     def _set_timeouts(self, seconds: float) -> None:
         # Kernel-side timeouts: settimeout() would add a poll() before every recv.

@@ -1,0 +1,202 @@
+"""Timers survive the daemon: SIGKILL at any moment, SIGTERM, restarts."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from watchdogd_client import Client
+from watchdogd_client.protocol import EventInfo
+
+from conftest import (
+    PATIENCE,
+    RunningDaemon,
+    python_worker,
+    reap,
+    sleeper,
+    wait_ready,
+    wait_until,
+)
+
+
+def arm(client: Client, scope: str, timeout: float, pid: int) -> float:
+    """Arm and return the deadline on CLOCK_MONOTONIC (the daemon's clock too)."""
+    sent = time.monotonic()
+    remaining = client.acquire(scope, timeout, pid=pid)
+    return (sent + time.monotonic()) / 2 + remaining
+
+
+def death_time(process: subprocess.Popen[bytes]) -> float:
+    """When ``process`` exited, observed through a pidfd (not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(PATIENCE * 1000), "it did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
+
+
+def expired_events(client: Client) -> list[EventInfo]:
+    return [event for event in client.events(limit=1000).events if event.kind == "expired"]
+
+
+def test_sigkill_and_restart_keeps_the_original_deadline(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            deadline = arm(client, "through-a-crash", 2.0, victim.pid)
+        time.sleep(0.3)
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        died = death_time(victim)
+        assert abs(died - deadline) < 0.1, f"{(died - deadline) * 1000:.1f} ms off"
+        with daemon.client() as client:
+            wait_until(lambda: bool(expired_events(client)), what="the expiry")
+            [event] = expired_events(client)
+        assert event.note == ""  # on time, not a downtime catch-up
+    finally:
+        reap(victim)
+
+
+def test_a_timer_due_during_the_downtime_fires_right_after_restart(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            arm(client, "overdue", 0.5, victim.pid)
+        daemon.stop(signal.SIGKILL)
+        time.sleep(1.0)  # the deadline passes while nothing runs
+        started = time.monotonic()
+        daemon.start()
+        assert death_time(victim) - started < 2.0
+        assert victim.wait() == -signal.SIGKILL
+        with daemon.client() as client:
+            wait_until(lambda: bool(expired_events(client)), what="the expiry")
+            [event] = expired_events(client)
+        assert event.late is not None
+        assert event.late > 0.5
+        assert "fell due while the daemon was not running" in event.note
+    finally:
+        reap(victim)
+
+
+def test_a_timer_whose_process_died_during_the_downtime_is_dropped(daemon: RunningDaemon) -> None:
+    victim, survivor = sleeper(), sleeper()
+    try:
+        with daemon.client() as client:
+            arm(client, "dead-by-then", 60, victim.pid)
+            arm(client, "still-here", 60, survivor.pid)
+        daemon.stop(signal.SIGKILL)
+        reap(victim)
+        daemon.start()
+        with daemon.client() as client:
+            assert [(t.pid, t.scope) for t in client.status().timers] == [
+                (survivor.pid, "still-here")
+            ]
+        assert "restored=1 dropped=1" in daemon.log()
+    finally:
+        reap(victim)
+        reap(survivor)
+
+
+def test_a_recycled_pid_is_not_mistaken_for_the_armed_process(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            arm(client, "old-process", 0.5, victim.pid)
+        daemon.stop(signal.SIGKILL)
+        # As if the pid now belonged to a process that started at another time.
+        state = sqlite3.connect(daemon.state_path)
+        state.execute("UPDATE timers SET start_time = start_time + 1")
+        state.commit()
+        state.close()
+        daemon.start()
+        with daemon.client() as client:
+            assert client.status().timers == []
+        with pytest.raises(subprocess.TimeoutExpired):
+            victim.wait(timeout=1.0)  # never signalled
+    finally:
+        reap(victim)
+
+
+def test_sigterm_and_restart_keeps_every_timer(daemon: RunningDaemon) -> None:
+    victims = [sleeper(), sleeper()]
+    try:
+        with daemon.client() as client:
+            for victim in victims:
+                for scope, timeout in (("a", 60.0), ("b", 120.0)):
+                    client.acquire(scope, timeout, pid=victim.pid, policy="term")
+            before = {(t.pid, t.scope): t for t in client.status().timers}
+        stopped = time.monotonic()
+        assert daemon.stop(signal.SIGTERM) == 0
+        daemon.start()
+        elapsed = time.monotonic() - stopped
+        with daemon.client() as client:
+            after = {(t.pid, t.scope): t for t in client.status().timers}
+        assert set(after) == set(before)
+        for key, timer in after.items():
+            assert timer.policy == "term"
+            assert timer.uid == before[key].uid
+            # The time the daemon was down counted.
+            assert before[key].remaining - elapsed - 0.5 < timer.remaining <= before[key].remaining
+        assert all(victim.poll() is None for victim in victims)
+    finally:
+        for victim in victims:
+            reap(victim)
+
+
+def test_a_corrupt_state_file_never_stops_the_daemon(daemon: RunningDaemon) -> None:
+    daemon.stop(signal.SIGKILL)
+    for suffix in ("-wal", "-shm"):
+        Path(daemon.state_path + suffix).unlink(missing_ok=True)
+    Path(daemon.state_path).write_bytes(os.urandom(8192))
+    daemon.start()
+    with daemon.client() as client:
+        assert client.status().timers == []
+    assert "event=state_unreadable" in daemon.log()
+
+
+def test_expires_blocks_span_a_daemon_restart(daemon: RunningDaemon) -> None:
+    working = python_worker(
+        """
+        import time
+        from watchdogd_client import expires
+        with expires(after=3.0):
+            print("ready", flush=True)
+            time.sleep(1.5)  # the daemon is killed and restarted meanwhile
+        print("released", flush=True)
+        """,
+        socket=daemon.socket_path,
+    )
+    hung = python_worker(
+        """
+        import time
+        from watchdogd_client import expires
+        with expires(after=1.5):
+            print("ready", flush=True)
+            time.sleep(30)
+        """,
+        socket=daemon.socket_path,
+    )
+    try:
+        wait_ready(working)
+        wait_ready(hung)
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        out, err = working.communicate(timeout=PATIENCE)
+        assert working.returncode == 0, err
+        assert out.strip() == "released"  # its release reached the new daemon
+        assert hung.wait(timeout=PATIENCE) == -signal.SIGKILL
+        with daemon.client() as client:
+            assert client.status().timers == []
+    finally:
+        reap(working)
+        reap(hung)
