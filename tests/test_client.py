@@ -122,6 +122,48 @@ def test_threads_share_one_client(client: Client) -> None:
     assert my_timers(client) == {}
 
 
+def test_parent_and_forked_child_hammer_one_client(client: Client) -> None:
+    """Threads of the parent keep the client busy while it forks: the child must
+    neither inherit a held lock nor write into the parent's connection."""
+
+    def hammer(tag: str, rounds: int) -> None:
+        for i in range(rounds):
+            scope = f"{tag}-{i % 4}"
+            if client.acquire(scope, 60) != 60 or client.release(scope) is not True:
+                raise AssertionError(f"wrong reply for {scope}")
+
+    errors: list[BaseException] = []
+
+    def in_thread(tag: str) -> None:
+        try:
+            hammer(tag, 300)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=in_thread, args=(f"parent{n}",)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    children = []
+    for n in range(3):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - reports through its exit status
+            status = 0
+            try:
+                hammer(f"child{n}", 300)
+                if any(t.pid == os.getpid() for t in client.status().timers):
+                    status = 2  # a timer of its own was left armed
+            except BaseException:
+                status = 1
+            os._exit(status)
+        children.append(child)
+    for thread in threads:
+        thread.join()
+    statuses = [os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) for child in children]
+    assert statuses == [0, 0, 0]
+    assert errors == []
+    assert client.status().timers == []  # no stray timer, in parent or children
+
+
 def test_forked_child_gets_its_own_connection(client: Client) -> None:
     client.acquire("parent", 60)
     child = os.fork()
@@ -185,7 +227,7 @@ class TestExpires:
         assert my_timers(client) == {}
 
     def test_daemon_gone_at_exit_of_a_good_block_raises(self, daemon: RunningDaemon) -> None:
-        client = daemon.client()
+        client = daemon.client(reconnect_timeout=0.2)  # gone, not restarting
         with pytest.raises(DaemonUnavailable), client.expires(30):
             daemon.stop()
         client.close()
@@ -193,7 +235,7 @@ class TestExpires:
     def test_daemon_gone_never_masks_the_blocks_exception(
         self, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
     ) -> None:
-        client = daemon.client()
+        client = daemon.client(reconnect_timeout=0.2)  # gone, not restarting
 
         def failing_block() -> None:
             with client.expires(30):

@@ -316,13 +316,9 @@ class Service(Generic[P]):
             self.process_exited(process)
             process = None
         if process is None and target == peer.pid:
+            if caller.process is None:
+                caller.process = self._processes.open(target, peer)
             process = caller.process
-            if process is not None and not self._processes.alive(process):
-                caller.process = None
-                process.close()
-                process = None
-            if process is None:
-                process = caller.process = self._processes.open(target, peer)
         if process is not None:
             process.retain()
         else:

@@ -52,16 +52,22 @@ __all__ = [
 
 
 class _Default:
-    """The module-level client of `configure` and `expires`."""
+    """The module-level client of `configure` and `expires`; ``made`` says whether
+    `default_client` made it (and so may close it)."""
 
     client: BaseClient | None = None
+    made = False
     lock = threading.Lock()
 
 
 def configure(client: BaseClient | None) -> None:
-    """Make ``client`` the one module-level `expires` uses (None: back to the default)."""
+    """Make ``client`` the one module-level `expires` uses (None: back to the default).
+    A default client made earlier by `default_client` is closed."""
     with _Default.lock:
+        if _Default.made and isinstance(_Default.client, Client):
+            _Default.client.close()
         _Default.client = client
+        _Default.made = False
 
 
 def default_client() -> BaseClient:
@@ -75,6 +81,7 @@ def default_client() -> BaseClient:
         if _Default.client is None:
             disabled = os.environ.get("WATCHDOGD_DISABLE", "") not in ("", "0")
             _Default.client = NullClient() if disabled else Client()
+            _Default.made = True
         return _Default.client
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from types import TracebackType
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -252,6 +252,20 @@ class Client(BaseClient):
     def __repr__(self) -> str:
         return f"Client({self.socket_path!r})"
 
+    def __getstate__(self) -> dict[str, object]:
+        # A client sent to another process (multiprocessing's spawn pickles its
+        # arguments) arrives unconnected and connects there on first use.
+        return {
+            "socket_path": self.socket_path,
+            "timeout": self.timeout,
+            "on_unavailable": self.on_unavailable,
+            "max_reply": self._max_reply,
+            "reconnect_timeout": self.reconnect_timeout,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
     def __enter__(self) -> Client:
         return self
 
@@ -454,12 +468,7 @@ class Client(BaseClient):
             self._sock = None
 
     def _error(self, reason: str) -> DaemonUnavailable:
-        return DaemonUnavailable(
-            f"watchdogd is not reachable at {self.socket_path}: {reason}. "
-            "Start it with `watchdogd` (or `systemctl start watchdogd.socket`), "
-            "or point WATCHDOGD_SOCKET at the socket it listens on.",
-            self.socket_path,
-        )
+        return DaemonUnavailable.at(self.socket_path, reason)
 
     def _after_fork_in_child(self) -> None:
         # The parent's connection belongs to the parent: drop our copy of the fd

@@ -17,6 +17,16 @@ class DaemonUnavailable(WatchdogdError):
         super().__init__(message)
         self.socket_path = socket_path
 
+    @classmethod
+    def at(cls, socket_path: str, reason: str) -> DaemonUnavailable:
+        """The error for ``socket_path``, saying why and how to start the daemon."""
+        return cls(
+            f"watchdogd is not reachable at {socket_path}: {reason}. "
+            "Start it with `watchdogd` (or `systemctl start watchdogd.socket`), "
+            "or point WATCHDOGD_SOCKET at the socket it listens on.",
+            socket_path,
+        )
+
 
 class RequestRefused(WatchdogdError):
     """Raised when the daemon answers a request with an error reply.
