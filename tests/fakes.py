@@ -11,9 +11,11 @@ from watchdogd.service import Caller, Service
 from watchdogd_client.protocol import ErrorCode
 
 DAEMON_PID = 50
-ROOT = Peer(pid=100, uid=0, gid=0)
-ALICE = Peer(pid=200, uid=1000, gid=1000)
-BOB = Peer(pid=300, uid=2000, gid=2000)
+# As on kernels with SO_PEERPIDFD (the number stands for a pidfd; the fake host
+# never uses it).
+ROOT = Peer(pid=100, uid=0, gid=0, pidfd=-1)
+ALICE = Peer(pid=200, uid=1000, gid=1000, pidfd=-1)
+BOB = Peer(pid=300, uid=2000, gid=2000, pidfd=-1)
 
 
 @dataclass(eq=False)
@@ -47,7 +49,15 @@ class FakeHost:
         if pid not in self.processes or pid in self.dead:
             raise Refusal(ErrorCode.NO_SUCH_PROCESS, f"no process with pid {pid}")
         uid, saved = self.processes[pid]
-        process = FakeProcess(pid, uid, saved)
+        # A pid opened again is taken to be a new process holding it, unless the
+        # handle before it is still alive (the same process).
+        earlier = [p for p in self.opened if p.pid == pid]
+        start = (
+            earlier[-1].start_time
+            if earlier and self.alive(earlier[-1])
+            else 1000 + len(self.opened)
+        )
+        process = FakeProcess(pid, uid, saved, start_time=start)
         self.opened.append(process)
         return process
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -99,6 +101,27 @@ def test_reconnects_after_a_daemon_restart(daemon: RunningDaemon) -> None:
         daemon.start()
         assert client.acquire("after-restart", 60) == 60  # the old connection broke
         assert "after-restart" in my_timers(client)
+
+
+def test_an_interrupted_request_does_not_leave_the_connection_out_of_step(client: Client) -> None:
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        client.acquire("job", 60)
+        last = client.events(limit=1).last
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # Ctrl-C, or a caller's own alarm
+        with pytest.raises(Interrupted):
+            client.events(after=last, wait=5)  # interrupted while waiting for the reply
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert client.release("job") is True  # a fresh connection, not the stale reply
+    assert my_timers(client) == {}
 
 
 def test_threads_share_one_client(client: Client) -> None:
@@ -308,8 +331,9 @@ def test_null_client_accepts_everything() -> None:
 def test_client_rejects_nonsense_options() -> None:
     with pytest.raises(ValueError, match="on_unavailable"):
         Client("/x", on_unavailable="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout"):
-        Client("/x", timeout=0)
+    for timeout in (0, math.inf, 1e-9):
+        with pytest.raises(ValueError, match="timeout"):
+            Client("/x", timeout=timeout)
 
 
 def _line_of_next_statement() -> int:

@@ -27,6 +27,8 @@ from watchdogd_client.protocol import (
     Acquired,
     Error,
     ErrorCode,
+    Events,
+    EventsReply,
     FrameReader,
     Hello,
     Ping,
@@ -132,6 +134,19 @@ async def test_pipelined_requests_are_answered_in_order_with_their_ids(
         Released(id=5, found=True),
         Pong(id=6),
     ]
+
+
+async def test_a_request_pipelined_behind_a_long_poll_is_not_held_up(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    await start_daemon()
+    conn = await Conn.open(socket_path)
+    await conn.send(Events(id=1, after=0, wait=30), Ping(id=2))
+    with trio.fail_after(5):
+        replies = [await conn.receive(), await conn.receive()]
+    assert replies[1] == Pong(id=2)
+    assert isinstance(replies[0], EventsReply)
+    assert replies[0].events == []
 
 
 async def test_oversized_frame_gets_an_error_then_the_connection_closes(

@@ -79,6 +79,12 @@ class TestAcquire:
         assert "'ops' may be chosen by root only" in error.message
         w.service.handle(Acquire(id=2, scope="s", timeout=5, policy="ops"), w.root, 1.0)
 
+    def test_scopes_with_a_nul_character_are_refused(self) -> None:
+        w = make_world()
+        error = refusal(w.service, Acquire(id=1, scope="a\0b", timeout=5), w.alice)
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert "NUL" in error.message
+
     def test_scope_bytes_are_bounded(self) -> None:
         w = make_world(max_scope_bytes=8)
         service = w.service
@@ -110,6 +116,42 @@ class TestAcquire:
         assert w.service.table.process(ALICE.pid) is not first
         w.service.close_connection(w.alice)
         assert first.refs == 0
+
+
+class TestCallerIdentity:
+    def test_a_connection_that_outlived_its_process_never_reaches_the_pids_next_holder(
+        self,
+    ) -> None:
+        w = make_world()
+        w.service.handle(Acquire(id=1, scope="bob's", timeout=5), w.bob, 1.0)
+        bobs = w.service.table.process(BOB.pid)
+        assert bobs is not None
+        # Bob's process exits; a child of his keeps the connection. His pid goes
+        # to a root process, which root arms a timer on.
+        bobs.exited = True
+        w.host.processes[BOB.pid] = (0, 0)
+        w.service.handle(Acquire(id=2, scope="root's", timeout=60, pid=BOB.pid), w.root, 1.0)
+        holder = w.service.table.process(BOB.pid)
+        assert holder is not None
+        assert holder is not bobs
+        for request in (
+            Acquire(id=3, scope="root's", timeout=0.001),
+            Release(id=4, scope="root's"),
+        ):
+            error = refusal(w.service, request, w.bob)
+            assert error.code == ErrorCode.NO_SUCH_PROCESS
+            assert "has exited" in error.message
+        timer = w.service.table.get(BOB.pid, "root's")
+        assert timer is not None
+        assert timer.deadline == 61.0  # untouched
+
+    def test_without_peer_pidfds_the_caller_is_opened_when_it_connects(self) -> None:
+        service, host, _ = make_service()
+        caller = service.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
+        assert [p.pid for p in host.opened] == [ALICE.pid]
+        assert caller.process is host.opened[0]
+        service.handle(Acquire(id=1, scope="s", timeout=5), caller, 1.0)
+        assert len(host.opened) == 1
 
 
 class TestAuthorization:

@@ -144,3 +144,42 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     store, rows = Store.open(path)
     store.close()
     assert rows == []
+
+
+async def test_a_failed_write_keeps_its_changes_for_the_next(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    # A state file whose COMMIT fails while pid 999 has no parent row: a stand-in
+    # for a disk that is full at commit time.
+    raw = sqlite3.connect(path)
+    raw.executescript(
+        """
+        CREATE TABLE parent (pid INTEGER PRIMARY KEY);
+        INSERT INTO parent VALUES (1);
+        CREATE TABLE timers (
+            pid INTEGER NOT NULL REFERENCES parent(pid) DEFERRABLE INITIALLY DEFERRED,
+            scope TEXT NOT NULL, policy TEXT NOT NULL, uid INTEGER NOT NULL,
+            owner INTEGER NOT NULL, timeout REAL NOT NULL, armed_at REAL NOT NULL,
+            deadline REAL NOT NULL, start_time INTEGER NOT NULL,
+            PRIMARY KEY (pid, scope)) WITHOUT ROWID;
+        """
+    )
+    raw.close()
+    store, _ = Store.open(str(path))
+    store._db.execute("PRAGMA foreign_keys=ON")
+    store.put(timer(999, "refused"), 1)
+    store.put(timer(1, "kept"), 1)
+    await store.commit(store.generation)  # acknowledged: the daemon keeps serving
+    assert store.errors == 1
+    assert not store._db.in_transaction  # rolled back, not left open
+    store._db.execute("INSERT INTO parent VALUES (999)")  # the disk has room again
+    store.put(timer(1, "later"), 1)
+    await store.commit(store.generation)
+    assert store.errors == 1
+    store.close()
+    raw = sqlite3.connect(path)
+    assert sorted(row[0] for row in raw.execute("SELECT scope FROM timers")) == [
+        "kept",
+        "later",
+        "refused",
+    ]
+    raw.close()

@@ -16,7 +16,7 @@ import trio
 from watchdogd.process import open_process
 from watchdogd.targets import open_target
 
-from conftest import PATIENCE, gone, reap
+from conftest import PATIENCE, gone, reap, sleeper
 
 # A parent with two children: one in the parent's group, one in a session of its own.
 FAMILY = textwrap.dedent(
@@ -134,3 +134,94 @@ def test_each_target_holds_its_own_descriptors(kind: str) -> None:
         target.close()
         process.close()
         reap(child)
+
+
+async def test_a_cancelled_wait_never_wakes_a_later_target_early() -> None:
+    first, second = sleeper(), sleeper()
+    handles = [open_process(child.pid) for child in (first, second)]
+    try:
+        earlier = open_target("process", handles[0], os.getpgrp())
+        assert await earlier.wait_exit(0.1) is False  # a wait step that ran out
+        number = earlier.members[0].fd
+        earlier.close()
+        later = open_target("process", handles[1], os.getpgrp())
+        assert later.members[0].fd == number  # the descriptor number is reused
+
+        async def first_dies_meanwhile() -> None:
+            await trio.sleep(0.2)
+            first.kill()
+            first.wait()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first_dies_meanwhile)
+            # The first process's exit is not the second one's: the whole grace
+            # period is waited for.
+            started = trio.current_time()
+            assert await later.wait_exit(1.0) is False
+            assert trio.current_time() - started >= 1.0
+        assert second.poll() is None
+        later.close()
+    finally:
+        for handle in handles:
+            handle.close()
+        reap(first)
+        reap(second)
+
+
+def test_a_group_target_of_an_exited_process_is_just_the_process() -> None:
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    process = open_process(child.pid)
+    reap(child)  # gone: its pid, and its group id, may be anyone's now
+    target = open_target("group", process, os.getpgrp())
+    try:
+        assert target.kind == "process"
+        assert target.signal(signal.SIGKILL) == "gone"
+    finally:
+        target.close()
+        process.close()
+
+
+# A parent that drops to uid 65534 after forking a child that stays root, both in a
+# session of their own: the tree and the group of a process of uid 65534 that
+# contain a root process (as a setuid program would).
+MIXED_FAMILY = textwrap.dedent(
+    """
+    import os, sys, time
+    kid = os.fork()
+    if kid == 0:
+        time.sleep(300)
+        os._exit(0)
+    os.setgid(65534)
+    os.setuid(65534)
+    print(kid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes of two users")
+@pytest.mark.parametrize("kind", ["tree", "group"])
+def test_a_non_root_owners_target_leaves_out_what_it_may_not_signal(kind: str) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", MIXED_FAMILY],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert parent.stdout is not None
+    root_child = int(parent.stdout.readline())
+    process = open_process(parent.pid)
+    try:
+        as_root = open_target(kind, process, os.getpgrp(), owner=0)  # type: ignore[arg-type]
+        assert {m.pid for m in as_root.members} == {parent.pid, root_child}
+        as_root.close()
+        as_nobody = open_target(kind, process, os.getpgrp(), owner=65534)  # type: ignore[arg-type]
+        assert {m.pid for m in as_nobody.members} == {parent.pid}
+        assert as_nobody.signal(signal.SIGKILL) == "sent SIGKILL to 1 process"
+        wait_dead(parent.pid)
+        assert not gone(root_child)
+        as_nobody.close()
+    finally:
+        process.close()
+        kill_all(root_child)
+        reap(parent)

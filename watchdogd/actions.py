@@ -76,7 +76,7 @@ class Actions:
         try:
             policy, note = self._policy_for(timer)
             command = process.command()
-            target = open_target(policy.target, process, self._daemon_pgid)
+            target = open_target(policy.target, process, self._daemon_pgid, timer.owner)
         except Exception:
             log.exception("could not start the policy of %r", timer)
             return

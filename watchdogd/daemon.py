@@ -183,10 +183,14 @@ class Daemon:
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
 
     def _fire(self, now: float) -> None:
-        expired = self.service.expire_due(now)
-        if expired:
-            assert self.actions is not None
-            self.actions.carry_out(expired)
+        try:
+            expired = self.service.expire_due(now)
+            if expired:
+                assert self.actions is not None
+                self.actions.carry_out(expired)
+        except Exception:
+            # A bug here must not stop the scheduler (or the request that ran it).
+            log.exception("firing the timers due at %r failed", now)
 
     def _next_deadline(self) -> float | None:
         return self.service.table.next_deadline()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import trio
 
+from .logs import log
 from .process import Process
 
 
@@ -60,7 +61,10 @@ class ExitWatcher:
                 process = self._watched.get(fd)
                 if process is not None:
                     self.forget(process)
-                    on_exit(process)
+                    try:
+                        on_exit(process)
+                    except Exception:
+                        log.exception("handling the exit of %r failed", process)
 
     def close(self) -> None:
         """Stop watching everything and close the epoll set."""

@@ -71,8 +71,8 @@ async def run_hook(argv: Sequence[str], env: Mapping[str, str], timeout: float) 
             start_new_session=True,
             cwd="/",
         )
-    except OSError as exc:
-        return HookResult(None, f"could not start: {exc.strerror}", "")
+    except (OSError, ValueError) as exc:
+        return HookResult(None, f"could not start: {getattr(exc, 'strerror', None) or exc}", "")
     output = bytearray()
     dropped = 0
     drained = trio.Event()

@@ -18,7 +18,6 @@ committed to the state file (see `watchdogd.store`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import grp
 import os
 import socket
@@ -178,11 +177,10 @@ async def serve(
                 except BlockingIOError:
                     break
                 except OSError as exc:
-                    if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        raise
-                    # Out of descriptors: the pending connection stays queued; try
-                    # again shortly rather than spin on it.
-                    log.error(logfmt("accept_failed", error=exc.strerror))
+                    # Out of descriptors (or refused by a security module): the
+                    # pending connection stays queued; try again shortly rather
+                    # than spin on it, and never let it stop the daemon.
+                    log.error(logfmt("accept_failed", error=exc.strerror or str(exc)))
                     await trio.sleep(0.1)
                     break
                 nursery.start_soon(_connection, conn, service, context)
@@ -259,23 +257,27 @@ class _Connection:
                 encode_frame_into(Error(code=exc.code, message=exc.message), out)
                 await self.flush(out)
                 return
-            if not await self.answer(frames):
+            if not await self.answer(frames, more=reader.buffered > 0):
                 return
             if not reader.buffered:
                 partial_deadline = None
             elif partial_deadline is None or frames:
                 partial_deadline = trio.current_time() + self.config.partial_frame_timeout
 
-    async def answer(self, frames: list[bytes]) -> bool:
-        """Answer ``frames``; False to close. Replies go out together, or in parts of
-        about `_FLUSH_AT` bytes; every `_FRAMES_PER_TURN` frames the task fires what
-        is due and lets the other tasks run."""
+    async def answer(self, frames: list[bytes], *, more: bool) -> bool:
+        """Answer ``frames`` (``more``: part of another frame follows them); False to
+        close. Replies go out together, or in parts of about `_FLUSH_AT` bytes; every
+        `_FRAMES_PER_TURN` frames the task fires what is due and lets the others run.
+        An events request waits for news only when nothing follows it: a request
+        pipelined behind it is never held up."""
         clock, tick = self.context.clock, self.context.tick
         out = bytearray()
+        last = len(frames)
         for count, frame in enumerate(frames, 1):
             now = clock()
             tick(now)
-            outcome = self.session.receive(frame, now, out)
+            may_wait = count == last and not more
+            outcome = self.session.receive(frame, now, out, may_wait=may_wait)
             if outcome is False:
                 await self.flush(out)
                 return False

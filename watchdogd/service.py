@@ -21,6 +21,7 @@ in a loop does not reopen a pidfd each time), and a request holds one while it r
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import time
@@ -175,7 +176,13 @@ class Service(Generic[P]):
             )
         self._connections[peer.uid] += 1
         self.metrics.connections_total += 1
-        return Caller(peer)
+        caller: Caller[P] = Caller(peer)
+        if peer.pidfd is None:
+            # Without SO_PEERPIDFD the caller is found by pid: do it while it is
+            # surely the process that just connected, not on its first request.
+            with contextlib.suppress(Refusal):
+                caller.process = self._processes.open(peer.pid, peer)
+        return caller
 
     def close_connection(self, caller: Caller[P]) -> None:
         """Uncount a connection and drop its handle on the caller's process."""
@@ -226,6 +233,8 @@ class Service(Generic[P]):
 
     def _acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
         limits = self.config
+        if "\0" in request.scope:
+            raise Refusal(ErrorCode.INVALID_REQUEST, "scope contains a NUL character")
         scope_bytes = len(request.scope.encode())
         if scope_bytes > limits.max_scope_bytes:
             raise Refusal(
@@ -289,48 +298,59 @@ class Service(Generic[P]):
 
     def _target(self, pid: int | None, caller: Caller[P]) -> P:
         """A handle on the process a request is about, after authorization, with a
-        reference of its own that the request must `close`.
-
-        The handle is the table's while its process has timers, else the caller's
-        own (for its pid), else a new one. A handle whose process has gone is never
-        reused: its pid may already belong to another process.
-        """
+        reference of its own that the request must `close`."""
+        if pid is None:
+            return self._caller_itself(caller)
         peer = caller.peer
-        if pid is not None:
-            if pid <= 1:
-                raise Refusal(ErrorCode.PERMISSION_DENIED, "pid 1 (init) is never a target")
-            if pid == self.daemon_pid:
-                raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
-        target = peer.pid if pid is None else pid
-        process = self.table.process(target)
-        # The caller's own handle is exact (its pidfd came from the connection); any
-        # other handle for the pid is checked, since the exit watcher may not have
-        # reported its process's exit yet.
-        if (
-            process is not None
-            and process is not caller.process
-            and not self._processes.alive(process)
-        ):
-            # Its exit is not processed yet: settle it now rather than attach a
-            # timer to a dead handle.
+        if pid <= 1:
+            raise Refusal(ErrorCode.PERMISSION_DENIED, "pid 1 (init) is never a target")
+        if pid == self.daemon_pid:
+            raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
+        process = self.table.process(pid)
+        if process is not None and not self._processes.alive(process):
+            # Its exit is not processed yet and the pid may be someone else's by
+            # now: settle it rather than attach a timer to a dead handle.
             self.process_exited(process)
             process = None
-        if process is None and target == peer.pid:
-            if caller.process is None:
-                caller.process = self._processes.open(target, peer)
-            process = caller.process
-        if process is not None:
-            process.retain()
+        if process is None:
+            process = self._processes.open(pid, peer)
         else:
-            process = self._processes.open(target, peer)
-        if pid is not None and not self._may_signal(peer, process):
+            process.retain()
+        if not self._may_signal(peer, process):
             process.close()
             raise Refusal(
                 ErrorCode.PERMISSION_DENIED,
-                f"uid {peer.uid} may not signal pid {target} (real uid {process.uid}, "
+                f"uid {peer.uid} may not signal pid {pid} (real uid {process.uid}, "
                 f"saved uid {process.saved_uid}); only root or the owner may arm or release "
                 "its timers",
             )
+        return process
+
+    def _caller_itself(self, caller: Caller[P]) -> P:
+        """The exact process that opened the connection.
+
+        Its handle comes from the connection (SO_PEERPIDFD), so a connection that
+        outlives its process (a child kept the socket) never reaches whoever holds
+        the pid next: the table's handle for the pid is used only when it is the
+        same process (same pid and start time), or when the table's is the one
+        that has gone.
+        """
+        own = caller.process
+        if own is None:
+            own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
+        held = self.table.process(own.pid)
+        if held is None or held is own or held.start_time == own.start_time:
+            process = held or own
+        elif not self._processes.alive(held):
+            self.process_exited(held)  # the table's process is the one that has gone
+            process = own
+        else:
+            raise Refusal(
+                ErrorCode.NO_SUCH_PROCESS,
+                f"the process that opened this connection (pid {own.pid}) has exited; "
+                "its pid now belongs to another process",
+            )
+        process.retain()
         return process
 
     @staticmethod
@@ -428,6 +448,10 @@ class Service(Generic[P]):
                 "processes_watched": ("Processes with timers armed now.", self.table.process_count),
                 "connections_open": ("Connections open now.", self.connections),
                 "events_kept": ("Events kept in memory now.", len(self.events)),
+                "state_write_failures": (
+                    "Writes of the state file that failed since start.",
+                    self.journal.errors,
+                ),
             }
         )
 

@@ -44,10 +44,13 @@ class Session:
         self.caller = caller
         self.greeted = False
 
-    def receive(self, frame: bytes, now: float, out: bytearray) -> bool | Events:
+    def receive(
+        self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
+    ) -> bool | Events:
         """Handle one frame body, appending the reply to ``out``. Returns False when
-        the connection must close after ``out`` is sent, or the `Events` request to
-        answer with `answer` once an event happens (or its wait runs out)."""
+        the connection must close after ``out`` is sent, or (when ``may_wait``) the
+        `Events` request to answer with `answer` once an event happens or its wait
+        runs out."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -76,7 +79,7 @@ class Session:
             self.service.metrics.count_request(_OPS[type(request)], result)
             encode_frame_into(reply, out)
             return self.greeted
-        return self.answer(request, now, out, may_wait=True)
+        return self.answer(request, now, out, may_wait=may_wait)
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False

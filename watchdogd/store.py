@@ -21,6 +21,9 @@ is discarded). Invariants:
   so that a pid now held by another process is recognized at load.
 - An unreadable or corrupt state file is moved aside and the daemon starts empty; it
   never refuses to start because of its state.
+- A write that fails (a full disk) is logged and counted, and its changes stay
+  pending, to be written with the next commit. Meanwhile the daemon keeps serving
+  from memory: a watchdog that stops answering protects nobody.
 """
 
 from __future__ import annotations
@@ -79,11 +82,16 @@ class Journal(Protocol):
     def commit_soon(self) -> None:
         """Have what is pending written soon, though no reply waits for it."""
 
+    @property
+    def errors(self) -> int:
+        """Writes that failed (their changes were kept for the next one)."""
+
 
 class NullJournal:
     """The journal of a daemon without state (``--no-state``): remembers nothing."""
 
     generation = 0
+    errors = 0
 
     def put(self, timer: Timer, start_time: int) -> None:
         pass
@@ -214,9 +222,12 @@ class Store:
                     self._writing = False
             else:
                 self._write(batch)
-        except sqlite3.Error as exc:
+        except Exception as exc:
             self.errors += 1
             log.error(logfmt("state_write_failed", path=self.path, error=str(exc)))
+            # Keep what failed, unless a newer change to the same key came since.
+            for key, values in batch.items():
+                self._pending.setdefault(key, values)
         self._committed = max(self._committed, generation)
         self._done.unpark_all()
 
@@ -235,10 +246,11 @@ class Store:
                 db.executemany(_INSERT, puts)
             if drops:
                 db.executemany(_DELETE, drops)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
 
     def write_now(self) -> None:
         """Commit what is pending, on the spot (at shutdown)."""

@@ -15,10 +15,16 @@ process never share a descriptor.
   signal (a descendant that started its own session is still a child of its
   parent), re-collected from the living members before each later signal, and each
   signalled through its pidfd.
+
+kill(2)'s rule holds for every member: for a timer armed by a non-root caller, only
+processes whose real or saved uid is the caller's are members, and its group is
+signalled member by member rather than with killpg(2). Whatever is read from /proc
+about a member is trusted only once its pidfd shows it still alive afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -27,7 +33,7 @@ from typing import Final
 import trio
 
 from .policies import TargetKind
-from .process import Process, children_of, read_stat, state_and_wchan
+from .process import Process, children_of, read_stat, read_uids, state_and_wchan
 
 _MAX_MEMBERS: Final = 65536
 
@@ -56,36 +62,54 @@ class Member:
         return True
 
 
-def _pin(pid: int, *, ppid: int | None = None, pgrp: int | None = None) -> Member | None:
+def _pin(
+    pid: int, *, ppid: int | None = None, pgrp: int | None = None, owner: int = 0
+) -> Member | None:
     """A pidfd for ``pid``, if it is still the process /proc showed (same parent or
-    group, read after the pidfd was opened) and alive."""
+    group, read after the pidfd was opened), alive, and one ``owner`` may signal."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return None
+    member = Member(pid, fd)
     try:
         stat = read_stat(pid)
+        allowed = owner == 0 or owner in read_uids(pid)
     except OSError:
-        os.close(fd)
+        _close(fd)
         return None
-    member = Member(pid, fd)
-    if (ppid is not None and stat.ppid != ppid) or (pgrp is not None and stat.pgrp != pgrp):
-        os.close(fd)
-        return None
-    if member.exited():
-        os.close(fd)
+    related = (ppid is None or stat.ppid == ppid) and (pgrp is None or stat.pgrp == pgrp)
+    if not (allowed and related) or member.exited():
+        _close(fd)
         return None
     return member
+
+
+def _close(fd: int) -> None:
+    # trio may still have the descriptor registered from a cancelled wait; it must
+    # forget it before the number can be reused. (Outside trio there is nothing to
+    # forget.)
+    with contextlib.suppress(RuntimeError):
+        trio.lowlevel.notify_closing(fd)
+    os.close(fd)
 
 
 class Target:
     """The members of a policy's target and how to signal them."""
 
     def __init__(
-        self, kind: TargetKind, members: list[Member], pgid: int = 0, note: str = ""
+        self,
+        kind: TargetKind,
+        members: list[Member],
+        *,
+        owner: int = 0,
+        pgid: int = 0,
+        note: str = "",
     ) -> None:
         self.kind: TargetKind = kind
         self.members = members
+        #: The uid that armed the timer: members are the processes it may signal.
+        self.owner = owner
         self.pgid = pgid
         #: Said in the expiry's event (e.g. why a group target fell back).
         self.note = note
@@ -101,14 +125,14 @@ class Target:
     def signal(self, signum: int) -> str:
         """Send ``signum``; returns the step's result."""
         name = signal.Signals(signum).name
-        if self.kind == "group":
+        if self.kind == "group" and self.owner == 0:
             return self._signal_group(signum, name)
         if self.kind == "tree":
             self._collect_descendants()
         sent = sum(member.send(signum) for member in self.members if not member.exited())
         if not sent:
             return "gone"
-        if self.kind == "tree":
+        if self.kind != "process":
             return f"sent {name} to {sent} process{'es' if sent != 1 else ''}"
         return f"sent {name}"
 
@@ -133,15 +157,20 @@ class Target:
     def _collect_descendants(self) -> None:
         known = {member.pid for member in self.members}
         queue = [member.pid for member in self.members if not member.exited()]
+        parents = {member.pid: member for member in self.members}
         while queue and len(self.members) < _MAX_MEMBERS:
             parent = queue.pop()
-            for child in children_of(parent):
+            children = children_of(parent)
+            if parents[parent].exited():
+                continue  # what /proc listed may belong to whoever has the pid now
+            for child in children:
                 if child in known:
                     continue
-                member = _pin(child, ppid=parent)
+                member = _pin(child, ppid=parent, owner=self.owner)
                 if member is not None:
                     known.add(child)
                     self.members.append(member)
+                    parents[child] = member
                     queue.append(child)
 
     async def wait_exit(self, seconds: float) -> bool:
@@ -149,7 +178,6 @@ class Target:
         with trio.move_on_after(seconds):
             for member in self.members:
                 await trio.lowlevel.wait_readable(member.fd)
-            return True
         return not self.alive()
 
     def survivor(self) -> tuple[int, str, str]:
@@ -161,33 +189,37 @@ class Target:
 
     def close(self) -> None:
         for member in self.members:
-            os.close(member.fd)
+            _close(member.fd)
         self.members = []
 
 
-def open_target(kind: TargetKind, process: Process, daemon_pgid: int) -> Target:
-    """Pin the members of ``process``'s target of ``kind``."""
+def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int = 0) -> Target:
+    """Pin the members of ``process``'s target of ``kind``, for a timer armed by uid
+    ``owner`` (whose right to signal ``process`` itself was checked when it armed)."""
     root = Member(process.pid, os.dup(process.fd))
     if kind == "process":
-        return Target("process", [root])
+        return Target("process", [root], owner=owner)
     if kind == "tree":
-        target = Target("tree", [root])
+        target = Target("tree", [root], owner=owner)
         target._collect_descendants()
         return target
     try:
         pgid = read_stat(process.pid).pgrp
     except OSError:
-        return Target("process", [root])
+        pgid = 0
+    if root.exited():
+        # Its pid, and what /proc says about it, may be someone else's by now.
+        return Target("process", [root], owner=owner)
     if pgid <= 1 or pgid == daemon_pgid:
         why = "the daemon's own" if pgid == daemon_pgid else f"pgid {pgid}"
         note = f"group target refused ({why} process group); acting on the process alone"
-        return Target("process", [root], note=note)
+        return Target("process", [root], owner=owner, note=note)
     members = [root] + [
         member
         for pid in _group_members(pgid)
-        if pid != process.pid and (member := _pin(pid, pgrp=pgid)) is not None
+        if pid != process.pid and (member := _pin(pid, pgrp=pgid, owner=owner)) is not None
     ]
-    return Target("group", members, pgid=pgid)
+    return Target("group", members, owner=owner, pgid=pgid)
 
 
 def _group_members(pgid: int) -> list[int]:

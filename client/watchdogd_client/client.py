@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
@@ -232,8 +233,8 @@ class Client(BaseClient):
     ) -> None:
         if on_unavailable not in ("raise", "warn"):
             raise ValueError(f"on_unavailable must be 'raise' or 'warn', not {on_unavailable!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, not {timeout!r}")
+        if not (math.isfinite(timeout) and timeout >= 0.001):
+            raise ValueError(f"timeout must be finite and at least 0.001 s, not {timeout!r}")
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
@@ -389,40 +390,53 @@ class Client(BaseClient):
         encode_frame_into(request, out)
         try:
             sock.sendall(out)
-            while True:
-                data = sock.recv(_RECV_SIZE)
-                if not data:
-                    raise _ConnectionLost("the daemon closed it")
-                frames = self._reader.feed(data)
-                if frames:
-                    # One request is in flight at a time, so one reply is due.
-                    return decode_reply(frames[0])
+            reply = self._receive(sock)
         except BlockingIOError:
             # SO_RCVTIMEO / SO_SNDTIMEO ran out.
             self._disconnect()
             raise self._error(f"no reply within {self.timeout:g} s") from None
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise _ConnectionLost(exc.strerror) from None
-        except ProtocolError:
+        except BaseException:
+            # Anything else (a ProtocolError, or a KeyboardInterrupt mid-recv) leaves
+            # a reply unread: the connection is out of step, so it goes.
+            self._disconnect()
+            raise
+        if reply is None:
+            raise _ConnectionLost("the daemon closed it")
+        return reply
+
+    def _receive(self, sock: socket.socket) -> ReplyMessage | None:
+        """The next reply, or None if the daemon closed the connection."""
+        while True:
+            data = sock.recv(_RECV_SIZE)
+            if not data:
+                return None
+            frames = self._reader.feed(data)
+            if frames:
+                # One request is in flight at a time, so one reply is due.
+                return decode_reply(frames[0])
+
+    def _connect(self) -> None:
+        try:
+            self._open()
+        except BaseException:
+            # Half a connection (interrupted, or refused at the handshake) is none.
             self._disconnect()
             raise
 
-    def _connect(self) -> None:
+    def _open(self) -> None:
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._set_timeouts(self.timeout)
         try:
             sock.connect(self.socket_path)
         except FileNotFoundError:
-            self._disconnect()
             raise self._error("no socket there") from None
         except ConnectionRefusedError:
-            self._disconnect()
             raise self._error("nothing is listening on it") from None
         except BlockingIOError:
-            self._disconnect()
             raise self._error(f"its backlog stayed full for {self.timeout:g} s") from None
         except OSError as exc:
-            self._disconnect()
             raise self._error(exc.strerror or str(exc)) from None
         self._owner_pid = os.getpid()
         self._reader = FrameReader(self._max_reply)
@@ -430,13 +444,10 @@ class Client(BaseClient):
         try:
             reply = self._exchange(hello)
         except _ConnectionLost as exc:
-            self._disconnect()
             raise self._error(f"the connection closed during the handshake ({exc})") from None
         if isinstance(reply, Error):
-            self._disconnect()
             raise RequestRefused(reply.code, reply.message)
         if not isinstance(reply, Welcome):
-            self._disconnect()
             raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
 
     def _reconnect(self) -> None:
@@ -475,6 +486,10 @@ class Client(BaseClient):
         # (closing a copy sends nothing on the socket). A lock another thread held
         # at fork time would stay held forever in the child.
         self._lock = threading.Lock()
+        # Buffers another thread was using at fork time stay "in use" in the child
+        # (a bytearray exported to sendall can no longer be resized).
+        self._out = bytearray()
+        self._reader = FrameReader(self._max_reply)
         if self._sock is not None:
             self._sock.close()
             self._sock = None

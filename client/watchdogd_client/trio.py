@@ -239,6 +239,12 @@ class AsyncClient:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     connection.broken = True
                     return None
+                except BaseException:
+                    # A send cut short (cancelled) may have written part of a frame:
+                    # nothing after it on this connection could be understood.
+                    connection.broken = True
+                    connection.stream.socket.close()
+                    raise
                 return await receive.receive()
         except trio.TooSlowError:
             raise self._error(f"no reply within {self.timeout:g} s") from None
