@@ -82,7 +82,7 @@ def floor_round_trip(count: int) -> float:
 
 
 @contextmanager
-def running_daemon(directory: Path, *options: str) -> Iterator[tuple[Path, Path]]:
+def running_daemon(directory: Path, *options: str) -> Iterator[tuple[Path, Path, int]]:
     socket_path = directory / "watchdogd.sock"
     log_path = directory / "watchdogd.log"
     with open(log_path, "wb") as log:
@@ -112,7 +112,7 @@ def running_daemon(directory: Path, *options: str) -> Iterator[tuple[Path, Path]
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
-        yield socket_path, log_path
+        yield socket_path, log_path, daemon.pid
     finally:
         daemon.terminate()
         daemon.wait()
@@ -133,8 +133,15 @@ def single_client(socket_path: Path, count: int) -> float:
     return elapsed / (count // 2 * 2)
 
 
-def many_clients(socket_path: Path, clients: int, seconds: float) -> float:
-    """Acked requests per second from ``clients`` processes at once."""
+def cpu_seconds(pid: int) -> float:
+    """User and system time of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def many_clients(socket_path: Path, clients: int, seconds: float) -> tuple[float, int]:
+    """Acked requests per second from ``clients`` processes at once, and how many."""
     start_r, start_w = os.pipe()
     result_r, result_w = os.pipe()
     children = []
@@ -164,7 +171,7 @@ def many_clients(socket_path: Path, clients: int, seconds: float) -> float:
         total = sum(int(line) for line in results)
     for child in children:
         os.waitpid(child, 0)
-    return total / seconds
+    return total / seconds, total
 
 
 def deadline_to_death(
@@ -230,9 +237,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
     options = parser.parse_args()
-    round_trips = 6_000 if options.quick else 40_000
-    seconds = 1.5 if options.quick else 8.0
-    rounds = 3 if options.quick else 5
+    # Short rounds, many of them: this machine's speed drifts over seconds, and the
+    # two daemons must see the same drift.
+    rounds = 6 if options.quick else 20
+    round_trips = rounds * 1_000
+    seconds = rounds * (0.5 if options.quick else 1.0)
     victims = 200 if options.quick else 1_000
     others = 2_000 if options.quick else 10_000
 
@@ -252,16 +261,20 @@ def main() -> None:
     # this machine's speed drifts over seconds, and the comparison must not.
     singles: dict[str, list[float]] = {"off": [], "on": []}
     eights: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}  # daemon CPU per request
     with (
         tempfile.TemporaryDirectory(prefix="wd-bench-") as off_dir,
         tempfile.TemporaryDirectory(prefix="wd-bench-") as on_dir,
-        running_daemon(Path(off_dir), "--no-state") as (off_path, _),
-        running_daemon(Path(on_dir)) as (on_path, on_log),
+        running_daemon(Path(off_dir), "--no-state") as (off_path, _, off_pid),
+        running_daemon(Path(on_dir)) as (on_path, on_log, on_pid),
     ):
         for _ in range(rounds):
-            for state, path in (("off", off_path), ("on", on_path)):
+            for state, path, pid in (("off", off_path, off_pid), ("on", on_path, on_pid)):
                 singles[state].append(single_client(path, round_trips // rounds))
-                eights[state].append(many_clients(path, 8, seconds / rounds))
+                before = cpu_seconds(pid)
+                rate, count = many_clients(path, 8, seconds / rounds)
+                cpu[state].append((cpu_seconds(pid) - before) / count)
+                eights[state].append(rate)
         for state in ("off", "on"):
             one = statistics.median(singles[state])
             eight = statistics.median(eights[state])
@@ -281,15 +294,26 @@ def main() -> None:
                     "rate / floor rate",
                 ),
             ]
+        for state in ("off", "on"):
+            per_request = statistics.median(cpu[state])
+            figures.append(
+                Figure(
+                    f"daemon CPU per request, state {state}",
+                    per_request * 1e6,
+                    "us",
+                    per_request / floor,
+                    "8 clients; steadier than wall-clock rates here",
+                )
+            )
         for what, kept in (
             ("1 client", [off / on for on, off in zip(singles["on"], singles["off"], strict=True)]),
             ("8 clients", [on / off for on, off in zip(eights["on"], eights["off"], strict=True)]),
+            ("daemon CPU", [off / on for on, off in zip(cpu["on"], cpu["off"], strict=True)]),
         ):
             ratio = statistics.median(kept)
-            spread = ", ".join(f"{k * 100:.0f}" for k in kept)
-            figures.append(
-                Figure(f"{what}: state on / off", ratio * 100, "%", ratio, f"per round: {spread}")
-            )
+            low, _, high = statistics.quantiles(kept, n=4)
+            spread = f"{len(kept)} rounds, middle half {low * 100:.0f}-{high * 100:.0f} %"
+            figures.append(Figure(f"{what}: state on / off", ratio * 100, "%", ratio, spread))
         figures += lateness_figures(on_path, on_log, victims, others, floor)
     width = max(len(f.name) for f in figures)
     print(f"{'figure':<{width}}  {'value':>12}  {'unit':<14} {'x floor':>8}  note")

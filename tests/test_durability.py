@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 
@@ -114,6 +115,7 @@ def test_a_recycled_pid_is_not_mistaken_for_the_armed_process(daemon: RunningDae
             arm(client, "old-process", 0.5, victim.pid)
         daemon.stop(signal.SIGKILL)
         # As if the pid now belonged to a process that started at another time.
+        Store.open(daemon.state_path)[0].close()  # fold the journal into the database
         state = sqlite3.connect(daemon.state_path)
         state.execute("UPDATE timers SET start_time = start_time + 1")
         state.commit()

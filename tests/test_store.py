@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import stat
+import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
-from watchdogd.store import Row, Store, default_state_path
+from watchdogd import store as store_module
+from watchdogd.store import Row, StateError, Store, default_state_path
 from watchdogd.timers import Timer
 
 
@@ -28,33 +32,37 @@ def timer(pid: int, scope: str, deadline: float = 100.0) -> Timer:
     )
 
 
+def values(pid: int, scope: str) -> tuple[object, ...]:
+    return (pid, scope, "kill", 1000, 1000, 10.0, 90.0, 100.0, 1)
+
+
 def test_default_path_is_beside_the_socket() -> None:
     assert (
         default_state_path("/run/watchdogd/watchdogd.sock") == "/run/watchdogd/watchdogd.state.db"
     )
 
 
-def test_a_new_file_is_private_and_empty(tmp_path: Path) -> None:
+def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
     store, rows = Store.open(str(tmp_path / "state.db"))
     store.close()
     assert rows == []
-    assert stat.S_IMODE(os.stat(tmp_path / "state.db").st_mode) == 0o600
+    for name in ("state.db", "state.db.journal.1"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
 
 
-async def test_changes_collapse_and_commit_together(tmp_path: Path) -> None:
+def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
-    store, _ = Store.open(path)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(store.run)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the daemon that dies
+        store, _ = Store.open(path)
         store.put(timer(10, "a"), 555)
         store.put(timer(10, "b"), 555)
         store.put(timer(10, "a", deadline=200.0), 555)  # re-armed: only the last counts
         store.put(timer(11, "gone"), 777)
         store.drop((11, "gone"))
-        await store.commit(store.generation)
-        nursery.cancel_scope.cancel()
-    store.close()
-    # What another process sees, as after a crash: the committed rows.
+        trio.run(store.commit, store.generation)
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no fold: a crash
+    os.waitpid(child, 0)
     _, rows = Store.open(path)
     assert sorted(rows, key=lambda row: row.scope) == [
         Row(10, "a", "kill", 1000, 1000, 10.0, 190.0, 200.0, 555),
@@ -62,17 +70,18 @@ async def test_changes_collapse_and_commit_together(tmp_path: Path) -> None:
     ]
 
 
-async def test_one_commit_serves_every_change_of_a_turn(tmp_path: Path) -> None:
+async def test_one_write_serves_every_change_of_a_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, _ = Store.open(str(tmp_path / "state.db"))
-    transactions = 0
-    write = store._write
+    writes: list[int] = []
+    write_all = store_module._write_all
 
-    def counting_write(batch: dict[tuple[int, str], tuple[object, ...] | None]) -> None:
-        nonlocal transactions
-        transactions += 1
-        write(batch)
+    def counting(fd: int, data: bytes) -> None:
+        writes.append(len(data))
+        write_all(fd, data)
 
-    store._write = counting_write  # type: ignore[method-assign]
+    monkeypatch.setattr(store_module, "_write_all", counting)
     acknowledged: list[int] = []
 
     async def acknowledge(pid: int) -> None:
@@ -86,11 +95,9 @@ async def test_one_commit_serves_every_change_of_a_turn(tmp_path: Path) -> None:
         for pid in range(5):
             nursery.start_soon(acknowledge, pid)
     assert sorted(acknowledged) == list(range(5))
-    assert transactions == 1
+    assert len(writes) == 1
     store.close()
-    raw = sqlite3.connect(tmp_path / "state.db")
-    assert raw.execute("SELECT count(*) FROM timers").fetchone() == (5,)
-    raw.close()
+    assert len(Store.open(str(tmp_path / "state.db"))[1]) == 5
 
 
 async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None:
@@ -106,15 +113,108 @@ async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None
     store.close()
 
 
-def test_a_corrupt_file_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_full_journals_are_folded_into_the_database(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path, journal_bytes=2000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        for i in range(200):
+            store.put(timer(i, "s"), 1)
+            if i % 3 == 0:
+                store.drop((i, "s"))
+            await store.commit(store.generation)
+            await trio.sleep(0)
+        with trio.fail_after(5):
+            while store._folding or store._written >= store._journal_bytes:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    journals = sorted(name for name in os.listdir(tmp_path) if ".journal." in name)
+    assert len(journals) == 1  # the folded ones are gone
+    store.close()
+    raw = sqlite3.connect(path)
+    in_database = raw.execute("SELECT count(*) FROM timers").fetchone()[0]
+    raw.close()
+    assert 0 < in_database <= 133
+    _, rows = Store.open(path)
+    assert sorted(row.pid for row in rows) == [i for i in range(200) if i % 3]
+
+
+def test_a_record_cut_short_ends_its_journal_not_the_next(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    for number, scope, tail in ((1, "whole", b"\x00\x00\x01\x00cut"), (2, "next", b"")):
+        record = msgspec.msgpack.encode([(number, scope, list(values(number, scope)))])
+        journal = store_module._open_journal(path, number)
+        os.write(journal, store_module._RECORD.pack(len(record), zlib.crc32(record)) + record)
+        os.write(journal, tail)  # the daemon died while writing this
+        os.close(journal)
+    _, rows = Store.open(path)
+    assert sorted(row.scope for row in rows) == ["next", "whole"]
+
+
+def test_a_state_held_by_another_daemon_is_refused_not_moved(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    holder, _ = Store.open(path)
+    try:
+        with pytest.raises(StateError, match="in use by another watchdogd"):
+            Store.open(path)
+        assert not [name for name in os.listdir(tmp_path) if "unreadable" in name]
+    finally:
+        holder.close()
+
+
+async def test_a_failed_write_keeps_its_changes_for_the_next(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    os.close(store._fd)
+    store._fd = os.open("/dev/null", os.O_RDONLY)  # as good as a full disk
+    store.put(timer(1, "first"), 1)
+    await store.commit(store.generation)  # acknowledged: the daemon keeps serving
+    assert store.errors == 1
+    store.put(timer(1, "second"), 1)  # a new journal takes both
+    await store.commit(store.generation)
+    assert store.errors == 1
+    store.close()
+    _, rows = Store.open(path)
+    assert sorted(row.scope for row in rows) == ["first", "second"]
+
+
+async def test_a_failed_fold_keeps_the_journals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path, journal_bytes=1)
+
+    def failing(db: sqlite3.Connection, changes: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store_module, "_write", failing)
+    store.put(timer(1, "kept"), 1)
+    await store.commit(store.generation)
+    await store._fold()
+    assert store.errors == 1
+    assert store._unfolded  # still owed to the database
+    monkeypatch.undo()
+    store.close()
+    _, rows = Store.open(path)
+    assert [row.scope for row in rows] == ["kept"]
+
+
+def test_a_corrupt_database_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "state.db"
     path.write_bytes(b"this is not a database" * 100)
+    (tmp_path / "state.db.journal.3").write_bytes(b"orphan")
     store, rows = Store.open(str(path))
     store.close()
     assert rows == []
-    aside = [name for name in os.listdir(tmp_path) if name.startswith("state.db.unreadable-")]
-    assert len(aside) == 1
-    assert (tmp_path / aside[0]).read_bytes().startswith(b"this is not a database")
+    aside = sorted(name for name in os.listdir(tmp_path) if ".unreadable-" in name)
+    assert len(aside) == 2  # the database and its journal
+    database = next(
+        name for name in aside if name.startswith("state.db.unreadable-") and "journal" not in name
+    )
+    assert (tmp_path / database).read_bytes().startswith(b"this is not a database")
     assert "event=state_unreadable" in caplog.text
 
 
@@ -144,42 +244,3 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     store, rows = Store.open(path)
     store.close()
     assert rows == []
-
-
-async def test_a_failed_write_keeps_its_changes_for_the_next(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    # A state file whose COMMIT fails while pid 999 has no parent row: a stand-in
-    # for a disk that is full at commit time.
-    raw = sqlite3.connect(path)
-    raw.executescript(
-        """
-        CREATE TABLE parent (pid INTEGER PRIMARY KEY);
-        INSERT INTO parent VALUES (1);
-        CREATE TABLE timers (
-            pid INTEGER NOT NULL REFERENCES parent(pid) DEFERRABLE INITIALLY DEFERRED,
-            scope TEXT NOT NULL, policy TEXT NOT NULL, uid INTEGER NOT NULL,
-            owner INTEGER NOT NULL, timeout REAL NOT NULL, armed_at REAL NOT NULL,
-            deadline REAL NOT NULL, start_time INTEGER NOT NULL,
-            PRIMARY KEY (pid, scope)) WITHOUT ROWID;
-        """
-    )
-    raw.close()
-    store, _ = Store.open(str(path))
-    store._db.execute("PRAGMA foreign_keys=ON")
-    store.put(timer(999, "refused"), 1)
-    store.put(timer(1, "kept"), 1)
-    await store.commit(store.generation)  # acknowledged: the daemon keeps serving
-    assert store.errors == 1
-    assert not store._db.in_transaction  # rolled back, not left open
-    store._db.execute("INSERT INTO parent VALUES (999)")  # the disk has room again
-    store.put(timer(1, "later"), 1)
-    await store.commit(store.generation)
-    assert store.errors == 1
-    store.close()
-    raw = sqlite3.connect(path)
-    assert sorted(row[0] for row in raw.execute("SELECT scope FROM timers")) == [
-        "kept",
-        "later",
-        "refused",
-    ]
-    raw.close()
