@@ -101,12 +101,6 @@ def daemon(workdir: Path) -> Iterator[RunningDaemon]:
     assert running.stop() == 0, running.log()
 
 
-@pytest.fixture
-def client(daemon: RunningDaemon) -> Iterator[Client]:
-    with daemon.client() as connected:
-        yield connected
-
-
 def expired_event(client: Client, pid: int) -> EventInfo:
     """Wait for the ``expired`` event of ``pid`` and return it."""
     found: list[EventInfo] = []

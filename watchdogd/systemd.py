@@ -33,10 +33,6 @@ class Notifier:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self._socket.setblocking(False)
 
-    @property
-    def enabled(self) -> bool:
-        return self._socket is not None
-
     def send(self, *fields: str) -> bool:
         """Send ``KEY=value`` fields in one message; returns whether it was sent."""
         if self._socket is None:
