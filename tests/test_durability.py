@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from watchdogd.store import Store
@@ -115,11 +115,11 @@ def test_a_recycled_pid_is_not_mistaken_for_the_armed_process(daemon: RunningDae
             arm(client, "old-process", 0.5, victim.pid)
         daemon.stop(signal.SIGKILL)
         # As if the pid now belonged to a process that started at another time.
-        Store.open(daemon.state_path)[0].close()  # fold the journal into the database
-        state = sqlite3.connect(daemon.state_path)
-        state.execute("UPDATE timers SET start_time = start_time + 1")
-        state.commit()
-        state.close()
+        store, loaded = Store.open(daemon.state_path)
+        for timer in loaded.timers:
+            store.put(msgspec.structs.replace(timer, start_time=timer.start_time + 1))
+        store.write_now()
+        store.close()
         daemon.start()
         with daemon.client() as client:
             assert client.status().timers == []
@@ -163,7 +163,8 @@ def test_a_corrupt_state_file_never_stops_the_daemon(daemon: RunningDaemon) -> N
     daemon.start()
     with daemon.client() as client:
         assert client.status().timers == []
-    assert "event=state_unreadable" in daemon.log()
+    assert "event=state_damaged" in daemon.log()
+    assert "moved_to=" in daemon.log()
 
 
 def test_expires_blocks_span_a_daemon_restart(daemon: RunningDaemon) -> None:

@@ -1,12 +1,16 @@
-"""The state file: writes, group commits, and files that cannot be used."""
+"""The state files: writes, group commits, folds, and files that cannot be used.
+
+Faults of a real disk (full, out of inodes, read-only) are in test_storage_faults.py,
+on real tmpfs mounts.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import stat
-import zlib
 from pathlib import Path
 
 import msgspec
@@ -14,11 +18,13 @@ import pytest
 import trio
 
 from watchdogd import store as store_module
-from watchdogd.store import Row, StateError, Store, default_state_path
+from watchdogd.store import Record, StateError, Store, default_state_path
 from watchdogd.timers import Timer
 
+DATA = Path(__file__).parent / "data"
 
-def timer(pid: int, scope: str, deadline: float = 100.0) -> Timer:
+
+def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
     return Timer(
         pid=pid,
         scope=scope,
@@ -28,12 +34,24 @@ def timer(pid: int, scope: str, deadline: float = 100.0) -> Timer:
         timeout=10.0,
         armed_at=deadline - 10,
         deadline=deadline,
-        seq=0,
+        start_time=555,
+        **fields,  # type: ignore[arg-type]
     )
 
 
-def values(pid: int, scope: str) -> tuple[object, ...]:
-    return (pid, scope, "kill", 1000, 1000, 10.0, 90.0, 100.0, 1)
+def journals(directory: Path) -> list[str]:
+    return sorted(
+        (name for name in os.listdir(directory) if name.split(".")[-1].isdigit()),
+        key=lambda name: int(name.rsplit(".", 1)[1]),
+    )
+
+
+def append(path: str, number: int, record: Record, tail: bytes = b"") -> None:
+    """Write one journal record as the daemon does, then ``tail``."""
+    changes: dict[tuple[int, str, int], Timer | None] = {t.store_key: t for t in record.puts}
+    changes.update(dict.fromkeys(record.drops))
+    with open(f"{path}.journal.{number}", "ab") as journal:
+        journal.write(store_module._encode(record, changes) + tail)
 
 
 def test_default_path_is_beside_the_socket() -> None:
@@ -43,9 +61,10 @@ def test_default_path_is_beside_the_socket() -> None:
 
 
 def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
-    store, rows = Store.open(str(tmp_path / "state.db"))
+    store, loaded = Store.open(str(tmp_path / "state.db"))
     store.close()
-    assert rows == []
+    assert loaded.timers == []
+    assert not store.degraded
     for name in ("state.db", "state.db.journal.1"):
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
 
@@ -55,19 +74,33 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     child = os.fork()
     if child == 0:  # pragma: no cover - the daemon that dies
         store, _ = Store.open(path)
-        store.put(timer(10, "a"), 555)
-        store.put(timer(10, "b"), 555)
-        store.put(timer(10, "a", deadline=200.0), 555)  # re-armed: only the last counts
-        store.put(timer(11, "gone"), 777)
-        store.drop((11, "gone"))
+        store.put(timer(10, "a"))
+        store.put(timer(10, "b"))
+        store.put(timer(10, "a", deadline=200.0))  # re-armed: only the last counts
+        store.put(timer(11, "gone"))
+        store.drop(timer(11, "gone"))
+        firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
+        store.put(firing)
         trio.run(store.commit, store.generation)
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no fold: a crash
     os.waitpid(child, 0)
-    _, rows = Store.open(path)
-    assert sorted(rows, key=lambda row: row.scope) == [
-        Row(10, "a", "kill", 1000, 1000, 10.0, 190.0, 200.0, 555),
-        Row(10, "b", "kill", 1000, 1000, 10.0, 90.0, 100.0, 555),
+    _, loaded = Store.open(path)
+    assert sorted(loaded.timers, key=lambda t: t.scope) == [
+        timer(10, "a", deadline=200.0),
+        timer(10, "b"),
+        timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5),
     ]
+
+
+def test_an_armed_timer_and_its_firing_record_are_kept_apart(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store.put(timer(10, "a", firing=3, step=1))  # its policy is in progress...
+    store.put(timer(10, "a", deadline=300.0))  # ...and the worker armed it again
+    store.write_now()
+    store.close()
+    _, loaded = Store.open(path)
+    assert sorted(t.firing for t in loaded.timers) == [0, 3]
 
 
 async def test_one_write_serves_every_change_of_a_turn(
@@ -77,7 +110,7 @@ async def test_one_write_serves_every_change_of_a_turn(
     writes: list[int] = []
     write_all = store_module._write_all
 
-    def counting(fd: int, data: bytes) -> None:
+    def counting(fd: int | None, data: bytes) -> None:
         writes.append(len(data))
         write_all(fd, data)
 
@@ -85,10 +118,10 @@ async def test_one_write_serves_every_change_of_a_turn(
     acknowledged: list[int] = []
 
     async def acknowledge(pid: int) -> None:
-        store.put(timer(pid, "s"), 1)
+        store.put(timer(pid, "s"))
         changed = store.generation
         await trio.lowlevel.checkpoint()  # as the server does before committing
-        await store.commit(changed)
+        assert await store.commit(changed)
         acknowledged.append(pid)
 
     async with trio.open_nursery() as nursery:
@@ -97,59 +130,81 @@ async def test_one_write_serves_every_change_of_a_turn(
     assert sorted(acknowledged) == list(range(5))
     assert len(writes) == 1
     store.close()
-    assert len(Store.open(str(tmp_path / "state.db"))[1]) == 5
+    assert len(Store.open(str(tmp_path / "state.db"))[1].timers) == 5
 
 
 async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None:
     store, _ = Store.open(str(tmp_path / "state.db"))
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
-        store.put(timer(1, "expired-later"), 1)
+        store.put(timer(1, "expired-later"))
         store.commit_soon()
         with trio.fail_after(5):
-            while store._committed < store.generation:
+            while not await store.commit(store.generation) or store._pending:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     store.close()
+    assert len(Store.open(str(tmp_path / "state.db"))[1].timers) == 1
 
 
-async def test_full_journals_are_folded_into_the_database(tmp_path: Path) -> None:
+async def test_full_journals_are_folded_and_few_files_exist(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
     store, _ = Store.open(path, journal_bytes=2000)
+    most = 0
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         for i in range(200):
-            store.put(timer(i, "s"), 1)
+            store.put(timer(i, "s"))
             if i % 3 == 0:
-                store.drop((i, "s"))
-            await store.commit(store.generation)
+                store.drop(timer(i, "s"))
+            assert await store.commit(store.generation)
             await trio.sleep(0)
+            most = max(most, len(journals(tmp_path)))
         with trio.fail_after(5):
-            while store._folding or store._written >= store._journal_bytes:
+            while store._folding or store._fold_wanted or store._written >= 2000:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    journals = sorted(name for name in os.listdir(tmp_path) if ".journal." in name)
-    assert len(journals) == 1  # the folded ones are gone
+    assert most <= 3
+    assert len(journals(tmp_path)) == 1  # the folded ones are gone
     store.close()
     raw = sqlite3.connect(path)
     in_database = raw.execute("SELECT count(*) FROM timers").fetchone()[0]
     raw.close()
     assert 0 < in_database <= 133
-    _, rows = Store.open(path)
-    assert sorted(row.pid for row in rows) == [i for i in range(200) if i % 3]
+    _, loaded = Store.open(path)
+    assert sorted(t.pid for t in loaded.timers) == [i for i in range(200) if i % 3]
 
 
-def test_a_record_cut_short_ends_its_journal_not_the_next(tmp_path: Path) -> None:
+def test_a_record_cut_short_at_the_end_is_a_write_the_daemon_died_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = str(tmp_path / "state.db")
     Store.open(path)[0].close()
-    for number, scope, tail in ((1, "whole", b"\x00\x00\x01\x00cut"), (2, "next", b"")):
-        record = msgspec.msgpack.encode([(number, scope, list(values(number, scope)))])
-        journal = store_module._open_journal(path, number)
-        os.write(journal, store_module._RECORD.pack(len(record), zlib.crc32(record)) + record)
-        os.write(journal, tail)  # the daemon died while writing this
-        os.close(journal)
-    _, rows = Store.open(path)
-    assert sorted(row.scope for row in rows) == ["next", "whole"]
+    append(path, 5, Record(puts=[timer(1, "older")]))
+    append(path, 6, Record(puts=[timer(2, "whole")]), tail=b"\x00\x00\x01\x00cut")
+    _, loaded = Store.open(path)
+    assert sorted(t.scope for t in loaded.timers) == ["older", "whole"]
+    assert "state_damaged" not in caplog.text  # never acknowledged: no damage
+
+
+def test_a_damaged_journal_is_moved_aside_and_its_good_prefix_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 5, Record(puts=[timer(1, "before")]))
+    with open(f"{path}.journal.5", "ab") as journal:  # overwritten with garbage
+        journal.write(os.urandom(64) + b"\x00" * 64)
+    append(path, 5, Record(puts=[timer(2, "after-the-damage")]))
+    append(path, 6, Record(puts=[timer(3, "next")]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == ["before", "next"]
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.journal.5.damaged-")
+    assert os.path.getsize(aside) > 128  # moved, never deleted
+    assert "ERROR" in caplog.text
+    assert f"moved_to={aside}" in caplog.text
 
 
 def test_a_state_held_by_another_daemon_is_refused_not_moved(tmp_path: Path) -> None:
@@ -158,89 +213,82 @@ def test_a_state_held_by_another_daemon_is_refused_not_moved(tmp_path: Path) -> 
     try:
         with pytest.raises(StateError, match="in use by another watchdogd"):
             Store.open(path)
-        assert not [name for name in os.listdir(tmp_path) if "unreadable" in name]
+        assert not [name for name in os.listdir(tmp_path) if "damaged" in name]
     finally:
         holder.close()
 
 
-async def test_a_failed_write_keeps_its_changes_for_the_next(tmp_path: Path) -> None:
-    path = str(tmp_path / "state.db")
-    store, _ = Store.open(path)
-    os.close(store._fd)
-    store._fd = os.open("/dev/null", os.O_RDONLY)  # as good as a full disk
-    store.put(timer(1, "first"), 1)
-    await store.commit(store.generation)  # acknowledged: the daemon keeps serving
-    assert store.errors == 1
-    store.put(timer(1, "second"), 1)  # a new journal takes both
-    await store.commit(store.generation)
-    assert store.errors == 1
-    store.close()
-    _, rows = Store.open(path)
-    assert sorted(row.scope for row in rows) == ["first", "second"]
-
-
-async def test_a_failed_fold_keeps_the_journals(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = str(tmp_path / "state.db")
-    store, _ = Store.open(path, journal_bytes=1)
-
-    def failing(db: sqlite3.Connection, changes: object) -> None:
-        raise sqlite3.OperationalError("database or disk is full")
-
-    monkeypatch.setattr(store_module, "_write", failing)
-    store.put(timer(1, "kept"), 1)
-    await store.commit(store.generation)
-    await store._fold()
-    assert store.errors == 1
-    assert store._unfolded  # still owed to the database
-    monkeypatch.undo()
-    store.close()
-    _, rows = Store.open(path)
-    assert [row.scope for row in rows] == ["kept"]
-
-
-def test_a_corrupt_database_is_moved_aside(
+def test_a_corrupt_database_is_moved_aside_and_the_journals_still_count(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "state.db"
     path.write_bytes(b"this is not a database" * 100)
-    (tmp_path / "state.db.journal.3").write_bytes(b"orphan")
-    store, rows = Store.open(str(path))
+    append(str(path), 3, Record(puts=[timer(1, "since-the-last-fold")]))
+    store, loaded = Store.open(str(path))
     store.close()
-    assert rows == []
-    aside = sorted(name for name in os.listdir(tmp_path) if ".unreadable-" in name)
-    assert len(aside) == 2  # the database and its journal
-    database = next(
-        name for name in aside if name.startswith("state.db.unreadable-") and "journal" not in name
-    )
-    assert (tmp_path / database).read_bytes().startswith(b"this is not a database")
-    assert "event=state_unreadable" in caplog.text
+    assert [t.scope for t in loaded.timers] == ["since-the-last-fold"]
+    [aside] = loaded.moved_aside
+    assert Path(aside).read_bytes().startswith(b"this is not a database")
+    assert "event=state_damaged" in caplog.text
+    assert not store.degraded
 
 
 def test_a_newer_schema_is_moved_aside(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
-    Store.open(path)[0].close()
+    store, _ = Store.open(path)
+    store._write_database({}, reset=True)
+    store.close()
     raw = sqlite3.connect(path)
     raw.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
     raw.commit()
     raw.close()
-    store, rows = Store.open(path)
+    store, loaded = Store.open(path)
     store.close()
-    assert rows == []
-    assert any(name.startswith("state.db.unreadable-") for name in os.listdir(tmp_path))
+    assert loaded.timers == []
+    assert any(".damaged-" in name for name in os.listdir(tmp_path))
 
 
 def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
     store, _ = Store.open(path)
-    store.put(timer(10, "a"), 1)
-    store.write_now()
+    store._write_database({timer(10, "a").store_key: timer(10, "a")}, reset=True)
     store.close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
     raw = sqlite3.connect(path)
     raw.execute("UPDATE meta SET value = 'another-boot' WHERE key = 'boot_id'")
     raw.commit()
     raw.close()
-    store, rows = Store.open(path)
+    store, loaded = Store.open(path)
     store.close()
-    assert rows == []
+    assert loaded.timers == []
+    _, again = Store.open(path)  # and it stays discarded
+    assert again.timers == []
+
+
+def test_the_files_of_the_previous_schema_still_load(tmp_path: Path) -> None:
+    """tests/data/schema1/ was written by the daemon of schema 1: a database with
+    one timer folded in, and a journal with one more armed and the first dropped."""
+    for name in os.listdir(DATA / "schema1"):
+        shutil.copy(DATA / "schema1" / name, tmp_path / name)
+    path = str(tmp_path / "state.db")
+    raw = sqlite3.connect(path)  # as if written in this boot
+    raw.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (store_module._boot_id(),))
+    raw.commit()
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert sorted((t.pid, t.scope, t.deadline, t.start_time) for t in loaded.timers) == [
+        (4242, "journal", 200.0, 777),
+        (4243, "folded", 300.0, 888),
+    ]
+    # Rewritten in this schema from the first journal of the run on.
+    _, again = Store.open(path)
+    assert sorted(t.scope for t in again.timers) == ["folded", "journal"]
+
+
+def test_a_record_is_one_timer_shape() -> None:
+    """What the journal holds is the in-memory Timer itself."""
+    armed = timer(1, "x", firing=2, step=1, step_end=5.0, fired_at=4.0)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(armed), type=Timer)
+    assert decoded == armed

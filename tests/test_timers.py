@@ -12,6 +12,7 @@ from watchdogd.timers import TimerTable
 @dataclass(eq=False)
 class Handle:
     pid: int
+    start_time: int = 0
 
 
 def arm(

@@ -55,43 +55,36 @@ class Actions:
         self._daemon_pgid = os.getpgrp()
 
     def carry_out(self, expired: list[Expired[Process]]) -> None:
-        """Start carrying out each expiry; returns at once."""
+        """Start carrying out each expiry (or resuming it, from the step its timer
+        records); returns at once."""
         for item in expired:
             self._nursery.start_soon(self._expire, item.timer, item.process)
 
-    def _policy_for(self, timer: Timer) -> tuple[Policy, str]:
-        policies = self._service.policies
-        policy = policies.get(timer.policy)
-        if policy is not None:
-            return policy, ""
-        default = policies[self._service.default_policy]
-        note = (
-            f"policy {timer.policy!r} is no longer configured; "
-            f"the default policy {default.name!r} was used"
-        )
-        return default, note
-
     async def _expire(self, timer: Timer, process: Process) -> None:
-        fired = self._clock()
         try:
-            policy, note = self._policy_for(timer)
+            policy, note = self._service.policy_for(timer.policy)
             command = process.command()
             target = open_target(policy.target, process, self._daemon_pgid, timer.owner)
         except Exception:
             log.exception("could not start the policy of %r", timer)
+            self._service.expiry_finished(timer)
             return
         finally:
             process.close()  # the target holds pidfds of its own
         try:
-            await self._run(timer, policy, target, command=command, fired=fired, note=note)
+            await self._run(timer, policy, target, command=command, note=note)
         except Exception:
             log.exception("the policy of %r failed", timer)
+            self._service.expiry_finished(timer)
         finally:
             target.close()
 
     async def _run(
-        self, timer: Timer, policy: Policy, target: Target, *, command: str, fired: float, note: str
+        self, timer: Timer, policy: Policy, target: Target, *, command: str, note: str
     ) -> None:
+        """Carry out ``policy`` from the step ``timer`` reached (0, or where a
+        daemon that stopped left it). Each step is recorded in the state as it
+        starts; cancelled (the daemon stops), the timer stays firing there."""
         settings = self._service.config
         values = {"pid": str(timer.pid), "scope": timer.scope}
         env = {
@@ -100,18 +93,31 @@ class Actions:
             "WATCHDOG_POLICY": policy.name,
             "WATCHDOG_UID": str(timer.uid),
         }
+        resumed_at = timer.step
         gone_at_start = not target.alive()
         results: list[StepResult] = []
-        signalled = killed = False
-        for step in policy.steps:
+        signalled = resumed_at > 0
+        killed = False
+        for index, step in enumerate(policy.steps):
+            if index < resumed_at:
+                results.append(StepResult(step=step.describe(), result="done before a restart"))
+                killed = killed or (isinstance(step, Signal) and step.signum == signal.SIGKILL)
+                continue
             if not target.alive():
                 results.append(StepResult(step=step.describe(), result="skipped: target exited"))
                 continue
+            if isinstance(step, Wait):
+                end = timer.step_end if index == timer.step and timer.step_end else 0.0
+                end = end or self._clock() + step.seconds
+                timer = self._service.step_started(timer, index, end)
+                results.append(await self._wait(step, target, end))
+                continue
+            timer = self._service.step_started(timer, index)
             results.append(await self._step(step, target, values, env))
             if isinstance(step, Signal):
                 if not signalled:
                     signalled = True
-                    self._service.metrics.observe_lateness(self._clock() - timer.deadline)
+                    self._service.observe_lateness(self._clock() - timer.deadline)
                 killed = killed or step.signum == signal.SIGKILL
         alive = target.alive()
         if alive and killed:
@@ -127,9 +133,9 @@ class Actions:
             if timer.deadline < self._service.started
             else ""
         )
-        notes = [text for text in (note, target.note, downtime) if text]
-        self._service.metrics.expiries[(policy.name, outcome)] += 1
-        self._service.events.record(
+        resumed = f"resumed at step {resumed_at + 1} after a restart" if resumed_at else ""
+        notes = [text for text in (note, target.note, downtime, resumed) if text]
+        self._service.record_expiry(
             EventInfo(
                 seq=0,
                 kind="expired",
@@ -141,15 +147,23 @@ class Actions:
                 command=command,
                 armed_at=self._as_wall(timer.armed_at),
                 deadline=self._as_wall(timer.deadline),
-                fired_at=self._as_wall(fired),
-                late=fired - timer.deadline,
+                fired_at=self._as_wall(timer.fired_at),
+                late=timer.fired_at - timer.deadline,
                 outcome=outcome,
                 steps=results,
                 note="; ".join(notes),
             )
         )
+        self._service.expiry_finished(timer)
         if outcome == "unkillable":
             self._report_unkillable(timer, policy, target, settings.unkillable_after)
+
+    async def _wait(self, step: Wait, target: Target, end: float) -> StepResult:
+        """A wait that ends at ``end`` on the daemon's clock (its original end, when
+        it resumes after a restart), or once the target has exited."""
+        exited = await target.wait_exit(max(0.0, end - self._clock()))
+        result = "exited" if exited else f"still running after {step.seconds:g}s"
+        return StepResult(step=step.describe(), result=result)
 
     @staticmethod
     async def _step(
@@ -158,10 +172,8 @@ class Actions:
         match step:
             case Signal(signum):
                 return StepResult(step=step.describe(), result=target.signal(signum))
-            case Wait(seconds):
-                exited = await target.wait_exit(seconds)
-                result = "exited" if exited else f"still running after {seconds:g}s"
-                return StepResult(step=step.describe(), result=result)
+            case Wait():
+                raise AssertionError("waits are carried out by Actions._wait")
             case Exec(argv, timeout) | Dump(argv, timeout):
                 hook = await run_hook(substitute(argv, values), env, timeout)
                 return StepResult(step=step.describe(), result=hook.result, output=hook.output)
@@ -170,8 +182,7 @@ class Actions:
         self, timer: Timer, policy: Policy, target: Target, after: float
     ) -> None:
         pid, state, wchan = target.survivor()
-        self._service.metrics.unkillable += 1
-        self._service.events.record(
+        self._service.record_unkillable(
             EventInfo(
                 seq=0,
                 kind="unkillable",

@@ -33,9 +33,10 @@ from .metrics import write_textfile
 from .process import Peer, Process, open_process
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
-from .service import Service
-from .store import Row, Store
+from .service import Restored, Service
+from .store import Store
 from .systemd import Notifier, watchdog_interval
+from .timers import Timer
 
 
 class HostProcesses:
@@ -132,9 +133,10 @@ class Daemon:
         self.listener = listener
         self.clock = clock
         self.store: Store | None = None
-        rows: list[Row] = []
+        timers: list[Timer] = []
         if state_path is not None:
-            self.store, rows = Store.open(state_path)
+            self.store, loaded = Store.open(state_path)
+            timers = loaded.timers
         self.watcher = ExitWatcher()
         self.news = trio.lowlevel.ParkingLot()
         self.notifier = Notifier()
@@ -155,9 +157,21 @@ class Daemon:
             on_event=self.news.unpark_all,
             journal=self.store,
         )
-        restored, dropped = self.service.restore(rows)
+        self.restored: Restored[Process] = self.service.restore(timers)
         if self.store is not None:
-            log.info(logfmt("state", path=self.store.path, restored=restored, dropped=dropped))
+            self.store.snapshot = self.service.snapshot
+            self.store.on_degraded = self._storage_changed
+            if self.store.degraded:
+                self._storage_changed(True, self.store.degraded_reason)
+            log.info(
+                logfmt(
+                    "state",
+                    path=self.store.path,
+                    restored=self.restored.armed,
+                    dropped=self.restored.dropped,
+                    resumed=len(self.restored.resumed),
+                )
+            )
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
@@ -168,6 +182,8 @@ class Daemon:
         await nursery.start(self.scheduler.run)
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
         await nursery.start(serve, self.listener, self.service, context)
+        self.actions.carry_out(self.restored.resumed)
+        self.restored.resumed = []
         if metrics_textfile is not None:
             nursery.start_soon(_write_metrics, self.service, metrics_textfile)
         state = "none" if self.store is None else self.store.path
@@ -192,6 +208,10 @@ class Daemon:
             # A bug here must not stop the scheduler (or the request that ran it).
             log.exception("firing the timers due at %r failed", now)
 
+    def _storage_changed(self, degraded: bool, reason: str) -> None:
+        self.service.storage_changed(degraded, reason)
+        self.notifier.send(f"STATUS={_status_line(self.service)}")
+
     def _next_deadline(self) -> float | None:
         return self.service.table.next_deadline()
 
@@ -200,20 +220,25 @@ class Daemon:
 
     def close(self) -> None:
         self.listener.close()
-        log.info(logfmt("stopped", timers=len(self.service.table)))
+        log.info(logfmt("stopped", timers=len(self.service.table), firing=self.service.firing))
+        if self.store is not None:
+            # Before the table is emptied: a degraded store's last try writes it all.
+            self.store.write_now()
         self.service.close()
         self.watcher.close()
         if self.store is not None:
-            self.store.write_now()
             self.store.close()
         self.notifier.close()
 
 
 def _status_line(service: Service[Process]) -> str:
-    return (
+    line = (
         f"{len(service.table)} timers on {service.table.process_count} processes, "
         f"{service.connections} connections"
     )
+    if service.journal.degraded:
+        line = "DEGRADED: the state cannot be written, timers are in memory only; " + line
+    return line
 
 
 def reload(service: Service[Process], config_path: str | None) -> bool:

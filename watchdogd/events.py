@@ -25,6 +25,8 @@ _LEVELS: Final = {
     "expired": logging.WARNING,
     "unkillable": logging.ERROR,
     "reload_failed": logging.ERROR,
+    "state_degraded": logging.ERROR,
+    "state_restored": logging.WARNING,
 }
 
 

@@ -26,10 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import trio
 
 from watchdogd_client.errors import FrameTooLarge
-from watchdogd_client.protocol import Error, Events, FrameReader, encode_frame_into
+from watchdogd_client.protocol import (
+    Acquired,
+    Error,
+    Events,
+    FrameReader,
+    Released,
+    decode_reply,
+    encode_frame_into,
+)
 
 from .errors import ListenError, Refusal
 from .logs import log, logfmt
@@ -305,8 +314,10 @@ class _Connection:
             # Let every other task of this turn of the loop add its changes, so
             # that one commit serves them all.
             await trio.lowlevel.checkpoint()
-            await self.journal.commit(changed)
-            self.durable = changed
+            if await self.journal.commit(changed):
+                self.durable = changed
+            else:
+                out = _not_durable(out)
         if await _send_all(self.conn, out, self.config.send_timeout):
             return True
         peer = self.session.caller.peer
@@ -329,6 +340,18 @@ class _Connection:
                 while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
                     await self.context.news.park()
                 nursery.cancel_scope.cancel()
+
+
+def _not_durable(out: bytearray) -> bytearray:
+    """``out`` with every acknowledgement of a change marked not durable (the state
+    could not be written). Only on a failing disk, so it may take its time."""
+    marked = bytearray()
+    for frame in FrameReader(len(out)).feed(bytes(out)):
+        reply = decode_reply(frame)
+        if isinstance(reply, Acquired | Released):
+            reply = msgspec.structs.replace(reply, durable=False)
+        encode_frame_into(reply, marked)
+    return marked
 
 
 async def _send_all(conn: socket.socket, data: bytearray, timeout: float) -> bool:

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Generic, Protocol, TypeVar, assert_never
+
+import msgspec
 
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
@@ -64,8 +67,7 @@ from .events import EventLog
 from .metrics import Counters
 from .policies import Policy
 from .process import Peer
-from .store import Journal, NullJournal, Row
-from .timers import Expired, Timer, TimerTable
+from .timers import Expired, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
 #: Scopes named in an ``exited`` event; the count covers the rest.
@@ -90,6 +92,56 @@ class TargetProcess(Protocol):
 P = TypeVar("P", bound=TargetProcess)
 
 
+class Journal(Protocol):
+    """Where the service reports each change of the timers it must keep (the
+    state store, `watchdogd.store.Store`)."""
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every change."""
+
+    @property
+    def degraded(self) -> bool:
+        """Whether changes are currently not made durable (a failing disk)."""
+
+    @property
+    def errors(self) -> int:
+        """Writes that failed."""
+
+    def put(self, timer: Timer) -> None:
+        """``timer`` is armed (new or re-armed), or its policy moved on a step."""
+
+    def drop(self, timer: Timer) -> None:
+        """``timer`` is gone: released, its process exited, or its policy ended."""
+
+    async def commit(self, generation: int) -> bool:
+        """Write what is pending; whether every change up to ``generation`` is in."""
+
+    def commit_soon(self) -> None:
+        """Have what is pending written soon, though no reply waits for it."""
+
+
+class NullJournal:
+    """The journal of a daemon without state (``--no-state``): remembers nothing,
+    and so is never degraded."""
+
+    generation = 0
+    errors = 0
+    degraded = False
+
+    def put(self, timer: Timer) -> None:
+        pass
+
+    def drop(self, timer: Timer) -> None:
+        pass
+
+    async def commit(self, generation: int) -> bool:
+        return True
+
+    def commit_soon(self) -> None:
+        pass
+
+
 class ProcessPort(Protocol[P]):
     """The system calls request handling needs, behind one interface."""
 
@@ -107,6 +159,16 @@ class ProcessPort(Protocol[P]):
 
     def untrack(self, process: P) -> None:
         """Drop the table's reference (it left the table)."""
+
+
+@dataclass(slots=True)
+class Restored(Generic[P]):
+    """What `Service.restore` put back: armed timers, dropped ones (their process
+    is gone), and expiries whose policy resumes."""
+
+    armed: int = 0
+    dropped: int = 0
+    resumed: list[Expired[P]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -145,6 +207,10 @@ class Service(Generic[P]):
         self.journal: Journal = NullJournal() if journal is None else journal
         self._on_deadline = on_deadline
         self._connections: Counter[int] = Counter()
+        #: Timers whose policy is in progress, by store key: part of the state
+        #: until the policy has finished.
+        self._firing: dict[StoreKey, Timer] = {}
+        self._firing_numbers = itertools.count(1)
 
     @property
     def connections(self) -> int:
@@ -274,7 +340,7 @@ class Service(Generic[P]):
             if entering:
                 process.retain()
                 self._processes.track(process)
-            self.journal.put(timer, process.start_time)
+            self.journal.put(timer)
         finally:
             process.close()
         self._on_deadline(timer.deadline)
@@ -291,7 +357,7 @@ class Service(Generic[P]):
             if gone is not None:
                 self._processes.untrack(gone)
             if timer is not None:
-                self.journal.drop(timer.key)
+                self.journal.drop(timer)
         finally:
             process.close()
         return Released(id=request.id, found=timer is not None)
@@ -417,6 +483,7 @@ class Service(Generic[P]):
             requests=self.metrics.requests_total,
             expired=self.metrics.expired,
             exited=self.metrics.exited,
+            state_degraded=self.journal.degraded,
         )
 
     def _events(self, request: Events, peer: Peer) -> EventsReply:
@@ -452,64 +519,181 @@ class Service(Generic[P]):
                     "Writes of the state file that failed since start.",
                     self.journal.errors,
                 ),
+                "state_degraded": (
+                    "1 while the state cannot be written: timers are kept in memory only.",
+                    int(self.journal.degraded),
+                ),
+                "expiries_in_progress": (
+                    "Expired timers whose policy is still being carried out.",
+                    len(self._firing),
+                ),
             }
         )
 
     def expire_due(self, now: float) -> list[Expired[P]]:
-        """Take out the timers due at ``now``. Each returned process handle is
-        retained for the caller, who closes it when the action is done."""
+        """Take out the timers due at ``now``; each stays in the state as firing
+        (the returned timer) until `expiry_finished`. Each returned process handle
+        is retained for the caller, who closes it when the action is done."""
         expired = self.table.pop_due(now)
-        for item in expired:
+        for index, item in enumerate(expired):
             item.process.retain()
             if item.orphaned:
                 self._processes.untrack(item.process)
-            self.journal.drop(item.timer.key)
+            firing = msgspec.structs.replace(
+                item.timer, firing=next(self._firing_numbers), step=0, fired_at=now
+            )
+            # The armed record and the firing one go out in the same journal
+            # record: a crash leaves one of the two, never neither.
+            self.journal.drop(item.timer)
+            self.journal.put(firing)
+            self._firing[firing.store_key] = firing
+            expired[index] = Expired(firing, item.process, item.orphaned)
         if expired:
             self.journal.commit_soon()
         return expired
 
-    def restore(self, rows: Iterable[Row]) -> tuple[int, int]:
-        """Re-arm stored timers on their original deadlines (the daemon restarted).
+    def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
+        """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
+        ``step_end``); returns the timer as now recorded."""
+        timer = msgspec.structs.replace(timer, step=step, step_end=step_end)
+        if timer.store_key in self._firing:
+            self._firing[timer.store_key] = timer
+            self.journal.put(timer)
+            self.journal.commit_soon()
+        return timer
 
-        A timer is dropped when its process is gone or its pid now belongs to another
-        process (its start time differs). Returns (restored, dropped)."""
-        restored = dropped = 0
+    def expiry_finished(self, timer: Timer) -> None:
+        """The policy of firing ``timer`` has ended: it leaves the state."""
+        if self._firing.pop(timer.store_key, None) is not None:
+            self.journal.drop(timer)
+            self.journal.commit_soon()
+
+    @property
+    def firing(self) -> int:
+        """Timers whose policy is in progress."""
+        return len(self._firing)
+
+    def snapshot(self) -> list[Timer]:
+        """Every timer the state must hold: the armed ones and the firing ones."""
+        return [*self.table.timers(), *self._firing.values()]
+
+    def restore(self, timers: Iterable[Timer]) -> Restored[P]:
+        """Put back the timers read from the state (the daemon restarted).
+
+        Armed timers are re-armed on their original deadlines. A timer is dropped
+        when its process is gone or its pid now belongs to another process (its
+        start time differs). A firing timer whose process is still there is
+        returned, with a retained handle, for its policy to resume at the step it
+        had reached; one whose process is gone is recorded as an expiry whose
+        target had gone, and is not signalled."""
+        restored = Restored[P]()
         handles: dict[int, P | None] = {}
-        for row in rows:
-            if row.pid not in handles:
-                handles[row.pid] = self._reopen(row)
-            process = handles[row.pid]
+        firing: list[Timer] = []
+        for timer in timers:
+            if timer.pid not in handles:
+                handles[timer.pid] = self._reopen(timer)
+            process = handles[timer.pid]
+            if timer.firing:
+                firing.append(timer)
+                continue
             if process is None:
-                self.journal.drop((row.pid, row.scope))
-                self.journal.commit_soon()
-                dropped += 1
+                self.journal.drop(timer)
+                restored.dropped += 1
                 continue
             entering = self.table.process(process.pid) is None
-            timer = self.table.restore(
-                process,
-                row.scope,
-                policy=row.policy,
-                uid=row.uid,
-                owner=row.owner,
-                timeout=row.timeout,
-                armed_at=row.armed_at,
-                deadline=row.deadline,
-            )
+            armed = self.table.restore(process, timer)
             if entering:
                 self._processes.track(process)
-            self._on_deadline(timer.deadline)
-            restored += 1
+            self._on_deadline(armed.deadline)
+            restored.armed += 1
+        numbers = [timer.firing for timer in firing]
+        self._firing_numbers = itertools.count(max(numbers, default=0) + 1)
+        for timer in firing:
+            self._firing[timer.store_key] = timer
+            process = handles[timer.pid]
+            if process is None:
+                self._record_gone_while_down(timer)
+                self.expiry_finished(timer)
+                continue
+            process.retain()
+            restored.resumed.append(Expired(timer, process, orphaned=False))
+        self.journal.commit_soon()
         for process in handles.values():
             if process is not None and self.table.process(process.pid) is not process:
                 process.close()
-        return restored, dropped
+        return restored
 
-    def _reopen(self, row: Row) -> P | None:
+    def storage_changed(self, degraded: bool, reason: str) -> None:
+        """The state store stopped (or started again) making changes durable."""
+        if degraded:
+            note = (
+                f"the state cannot be written ({reason}); timers are protected from "
+                "memory, and replies say their change is not durable, until it can"
+            )
+        else:
+            note = "the state can be written again, and holds every timer once more"
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="state_degraded" if degraded else "state_restored",
+                time=self._wall(),
+                pid=self.daemon_pid,
+                uid=ROOT,
+                scope="",
+                policy="",
+                note=note,
+            )
+        )
+
+    def record_expiry(self, event: EventInfo) -> None:
+        """A policy ended: count it by policy and outcome, and record its event."""
+        self.metrics.expiries[(event.policy, event.outcome)] += 1
+        self.events.record(event)
+
+    def record_unkillable(self, event: EventInfo) -> None:
+        """A target outlived SIGKILL."""
+        self.metrics.unkillable += 1
+        self.events.record(event)
+
+    def observe_lateness(self, seconds: float) -> None:
+        """The time from a deadline to its policy's first signal."""
+        self.metrics.observe_lateness(seconds)
+
+    def policy_for(self, name: str) -> tuple[Policy, str]:
+        """The policy a timer armed with ``name`` runs now, and a note when a reload
+        removed it and the default stands in."""
+        policy = self.policies.get(name)
+        if policy is not None:
+            return policy, ""
+        default = self.policies[self.default_policy]
+        note = (
+            f"policy {name!r} is no longer configured; the default policy {default.name!r} was used"
+        )
+        return default, note
+
+    def _record_gone_while_down(self, timer: Timer) -> None:
+        self.metrics.expiries[(timer.policy, "gone")] += 1
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="expired",
+                time=self._wall(),
+                pid=timer.pid,
+                uid=timer.uid,
+                scope=timer.scope,
+                policy=timer.policy,
+                outcome="gone",
+                note=f"its policy was at step {timer.step + 1} when the daemon stopped; "
+                "the process had exited by its restart, so nothing was sent again",
+            )
+        )
+
+    def _reopen(self, timer: Timer) -> P | None:
         try:
-            process = self._processes.open(row.pid, Peer(pid=0, uid=0, gid=0))
+            process = self._processes.open(timer.pid, Peer(pid=0, uid=0, gid=0))
         except Refusal:
             return None
-        if process.start_time != row.start_time:
+        if process.start_time != timer.start_time:
             process.close()  # the pid was reused while the daemon was down
             return None
         return process
@@ -532,7 +716,7 @@ class Service(Generic[P]):
         _, timers = forgotten
         self._processes.untrack(process)
         for timer in timers:
-            self.journal.drop(timer.key)
+            self.journal.drop(timer)
         if timers:
             self.journal.commit_soon()
             self.metrics.exited += 1

@@ -1,355 +1,725 @@
-"""Durable timers: every acknowledged change survives a crash of the daemon.
+"""Durable timers: every acknowledged change survives a crash of the daemon, and a
+failing disk never stops it.
 
-Two files, side by side: a SQLite database (``state.db``) holding the timers as they
-were at its last update, and an append-only journal (``state.db.journal``) of every
-change since. A commit is one ``write(2)`` of a checksummed record to the journal:
-a few microseconds, where a SQLite commit costs tens. When the journal grows past a
-bound, a background task writes its changes into the database in a worker thread
-and starts a new journal. Nothing is fsynced: what was written is in the kernel's
-page cache, which survives the daemon being killed at any instant (a reboot does not
-matter: pids do not survive it either, and state from another boot is discarded).
+Two kinds of file, side by side: a SQLite database (``state.db``) holding the timers
+as they were at its last update, and append-only journals (``state.db.journal.N``)
+of every change since. A commit is one ``write(2)`` of a checksummed record to the
+current journal: a few microseconds, where a SQLite commit costs tens. When the
+journal grows past a bound, a background task writes its changes into the database
+in a worker thread and starts a new journal. Nothing is fsynced: what was written is
+in the kernel's page cache, which survives the daemon being killed at any instant (a
+reboot does not matter: pids do not survive it either, and state from another boot
+is discarded).
+
+A record is a timer (`watchdogd.timers.Timer`, the one shape of a timer in memory,
+in the journal and in the database) or the removal of one, under its store key
+``(pid, scope, firing)``: an armed timer, and one whose policy is in progress.
 
 Invariants:
 
-- A change is recorded the moment the in-memory table changes. Changes to one key
-  collapse: only the latest state of ``(pid, scope)`` is written.
-- A request's reply is sent only after a commit that includes its change
-  (`Journal.commit`). The task that made the change lets every other task of the
-  current turn of the event loop run, then the first of them back writes all that
-  is pending as one record; the others find their changes written already. So one
-  write serves every request of a turn (group commit).
-- Changes no reply waits for (expiries, exits) are written soon after by a
-  background task (`Journal.commit_soon`).
-- Loading reads the database, then replays every journal in order, stopping at a
-  record cut short or damaged (a write the daemon died in, never acknowledged). The
-  result is written back into the database and the journals are removed. A journal
-  is removed only after the database holds its changes, so an interrupted update
-  is simply replayed again.
+- A change is recorded the moment the in-memory state changes. Changes to one key
+  collapse: only the latest state of a key is written.
+- `Store.commit` returns whether every change up to a generation is written: a
+  request's reply is sent after it, and says so when it is not (the daemon is
+  degraded). One write serves every request of a turn of the event loop (group
+  commit); changes no reply waits for are written soon after by a background task.
+- Exactly one descriptor of a journal is open, owned here; the next journal is
+  opened before the previous one is closed, and a number is never kept once closed.
+  Journals are started only by a fold or a recovery, so at most a few ever exist.
+- A write that fails (ENOSPC, EDQUOT, no inodes, EIO, a read-only file system) puts
+  the store in the degraded state: it says so once (``on_degraded``), stops writing
+  changes one by one, and retries with backoff. A retry writes the whole current
+  state (``snapshot``) to a new journal headed by a reset record, removes the older
+  journals it supersedes, and clears the degraded state. Memory stays bounded while
+  degraded: nothing is queued but the need for that one full write.
+- Loading reads the database, then replays every journal in order. A record cut
+  short at the end of a journal (a write the daemon died in, never acknowledged)
+  ends that journal. A damaged record (a bad checksum or undecodable content in a
+  complete record) is corruption: the good prefix is kept and the journal is moved
+  aside, never deleted, with an ERROR naming where. A database SQLite calls corrupt
+  (SQLITE_CORRUPT, SQLITE_NOTADB) or of an unknown schema is moved aside likewise.
+  Anything else that fails at start (a full or read-only disk) starts the daemon
+  degraded with everything it could read.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
-  down, so its downtime counts against them. Each row keeps its process's start time,
-  so that a pid now held by another process is recognized at load.
-- An unreadable or corrupt database is moved aside (with its journals) and the
-  daemon starts empty; it never refuses to start because of its state.
-- A write that fails (a full disk) is logged and counted, and its changes stay
-  pending, to be written with the next commit. Meanwhile the daemon keeps serving
-  from memory: a watchdog that stops answering protects nobody.
+  down, so its downtime counts against them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import os
 import sqlite3
 import struct
 import time
 import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Final, Protocol, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Final
 
 import msgspec
 import trio
 
 from .errors import DaemonError
 from .logs import log, logfmt
-from .timers import Key, Timer
+from .timers import StoreKey, Timer
 
-SCHEMA: Final = 1
+SCHEMA: Final = 2
 #: A journal this large is folded into the database and a new one started.
 JOURNAL_BYTES: Final = 8 * 1024 * 1024
+#: Retries of a failing disk wait this long at first, doubling up to the maximum.
+RETRY_FIRST: Final = 0.1
+RETRY_MAX: Final = 10.0
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
-_INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-_DELETE: Final = "DELETE FROM timers WHERE pid = ? AND scope = ?"
+_INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?)"
+_DELETE: Final = "DELETE FROM timers WHERE pid = ? AND scope = ? AND firing = ?"
 #: A journal record: payload length and CRC-32, then the msgpack payload.
 _RECORD: Final = struct.Struct(">II")
+#: No record is larger (the full state of the largest table is far smaller): a
+#: header declaring more is damage, not a write cut short.
+_MAX_RECORD: Final = 1 << 30
+#: SQLite's primary result codes that mean the file itself is damaged.
+_CORRUPT_CODES: Final = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
 
-#: The values of a row as the INSERT takes them.
-Values = tuple[int, str, str, int, int, float, float, float, int]
-Changes = dict[Key, Values | None]
+Changes = dict[StoreKey, Timer | None]
 
 
 class StateError(DaemonError):
-    """Raised at start when no state can be kept at the given path: another daemon
-    holds the file, or it cannot be created. (A file that is merely unreadable is
-    moved aside instead.)"""
+    """Raised at start when another running daemon holds the state file. (A file
+    that is damaged is moved aside, and a disk that fails starts the daemon
+    degraded, instead.)"""
 
 
-@dataclass(slots=True, frozen=True)
-class Row:
-    """A stored timer, with the start time of its process (clock ticks since boot)."""
-
-    pid: int
-    scope: str
-    policy: str
-    uid: int
-    owner: int
-    timeout: float
-    armed_at: float
-    deadline: float
-    start_time: int
+class _Corrupt(Exception):
+    """A state file that is damaged, not merely unwritable."""
 
 
-class Journal(Protocol):
-    """Where the service reports each change of the timer table."""
+class Record(msgspec.Struct, array_like=True):
+    """One journal record: ``reset`` says the state is exactly what follows (a full
+    write after a failure); ``puts`` and ``drops`` are changes."""
 
-    @property
-    def generation(self) -> int:
-        """Bumped by every change."""
-
-    def put(self, timer: Timer, start_time: int) -> None:
-        """``timer`` is armed (new or re-armed)."""
-
-    def drop(self, key: Key) -> None:
-        """The timer ``key`` is gone (released, expired, or its process exited)."""
-
-    async def commit(self, generation: int) -> None:
-        """Return once every change up to ``generation`` is committed."""
-
-    def commit_soon(self) -> None:
-        """Have what is pending written soon, though no reply waits for it."""
-
-    @property
-    def errors(self) -> int:
-        """Writes that failed (their changes were kept for the next one)."""
-
-
-class NullJournal:
-    """The journal of a daemon without state (``--no-state``): remembers nothing."""
-
-    generation = 0
-    errors = 0
-
-    def put(self, timer: Timer, start_time: int) -> None:
-        pass
-
-    def drop(self, key: Key) -> None:
-        pass
-
-    async def commit(self, generation: int) -> None:
-        pass
-
-    def commit_soon(self) -> None:
-        pass
+    reset: bool = False
+    puts: list[Timer] = []
+    drops: list[StoreKey] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
-_record_decoder = msgspec.msgpack.Decoder(list[tuple[int, str, list[object] | None]])
+_record_decoder = msgspec.msgpack.Decoder(Record)
+_timer_decoder = msgspec.msgpack.Decoder(Timer)
+
+
+class Loaded(msgspec.Struct):
+    """What `Store.open` read: every timer it found, and what it moved aside."""
+
+    timers: list[Timer]
+    moved_aside: list[str]
 
 
 class Store:
-    """The state files, the journal writer, and the folding of the journal into the
-    database. ``journal_bytes`` bounds a journal before it is folded."""
+    """The state files, the journal writer, and the folding of journals into the
+    database. Construct with `Store.open`.
 
-    def __init__(
-        self, db: sqlite3.Connection, path: str, number: int, journal_bytes: int = JOURNAL_BYTES
-    ) -> None:
+    ``snapshot`` (set by the daemon) returns every timer the state must hold, for
+    the full write that ends a degraded period; ``on_degraded(degraded, reason)``
+    is called when the store enters and leaves it.
+    """
+
+    def __init__(self, path: str, journal_bytes: int = JOURNAL_BYTES) -> None:
         self.path = path
-        self._db = db
         self._journal_bytes = journal_bytes
-        self._number = number
-        self._fd = _open_journal(path, number)
+        self._db: sqlite3.Connection | None = None
+        self._fd: int | None = None
+        self._lock_fd: int | None = None
+        self._number = 0
         self._written = 0
         self._pending: Changes = {}
-        #: Changes in journals the database does not hold yet.
+        #: Changes in journals the database does not hold yet; with
+        #: ``_unfolded_reset``, the whole state the database must become.
         self._unfolded: Changes = {}
+        self._unfolded_reset = False
+        #: Damaged files that could not be moved aside yet: never removed.
+        self._damaged: list[str] = []
         self._folding = False
+        #: A fold is due though the journal is not full (after a start or recovery).
+        self._fold_wanted = False
+        self._fold_retry_at = 0.0
         self.generation = 0
-        self._committed = 0
+        self._durable = 0
         self._wakeup = trio.Event()
         self.errors = 0
+        self.degraded = False
+        self.degraded_reason = ""
+        self._retry_at = 0.0
+        self._backoff = RETRY_FIRST
+        self.snapshot: Callable[[], Iterable[Timer]] = list
+        self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
+
+    # Opening and loading.
 
     @classmethod
-    def open(cls, path: str, journal_bytes: int = JOURNAL_BYTES) -> tuple[Store, list[Row]]:
-        """Open (or create) the state and read its timers. A database that cannot be
-        read is moved aside with its journals, with a logged error, and a new one is
-        started. Raises `StateError` only when no state can be kept at ``path`` at
-        all (another daemon holds it, or the directory is not writable)."""
-        try:
-            return cls._open(path, journal_bytes)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc):
-                raise StateError(
-                    f"{path} is in use by another watchdogd; give each daemon its own "
-                    "state file (--state) or stop the other one"
-                ) from None
-            unreadable: Exception = exc
-        except sqlite3.DatabaseError as exc:
-            unreadable = exc
-        except OSError as exc:
-            raise StateError(f"cannot keep state in {path}: {exc.strerror}") from None
-        aside = f"{path}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
-        for name in [path, f"{path}-wal", f"{path}-shm", *_journals(path)]:
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(name, aside + name[len(path) :])
-        log.error(logfmt("state_unreadable", path=path, error=str(unreadable), moved_to=aside))
-        try:
-            return cls._open(path, journal_bytes)
-        except (sqlite3.Error, OSError) as exc:
-            raise StateError(f"cannot keep state in {path}: {exc}") from None
+    def open(cls, path: str, journal_bytes: int = JOURNAL_BYTES) -> tuple[Store, Loaded]:
+        """Open (or create) the state and read its timers.
 
-    @classmethod
-    def _open(cls, path: str, journal_bytes: int) -> tuple[Store, list[Row]]:
-        # Created 0600 before SQLite sees it; its -wal and -shm files follow suit.
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        Raises `StateError` only when another daemon holds the file. A damaged file
+        is moved aside (logged at ERROR with where it went); a file system that
+        refuses writes leaves the store degraded, holding what could be read. The
+        database is not written here: the journals read are folded into it by the
+        background task, so a start costs one read of the state."""
+        store = cls(path, journal_bytes)
+        moved: list[str] = []
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        state, current = store._read_database(moved)
+        changes, reset = store._replay_journals(moved)
+        if reset:
+            state = {}
+        state.update(changes)
+        timers = {key: timer for key, timer in state.items() if timer is not None}
+        if current:
+            store._unfolded = changes
+        else:
+            # Another boot's state, or another schema: this run's first journal
+            # starts with the whole state, which supersedes every older file.
+            store._unfolded, store._unfolded_reset = dict(timers), True
+        store._start_journal(None if current else timers)
+        return store, Loaded(timers=list(timers.values()), moved_aside=moved)
+
+    def _read_database(self, moved: list[str]) -> tuple[Changes, bool]:
+        """The timers in the database (none when there is none, or it was moved
+        aside), and whether it is of this schema and boot. Keeps the connection."""
+        if not self._lock():
+            return {}, False
         try:
-            # The database is written in large batches only (folds): WAL keeps an
-            # interrupted fold from damaging it. Only this daemon uses the file.
-            db.execute("PRAGMA locking_mode=EXCLUSIVE")
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=OFF")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-            )
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS timers ("
-                " pid INTEGER NOT NULL, scope TEXT NOT NULL, policy TEXT NOT NULL,"
-                " uid INTEGER NOT NULL, owner INTEGER NOT NULL, timeout REAL NOT NULL,"
-                " armed_at REAL NOT NULL, deadline REAL NOT NULL, start_time INTEGER NOT NULL,"
-                " PRIMARY KEY (pid, scope)) WITHOUT ROWID"
-            )
-            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-            _check_schema(meta)
-            boot = _boot_id()
-            journals = _journals(path)
-            if meta.get("boot_id", boot) != boot:
-                discarded = db.execute("SELECT count(*) FROM timers").fetchone()[0]
-                log.info(logfmt("state_from_another_boot", path=path, discarded=discarded))
-                db.execute("DELETE FROM timers")
-            else:
-                changes: Changes = {}
-                for journal in journals:
-                    changes.update(_replay(journal))
-                _write(db, changes)
-            for journal in journals:
-                os.unlink(journal)
-            db.executemany(
-                "INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                [("schema", str(SCHEMA)), ("boot_id", boot)],
-            )
-            rows = [Row(*values) for values in db.execute("SELECT * FROM timers").fetchall()]
-        except BaseException:
+            db = _connect(self.path)
+        except sqlite3.Error as exc:
+            return self._database_failed(exc, moved), False
+        try:
+            state, schema, boot = _read_timers(db)
+        except (sqlite3.Error, _Corrupt) as exc:
             db.close()
-            raise
-        return cls(db, path, number=1, journal_bytes=journal_bytes), rows
+            return self._database_failed(exc, moved), False
+        self._db = db
+        if boot not in (None, _boot_id()):
+            log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(state)))
+            return {}, False
+        return state, schema == SCHEMA and boot is not None
 
-    def put(self, timer: Timer, start_time: int) -> None:
-        self._pending[timer.key] = (
-            timer.pid,
-            timer.scope,
-            timer.policy,
-            timer.uid,
-            timer.owner,
-            timer.timeout,
-            timer.armed_at,
-            timer.deadline,
-            start_time,
-        )
+    def _lock(self) -> bool:
+        """Create the database file if need be (0600, before SQLite sees it; its
+        -wal and -shm files follow) and hold an exclusive lock on it for the
+        store's life, so that a second daemon on the same state is refused even
+        when nothing can be written. Returns whether the file is there."""
+        if self._lock_fd is not None:
+            _close(self._lock_fd)
+            self._lock_fd = None
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only disk
+            except OSError as exc:
+                self._enter_degraded(_reason(exc))
+                return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _close(fd)
+            raise StateError(
+                f"{self.path} is in use by another watchdogd; give each daemon its own "
+                "state file (--state) or stop the other one"
+            ) from None
+        self._lock_fd = fd
+        return True
+
+    def _database_failed(self, exc: Exception, moved: list[str]) -> Changes:
+        if isinstance(exc, _Corrupt) or _code(exc) in _CORRUPT_CODES:
+            for name in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
+                if os.path.exists(name):
+                    self._move_aside(name, str(exc), moved)
+            self._lock()  # a new file in its place
+        else:
+            self._enter_degraded(_reason(exc))
+        return {}
+
+    def _replay_journals(self, moved: list[str]) -> tuple[Changes, bool]:
+        """The changes the journals record, in order, and whether one of them
+        starts over from a reset record."""
+        changes: Changes = {}
+        reset = False
+        journals = _journals(self.path)
+        for journal in journals:
+            try:
+                with open(journal, "rb") as source:
+                    data = source.read()
+            except OSError as exc:
+                # Unreadable is not proof of damage: it is kept for the next start.
+                self._enter_degraded(_reason(exc))
+                self._damaged.append(journal)
+                continue
+            for record in _records(data, newest=journal == journals[-1]):
+                if isinstance(record, str):
+                    self._move_aside(journal, record, moved)
+                    break
+                if record.reset:
+                    changes, reset = {}, True
+                for timer in record.puts:
+                    changes[timer.store_key] = timer
+                for pid, scope, firing in record.drops:
+                    changes[(pid, scope, firing)] = None
+        self._number = max(map(_journal_number, journals), default=0)
+        return changes, reset
+
+    def _start_journal(self, full_state: Mapping[StoreKey, Timer | None] | None) -> None:
+        """Open the first journal of this run, after any left by an earlier one,
+        and write its first record: a reset record holding ``full_state``, or an
+        empty one, which shows at start whether the disk takes writes at all."""
+        if self.degraded:
+            return  # a recovery starts one, headed by the full state
+        number = self._number + 1
+        fd = self._open_journal(number)
+        if fd is None:
+            return
+        if full_state is None:
+            record = _encode(Record(), {})
+        else:
+            record = _encode(Record(reset=True), full_state)
+        try:
+            _write_all(fd, record)
+        except OSError as exc:
+            _close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(_journal_path(self.path, number))
+            self._enter_degraded(_reason(exc))
+            return
+        if full_state is not None:
+            self._remove_journals(self._journals_before(number))
+        self._fd, self._number, self._written = fd, number, len(record)
+        if self._unfolded or self._unfolded_reset:
+            self._fold_wanted = True
+            self._wakeup.set()
+
+    # The hot path.
+
+    def put(self, timer: Timer) -> None:
+        """``timer`` is armed (new or re-armed), or its policy moved on a step."""
+        if not self.degraded:
+            self._pending[timer.store_key] = timer
         self.generation += 1
 
-    def drop(self, key: Key) -> None:
-        self._pending[key] = None
+    def drop(self, timer: Timer) -> None:
+        """``timer`` is gone: released, its process exited, or its policy ended."""
+        if not self.degraded:
+            self._pending[timer.store_key] = None
         self.generation += 1
 
-    async def commit(self, generation: int) -> None:
-        if self._committed < generation:
+    async def commit(self, generation: int) -> bool:
+        """Write what is pending; returns whether every change up to
+        ``generation`` is in the state (False while degraded)."""
+        if self._durable < generation and not self.degraded:
             self._append_pending()
+        return self._durable >= generation
 
     def commit_soon(self) -> None:
+        """Have what is pending written soon, though no reply waits for it."""
         self._wakeup.set()
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write the changes no reply waits for, and fold full journals."""
-        task_status.started()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            self._append_pending()
-            if self._written >= self._journal_bytes and not self._folding:
-                await self._fold()
 
     def _append_pending(self) -> None:
         batch, self._pending = self._pending, {}
         generation = self.generation
         if batch:
-            record = _encoder.encode(
-                [(pid, scope, values) for (pid, scope), values in batch.items()]
-            )
-            frame = _RECORD.pack(len(record), zlib.crc32(record)) + record
+            record = _encode(Record(), batch)
             try:
-                _write_all(self._fd, frame)
+                _write_all(self._fd, record)
             except OSError as exc:
-                self.errors += 1
-                log.error(logfmt("state_write_failed", path=self.path, error=exc.strerror))
-                # Keep what failed, unless a newer change to the same key came since,
-                # and leave whatever part of it was written at the end of a journal
-                # of its own: replay stops there, and goes on with the next journal.
-                for key, values in batch.items():
-                    self._pending.setdefault(key, values)
-                self._next_journal()
-            else:
-                self._written += _RECORD.size + len(record)
-                self._unfolded.update(batch)
-                if self._written >= self._journal_bytes:
+                self._enter_degraded(_reason(exc))
+                return
+            self._written += len(record)
+            self._unfolded.update(batch)
+            if self._written >= self._journal_bytes:
+                self._wakeup.set()
+        self._durable = generation
+
+    # The background task.
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write the changes no reply waits for, retry a failing disk with backoff,
+        and fold full journals into the database."""
+        task_status.started()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            if self.degraded:
+                wait = self._retry_at - time.monotonic()
+                if wait > 0:
+                    await trio.sleep(wait)
+                if not self.recover():
                     self._wakeup.set()
-        self._committed = max(self._committed, generation)
+                    continue
+            else:
+                self._append_pending()
+            if (
+                not self.degraded
+                and (self._fold_wanted or self._written >= self._journal_bytes)
+                and not self._folding
+            ):
+                wait = self._fold_retry_at - time.monotonic()
+                if wait > 0:
+                    await trio.sleep(wait)
+                await self._fold()
+
+    def recover(self) -> bool:
+        """Try once to end the degraded state: write the whole current state to a
+        new journal headed by a reset record. Returns whether the store is well."""
+        if not self.degraded:
+            return True
+        self._move_damaged_aside()
+        number = self._number + 1
+        fd = self._open_journal(number)
+        if fd is None:
+            return self._schedule_retry()
+        generation = self.generation
+        timers: Changes = {timer.store_key: timer for timer in self.snapshot()}
+        record = _encode(Record(reset=True), timers)
+        try:
+            _write_all(fd, record)
+        except OSError as exc:
+            self.errors += 1
+            self.degraded_reason = _reason(exc)
+            _close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(_journal_path(self.path, number))
+            return self._schedule_retry()
+        # The new journal holds the whole state: every older journal is superseded.
+        if self._fd is not None:
+            _close(self._fd)
+        self._fd, self._number, self._written = fd, number, len(record)
+        self._remove_journals(self._journals_before(number))
+        self._pending = {}
+        self._unfolded, self._unfolded_reset = dict(timers), True
+        self._durable = generation
+        self.degraded = False
+        self._backoff = RETRY_FIRST
+        self._fold_wanted = True
+        self._fold_retry_at = 0.0
+        self.on_degraded(False, "")
+        return True
+
+    def _schedule_retry(self) -> bool:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, RETRY_MAX)
+        return False
 
     async def _fold(self) -> None:
-        """Write what the journals hold into the database, then remove them; new
-        changes go to a new journal meanwhile."""
+        """Write what the journals hold into the database, then remove them.
+
+        New changes go to a new journal meanwhile, unless an earlier fold failed
+        and its journals are still there: then the current journal goes on, and
+        only the older ones are removed (replaying a folded change again is
+        harmless: the latest state of each key wins). So at most three journals
+        exist, however long the database refuses writes. A failure keeps the
+        journals (they are replayed at the next start) and is retried later."""
         self._folding = True
+        self._fold_wanted = False
         try:
-            changes, self._unfolded = self._unfolded, {}
-            finished = self._number
-            self._next_journal()
+            finished = self._journals_before(self._number)
+            if len(finished) == 0:
+                # No inode for a new journal is no failure: the current one goes on.
+                fd = self._open_journal(self._number + 1, degrade=False)
+                if fd is None:
+                    self._fold_retry_at = time.monotonic() + RETRY_MAX
+                else:
+                    assert self._fd is not None
+                    _close(self._fd)
+                    finished = self._journals_before(self._number + 1)
+                    self._fd, self._number, self._written = fd, self._number + 1, 0
+            changes, reset = self._unfolded, self._unfolded_reset
+            self._unfolded, self._unfolded_reset = {}, False
             try:
-                await trio.to_thread.run_sync(_write, self._db, changes)
-            except Exception as exc:
+                await trio.to_thread.run_sync(self._write_database, changes, reset)
+            except (sqlite3.Error, OSError, _Corrupt) as exc:
                 self.errors += 1
-                log.error(logfmt("state_fold_failed", path=self.path, error=str(exc)))
-                for key, values in changes.items():
-                    self._unfolded.setdefault(key, values)
-                return  # the journals stay, and are replayed at the next start
-            for journal in _journals(self.path):
-                if _journal_number(journal) <= finished:
-                    os.unlink(journal)
+                log.error(logfmt("state_fold_failed", path=self.path, error=_reason(exc)))
+                changes.update(self._unfolded)
+                self._unfolded, self._unfolded_reset = changes, reset or self._unfolded_reset
+                self._fold_retry_at = time.monotonic() + RETRY_MAX
+                self._fold_wanted = True
+                return
+            self._fold_retry_at = 0.0
+            self._remove_journals(finished)
         finally:
             self._folding = False
 
-    def _next_journal(self) -> None:
-        os.close(self._fd)
-        self._number += 1
-        self._fd = _open_journal(self.path, self._number)
-        self._written = 0
+    def _journals_before(self, number: int) -> list[str]:
+        return [j for j in _journals(self.path) if _journal_number(j) < number]
+
+    def _write_database(self, changes: Changes, reset: bool) -> None:
+        """In a worker thread: apply a fold to the database, opening it if the
+        daemon started without one."""
+        if self._db is None:
+            db = _connect(self.path)
+            try:
+                _read_timers(db)
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+        if reset:
+            timers = {key: timer for key, timer in changes.items() if timer is not None}
+            _replace_all(self._db, timers, _boot_id())
+        else:
+            _apply(self._db, changes)
+
+    # Failure handling.
+
+    def _enter_degraded(self, reason: str) -> None:
+        self.errors += 1
+        self._pending = {}
+        if self.degraded:
+            return
+        self.degraded = True
+        self.degraded_reason = reason
+        self._schedule_retry()
+        self.on_degraded(True, reason)  # said once, by the daemon: log, event, status
+        self._wakeup.set()
+
+    def _open_journal(self, number: int, *, degrade: bool = True) -> int | None:
+        try:
+            return os.open(
+                _journal_path(self.path, number),
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                0o600,
+            )
+        except OSError as exc:
+            if not degrade:
+                log.warning(logfmt("state_journal_not_started", path=self.path, error=_reason(exc)))
+            elif self.degraded:
+                self.errors += 1
+                self.degraded_reason = _reason(exc)
+            else:
+                self._enter_degraded(_reason(exc))
+            return None
+
+    def _move_aside(self, name: str, why: str, moved: list[str]) -> None:
+        aside = f"{name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            os.replace(name, aside)
+        except OSError as exc:
+            self._damaged.append(name)
+            log.error(logfmt("state_damaged", path=name, error=why, not_moved=_reason(exc)))
+            return
+        moved.append(aside)
+        log.error(logfmt("state_damaged", path=name, error=why, moved_to=aside))
+
+    def _move_damaged_aside(self) -> None:
+        damaged, self._damaged = self._damaged, []
+        for name in damaged:
+            if os.path.exists(name):
+                self._move_aside(name, "damaged or unreadable at start", [])
+
+    def _remove_journals(self, journals: Iterable[str]) -> None:
+        for journal in journals:
+            if journal in self._damaged:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    os.unlink(journal)
+                except OSError as exc:
+                    # Left in place: a later reset record or fold supersedes it.
+                    log.warning(logfmt("state_journal_kept", path=journal, error=_reason(exc)))
+
+    # Stopping.
 
     def write_now(self) -> None:
-        """Commit what is pending, on the spot (at shutdown)."""
-        self._append_pending()
+        """Commit what is pending, on the spot (at shutdown); one last try at a
+        degraded disk."""
+        if self.degraded:
+            self.recover()
+        else:
+            self._append_pending()
 
     def close(self) -> None:
-        os.close(self._fd)
-        self._db.close()
+        if self._fd is not None:
+            _close(self._fd)
+            self._fd = None
+        if self._lock_fd is not None:
+            _close(self._lock_fd)
+            self._lock_fd = None
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _encode(header: Record, changes: Mapping[StoreKey, Timer | None]) -> bytes:
+    record = Record(
+        reset=header.reset,
+        puts=[timer for timer in changes.values() if timer is not None],
+        drops=[key for key, timer in changes.items() if timer is None],
+    )
+    payload = _encoder.encode(record)
+    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _records(data: bytes, *, newest: bool) -> Iterator[Record | str]:
+    """The records of a journal, in order; a description of the damage ends them
+    at a record that is not valid.
+
+    A record cut short at the end of the ``newest`` journal is a write the daemon
+    died in (never acknowledged): it ends the journal quietly. Anywhere else, or
+    declaring more than any record could hold, it is damage."""
+    offset = 0
+    while offset < len(data):
+        length = checksum = 0
+        if offset + _RECORD.size <= len(data):
+            length, checksum = _RECORD.unpack_from(data, offset)
+        start = offset + _RECORD.size
+        if start + length > len(data):
+            if newest and length <= _MAX_RECORD:
+                return
+            yield f"a record cut short at byte {offset}"
+            return
+        payload = data[start : start + length]
+        if zlib.crc32(payload) != checksum:
+            yield f"bad checksum in the record at byte {offset}"
+            return
+        try:
+            yield _decode_record(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            yield f"unreadable record at byte {offset}: {exc}"
+            return
+        offset = start + length
+
+
+#: A record of schema 1: ``[(pid, scope, [policy, uid, ...] or None), ...]``.
+_legacy_decoder = msgspec.msgpack.Decoder(
+    list[tuple[int, str, tuple[int, str, str, int, int, float, float, float, int] | None]]
+)
+
+
+def _decode_record(payload: bytes) -> Record:
+    try:
+        return _record_decoder.decode(payload)
+    except msgspec.ValidationError:
+        legacy = _legacy_decoder.decode(payload)  # a journal of the previous schema
+    puts = [
+        Timer(
+            pid=pid,
+            scope=scope,
+            policy=policy,
+            uid=uid,
+            owner=owner,
+            timeout=timeout,
+            armed_at=armed_at,
+            deadline=deadline,
+            start_time=start_time,
+        )
+        for _, _, values in legacy
+        if values is not None
+        for pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time in (values,)
+    ]
+    drops = [(pid, scope, 0) for pid, scope, values in legacy if values is None]
+    return Record(puts=puts, drops=drops)
+
+
+def _write_all(fd: int | None, data: bytes) -> None:
+    if fd is None:
+        raise OSError(errno.EBADF, "no journal is open")
     if os.write(fd, data) != len(data):
-        raise OSError(errno.ENOSPC, "the journal took part of a record")
+        raise OSError(errno.ENOSPC, "No space left on device (a record was written in part)")
 
 
-def _write(db: sqlite3.Connection, changes: Changes) -> None:
-    """Apply ``changes`` to the database in one transaction."""
-    if not changes:
-        return
-    puts = [values for values in changes.values() if values is not None]
-    drops = [key for key, values in changes.items() if values is None]
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        # Only this daemon uses the file; the first read takes the lock, so a second
+        # daemon on the same file is refused here.
+        db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _read_timers(db: sqlite3.Connection) -> tuple[Changes, int, str | None]:
+    """The timers of a database of this schema or the one before, its schema and
+    the boot it was written in (None for a new database); raises `_Corrupt` for a
+    schema this daemon cannot read."""
+    meta = _meta(db)
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
+    if "timers" not in tables:
+        return {}, SCHEMA, None
+    schema = int(meta.get("schema", "1"))
+    state: Changes = {}
+    if schema == SCHEMA:
+        for (blob,) in db.execute("SELECT record FROM timers"):
+            try:
+                timer = _timer_decoder.decode(blob)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _Corrupt(f"unreadable timer record: {exc}") from None
+            state[timer.store_key] = timer
+    elif schema == 1:
+        for row in db.execute(
+            "SELECT pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time "
+            "FROM timers"
+        ):
+            pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time = row
+            timer = Timer(
+                pid=pid,
+                scope=scope,
+                policy=policy,
+                uid=uid,
+                owner=owner,
+                timeout=timeout,
+                armed_at=armed_at,
+                deadline=deadline,
+                start_time=start_time,
+            )
+            state[timer.store_key] = timer
+    else:
+        raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA} and 1")
+    return state, schema, meta.get("boot_id")
+
+
+def _meta(db: sqlite3.Connection) -> dict[str, str]:
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
+    if "meta" not in tables:
+        return {}
+    return dict(db.execute("SELECT key, value FROM meta").fetchall())
+
+
+def _replace_all(
+    db: sqlite3.Connection, timers: Mapping[StoreKey, Timer | None], boot: str
+) -> None:
+    """Make the database exactly ``timers``, in this schema, in one transaction."""
+    db.execute("PRAGMA journal_mode=WAL")  # an interrupted write never damages it
+    db.execute("PRAGMA synchronous=OFF")
     db.execute("BEGIN")
     try:
-        if puts:
-            db.executemany(_INSERT, puts)
-        if drops:
-            db.executemany(_DELETE, drops)
+        db.execute("DROP TABLE IF EXISTS timers")
+        db.execute(
+            "CREATE TABLE timers (pid INTEGER NOT NULL, scope TEXT NOT NULL,"
+            " firing INTEGER NOT NULL, record BLOB NOT NULL,"
+            " PRIMARY KEY (pid, scope, firing)) WITHOUT ROWID"
+        )
+        db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        db.executemany(
+            _INSERT,
+            (
+                (timer.pid, timer.scope, timer.firing, _encoder.encode(timer))
+                for timer in timers.values()
+                if timer is not None
+            ),
+        )
+        db.executemany(
+            "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+            [("schema", str(SCHEMA)), ("boot_id", boot)],
+        )
         db.execute("COMMIT")
     except BaseException:
         if db.in_transaction:
@@ -357,46 +727,53 @@ def _write(db: sqlite3.Connection, changes: Changes) -> None:
         raise
 
 
-def _replay(journal: str) -> Iterator[tuple[Key, Values | None]]:
-    """The changes a journal records, up to its first damaged or cut-short record."""
-    with open(journal, "rb") as source:
-        data = source.read()
-    offset = 0
-    while offset + _RECORD.size <= len(data):
-        length, checksum = _RECORD.unpack_from(data, offset)
-        record = data[offset + _RECORD.size : offset + _RECORD.size + length]
-        changes = None
-        if len(record) == length and zlib.crc32(record) == checksum:
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                changes = _record_decoder.decode(record)
-        if changes is None:
-            log.info(logfmt("state_journal_cut", journal=journal, at=offset))
-            return
-        for pid, scope, values in changes:
-            yield (pid, scope), (cast(Values, tuple(values)) if values is not None else None)
-        offset += _RECORD.size + length
+def _apply(db: sqlite3.Connection, changes: Changes) -> None:
+    """Apply ``changes`` to the database in one transaction."""
+    if not changes:
+        return
+    db.execute("BEGIN")
+    try:
+        db.executemany(
+            _INSERT,
+            (
+                (timer.pid, timer.scope, timer.firing, _encoder.encode(timer))
+                for timer in changes.values()
+                if timer is not None
+            ),
+        )
+        db.executemany(_DELETE, (key for key, timer in changes.items() if timer is None))
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
-def _open_journal(path: str, number: int) -> int:
-    return os.open(
-        f"{path}.journal.{number}", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-    )
+def _code(exc: BaseException) -> int:
+    """SQLite's primary result code of an error (-1 when it has none)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return -1 if code is None else code & 0xFF
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+    return str(exc) or type(exc).__name__
+
+
+def _journal_path(path: str, number: int) -> str:
+    return f"{path}.journal.{number}"
 
 
 def _journals(path: str) -> list[str]:
-    """The journals of ``path``, oldest first."""
-    return sorted(glob.glob(glob.escape(path) + ".journal.*"), key=_journal_number)
+    """The journals of ``path``, oldest first (damaged ones moved aside excluded)."""
+    found = glob.glob(glob.escape(path) + ".journal.*")
+    return sorted((j for j in found if _journal_number(j) > 0), key=_journal_number)
 
 
 def _journal_number(journal: str) -> int:
     suffix = journal.rsplit(".", 1)[1]
     return int(suffix) if suffix.isdigit() else -1
-
-
-def _check_schema(meta: dict[str, str]) -> None:
-    schema = int(meta.get("schema", SCHEMA))
-    if schema != SCHEMA:
-        raise sqlite3.DatabaseError(f"schema version {schema}; this daemon reads {SCHEMA}")
 
 
 def _boot_id() -> str:

@@ -29,17 +29,30 @@ class ProcessRef(Protocol):
 
     @property
     def pid(self) -> int: ...
+    @property
+    def start_time(self) -> int: ...
 
 
 P = TypeVar("P", bound=ProcessRef)
 Key = tuple[int, str]
+#: Where the state keeps a timer: its key, and 0 while it is armed or its firing
+#: number once it fell due (so a firing record and a re-arm of the same key coexist).
+StoreKey = tuple[int, str, int]
 
 
-class Timer(msgspec.Struct, frozen=True, kw_only=True):
-    """One armed timer. ``uid`` is the target process's uid, ``owner`` the uid of
-    the caller that armed it; times are on the table's clock. (A Struct: one is
-    made per acquire, and Struct construction is several times cheaper than a
-    frozen dataclass's.)"""
+class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """One timer: the in-memory and the stored form alike.
+
+    ``uid`` is the target process's uid, ``owner`` the uid of the caller that armed
+    it, ``start_time`` its process's start (clock ticks since boot, which tells a
+    recycled pid apart); times are on the table's monotonic clock. An armed timer
+    has ``firing`` 0. A timer that fell due keeps its record, with a ``firing``
+    number of its own, the index of the policy ``step`` in progress and, during a
+    wait, when that wait ends (``step_end``), until its policy has finished.
+
+    (A Struct without GC tracking: one is made per acquire, and it holds only
+    scalars. Fields are appended only with defaults: old records must still load.)
+    """
 
     pid: int
     scope: str
@@ -49,11 +62,20 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True):
     timeout: float
     armed_at: float
     deadline: float
-    seq: int
+    start_time: int = 0
+    seq: int = 0
+    firing: int = 0
+    step: int = 0
+    step_end: float = 0.0
+    fired_at: float = 0.0
 
     @property
     def key(self) -> Key:
         return (self.pid, self.scope)
+
+    @property
+    def store_key(self) -> StoreKey:
+        return (self.pid, self.scope, self.firing)
 
 
 @dataclass(slots=True)
@@ -125,17 +147,8 @@ class TimerTable(Generic[P]):
         """Arm or re-arm ``(process.pid, scope)``; returns the timer and whether it
         replaced one. A process new to the table is added with it; a process already
         in the table must be passed as the same handle."""
-        pid = process.pid
-        tracked = self._processes.get(pid)
-        if tracked is None:
-            tracked = self._processes[pid] = _Tracked(process)
-        elif tracked.process is not process:
-            raise ValueError(f"pid {pid} is already tracked with another handle")
-        previous = tracked.scopes.get(scope)
-        if previous is not None:
-            self._by_owner[previous.owner] -= 1
         timer = Timer(
-            pid=pid,
+            pid=process.pid,
             scope=scope,
             policy=policy,
             uid=uid,
@@ -143,34 +156,31 @@ class TimerTable(Generic[P]):
             timeout=timeout,
             armed_at=now,
             deadline=now + timeout,
+            start_time=process.start_time,
             seq=next(self._seq),
         )
-        tracked.scopes[scope] = timer
-        self._by_owner[owner] += 1
-        self._deadlines.set(timer.key, timer.deadline)
-        return timer, previous is not None
+        return timer, self._insert(process, timer)
 
-    def restore(
-        self,
-        process: P,
-        scope: str,
-        *,
-        policy: str,
-        uid: int,
-        owner: int,
-        timeout: float,
-        armed_at: float,
-        deadline: float,
-    ) -> Timer:
-        """Put back a timer with its original times (after a restart)."""
-        timer, _ = self.arm(
-            process, scope, timeout=timeout, policy=policy, uid=uid, owner=owner, now=armed_at
-        )
-        if timer.deadline != deadline:
-            timer = msgspec.structs.replace(timer, deadline=deadline)
-            self._processes[process.pid].scopes[scope] = timer
-            self._deadlines.set(timer.key, deadline)
+    def restore(self, process: P, stored: Timer) -> Timer:
+        """Put back an armed timer read from the state, on its original deadline."""
+        timer = msgspec.structs.replace(stored, seq=next(self._seq))
+        self._insert(process, timer)
         return timer
+
+    def _insert(self, process: P, timer: Timer) -> bool:
+        pid = process.pid
+        tracked = self._processes.get(pid)
+        if tracked is None:
+            tracked = self._processes[pid] = _Tracked(process)
+        elif tracked.process is not process:
+            raise ValueError(f"pid {pid} is already tracked with another handle")
+        previous = tracked.scopes.get(timer.scope)
+        if previous is not None:
+            self._by_owner[previous.owner] -= 1
+        tracked.scopes[timer.scope] = timer
+        self._by_owner[timer.owner] += 1
+        self._deadlines.set(timer.key, timer.deadline)
+        return previous is not None
 
     def disarm(self, pid: int, scope: str) -> tuple[Timer | None, P | None]:
         """Disarm ``(pid, scope)``. Returns the timer (None if none was armed) and the

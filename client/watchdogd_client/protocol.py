@@ -197,19 +197,26 @@ class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
 
 
 class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
-    """Answer to `Acquire`: seconds left on the timer, and whether it replaced one."""
+    """Answer to `Acquire`: seconds left on the timer, and whether it replaced one.
+
+    ``durable`` is False when the daemon could not write its state (a failing
+    disk): the timer is armed and protects, but would not survive a daemon crash.
+    """
 
     remaining: float
     rearmed: bool
+    durable: bool = True
 
 
 class Released(Reply, tag="released", frozen=True, kw_only=True):
-    """Answer to `Release`: whether a timer was armed under that key."""
+    """Answer to `Release`: whether a timer was armed under that key; ``durable``
+    as for `Acquired`."""
 
     found: bool
+    durable: bool = True
 
 
-class DaemonInfo(Struct, frozen=True, kw_only=True):
+class DaemonInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A summary of the daemon, sent with every status page."""
 
     version: str
@@ -221,6 +228,8 @@ class DaemonInfo(Struct, frozen=True, kw_only=True):
     requests: int
     expired: int
     exited: int
+    #: The daemon cannot write its state: timers live in memory only until it can.
+    state_degraded: bool = False
 
 
 class TimerInfo(Struct, frozen=True, kw_only=True):
