@@ -11,7 +11,9 @@ Figures:
 - both again with durable state off (``--no-state``), and the ratio on/off;
 - for >= 1,000 victims while 10,000 other timers are armed: deadline to death (the
   victim's pidfd reporting its exit in this process) and deadline to signal (the
-  daemon's own ``late_ms``), p50 and p99.
+  daemon's own ``late_ms``), p50 and p99;
+- restart: start to sd_notify READY with 100,000 and 1,000,000 timers in the state,
+  against an empty state.
 
 Run with ``make bench``; ``--quick`` shortens every phase.
 """
@@ -228,6 +230,74 @@ def lateness_figures(
     return figures
 
 
+def time_to_ready(state: Path, socket_path: Path) -> float:
+    """Seconds from starting a daemon on ``state`` to its sd_notify READY=1."""
+    notify_path = state.parent / "notify.sock"
+    notify_path.unlink(missing_ok=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(notify_path))
+        notify.settimeout(120)
+        started = time.monotonic()
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "watchdogd", "--socket", str(socket_path),
+             "--state", str(state), "--log-level", "warning"],
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+        )  # fmt: skip
+        try:
+            while b"READY=1" not in notify.recv(4096):
+                pass
+            return time.monotonic() - started
+        finally:
+            daemon.terminate()
+            daemon.wait()
+
+
+def restart_figures(sizes: list[int]) -> list[Figure]:
+    """Start to READY with ``sizes`` timers in the state (on 100 live processes),
+    against the same with an empty state."""
+    from watchdogd.process import read_start_time
+    from watchdogd.store import Store
+    from watchdogd.timers import Timer
+
+    figures = []
+    holders = [subprocess.Popen(["sleep", "3600"]) for _ in range(100)]
+    try:
+        starts = [read_start_time(holder.pid) for holder in holders]
+        with tempfile.TemporaryDirectory(prefix="wd-bench-") as directory:
+            empty = Path(directory) / "empty.db"
+            Store.open(str(empty))[0].close()
+            time_to_ready(empty, Path(directory) / "e.sock")  # its first fold
+            baseline = statistics.median(
+                time_to_ready(empty, Path(directory) / "e.sock") for _ in range(3)
+            )
+            figures.append(Figure("restart to READY, empty state", baseline, "s", 1.0, ""))
+            for size in sizes:
+                state = Path(directory) / f"state-{size}.db"
+                store, _ = Store.open(str(state))
+                now = time.monotonic()
+                for index in range(size):
+                    slot = index % len(holders)
+                    store.put(
+                        Timer(pid=holders[slot].pid, scope=f"scope-{index}", policy="kill",
+                              uid=0, owner=0, timeout=3600.0, armed_at=now, deadline=now + 3600,
+                              start_time=starts[slot], seq=index)
+                    )  # fmt: skip
+                store.write_now()
+                store.close()
+                socket_path = Path(directory) / "r.sock"
+                time_to_ready(state, socket_path)  # folds the journal into the database
+                seconds = statistics.median(time_to_ready(state, socket_path) for _ in range(3))
+                figures.append(
+                    Figure(f"restart to READY, {size:,} timers", seconds, "s",
+                           seconds / baseline, "x the empty state's; median of 3")
+                )  # fmt: skip
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    return figures
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -315,6 +385,7 @@ def main() -> None:
             spread = f"{len(kept)} rounds, middle half {low * 100:.0f}-{high * 100:.0f} %"
             figures.append(Figure(f"{what}: state on / off", ratio * 100, "%", ratio, spread))
         figures += lateness_figures(on_path, on_log, victims, others, floor)
+    figures += restart_figures([100_000] if options.quick else [100_000, 1_000_000])
     width = max(len(f.name) for f in figures)
     print(f"{'figure':<{width}}  {'value':>12}  {'unit':<14} {'x floor':>8}  note")
     for f in figures:

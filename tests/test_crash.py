@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.daemon import restart_estimate
 from watchdogd_client import DaemonUnavailable
 
 from conftest import PATIENCE, RunningDaemon, reap, wait_until
@@ -181,3 +182,14 @@ def test_a_restart_keeps_timers_armed_while_the_daemon_is_loaded(
         wait_until(lambda: worker.poll() is None, what="the worker to stay alive")
     finally:
         reap(worker)
+
+
+def test_the_daemon_says_how_long_a_restart_of_it_may_take(restartable: RunningDaemon) -> None:
+    """Clients wait out at least that long when their connection breaks."""
+    with restartable.client() as client:
+        client.ping()
+        window = client._restart
+    # The default cap of 1,000,000 timers loads in a few seconds on these machines.
+    assert 2.0 <= window <= 60.0
+    assert restart_estimate(2.9, 1_000_000, 1_000_000) == pytest.approx(6.8)
+    assert restart_estimate(0.01, 10, 1_000_000) == pytest.approx(7.0)

@@ -211,6 +211,8 @@ class Service(Generic[P]):
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
         self._firing_numbers = itertools.count(1)
+        #: Seconds a restart may take at the timer cap (set once the state loaded).
+        self.restart_estimate = 0.0
 
     @property
     def connections(self) -> int:
@@ -295,6 +297,7 @@ class Service(Generic[P]):
             version=PROTOCOL_VERSION,
             server=f"watchdogd/{__version__}",
             pid=self.daemon_pid,
+            restart=self.restart_estimate,
         )
 
     def _acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
@@ -587,31 +590,35 @@ class Service(Generic[P]):
         had reached; one whose process is gone is recorded as an expiry whose
         target had gone, and is not signalled."""
         restored = Restored[P]()
-        handles: dict[int, P | None] = {}
+        by_pid: dict[int, list[Timer]] = {}
         firing: list[Timer] = []
         for timer in timers:
-            if timer.pid not in handles:
-                handles[timer.pid] = self._reopen(timer)
-            process = handles[timer.pid]
-            if timer.firing:
-                firing.append(timer)
-                continue
+            (firing if timer.firing else by_pid.setdefault(timer.pid, [])).append(timer)
+        for timer in firing:
+            by_pid.setdefault(timer.pid, [])
+        handles: dict[int, P | None] = {}
+        groups: list[tuple[P, list[Timer]]] = []
+        for pid, armed in by_pid.items():
+            process = handles[pid] = self._reopen(pid, armed or firing)
             if process is None:
-                self.journal.drop(timer)
-                restored.dropped += 1
-                continue
-            entering = self.table.process(process.pid) is None
-            armed = self.table.restore(process, timer)
-            if entering:
-                self._processes.track(process)
-            self._on_deadline(armed.deadline)
-            restored.armed += 1
+                for timer in armed:
+                    self.journal.drop(timer)
+                restored.dropped += len(armed)
+            elif armed:
+                groups.append((process, armed))
+                restored.armed += len(armed)
+        self.table.restore(groups)
+        for process, _ in groups:
+            self._processes.track(process)
+        earliest = self.table.next_deadline()
+        if earliest is not None:
+            self._on_deadline(earliest)
         numbers = [timer.firing for timer in firing]
         self._firing_numbers = itertools.count(max(numbers, default=0) + 1)
         for timer in firing:
             self._firing[timer.store_key] = timer
             process = handles[timer.pid]
-            if process is None:
+            if process is None or process.start_time != timer.start_time:
                 self._record_gone_while_down(timer)
                 self.expiry_finished(timer)
                 continue
@@ -688,12 +695,14 @@ class Service(Generic[P]):
             )
         )
 
-    def _reopen(self, timer: Timer) -> P | None:
+    def _reopen(self, pid: int, timers: list[Timer]) -> P | None:
+        """A handle on ``pid`` if it is still the process ``timers`` were armed on."""
+        start_time = next(timer.start_time for timer in timers if timer.pid == pid)
         try:
-            process = self._processes.open(timer.pid, Peer(pid=0, uid=0, gid=0))
+            process = self._processes.open(pid, Peer(pid=0, uid=0, gid=0))
         except Refusal:
             return None
-        if process.start_time != timer.start_time:
+        if process.start_time != start_time:
             process.close()  # the pid was reused while the daemon was down
             return None
         return process

@@ -219,7 +219,8 @@ class Client(BaseClient):
     unprotected when the daemon cannot be reached, instead of raising
     `DaemonUnavailable`; other refusals always raise `RequestRefused`.
     When an established connection breaks (the daemon restarted), the client keeps
-    trying to reconnect for up to ``reconnect_timeout`` seconds before it gives up.
+    trying to reconnect for up to ``reconnect_timeout`` seconds, or as long as the
+    daemon said a restart of it may take if that is longer, before it gives up.
     """
 
     def __init__(
@@ -238,6 +239,8 @@ class Client(BaseClient):
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        #: How long the daemon said a restart of it may take (its Welcome).
+        self._restart = 0.0
         self.on_unavailable: OnUnavailable = on_unavailable
         self._max_reply = max_reply
         self._lock = threading.Lock()
@@ -449,10 +452,12 @@ class Client(BaseClient):
             raise RequestRefused(reply.code, reply.message)
         if not isinstance(reply, Welcome):
             raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
+        self._restart = reply.restart
 
     def _reconnect(self) -> None:
-        """Connect again, waiting out a daemon restart for ``reconnect_timeout``."""
-        deadline = time.monotonic() + self.reconnect_timeout
+        """Connect again, waiting out a daemon restart for ``reconnect_timeout``, or
+        as long as the daemon said its restart may take, if longer."""
+        deadline = time.monotonic() + max(self.reconnect_timeout, self._restart)
         pause = 0.01
         while True:
             try:

@@ -189,11 +189,17 @@ class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="ty
 
 
 class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
-    """Answer to `Hello`: the daemon's protocol version, release and pid."""
+    """Answer to `Hello`: the daemon's protocol version, release and pid.
+
+    ``restart`` is how long a restart of this daemon may take, in seconds, by its
+    own measure of loading its state, at its timer cap: a client whose
+    connection breaks waits at least this long for the daemon to come back.
+    """
 
     version: int
     server: str
     pid: int
+    restart: float = 0.0
 
 
 class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):

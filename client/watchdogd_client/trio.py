@@ -134,6 +134,8 @@ class AsyncClient:
         self.timeout = timeout
         self.on_unavailable: OnUnavailable = on_unavailable
         self.reconnect_timeout = reconnect_timeout
+        #: How long the daemon said a restart of it may take (its Welcome).
+        self._restart = 0.0
         self._nursery = nursery
         self._connection: _Connection | None = None
         self._connect_lock = trio.Lock()
@@ -256,7 +258,8 @@ class AsyncClient:
             connection = self._connection
             if connection is not None and not connection.broken:
                 return connection
-            deadline = trio.current_time() + (self.reconnect_timeout if reconnect else 0)
+            window = max(self.reconnect_timeout, self._restart)
+            deadline = trio.current_time() + (window if reconnect else 0)
             pause = 0.01
             while True:
                 try:
@@ -293,6 +296,7 @@ class AsyncClient:
             await stream.aclose()
             raise
         if isinstance(reply, Welcome):
+            self._restart = reply.restart
             return connection
         await stream.aclose()
         if reply is None:
