@@ -9,11 +9,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 import trio
 
 from watchdogd.hooks import OUTPUT_LIMIT, run_hook, substitute
+from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 
 from conftest import PATIENCE, RunningDaemon, configured_daemon, reap, wait_until
@@ -158,3 +161,33 @@ def test_a_scope_that_looks_like_an_option_is_an_operand(hook_daemon: RunningDae
     assert "cannot access '--version'" in listing.output
     assert "coreutils" not in listing.output  # what `ls --version` prints
     assert dump.output == f"dumped {event.pid}\n"
+
+
+@needs_root
+def test_a_hooks_output_is_shown_to_root_only(hook_daemon: RunningDaemon, tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret-file-name").touch()
+    event = _expiry_armed_by_nobody(hook_daemon, str(private))
+    listing, dump = event.steps
+    assert listing.output == "secret-file-name\n"  # the hook ran as root; root sees it
+    assert dump.output == f"dumped {event.pid}\n"
+
+    def read_events(client: Client) -> list[Any]:
+        return [(e.kind, e.scope, msgspec.to_builtins(e.steps)) for e in client.events().events]
+
+    seen = as_nobody(read_events, hook_daemon.socket_path)["ok"]
+    # The owner sees its expiry, each step and its exit status, and no output.
+    assert seen == [
+        [
+            "expired",
+            str(private),
+            [
+                {"step": "exec ls -- {scope}", "result": "exit 0", "output": ""},
+                {"step": "dump echo dumped {pid}", "result": "exit 0", "output": ""},
+            ],
+        ]
+    ]
+    with hook_daemon.client() as client:  # the record itself still holds it
+        [kept] = client.events().events
+        assert kept.steps[0].output == "secret-file-name\n"

@@ -13,6 +13,10 @@ Rules kept here:
 - Release is authorized like arming: you may release what you could have armed.
 - Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
 - A non-root caller sees only the timers on its own uid's processes or that it armed.
+- The output of a hook (``exec`` and ``dump`` steps) is shown to root only: it ran
+  with the daemon's privileges and may say anything the daemon can read. Everyone
+  else who may see the event sees each step and its result (the exit status). The
+  record keeps the output; only the reply to a non-root caller leaves it out.
 
 Process handles are reference-counted: the table holds one per process in it, each
 connection holds one on its caller's own process (so a worker that arms and releases
@@ -29,6 +33,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Generic, Protocol, TypeVar, assert_never
+
+import msgspec
 
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
@@ -53,6 +59,7 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Status,
     StatusReply,
+    StepResult,
     TimerInfo,
     Welcome,
 )
@@ -424,6 +431,8 @@ class Service(Generic[P]):
             return peer.uid in (ROOT, event.uid)
 
         events = self.events.page(request.after, request.limit, visible)
+        if peer.uid != ROOT:
+            events = [_without_output(event) for event in events]
         last = events[-1].seq if events else self.events.last
         return EventsReply(id=request.id, events=events, last=last)
 
@@ -555,6 +564,14 @@ class Service(Generic[P]):
                 )
             )
         return timers
+
+
+def _without_output(event: EventInfo) -> EventInfo:
+    """``event`` as a non-root caller sees it: its steps without their output."""
+    if not any(step.output for step in event.steps):
+        return event
+    steps = [StepResult(step=step.step, result=step.result) for step in event.steps]
+    return msgspec.structs.replace(event, steps=steps)
 
 
 def _sort_key(timer: Timer) -> tuple[float, int]:
