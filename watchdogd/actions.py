@@ -7,7 +7,9 @@ expiry, the scheduler or a request. Invariants:
 - Nothing here raises into the scheduler. A process that is already gone, a signal
   the kernel refuses, a hook that fails or hangs: each becomes the recorded result
   of its step. A bug is logged and costs only that expiry's record.
-- Steps after the target has exited are skipped.
+- Steps after the target has exited are skipped. So is every step when the uid
+  that armed the timer may no longer signal its process (its uids changed since;
+  see `watchdogd.targets`): the event says why, and its outcome is ``alive``.
 - A timer whose policy was removed by a reload runs the default policy, and its
   event says so.
 - A target still alive ``unkillable_after`` seconds after SIGKILL is reported as
@@ -104,6 +106,9 @@ class Actions:
         results: list[StepResult] = []
         signalled = killed = False
         for step in policy.steps:
+            if target.denied:
+                results.append(StepResult(step=step.describe(), result="skipped: not allowed"))
+                continue
             if not target.alive():
                 results.append(StepResult(step=step.describe(), result="skipped: target exited"))
                 continue
@@ -127,7 +132,7 @@ class Actions:
             if timer.deadline < self._service.started
             else ""
         )
-        notes = [text for text in (note, target.note, downtime) if text]
+        notes = [text for text in (note, target.denied, target.note, downtime) if text]
         self._service.metrics.expiries[(policy.name, outcome)] += 1
         self._service.events.record(
             EventInfo(

@@ -50,6 +50,9 @@ class HostProcesses:
     def alive(self, process: Process) -> bool:
         return process.alive()
 
+    def refresh(self, process: Process) -> bool:
+        return process.refresh()
+
     def command(self, process: Process) -> str:
         return process.command()
 

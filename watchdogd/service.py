@@ -10,6 +10,9 @@ Rules kept here:
 - The target of a request is the caller (its kernel-reported pid) unless it names a
   pid; a named pid is allowed where the caller could kill(2) it: root, or the caller's
   uid equal to the target's real or saved uid. pid 1 and the daemon are never targets.
+  The uids are those of the moment of the request: read when the process is opened,
+  or read again (`ProcessPort.refresh`) when the table already holds it, since it
+  may have called setuid(2) since its first timer.
 - Release is authorized like arming: you may release what you could have armed.
 - Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
 - A non-root caller sees only the timers on its own uid's processes or that it armed.
@@ -105,6 +108,10 @@ class ProcessPort(Protocol[P]):
 
     def alive(self, process: P) -> bool:
         """Whether the process still holds its pid."""
+
+    def refresh(self, process: P) -> bool:
+        """Read its real and saved uid again, into the handle; False when it has
+        exited (the handle then keeps the old ones)."""
 
     def command(self, process: P) -> str:
         """Its command line, for status."""
@@ -314,7 +321,7 @@ class Service(Generic[P]):
         if pid == self.daemon_pid:
             raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
         process = self.table.process(pid)
-        if process is not None and not self._processes.alive(process):
+        if process is not None and not self._processes.refresh(process):
             # Its exit is not processed yet and the pid may be someone else's by
             # now: settle it rather than attach a timer to a dead handle.
             self.process_exited(process)
