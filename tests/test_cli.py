@@ -1,4 +1,5 @@
-"""The watchdogd command: start-up errors, clean stops, the default socket."""
+"""The watchdogd command: start-up errors, clean stops, the default socket, signals
+while it starts, and the command line's log level across reloads."""
 
 from __future__ import annotations
 
@@ -103,3 +104,21 @@ def test_environment_names_the_socket(tmp_path: Path, socket_path: Path) -> None
 def test_version() -> None:
     result = subprocess.run([*WATCHDOGD, "--version"], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "watchdogd, version 0.1.0"
+
+
+def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(
+    daemon: RunningDaemon,
+) -> None:
+    second = daemon.socket_path.parent / "second.sock"
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(second), "--state", daemon.state_path],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert "is in use by another watchdogd" in result.stderr
+    assert not second.exists()
+    with daemon.client() as client:
+        client.ping()  # the first one is untouched

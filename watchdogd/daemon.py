@@ -8,6 +8,9 @@ Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file 
 created is removed, no timer fires on the way out, and a policy in progress is
 abandoned); SIGHUP reloads the config file, keeping the old config when the new one
 is invalid.
+
+A daemon that cannot start (its state file is held by another daemon, say) removes
+the socket file it created.
 """
 
 from __future__ import annotations
@@ -93,7 +96,11 @@ async def run(
     raise_nofile_limit()
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
-    daemon = Daemon(config, listener, state_path=state_path, clock=clock)
+    try:
+        daemon = Daemon(config, listener, state_path=state_path, clock=clock)
+    except BaseException:
+        listener.close()  # the socket file this daemon created, and only that
+        raise
     try:
         with contextlib.ExitStack() as stack:
             # Signals are caught before the socket is announced, so a SIGTERM sent
