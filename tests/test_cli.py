@@ -3,6 +3,7 @@ while it starts, and the command line's log level across reloads."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PATIENCE, RunningDaemon, reap, sleeper
+from watchdogd_client import Client
+
+from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until
 
 WATCHDOGD = [sys.executable, "-m", "watchdogd"]
 
@@ -104,6 +107,29 @@ def test_environment_names_the_socket(tmp_path: Path, socket_path: Path) -> None
 def test_version() -> None:
     result = subprocess.run([*WATCHDOGD, "--version"], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "watchdogd, version 0.1.0"
+
+
+def _reloaded(client: Client) -> bool:
+    return any(event.kind == "reloaded" for event in client.events().events)
+
+
+def test_a_reload_keeps_the_command_lines_log_level(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text('[daemon]\nlog_level = "info"\n')
+    running = RunningDaemon(
+        socket_path, tmp_path / "log", ["--config", str(config), "--log-level", "warning"]
+    )
+    running.start()
+    try:
+        os.kill(running.pid, signal.SIGHUP)
+        with running.client() as client:
+            wait_until(lambda: _reloaded(client), what="the reload")
+    finally:
+        assert running.stop() == 0
+    log = running.log()
+    # Both are info lines: the file's level did not replace the command line's.
+    assert "event=reloaded" not in log
+    assert "event=stopped" not in log
 
 
 def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(

@@ -96,6 +96,7 @@ def main(
                 state_path=None if no_state else state or default_state_path(socket_path),
                 config_path=config_path,
                 metrics_textfile=metrics_textfile,
+                log_level=log_level,
             )
         )
     except DaemonError as exc:
