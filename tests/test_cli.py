@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd_client import Client
+from watchdogd_client import Client, DaemonUnavailable
 
 from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until
 
@@ -148,3 +148,43 @@ def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(
     assert not second.exists()
     with daemon.client() as client:
         client.ping()  # the first one is untouched
+
+
+def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    # The config is a FIFO, so the daemon waits inside its start-up, reading it,
+    # for as long as the test likes.
+    config = tmp_path / "watchdogd.toml"
+    os.mkfifo(config)
+    log = tmp_path / "log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        writer = os.open(config, os.O_WRONLY)  # returns once the daemon opened it
+        os.kill(process.pid, signal.SIGHUP)
+        # The reload reads the path again: make it a plain file by then (the
+        # daemon's open FIFO is unaffected).
+        plain = tmp_path / "plain.toml"
+        plain.write_text("[daemon]\nevents = 50\n")
+        os.replace(plain, config)
+        os.write(writer, b"[daemon]\nevents = 50\n")
+        os.close(writer)
+
+        def answers() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                with Client(socket_path, timeout=1.0) as client:
+                    return _reloaded(client)
+            except DaemonUnavailable:
+                return False
+
+        wait_until(answers, what="the daemon to start and reload")
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        assert process.wait(timeout=PATIENCE) == 0, log.read_text()

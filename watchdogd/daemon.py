@@ -7,7 +7,10 @@ cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
 created is removed, no timer fires on the way out, and a policy in progress is
 abandoned); SIGHUP reloads the config file, keeping the old config when the new one
-is invalid, and never changes a log level given on the command line.
+is invalid, and never changes a log level given on the command line. The
+``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli`); `run`
+unblocks it once its receiver is in place, so a SIGHUP sent while the daemon starts
+is a reload once it is up, never a hang-up that kills it.
 
 A daemon that cannot start (its state file is held by another daemon, say) removes
 the socket file it created.
@@ -114,6 +117,10 @@ async def run(
                 if handle_signals
                 else None
             )
+            if signals is not None:
+                # A SIGHUP held since start-up (see `watchdogd.cli`) arrives now, as a
+                # reload.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
             async with trio.open_nursery() as nursery:
                 await daemon.start(nursery, metrics_textfile)
                 task_status.started(daemon.service)
