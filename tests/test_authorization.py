@@ -10,8 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -321,3 +324,49 @@ def test_a_process_that_regained_root_is_out_of_reach_of_its_former_uid(
         tell(worker, "arm still-alive 60")
     finally:
         reap(worker)
+
+
+def test_a_daemon_run_by_an_ordinary_user_cannot_act_on_anyone_else(tmp_path: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="wd-user-", dir="/tmp"))
+    os.chown(directory, NOBODY, NOBODY)
+    socket_path = directory / "watchdogd.sock"
+    log = tmp_path / "log"
+    running = RunningDaemon(
+        socket_path,
+        log,
+        ["--no-state"],
+        command=[
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--",
+            *[sys.executable, "-m", "watchdogd", "--socket", str(socket_path)],
+        ],
+    )
+    running.start()
+    root_victim, own_victim = sleeper(), nobody_sleeper()
+    try:
+        with running.client() as client:
+            # Root may ask, but this daemon has no privilege to act on root's process.
+            client.acquire("out-of-reach", 0.1, pid=root_victim.pid)
+            client.acquire("its-users", 0.1, pid=own_victim.pid)
+            found: list[Any] = []
+
+            def expired() -> bool:
+                found[:] = [e for e in client.events().events if e.kind == "expired"]
+                return len(found) == 2
+
+            wait_until(expired, what="both expiries")
+        results = {e.scope: (e.outcome, [s.result for s in e.steps]) for e in found}
+        assert results == {
+            "out-of-reach": ("alive", ["not permitted to send SIGKILL"]),
+            "its-users": ("exited", ["sent SIGKILL"]),
+        }
+        assert root_victim.poll() is None
+        assert own_victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        assert running.stop() == 0, running.log()
+        reap(root_victim)
+        reap(own_victim)
+        shutil.rmtree(directory, ignore_errors=True)

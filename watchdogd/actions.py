@@ -117,7 +117,9 @@ class Actions:
                 if not signalled:
                     signalled = True
                     self._service.metrics.observe_lateness(self._clock() - timer.deadline)
-                killed = killed or step.signum == signal.SIGKILL
+                # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
+                sent = results[-1].result.startswith("sent")
+                killed = killed or (step.signum == signal.SIGKILL and sent)
         alive = target.alive()
         if alive and killed:
             alive = not await target.wait_exit(settings.unkillable_after)

@@ -58,12 +58,15 @@ class Member:
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(0))
 
-    def send(self, signum: int) -> bool:
-        """Signal it; False if it is gone."""
+    def send(self, signum: int) -> bool | None:
+        """Signal it; False if it is gone, None if the daemon may not (EPERM: it
+        runs as an ordinary user, or without CAP_KILL)."""
         try:
             signal.pidfd_send_signal(self.fd, signum)
         except ProcessLookupError:
             return False
+        except PermissionError:
+            return None
         return True
 
 
@@ -138,9 +141,10 @@ class Target:
             return self._signal_group(signum, name)
         if self.kind == "tree":
             self._collect_descendants()
-        sent = sum(member.send(signum) for member in self.members if not member.exited())
+        results = [member.send(signum) for member in self.members if not member.exited()]
+        sent = results.count(True)
         if not sent:
-            return "gone"
+            return f"not permitted to send {name}" if None in results else "gone"
         if self.kind != "process":
             return f"sent {name} to {sent} process{'es' if sent != 1 else ''}"
         return f"sent {name}"
@@ -160,6 +164,8 @@ class Target:
                 os.killpg(self.pgid, signum)
             except ProcessLookupError:
                 return "gone"
+            except PermissionError:
+                return f"not permitted to send {name} to group {self.pgid}"
             return f"sent {name} to group {self.pgid}"
         return "gone"
 
