@@ -267,6 +267,7 @@ def test_a_process_that_dropped_privileges_is_judged_by_its_uids_now(
     try:
         wait_ready(worker)
         tell(worker, "arm while-root 60")  # armed while root: the daemon read uid 0
+        tell(worker, "arm root-fires 3")
         tell(worker, f"setresuid {NOBODY} {NOBODY} {NOBODY}")
         assert uids_of(worker.pid) == [NOBODY] * 4
         pid = worker.pid
@@ -279,7 +280,9 @@ def test_a_process_that_dropped_privileges_is_judged_by_its_uids_now(
         }
         with daemon.client() as client:
             scopes = {(t.scope, t.uid) for t in client.status().timers if t.pid == pid}
-        assert scopes == {("nobody's", NOBODY)}
+        assert scopes == {("nobody's", NOBODY), ("root-fires", 0)}
+        # A timer root armed acts on the process whatever its uids have become.
+        assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
     finally:
         reap(worker)
 
