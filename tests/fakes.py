@@ -64,6 +64,12 @@ class FakeHost:
     def alive(self, process: FakeProcess) -> bool:
         return not process.exited and process.pid not in self.dead
 
+    def refresh(self, process: FakeProcess) -> bool:
+        if not self.alive(process):
+            return False
+        process.uid, process.saved_uid = self.processes[process.pid]
+        return True
+
     def command(self, process: FakeProcess) -> str:
         return f"cmd-{process.pid}"
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,16 @@ import pytest
 
 from watchdogd_client import Client, RequestRefused
 
-from conftest import PATIENCE, RunningDaemon, configured_daemon, reap, sleeper, wait_until
+from conftest import (
+    PATIENCE,
+    RunningDaemon,
+    configured_daemon,
+    python_worker,
+    reap,
+    sleeper,
+    wait_ready,
+    wait_until,
+)
 
 NOBODY = 65534
 
@@ -215,3 +227,149 @@ def test_per_uid_limits_bind_nobody_not_root(daemon: RunningDaemon) -> None:
     assert outcome == {"ok": ["ok", "ok", "ok", "ok", "limit_exceeded"]}
     with daemon.client() as client:
         client.ping()  # root is not affected
+
+
+#: A root worker that arms timers on itself and changes its uids when told to.
+CHANGING = """
+    import os, sys
+    from watchdogd_client import Client
+    client = Client()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "arm":
+            client.acquire(args[0], float(args[1]))
+        elif command == "setresuid":
+            os.setresuid(*map(int, args))
+        print("done", flush=True)
+    """
+
+
+def tell(worker: subprocess.Popen[str], command: str) -> None:
+    assert worker.stdin is not None
+    assert worker.stdout is not None
+    worker.stdin.write(command + "\n")
+    worker.stdin.flush()
+    assert worker.stdout.readline() == "done\n"
+
+
+def uids_of(pid: int) -> list[int]:
+    line = next(
+        line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line[:4] == "Uid:"
+    )
+    return [int(field) for field in line.split()[1:]]
+
+
+def test_a_process_that_dropped_privileges_is_judged_by_its_uids_now(
+    daemon: RunningDaemon,
+) -> None:
+    worker = python_worker(CHANGING, socket=daemon.socket_path)
+    try:
+        wait_ready(worker)
+        tell(worker, "arm while-root 60")  # armed while root: the daemon read uid 0
+        tell(worker, "arm root-fires 3")
+        tell(worker, f"setresuid {NOBODY} {NOBODY} {NOBODY}")
+        assert uids_of(worker.pid) == [NOBODY] * 4
+        pid = worker.pid
+        # uid 65534 may signal it now, so it may arm and release its timers.
+        assert as_nobody(lambda c: c.acquire("nobody's", 60, pid=pid), daemon.socket_path) == {
+            "ok": 60
+        }
+        assert as_nobody(lambda c: c.release("while-root", pid=pid), daemon.socket_path) == {
+            "ok": True
+        }
+        with daemon.client() as client:
+            scopes = {(t.scope, t.uid) for t in client.status().timers if t.pid == pid}
+        assert scopes == {("nobody's", NOBODY), ("root-fires", 0)}
+        # A timer root armed acts on the process whatever its uids have become.
+        assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        reap(worker)
+
+
+def test_a_process_that_regained_root_is_out_of_reach_of_its_former_uid(
+    daemon: RunningDaemon,
+) -> None:
+    worker = python_worker(CHANGING, socket=daemon.socket_path)
+    try:
+        wait_ready(worker)
+        # Real and effective uid 65534, saved uid 0: as a setuid-root program that
+        # has set its effective uid back to the user's, and may take root again.
+        tell(worker, f"setresuid {NOBODY} {NOBODY} 0")
+        pid = worker.pid
+
+        def arm_two(client: Client) -> list[float]:
+            return [client.acquire("fires", 3.0, pid=pid), client.acquire("held", 60, pid=pid)]
+
+        assert as_nobody(arm_two, daemon.socket_path) == {"ok": [3.0, 60]}
+        tell(worker, "setresuid 0 0 0")
+        for action in (
+            lambda c: c.acquire("more", 60, pid=pid),
+            lambda c: c.release("held", pid=pid),
+        ):
+            outcome = as_nobody(action, daemon.socket_path)
+            assert outcome["refused"] == "permission_denied"
+            assert "(real uid 0, saved uid 0)" in outcome["message"]
+        # At the deadline uid 65534 may not signal it either: nothing is done to it.
+        with daemon.client() as client:
+            found: list[Any] = []
+
+            def expired() -> bool:
+                found[:] = [e for e in client.events().events if e.kind == "expired"]
+                return bool(found)
+
+            wait_until(expired, what="the expiry")
+        [event] = found
+        assert (event.pid, event.scope, event.outcome) == (pid, "fires", "alive")
+        assert [(s.step, s.result) for s in event.steps] == [("SIGKILL", "skipped: not allowed")]
+        assert f"uid {NOBODY} may no longer signal pid {pid}" in event.note
+        assert worker.poll() is None
+        tell(worker, "arm still-alive 60")
+    finally:
+        reap(worker)
+
+
+def test_a_daemon_run_by_an_ordinary_user_cannot_act_on_anyone_else(tmp_path: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="wd-user-", dir="/tmp"))
+    os.chown(directory, NOBODY, NOBODY)
+    socket_path = directory / "watchdogd.sock"
+    log = tmp_path / "log"
+    running = RunningDaemon(
+        socket_path,
+        log,
+        ["--no-state"],
+        command=[
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--",
+            *[sys.executable, "-m", "watchdogd", "--socket", str(socket_path)],
+        ],
+    )
+    running.start()
+    root_victim, own_victim = sleeper(), nobody_sleeper()
+    try:
+        with running.client() as client:
+            # Root may ask, but this daemon has no privilege to act on root's process.
+            client.acquire("out-of-reach", 0.1, pid=root_victim.pid)
+            client.acquire("its-users", 0.1, pid=own_victim.pid)
+            found: list[Any] = []
+
+            def expired() -> bool:
+                found[:] = [e for e in client.events().events if e.kind == "expired"]
+                return len(found) == 2
+
+            wait_until(expired, what="both expiries")
+        results = {e.scope: (e.outcome, [s.result for s in e.steps]) for e in found}
+        assert results == {
+            "out-of-reach": ("alive", ["not permitted to send SIGKILL"]),
+            "its-users": ("exited", ["sent SIGKILL"]),
+        }
+        assert root_victim.poll() is None
+        assert own_victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        assert running.stop() == 0, running.log()
+        reap(root_victim)
+        reap(own_victim)
+        shutil.rmtree(directory, ignore_errors=True)

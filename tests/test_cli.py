@@ -1,7 +1,9 @@
-"""The watchdogd command: start-up errors, clean stops, the default socket."""
+"""The watchdogd command: start-up errors, clean stops, the default socket, signals
+while it starts, and the command line's log level across reloads."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PATIENCE, RunningDaemon, reap, sleeper
+from watchdogd_client import Client, DaemonUnavailable
+
+from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until
 
 WATCHDOGD = [sys.executable, "-m", "watchdogd"]
 
@@ -103,3 +107,84 @@ def test_environment_names_the_socket(tmp_path: Path, socket_path: Path) -> None
 def test_version() -> None:
     result = subprocess.run([*WATCHDOGD, "--version"], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "watchdogd, version 0.1.0"
+
+
+def _reloaded(client: Client) -> bool:
+    return any(event.kind == "reloaded" for event in client.events().events)
+
+
+def test_a_reload_keeps_the_command_lines_log_level(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text('[daemon]\nlog_level = "info"\n')
+    running = RunningDaemon(
+        socket_path, tmp_path / "log", ["--config", str(config), "--log-level", "warning"]
+    )
+    running.start()
+    try:
+        os.kill(running.pid, signal.SIGHUP)
+        with running.client() as client:
+            wait_until(lambda: _reloaded(client), what="the reload")
+    finally:
+        assert running.stop() == 0
+    log = running.log()
+    # Both are info lines: the file's level did not replace the command line's.
+    assert "event=reloaded" not in log
+    assert "event=stopped" not in log
+
+
+def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(
+    daemon: RunningDaemon,
+) -> None:
+    second = daemon.socket_path.parent / "second.sock"
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(second), "--state", daemon.state_path],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert "is in use by another watchdogd" in result.stderr
+    assert not second.exists()
+    with daemon.client() as client:
+        client.ping()  # the first one is untouched
+
+
+def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    # The config is a FIFO, so the daemon waits inside its start-up, reading it,
+    # for as long as the test likes.
+    config = tmp_path / "watchdogd.toml"
+    os.mkfifo(config)
+    log = tmp_path / "log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        writer = os.open(config, os.O_WRONLY)  # returns once the daemon opened it
+        os.kill(process.pid, signal.SIGHUP)
+        # The reload reads the path again: make it a plain file by then (the
+        # daemon's open FIFO is unaffected).
+        plain = tmp_path / "plain.toml"
+        plain.write_text("[daemon]\nevents = 50\n")
+        os.replace(plain, config)
+        os.write(writer, b"[daemon]\nevents = 50\n")
+        os.close(writer)
+
+        def answers() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                with Client(socket_path, timeout=1.0) as client:
+                    return _reloaded(client)
+            except DaemonUnavailable:
+                return False
+
+        wait_until(answers, what="the daemon to start and reload")
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        assert process.wait(timeout=PATIENCE) == 0, log.read_text()

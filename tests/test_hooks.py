@@ -1,14 +1,26 @@
-"""exec and dump programs: environment, whole-argument substitution, bounds."""
+"""exec and dump programs: environment, whole-argument substitution, bounds; and, with
+a real daemon, that a scope is never an option and a hook's output is root's only."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
+import pytest
 import trio
 
 from watchdogd.hooks import OUTPUT_LIMIT, run_hook, substitute
+from watchdogd_client import Client
+from watchdogd_client.protocol import EventInfo
+
+from conftest import PATIENCE, RunningDaemon, configured_daemon, reap, wait_until
+from test_authorization import as_nobody, nobody_sleeper
 
 
 def test_substitution_is_whole_arguments_only() -> None:
@@ -79,3 +91,103 @@ async def test_missing_program_is_a_result_not_an_error() -> None:
 async def test_killed_by_a_signal() -> None:
     result = await run_hook(["sh", "-c", "kill -TERM $$"], {}, 5)
     assert (result.status, result.result) == (143, "killed by SIGTERM")
+
+
+def test_a_daemon_refuses_at_start_a_hook_that_could_take_a_scope_as_an_option(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[policies.listing]\nsteps = [{ signal = "SIGTERM" }, { exec = ["ls", "{scope}"] }]\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "watchdogd", "--socket", str(socket_path), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert f"{config}: policies.listing.steps[1].exec: {{scope}} may stand only after" in (
+        result.stderr
+    )
+    assert not socket_path.exists()
+
+
+HOOKS = """
+[policies.listing]
+steps = [ { exec = ["ls", "--", "{scope}"] }, { dump = ["echo", "dumped", "{pid}"] } ]
+"""
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as uid 65534")
+
+
+@pytest.fixture
+def hook_daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    with configured_daemon(socket_path, tmp_path, HOOKS, for_everyone=True) as running:
+        yield running
+
+
+def _expiry_armed_by_nobody(daemon: RunningDaemon, scope: str) -> EventInfo:
+    """uid 65534 arms ``scope`` with the ``listing`` policy on a process of its own;
+    returns the expiry as root sees it."""
+    victim = nobody_sleeper()
+    try:
+        outcome = as_nobody(
+            lambda c: c.acquire(scope, 0.1, pid=victim.pid, policy="listing"),
+            daemon.socket_path,
+        )
+        assert outcome == {"ok": 0.1}
+        found: list[EventInfo] = []
+        with daemon.client() as client:
+
+            def expired() -> bool:
+                found[:] = [e for e in client.events().events if e.pid == victim.pid]
+                return bool(found)
+
+            wait_until(expired, what="the expiry")
+    finally:
+        reap(victim)
+    [event] = found
+    return event
+
+
+@needs_root
+def test_a_scope_that_looks_like_an_option_is_an_operand(hook_daemon: RunningDaemon) -> None:
+    event = _expiry_armed_by_nobody(hook_daemon, "--version")
+    listing, dump = event.steps
+    assert listing.step == "exec ls -- {scope}"
+    assert listing.result == "exit 2"
+    assert "cannot access '--version'" in listing.output
+    assert "coreutils" not in listing.output  # what `ls --version` prints
+    assert dump.output == f"dumped {event.pid}\n"
+
+
+@needs_root
+def test_a_hooks_output_is_shown_to_root_only(hook_daemon: RunningDaemon, tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret-file-name").touch()
+    event = _expiry_armed_by_nobody(hook_daemon, str(private))
+    listing, dump = event.steps
+    assert listing.output == "secret-file-name\n"  # the hook ran as root; root sees it
+    assert dump.output == f"dumped {event.pid}\n"
+
+    def read_events(client: Client) -> list[Any]:
+        return [(e.kind, e.scope, msgspec.to_builtins(e.steps)) for e in client.events().events]
+
+    seen = as_nobody(read_events, hook_daemon.socket_path)["ok"]
+    # The owner sees its expiry, each step and its exit status, and no output.
+    assert seen == [
+        [
+            "expired",
+            str(private),
+            [
+                {"step": "exec ls -- {scope}", "result": "exit 0", "output": ""},
+                {"step": "dump echo dumped {pid}", "result": "exit 0", "output": ""},
+            ],
+        ]
+    ]
+    with hook_daemon.client() as client:  # the record itself still holds it
+        [kept] = client.events().events
+        assert kept.steps[0].output == "secret-file-name\n"

@@ -89,6 +89,26 @@ def test_config_adds_and_overrides_policies() -> None:
         ("[policies.x]\ntarget = 'world'", "policies.x.target"),
         ("[policies.x]\nsteps = [{ exec = [] }]", "policies.x.steps[0].exec"),
         ("[daemon]\ndefault_policy = 'nope'", "daemon.default_policy: no policy 'nope'"),
+        (
+            "[policies.x]\nsteps = [{ signal = 9 }, { exec = ['ls', '{scope}'] }]",
+            "policies.x.steps[1].exec: {scope} may stand only after a '--' argument",
+        ),
+        (
+            "[policies.x]\nsteps = [{ exec = ['ls', '{scope}', '--'] }]",
+            "policies.x.steps[0].exec: {scope} may stand only after a '--' argument",
+        ),
+        (
+            "[policies.x]\nsteps = [{ dump = ['gdb', '-p', '{pid}', '{scope}'] }]",
+            "policies.x.steps[0].dump: {scope} may stand only after a '--' argument",
+        ),
+        (
+            "[policies.x]\nsteps = [{ exec = ['{scope}', '--'] }]",
+            "policies.x.steps[0].exec: the program '{scope}' must be named literally",
+        ),
+        (
+            "[policies.x]\nsteps = [{ exec = ['tool', '--', '--scope={scope}'] }]",
+            "policies.x.steps[0].exec: '--scope={scope}': {pid} and {scope} are replaced only",
+        ),
         ("[policies.'two words']\nsteps = []", "policies"),
     ],
 )
@@ -97,3 +117,27 @@ def test_bad_policies_name_file_and_key(document: str, expected: str) -> None:
         parse_config(document, "/etc/watchdogd.toml")
     assert str(caught.value).startswith("/etc/watchdogd.toml: ")
     assert expected in str(caught.value)
+
+
+def test_scope_after_end_of_options_and_pid_anywhere_are_accepted() -> None:
+    config = parse_config(
+        """
+        [policies.page]
+        steps = [
+            { exec = ["page-oncall", "--pid", "{pid}", "--", "{scope}", "{pid}"] },
+            { dump = ["py-spy", "dump", "--pid", "{pid}"] },
+            { dump = true },
+        ]
+        """,
+        "x.toml",
+    )
+    exec_step, custom, default = config.policy_set()["page"].steps
+    assert exec_step == Exec(("page-oncall", "--pid", "{pid}", "--", "{scope}", "{pid}"))
+    assert custom == default == Dump()  # the default dumper passes its own rule
+
+
+@pytest.mark.parametrize("step", [Exec, Dump])
+def test_no_step_can_be_built_with_a_scope_that_could_be_an_option(step: type) -> None:
+    # The rule holds however a step is made, not only when a file is loaded.
+    with pytest.raises(ValueError, match="after a '--' argument"):
+        step(("tool", "{scope}"))

@@ -93,3 +93,33 @@ def test_start_time_parses_names_with_spaces_and_parentheses(tmp_path: os.PathLi
         assert read_uids(child.pid) == (os.getuid(), os.getuid())
     finally:
         reap(child)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to change a process's uids")
+def test_refresh_reads_the_uids_again_and_refuses_once_the_process_is_gone() -> None:
+    changed, told = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - waits to be killed
+        os.close(changed)
+        os.setresuid(65534, 65534, 0)
+        os.write(told, b"x")
+        signal.pause()
+        os._exit(0)
+    os.close(told)
+    reaped = False
+    try:
+        process = open_process(child)
+        assert os.read(changed, 1) == b"x"  # it has changed its uids, maybe after the open
+        assert process.refresh()
+        assert (process.uid, process.saved_uid) == (65534, 0)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        reaped = True
+        assert not process.refresh()
+        assert (process.uid, process.saved_uid) == (65534, 0)  # kept, not someone else's
+        process.close()
+    finally:
+        os.close(changed)
+        if not reaped:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)

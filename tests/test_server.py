@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import grp
 import os
+import shutil
 import socket
 import stat
 import struct
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -315,6 +317,18 @@ class TestSocketFile:
         socket_path.write_text("someone else's")
         listener.close()
         assert socket_path.read_text() == "someone else's"
+
+    @pytest.mark.parametrize(("base", "mode"), [("/var/tmp", 0o755), ("/tmp", 0o700)])
+    def test_a_missing_directory_is_created_private_under_tmp(self, base: str, mode: int) -> None:
+        top = Path(tempfile.mkdtemp(dir=base))
+        umask = os.umask(0o022)
+        try:
+            directory = top / "run"
+            open_listener(str(directory / "watchdogd.sock"), 0o666).close()
+            assert stat.S_IMODE(directory.stat().st_mode) == mode
+        finally:
+            os.umask(umask)
+            shutil.rmtree(top)
 
     def test_private_tmp_directory_must_be_ours(self, tmp_path: Path) -> None:
         shared = Path("/tmp") / f"wd-shared-{os.getpid()}"

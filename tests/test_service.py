@@ -212,6 +212,20 @@ class TestAuthorization:
         )
         assert all(process.refs == 0 for process in w.host.opened)
 
+    def test_a_held_process_is_judged_by_its_uids_at_the_request(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="s", timeout=5, pid=300), w.root, 1.0)
+        w.host.processes[300] = (1000, 1000)  # it called setuid(1000)
+        reply = service.handle(Acquire(id=2, scope="alice's", timeout=5, pid=300), w.alice, 1.0)
+        assert reply == Acquired(id=2, remaining=5, rearmed=False)
+        timer = service.table.get(300, "alice's")
+        assert timer is not None
+        assert timer.uid == 1000
+        error = refusal(service, Release(id=3, scope="s", pid=300), w.bob)
+        assert error.code == ErrorCode.PERMISSION_DENIED  # bob's uid is gone from it
+        assert "real uid 1000, saved uid 1000" in error.message
+
 
 class TestRelease:
     def test_release_says_whether_a_timer_was_armed(self) -> None:

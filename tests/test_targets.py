@@ -225,3 +225,102 @@ def test_a_non_root_owners_target_leaves_out_what_it_may_not_signal(kind: str) -
         process.close()
         kill_all(root_child)
         reap(parent)
+
+
+# A parent of uid 65534 whose child has the credentials of a setuid-root program it
+# ran: real uid 65534, effective and saved uid 0.
+SETUID_FAMILY = textwrap.dedent(
+    """
+    import os, sys, time
+    changed, told = os.pipe()
+    kid = os.fork()
+    if kid == 0:
+        os.setresuid(65534, 0, 0)
+        os.write(told, b"x")
+        time.sleep(300)
+        os._exit(0)
+    os.read(changed, 1)
+    os.setgid(65534)
+    os.setuid(65534)
+    print(kid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes of two users")
+@pytest.mark.parametrize("kind", ["tree", "group"])
+def test_a_setuid_root_child_is_signalled_as_kill_2_would_let_its_user(kind: str) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SETUID_FAMILY],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert parent.stdout is not None
+    setuid_child = int(parent.stdout.readline())
+    process = open_process(parent.pid)
+    try:
+        # Its real uid is still the user's, so kill(2) lets that user signal it.
+        target = open_target(kind, process, os.getpgrp(), owner=65534)  # type: ignore[arg-type]
+        assert {m.pid for m in target.members} == {parent.pid, setuid_child}
+        assert target.signal(signal.SIGKILL) == "sent SIGKILL to 2 processes"
+        wait_dead(parent.pid, setuid_child)
+        target.close()
+    finally:
+        process.close()
+        kill_all(setuid_child)
+        reap(parent)
+
+
+# A group leader with a child B. Told to, it forks D into its group, then it and B
+# move to B's group: D is then the only member of the group, and D was never pinned.
+LEAVING = textwrap.dedent(
+    """
+    import os, sys, time
+    b = os.fork()
+    if b == 0:
+        time.sleep(300)
+        os._exit(0)
+    print(b, flush=True)
+    sys.stdin.readline()
+    d = os.fork()
+    if d == 0:
+        time.sleep(300)
+        os._exit(0)
+    os.setpgid(b, b)
+    os.setpgid(0, b)
+    print(d, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_a_group_is_signalled_only_while_a_pinned_member_is_in_it() -> None:
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEAVING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    assert leader.stdin is not None
+    assert leader.stdout is not None
+    b = int(leader.stdout.readline())
+    process = open_process(leader.pid)
+    target = open_target("group", process, os.getpgrp())
+    d = 0
+    try:
+        assert (target.pgid, {m.pid for m in target.members}) == (leader.pid, {leader.pid, b})
+        leader.stdin.write("go\n")
+        leader.stdin.flush()
+        d = int(leader.stdout.readline())
+        # The group is no longer the one seen at expiry: nobody pinned is in it.
+        assert target.signal(signal.SIGKILL) == "gone"
+        time.sleep(0.1)
+        assert not gone(d)
+    finally:
+        target.close()
+        process.close()
+        kill_all(b, *([d] if d else []))
+        reap(leader)

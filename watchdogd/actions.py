@@ -7,7 +7,9 @@ expiry, the scheduler or a request. Invariants:
 - Nothing here raises into the scheduler. A process that is already gone, a signal
   the kernel refuses, a hook that fails or hangs: each becomes the recorded result
   of its step. A bug is logged and costs only that expiry's record.
-- Steps after the target has exited are skipped.
+- Steps after the target has exited are skipped. So is every step when the uid
+  that armed the timer may no longer signal its process (its uids changed since;
+  see `watchdogd.targets`): the event says why, and its outcome is ``alive``.
 - A timer whose policy was removed by a reload runs the default policy, and its
   event says so.
 - A target still alive ``unkillable_after`` seconds after SIGKILL is reported as
@@ -103,6 +105,9 @@ class Actions:
                 results.append(StepResult(step=step.describe(), result="done before a restart"))
                 killed = killed or (isinstance(step, Signal) and step.signum == signal.SIGKILL)
                 continue
+            if target.denied:
+                results.append(StepResult(step=step.describe(), result="skipped: not allowed"))
+                continue
             if not target.alive():
                 results.append(StepResult(step=step.describe(), result="skipped: target exited"))
                 continue
@@ -118,7 +123,9 @@ class Actions:
                 if not signalled:
                     signalled = True
                     self._service.observe_lateness(self._clock() - timer.deadline)
-                killed = killed or step.signum == signal.SIGKILL
+                # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
+                sent = results[-1].result.startswith("sent")
+                killed = killed or (step.signum == signal.SIGKILL and sent)
         alive = target.alive()
         if alive and killed:
             alive = not await target.wait_exit(settings.unkillable_after)
@@ -134,7 +141,7 @@ class Actions:
             else ""
         )
         resumed = f"resumed at step {resumed_at + 1} after a restart" if resumed_at else ""
-        notes = [text for text in (note, target.note, downtime, resumed) if text]
+        notes = [text for text in (note, target.denied, target.note, downtime, resumed) if text]
         self._service.record_expiry(
             EventInfo(
                 seq=0,

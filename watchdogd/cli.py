@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 
 import click
 import trio
@@ -76,6 +77,10 @@ def main(
     the config file. Under systemd it serves a socket passed by socket activation
     and reports readiness and watchdog pings through $NOTIFY_SOCKET.
     """
+    # SIGHUP's default action ends the process, and the daemon's receiver is in
+    # place only after the config is read, the socket bound and the state loaded:
+    # hold a SIGHUP sent meanwhile, and `run` takes it as a reload once it is up.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     try:
         config = load_config(config_path) if config_path else Config()
         setup(log_level or config.daemon.log_level)
@@ -96,6 +101,7 @@ def main(
                 state_path=None if no_state else state or default_state_path(socket_path),
                 config_path=config_path,
                 metrics_textfile=metrics_textfile,
+                log_level=log_level,
             )
         )
     except DaemonError as exc:

@@ -14,7 +14,9 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they 
 
 A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
 (an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
-take an optional ``timeout`` (seconds, default 10).
+take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
+stand anywhere after the program and ``{scope}`` only after a ``--`` argument
+(`watchdogd.policies.check_argv`); a file that breaks this is refused.
 """
 
 from __future__ import annotations
@@ -161,10 +163,13 @@ def _step(step: StepConfig, where: str) -> Step:
             raise ConfigError(f"{where}.signal: {exc}") from None
     if step.wait is not None:
         return Wait(step.wait)
-    if step.exec is not None:
-        return Exec(tuple(step.exec), timeout)
-    if isinstance(step.dump, list):
-        return Dump(tuple(step.dump), timeout)
+    try:
+        if step.exec is not None:
+            return Exec(tuple(step.exec), timeout)
+        if isinstance(step.dump, list):
+            return Dump(tuple(step.dump), timeout)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.{kinds[0]}: {exc}") from None
     return Dump(timeout=timeout)
 
 

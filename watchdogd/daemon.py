@@ -7,7 +7,15 @@ cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
 created is removed, no timer fires on the way out, and a policy in progress is
 abandoned); SIGHUP reloads the config file, keeping the old config when the new one
-is invalid.
+is invalid, and never changes a log level given on the command line. The
+``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli`); `run`
+unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads
+its config, binds its socket or loads its state is a reload once it is up, not a
+hang-up that kills it. (Before the command's code runs at all, while the interpreter
+imports its modules, SIGHUP still has its default action.)
+
+A daemon that cannot start (its state file is held by another daemon, say) removes
+the socket file it created.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ class HostProcesses:
     def alive(self, process: Process) -> bool:
         return process.alive()
 
+    def refresh(self, process: Process) -> bool:
+        return process.refresh()
+
     def command(self, process: Process) -> str:
         return process.command()
 
@@ -80,19 +91,25 @@ async def run(
     metrics_textfile: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     handle_signals: bool = True,
+    log_level: str | None = None,
     task_status: trio.TaskStatus[Service[Process]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon on ``socket_path`` (or on ``listener``, a socket passed by
     systemd) until cancelled or sent SIGTERM/SIGINT.
 
     Timers are kept in ``state_path`` (None: in memory only) and restored from it at
-    start. ``config_path`` is re-read on SIGHUP. ``task_status.started`` receives the
-    service once the socket accepts connections and the state is loaded.
+    start. ``config_path`` is re-read on SIGHUP; ``log_level``, the command line's,
+    wins over the file's then too. ``task_status.started`` receives the service once
+    the socket accepts connections and the state is loaded.
     """
     raise_nofile_limit()
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
-    daemon = Daemon(config, listener, state_path=state_path, clock=clock)
+    try:
+        daemon = Daemon(config, listener, state_path=state_path, clock=clock)
+    except BaseException:
+        listener.close()  # the socket file this daemon created, and only that
+        raise
     try:
         with contextlib.ExitStack() as stack:
             # Signals are caught before the socket is announced, so a SIGTERM sent
@@ -104,13 +121,17 @@ async def run(
                 if handle_signals
                 else None
             )
+            if signals is not None:
+                # A SIGHUP held since start-up (see `watchdogd.cli`) arrives now, as a
+                # reload.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
             async with trio.open_nursery() as nursery:
                 await daemon.start(nursery, metrics_textfile)
                 task_status.started(daemon.service)
                 if signals is not None:
                     async for signum in signals:
                         if signum == signal.SIGHUP:
-                            reload(daemon.service, config_path)
+                            reload(daemon.service, config_path, log_level)
                             continue
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
                         daemon.notifier.send("STOPPING=1")
@@ -260,9 +281,12 @@ def _status_line(service: Service[Process]) -> str:
     return line
 
 
-def reload(service: Service[Process], config_path: str | None) -> bool:
+def reload(
+    service: Service[Process], config_path: str | None, log_level: str | None = None
+) -> bool:
     """Re-read the config file and apply it; on any error keep the old config.
-    Records a ``reloaded`` or ``reload_failed`` event either way."""
+    ``log_level`` (the command line's) stays in force over the file's. Records a
+    ``reloaded`` or ``reload_failed`` event either way."""
     if config_path is None:
         note = "no config file was given at start; nothing to reload"
         ok = False
@@ -274,7 +298,7 @@ def reload(service: Service[Process], config_path: str | None) -> bool:
             ok = False
         else:
             service.reconfigure(config)
-            set_level(config.daemon.log_level)
+            set_level(log_level or config.daemon.log_level)
             count = len(service.policies)
             note = f"{config_path}: {count} policies, default {service.default_policy!r}"
             ok = True

@@ -5,6 +5,9 @@ early once the target has exited), `Exec` (a hook from the config, never from a
 request) and `Dump` (a stack dumper). The target is the process itself, its process
 group, or its tree (the process and its descendants).
 
+An ``Exec`` or ``Dump`` step cannot exist with an argv where a substituted value could
+become an option or the program (`check_argv`), however it was built.
+
 The built-in policies are always present unless the config overrides them by name:
 
 - ``kill`` (the default): SIGKILL.
@@ -28,6 +31,36 @@ TargetKind = Literal["process", "group", "tree"]
 DEFAULT_STEP_TIMEOUT: Final = 10.0
 #: The stack dumper a ``dump`` step runs unless it names its own.
 DEFAULT_DUMPER: Final = ("py-spy", "dump", "--pid", "{pid}")
+#: What an ``exec`` or ``dump`` argv may have substituted, each as a whole argument.
+PLACEHOLDERS: Final = ("{pid}", "{scope}")
+#: The argument after which a program takes no more options (POSIX getopt, argparse,
+#: click, GNU tools).
+END_OF_OPTIONS: Final = "--"
+
+
+def check_argv(argv: tuple[str, ...]) -> None:
+    """Raise ValueError unless substituting into ``argv`` is safe.
+
+    A scope is the client's own text, so where a program still reads options a scope
+    such as ``--version`` or ``--output=/etc/x`` would be one. Hence: the program
+    (``argv[0]``) is named literally; a placeholder is a whole argument (one inside
+    other text would be passed on as written); ``{scope}`` stands only after a
+    ``--`` argument. ``{pid}`` is always digits and may stand anywhere.
+    """
+    if any(name in argv[0] for name in PLACEHOLDERS):
+        raise ValueError(f"the program {argv[0]!r} must be named literally, not substituted")
+    for arg in argv[1:]:
+        if arg not in PLACEHOLDERS and any(name in arg for name in PLACEHOLDERS):
+            raise ValueError(
+                f"{arg!r}: {{pid}} and {{scope}} are replaced only where they are a whole "
+                "argument; give the value as an argument of its own"
+            )
+    if "{scope}" in argv and END_OF_OPTIONS not in argv[1 : argv.index("{scope}")]:
+        raise ValueError(
+            "{scope} may stand only after a '--' argument, so that no scope is ever "
+            "taken as an option: write [..., '--', '{scope}'], or read WATCHDOG_SCOPE "
+            "from the environment"
+        )
 
 
 class Signal(Struct, frozen=True):
@@ -54,6 +87,9 @@ class Exec(Struct, frozen=True):
     argv: tuple[str, ...]
     timeout: float = DEFAULT_STEP_TIMEOUT
 
+    def __post_init__(self) -> None:
+        check_argv(self.argv)
+
     def describe(self) -> str:
         return "exec " + " ".join(self.argv)
 
@@ -63,6 +99,9 @@ class Dump(Struct, frozen=True):
 
     argv: tuple[str, ...] = DEFAULT_DUMPER
     timeout: float = DEFAULT_STEP_TIMEOUT
+
+    def __post_init__(self) -> None:
+        check_argv(self.argv)
 
     def describe(self) -> str:
         return "dump " + " ".join(self.argv)

@@ -54,7 +54,8 @@ def peer_of(sock: socket.socket) -> Peer:
 
 
 class Process:
-    """A pidfd for one process, with the identity read when it was opened.
+    """A pidfd for one process, with its uids as last read (`refresh` reads them
+    again: a process may change them with setuid(2) at any time).
 
     Reference-counted: the timer table, a connection whose caller it is, and each
     expiry being carried out hold one reference each (`retain`); the pidfd closes with
@@ -109,6 +110,22 @@ class Process:
             return False
         except PermissionError:
             return True  # it exists; we may merely not signal it
+        return True
+
+    def refresh(self) -> bool:
+        """Read the real and saved uid again; False, with nothing changed, when the
+        process has exited.
+
+        The pidfd is checked after /proc is read, so the uids belong to this process
+        and not to one that took its pid after it was reaped.
+        """
+        try:
+            uid, saved_uid = read_uids(self.pid)
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if not self.alive():
+            return False
+        self.uid, self.saved_uid = uid, saved_uid
         return True
 
     def command(self) -> str:

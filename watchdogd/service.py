@@ -10,9 +10,16 @@ Rules kept here:
 - The target of a request is the caller (its kernel-reported pid) unless it names a
   pid; a named pid is allowed where the caller could kill(2) it: root, or the caller's
   uid equal to the target's real or saved uid. pid 1 and the daemon are never targets.
+  The uids are those of the moment of the request: read when the process is opened,
+  or read again (`ProcessPort.refresh`) when the table already holds it, since it
+  may have called setuid(2) since its first timer.
 - Release is authorized like arming: you may release what you could have armed.
 - Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
 - A non-root caller sees only the timers on its own uid's processes or that it armed.
+- The output of a hook (``exec`` and ``dump`` steps) is shown to root only: it ran
+  with the daemon's privileges and may say anything the daemon can read. Everyone
+  else who may see the event sees each step and its result (the exit status). The
+  record keeps the output; only the reply to a non-root caller leaves it out.
 
 Process handles are reference-counted: the table holds one per process in it, each
 connection holds one on its caller's own process (so a worker that arms and releases
@@ -56,6 +63,7 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Status,
     StatusReply,
+    StepResult,
     TimerInfo,
     Welcome,
 )
@@ -150,6 +158,10 @@ class ProcessPort(Protocol[P]):
 
     def alive(self, process: P) -> bool:
         """Whether the process still holds its pid."""
+
+    def refresh(self, process: P) -> bool:
+        """Read its real and saved uid again, into the handle; False when it has
+        exited (the handle then keeps the old ones)."""
 
     def command(self, process: P) -> str:
         """Its command line, for status."""
@@ -376,7 +388,7 @@ class Service(Generic[P]):
         if pid == self.daemon_pid:
             raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
         process = self.table.process(pid)
-        if process is not None and not self._processes.alive(process):
+        if process is not None and not self._processes.refresh(process):
             # Its exit is not processed yet and the pid may be someone else's by
             # now: settle it rather than attach a timer to a dead handle.
             self.process_exited(process)
@@ -494,6 +506,8 @@ class Service(Generic[P]):
             return peer.uid in (ROOT, event.uid)
 
         events = self.events.page(request.after, request.limit, visible)
+        if peer.uid != ROOT:
+            events = [_without_output(event) for event in events]
         last = events[-1].seq if events else self.events.last
         return EventsReply(id=request.id, events=events, last=last)
 
@@ -748,6 +762,14 @@ class Service(Generic[P]):
                 )
             )
         return timers
+
+
+def _without_output(event: EventInfo) -> EventInfo:
+    """``event`` as a non-root caller sees it: its steps without their output."""
+    if not any(step.output for step in event.steps):
+        return event
+    steps = [StepResult(step=step.step, result=step.result) for step in event.steps]
+    return msgspec.structs.replace(event, steps=steps)
 
 
 def _sort_key(timer: Timer) -> tuple[float, int]:

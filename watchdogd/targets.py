@@ -18,8 +18,13 @@ process never share a descriptor.
 
 kill(2)'s rule holds for every member: for a timer armed by a non-root caller, only
 processes whose real or saved uid is the caller's are members, and its group is
-signalled member by member rather than with killpg(2). Whatever is read from /proc
-about a member is trusted only once its pidfd shows it still alive afterwards.
+signalled member by member rather than with killpg(2). The uids are read when the
+target is opened, at expiry, not taken from when the timer was armed: a timer's own
+process that no longer has the caller's uid as its real or saved uid (it called
+setuid(2) since) is ``denied``, and no step acts on it. (A timer armed by root acts
+on its process whatever its uids became, as root's kill(2) would.) Whatever is read
+from /proc about a member is trusted only once its pidfd shows it still alive
+afterwards.
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ class Member:
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(0))
 
-    def send(self, signum: int) -> bool:
-        """Signal it; False if it is gone."""
+    def send(self, signum: int) -> bool | None:
+        """Signal it; False if it is gone, None if the daemon may not (EPERM: it
+        runs as an ordinary user, or without CAP_KILL)."""
         try:
             signal.pidfd_send_signal(self.fd, signum)
         except ProcessLookupError:
             return False
+        except PermissionError:
+            return None
         return True
 
 
@@ -105,6 +113,7 @@ class Target:
         owner: int = 0,
         pgid: int = 0,
         note: str = "",
+        denied: str = "",
     ) -> None:
         self.kind: TargetKind = kind
         self.members = members
@@ -113,6 +122,9 @@ class Target:
         self.pgid = pgid
         #: Said in the expiry's event (e.g. why a group target fell back).
         self.note = note
+        #: Why ``owner`` may no longer act on the timer's process; when set, no step
+        #: is carried out.
+        self.denied = denied
 
     @property
     def pid(self) -> int:
@@ -129,9 +141,10 @@ class Target:
             return self._signal_group(signum, name)
         if self.kind == "tree":
             self._collect_descendants()
-        sent = sum(member.send(signum) for member in self.members if not member.exited())
+        results = [member.send(signum) for member in self.members if not member.exited()]
+        sent = results.count(True)
         if not sent:
-            return "gone"
+            return f"not permitted to send {name}" if None in results else "gone"
         if self.kind != "process":
             return f"sent {name} to {sent} process{'es' if sent != 1 else ''}"
         return f"sent {name}"
@@ -151,6 +164,8 @@ class Target:
                 os.killpg(self.pgid, signum)
             except ProcessLookupError:
                 return "gone"
+            except PermissionError:
+                return f"not permitted to send {name} to group {self.pgid}"
             return f"sent {name} to group {self.pgid}"
         return "gone"
 
@@ -195,8 +210,11 @@ class Target:
 
 def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int = 0) -> Target:
     """Pin the members of ``process``'s target of ``kind``, for a timer armed by uid
-    ``owner`` (whose right to signal ``process`` itself was checked when it armed)."""
+    ``owner``, whose right to signal ``process`` is checked again now (see `Target`)."""
     root = Member(process.pid, os.dup(process.fd))
+    denied = "" if owner == 0 else _denied(process, owner)
+    if denied:
+        return Target("process", [root], owner=owner, denied=denied)
     if kind == "process":
         return Target("process", [root], owner=owner)
     if kind == "tree":
@@ -220,6 +238,17 @@ def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int
         if pid != process.pid and (member := _pin(pid, pgrp=pgid, owner=owner)) is not None
     ]
     return Target("group", members, owner=owner, pgid=pgid)
+
+
+def _denied(process: Process, owner: int) -> str:
+    """Why ``owner`` may not signal ``process`` now, or "" if it may (or the process
+    has exited: its steps are skipped anyway)."""
+    if not process.refresh() or owner in (process.uid, process.saved_uid):
+        return ""
+    return (
+        f"uid {owner} may no longer signal pid {process.pid}: its real uid is now "
+        f"{process.uid} and its saved uid {process.saved_uid}"
+    )
 
 
 def _group_members(pgid: int) -> list[int]:
