@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test lint typecheck pytest bench soak clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+# The crash tests at full scale: 100 random kills under churn, a million timers.
+soak: $(STAMP)
+	WATCHDOGD_SOAK=1 $(BIN)/pytest -v tests/test_crash.py
 
 clean:
 	rm -rf $(VENV)

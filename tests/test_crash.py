@@ -193,3 +193,43 @@ def test_the_daemon_says_how_long_a_restart_of_it_may_take(restartable: RunningD
     assert 2.0 <= window <= 60.0
     assert restart_estimate(2.9, 1_000_000, 1_000_000) == pytest.approx(6.8)
     assert restart_estimate(0.01, 10, 1_000_000) == pytest.approx(7.0)
+
+
+@pytest.mark.skipif(not SOAK, reason="a million timers: make soak")
+def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> None:
+    """A state of 1,000,000 timers on 100 processes; the daemon is killed with the
+    first 100 about to fall due, and restarted: those 100 die on time."""
+    from watchdogd.process import read_start_time
+    from watchdogd.store import Store
+    from watchdogd.timers import Timer
+
+    state = tmp_path / "state.db"
+    holders = hung_workers(100)
+    daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", ["--state", str(state)])
+    try:
+        starts = [read_start_time(holder.pid) for holder in holders]
+        store, _ = Store.open(str(state))
+        now = time.monotonic()
+        due = now + 15.0
+        for index in range(1_000_000):
+            slot = index % 100
+            deadline = due if index < 100 else now + 3600
+            store.put(
+                Timer(pid=holders[slot].pid, scope=f"s{index}", policy="kill", uid=0, owner=0,
+                      timeout=deadline - now, armed_at=now, deadline=deadline,
+                      start_time=starts[slot], seq=index)
+            )  # fmt: skip
+        store.write_now()
+        store.close()
+        daemon.start()
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        with daemon.client() as client:
+            assert client.status_page(limit=1).daemon.timers == 1_000_000
+        for holder in holders:
+            assert holder.wait(timeout=due - time.monotonic() + PATIENCE) == -signal.SIGKILL
+        assert time.monotonic() - due < 2.0
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for holder in holders:
+            reap(holder)

@@ -37,7 +37,7 @@ from watchdogd_client.protocol import (
     encode_frame,
 )
 
-from conftest import PATIENCE, RunningDaemon, reap, wait_until
+from conftest import PATIENCE, RunningDaemon, ctl_command, reap, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -177,6 +177,10 @@ def test_a_disk_filled_under_a_running_daemon(
             assert "No space left on device" in events[0].note
             assert "watchdogd_state_degraded 1.0" in client.metrics()
         assert daemon.log().count("event=state_degraded") == 1
+        shown = subprocess.run(
+            ctl_command(socket_path, "status"), capture_output=True, text=True, check=True
+        )
+        assert "state degraded" in shown.stdout
         assert len(journal_files(disk)) <= 3
         # Protection goes on from memory: a timer armed now fires on time.
         started = time.monotonic()
@@ -325,3 +329,26 @@ async def test_the_journal_descriptor_is_never_left_stale(tmp_path: Path) -> Non
         store.close()
         _, loaded = Store.open(str(disk / "state.db"))
         assert len(loaded.timers) == 40
+
+
+def test_the_service_manager_is_told(disk: Path, socket_path: Path, tmp_path: Path) -> None:
+    """sd_notify STATUS= says the daemon is degraded, from READY on."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as manager:
+        manager.bind(str(tmp_path / "notify"))
+        manager.settimeout(PATIENCE)
+        remount(disk, "ro")
+        daemon = RunningDaemon(
+            socket_path,
+            tmp_path / "watchdogd.log",
+            ["--state", str(disk / "state.db")],
+            env={"NOTIFY_SOCKET": str(tmp_path / "notify")},
+        )
+        try:
+            daemon.start()
+            statuses = []
+            while not any("READY=1" in status for status in statuses):
+                statuses.append(manager.recv(4096).decode())
+            assert "STATUS=DEGRADED: the state cannot be written" in statuses[-1]
+        finally:
+            remount(disk, "rw")
+            daemon.stop(signal.SIGKILL)

@@ -93,11 +93,17 @@ def status(as_json: bool) -> None:
 
 
 def _summary(info: DaemonInfo) -> str:
-    return (
+    summary = (
         f"watchdogd {info.version}  pid {info.pid}  up {format_duration(info.uptime)}\n"
         f"timers {info.timers}  processes {info.processes}  connections {info.connections}  "
         f"requests {info.requests}  expired {info.expired}  exited {info.exited}"
     )
+    if info.state_degraded:
+        summary += (
+            "\nstate degraded: the state cannot be written; timers are protected from "
+            "memory only (see the daemon's log)"
+        )
+    return summary
 
 
 def _table(report: DaemonStatus) -> str:
