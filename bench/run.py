@@ -255,9 +255,9 @@ def time_to_ready(state: Path, socket_path: Path) -> float:
 def restart_figures(sizes: list[int]) -> list[Figure]:
     """Start to READY with ``sizes`` timers in the state (on 100 live processes),
     against the same with an empty state."""
+    from watchdogd.core.timers import Timer
     from watchdogd.process import read_start_time
     from watchdogd.store import Store
-    from watchdogd.timers import Timer
 
     figures = []
     holders = [subprocess.Popen(["sleep", "3600"]) for _ in range(100)]

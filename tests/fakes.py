@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from watchdogd.config import Config, DaemonConfig, PolicyConfig
+from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.errors import Refusal
 from watchdogd.process import Peer
 from watchdogd.service import Caller, Service

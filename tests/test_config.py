@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from watchdogd.cli import daemon_socket_path
-from watchdogd.config import Config, load_config, parse_config
+from watchdogd.core.config import Config, parse_config
+from watchdogd.daemon import load_config
 from watchdogd.errors import ConfigError
 
 

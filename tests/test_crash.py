@@ -199,9 +199,9 @@ def test_the_daemon_says_how_long_a_restart_of_it_may_take(restartable: RunningD
 def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> None:
     """A state of 1,000,000 timers on 100 processes; the daemon is killed with the
     first 100 about to fall due, and restarted: those 100 die on time."""
+    from watchdogd.core.timers import Timer
     from watchdogd.process import read_start_time
     from watchdogd.store import Store
-    from watchdogd.timers import Timer
 
     state = tmp_path / "state.db"
     holders = hung_workers(100)

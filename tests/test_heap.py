@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.heap import DeadlineHeap
+from watchdogd.core.heap import DeadlineHeap
 
 
 def test_earliest_first_and_replacement() -> None:

@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
-from watchdogd.config import parse_config
+from watchdogd.core.config import parse_config
+from watchdogd.core.policies import BUILTIN, Dump, Exec, Signal, Wait, signal_number
 from watchdogd.errors import ConfigError
-from watchdogd.policies import BUILTIN, Dump, Exec, Signal, Wait, signal_number
 
 
 def test_builtins_are_the_documented_ones() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from watchdogd.heap import DeadlineHeap
+from watchdogd.core.heap import DeadlineHeap
 from watchdogd.scheduler import Scheduler
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from watchdogd.config import Config, DaemonConfig
+from watchdogd.core.config import Config, DaemonConfig
 from watchdogd.daemon import run
 from watchdogd.errors import ListenError
 from watchdogd.server import open_listener

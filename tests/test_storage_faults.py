@@ -23,8 +23,8 @@ from typing import BinaryIO
 
 import pytest
 
+from watchdogd.core.timers import Timer
 from watchdogd.store import Store
-from watchdogd.timers import Timer
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -345,7 +345,7 @@ def test_the_service_manager_is_told(disk: Path, socket_path: Path, tmp_path: Pa
         )
         try:
             daemon.start()
-            statuses = []
+            statuses: list[str] = []
             while not any("READY=1" in status for status in statuses):
                 statuses.append(manager.recv(4096).decode())
             assert "STATUS=DEGRADED: the state cannot be written" in statuses[-1]

@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from watchdogd import store as store_module
+from watchdogd.core.timers import Timer
 from watchdogd.store import Record, StateError, Store, default_state_path
-from watchdogd.timers import Timer
 
 DATA = Path(__file__).parent / "data"
 

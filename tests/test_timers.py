@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from watchdogd.timers import TimerTable
+from watchdogd.core.timers import TimerTable
 
 
 @dataclass(eq=False)

@@ -30,13 +30,13 @@ import trio
 
 from watchdogd_client.protocol import EventInfo, StepResult
 
+from .core.policies import Dump, Exec, Policy, Signal, Step, Wait
+from .core.timers import Expired, Timer
 from .hooks import run_hook, substitute
 from .logs import log
-from .policies import Dump, Exec, Policy, Signal, Step, Wait
 from .process import Process
 from .service import Service
 from .targets import Target, open_target
-from .timers import Expired, Timer
 
 
 class Actions:

@@ -12,8 +12,8 @@ import trio
 from watchdogd_client.paths import ENV_SOCKET, user_socket_path
 
 from ._version import __version__
-from .config import Config, load_config
-from .daemon import run
+from .core.config import Config
+from .daemon import load_config, run
 from .errors import DaemonError
 from .logs import LEVELS, setup
 from .server import Listener

@@ -34,7 +34,8 @@ from watchdogd_client.protocol import EventInfo
 
 from ._version import __version__
 from .actions import Actions
-from .config import Config, load_config
+from .core.config import Config, parse_config
+from .core.timers import Timer
 from .errors import ConfigError
 from .exits import ExitWatcher
 from .logs import log, logfmt, set_level
@@ -45,7 +46,6 @@ from .server import Context, Listener, open_listener, serve
 from .service import Restored, Service
 from .store import Store
 from .systemd import Notifier, watchdog_interval
-from .timers import Timer
 
 
 class HostProcesses:
@@ -269,6 +269,16 @@ def restart_estimate(load_seconds: float, loaded: int, max_timers: int) -> float
     start took to load ``loaded``; twice that, for a host under load."""
     per_timer = load_seconds / loaded if loaded >= 10_000 else _LOAD_PER_TIMER
     return round(2 * (_START + per_timer * max_timers), 1)
+
+
+def load_config(path: str) -> Config:
+    """Read and decode the config file at ``path``."""
+    try:
+        with open(path, "rb") as config_file:
+            data = config_file.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+    return parse_config(data, path)
 
 
 def _status_line(service: Service[Process]) -> str:

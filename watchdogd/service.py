@@ -69,13 +69,13 @@ from watchdogd_client.protocol import (
 )
 
 from ._version import __version__
-from .config import Config
+from .core.config import Config
+from .core.policies import Policy
+from .core.timers import Expired, StoreKey, Timer, TimerTable
 from .errors import Refusal
 from .events import EventLog
 from .metrics import Counters
-from .policies import Policy
 from .process import Peer
-from .timers import Expired, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
 #: Scopes named in an ``exited`` event; the count covers the rest.

@@ -61,9 +61,9 @@ from typing import Final, Literal
 import msgspec
 import trio
 
+from .core.timers import StoreKey, Timer
 from .errors import DaemonError
 from .logs import log, logfmt
-from .timers import StoreKey, Timer
 
 SCHEMA: Final = 2
 #: A journal this large is folded into the database and a new one started.

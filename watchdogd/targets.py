@@ -37,7 +37,7 @@ from typing import Final
 
 import trio
 
-from .policies import TargetKind
+from .core.policies import TargetKind
 from .process import Process, children_of, read_stat, read_uids, state_and_wchan
 
 _MAX_MEMBERS: Final = 65536

@@ -29,7 +29,7 @@ from msgspec import Meta, Struct
 
 from watchdogd_client.protocol import MAX_REQUEST_FRAME
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .policies import (
     BUILTIN,
     DEFAULT_STEP_TIMEOUT,
@@ -186,16 +186,6 @@ def parse_config(data: bytes | str, source: str) -> Config:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     config.policy_set(source)
     return config
-
-
-def load_config(path: str) -> Config:
-    """Read and decode the config file at ``path``."""
-    try:
-        with open(path, "rb") as config_file:
-            data = config_file.read()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
-    return parse_config(data, path)
 
 
 def _locate_in_policies(data: bytes | str) -> str | None:
