@@ -174,44 +174,51 @@ class Store:
         moved: list[str] = []
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-        state, kind = store._read_database(moved)
+        stored, kind = store._read_database(moved)
         changes, reset = store._replay_journals(moved)
-        if reset:
-            state = {}
+        if kind == "current" and not reset:
+            # The common start: the journals' changes over the database's timers,
+            # without a dictionary of a million of them.
+            if changes:
+                stored = [t for t in stored if (t.pid, t.scope, t.firing) not in changes]
+                stored += [timer for timer in changes.values() if timer is not None]
+            store._unfolded = changes
+            store._start_journal(None)
+            return store, Loaded(timers=stored, moved_aside=moved)
+        state: Changes = {} if reset else {timer.store_key: timer for timer in stored}
         state.update(changes)
         timers = {key: timer for key, timer in state.items() if timer is not None}
-        if kind == "current":
-            store._unfolded = changes
-        else:
-            # The database must be rewritten whole by the first fold.
-            store._unfolded, store._unfolded_reset = dict(timers), True
+        # The database must be rewritten whole by the first fold.
+        store._unfolded, store._unfolded_reset = dict(timers), True
         # The journals must no longer be replayed over what the database holds
         # (another boot's state, or another schema): this run's first journal
         # starts with the whole state, which supersedes every older file.
         store._start_journal(timers if kind in ("other_boot", "old_schema") else None)
         return store, Loaded(timers=list(timers.values()), moved_aside=moved)
 
-    def _read_database(self, moved: list[str]) -> tuple[Changes, DatabaseKind]:
+    def _read_database(self, moved: list[str]) -> tuple[list[Timer], DatabaseKind]:
         """The timers in the database (none when there is none, or it was moved
         aside), and what the database is. Keeps the connection."""
         if not self._lock():
-            return {}, "none"
+            return [], "none"
         try:
             db = _connect(self.path)
         except sqlite3.Error as exc:
-            return self._database_failed(exc, moved), "none"
+            self._database_failed(exc, moved)
+            return [], "none"
         try:
-            state, schema, boot = _read_timers(db)
+            stored, schema, boot = _read_timers(db)
         except (sqlite3.Error, _Corrupt) as exc:
             db.close()
-            return self._database_failed(exc, moved), "none"
+            self._database_failed(exc, moved)
+            return [], "none"
         self._db = db
         if boot is None:
-            return state, "none"
+            return stored, "none"
         if boot != _boot_id():
-            log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(state)))
-            return {}, "other_boot"
-        return state, "current" if schema == SCHEMA else "old_schema"
+            log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(stored)))
+            return [], "other_boot"
+        return stored, "current" if schema == SCHEMA else "old_schema"
 
     def _lock(self) -> bool:
         """Create the database file if need be (0600, before SQLite sees it; its
@@ -240,7 +247,7 @@ class Store:
         self._lock_fd = fd
         return True
 
-    def _database_failed(self, exc: Exception, moved: list[str]) -> Changes:
+    def _database_failed(self, exc: Exception, moved: list[str]) -> None:
         if isinstance(exc, _Corrupt) or _code(exc) in _CORRUPT_CODES:
             for name in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
                 if os.path.exists(name):
@@ -248,7 +255,6 @@ class Store:
             self._lock()  # a new file in its place
         else:
             self._enter_degraded(_reason(exc))
-        return {}
 
     def _replay_journals(self, moved: list[str]) -> tuple[Changes, bool]:
         """The changes the journals record, in order, and whether one of them
@@ -654,16 +660,15 @@ def _connect(path: str) -> sqlite3.Connection:
     return db
 
 
-def _read_timers(db: sqlite3.Connection) -> tuple[Changes, int, str | None]:
+def _read_timers(db: sqlite3.Connection) -> tuple[list[Timer], int, str | None]:
     """The timers of a database of this schema or the one before, its schema and
     the boot it was written in (None for a new database); raises `_Corrupt` for a
     schema this daemon cannot read."""
     meta = _meta(db)
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
     if "timers" not in tables:
-        return {}, SCHEMA, None
+        return [], SCHEMA, None
     schema = int(meta.get("schema", "1"))
-    state: Changes = {}
     if schema == SCHEMA:
         # One msgpack array of every record, decoded in one call: a start with a
         # million timers spends its time here.
@@ -673,8 +678,8 @@ def _read_timers(db: sqlite3.Connection) -> tuple[Changes, int, str | None]:
             timers = _timers_decoder.decode(array)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _Corrupt(f"unreadable timer record: {exc}") from None
-        state = {timer.store_key: timer for timer in timers}
     elif schema == 1:
+        timers = []
         for row in db.execute(
             "SELECT pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time "
             "FROM timers"
@@ -691,10 +696,10 @@ def _read_timers(db: sqlite3.Connection) -> tuple[Changes, int, str | None]:
                 deadline=deadline,
                 start_time=start_time,
             )
-            state[timer.store_key] = timer
+            timers.append(timer)
     else:
         raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA} and 1")
-    return state, schema, meta.get("boot_id")
+    return timers, schema, meta.get("boot_id")
 
 
 def _meta(db: sqlite3.Connection) -> dict[str, str]:
