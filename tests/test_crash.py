@@ -233,3 +233,32 @@ def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> N
         daemon.stop(signal.SIGKILL)
         for holder in holders:
             reap(holder)
+
+
+def test_a_policy_removed_across_a_restart_starts_the_default_from_its_first_step(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[policies.slow]\nsteps = [{ signal = "SIGCONT" }, { wait = 30 }, { signal = "SIGKILL" }]\n'
+    )
+    daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    worker = subprocess.Popen(["sleep", "600"])
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            client.acquire("slow", 0.1, policy="slow", pid=worker.pid)
+        time.sleep(0.5)  # its wait has begun
+        daemon.stop(signal.SIGTERM)
+        config.write_text("")
+        started = time.monotonic()
+        daemon.start()
+        assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
+        assert time.monotonic() - started < PATIENCE  # not after the old 30 s wait
+        with daemon.client() as client:
+            [event] = [e for e in client.events().events if e.kind == "expired"]
+        assert event.policy == "kill"
+        assert "started again from its first step" in event.note
+    finally:
+        daemon.stop(signal.SIGKILL)
+        reap(worker)

@@ -385,3 +385,24 @@ def test_ping_and_hello() -> None:
     assert isinstance(welcome, Welcome)
     assert welcome.pid == DAEMON_PID
     assert refusal(service, Hello(id=7, version=2), w.alice).code == ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_restore_judges_each_timer_by_its_own_process() -> None:
+    """pid 200 now belongs to a new process (start 1000): an expiry of the old one
+    (start 999) is recorded as gone, the new one's expiry resumes, in any order."""
+    from watchdogd.core.timers import Timer
+
+    def firing(number: int, start_time: int) -> Timer:
+        return Timer(pid=200, scope=f"s{number}", policy="kill", uid=1000, owner=1000,
+                     timeout=1.0, armed_at=0.0, deadline=1.0, start_time=start_time,
+                     firing=number, step=1, fired_at=1.0)  # fmt: skip
+
+    for order in ([firing(1, 999), firing(2, 1000)], [firing(2, 1000), firing(1, 999)]):
+        service, _, _ = make_service()
+        restored = service.restore(order)
+        assert [item.timer.firing for item in restored.resumed] == [2]
+        [gone] = [e for e in service.events.page(None, 10, lambda e: True) if e.kind == "expired"]
+        assert gone.outcome == "gone"
+        assert service.firing == 1
+        for item in restored.resumed:
+            item.process.close()

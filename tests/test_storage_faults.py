@@ -13,6 +13,7 @@ import errno
 import os
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -24,7 +25,7 @@ from typing import BinaryIO
 import pytest
 
 from watchdogd.core.timers import Timer
-from watchdogd.store import Store
+from watchdogd.store import StateError, Store
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -285,6 +286,9 @@ def test_a_read_only_disk_at_start(disk: Path, socket_path: Path, tmp_path: Path
     try:
         with daemon.client() as client:
             client.acquire("before", 120, pid=worker.pid)
+        daemon.stop(signal.SIGTERM)
+        daemon.start()  # its first fold puts "before" in the database itself
+        wait_until(lambda: len(journal_files(disk)) == 1, what="the journals to be folded")
         daemon.stop(signal.SIGKILL)
         remount(disk, "ro")
         daemon.start()
@@ -352,3 +356,20 @@ def test_the_service_manager_is_told(disk: Path, socket_path: Path, tmp_path: Pa
         finally:
             remount(disk, "rw")
             daemon.stop(signal.SIGKILL)
+
+
+def test_a_state_file_made_late_is_still_locked(tmp_path: Path) -> None:
+    """Started with no inode for its state file, a daemon takes the file's lock
+    when it makes it: a second daemon on the same state is refused then."""
+    with tmpfs(inodes=3) as disk:
+        made = fill_inodes(disk)
+        store, _ = Store.open(str(disk / "state.db"))
+        assert store.degraded
+        assert store._lock_fd is None
+        for path in made:
+            path.unlink()
+        assert store.recover()
+        with pytest.raises(StateError, match="in use by another watchdogd"):
+            Store.open(str(disk / "state.db"))
+        assert stat.S_IMODE(os.stat(disk / "state.db").st_mode) == 0o600
+        store.close()

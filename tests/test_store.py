@@ -292,3 +292,89 @@ def test_a_record_is_one_timer_shape() -> None:
     armed = timer(1, "x", firing=2, step=1, step_end=5.0, fired_at=4.0)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(armed), type=Timer)
     assert decoded == armed
+
+
+async def test_a_reset_record_is_folded_as_a_reset(tmp_path: Path) -> None:
+    """A timer released while degraded must not come back from the database once
+    the whole state was written after the disk returned (the reset record)."""
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "released").store_key: timer(1, "released")}, reset=True)
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    store.close()
+    store, loaded = Store.open(path)
+    assert [t.scope for t in loaded.timers] == ["released"]
+    store.snapshot = lambda: [timer(2, "kept")]  # the state in memory: released since
+    store.degraded = True
+    assert store.recover()
+    store.close()  # killed before the fold
+    store, loaded = Store.open(path)
+    assert [t.scope for t in loaded.timers] == ["kept"]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        with trio.fail_after(5):
+            while store._fold_wanted or store._folding:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    assert [t.scope for t in Store.open(path)[1].timers] == ["kept"]
+
+
+def test_a_journal_of_another_boot_is_not_replayed(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 7, Record(puts=[timer(1, "before-the-reboot")], boot="another-boot"))
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE meta SET value = '2x' WHERE key = 'schema'",
+        "UPDATE timers SET record = 'text, not a record'",
+    ],
+)
+def test_unreadable_database_content_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "a").store_key: timer(1, "a")}, reset=True)
+    store.close()
+    raw = sqlite3.connect(path)
+    raw.execute(damage)
+    raw.commit()
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert len(loaded.moved_aside) == 1
+    assert not store.degraded
+
+
+async def test_a_database_that_refuses_folds_keeps_memory_and_journals_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path, journal_bytes=4096)
+    live: dict[tuple[int, str, int], Timer] = {}
+    store.snapshot = lambda: list(live.values())
+
+    def refuse(changes: object, reset: bool) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_write_database", refuse)
+    biggest = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        for index in range(3000):
+            armed = timer(10_000 + index, "churn")
+            store.put(armed)
+            store.drop(armed)  # released: nothing stays live
+            assert await store.commit(store.generation)
+            await trio.sleep(0)
+            biggest = max(biggest, store._written, len(store._unfolded))
+        nursery.cancel_scope.cancel()
+    store.close()
+    assert len(journals(tmp_path)) <= 3
+    assert biggest <= 5 * 4096

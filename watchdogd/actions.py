@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Callable
 
+import msgspec
 import trio
 
 from watchdogd_client.protocol import EventInfo, StepResult
@@ -37,6 +38,17 @@ from .logs import log
 from .process import Process
 from .service import Service
 from .targets import Target, open_target
+
+
+def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
+    """Where a resumed expiry goes on: at the step it had reached, unless its
+    policy was changed or removed while the daemon was down (the step means
+    nothing in another policy): then from the first step, and its event says so."""
+    if not (timer.step or timer.step_end) or (timer.plan == policy.plan and not note):
+        return timer, note
+    again = "its policy changed across a restart; started again from its first step"
+    timer = msgspec.structs.replace(timer, step=0, step_end=0.0)
+    return timer, "; ".join(text for text in (note, again) if text)
 
 
 class Actions:
@@ -95,6 +107,7 @@ class Actions:
             "WATCHDOG_POLICY": policy.name,
             "WATCHDOG_UID": str(timer.uid),
         }
+        timer, note = _resume_point(timer, policy, note)
         resumed_at = timer.step
         gone_at_start = not target.alive()
         results: list[StepResult] = []
@@ -137,7 +150,7 @@ class Actions:
             outcome = "exited"
         downtime = (
             "fell due while the daemon was not running"
-            if timer.deadline < self._service.started
+            if timer.deadline < self._service.started <= timer.fired_at
             else ""
         )
         resumed = f"resumed at step {resumed_at + 1} after a restart" if resumed_at else ""

@@ -556,8 +556,13 @@ class Service(Generic[P]):
             item.process.retain()
             if item.orphaned:
                 self._processes.untrack(item.process)
+            policy, _ = self.policy_for(item.timer.policy)
             firing = msgspec.structs.replace(
-                item.timer, firing=next(self._firing_numbers), step=0, fired_at=now
+                item.timer,
+                firing=next(self._firing_numbers),
+                step=0,
+                fired_at=now,
+                plan=policy.plan,
             )
             # The armed record and the firing one go out in the same journal
             # record: a crash leaves one of the two, never neither.
@@ -605,42 +610,37 @@ class Service(Generic[P]):
         target had gone, and is not signalled."""
         restored = Restored[P]()
         by_pid: dict[int, list[Timer]] = {}
-        firing: list[Timer] = []
         for timer in timers:
-            (firing if timer.firing else by_pid.setdefault(timer.pid, [])).append(timer)
-        for timer in firing:
-            by_pid.setdefault(timer.pid, [])
-        handles: dict[int, P | None] = {}
+            by_pid.setdefault(timer.pid, []).append(timer)
+        handles: dict[int, P] = {}
         groups: list[tuple[P, list[Timer]]] = []
-        for pid, armed in by_pid.items():
-            process = handles[pid] = self._reopen(pid, armed or firing)
-            if process is None:
-                for timer in armed:
-                    self.journal.drop(timer)
-                restored.dropped += len(armed)
-            elif armed:
+        firing: list[tuple[Timer, P | None]] = []
+        for pid, held in by_pid.items():
+            process = self._reopen(pid)
+            if process is not None:
+                handles[pid] = process
+            armed = self._sort_restored(process, held, firing, restored)
+            if process is not None and armed:
                 groups.append((process, armed))
-                restored.armed += len(armed)
         self.table.restore(groups)
         for process, _ in groups:
             self._processes.track(process)
         earliest = self.table.next_deadline()
         if earliest is not None:
             self._on_deadline(earliest)
-        numbers = [timer.firing for timer in firing]
+        numbers = [timer.firing for timer, _ in firing]
         self._firing_numbers = itertools.count(max(numbers, default=0) + 1)
-        for timer in firing:
+        for timer, target in firing:
             self._firing[timer.store_key] = timer
-            process = handles[timer.pid]
-            if process is None or process.start_time != timer.start_time:
+            if target is None:
                 self._record_gone_while_down(timer)
                 self.expiry_finished(timer)
                 continue
-            process.retain()
-            restored.resumed.append(Expired(timer, process, orphaned=False))
+            target.retain()
+            restored.resumed.append(Expired(timer, target, orphaned=False))
         self.journal.commit_soon()
         for process in handles.values():
-            if process is not None and self.table.process(process.pid) is not process:
+            if self.table.process(process.pid) is not process:
                 process.close()
         return restored
 
@@ -709,17 +709,36 @@ class Service(Generic[P]):
             )
         )
 
-    def _reopen(self, pid: int, timers: list[Timer]) -> P | None:
-        """A handle on ``pid`` if it is still the process ``timers`` were armed on."""
-        start_time = next(timer.start_time for timer in timers if timer.pid == pid)
+    def _sort_restored(
+        self,
+        process: P | None,
+        held: list[Timer],
+        firing: list[tuple[Timer, P | None]],
+        restored: Restored[P],
+    ) -> list[Timer]:
+        """The armed timers of ``held`` that belong to ``process``; firing ones go
+        to ``firing`` with the process, or None when theirs is gone; the rest are
+        dropped. Each timer is checked on its own: the pid may have been reused,
+        and a firing record of the old process may sit beside timers of the new."""
+        armed = []
+        for timer in held:
+            same = process is not None and process.start_time == timer.start_time
+            if timer.firing:
+                firing.append((timer, process if same else None))
+            elif same:
+                armed.append(timer)
+            else:
+                self.journal.drop(timer)
+                restored.dropped += 1
+        restored.armed += len(armed)
+        return armed
+
+    def _reopen(self, pid: int) -> P | None:
+        """A handle on whatever process holds ``pid`` now, if any."""
         try:
-            process = self._processes.open(pid, Peer(pid=0, uid=0, gid=0))
+            return self._processes.open(pid, Peer(pid=0, uid=0, gid=0))
         except Refusal:
             return None
-        if process.start_time != start_time:
-            process.close()  # the pid was reused while the daemon was down
-            return None
-        return process
 
     def close(self) -> None:
         """Drop every timer and the table's handles (the daemon is stopping). The

@@ -50,10 +50,12 @@ import contextlib
 import errno
 import fcntl
 import glob
+import math
 import os
 import sqlite3
 import struct
 import time
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final, Literal
@@ -101,11 +103,14 @@ class _Corrupt(Exception):
 
 class Record(msgspec.Struct, array_like=True):
     """One journal record: ``reset`` says the state is exactly what follows (a full
-    write after a failure); ``puts`` and ``drops`` are changes."""
+    write after a failure); ``puts`` and ``drops`` are changes. The first record
+    of every journal names the ``boot`` it was written in: a journal of another
+    boot is never replayed (its pids and start times mean nothing now)."""
 
     reset: bool = False
     puts: list[Timer] = []
     drops: list[StoreKey] = []
+    boot: str = ""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -135,6 +140,10 @@ class Store:
         self._db: sqlite3.Connection | None = None
         self._fd: int | None = None
         self._lock_fd: int | None = None
+        #: The database exists but could not be read at start: never written over.
+        self._db_unread = False
+        #: A fold failed: the next one writes the whole state, from ``snapshot``.
+        self._rebuild = False
         self._number = 0
         self._written = 0
         self._pending: Changes = {}
@@ -198,27 +207,48 @@ class Store:
 
     def _read_database(self, moved: list[str]) -> tuple[list[Timer], DatabaseKind]:
         """The timers in the database (none when there is none, or it was moved
-        aside), and what the database is. Keeps the connection."""
+        aside), and what the database is. Keeps the connection.
+
+        A database SQLite cannot open for writing (a read-only disk) is read
+        through an immutable connection; one that cannot be read at all, and is
+        not damaged, is left as it is and never written over (`recover` keeps the
+        store degraded): the next start reads it again."""
+        existed = os.path.exists(self.path)
         if not self._lock():
+            self._db_unread = existed
             return [], "none"
         try:
             db = _connect(self.path)
-        except sqlite3.Error as exc:
-            self._database_failed(exc, moved)
-            return [], "none"
-        try:
-            stored, schema, boot = _read_timers(db)
+            try:
+                stored, schema, boot = _read_timers(db)
+            except BaseException:
+                db.close()
+                raise
         except (sqlite3.Error, _Corrupt) as exc:
-            db.close()
-            self._database_failed(exc, moved)
-            return [], "none"
-        self._db = db
+            if isinstance(exc, _Corrupt) or _code(exc) in _CORRUPT_CODES:
+                self._move_database_aside(str(exc), moved)
+                return [], "none"
+            self._enter_degraded(_reason(exc))
+            try:
+                stored, schema, boot = _read_immutable(self.path)
+            except (sqlite3.Error, _Corrupt) as again:
+                log.error(logfmt("state_unread", path=self.path, error=_reason(again)))
+                self._db_unread = True
+                return [], "none"
+        else:
+            self._db = db
         if boot is None:
             return stored, "none"
         if boot != _boot_id():
             log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(stored)))
             return [], "other_boot"
         return stored, "current" if schema == SCHEMA else "old_schema"
+
+    def _move_database_aside(self, why: str, moved: list[str]) -> None:
+        for name in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
+            if os.path.exists(name):
+                self._move_aside(name, why, moved)
+        self._lock()  # a new file in its place
 
     def _lock(self) -> bool:
         """Create the database file if need be (0600, before SQLite sees it; its
@@ -230,10 +260,10 @@ class Store:
             self._lock_fd = None
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
+        except OSError as exc:
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only disk
-            except OSError as exc:
+            except OSError:
                 self._enter_degraded(_reason(exc))
                 return False
         try:
@@ -246,15 +276,6 @@ class Store:
             ) from None
         self._lock_fd = fd
         return True
-
-    def _database_failed(self, exc: Exception, moved: list[str]) -> None:
-        if isinstance(exc, _Corrupt) or _code(exc) in _CORRUPT_CODES:
-            for name in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
-                if os.path.exists(name):
-                    self._move_aside(name, str(exc), moved)
-            self._lock()  # a new file in its place
-        else:
-            self._enter_degraded(_reason(exc))
 
     def _replay_journals(self, moved: list[str]) -> tuple[Changes, bool]:
         """The changes the journals record, in order, and whether one of them
@@ -271,9 +292,12 @@ class Store:
                 self._enter_degraded(_reason(exc))
                 self._damaged.append(journal)
                 continue
-            for record in _records(data, newest=journal == journals[-1]):
+            for index, record in enumerate(_records(data, newest=journal == journals[-1])):
                 if isinstance(record, str):
                     self._move_aside(journal, record, moved)
+                    break
+                if index == 0 and record.boot not in ("", _boot_id()):
+                    log.info(logfmt("state_from_another_boot", path=journal))
                     break
                 if record.reset:
                     changes, reset = {}, True
@@ -285,33 +309,50 @@ class Store:
         return changes, reset
 
     def _start_journal(self, full_state: Mapping[StoreKey, Timer | None] | None) -> None:
-        """Open the first journal of this run, after any left by an earlier one,
-        and write its first record: a reset record holding ``full_state``, or an
-        empty one, which shows at start whether the disk takes writes at all."""
+        """Open the first journal of this run, after any left by an earlier one.
+        Its first record (a reset record holding ``full_state``, or an empty one)
+        is written at once, which shows at start whether the disk takes writes."""
         if self.degraded:
             return  # a recovery starts one, headed by the full state
         number = self._number + 1
-        fd = self._open_journal(number)
+        if full_state is None:
+            fd = self._new_journal(number, Record(), {})
+        else:
+            fd = self._new_journal(number, Record(reset=True), full_state)
         if fd is None:
             return
-        if full_state is None:
-            record = _encode(Record(), {})
-        else:
-            record = _encode(Record(reset=True), full_state)
+        if full_state is not None:
+            self._remove_journals(self._journals_before(number))
+        self._fd, self._number = fd, number
+        if self._unfolded or self._unfolded_reset or self._journals_before(number):
+            self._fold_wanted = True
+            self._wakeup.set()
+
+    def _new_journal(
+        self,
+        number: int,
+        first: Record,
+        changes: Mapping[StoreKey, Timer | None],
+        *,
+        degrade: bool = True,
+    ) -> int | None:
+        """Create journal ``number`` and write its first record (``first``, with
+        ``changes`` and this boot); None, with nothing left behind, if it fails."""
+        record = _encode(msgspec.structs.replace(first, boot=_boot_id()), changes)
+        fd = self._open_journal(number, degrade=degrade)
+        if fd is None:
+            return None
         try:
             _write_all(fd, record)
         except OSError as exc:
             _close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(_journal_path(self.path, number))
-            self._enter_degraded(_reason(exc))
-            return
-        if full_state is not None:
-            self._remove_journals(self._journals_before(number))
-        self._fd, self._number, self._written = fd, number, len(record)
-        if self._unfolded or self._unfolded_reset or self._journals_before(number):
-            self._fold_wanted = True
-            self._wakeup.set()
+            if degrade:
+                self._enter_degraded(_reason(exc))
+            return None
+        self._written = len(record)
+        return fd
 
     # The hot path.
 
@@ -349,7 +390,8 @@ class Store:
                 self._enter_degraded(_reason(exc))
                 return
             self._written += len(record)
-            self._unfolded.update(batch)
+            if not self._rebuild:
+                self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
         self._durable = generation
@@ -358,28 +400,31 @@ class Store:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write the changes no reply waits for, retry a failing disk with backoff,
-        and fold full journals into the database."""
+        and fold full journals into the database. It waits for work or for the
+        next retry, never in a sleep that a commit cannot cut short."""
         task_status.started()
         while True:
-            await self._wakeup.wait()
+            if self.degraded:
+                retry = self._retry_at
+            elif self._fold_wanted:
+                retry = self._fold_retry_at
+            else:
+                retry = math.inf  # nothing to retry: wait for work
+            with trio.move_on_after(max(0.0, retry - time.monotonic())):
+                await self._wakeup.wait()
             self._wakeup = trio.Event()
             if self.degraded:
-                wait = self._retry_at - time.monotonic()
-                if wait > 0:
-                    await trio.sleep(wait)
-                if not self.recover():
-                    self._wakeup.set()
-                    continue
-            else:
-                self._append_pending()
+                if time.monotonic() >= self._retry_at:
+                    self.recover()
+                continue
+            self._append_pending()
+            if self._rebuild and self._written >= 4 * self._journal_bytes:
+                self._rebase()  # the database refuses folds: keep the journals bounded
             if (
-                not self.degraded
-                and (self._fold_wanted or self._written >= self._journal_bytes)
+                (self._fold_wanted or self._written >= self._journal_bytes)
                 and not self._folding
+                and time.monotonic() >= self._fold_retry_at
             ):
-                wait = self._fold_retry_at - time.monotonic()
-                if wait > 0:
-                    await trio.sleep(wait)
                 await self._fold()
 
     def recover(self) -> bool:
@@ -387,36 +432,42 @@ class Store:
         new journal headed by a reset record. Returns whether the store is well."""
         if not self.degraded:
             return True
+        if self._db_unread:
+            return self._schedule_retry()  # writing over it would lose its timers
+        if self._lock_fd is None:
+            try:
+                if not self._lock():
+                    return self._schedule_retry()
+            except StateError as exc:
+                self.degraded_reason = str(exc)
+                return self._schedule_retry()
         self._move_damaged_aside()
-        number = self._number + 1
-        fd = self._open_journal(number)
-        if fd is None:
+        if not self._rebase():
             return self._schedule_retry()
-        generation = self.generation
-        timers: Changes = {timer.store_key: timer for timer in self.snapshot()}
-        record = _encode(Record(reset=True), timers)
-        try:
-            _write_all(fd, record)
-        except OSError as exc:
-            self.errors += 1
-            self.degraded_reason = _reason(exc)
-            _close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(_journal_path(self.path, number))
-            return self._schedule_retry()
-        # The new journal holds the whole state: every older journal is superseded.
-        if self._fd is not None:
-            _close(self._fd)
-        self._fd, self._number, self._written = fd, number, len(record)
-        self._remove_journals(self._journals_before(number))
-        self._pending = {}
-        self._unfolded, self._unfolded_reset = dict(timers), True
-        self._durable = generation
         self.degraded = False
         self._backoff = RETRY_FIRST
+        self.on_degraded(False, "")
+        return True
+
+    def _rebase(self) -> bool:
+        """Write the whole current state to a new journal headed by a reset record,
+        and remove every older journal, which it supersedes."""
+        number = self._number + 1
+        generation = self.generation
+        timers: Changes = {timer.store_key: timer for timer in self.snapshot()}
+        fd = self._new_journal(number, Record(reset=True), timers, degrade=False)
+        if fd is None:
+            self.errors += 1
+            return False
+        if self._fd is not None:
+            _close(self._fd)
+        self._fd, self._number = fd, number
+        self._remove_journals(self._journals_before(number))
+        self._pending = {}
+        self._durable = generation
+        self._unfolded, self._unfolded_reset, self._rebuild = timers, True, False
         self._fold_wanted = True
         self._fold_retry_at = 0.0
-        self.on_degraded(False, "")
         return True
 
     def _schedule_retry(self) -> bool:
@@ -430,32 +481,39 @@ class Store:
         New changes go to a new journal meanwhile, unless an earlier fold failed
         and its journals are still there: then the current journal goes on, and
         only the older ones are removed (replaying a folded change again is
-        harmless: the latest state of each key wins). So at most three journals
-        exist, however long the database refuses writes. A failure keeps the
-        journals (they are replayed at the next start) and is retried later."""
+        harmless: the latest state of each key wins). A failure keeps the
+        journals (they are replayed at the next start) and is retried later, with
+        the whole state then taken from memory, so that nothing accumulates for
+        it; a journal that grows meanwhile past four times its bound is replaced
+        by one holding the whole state. So at most three journals exist, however
+        long the database refuses writes."""
         self._folding = True
         self._fold_wanted = False
         try:
             finished = self._journals_before(self._number)
-            if len(finished) == 0:
+            if not finished:
                 # No inode for a new journal is no failure: the current one goes on.
-                fd = self._open_journal(self._number + 1, degrade=False)
+                fd = self._new_journal(self._number + 1, Record(), {}, degrade=False)
                 if fd is None:
                     self._fold_retry_at = time.monotonic() + RETRY_MAX
                 else:
                     assert self._fd is not None
                     _close(self._fd)
                     finished = self._journals_before(self._number + 1)
-                    self._fd, self._number, self._written = fd, self._number + 1, 0
-            changes, reset = self._unfolded, self._unfolded_reset
-            self._unfolded, self._unfolded_reset = {}, False
+                    self._fd, self._number = fd, self._number + 1
+            changes: Changes
+            if self._rebuild:
+                changes = {timer.store_key: timer for timer in self.snapshot()}
+                reset = True
+            else:
+                changes, reset = self._unfolded, self._unfolded_reset
+            self._unfolded, self._unfolded_reset, self._rebuild = {}, False, False
             try:
                 await trio.to_thread.run_sync(self._write_database, changes, reset)
-            except (sqlite3.Error, OSError, _Corrupt) as exc:
+            except (sqlite3.Error, OSError, _Corrupt, StateError) as exc:
                 self.errors += 1
                 log.error(logfmt("state_fold_failed", path=self.path, error=_reason(exc)))
-                changes.update(self._unfolded)
-                self._unfolded, self._unfolded_reset = changes, reset or self._unfolded_reset
+                self._unfolded, self._rebuild = {}, True
                 self._fold_retry_at = time.monotonic() + RETRY_MAX
                 self._fold_wanted = True
                 return
@@ -471,6 +529,8 @@ class Store:
         """In a worker thread: apply a fold to the database, opening it if the
         daemon started without one."""
         if self._db is None:
+            if self._lock_fd is None and not self._lock():
+                raise OSError(errno.EIO, f"cannot create {self.path}")
             db = _connect(self.path)
             try:
                 _read_timers(db)
@@ -483,6 +543,9 @@ class Store:
             _replace_all(self._db, timers, _boot_id())
         else:
             _apply(self._db, changes)
+        # Into the database file itself before the journals go: a start on a
+        # read-only disk reads the file alone (immutable), without the -wal.
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # Failure handling.
 
@@ -569,6 +632,7 @@ def _encode(header: Record, changes: Mapping[StoreKey, Timer | None]) -> bytes:
         reset=header.reset,
         puts=[timer for timer in changes.values() if timer is not None],
         drops=[key for key, timer in changes.items() if timer is None],
+        boot=header.boot,
     )
     payload = _encoder.encode(record)
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
@@ -664,6 +728,13 @@ def _read_timers(db: sqlite3.Connection) -> tuple[list[Timer], int, str | None]:
     """The timers of a database of this schema or the one before, its schema and
     the boot it was written in (None for a new database); raises `_Corrupt` for a
     schema this daemon cannot read."""
+    try:
+        return _parse_timers(db)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _Corrupt(f"unreadable content: {exc}") from None
+
+
+def _parse_timers(db: sqlite3.Connection) -> tuple[list[Timer], int, str | None]:
     meta = _meta(db)
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
     if "timers" not in tables:
@@ -700,6 +771,17 @@ def _read_timers(db: sqlite3.Connection) -> tuple[list[Timer], int, str | None]:
     else:
         raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA} and 1")
     return timers, schema, meta.get("boot_id")
+
+
+def _read_immutable(path: str) -> tuple[list[Timer], int, str | None]:
+    """Read the database file as it is, through a connection that writes nothing
+    (the lock held on it keeps others out): what a read-only disk allows."""
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?immutable=1"
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        return _read_timers(db)
+    finally:
+        db.close()
 
 
 def _meta(db: sqlite3.Connection) -> dict[str, str]:

@@ -20,9 +20,11 @@ The built-in policies are always present unless the config overrides them by nam
 from __future__ import annotations
 
 import signal
+import zlib
 from collections.abc import Mapping
 from typing import Final, Literal
 
+import msgspec
 from msgspec import Struct
 
 TargetKind = Literal["process", "group", "tree"]
@@ -122,6 +124,12 @@ class Policy(Struct, frozen=True, kw_only=True):
 
     def describe(self) -> list[str]:
         return [step.describe() for step in self.steps]
+
+    @property
+    def plan(self) -> int:
+        """A fingerprint of what the policy does (its steps and target), the same in
+        every run: a resumed expiry goes on only under the same plan."""
+        return zlib.crc32(msgspec.msgpack.encode((self.target, self.steps)))
 
 
 BUILTIN: Final[Mapping[str, Policy]] = {

@@ -67,6 +67,9 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     step: int = 0
     step_end: float = 0.0
     fired_at: float = 0.0
+    #: The `Policy.plan` of the policy that fired it: a policy changed or removed
+    #: by the time a restart resumes it starts again from its first step.
+    plan: int = 0
 
     @property
     def key(self) -> Key:
