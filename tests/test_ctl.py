@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -484,3 +485,33 @@ def _status_as_nobody(socket: Path) -> str:
     os.waitpid(child, 0)
     assert not output.startswith("failed"), output
     return output
+
+
+def test_shell_completion_comes_from_click(tmp_path: Path) -> None:
+    env = {**os.environ, "_WATCHDOGCTL_COMPLETE": "bash_source"}
+    script = subprocess.run(
+        [WATCHDOGCTL], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    assert "_watchdogctl_completion()" in script
+    assert "complete -o nosort -F _watchdogctl_completion watchdogctl" in script
+    # What the script asks for when the user presses tab after "watchdogctl st":
+    completion = subprocess.run(
+        [WATCHDOGCTL],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            **os.environ,
+            "_WATCHDOGCTL_COMPLETE": "bash_complete",
+            "COMP_WORDS": "watchdogctl st",
+            "COMP_CWORD": "1",
+        },
+    ).stdout
+    assert completion.split() == ["plain,status"]
+    # bash itself accepts the script.
+    if (bash := shutil.which("bash")) is not None:
+        loaded = subprocess.run(
+            [bash, "-c", f'eval "$({WATCHDOGCTL} )" && complete -p watchdogctl'],
+            capture_output=True, text=True, check=True, env=env,
+        )  # fmt: skip
+        assert "_watchdogctl_completion" in loaded.stdout
