@@ -1,39 +1,56 @@
 # The set-up contract: `make run` and `make test` work on a fresh machine with
-# python3 >= 3.11 and make.
+# python3 >= 3.11 and make. One venv: `run` installs what the daemon needs, `test`
+# adds the test extras (and torch) to it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck pytest bench soak clean
+.PHONY: run test lint typecheck pytest bench soak man wheels clean
 
+# Both packages, editable, without test extras: pip's progress stays visible,
+# since a first install on a slow network takes a while.
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./client -e '.[test]'
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e ./client -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e ./client -e '.[test]'
+	touch $(TEST_STAMP)
 
 run: $(STAMP)
 	$(BIN)/watchdogd $(ARGS)
 
 test: lint typecheck pytest
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench
 
-pytest: $(STAMP)
+pytest: $(TEST_STAMP)
 	$(BIN)/pytest
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python bench/run.py
 
 # The crash tests at full scale: 100 random kills under churn, a million timers.
-soak: $(STAMP)
+soak: $(TEST_STAMP)
 	WATCHDOGD_SOAK=1 $(BIN)/pytest -v tests/test_crash.py
 
+# The man pages in man/ are generated from the commands' own help; the suite
+# checks that they are current.
+man: $(STAMP)
+	$(BIN)/python -m watchdogd.manpage man
+
+# Wheels of both packages in dist/, for machines without this checkout.
+wheels: $(STAMP)
+	$(BIN)/python -m pip wheel --no-deps -w dist ./client .
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,28 @@ def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
         if process.poll() is None:
             process.terminate()
         assert process.wait(timeout=PATIENCE) == 0, log.read_text()
+
+
+def test_without_xdg_runtime_dir_a_user_daemon_listens_under_tmp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from watchdogd.cli import daemon_socket_path
+    from watchdogd.core.config import Config
+    from watchdogd_client.paths import client_socket_path
+
+    monkeypatch.delenv("WATCHDOGD_SOCKET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr("os.getuid", lambda: 4242)
+    assert daemon_socket_path(None, Config()) == "/tmp/watchdogd-4242/watchdogd.sock"
+    # The same user's clients look there first (the README's fallback paragraph).
+    assert client_socket_path() == "/run/watchdogd/watchdogd.sock"  # nothing listens yet
+    directory = Path("/tmp/watchdogd-4242")
+    directory.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(directory / "watchdogd.sock"))
+        assert client_socket_path() == "/tmp/watchdogd-4242/watchdogd.sock"
+    finally:
+        listener.close()
+        (directory / "watchdogd.sock").unlink(missing_ok=True)
+        directory.rmdir()

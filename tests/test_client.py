@@ -85,6 +85,16 @@ def test_silent_daemon_times_out(socket_path: Path) -> None:
         mute.close()
 
 
+def test_unavailable_is_a_connection_error() -> None:
+    # Code that handles OSError for its other connections handles this one too.
+    with pytest.raises(ConnectionError) as caught:
+        Client("/nonexistent/watchdogd.sock").ping()
+    assert isinstance(caught.value, DaemonUnavailable)
+    assert isinstance(caught.value, OSError)
+    assert caught.value.errno is None
+    assert str(caught.value).startswith("watchdogd is not reachable at /nonexistent/")
+
+
 def test_warn_mode_runs_unprotected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     client = Client(tmp_path / "none.sock", on_unavailable="warn")
     with caplog.at_level(logging.WARNING, logger="watchdogd_client"), client.expires(5) as timer:
@@ -92,6 +102,40 @@ def test_warn_mode_runs_unprotected(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert "running unprotected" in caplog.text
     with pytest.raises(DaemonUnavailable):
         client.status()  # only arming and releasing degrade
+
+
+def test_warn_mode_warns_once_per_outage(
+    socket_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = Client(socket_path, on_unavailable="warn", reconnect_timeout=0.2)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    with caplog.at_level(logging.DEBUG, logger="watchdogd_client"):
+        for _ in range(5):
+            with client.expires(5):
+                pass
+        [warning] = warnings()
+        assert warning.startswith("running unprotected until the daemon answers again")
+        assert sum("still running unprotected" in r.getMessage() for r in caplog.records) == 9
+
+        daemon = RunningDaemon(socket_path, tmp_path / "log", [])
+        daemon.start()
+        try:
+            with client.expires(5):
+                pass
+            assert f"watchdogd answers again at {socket_path}" in caplog.text
+            caplog.clear()
+            daemon.stop()
+            for _ in range(3):
+                with client.expires(5):
+                    pass
+            [again] = warnings()  # a new outage is worth a new warning
+            assert again.startswith("running unprotected")
+        finally:
+            daemon.stop()
+            client.close()
 
 
 def test_reconnects_after_a_daemon_restart(daemon: RunningDaemon) -> None:

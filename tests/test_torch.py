@@ -23,8 +23,8 @@ import torch_workers  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from torch.distributed.elastic import timer  # noqa: E402
 
-from watchdogd_client import Client, configure  # noqa: E402
-from watchdogd_client.torch import WatchdogdTimerClient  # noqa: E402
+from watchdogd_client import Client, DaemonUnavailable, configure  # noqa: E402
+from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient  # noqa: E402
 
 from conftest import PATIENCE, RunningDaemon, reap, sleeper, wait_until  # noqa: E402
 
@@ -258,3 +258,85 @@ def _hang_with_configured_timer() -> None:
 def _finish_with_configured_timer() -> None:
     with timer.expires(after=5):
         time.sleep(0.1)
+
+
+def test_no_daemon_raises_what_torchs_own_clients_raise(tmp_path: Path) -> None:
+    adapter = WatchdogdTimerClient(Client(tmp_path / "absent.sock"))
+    with pytest.raises(BrokenPipeError) as caught:
+        adapter.acquire("s", time.time() + 5)
+    assert isinstance(caught.value, DaemonUnavailable)
+    assert isinstance(caught.value, TimerServerUnavailable)
+    assert caught.value.socket_path == str(tmp_path / "absent.sock")
+    assert "watchdogd is not reachable" in str(caught.value)
+    with pytest.raises(BrokenPipeError):
+        adapter.release("s")
+
+
+def test_a_failed_release_never_replaces_the_blocks_exception(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = daemon.client(reconnect_timeout=0.2)
+    adapter = WatchdogdTimerClient(client)
+    with (  # noqa: PT012
+        pytest.raises(ValueError, match=r"^the real problem$") as caught,
+        timer.expires(after=30, scope="s", client=adapter),
+    ):
+        daemon.stop()
+        raise ValueError("the real problem")
+    assert caught.value.__context__ is None
+    assert "could not release timer 's'" in caplog.text
+    client.close()
+    daemon.start()  # the fixture stops it again
+
+
+def test_a_failed_release_after_a_good_block_raises(daemon: RunningDaemon) -> None:
+    client = daemon.client(reconnect_timeout=0.2)
+    with (
+        pytest.raises(BrokenPipeError),
+        timer.expires(after=30, scope="s", client=WatchdogdTimerClient(client)),
+    ):
+        daemon.stop()
+    client.close()
+    daemon.start()
+
+
+@pytest.mark.parametrize(
+    ("signum", "policy"),
+    [(signal.SIGKILL, "kill"), (signal.SIGTERM, "term"), (signal.SIGABRT, "abort"), (9, "kill")],
+)
+def test_torchs_signal_option_chooses_the_policy_that_sends_it(signum: int, policy: str) -> None:
+    assert WatchdogdTimerClient(signal=signum).policy == policy
+
+
+def test_a_signal_no_built_in_sends_is_refused_with_the_way_out() -> None:
+    with pytest.raises(ValueError, match=r"no built-in watchdogd policy sends SIGUSR1;") as caught:
+        WatchdogdTimerClient(signal=signal.SIGUSR1)
+    assert "SIGTERM (term)" in str(caught.value)
+    assert "policy=NAME" in str(caught.value)
+    with pytest.raises(ValueError, match="not both"):
+        WatchdogdTimerClient(policy="term", signal=signal.SIGTERM)
+
+
+def test_a_signal_policy_is_what_the_timer_runs(env_socket: RunningDaemon) -> None:
+    with env_socket.client() as client:
+        adapter = WatchdogdTimerClient(client, signal=signal.SIGTERM)
+        adapter.acquire("graceful", time.time() + 30)
+        [armed] = client.status().timers
+        assert armed.policy == "term"
+        adapter.release("graceful")
+
+
+def test_without_torch_the_import_error_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import watchdogd_client.torch\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.startswith("ImportError watchdogd_client.torch needs torch")
+    assert "pip install './client[torch]'" in result.stdout

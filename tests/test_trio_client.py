@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,21 @@ async def test_reconnects_after_a_daemon_restart(daemon: RunningDaemon) -> None:
         await trio.to_thread.run_sync(daemon.stop, signal.SIGKILL)
         await trio.to_thread.run_sync(daemon.start)
         assert await client.release("kept") is True  # the timer survived, the client reconnected
+
+
+def test_without_trio_the_import_error_says_what_to_install() -> None:
+    # None in sys.modules makes `import trio` fail as it does where trio is absent.
+    code = (
+        "import sys\n"
+        "sys.modules['trio'] = None\n"
+        "try:\n"
+        "    import watchdogd_client.trio\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.startswith("ImportError watchdogd_client.trio needs trio")
+    assert "pip install './client[trio]'" in result.stdout
+    assert ".whl[trio]'" in result.stdout

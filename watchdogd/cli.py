@@ -32,7 +32,8 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     "socket_option",
     metavar="PATH",
     help=f"Listen on PATH (default: ${ENV_SOCKET}, the config's socket, "
-    "/run/watchdogd/watchdogd.sock for root, else $XDG_RUNTIME_DIR/watchdogd.sock).",
+    "/run/watchdogd/watchdogd.sock for root, else $XDG_RUNTIME_DIR/watchdogd.sock, "
+    "or /tmp/watchdogd-UID/watchdogd.sock without XDG_RUNTIME_DIR).",
 )
 @click.option(
     "--config",

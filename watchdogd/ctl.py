@@ -1,8 +1,10 @@
 """``watchdogctl``: the operator's view of the daemon, over the thin client.
 
-Every command takes ``--socket`` (before the command name) and ``--json``. When the
-daemon cannot be reached, or refuses a request, the command prints one line on stderr
-and exits non-zero; it never shows a traceback.
+Every command takes ``--socket`` and ``--json``, before or after the command name
+(after it wins). When the daemon cannot be reached, or refuses a request, the command
+prints one line on stderr and exits non-zero; it never shows a traceback. Text output
+is for people (scopes relative to the working directory or ``~``); ``--json`` output
+is for programs and keeps every value as the daemon sent it.
 """
 
 from __future__ import annotations
@@ -10,17 +12,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
-from typing import Any, Final
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
 
 import click
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
+from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import DaemonInfo, EventInfo, TimerInfo
 
 from ._version import __version__
@@ -31,7 +37,12 @@ _FORWARDED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _COMMAND_WIDTH: Final = 40
 #: Seconds each follow request waits for news before asking again.
 _FOLLOW_WAIT: Final = 30.0
+#: How long `run` waits for the event of an expiry whose policy is still finishing.
+_EXPIRY_PATIENCE: Final = 5.0
 _SCOPE_WIDTH: Final = 40
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class _RunFailed(click.ClickException):
@@ -40,7 +51,69 @@ class _RunFailed(click.ClickException):
     exit_code = RUN_FAILED
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+class _Settings:
+    """What ``--socket`` and ``--json`` chose, before or after the command name, and
+    the one client the command uses (made on first use, closed with the command)."""
+
+    def __init__(self) -> None:
+        self.socket_path: str | None = None
+        self.as_json = False
+        self._client: Client | None = None
+
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self.socket_path)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def _settings() -> _Settings:
+    return click.get_current_context().ensure_object(_Settings)
+
+
+def _take_socket(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # Options are processed group first, then command: a later value wins.
+    if value is not None:
+        ctx.ensure_object(_Settings).socket_path = value
+
+
+def _take_json(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(_Settings).as_json = True
+
+
+_SOCKET_HELP: Final = (
+    "The daemon's socket (default: $WATCHDOGD_SOCKET, else your own daemon's "
+    "if one listens, else /run/watchdogd/watchdogd.sock)."
+)
+
+
+def _common_options(*, envvar: str | None = None) -> Callable[[_F], _F]:
+    """``--socket`` and ``--json``, for the group and for every command alike."""
+
+    def decorate(function: _F) -> _F:
+        function = click.option(
+            "--json",
+            "as_json",
+            is_flag=True,
+            expose_value=False,
+            callback=_take_json,
+            help="Print JSON instead of text.",
+        )(function)
+        return click.option(
+            "--socket",
+            "socket_path",
+            metavar="PATH",
+            envvar=envvar,
+            expose_value=False,
+            callback=_take_socket,
+            help=_SOCKET_HELP,
+        )(function)
+
+    return decorate
 
 
 class _Group(click.Group):
@@ -54,25 +127,20 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--socket",
-    "socket_path",
-    metavar="PATH",
-    envvar="WATCHDOGD_SOCKET",
-    help="The daemon's socket (default: $WATCHDOGD_SOCKET, else the host's daemon).",
-)
+@_common_options(envvar=ENV_SOCKET)
 @click.version_option(__version__, prog_name="watchdogctl")
 @click.pass_context
-def main(ctx: click.Context, socket_path: str | None) -> None:
-    """Inspect and drive the watchdogd daemon."""
-    ctx.obj = Client(socket_path)
-    ctx.call_on_close(ctx.obj.close)
+def main(ctx: click.Context) -> None:
+    """Inspect and drive the watchdogd daemon.
+
+    Every command takes --socket and --json, before or after its name. With no
+    daemon to answer, a command prints one line on stderr and exits 1.
+    """
+    ctx.call_on_close(ctx.ensure_object(_Settings).close)
 
 
 def _client() -> Client:
-    client = click.get_current_context().obj
-    assert isinstance(client, Client)
-    return client
+    return _settings().client()
 
 
 def _print_json(value: object) -> None:
@@ -80,22 +148,34 @@ def _print_json(value: object) -> None:
 
 
 @main.command()
-@json_option
-def status(as_json: bool) -> None:
-    """The daemon's summary and its armed timers, soonest first."""
+@_common_options()
+def status() -> None:
+    """The daemon's summary and the armed timers you may see, soonest first.
+
+    A non-root user sees the timers of their own processes only; the summary then
+    gives both counts. Scopes are shown relative to the working directory, or with
+    ~ for your home directory; --json gives them in full.
+    """
     report = _client().status()
-    if as_json:
+    if _settings().as_json:
         _print_json({"daemon": report.daemon, "timers": report.timers})
         return
-    click.echo(_summary(report.daemon))
+    click.echo(_summary(report.daemon, visible=len(report.timers)))
     click.echo()
     click.echo(_table(report) if report.timers else "No timers armed.")
 
 
-def _summary(info: DaemonInfo) -> str:
+def _summary(info: DaemonInfo, *, visible: int) -> str:
+    """The status header. ``visible`` is how many timers the table lists: fewer than
+    the daemon holds when the caller may not see them all."""
+    timers = (
+        f"timers {info.timers}"
+        if visible == info.timers
+        else f"timers {visible} of yours, {info.timers} on the host"
+    )
     summary = (
         f"watchdogd {info.version}  pid {info.pid}  up {format_duration(info.uptime)}\n"
-        f"timers {info.timers}  processes {info.processes}  connections {info.connections}  "
+        f"{timers}  processes {info.processes}  connections {info.connections}  "
         f"requests {info.requests}  expired {info.expired}  exited {info.exited}"
     )
     if info.state_degraded:
@@ -124,7 +204,7 @@ def _row(timer: TimerInfo) -> tuple[str, str, str, str, str, str]:
     return (
         str(timer.pid),
         _clip(timer.command, _COMMAND_WIDTH),
-        _clip(timer.scope, _SCOPE_WIDTH),
+        _clip(shown_scope(timer.scope), _SCOPE_WIDTH),
         format_duration(timer.remaining),
         timer.policy,
         str(timer.uid),
@@ -133,6 +213,24 @@ def _row(timer: TimerInfo) -> tuple[str, str, str, str, str, str]:
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) -> str:
+    """A scope as people read it. Default scopes are absolute ``file:line`` paths:
+    one under ``cwd`` (default: the working directory) is shown relative to it, one
+    under ``home`` (default: ``~``) starts with ``~/``; any other scope is unchanged."""
+    if cwd is None:
+        try:
+            cwd = os.getcwd()
+        except OSError:  # the working directory was removed
+            cwd = ""
+    home = os.path.expanduser("~") if home is None else home
+    for directory, shown in ((cwd, ""), (home, "~/")):
+        prefix = directory.rstrip("/") + "/"
+        # "/" (a root working directory, nobody's home) would shorten every path.
+        if prefix != "/" and scope.startswith(prefix) and len(scope) > len(prefix):
+            return shown + scope[len(prefix) :]
+    return scope
 
 
 def format_duration(seconds: float) -> str:
@@ -152,19 +250,19 @@ def format_duration(seconds: float) -> str:
 
 
 @main.command()
-@json_option
-def ping(as_json: bool) -> None:
+@_common_options()
+def ping() -> None:
     """Check that the daemon answers."""
     client = _client()
     seconds = client.ping()
-    if as_json:
+    if _settings().as_json:
         _print_json({"socket": client.socket_path, "round_trip": seconds})
     else:
         click.echo(f"watchdogd at {client.socket_path} answered in {seconds * 1000:.2f} ms")
 
 
 @main.command()
-@json_option
+@_common_options()
 @click.option("--follow", "-f", is_flag=True, help="Keep printing events as they happen.")
 @click.option(
     "--limit",
@@ -174,9 +272,10 @@ def ping(as_json: bool) -> None:
     show_default=True,
     help="How many of the latest events to print first.",
 )
-def events(as_json: bool, follow: bool, limit: int) -> None:
+def events(follow: bool, limit: int) -> None:
     """Recorded events: expiries with each step's result, exits with timers armed,
     unkillable targets, reloads. --json prints one JSON object per line."""
+    as_json = _settings().as_json
     client = _client()
     page = client.events(limit=limit)
     _print_events(page.events, as_json)
@@ -208,7 +307,7 @@ def _event_line(event: EventInfo) -> str:
     when = datetime.datetime.fromtimestamp(event.time).strftime("%Y-%m-%d %H:%M:%S")
     parts = [when, event.kind, f"pid={event.pid}"]
     if event.scope:
-        parts.append(f"scope={event.scope}")
+        parts.append(f"scope={shown_scope(event.scope)}")
     if event.policy:
         parts.append(f"policy={event.policy}")
     if event.late is not None:
@@ -224,11 +323,11 @@ def _event_line(event: EventInfo) -> str:
 
 
 @main.command()
-@json_option
-def policies(as_json: bool) -> None:
+@_common_options()
+def policies() -> None:
     """The policies a timer may use, with their steps; * marks the default."""
     reply = _client().policies()
-    if as_json:
+    if _settings().as_json:
         _print_json({"default": reply.default, "policies": reply.policies})
         return
     rows = [("NAME", "TARGET", "STEPS", "")]
@@ -245,9 +344,35 @@ def policies(as_json: bool) -> None:
 
 
 @main.command()
+@_common_options()
 def metrics() -> None:
-    """The daemon's metrics in the Prometheus text exposition format."""
-    click.echo(_client().metrics(), nl=False)
+    """The daemon's metrics in the Prometheus text exposition format.
+
+    --json prints them parsed: a list of metric families, each with its name,
+    type, help and samples (name, labels, value), as prometheus_client reads them.
+    """
+    text = _client().metrics()
+    if _settings().as_json:
+        _print_json(parse_metrics(text))
+    else:
+        click.echo(text, nl=False)
+
+
+def parse_metrics(text: str) -> list[dict[str, object]]:
+    """Prometheus text as JSON-ready families: ``{"name", "type", "help",
+    "samples": [{"name", "labels", "value"}]}``, in the order the text has them."""
+    return [
+        {
+            "name": family.name,
+            "type": family.type,
+            "help": family.documentation,
+            "samples": [
+                {"name": sample.name, "labels": sample.labels, "value": sample.value}
+                for sample in family.samples
+            ],
+        }
+        for family in text_string_to_metric_families(text)
+    ]
 
 
 @main.command()
@@ -257,11 +382,11 @@ def metrics() -> None:
     "--timeout", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds."
 )
 @click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
-@json_option
-def arm(pid: int, scope: str, timeout: float, policy: str | None, as_json: bool) -> None:
+@_common_options()
+def arm(pid: int, scope: str, timeout: float, policy: str | None) -> None:
     """Arm (or re-arm) the timer (PID, SCOPE)."""
     remaining = _client().acquire(scope, timeout, policy=policy, pid=pid)
-    if as_json:
+    if _settings().as_json:
         _print_json({"pid": pid, "scope": scope, "remaining": remaining})
     else:
         click.echo(f"armed pid {pid} scope {scope!r}: {format_duration(remaining)} left")
@@ -270,11 +395,11 @@ def arm(pid: int, scope: str, timeout: float, policy: str | None, as_json: bool)
 @main.command()
 @click.option("--pid", type=click.IntRange(min=1), required=True, help="The process.")
 @click.option("--scope", required=True, help="The timer's scope.")
-@json_option
-def release(pid: int, scope: str, as_json: bool) -> None:
+@_common_options()
+def release(pid: int, scope: str) -> None:
     """Disarm the timer (PID, SCOPE); succeeds also when none was armed."""
     found = _client().release(scope, pid=pid)
-    if as_json:
+    if _settings().as_json:
         _print_json({"pid": pid, "scope": scope, "found": found})
     else:
         state = "released" if found else "no timer was armed for"
@@ -287,20 +412,22 @@ def release(pid: int, scope: str, as_json: bool) -> None:
 )
 @click.option("--scope", help="The timer's scope (default: run:<command name>).")
 @click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
-@json_option
+@_common_options()
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(
-    timeout: float, scope: str | None, policy: str | None, as_json: bool, command: Sequence[str]
-) -> None:
+def run(timeout: float, scope: str | None, policy: str | None, command: Sequence[str]) -> None:
     """Run COMMAND under a timer; exit with its status (128+N if signal N ended it).
 
-    SIGINT, SIGTERM and SIGHUP are passed on to COMMAND. If watchdogctl itself fails
-    (no daemon, a refused timer, a command that cannot start), it exits 125.
+    SIGINT, SIGTERM and SIGHUP are passed on to COMMAND. When the timer expires and
+    the daemon's policy acts on COMMAND, a line on stderr says what it did (as
+    timeout --verbose does). If watchdogctl itself fails (no daemon, a refused
+    timer, a command that cannot start), it exits 125. --json prints, at the end,
+    the pid, scope and exit status, and the daemon's expiry event (or null).
     """
     client = _client()
     scope = scope or f"run:{os.path.basename(command[0])}"
     try:
-        client.ping()
+        # Also the proof that a daemon answers, before anything is started.
+        seen = client.events(limit=1).last
     except WatchdogdError as exc:
         raise _RunFailed(str(exc)) from None
     with _Forwarder() as forwarder:
@@ -313,12 +440,61 @@ def run(
         # Wait without reaping, so the pid still names the child when its timer
         # is released; then reap.
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-        _release_child(client, child, scope)
+        found = _release_child(client, child, scope)
         returncode = child.wait()
+        expiry = None if found is not False else _expiry_of(client, child.pid, scope, seen)
     status = returncode if returncode >= 0 else 128 - returncode
-    if as_json:
-        _print_json({"pid": child.pid, "scope": scope, "status": status})
+    if expiry is not None:
+        click.echo(
+            f"watchdogctl: {_expiry_report(command, child.pid, returncode, timeout, expiry)}",
+            err=True,
+        )
+    if _settings().as_json:
+        _print_json({"pid": child.pid, "scope": scope, "status": status, "expired": expiry})
     sys.exit(status)
+
+
+def _expiry_of(client: Client, pid: int, scope: str, seen: int) -> EventInfo | None:
+    """The daemon's ``expired`` event for the timer ``(pid, scope)``, or None when it
+    did not fire. It is recorded once the policy has finished, a moment after the
+    process died: wait for it, for at most `_EXPIRY_PATIENCE` seconds. An ``exited``
+    event for the pid first means the exit found the timer still armed: no expiry."""
+    deadline = time.monotonic() + _EXPIRY_PATIENCE
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            page = client.events(after=seen, limit=1000, wait=max(left, 0.0))
+        except WatchdogdError:
+            return None  # the run's result does not depend on this report
+        for event in page.events:
+            if event.pid != pid:
+                continue
+            if event.kind == "expired" and event.scope == scope:
+                return event
+            if event.kind == "exited":
+                return None
+        seen = page.last
+        if left <= 0:
+            return None
+
+
+def _expiry_report(
+    command: Sequence[str], pid: int, returncode: int, timeout: float, event: EventInfo
+) -> str:
+    """What the daemon did to the command, as one line: e.g. "the daemon killed sleep
+    30 (pid 4021) with SIGKILL after 3 s (policy kill)"."""
+    shown = _clip(shlex.join(command), _COMMAND_WIDTH)
+    policy = f"policy {event.policy}" + (f", {event.outcome}" if event.outcome != "exited" else "")
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"the daemon killed {shown} (pid {pid}) with {name} after {timeout:g} s ({policy})"
+    return (
+        f"the daemon's timer on {shown} (pid {pid}) expired after {timeout:g} s ({policy}); "
+        f"the command exited with status {returncode}"
+    )
 
 
 class _Forwarder:
@@ -376,12 +552,14 @@ def _arm_child(
         raise _RunFailed(str(exc)) from None
 
 
-def _release_child(client: Client, child: subprocess.Popen[bytes], scope: str) -> None:
+def _release_child(client: Client, child: subprocess.Popen[bytes], scope: str) -> bool | None:
+    """Whether the release found the timer armed; None if it failed."""
     try:
-        client.release(scope, pid=child.pid)
+        return client.release(scope, pid=child.pid)
     except WatchdogdError as exc:
         # The child has exited, so the daemon drops its timer on its own.
         click.echo(f"watchdogctl: could not release the timer: {exc}", err=True)
+        return None
 
 
 def _abandon(child: subprocess.Popen[bytes]) -> None:

@@ -16,7 +16,6 @@ This package depends on msgspec only; it never imports trio or click.
 
 from __future__ import annotations
 
-import os
 import threading
 
 from ._version import __version__
@@ -30,6 +29,7 @@ from .errors import (
 )
 from .protocol import ErrorCode
 from .scope import caller_scope
+from .switches import DISABLE, env_switch
 
 __all__ = [
     "BaseClient",
@@ -71,16 +71,15 @@ def configure(client: BaseClient | None) -> None:
 
 
 def default_client() -> BaseClient:
-    """The configured client, else one made on first use: a `NullClient` when
-    ``WATCHDOGD_DISABLE=1``, otherwise a `Client` on the default socket
-    (``$WATCHDOGD_SOCKET`` or the host's daemon)."""
+    """The configured client, else one made on first use: a `NullClient` when the
+    ``WATCHDOGD_DISABLE`` switch is on (see `watchdogd_client.switches`), otherwise a
+    `Client` on the default socket (``$WATCHDOGD_SOCKET`` or the host's daemon)."""
     client = _Default.client
     if client is not None:
         return client
     with _Default.lock:
         if _Default.client is None:
-            disabled = os.environ.get("WATCHDOGD_DISABLE", "") not in ("", "0")
-            _Default.client = NullClient() if disabled else Client()
+            _Default.client = NullClient() if env_switch(DISABLE) else Client()
             _Default.made = True
         return _Default.client
 

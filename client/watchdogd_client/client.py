@@ -59,7 +59,14 @@ from .protocol import (
 )
 from .scope import caller_scope
 
-__all__ = ["BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"]
+__all__ = [
+    "BaseClient",
+    "Client",
+    "DaemonStatus",
+    "NullClient",
+    "OnUnavailable",
+    "Timer",
+]
 
 log = logging.getLogger("watchdogd_client")
 
@@ -206,6 +213,37 @@ class NullClient(BaseClient):
         return 0.0
 
 
+class Outage:
+    """Says once per outage that a ``on_unavailable="warn"`` client runs unprotected.
+
+    The first failure of an outage is a warning; the ones after it, until a request
+    is answered again, are debug lines, so a worker arming a timer per step does not
+    write two lines per step while the daemon is down. The first answer after an
+    outage is logged at info level and ends it.
+    """
+
+    __slots__ = ("_down",)
+
+    def __init__(self) -> None:
+        self._down = False
+
+    def failed(self, exc: DaemonUnavailable) -> None:
+        if self._down:
+            log.debug("still running unprotected: %s", exc)
+            return
+        self._down = True
+        log.warning(
+            "running unprotected until the daemon answers again "
+            "(further failures are logged at debug level): %s",
+            exc,
+        )
+
+    def answered(self, socket_path: str) -> None:
+        if self._down:
+            self._down = False
+            log.info("watchdogd answers again at %s: timers protect again", socket_path)
+
+
 class _ConnectionLost(Exception):
     """The established connection broke; the request may be sent again once."""
 
@@ -215,9 +253,9 @@ class Client(BaseClient):
 
     ``socket_path`` defaults as `watchdogd_client.paths.client_socket_path` says.
     ``timeout`` bounds each request (connect, send and reply), in seconds.
-    ``on_unavailable="warn"`` makes `acquire` and `release` log a warning and carry on
-    unprotected when the daemon cannot be reached, instead of raising
-    `DaemonUnavailable`; other refusals always raise `RequestRefused`.
+    ``on_unavailable="warn"`` makes `acquire` and `release` carry on unprotected when
+    the daemon cannot be reached, instead of raising `DaemonUnavailable`, with one
+    warning per outage (see `Outage`); other refusals always raise `RequestRefused`.
     When an established connection breaks (the daemon restarted), the client keeps
     trying to reconnect for up to ``reconnect_timeout`` seconds, or as long as the
     daemon said a restart of it may take if that is longer, before it gives up.
@@ -242,6 +280,7 @@ class Client(BaseClient):
         #: How long the daemon said a restart of it may take (its Welcome).
         self._restart = 0.0
         self.on_unavailable: OnUnavailable = on_unavailable
+        self._outage = Outage()
         self._max_reply = max_reply
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -337,9 +376,14 @@ class Client(BaseClient):
     def _unavailable(self, exc: DaemonUnavailable) -> None:
         if self.on_unavailable == "raise":
             raise exc
-        log.warning("running unprotected: %s", exc)
+        self._outage.failed(exc)
 
     def _call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> _R:
+        reply = self._call_locked(request, expected, wait=wait)
+        self._outage.answered(self.socket_path)
+        return reply
+
+    def _call_locked(self, request: Request, expected: type[_R], *, wait: float) -> _R:
         with self._lock:
             if self._sock is not None and self._owner_pid != os.getpid():
                 self._disconnect()

@@ -7,10 +7,13 @@ class WatchdogdError(Exception):
     """Base class of every exception raised by `watchdogd_client`."""
 
 
-class DaemonUnavailable(WatchdogdError):
+class DaemonUnavailable(WatchdogdError, ConnectionError):
     """Raised when the daemon cannot be reached or stops answering.
 
-    The message names the socket that was tried and says how to start the daemon.
+    The message names the socket that was tried and says how to start the daemon. It
+    means only that no daemon answered (a refusal is `RequestRefused`), and it is a
+    `ConnectionError`, so code that handles ``OSError`` for its other connections
+    handles this one too. ``errno`` is None: the reason is in the message.
     """
 
     def __init__(self, message: str, socket_path: str) -> None:

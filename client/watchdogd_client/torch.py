@@ -14,24 +14,73 @@ torch passes an absolute wall-clock expiration; it becomes a relative timeout at
 once (so the daemon never depends on the worker's clock). Scope ids longer than the
 daemon's bound (torch's are ``file#line``) are shortened the same way for acquire and
 release. torch is imported by this module only.
+
+Failures look like torch's own: with no daemon, `acquire` and `release` raise
+`TimerServerUnavailable`, which is the ``BrokenPipeError`` torch's ``FileTimerClient``
+raises with no server and also a `DaemonUnavailable`. A release that fails while an
+exception is already on its way out of the ``expires()`` block is logged instead, so
+it never replaces that exception.
 """
 
 from __future__ import annotations
 
+import signal as signals
+import sys
 import time
 from typing import Final
 
-from torch.distributed.elastic.timer.api import TimerClient
+try:
+    from torch.distributed.elastic.timer.api import TimerClient
+except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
+    if missing.name is None or missing.name.split(".")[0] != "torch":
+        raise
+    raise ImportError(
+        "watchdogd_client.torch needs torch: install it with the client's torch extra, "
+        "e.g. pip install './client[torch]' from a watchdogd checkout"
+    ) from missing
 
 from . import default_client
-from .client import BaseClient
+from .client import BaseClient, log
+from .errors import DaemonUnavailable
 from .scope import shorten
 
-__all__ = ["WatchdogdTimerClient"]
+__all__ = ["TimerServerUnavailable", "WatchdogdTimerClient", "policy_for_signal"]
 
 #: An expiration already in the past still arms a timer, due at once.
 _MIN_TIMEOUT: Final = 0.001
 _MAX_SCOPE_BYTES: Final = 256
+
+#: torch's timer servers send one signal; the built-in policy that sends it first.
+_POLICY_OF_SIGNAL: Final[dict[int, str]] = {
+    signals.SIGKILL: "kill",
+    signals.SIGTERM: "term",
+    signals.SIGABRT: "abort",
+}
+
+
+class TimerServerUnavailable(DaemonUnavailable, BrokenPipeError):
+    """Raised by `WatchdogdTimerClient` when the daemon cannot be reached: the
+    ``BrokenPipeError`` torch's own timer clients raise when their server is gone,
+    and a `DaemonUnavailable` with its message and ``socket_path``."""
+
+
+def policy_for_signal(signum: int) -> str:
+    """The built-in policy that answers a torch timer's ``signal``: SIGKILL is
+    ``kill``, SIGTERM ``term`` (SIGTERM, then SIGKILL after 10 s), SIGABRT ``abort``
+    (SIGABRT, then SIGKILL after 10 s). Any other signal raises ValueError: define a
+    policy for it in the daemon's config and pass ``policy=`` instead."""
+    try:
+        name = signals.Signals(signum).name
+    except ValueError:
+        name = repr(signum)
+    policy = _POLICY_OF_SIGNAL.get(signum)
+    if policy is None:
+        known = ", ".join(f"{signals.Signals(s).name} ({p})" for s, p in _POLICY_OF_SIGNAL.items())
+        raise ValueError(
+            f"no built-in watchdogd policy sends {name}; built in: {known}. "
+            "Define a policy with that signal in the daemon's config and pass policy=NAME."
+        )
+    return policy
 
 
 # torch is skipped by the type checker (its size would dominate the check), so its
@@ -40,12 +89,24 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
     """A ``torch.distributed.elastic.timer.TimerClient`` backed by watchdogd.
 
     ``client`` defaults to the module-level default client (``$WATCHDOGD_SOCKET``,
-    else the host's daemon), taken when first used; ``policy`` is the policy every
-    timer is armed with (default: the daemon's). It is picklable, so it may be passed
-    to processes started with ``torch.multiprocessing.spawn``.
+    else the host's daemon), taken when first used. ``policy`` is the policy every
+    timer is armed with (default: the daemon's); ``signal``, as torch's
+    ``FileTimerClient(signal=...)`` takes it, chooses the built-in policy that sends
+    that signal (see `policy_for_signal`); give one or the other. It is picklable, so
+    it may be passed to processes started with ``torch.multiprocessing.spawn``.
     """
 
-    def __init__(self, client: BaseClient | None = None, *, policy: str | None = None) -> None:
+    def __init__(
+        self,
+        client: BaseClient | None = None,
+        *,
+        policy: str | None = None,
+        signal: int | None = None,
+    ) -> None:
+        if signal is not None:
+            if policy is not None:
+                raise ValueError("give policy= or signal=, not both")
+            policy = policy_for_signal(signal)
         self._client = client
         self.policy = policy
 
@@ -57,7 +118,20 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         timeout = max(expiration_time - time.time(), _MIN_TIMEOUT)
-        self.client.acquire(shorten(scope_id, _MAX_SCOPE_BYTES), timeout, policy=self.policy)
+        try:
+            self.client.acquire(shorten(scope_id, _MAX_SCOPE_BYTES), timeout, policy=self.policy)
+        except DaemonUnavailable as exc:
+            raise TimerServerUnavailable(str(exc), exc.socket_path) from exc
 
     def release(self, scope_id: str) -> None:
-        self.client.release(shorten(scope_id, _MAX_SCOPE_BYTES))
+        # torch's expires() releases in a `finally`: while the block's own
+        # exception is propagating (it is then the one being handled), raising
+        # here would replace it.
+        propagating = sys.exc_info()[1]
+        try:
+            self.client.release(shorten(scope_id, _MAX_SCOPE_BYTES))
+        except DaemonUnavailable as exc:
+            if propagating is not None:
+                log.warning("could not release timer %r: %s", scope_id, exc)
+                return
+            raise TimerServerUnavailable(str(exc), exc.socket_path) from exc

@@ -1,4 +1,4 @@
-"""The async client for trio programs (``pip install watchdogd-client[trio]``).
+"""The async client for trio programs (``pip install './client[trio]'``).
 
 ::
 
@@ -27,10 +27,20 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Final, TypeVar
 
-import trio
+try:
+    import trio
+except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
+    if missing.name != "trio":
+        raise
+    raise ImportError(
+        "watchdogd_client.trio needs trio, an optional dependency of watchdogd-client: "
+        "install it with the client's trio extra, e.g. pip install './client[trio]' "
+        "from a watchdogd checkout, or pip install 'watchdogd_client-VERSION-py3-none-any"
+        ".whl[trio]' from a built wheel"
+    ) from missing
 
 from ._version import __version__
-from .client import DaemonStatus, OnUnavailable, log
+from .client import DaemonStatus, OnUnavailable, Outage, log
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .paths import client_socket_path
 from .protocol import (
@@ -133,6 +143,7 @@ class AsyncClient:
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.on_unavailable: OnUnavailable = on_unavailable
+        self._outage = Outage()
         self.reconnect_timeout = reconnect_timeout
         #: How long the daemon said a restart of it may take (its Welcome).
         self._restart = 0.0
@@ -208,9 +219,14 @@ class AsyncClient:
     def _unavailable(self, exc: DaemonUnavailable) -> None:
         if self.on_unavailable == "raise":
             raise exc
-        log.warning("running unprotected: %s", exc)
+        self._outage.failed(exc)
 
     async def _call(self, request: Request, expected: type[_R]) -> _R:
+        reply = await self._call_once(request, expected)
+        self._outage.answered(self.socket_path)
+        return reply
+
+    async def _call_once(self, request: Request, expected: type[_R]) -> _R:
         connection = await self._connected(reconnect=False)
         reply = await self._exchange(connection, request)
         if reply is None:

@@ -1,0 +1,158 @@
+"""Manual pages ``watchdogd(8)`` and ``watchdogctl(1)``, written from the click
+commands themselves: every option, command and help text on a page is the one
+``--help`` shows, so the pages cannot say something the commands do not.
+
+``python -m watchdogd.manpage DIR`` (``make man``) writes ``DIR/watchdogd.8`` and
+``DIR/watchdogctl.1``. A page depends only on the commands and the version (no date,
+no terminal width), so the pages checked in under ``man/`` are compared with a fresh
+rendering by the suite and never drift.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Final
+
+import click
+
+from . import cli, ctl
+from ._version import __version__
+
+#: What a page says beyond the commands' help: (heading, paragraphs) per page.
+_WATCHDOGD_SECTIONS: Final = (
+    (
+        "ENVIRONMENT",
+        [
+            ".TP\n.B WATCHDOGD_SOCKET\nThe socket to listen on when --socket is not given.",
+            ".TP\n.B XDG_RUNTIME_DIR\nWhere a daemon run by a user other than root puts its "
+            "socket; without it, /tmp/watchdogd-UID/watchdogd.sock, in a directory only "
+            "that user may enter.",
+            '.TP\n.BR LISTEN_FDS ", " LISTEN_PID\nA socket passed by systemd socket '
+            "activation, served instead of binding one.",
+            '.TP\n.BR NOTIFY_SOCKET ", " WATCHDOG_USEC\nReadiness, status and watchdog '
+            "pings for systemd (Type=notify, WatchdogSec=).",
+        ],
+    ),
+    (
+        "FILES",
+        [
+            ".TP\n.I /run/watchdogd/watchdogd.sock\nThe socket of the host's daemon.",
+            ".TP\n.I /run/watchdogd/watchdogd.state.db\nIts armed timers (SQLite, with "
+            "journal files beside it), kept across restarts.",
+        ],
+    ),
+    ("SEE ALSO", [".BR watchdogctl (1),\n.BR systemd.service (5)"]),
+)
+
+_WATCHDOGCTL_SECTIONS: Final = (
+    (
+        "EXIT STATUS",
+        [
+            "0 on success; 1 when the daemon cannot be reached or refuses the request, "
+            "with one line on standard error; 2 for a command line click cannot parse. "
+            "run exits with its command's status (128+N when signal N ended it), or 125 "
+            "when it could not run the command under a timer.",
+        ],
+    ),
+    (
+        "ENVIRONMENT",
+        [
+            ".TP\n.B WATCHDOGD_SOCKET\nThe daemon's socket when --socket is not given.",
+            ".TP\n.B _WATCHDOGCTL_COMPLETE\nbash_source, zsh_source or fish_source prints "
+            "the shell completion script instead of running a command.",
+        ],
+    ),
+    ("SEE ALSO", [".BR watchdogd (8)"]),
+)
+
+#: File name -> (command, name, section, title, further sections).
+PAGES: Final = {
+    "watchdogd.8": (cli.main, "watchdogd", 8, "System Administration", _WATCHDOGD_SECTIONS),
+    "watchdogctl.1": (ctl.main, "watchdogctl", 1, "User Commands", _WATCHDOGCTL_SECTIONS),
+}
+
+
+def escape(text: str) -> str:
+    """``text`` as roff prints it: backslashes and hyphens literal, and no line
+    read as a request because it starts with '.' or "'"."""
+    text = text.replace("\\", "\\e").replace("-", "\\-")
+    return "\n".join(
+        "\\&" + line if line.startswith((".", "'")) else line for line in text.split("\n")
+    )
+
+
+def _paragraphs(help_text: str | None) -> Iterator[str]:
+    """The help's paragraphs, each rewrapped as one line (as click rewraps them)."""
+    text = inspect.cleandoc(help_text or "").split("\f")[0]
+    for paragraph in text.split("\n\n"):
+        lines = [line.strip() for line in paragraph.splitlines() if line.strip() != "\b"]
+        if lines:
+            yield " ".join(lines)
+
+
+def _options(command: click.Command, ctx: click.Context) -> Iterator[str]:
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        names, help_text = record
+        yield f".TP\n.B {escape(names)}\n{escape(help_text)}"
+
+
+def render(
+    command: click.Command,
+    name: str,
+    section: int,
+    title: str,
+    sections: Sequence[tuple[str, Sequence[str]]] = (),
+) -> str:
+    """The roff source of ``command``'s manual page."""
+    ctx = click.Context(command, info_name=name, **command.context_settings)
+    out = [
+        f'.TH {name.upper()} {section} "" "watchdogd {__version__}" "{title}"',
+        ".SH NAME",
+        f"{name} \\- {escape(command.get_short_help_str(limit=200).rstrip('.'))}",
+        ".SH SYNOPSIS",
+        f".B {name}\n{escape(' '.join(command.collect_usage_pieces(ctx)))}",
+        ".SH DESCRIPTION",
+    ]
+    out += [f".PP\n{escape(paragraph)}" for paragraph in _paragraphs(command.help)]
+    out += [".SH OPTIONS", *_options(command, ctx)]
+    if isinstance(command, click.Group):
+        out.append(".SH COMMANDS")
+        for sub_name in command.list_commands(ctx):
+            sub = command.get_command(ctx, sub_name)
+            if sub is None or sub.hidden:
+                continue
+            sub_ctx = click.Context(sub, info_name=sub_name, parent=ctx, **sub.context_settings)
+            usage = escape(" ".join([sub_name, *sub.collect_usage_pieces(sub_ctx)]))
+            out.append(f'.SS "{name} {usage}"')
+            out += [f".PP\n{escape(paragraph)}" for paragraph in _paragraphs(sub.help)]
+            out += list(_options(sub, sub_ctx))
+    for heading, paragraphs in sections:
+        out.append(f".SH {heading}")
+        out += [p if p.startswith(".") else f".PP\n{escape(p)}" for p in paragraphs]
+    return "\n".join(out) + "\n"
+
+
+def pages() -> dict[str, str]:
+    """Every page: file name -> roff source."""
+    return {file: render(*spec) for file, spec in PAGES.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Write every page into the directory named on the command line."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m watchdogd.manpage DIRECTORY")
+    os.makedirs(args[0], exist_ok=True)
+    for file, text in pages().items():
+        with open(os.path.join(args[0], file), "w", encoding="utf-8") as out:
+            out.write(text)
+
+
+if __name__ == "__main__":
+    main()
