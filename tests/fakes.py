@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
+from watchdogd.core.identity import Peer
+from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
-from watchdogd.process import Peer
-from watchdogd.service import Caller, Service
+from watchdogd.metrics import exposition
 from watchdogd_client.protocol import ErrorCode
 
 DAEMON_PID = 50
@@ -105,6 +106,7 @@ def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list
         now=0.0,
         on_deadline=notified.append,
         wall=lambda: 1_700_000_000.0,
+        render_metrics=exposition,
     )
     return service, host, notified
 

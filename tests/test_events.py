@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from watchdogd.events import EventLog
+from watchdogd.core.events import EventLog
 from watchdogd_client.protocol import EventInfo
 
 

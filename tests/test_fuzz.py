@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from watchdogd.core.session import Session
 from watchdogd.errors import Refusal
-from watchdogd.session import Session
 from watchdogd_client.errors import FrameTooLarge, ProtocolError
 from watchdogd_client.protocol import (
     Acquire,

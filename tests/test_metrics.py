@@ -7,7 +7,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdogd.metrics import Counters, write_textfile
+from watchdogd.core.counters import Counters
+from watchdogd.metrics import exposition, write_textfile
 
 
 def families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -25,7 +26,7 @@ def test_exposition_parses_and_counts() -> None:
     counters.expiries[("term", "exited")] += 1
     for seconds in (0.00005, 0.0003, 0.0003, 7.0):
         counters.observe_lateness(seconds)
-    parsed = families(counters.exposition({"timers_armed": ("Timers armed now.", 4)}))
+    parsed = families(exposition(counters, {"timers_armed": ("Timers armed now.", 4)}))
     assert parsed["watchdogd_timers_armed"] == [({}, 4.0)]
     assert ({"op": "acquire", "result": "ok"}, 2.0) in parsed["watchdogd_requests"]
     assert ({"policy": "term", "outcome": "exited"}, 1.0) in parsed["watchdogd_expiries"]

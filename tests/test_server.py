@@ -20,10 +20,10 @@ import pytest
 import trio
 
 from watchdogd.core.config import Config, DaemonConfig
+from watchdogd.core.service import Service
 from watchdogd.daemon import run
 from watchdogd.errors import ListenError
 from watchdogd.server import open_listener
-from watchdogd.service import Service
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,

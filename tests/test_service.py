@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from watchdogd.core.identity import Peer
+from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
-from watchdogd.process import Peer
-from watchdogd.service import Caller, Service
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from watchdogd.session import Session
+from watchdogd.core.session import Session
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,

@@ -32,11 +32,11 @@ import trio
 from watchdogd_client.protocol import EventInfo, StepResult
 
 from .core.policies import Dump, Exec, Policy, Signal, Step, Wait
+from .core.service import Service
 from .core.timers import Expired, Timer
 from .hooks import run_hook, substitute
 from .logs import log
 from .process import Process
-from .service import Service
 from .targets import Target, open_target
 
 

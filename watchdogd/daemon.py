@@ -30,20 +30,19 @@ from typing import Final
 
 import trio
 
-from watchdogd_client.protocol import EventInfo
-
 from ._version import __version__
 from .actions import Actions
 from .core.config import Config, parse_config
+from .core.identity import Peer
+from .core.service import Restored, Service
 from .core.timers import Timer
 from .errors import ConfigError
 from .exits import ExitWatcher
 from .logs import log, logfmt, set_level
-from .metrics import write_textfile
-from .process import Peer, Process, open_process
+from .metrics import exposition, write_textfile
+from .process import Process, open_process
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
-from .service import Restored, Service
 from .store import Store
 from .systemd import Notifier, watchdog_interval
 
@@ -179,6 +178,7 @@ class Daemon:
             on_deadline=self.scheduler.notify,
             on_event=self.news.unpark_all,
             journal=self.store,
+            render_metrics=exposition,
         )
         self.restored: Restored[Process] = self.service.restore(timers)
         self.service.restart_estimate = restart_estimate(
@@ -312,21 +312,7 @@ def reload(
             count = len(service.policies)
             note = f"{config_path}: {count} policies, default {service.default_policy!r}"
             ok = True
-    service.metrics.reloads["ok" if ok else "failed"] += 1
-    if not ok:
-        log.error(logfmt("reload_failed", note=note))
-    service.events.record(
-        EventInfo(
-            seq=0,
-            kind="reloaded" if ok else "reload_failed",
-            time=time.time(),
-            pid=service.daemon_pid,
-            uid=0,
-            scope="",
-            policy="",
-            note=note,
-        )
-    )
+    service.record_reload(ok, note)
     return ok
 
 

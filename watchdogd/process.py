@@ -21,23 +21,13 @@ from typing import Final
 
 from watchdogd_client.protocol import ErrorCode
 
+from .core.identity import Peer
 from .errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
 SO_PEERPIDFD: Final = getattr(socket, "SO_PEERPIDFD", 77)
 _CREDENTIALS: Final = struct.Struct("3i")
 _COMMAND_BYTES: Final = 4096
-
-
-@dataclass(slots=True, frozen=True)
-class Peer:
-    """The process at the other end of a connection, as the kernel reported it when
-    it connected. ``pidfd`` is None on kernels without SO_PEERPIDFD."""
-
-    pid: int
-    uid: int
-    gid: int
-    pidfd: int | None = None
 
 
 def peer_of(sock: socket.socket) -> Peer:

@@ -40,11 +40,11 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
+from .core.service import Service
+from .core.session import Session
 from .errors import ListenError, Refusal
 from .logs import log, logfmt
 from .process import peer_of
-from .service import Service
-from .session import Session
 
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024

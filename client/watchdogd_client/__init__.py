@@ -11,15 +11,18 @@ If the block is still running 30 seconds later, the daemon carries out the timer
 policy on the process (SIGKILL by default). The daemon, not the worker, keeps the time,
 so a worker stuck in C code or a deadlock is caught all the same.
 
-This package depends on msgspec only; it never imports trio or click.
+This package depends on msgspec only; it never imports trio or click. The blocking
+client (and with it the socket module) loads on first use of one of its names, so
+that `watchdogd_client.protocol` alone stays free of I/O (the daemon's sans-IO core
+imports it).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
 from .errors import (
     DaemonUnavailable,
     FrameTooLarge,
@@ -30,6 +33,25 @@ from .errors import (
 from .protocol import ErrorCode
 from .scope import caller_scope
 from .switches import DISABLE, env_switch
+
+if TYPE_CHECKING:
+    from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
+
+#: Names of the blocking client, loaded with it on first use.
+_FROM_CLIENT = frozenset(
+    {"BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FROM_CLIENT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import client
+
+    value = getattr(client, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BaseClient",
@@ -63,6 +85,8 @@ class _Default:
 def configure(client: BaseClient | None) -> None:
     """Make ``client`` the one module-level `expires` uses (None: back to the default).
     A default client made earlier by `default_client` is closed."""
+    from .client import Client
+
     with _Default.lock:
         if _Default.made and isinstance(_Default.client, Client):
             _Default.client.close()
@@ -77,6 +101,8 @@ def default_client() -> BaseClient:
     client = _Default.client
     if client is not None:
         return client
+    from .client import Client, NullClient
+
     with _Default.lock:
         if _Default.client is None:
             _Default.client = NullClient() if env_switch(DISABLE) else Client()

@@ -68,14 +68,14 @@ from watchdogd_client.protocol import (
     Welcome,
 )
 
-from ._version import __version__
-from .core.config import Config
-from .core.policies import Policy
-from .core.timers import Expired, StoreKey, Timer, TimerTable
-from .errors import Refusal
+from .._version import __version__
+from ..errors import Refusal
+from .config import Config
+from .counters import Counters
 from .events import EventLog
-from .metrics import Counters
-from .process import Peer
+from .identity import Peer
+from .policies import Policy
+from .timers import Expired, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
 #: Scopes named in an ``exited`` event; the count covers the rest.
@@ -206,6 +206,7 @@ class Service(Generic[P]):
         on_event: Callable[[], object] = lambda: None,
         wall: Callable[[], float] = time.time,
         journal: Journal | None = None,
+        render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
     ) -> None:
         self.config = config.daemon
         self.policies: Mapping[str, Policy] = config.policy_set()
@@ -216,6 +217,7 @@ class Service(Generic[P]):
         self._processes = processes
         self.started = now
         self._wall = wall
+        self._render_metrics = render_metrics
         self.journal: Journal = NullJournal() if journal is None else journal
         self._on_deadline = on_deadline
         self._connections: Counter[int] = Counter()
@@ -525,8 +527,10 @@ class Service(Generic[P]):
         return PoliciesReply(id=request.id, policies=infos, default=self.default_policy)
 
     def metrics_text(self) -> str:
-        """The Prometheus exposition of the metrics and the current gauges."""
-        return self.metrics.exposition(
+        """The metrics and the current gauges, as the renderer given at start
+        writes them (the Prometheus text format, `watchdogd.metrics.exposition`)."""
+        return self._render_metrics(
+            self.metrics,
             {
                 "timers_armed": ("Timers armed now.", len(self.table)),
                 "processes_watched": ("Processes with timers armed now.", self.table.process_count),
@@ -544,7 +548,7 @@ class Service(Generic[P]):
                     "Expired timers whose policy is still being carried out.",
                     len(self._firing),
                 ),
-            }
+            },
         )
 
     def expire_due(self, now: float) -> list[Expired[P]]:
@@ -657,6 +661,22 @@ class Service(Generic[P]):
             EventInfo(
                 seq=0,
                 kind="state_degraded" if degraded else "state_restored",
+                time=self._wall(),
+                pid=self.daemon_pid,
+                uid=ROOT,
+                scope="",
+                policy="",
+                note=note,
+            )
+        )
+
+    def record_reload(self, ok: bool, note: str) -> None:
+        """A reload of the config file was applied, or refused (``ok`` False)."""
+        self.metrics.reloads["ok" if ok else "failed"] += 1
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="reloaded" if ok else "reload_failed",
                 time=self._wall(),
                 pid=self.daemon_pid,
                 uid=ROOT,

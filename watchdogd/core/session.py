@@ -29,8 +29,8 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
-from .errors import Refusal
-from .logs import log
+from ..errors import Refusal
+from ..logs import log
 from .service import Caller, Service
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from watchdogd_client.protocol import EventInfo
 
-from .logs import log, logfmt
+from ..logs import log, logfmt
 
 #: An expiry means a worker was hung; the rest are for the record.
 _LEVELS: Final = {

@@ -1,0 +1,52 @@
+"""Counters kept in the hot path as plain integers: a request costs one dict
+increment. `watchdogd.metrics` renders them in the Prometheus text format when
+asked."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import Final
+
+#: Upper bounds (seconds) of the deadline-to-first-signal histogram.
+LATENESS_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0
+)  # fmt: skip
+
+
+class Counters:
+    """Everything counted since the daemon started."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.expiries: Counter[tuple[str, str]] = Counter()
+        self.reloads: Counter[str] = Counter()
+        self.connections_total = 0
+        self.exited = 0
+        self.unkillable = 0
+        self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)
+        self._lateness_sum = 0.0
+
+    @property
+    def requests_total(self) -> int:
+        return self.requests.total()
+
+    @property
+    def expired(self) -> int:
+        return self.expiries.total()
+
+    def count_request(self, op: str, result: str) -> None:
+        self.requests[(op, result)] += 1
+
+    def observe_lateness(self, seconds: float) -> None:
+        """One deadline-to-first-signal time."""
+        self._lateness[bisect.bisect_left(LATENESS_BUCKETS, seconds)] += 1
+        self._lateness_sum += seconds
+
+    def lateness_buckets(self) -> list[tuple[str, float]]:
+        cumulative = 0
+        buckets = []
+        for bound, count in zip((*LATENESS_BUCKETS, float("inf")), self._lateness, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
+        return buckets
