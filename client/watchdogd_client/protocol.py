@@ -108,8 +108,14 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     #: The target pid does not exist.
     NO_SUCH_PROCESS = "no_such_process"
+    #: The target pid is a thread, not a process (not its thread-group leader); the
+    #: message names the process it belongs to, which is what to name instead.
+    NOT_A_PROCESS = "not_a_process"
     #: A per-uid or global bound on timers or connections was reached.
     LIMIT_EXCEEDED = "limit_exceeded"
+    #: The daemon lacks a resource for now (file descriptors, memory); the request
+    #: may succeed if sent again later. Nothing was changed.
+    UNAVAILABLE = "unavailable"
     #: The daemon failed while handling a valid request (a bug; it is logged).
     INTERNAL = "internal"
 
