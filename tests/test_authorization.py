@@ -215,3 +215,28 @@ def test_per_uid_limits_bind_nobody_not_root(daemon: RunningDaemon) -> None:
     assert outcome == {"ok": ["ok", "ok", "ok", "ok", "limit_exceeded"]}
     with daemon.client() as client:
         client.ping()  # root is not affected
+
+
+def test_a_caller_at_its_limit_learns_nothing_of_anothers_scopes(daemon: RunningDaemon) -> None:
+    root_victim = sleeper()
+    try:
+        pid = root_victim.pid
+        with daemon.client() as client:
+            client.acquire("roots", 60, pid=pid)
+
+        def probe(client: Client) -> list[str]:
+            for i in range(3):
+                client.acquire(f"t{i}", 60)  # at the limit of 3 from here on
+            results = []
+            for scope in ("roots", "absent"):
+                try:
+                    client.acquire(scope, 60, pid=pid)
+                    results.append("ok")
+                except RequestRefused as exc:
+                    results.append(exc.code)
+            return results
+
+        outcome = as_nobody(probe, daemon.socket_path)
+        assert outcome == {"ok": ["permission_denied", "permission_denied"]}
+    finally:
+        reap(root_victim)

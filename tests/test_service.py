@@ -257,6 +257,21 @@ class TestLimits:
         for scope in "abc":
             service.handle(Acquire(id=6, scope=scope, timeout=5), w.root, 1.0)
 
+    def test_authorization_comes_before_limits(self) -> None:
+        # Alice at her limit must not learn which scopes bob's process has armed:
+        # an existing scope would be exempt from the limit, a new one refused.
+        w = make_world(max_timers_per_uid=1)
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.alice, 1.0)
+        service.handle(Acquire(id=2, scope="bobs", timeout=5), w.bob, 1.0)
+        for scope in ("bobs", "absent"):
+            error = refusal(service, Acquire(id=3, scope=scope, timeout=5, pid=BOB.pid), w.alice)
+            assert error.code == ErrorCode.PERMISSION_DENIED
+        # Over the limit on a process she may signal: the limit, and no handle leaks.
+        error = refusal(service, Acquire(id=4, scope="b", timeout=5, pid=201), w.alice)
+        assert error.code == ErrorCode.LIMIT_EXCEEDED
+        assert all(p.refs == 0 for p in w.host.opened if p.pid == 201)
+
     def test_global_cap_binds_root_too(self) -> None:
         w = make_world(max_timers=2)
         service = w.service

@@ -12,6 +12,8 @@ Rules kept here:
   uid equal to the target's real or saved uid. pid 1 and the daemon are never targets.
 - Release is authorized like arming: you may release what you could have armed.
 - Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
+- Authorization comes before limits, so a refusal never tells one user what another
+  has armed.
 - A non-root caller sees only the timers on its own uid's processes or that it armed.
 
 Process handles are reference-counted: the table holds one per process in it, each
@@ -256,11 +258,13 @@ class Service(Generic[P]):
             raise Refusal(
                 ErrorCode.PERMISSION_DENIED, f"policy {policy!r} may be chosen by root only"
             )
-        target = caller.peer.pid if request.pid is None else request.pid
-        if self.table.get(target, request.scope) is None:
-            self._check_timer_limits(caller.peer)
+        # Authorization comes before the limits: whether the timer exists decides
+        # whether a limit applies, so checking limits first would tell a caller at
+        # its limit which scopes another user's process has armed.
         process = self._target(request.pid, caller)
         try:
+            if self.table.get(process.pid, request.scope) is None:
+                self._check_timer_limits(caller.peer)
             entering = self.table.process(process.pid) is None
             timer, rearmed = self.table.arm(
                 process,
