@@ -28,8 +28,14 @@ from typing import Any, Final
 
 import trio
 
-from watchdogd_client.errors import FrameTooLarge
-from watchdogd_client.protocol import Error, Events, FrameReader, encode_frame_into
+from watchdogd_client.errors import FrameTooLarge, ProtocolError
+from watchdogd_client.protocol import (
+    Error,
+    Events,
+    FrameReader,
+    decode_request,
+    encode_frame_into,
+)
 
 from .errors import ListenError, Refusal
 from .logs import log, logfmt
@@ -48,6 +54,8 @@ _FRAMES_PER_TURN: Final = 8
 #: replies is never held in memory at once.
 _FLUSH_AT: Final = 256 * 1024
 _BACKLOG: Final = 1024
+#: How long a refused connection is given to send its hello before the refusal.
+_REFUSAL_WAIT: Final = 1.0
 
 
 class Listener:
@@ -194,10 +202,7 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         try:
             caller = service.open_connection(peer)
         except Refusal as refusal:
-            out = bytearray()
-            encode_frame_into(Error(code=refusal.code, message=refusal.message), out)
-            with contextlib.suppress(OSError):
-                conn.send(out)
+            await _refuse(conn, refusal, service.config.max_frame_bytes)
             return
         try:
             await _Connection(conn, Session(service, caller), context).converse()
@@ -212,6 +217,34 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         conn.close()
         if peer is not None and peer.pidfd is not None:
             os.close(peer.pidfd)
+
+
+async def _refuse(conn: socket.socket, refusal: Refusal, max_frame: int) -> None:
+    """Answer a connection refused at a limit, then close it.
+
+    The client's hello is read first (within `_REFUSAL_WAIT`, and within the frame
+    bound): closing with it unread would make the client's write fail (EPIPE) or its
+    read fail (ECONNRESET) before it saw the refusal, and it would report the daemon
+    as down. The refusal carries the hello's id when it could be read."""
+    request_id = None
+    reader = FrameReader(max_frame)
+    with trio.move_on_after(_REFUSAL_WAIT), contextlib.suppress(OSError, FrameTooLarge):
+        while True:
+            try:
+                data = conn.recv(_RECV_SIZE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(conn)
+                continue
+            if not data:
+                break
+            if frames := reader.feed(data):
+                with contextlib.suppress(ProtocolError):
+                    request_id = decode_request(frames[0]).id
+                break
+    out = bytearray()
+    encode_frame_into(Error(id=request_id, code=refusal.code, message=refusal.message), out)
+    with contextlib.suppress(OSError):
+        conn.send(out)
 
 
 class _Connection:

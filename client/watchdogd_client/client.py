@@ -389,7 +389,16 @@ class Client(BaseClient):
         out.clear()
         encode_frame_into(request, out)
         try:
-            sock.sendall(out)
+            try:
+                sock.sendall(out)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # The daemon may have answered and closed before reading this (a
+                # refusal at a connection limit, or a frame over its bound): what
+                # it sent is still readable, and a refusal must read as one.
+                reply = self._receive_pending(sock)
+                if reply is None:
+                    raise _ConnectionLost(exc.strerror) from None
+                return reply
             reply = self._receive(sock)
         except BlockingIOError:
             # SO_RCVTIMEO / SO_SNDTIMEO ran out.
@@ -416,6 +425,13 @@ class Client(BaseClient):
             if frames:
                 # One request is in flight at a time, so one reply is due.
                 return decode_reply(frames[0])
+
+    def _receive_pending(self, sock: socket.socket) -> ReplyMessage | None:
+        """A reply the daemon sent before it closed the connection, or None."""
+        try:
+            return self._receive(sock)
+        except (OSError, ProtocolError):
+            return None
 
     def _connect(self) -> None:
         try:
