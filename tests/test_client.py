@@ -23,7 +23,7 @@ from watchdogd_client import (
     configure,
     expires,
 )
-from watchdogd_client.protocol import Error, encode_frame
+from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
 from conftest import PATIENCE, RunningDaemon
 
@@ -384,3 +384,9 @@ def test_a_frame_over_the_bound_is_refused_not_unreachable(client: Client) -> No
         client.acquire("x" * (4 * 1024 * 1024), 5)
     assert caught.value.code == ErrorCode.FRAME_TOO_LARGE
     client.ping()  # a new connection serves the next request
+
+
+def test_a_client_can_read_any_reply_a_daemon_sends() -> None:
+    assert MAX_REPLY_FRAME >= MAX_REPLY_BYTES
+    with pytest.raises(ValueError, match="max_reply must be at least"):
+        Client("/nowhere", max_reply=MAX_REPLY_BYTES - 1)

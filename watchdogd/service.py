@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Final, Generic, Protocol, TypeVar, assert_never
 
 from watchdogd_client.protocol import (
+    MAX_COMMAND_BYTES,
+    MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
@@ -70,6 +72,16 @@ from .store import Journal, NullJournal, Row
 from .timers import Expired, Timer, TimerTable
 
 ROOT: Final = 0
+#: What a status page may spend on timers and command lines: the reply bound less
+#: generous room for the rest (the daemon summary, the cursor, the framing).
+_STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
+#: The most a `TimerInfo` takes encoded, besides its scope and policy: six keys
+#: (39 bytes), two ints and a float (19), two string headers (10), an empty command.
+_TIMER_BYTES: Final = 80
+#: The most an entry of `StatusReply.commands` takes besides its text.
+_COMMAND_BYTES: Final = 16
+#: Ends a command line cut to fit.
+_CLIPPED: Final = "…"
 #: Scopes named in an ``exited`` event; the count covers the rest.
 _LISTED_SCOPES: Final = 10
 
@@ -376,6 +388,11 @@ class Service(Generic[P]):
             )
 
     def _status(self, request: Status, peer: Peer, now: float) -> StatusReply:
+        """A page of the timers ``peer`` may see, soonest first: ``request.limit`` of
+        them, or fewer when the next would take the reply past `MAX_REPLY_BYTES`
+        (each timer's and each new command line's encoded size is bounded from
+        above, so the bound holds without encoding twice). Each process's command
+        line is sent once, cut to `MAX_COMMAND_BYTES`."""
         after = _parse_cursor(request.cursor)
         visible = (
             timer
@@ -384,19 +401,24 @@ class Service(Generic[P]):
             and (timer.deadline, timer.seq) > after
         )
         page = heapq.nsmallest(request.limit + 1, visible, key=_sort_key)
-        cursor = None
-        if len(page) > request.limit:
-            page = page[: request.limit]
-            cursor = f"{page[-1].deadline!r}/{page[-1].seq}"
+        room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
-        timers = []
-        for timer in page:
-            command = commands.get(timer.pid)
-            if command is None:
+        timers: list[TimerInfo] = []
+        for timer in page[: request.limit]:
+            cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
+            command = None
+            if timer.pid not in commands:
                 process = self.table.process(timer.pid)
-                command = commands[timer.pid] = (
-                    "?" if process is None else self._processes.command(process)
+                command = _clip(
+                    "?" if process is None else self._processes.command(process),
+                    MAX_COMMAND_BYTES,
                 )
+                cost += _COMMAND_BYTES + len(command.encode())
+            if cost > room and timers:
+                break
+            room -= cost
+            if command is not None:
+                commands[timer.pid] = command
             timers.append(
                 TimerInfo(
                     pid=timer.pid,
@@ -404,10 +426,19 @@ class Service(Generic[P]):
                     remaining=max(0.0, timer.deadline - now),
                     policy=timer.policy,
                     uid=timer.uid,
-                    command=command,
                 )
             )
-        return StatusReply(id=request.id, daemon=self.info(now), timers=timers, cursor=cursor)
+        cursor = None
+        if len(timers) < len(page):
+            last = page[len(timers) - 1]
+            cursor = f"{last.deadline!r}/{last.seq}"
+        return StatusReply(
+            id=request.id,
+            daemon=self.info(now),
+            timers=timers,
+            cursor=cursor,
+            commands=commands,
+        )
 
     def info(self, now: float) -> DaemonInfo:
         """The daemon summary sent with status."""
@@ -559,6 +590,14 @@ class Service(Generic[P]):
                 )
             )
         return timers
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes, ending in `_CLIPPED` if it was cut."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - len(_CLIPPED.encode())].decode(errors="ignore") + _CLIPPED
 
 
 def _sort_key(timer: Timer) -> tuple[float, int]:

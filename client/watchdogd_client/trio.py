@@ -182,7 +182,7 @@ class AsyncClient:
         while True:
             request = Status(id=next(self._ids), limit=_STATUS_PAGE, cursor=cursor)
             page = await self._call(request, StatusReply)
-            timers.extend(page.timers)
+            timers.extend(page.timers_with_commands())
             cursor = page.cursor
             if cursor is None:
                 return DaemonStatus(daemon=page.daemon, timers=timers)
