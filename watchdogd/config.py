@@ -84,8 +84,12 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     partial_frame_timeout: Seconds = 10.0
     #: The policy of timers armed without one.
     default_policy: PolicyName = "kill"
-    #: Events kept in memory for ``watchdogctl events``.
+    #: Events kept in memory for ``watchdogctl events``: this many about root's
+    #: processes, and this many in all about other users' processes.
     events: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+    #: Events kept about one non-root uid's processes at most; past the shared
+    #: total, whoever holds the most loses its oldest, so no uid evicts another's.
+    events_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
     #: A target still alive this long after SIGKILL is reported as unkillable.
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.

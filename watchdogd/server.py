@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import logging
 import os
 import socket
 import stat
@@ -212,7 +213,12 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         pass
     except Exception:
         # A bug must cost one connection, never the daemon and its timers.
-        log.exception("connection from pid %s failed", "?" if peer is None else peer.pid)
+        service.log_throttle.log(
+            ("?" if peer is None else peer.uid, "connection_failed"),
+            logging.ERROR,
+            f"connection from pid {'?' if peer is None else peer.pid} failed",
+            exc_info=True,
+        )
     finally:
         conn.close()
         if peer is not None and peer.pidfd is not None:
@@ -279,7 +285,12 @@ class _Connection:
                 with trio.move_on_at(partial_deadline):
                     await trio.lowlevel.wait_readable(conn)
                     continue
-                log.info(logfmt("partial_frame_timeout", pid=self.session.caller.peer.pid))
+                peer = self.session.caller.peer
+                self.session.service.log_throttle.log(
+                    (peer.uid, "partial_frame_timeout"),
+                    logging.INFO,
+                    logfmt("partial_frame_timeout", pid=peer.pid, uid=peer.uid),
+                )
                 return
             if not data:
                 return
@@ -343,7 +354,11 @@ class _Connection:
         if await _send_all(self.conn, out, self.config.send_timeout):
             return True
         peer = self.session.caller.peer
-        log.info(logfmt("unread_replies", pid=peer.pid, uid=peer.uid))
+        self.session.service.log_throttle.log(
+            (peer.uid, "unread_replies"),
+            logging.INFO,
+            logfmt("unread_replies", pid=peer.pid, uid=peer.uid),
+        )
         return False
 
     async def wait_for_news(self, request: Events) -> None:
@@ -359,7 +374,7 @@ class _Connection:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(until_client_speaks)
-                while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
+                while not events.page(request.after, 1, caller):
                     await self.context.news.park()
                 nursery.cancel_scope.cancel()
 

@@ -65,6 +65,7 @@ from ._version import __version__
 from .config import Config
 from .errors import Refusal
 from .events import EventLog
+from .logs import Throttle
 from .metrics import Counters
 from .policies import Policy
 from .process import Peer
@@ -151,7 +152,14 @@ class Service(Generic[P]):
         self.policies: Mapping[str, Policy] = config.policy_set()
         self.table: TimerTable[P] = TimerTable()
         self.metrics = Counters()
-        self.events = EventLog(config.daemon.events, on_event)
+        #: Rate-limits the log lines requests can cause, per (uid, kind).
+        self.log_throttle = Throttle()
+        self.events = EventLog(
+            config.daemon.events,
+            on_event,
+            per_uid=config.daemon.events_per_uid,
+            throttle=self.log_throttle,
+        )
         self.daemon_pid = daemon_pid
         self._processes = processes
         self.started = now
@@ -173,7 +181,7 @@ class Service(Generic[P]):
         whose policy is gone keeps its name; at expiry the default stands in."""
         self.policies = config.policy_set()
         self.config = config.daemon
-        self.events.resize(config.daemon.events)
+        self.events.resize(config.daemon.events, config.daemon.events_per_uid)
 
     def open_connection(self, peer: Peer) -> Caller[P]:
         """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
@@ -455,10 +463,7 @@ class Service(Generic[P]):
         )
 
     def _events(self, request: Events, peer: Peer) -> EventsReply:
-        def visible(event: EventInfo) -> bool:
-            return peer.uid in (ROOT, event.uid)
-
-        events = self.events.page(request.after, request.limit, visible)
+        events = self.events.page(request.after, request.limit, peer.uid)
         last = events[-1].seq if events else self.events.last
         return EventsReply(id=request.id, events=events, last=last)
 
