@@ -45,6 +45,8 @@ class FakeHost:
     dead: set[int] = field(default_factory=set)
     tracked: set[int] = field(default_factory=set)
     opened: list[FakeProcess] = field(default_factory=list)
+    #: Command lines other than the default ``cmd-PID``.
+    command_lines: dict[int, str] = field(default_factory=dict)
 
     def open(self, pid: int, peer: Peer) -> FakeProcess:
         if pid not in self.processes or pid in self.dead:
@@ -72,7 +74,7 @@ class FakeHost:
         return True
 
     def command(self, process: FakeProcess) -> str:
-        return f"cmd-{process.pid}"
+        return self.command_lines.get(process.pid, f"cmd-{process.pid}")
 
     def track(self, process: FakeProcess) -> None:
         assert process.pid not in self.tracked

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
-from watchdogd_client import Client, RequestRefused
+from watchdogd_client import Client, RequestRefused, WatchdogdError
+from watchdogd_client.trio import open_client
 
 from conftest import (
     PATIENCE,
@@ -373,3 +375,67 @@ def test_a_daemon_run_by_an_ordinary_user_cannot_act_on_anyone_else(tmp_path: Pa
         reap(root_victim)
         reap(own_victim)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_caller_at_its_limit_learns_nothing_of_anothers_scopes(daemon: RunningDaemon) -> None:
+    root_victim = sleeper()
+    try:
+        pid = root_victim.pid
+        with daemon.client() as client:
+            client.acquire("roots", 60, pid=pid)
+
+        def probe(client: Client) -> list[str]:
+            for i in range(3):
+                client.acquire(f"t{i}", 60)  # at the limit of 3 from here on
+            results = []
+            for scope in ("roots", "absent"):
+                try:
+                    client.acquire(scope, 60, pid=pid)
+                    results.append("ok")
+                except RequestRefused as exc:
+                    results.append(exc.code)
+            return results
+
+        outcome = as_nobody(probe, daemon.socket_path)
+        assert outcome == {"ok": ["permission_denied", "permission_denied"]}
+    finally:
+        reap(root_victim)
+
+
+def test_over_the_connection_limit_the_refusal_always_arrives(daemon: RunningDaemon) -> None:
+    # The daemon reads the hello before it refuses and closes, so the client never
+    # writes into a closed connection and never mistakes the refusal for a daemon
+    # that is down.
+    rounds = 1000
+
+    def over_the_limit(unused: Client) -> dict[str, int]:
+        held = [Client(daemon.socket_path) for _ in range(4)]
+        for client in held:
+            client.ping()
+        seen: dict[str, int] = {}
+        for _ in range(rounds):
+            with Client(daemon.socket_path) as extra:
+                try:
+                    extra.ping()
+                    code = "ok"
+                except WatchdogdError as exc:
+                    code = getattr(exc, "code", type(exc).__name__)
+            seen[code] = seen.get(code, 0) + 1
+
+        async def trio_rounds() -> None:
+            for _ in range(rounds // 10):
+                async with open_client(str(daemon.socket_path)) as extra:
+                    try:
+                        await extra.ping()
+                        code = "trio ok"
+                    except WatchdogdError as exc:
+                        code = "trio " + getattr(exc, "code", type(exc).__name__)
+                seen[code] = seen.get(code, 0) + 1
+
+        trio.run(trio_rounds)
+        for client in held:
+            client.close()
+        return seen
+
+    outcome = as_nobody(over_the_limit, daemon.socket_path)
+    assert outcome == {"ok": {"limit_exceeded": rounds, "trio limit_exceeded": rounds // 10}}

@@ -19,11 +19,13 @@ from watchdogd_client import (
     ErrorCode,
     NullClient,
     RequestRefused,
+    WatchdogdError,
     configure,
     expires,
 )
+from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
-from conftest import RunningDaemon
+from conftest import PATIENCE, RunningDaemon
 
 
 def my_timers(client: Client) -> dict[str, float]:
@@ -384,3 +386,51 @@ def _line_of_next_statement() -> int:
     import sys
 
     return sys._getframe(1).f_lineno + 1
+
+
+def test_a_refusal_sent_before_the_hello_was_read_is_still_a_refusal(socket_path: Path) -> None:
+    # A daemon (an older one) that answers and closes without reading the hello:
+    # the client must report the refusal, never an unreachable daemon.
+    refusal = encode_frame(Error(code=ErrorCode.LIMIT_EXCEEDED, message="over the limit"))
+    hasty = socket.socket(socket.AF_UNIX)
+    hasty.bind(str(socket_path))
+    hasty.listen()
+    hasty.settimeout(PATIENCE)
+    rounds = 50
+
+    def serve() -> None:
+        for _ in range(rounds):
+            conn, _ = hasty.accept()
+            with conn:
+                conn.sendall(refusal)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    codes = []
+    try:
+        for _ in range(rounds):
+            with Client(socket_path, timeout=PATIENCE) as client:
+                try:
+                    client.ping()
+                except WatchdogdError as exc:
+                    codes.append(getattr(exc, "code", repr(exc)))
+    finally:
+        server.join(timeout=PATIENCE)
+        hasty.close()
+    assert codes == [ErrorCode.LIMIT_EXCEEDED] * rounds
+
+
+def test_a_frame_over_the_bound_is_refused_not_unreachable(client: Client) -> None:
+    # The daemon refuses after the header and closes with the rest unread, so the
+    # client's send fails part way; the refusal it sent is still what the client sees.
+    client.ping()
+    with pytest.raises(RequestRefused) as caught:
+        client.acquire("x" * (4 * 1024 * 1024), 5)
+    assert caught.value.code == ErrorCode.FRAME_TOO_LARGE
+    client.ping()  # a new connection serves the next request
+
+
+def test_a_client_can_read_any_reply_a_daemon_sends() -> None:
+    assert MAX_REPLY_FRAME >= MAX_REPLY_BYTES
+    with pytest.raises(ValueError, match="max_reply must be at least"):
+        Client("/nowhere", max_reply=MAX_REPLY_BYTES - 1)

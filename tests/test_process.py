@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
 import signal
 import socket
 import subprocess
+import threading
 
 import pytest
 
 from watchdogd.errors import Refusal
-from watchdogd.process import open_process, peer_of, read_start_time, read_uids
+from watchdogd.process import open_process, peer_of, read_start_time, read_uids, refusal_for
 from watchdogd_client.protocol import ErrorCode
 
 from conftest import reap, sleeper
@@ -123,3 +127,78 @@ def test_refresh_reads_the_uids_again_and_refuses_once_the_process_is_gone() -> 
         if not reaped:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
+
+
+def test_a_thread_id_is_refused_naming_its_process() -> None:
+    started = threading.Event()
+    stop = threading.Event()
+
+    def run() -> None:
+        started.set()
+        stop.wait()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        started.wait()
+        assert thread.native_id is not None
+        assert thread.native_id != os.getpid()
+        with pytest.raises(Refusal) as caught:
+            open_process(thread.native_id)
+    finally:
+        stop.set()
+        thread.join()
+    assert caught.value.code == ErrorCode.NOT_A_PROCESS
+    assert caught.value.message == (
+        f"pid {thread.native_id} is a thread of process {os.getpid()}; name the process"
+    )
+
+
+def test_out_of_descriptors_is_a_refusal_to_retry() -> None:
+    child = sleeper()
+    read_end, write_end = os.pipe()
+    forked = os.fork()
+    if forked == 0:  # pragma: no cover - reports through the pipe
+        code = "none"
+        try:
+            os.close(read_end)
+            highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, highest + 8))
+            with contextlib.suppress(OSError):
+                while True:  # use up every descriptor left
+                    os.open("/dev/null", os.O_RDONLY)
+            try:
+                open_process(child.pid).close()
+            except Refusal as refusal:
+                code = refusal.code
+        finally:
+            os.write(write_end, str(code).encode())
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as pipe:
+            assert pipe.read() == ErrorCode.UNAVAILABLE
+        os.waitpid(forked, 0)
+    finally:
+        reap(child)
+
+
+@pytest.mark.parametrize(
+    ("number", "code"),
+    [
+        (errno.ESRCH, ErrorCode.NO_SUCH_PROCESS),
+        (errno.ENOENT, ErrorCode.NO_SUCH_PROCESS),
+        (errno.EINVAL, ErrorCode.NO_SUCH_PROCESS),
+        (errno.EPERM, ErrorCode.PERMISSION_DENIED),
+        (errno.EACCES, ErrorCode.PERMISSION_DENIED),
+        (errno.EMFILE, ErrorCode.UNAVAILABLE),
+        (errno.ENFILE, ErrorCode.UNAVAILABLE),
+        (errno.EIO, ErrorCode.UNAVAILABLE),
+    ],
+)
+def test_every_errno_maps_to_a_refusal(number: int, code: ErrorCode) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    refusal = refusal_for(gone.pid, OSError(number, os.strerror(number)))
+    assert refusal.code == code
+    assert refusal.message

@@ -18,12 +18,13 @@ from typing import Any, ClassVar
 
 import pytest
 import trio
+import trio.testing
 
 from watchdogd.core.config import Config, DaemonConfig
 from watchdogd.core.service import Service
 from watchdogd.daemon import run
 from watchdogd.errors import ListenError
-from watchdogd.server import open_listener
+from watchdogd.server import ReplyBudget, open_listener
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
@@ -339,3 +340,35 @@ class TestSocketFile:
                 open_listener(str(shared / "watchdogd.sock"), 0o666)
         finally:
             shared.rmdir()
+
+
+async def test_a_uid_over_its_reply_budget_waits_and_root_never_does() -> None:
+    budget = ReplyBudget()
+    budget.hold(1000, 8)
+    assert budget.over(1000, 8, 100)
+    assert not budget.over(2000, 8, 100)
+    budget.hold(0, 10_000)
+    assert not budget.over(0, 8, 100)  # root waits for no one
+    assert not budget.over(2000, 8, 100)  # root's bytes are not in the shared total
+    woken: list[int] = []
+
+    async def waiter(uid: int) -> None:
+        await budget.wait_for_room(uid, 8, 100)
+        woken.append(uid)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter, 1000)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == []
+        budget.hold(2000, 95)
+        budget.release(1000, 8)  # 1000 is within its own budget, and the total too
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == [1000]
+        budget.hold(3000, 5)  # the shared total reaches 100: everyone but root waits
+        assert budget.over(1000, 8, 100)
+        nursery.start_soon(waiter, 1000)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == [1000]
+        budget.release(2000, 95)
+    assert woken == [1000, 1000]
+    assert (budget.held(1000), budget.held(2000), budget.held(3000)) == (0, 0, 5)

@@ -11,6 +11,8 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
 from watchdogd_client.protocol import (
+    MAX_COMMAND_BYTES,
+    MAX_REPLY_BYTES,
     Acquire,
     Acquired,
     ErrorCode,
@@ -22,6 +24,7 @@ from watchdogd_client.protocol import (
     Status,
     StatusReply,
     Welcome,
+    encode_frame,
 )
 
 from fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeProcess, make_service, make_world
@@ -271,6 +274,21 @@ class TestLimits:
         for scope in "abc":
             service.handle(Acquire(id=6, scope=scope, timeout=5), w.root, 1.0)
 
+    def test_authorization_comes_before_limits(self) -> None:
+        # Alice at her limit must not learn which scopes bob's process has armed:
+        # an existing scope would be exempt from the limit, a new one refused.
+        w = make_world(max_timers_per_uid=1)
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=5), w.alice, 1.0)
+        service.handle(Acquire(id=2, scope="bobs", timeout=5), w.bob, 1.0)
+        for scope in ("bobs", "absent"):
+            error = refusal(service, Acquire(id=3, scope=scope, timeout=5, pid=BOB.pid), w.alice)
+            assert error.code == ErrorCode.PERMISSION_DENIED
+        # Over the limit on a process she may signal: the limit, and no handle leaks.
+        error = refusal(service, Acquire(id=4, scope="b", timeout=5, pid=201), w.alice)
+        assert error.code == ErrorCode.LIMIT_EXCEEDED
+        assert all(p.refs == 0 for p in w.host.opened if p.pid == 201)
+
     def test_global_cap_binds_root_too(self) -> None:
         w = make_world(max_timers=2)
         service = w.service
@@ -305,9 +323,12 @@ class TestStatus:
         reply = service.handle(Status(id=3), w.root, 2.0)
         assert isinstance(reply, StatusReply)
         assert [(t.pid, t.scope, t.remaining, t.command) for t in reply.timers] == [
-            (300, "soon", 3.0, "cmd-300"),
-            (200, "late", 48.0, "cmd-200"),
+            (300, "soon", 3.0, ""),
+            (200, "late", 48.0, ""),
         ]
+        # Command lines travel once per process, beside the timers.
+        assert reply.commands == {300: "cmd-300", 200: "cmd-200"}
+        assert [t.command for t in reply.timers_with_commands()] == ["cmd-300", "cmd-200"]
         assert reply.cursor is None
         assert (reply.daemon.timers, reply.daemon.processes, reply.daemon.pid) == (2, 2, DAEMON_PID)
         assert reply.daemon.uptime == 2.0
@@ -340,6 +361,33 @@ class TestStatus:
         assert sorted(seen) == sorted(f"s{i}" for i in range(25))
         remaining = [service.table.get(ALICE.pid, scope).deadline for scope in seen]  # type: ignore[union-attr]
         assert remaining == sorted(remaining)
+
+    def test_a_page_stops_before_the_reply_bound(self) -> None:
+        w = make_world(max_scope_bytes=16 * 1024)
+        service = w.service
+        w.host.command_lines[ALICE.pid] = "python train.py " + "--flag " * 2000
+        for i in range(400):
+            scope = f"{i:04d}" + "s" * (10 * 1024)
+            service.handle(Acquire(id=i, scope=scope, timeout=1 + i), w.alice, 0.0)
+        seen: list[str] = []
+        cursor = None
+        pages = 0
+        while True:
+            reply = service.handle(Status(id=99, limit=10_000, cursor=cursor), w.alice, 0.0)
+            assert isinstance(reply, StatusReply)
+            assert len(encode_frame(reply)) - 4 <= MAX_REPLY_BYTES
+            assert reply.commands.keys() == {ALICE.pid}
+            command = reply.commands[ALICE.pid]
+            assert len(command.encode()) <= MAX_COMMAND_BYTES
+            assert command.startswith("python train.py --flag")
+            assert command.endswith("…")
+            seen += [t.scope[:4] for t in reply.timers]
+            pages += 1
+            cursor = reply.cursor
+            if cursor is None:
+                break
+        assert seen == [f"{i:04d}" for i in range(400)]  # each once, in order
+        assert pages == 4  # about 100 timers of 10 KiB each fit in 1 MiB
 
     def test_bad_cursor(self) -> None:
         w = make_world()
@@ -401,7 +449,7 @@ def test_restore_judges_each_timer_by_its_own_process() -> None:
         service, _, _ = make_service()
         restored = service.restore(order)
         assert [item.timer.firing for item in restored.resumed] == [2]
-        [gone] = [e for e in service.events.page(None, 10, lambda e: True) if e.kind == "expired"]
+        [gone] = [e for e in service.events.page(None, 10, 0) if e.kind == "expired"]
         assert gone.outcome == "gone"
         assert service.firing == 1
         for item in restored.resumed:

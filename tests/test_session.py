@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 
 from watchdogd.core.session import Session
+from watchdogd.logs import Throttle
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
@@ -101,3 +104,26 @@ def test_a_bug_becomes_an_internal_error_not_a_crash(monkeypatch: pytest.MonkeyP
     assert isinstance(reply, Error)
     assert (reply.id, reply.code, keep_open) == (2, ErrorCode.INTERNAL, True)
     assert exchange(session, Ping(id=3)) == (Pong(id=3), True)
+
+
+def test_internal_errors_are_logged_at_a_bounded_rate(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    service, _, _ = make_service()
+    service.log_throttle = Throttle(burst=3, per_second=0.0)
+    session = Session(service, service.open_connection(ALICE))
+    exchange(session, Hello(id=1, version=1))
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(service, "_status", broken)
+    with caplog.at_level(logging.ERROR, logger="watchdogd"):
+        for request_id in range(2, 102):
+            reply, _ = exchange(
+                session, msgspec.msgpack.encode({"type": "status", "id": request_id})
+            )
+            assert isinstance(reply, Error)
+            assert reply.code == ErrorCode.INTERNAL
+    assert len(caplog.records) == 3  # each with its traceback
+    assert all(record.exc_info for record in caplog.records)

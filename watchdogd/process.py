@@ -11,6 +11,7 @@ that connected.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -130,33 +131,80 @@ def open_process(pid: int, peer: Peer | None = None) -> Process:
     peer's pid has been recycled since it connected. /proc is read after the pidfd is
     open and the process is checked to be alive afterwards, so what was read belongs
     to the process the pidfd refers to (a pid is not reused while its process holds
-    it, zombie included). Raises `Refusal` (``no_such_process``) when it is gone.
+    it, zombie included). Every way this can fail becomes a `Refusal` (see
+    `refusal_for`); nothing a caller names raises anything else.
     """
-    if peer is not None and pid == peer.pid and peer.pidfd is not None:
-        fd = os.dup(peer.pidfd)
-    else:
-        try:
+    try:
+        if peer is not None and pid == peer.pid and peer.pidfd is not None:
+            fd = os.dup(peer.pidfd)
+        else:
             fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            raise _no_such_process(pid) from None
+    except OSError as exc:
+        raise refusal_for(pid, exc) from None
     try:
         uid, saved_uid = read_uids(pid)
         start_time = read_start_time(pid)
         process = Process(pid, fd, uid=uid, saved_uid=saved_uid, start_time=start_time)
-    except (FileNotFoundError, ProcessLookupError):
+    except (OSError, ValueError, IndexError) as exc:
+        # ValueError/IndexError: /proc showed something unparsable, which happens
+        # only when the process went away mid-read.
         os.close(fd)
-        raise _no_such_process(pid) from None
+        raise refusal_for(pid, exc if isinstance(exc, OSError) else None) from None
     except BaseException:
         os.close(fd)
         raise
     if not process.alive():
         process.close()
-        raise _no_such_process(pid)
+        raise refusal_for(pid, None)
     return process
 
 
-def _no_such_process(pid: int) -> Refusal:
-    return Refusal(ErrorCode.NO_SUCH_PROCESS, f"no process with pid {pid}")
+def refusal_for(pid: int, exc: OSError | None) -> Refusal:
+    """The refusal for a failure to open or read process ``pid``: the one place
+    where the errnos of pidfd_open(2), dup(2) and /proc map to error codes.
+
+    - ESRCH, ENOENT, EINVAL, or no error (it died while being read): the process is
+      gone, or ``pid`` names a thread that is not a thread-group leader: pidfd_open
+      refuses those (EINVAL; ENOENT on newer kernels), and /proc/PID/status then shows
+      a Tgid other than PID, which is named in the answer.
+    - EPERM, EACCES: the daemon may not look at it (a security module, hidepid).
+    - EMFILE, ENFILE, ENOMEM: the daemon is out of descriptors or memory for now.
+    - Anything else: the daemon cannot open it, said with the errno's name.
+    """
+    code = None if exc is None else exc.errno
+    if code in (None, errno.ESRCH, errno.ENOENT, errno.EINVAL):
+        leader = thread_group_of(pid)
+        if leader is not None and leader != pid:
+            return Refusal(
+                ErrorCode.NOT_A_PROCESS,
+                f"pid {pid} is a thread of process {leader}; name the process",
+            )
+        return Refusal(ErrorCode.NO_SUCH_PROCESS, f"no process with pid {pid}")
+    if code in (errno.EPERM, errno.EACCES):
+        return Refusal(
+            ErrorCode.PERMISSION_DENIED, f"the daemon is not allowed to inspect pid {pid}"
+        )
+    if code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        return Refusal(
+            ErrorCode.UNAVAILABLE,
+            f"the daemon is out of {'memory' if code == errno.ENOMEM else 'file descriptors'} "
+            "for now; try again later",
+        )
+    name = errno.errorcode.get(code or 0, str(code))
+    return Refusal(ErrorCode.UNAVAILABLE, f"the daemon cannot open pid {pid} ({name})")
+
+
+def thread_group_of(pid: int) -> int | None:
+    """The Tgid of ``pid`` (itself for a process, its process for a thread), or None
+    when /proc no longer shows it."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def read_uids(pid: int) -> tuple[int, int]:

@@ -9,7 +9,9 @@ Bounds kept here: a frame that declares more than ``max_frame_bytes`` gets an er
 frame and the connection closes; a frame still incomplete ``partial_frame_timeout``
 after it began closes the connection (an idle connection between frames stays); a
 client that leaves its replies unread for ``send_timeout`` is disconnected, so
-nothing is buffered for it without bound.
+nothing is buffered for it without bound. Replies waiting to be sent count against
+their uid's `ReplyBudget`: a connection of a uid over it waits, so many connections
+of one user asking for large pages cannot drive the daemon's memory up.
 
 A reply is an acknowledgement: it is sent only once the changes made before it are
 committed to the state file (see `watchdogd.store`).
@@ -19,17 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import logging
 import os
 import socket
 import stat
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
 import trio
 
-from watchdogd_client.errors import FrameTooLarge
+from watchdogd_client.errors import FrameTooLarge, ProtocolError
 from watchdogd_client.protocol import (
     Acquired,
     Error,
@@ -37,10 +41,11 @@ from watchdogd_client.protocol import (
     FrameReader,
     Released,
     decode_reply,
+    decode_request,
     encode_frame_into,
 )
 
-from .core.service import Service
+from .core.service import ROOT, Service
 from .core.session import Session
 from .errors import ListenError, Refusal
 from .logs import log, logfmt
@@ -57,6 +62,8 @@ _FRAMES_PER_TURN: Final = 8
 #: replies is never held in memory at once.
 _FLUSH_AT: Final = 256 * 1024
 _BACKLOG: Final = 1024
+#: How long a refused connection is given to send its hello before the refusal.
+_REFUSAL_WAIT: Final = 1.0
 
 
 class Listener:
@@ -155,6 +162,58 @@ def _remove_stale_socket(path: str) -> None:
     raise ListenError(f"another daemon is listening on {path}; stop it or use --socket")
 
 
+class ReplyBudget:
+    """Bytes of replies that connections hold in the daemon, per uid: built and not
+    yet taken by the kernel.
+
+    A connection of a non-root uid over ``per_uid``, or while all non-root uids
+    together are over ``total``, waits before it reads another request; the rest of
+    the daemon goes on. Invariant: a connection checks before each request and a
+    reply is at most `MAX_REPLY_BYTES`, and nothing awaits between the check and
+    `hold`, so a uid never holds more than ``per_uid`` plus one reply (and all of
+    them more than ``total`` plus one). What is held is released once sent, or
+    once its connection gives up on an unread client (``send_timeout``), so the
+    wait ends. Root is counted apart and never waits: its limits are the global
+    caps.
+    """
+
+    __slots__ = ("_held", "_lot", "_others")
+
+    def __init__(self) -> None:
+        self._held: Counter[int] = Counter()
+        self._others = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def held(self, uid: int) -> int:
+        """Bytes held now for ``uid``'s connections."""
+        return self._held[uid]
+
+    def over(self, uid: int, per_uid: int, total: int) -> bool:
+        """Whether a connection of ``uid`` must wait before building more replies."""
+        return uid != ROOT and (self._held[uid] >= per_uid or self._others >= total)
+
+    async def wait_for_room(self, uid: int, per_uid: int, total: int) -> None:
+        """Return once ``uid`` is within its budget."""
+        while self.over(uid, per_uid, total):
+            await self._lot.park()
+
+    def hold(self, uid: int, size: int) -> None:
+        self._held[uid] += size
+        if uid != ROOT:
+            self._others += size
+
+    def release(self, uid: int, size: int) -> None:
+        if not size:
+            return
+        self._held[uid] -= size
+        if not self._held[uid]:
+            del self._held[uid]
+        if uid != ROOT:
+            self._others -= size
+        if self._lot:
+            self._lot.unpark_all()
+
+
 @dataclass(frozen=True, slots=True)
 class Context:
     """What every connection shares besides the service."""
@@ -165,6 +224,8 @@ class Context:
     news: trio.lowlevel.ParkingLot
     #: Fires the timers due at a given time (`Scheduler.poll`).
     tick: Callable[[float], None]
+    #: What each uid's connections hold in replies.
+    replies: ReplyBudget = field(default_factory=ReplyBudget)
 
 
 async def serve(
@@ -203,10 +264,7 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         try:
             caller = service.open_connection(peer)
         except Refusal as refusal:
-            out = bytearray()
-            encode_frame_into(Error(code=refusal.code, message=refusal.message), out)
-            with contextlib.suppress(OSError):
-                conn.send(out)
+            await _refuse(conn, refusal, service.config.max_frame_bytes)
             return
         try:
             await _Connection(conn, Session(service, caller), context).converse()
@@ -216,11 +274,44 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         pass
     except Exception:
         # A bug must cost one connection, never the daemon and its timers.
-        log.exception("connection from pid %s failed", "?" if peer is None else peer.pid)
+        service.log_throttle.log(
+            ("?" if peer is None else peer.uid, "connection_failed"),
+            logging.ERROR,
+            f"connection from pid {'?' if peer is None else peer.pid} failed",
+            exc_info=True,
+        )
     finally:
         conn.close()
         if peer is not None and peer.pidfd is not None:
             os.close(peer.pidfd)
+
+
+async def _refuse(conn: socket.socket, refusal: Refusal, max_frame: int) -> None:
+    """Answer a connection refused at a limit, then close it.
+
+    The client's hello is read first (within `_REFUSAL_WAIT`, and within the frame
+    bound): closing with it unread would make the client's write fail (EPIPE) or its
+    read fail (ECONNRESET) before it saw the refusal, and it would report the daemon
+    as down. The refusal carries the hello's id when it could be read."""
+    request_id = None
+    reader = FrameReader(max_frame)
+    with trio.move_on_after(_REFUSAL_WAIT), contextlib.suppress(OSError, FrameTooLarge):
+        while True:
+            try:
+                data = conn.recv(_RECV_SIZE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(conn)
+                continue
+            if not data:
+                break
+            if frames := reader.feed(data):
+                with contextlib.suppress(ProtocolError):
+                    request_id = decode_request(frames[0]).id
+                break
+    out = bytearray()
+    encode_frame_into(Error(id=request_id, code=refusal.code, message=refusal.message), out)
+    with contextlib.suppress(OSError):
+        conn.send(out)
 
 
 class _Connection:
@@ -233,8 +324,18 @@ class _Connection:
         self.config = session.service.config
         self.journal = session.service.journal
         self.durable = self.journal.generation
+        self.uid = session.caller.peer.uid
+        #: Bytes of this connection's replies counted in ``context.replies``.
+        self.held = 0
 
     async def converse(self) -> None:
+        try:
+            await self._converse()
+        finally:
+            self.context.replies.release(self.uid, self.held)
+            self.held = 0
+
+    async def _converse(self) -> None:
         conn = self.conn
         reader = FrameReader(self.config.max_frame_bytes)
         partial_deadline: float | None = None
@@ -255,7 +356,12 @@ class _Connection:
                 with trio.move_on_at(partial_deadline):
                     await trio.lowlevel.wait_readable(conn)
                     continue
-                log.info(logfmt("partial_frame_timeout", pid=self.session.caller.peer.pid))
+                peer = self.session.caller.peer
+                self.session.service.log_throttle.log(
+                    (peer.uid, "partial_frame_timeout"),
+                    logging.INFO,
+                    logfmt("partial_frame_timeout", pid=peer.pid, uid=peer.uid),
+                )
                 return
             if not data:
                 return
@@ -282,11 +388,22 @@ class _Connection:
         clock, tick = self.context.clock, self.context.tick
         out = bytearray()
         last = len(frames)
+        replies = self.context.replies
         for count, frame in enumerate(frames, 1):
+            limits = (self.config.reply_bytes_per_uid, self.config.reply_bytes)
+            if replies.over(self.uid, *limits):
+                # Send what this connection holds first: waiting on it would
+                # keep the budget full for everyone of this uid.
+                if not await self.flush(out):
+                    return False
+                out = bytearray()
+                await replies.wait_for_room(self.uid, *limits)
             now = clock()
             tick(now)
             may_wait = count == last and not more
+            before = len(out)
             outcome = self.session.receive(frame, now, out, may_wait=may_wait)
+            self._hold(len(out) - before)
             if outcome is False:
                 await self.flush(out)
                 return False
@@ -297,6 +414,7 @@ class _Connection:
                 out = bytearray()
                 await self.wait_for_news(outcome)
                 self.session.answer(outcome, clock(), out)
+                self._hold(len(out))
             if len(out) >= _FLUSH_AT or count % _FRAMES_PER_TURN == 0:
                 if not await self.flush(out):
                     return False
@@ -309,6 +427,18 @@ class _Connection:
         acknowledgement); False (logged) when the client left its replies unread."""
         if not out:
             return True
+        try:
+            return await self._flush(out)
+        finally:
+            # Sent, or given up on: either way no longer the daemon's to hold.
+            self.context.replies.release(self.uid, self.held)
+            self.held = 0
+
+    def _hold(self, size: int) -> None:
+        self.context.replies.hold(self.uid, size)
+        self.held += size
+
+    async def _flush(self, out: bytearray) -> bool:
         if self.journal.generation != self.durable:
             changed = self.journal.generation
             # Let every other task of this turn of the loop add its changes, so
@@ -321,7 +451,11 @@ class _Connection:
         if await _send_all(self.conn, out, self.config.send_timeout):
             return True
         peer = self.session.caller.peer
-        log.info(logfmt("unread_replies", pid=peer.pid, uid=peer.uid))
+        self.session.service.log_throttle.log(
+            (peer.uid, "unread_replies"),
+            logging.INFO,
+            logfmt("unread_replies", pid=peer.pid, uid=peer.uid),
+        )
         return False
 
     async def wait_for_news(self, request: Events) -> None:
@@ -337,7 +471,7 @@ class _Connection:
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(until_client_speaks)
-                while not events.page(request.after, 1, lambda event: caller in (0, event.uid)):
+                while not events.page(request.after, 1, caller):
                     await self.context.news.park()
                 nursery.cancel_scope.cancel()
 

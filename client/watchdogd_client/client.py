@@ -29,6 +29,7 @@ from ._version import __version__ as _version
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .paths import client_socket_path
 from .protocol import (
+    MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     PROTOCOL_VERSION,
     Acquire,
@@ -253,6 +254,8 @@ class Client(BaseClient):
 
     ``socket_path`` defaults as `watchdogd_client.paths.client_socket_path` says.
     ``timeout`` bounds each request (connect, send and reply), in seconds.
+    ``max_reply`` bounds a reply frame; it may not be below `protocol.MAX_REPLY_BYTES`,
+    the most a daemon sends.
     ``on_unavailable="warn"`` makes `acquire` and `release` carry on unprotected when
     the daemon cannot be reached, instead of raising `DaemonUnavailable`, with one
     warning per outage (see `Outage`); other refusals always raise `RequestRefused`.
@@ -272,6 +275,9 @@ class Client(BaseClient):
     ) -> None:
         if on_unavailable not in ("raise", "warn"):
             raise ValueError(f"on_unavailable must be 'raise' or 'warn', not {on_unavailable!r}")
+        if max_reply < MAX_REPLY_BYTES:
+            # A reply the daemon may send would then be unreadable.
+            raise ValueError(f"max_reply must be at least {MAX_REPLY_BYTES}, not {max_reply!r}")
         if not (math.isfinite(timeout) and timeout >= 0.001):
             raise ValueError(f"timeout must be finite and at least 0.001 s, not {timeout!r}")
         self.socket_path = client_socket_path(socket_path)
@@ -342,13 +348,15 @@ class Client(BaseClient):
         cursor: str | None = None
         while True:
             page = self.status_page(limit=_STATUS_PAGE, cursor=cursor)
-            timers.extend(page.timers)
+            timers.extend(page.timers_with_commands())
             cursor = page.cursor
             if cursor is None:
                 return DaemonStatus(daemon=page.daemon, timers=timers)
 
     def status_page(self, *, limit: int = _STATUS_PAGE, cursor: str | None = None) -> StatusReply:
-        """One page of `status`; pass the reply's ``cursor`` to get the next."""
+        """One page of `status`, as the daemon sent it (command lines in
+        ``commands``, see `StatusReply.timers_with_commands`); pass the reply's
+        ``cursor`` to get the next."""
         return self._call(Status(id=next(self._ids), limit=limit, cursor=cursor), StatusReply)
 
     def ping(self) -> float:
@@ -436,7 +444,16 @@ class Client(BaseClient):
         out.clear()
         encode_frame_into(request, out)
         try:
-            sock.sendall(out)
+            try:
+                sock.sendall(out)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # The daemon may have answered and closed before reading this (a
+                # refusal at a connection limit, or a frame over its bound): what
+                # it sent is still readable, and a refusal must read as one.
+                reply = self._receive_pending(sock)
+                if reply is None:
+                    raise _ConnectionLost(exc.strerror) from None
+                return reply
             reply = self._receive(sock)
         except BlockingIOError:
             # SO_RCVTIMEO / SO_SNDTIMEO ran out.
@@ -463,6 +480,13 @@ class Client(BaseClient):
             if frames:
                 # One request is in flight at a time, so one reply is due.
                 return decode_reply(frames[0])
+
+    def _receive_pending(self, sock: socket.socket) -> ReplyMessage | None:
+        """A reply the daemon sent before it closed the connection, or None."""
+        try:
+            return self._receive(sock)
+        except (OSError, ProtocolError):
+            return None
 
     def _connect(self) -> None:
         try:

@@ -30,6 +30,8 @@ from msgspec import Meta, Struct
 from .errors import FrameTooLarge, ProtocolError
 
 __all__ = [
+    "MAX_COMMAND_BYTES",
+    "MAX_REPLY_BYTES",
     "MAX_REPLY_FRAME",
     "MAX_REQUEST_FRAME",
     "PROTOCOL_VERSION",
@@ -69,8 +71,14 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 #: Default bound on a frame the daemon accepts (requests are small).
 MAX_REQUEST_FRAME: Final = 64 * 1024
-#: Default bound on a frame the client accepts (status pages can be large).
+#: The daemon never sends a reply frame longer than this: status and events pages
+#: are cut by encoded size as well as by count.
+MAX_REPLY_BYTES: Final = 1024 * 1024
+#: Default bound on a frame the client accepts; at least `MAX_REPLY_BYTES`, with room
+#: for a future daemon that sends more.
 MAX_REPLY_FRAME: Final = 16 * 1024 * 1024
+#: The most of a command line a status page shows, in UTF-8 bytes (marker included).
+MAX_COMMAND_BYTES: Final = 1024
 
 _HEADER: Final = struct.Struct(">I")
 HEADER_SIZE: Final = _HEADER.size
@@ -108,8 +116,14 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     #: The target pid does not exist.
     NO_SUCH_PROCESS = "no_such_process"
+    #: The target pid is a thread, not a process (not its thread-group leader); the
+    #: message names the process it belongs to, which is what to name instead.
+    NOT_A_PROCESS = "not_a_process"
     #: A per-uid or global bound on timers or connections was reached.
     LIMIT_EXCEEDED = "limit_exceeded"
+    #: The daemon lacks a resource for now (file descriptors, memory); the request
+    #: may succeed if sent again later. Nothing was changed.
+    UNAVAILABLE = "unavailable"
     #: The daemon failed while handling a valid request (a bug; it is logged).
     INTERNAL = "internal"
 
@@ -239,22 +253,46 @@ class DaemonInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class TimerInfo(Struct, frozen=True, kw_only=True):
-    """One armed timer as a status page shows it."""
+    """One armed timer as a status page shows it.
+
+    ``command`` is the process's command line. A daemon sends it once per process
+    in `StatusReply.commands` and leaves it empty here (it is still sent, so older
+    clients that require it can read the reply); the clients' ``status()`` fill it
+    in (`StatusReply.timers_with_commands`).
+    """
 
     pid: int
     scope: str
     remaining: float
     policy: str
     uid: int
-    command: str
+    command: str = ""
 
 
 class StatusReply(Reply, tag="status", frozen=True, kw_only=True):
-    """Answer to `Status`. ``cursor`` is None on the last page."""
+    """Answer to `Status`. ``cursor`` is None on the last page.
+
+    ``commands`` maps each pid on the page to its command line, cut to
+    `MAX_COMMAND_BYTES` with a ``…`` marker. A page ends at ``limit`` timers or
+    before its frame would pass `MAX_REPLY_BYTES`, whichever comes first.
+    """
 
     daemon: DaemonInfo
     timers: list[TimerInfo]
     cursor: str | None = None
+    commands: dict[int, str] = {}
+
+    def timers_with_commands(self) -> list[TimerInfo]:
+        """``timers`` with each ``command`` taken from ``commands`` where it has one."""
+        commands = self.commands
+        if not commands:
+            return self.timers
+        return [
+            msgspec.structs.replace(timer, command=commands[timer.pid])
+            if timer.pid in commands
+            else timer
+            for timer in self.timers
+        ]
 
 
 class Pong(Reply, tag="pong", frozen=True, kw_only=True):

@@ -105,6 +105,8 @@ class _Connection:
         self.send_lock = trio.Lock()
         self.waiting: dict[int, trio.MemorySendChannel[ReplyMessage | None]] = {}
         self.broken = False
+        #: The reader task has ended: nothing more will be delivered.
+        self.ended = False
 
     async def read_replies(self) -> None:
         reader = FrameReader(MAX_REPLY_FRAME)
@@ -112,13 +114,22 @@ class _Connection:
             while data := await self.stream.receive_some(_RECV_SIZE):
                 for frame in reader.feed(data):
                     reply = decode_reply(frame)
-                    channel = self.waiting.pop(reply.id, None) if reply.id is not None else None
+                    request_id = reply.id
+                    if request_id is None:
+                        # An error about no request in particular (a refused
+                        # connection, a frame over the bound): the daemon closes
+                        # the connection after it, so it answers every request.
+                        for every in self.waiting.values():
+                            every.send_nowait(reply)
+                        self.waiting.clear()
+                        continue
+                    channel = self.waiting.pop(request_id, None)
                     if channel is not None:
                         channel.send_nowait(reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
             pass
         finally:
-            self.broken = True
+            self.broken = self.ended = True
             for channel in self.waiting.values():
                 channel.send_nowait(None)  # the request's answer is lost
             self.waiting.clear()
@@ -184,7 +195,7 @@ class AsyncClient:
         while True:
             request = Status(id=next(self._ids), limit=_STATUS_PAGE, cursor=cursor)
             page = await self._call(request, StatusReply)
-            timers.extend(page.timers)
+            timers.extend(page.timers_with_commands())
             cursor = page.cursor
             if cursor is None:
                 return DaemonStatus(daemon=page.daemon, timers=timers)
@@ -248,13 +259,20 @@ class AsyncClient:
     async def _exchange(self, connection: _Connection, request: Request) -> ReplyMessage | None:
         """Send ``request``; its reply, or None if the connection broke first."""
         send, receive = trio.open_memory_channel[ReplyMessage | None](1)
+        if connection.ended:
+            return None
         connection.waiting[request.id] = send
         try:
             with trio.fail_after(self.timeout):
                 try:
                     async with connection.send_lock:
                         await connection.stream.send_all(encode_frame(request))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except trio.BrokenResourceError:
+                    # The daemon may have answered and closed before reading this
+                    # (a refusal at a connection limit): the reader task still
+                    # delivers what it sent, or None once the stream ends.
+                    connection.broken = True
+                except trio.ClosedResourceError:
                     connection.broken = True
                     return None
                 except BaseException:

@@ -86,8 +86,17 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     partial_frame_timeout: Seconds = 10.0
     #: The policy of timers armed without one.
     default_policy: PolicyName = "kill"
-    #: Events kept in memory for ``watchdogctl events``.
+    #: Events kept in memory for ``watchdogctl events``: this many about root's
+    #: processes, and this many in all about other users' processes.
     events: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+    #: Events kept about one non-root uid's processes at most; past the shared
+    #: total, whoever holds the most loses its oldest, so no uid evicts another's.
+    events_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+    #: Bytes of replies one non-root uid's connections may hold in the daemon
+    #: (built and not yet taken by the kernel); a connection of a uid over it waits.
+    reply_bytes_per_uid: Annotated[int, Meta(ge=1024 * 1024, le=1024**3)] = 8 * 1024 * 1024
+    #: The same over all non-root uids together.
+    reply_bytes: Annotated[int, Meta(ge=1024 * 1024, le=16 * 1024**3)] = 64 * 1024 * 1024
     #: A target still alive this long after SIGKILL is reported as unkillable.
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.

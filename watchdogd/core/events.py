@@ -1,24 +1,48 @@
-"""What happened: a bounded, numbered ring of events.
+"""What happened: bounded, numbered rings of events, one share per uid.
 
 Pure and synchronous; the caller passes the wall-clock time of each event. Every
-event gets the next sequence number, so a follower asks for the events after the
-last one it saw. When the ring is full the oldest event goes; a follower that falls
-that far behind misses it (the numbers show the gap).
+event gets the next sequence number (one numbering for all uids), so a follower asks
+for the events after the last one it saw; a follower that falls behind an eviction
+misses events (the numbers show the gap).
+
+Invariants:
+
+- An event belongs to the uid of the process it is about (``EventInfo.uid``), which
+  is also who may read it besides root. Root's events are kept in a ring of their
+  own of ``size``; no other uid's activity evicts them.
+- Every other uid keeps at most ``per_uid`` events, and all of them together at
+  most ``size``. Past that, the oldest event of whoever holds the most goes (the
+  recording uid on a tie), so a uid holding no more than its fair share never loses
+  an event to another uid's activity.
+- Every event, once kept, encodes to at most `MAX_EVENT_BYTES` (long hook output is
+  cut with a marker), and a page stops before it would pass ``max_bytes``, so a page
+  always holds at least one event and always fits in a reply.
+- Log lines are rate-limited per (uid, kind) by a `Throttle`.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final, NamedTuple
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
-from ..logs import log, logfmt
+from ..logs import Throttle, logfmt
+
+ROOT: Final = 0
+#: Room left in a reply for what surrounds the events (type, id, last).
+_ENVELOPE_BYTES: Final = 4096
+#: The most one event may take: a page of one event always fits in a reply.
+MAX_EVENT_BYTES: Final = 512 * 1024
+#: What the captured output of all of an event's steps may take together.
+_OUTPUT_BYTES: Final = 256 * 1024
+_CUT: Final = "\n…[output cut]"
 
 #: An expiry means a worker was hung; the rest are for the record.
 _LEVELS: Final = {
@@ -29,49 +53,155 @@ _LEVELS: Final = {
     "state_restored": logging.WARNING,
 }
 
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _Kept(NamedTuple):
+    event: EventInfo
+    size: int  # encoded bytes
+
 
 class EventLog:
-    """The last ``size`` events. ``notify`` is called after each one is recorded."""
+    """The latest events, ``size`` for root and ``size`` shared by the other uids
+    (at most ``per_uid`` each). ``notify`` is called after each one is recorded."""
 
-    def __init__(self, size: int, notify: Callable[[], object] = lambda: None) -> None:
-        self._events: deque[EventInfo] = deque(maxlen=size)
+    def __init__(
+        self,
+        size: int,
+        notify: Callable[[], object] = lambda: None,
+        *,
+        per_uid: int | None = None,
+        throttle: Throttle | None = None,
+    ) -> None:
+        self._size = size
+        self._per_uid = size if per_uid is None else per_uid
+        self._rings: dict[int, deque[_Kept]] = {}
+        self._others = 0  # events kept for uids other than root
         self._seq = itertools.count(1)
         self._last = 0
         self._notify = notify
+        self._throttle = Throttle() if throttle is None else throttle
 
     def __len__(self) -> int:
-        return len(self._events)
+        return self._others + len(self._rings.get(ROOT, ()))
 
     @property
     def last(self) -> int:
         """The number of the newest event (0 before the first)."""
         return self._last
 
-    def resize(self, size: int) -> None:
-        """Keep at most ``size`` events from now on (the newest, if it shrinks)."""
-        if size != self._events.maxlen:
-            self._events = deque(self._events, maxlen=size)
+    def kept(self, uid: int) -> int:
+        """How many events of ``uid`` are kept."""
+        return len(self._rings.get(uid, ()))
+
+    def resize(self, size: int, per_uid: int | None = None) -> None:
+        """Keep at most ``size`` (and ``per_uid`` per uid) from now on; the newest
+        stay when a bound shrinks."""
+        self._size = size
+        self._per_uid = size if per_uid is None else per_uid
+        for uid, ring in list(self._rings.items()):
+            bound = self._bound(uid)
+            if ring.maxlen != bound:
+                dropped = max(0, len(ring) - bound)
+                self._rings[uid] = deque(ring, maxlen=bound)
+                if uid != ROOT:
+                    self._others -= dropped
+        while self._others > self._size:
+            self._evict(None)
 
     def record(self, event: EventInfo) -> EventInfo:
         """Number ``event``, keep it, log it as one line, and wake followers."""
         self._last = next(self._seq)
-        event = msgspec.structs.replace(event, seq=self._last)
-        self._events.append(event)
-        log.log(_LEVELS.get(event.kind, logging.INFO), logfmt(event.kind, **_loggable(event)))
+        event, size = _bounded(msgspec.structs.replace(event, seq=self._last))
+        uid = event.uid
+        ring = self._rings.get(uid)
+        if ring is None:
+            ring = self._rings[uid] = deque(maxlen=self._bound(uid))
+        if uid != ROOT and len(ring) < self._bound(uid):
+            # The ring is not full, so this event adds to the shared total.
+            self._others += 1
+            while self._others > self._size:
+                self._evict(uid)
+        ring.append(_Kept(event, size))
+        self._throttle.log(
+            (uid, event.kind),
+            _LEVELS.get(event.kind, logging.INFO),
+            logfmt(event.kind, **_loggable(event)),
+        )
         self._notify()
         return event
 
     def page(
-        self, after: int | None, limit: int, visible: Callable[[EventInfo], bool]
+        self,
+        after: int | None,
+        limit: int,
+        viewer: int,
+        max_bytes: int = MAX_REPLY_BYTES - _ENVELOPE_BYTES,
     ) -> list[EventInfo]:
-        """Events the caller may see: the latest ``limit`` when ``after`` is None,
-        else the first ``limit`` numbered above ``after``; oldest first."""
+        """Events uid ``viewer`` may see (root: all; another uid: its own): the
+        latest ``limit`` when ``after`` is None, else the first ``limit`` numbered
+        above ``after``; oldest first, and no more than ``max_bytes`` encoded (but
+        always at least one when there is one)."""
+        rings = list(self._rings.values()) if viewer == ROOT else [self._rings.get(viewer, deque())]
+        kept: Iterator[_Kept]
         if after is None:
-            latest = list(itertools.islice(filter(visible, reversed(self._events)), limit))
-            latest.reverse()
-            return latest
-        newer: Iterable[EventInfo] = (event for event in self._events if event.seq > after)
-        return list(itertools.islice(filter(visible, newer), limit))
+            kept = heapq.merge(*(reversed(ring) for ring in rings), key=_seq, reverse=True)
+        else:
+            kept = heapq.merge(*(_newer(ring, after) for ring in rings), key=_seq)
+        page: list[EventInfo] = []
+        room = max_bytes
+        for item in itertools.islice(kept, limit):
+            room -= item.size
+            if room < 0 and page:
+                break
+            page.append(item.event)
+        if after is None:
+            page.reverse()
+        return page
+
+    def _bound(self, uid: int) -> int:
+        return self._size if uid == ROOT else min(self._per_uid, self._size)
+
+    def _evict(self, recording: int | None) -> None:
+        """Drop the oldest event of the non-root uid holding the most."""
+        most = max(
+            (uid for uid in self._rings if uid != ROOT),
+            key=lambda uid: (len(self._rings[uid]), uid == recording),
+        )
+        ring = self._rings[most]
+        ring.popleft()
+        self._others -= 1
+        if not ring and most != recording:
+            del self._rings[most]
+
+
+def _seq(item: _Kept) -> int:
+    return item.event.seq
+
+
+def _newer(ring: Iterable[_Kept], after: int) -> Iterator[_Kept]:
+    return itertools.dropwhile(lambda item: item.event.seq <= after, ring)
+
+
+def _bounded(event: EventInfo) -> tuple[EventInfo, int]:
+    """``event`` with its captured output cut to fit `MAX_EVENT_BYTES`, and its
+    encoded size."""
+    size = len(_encoder.encode(event))
+    if size <= MAX_EVENT_BYTES:
+        return event, size
+    outputs = [step for step in event.steps if step.output]
+    share = _OUTPUT_BYTES // max(1, len(outputs))
+    steps = [_cut(step, share) for step in event.steps]
+    event = msgspec.structs.replace(event, steps=steps)
+    return event, len(_encoder.encode(event))
+
+
+def _cut(step: StepResult, share: int) -> StepResult:
+    raw = step.output.encode()
+    if len(raw) <= share:
+        return step
+    kept = raw[: max(0, share - len(_CUT.encode()))].decode(errors="ignore")
+    return msgspec.structs.replace(step, output=kept + _CUT)
 
 
 def _loggable(event: EventInfo) -> dict[str, object]:

@@ -15,6 +15,8 @@ Rules kept here:
   may have called setuid(2) since its first timer.
 - Release is authorized like arming: you may release what you could have armed.
 - Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
+- Authorization comes before limits, so a refusal never tells one user what another
+  has armed.
 - A non-root caller sees only the timers on its own uid's processes or that it armed.
 - The output of a hook (``exec`` and ``dump`` steps) is shown to root only: it ran
   with the daemon's privileges and may say anything the daemon can read. Everyone
@@ -41,6 +43,8 @@ from typing import Final, Generic, Protocol, TypeVar, assert_never
 import msgspec
 
 from watchdogd_client.protocol import (
+    MAX_COMMAND_BYTES,
+    MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
@@ -70,6 +74,7 @@ from watchdogd_client.protocol import (
 
 from .._version import __version__
 from ..errors import Refusal
+from ..logs import Throttle
 from .config import Config
 from .counters import Counters
 from .events import EventLog
@@ -78,6 +83,16 @@ from .policies import Policy
 from .timers import Expired, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
+#: What a status page may spend on timers and command lines: the reply bound less
+#: generous room for the rest (the daemon summary, the cursor, the framing).
+_STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
+#: The most a `TimerInfo` takes encoded, besides its scope and policy: six keys
+#: (39 bytes), two ints and a float (19), two string headers (10), an empty command.
+_TIMER_BYTES: Final = 80
+#: The most an entry of `StatusReply.commands` takes besides its text.
+_COMMAND_BYTES: Final = 16
+#: Ends a command line cut to fit.
+_CLIPPED: Final = "…"
 #: Scopes named in an ``exited`` event; the count covers the rest.
 _LISTED_SCOPES: Final = 10
 
@@ -212,7 +227,14 @@ class Service(Generic[P]):
         self.policies: Mapping[str, Policy] = config.policy_set()
         self.table: TimerTable[P] = TimerTable()
         self.metrics = Counters()
-        self.events = EventLog(config.daemon.events, on_event)
+        #: Rate-limits the log lines requests can cause, per (uid, kind).
+        self.log_throttle = Throttle()
+        self.events = EventLog(
+            config.daemon.events,
+            on_event,
+            per_uid=config.daemon.events_per_uid,
+            throttle=self.log_throttle,
+        )
         self.daemon_pid = daemon_pid
         self._processes = processes
         self.started = now
@@ -241,7 +263,7 @@ class Service(Generic[P]):
         whose policy is gone keeps its name; at expiry the default stands in."""
         self.policies = config.policy_set()
         self.config = config.daemon
-        self.events.resize(config.daemon.events)
+        self.events.resize(config.daemon.events, config.daemon.events_per_uid)
 
     def open_connection(self, peer: Peer) -> Caller[P]:
         """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
@@ -339,11 +361,13 @@ class Service(Generic[P]):
             raise Refusal(
                 ErrorCode.PERMISSION_DENIED, f"policy {policy!r} may be chosen by root only"
             )
-        target = caller.peer.pid if request.pid is None else request.pid
-        if self.table.get(target, request.scope) is None:
-            self._check_timer_limits(caller.peer)
+        # Authorization comes before the limits: whether the timer exists decides
+        # whether a limit applies, so checking limits first would tell a caller at
+        # its limit which scopes another user's process has armed.
         process = self._target(request.pid, caller)
         try:
+            if self.table.get(process.pid, request.scope) is None:
+                self._check_timer_limits(caller.peer)
             entering = self.table.process(process.pid) is None
             timer, rearmed = self.table.arm(
                 process,
@@ -455,6 +479,11 @@ class Service(Generic[P]):
             )
 
     def _status(self, request: Status, peer: Peer, now: float) -> StatusReply:
+        """A page of the timers ``peer`` may see, soonest first: ``request.limit`` of
+        them, or fewer when the next would take the reply past `MAX_REPLY_BYTES`
+        (each timer's and each new command line's encoded size is bounded from
+        above, so the bound holds without encoding twice). Each process's command
+        line is sent once, cut to `MAX_COMMAND_BYTES`."""
         after = _parse_cursor(request.cursor)
         visible = (
             timer
@@ -463,19 +492,24 @@ class Service(Generic[P]):
             and (timer.deadline, timer.seq) > after
         )
         page = heapq.nsmallest(request.limit + 1, visible, key=_sort_key)
-        cursor = None
-        if len(page) > request.limit:
-            page = page[: request.limit]
-            cursor = f"{page[-1].deadline!r}/{page[-1].seq}"
+        room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
-        timers = []
-        for timer in page:
-            command = commands.get(timer.pid)
-            if command is None:
+        timers: list[TimerInfo] = []
+        for timer in page[: request.limit]:
+            cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
+            command = None
+            if timer.pid not in commands:
                 process = self.table.process(timer.pid)
-                command = commands[timer.pid] = (
-                    "?" if process is None else self._processes.command(process)
+                command = _clip(
+                    "?" if process is None else self._processes.command(process),
+                    MAX_COMMAND_BYTES,
                 )
+                cost += _COMMAND_BYTES + len(command.encode())
+            if cost > room and timers:
+                break
+            room -= cost
+            if command is not None:
+                commands[timer.pid] = command
             timers.append(
                 TimerInfo(
                     pid=timer.pid,
@@ -483,10 +517,19 @@ class Service(Generic[P]):
                     remaining=max(0.0, timer.deadline - now),
                     policy=timer.policy,
                     uid=timer.uid,
-                    command=command,
                 )
             )
-        return StatusReply(id=request.id, daemon=self.info(now), timers=timers, cursor=cursor)
+        cursor = None
+        if len(timers) < len(page):
+            last = page[len(timers) - 1]
+            cursor = f"{last.deadline!r}/{last.seq}"
+        return StatusReply(
+            id=request.id,
+            daemon=self.info(now),
+            timers=timers,
+            cursor=cursor,
+            commands=commands,
+        )
 
     def info(self, now: float) -> DaemonInfo:
         """The daemon summary sent with status."""
@@ -504,10 +547,7 @@ class Service(Generic[P]):
         )
 
     def _events(self, request: Events, peer: Peer) -> EventsReply:
-        def visible(event: EventInfo) -> bool:
-            return peer.uid in (ROOT, event.uid)
-
-        events = self.events.page(request.after, request.limit, visible)
+        events = self.events.page(request.after, request.limit, peer.uid)
         if peer.uid != ROOT:
             events = [_without_output(event) for event in events]
         last = events[-1].seq if events else self.events.last
@@ -809,6 +849,14 @@ def _without_output(event: EventInfo) -> EventInfo:
         return event
     steps = [StepResult(step=step.step, result=step.result) for step in event.steps]
     return msgspec.structs.replace(event, steps=steps)
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes, ending in `_CLIPPED` if it was cut."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - len(_CLIPPED.encode())].decode(errors="ignore") + _CLIPPED
 
 
 def _sort_key(timer: Timer) -> tuple[float, int]:
