@@ -190,6 +190,10 @@ class TestRun:
         clean = ctl(daemon.socket_path, "run", "--json", "--timeout", "5", "--", "true")
         assert (clean.returncode, clean.stderr) == (0, "")
         assert json.loads(clean.stdout)["expired"] is None
+        # Its exit released the timer: no "exited with 1 timer(s) armed" record.
+        with daemon.client() as client:
+            assert [e.kind for e in client.events().events if e.kind == "exited"] == []
+            assert client.status().daemon.timers == 0
 
     def test_a_command_that_finishes_exits_with_its_status(self, daemon: RunningDaemon) -> None:
         assert ctl(daemon.socket_path, "run", "--timeout", "5", "--", "true").returncode == 0

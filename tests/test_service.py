@@ -454,3 +454,15 @@ def test_restore_judges_each_timer_by_its_own_process() -> None:
         assert service.firing == 1
         for item in restored.resumed:
             item.process.close()
+
+
+def test_an_exit_releases_quietly_what_was_armed_so() -> None:
+    world = make_world()
+    world.service.handle(
+        Acquire(id=1, scope="run", timeout=5.0, pid=201, exit_releases=True), world.alice, 0.0
+    )
+    process = world.service.table.process(201)
+    assert process is not None
+    assert len(world.service.process_exited(process)) == 1
+    assert world.service.events.page(None, 10, 0) == []
+    assert world.service.metrics.exited == 0

@@ -541,7 +541,7 @@ def _arm_child(
     client: Client, child: subprocess.Popen[bytes], scope: str, timeout: float, policy: str | None
 ) -> None:
     try:
-        client.acquire(scope, timeout, policy=policy, pid=child.pid)
+        client.acquire(scope, timeout, policy=policy, pid=child.pid, exit_releases=True)
     except RequestRefused as exc:
         if exc.code == ErrorCode.NO_SUCH_PROCESS:
             return  # it has exited already; nothing to watch

@@ -327,9 +327,25 @@ class Client(BaseClient):
             self._disconnect()
 
     def acquire(
-        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+        self,
+        scope: str,
+        timeout: float,
+        *,
+        policy: str | None = None,
+        pid: int | None = None,
+        exit_releases: bool = False,
     ) -> float:
-        request = Acquire(id=next(self._ids), scope=scope, timeout=timeout, policy=policy, pid=pid)
+        """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
+        releases the timer quietly (no ``exited`` event): for a command expected
+        to end, as `watchdogctl run` arms."""
+        request = Acquire(
+            id=next(self._ids),
+            scope=scope,
+            timeout=timeout,
+            policy=policy,
+            pid=pid,
+            exit_releases=exit_releases,
+        )
         try:
             return self._call(request, Acquired).remaining
         except DaemonUnavailable as exc:

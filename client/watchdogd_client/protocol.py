@@ -152,6 +152,9 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     timeout: Timeout
     policy: PolicyName | None = None
     pid: Pid | None = None
+    #: The process's exit releases the timer quietly: an exit with only such timers
+    #: armed is no event (`watchdogctl run`, whose command is expected to end).
+    exit_releases: bool = False
 
 
 class Release(Request, tag="release", frozen=True, kw_only=True):

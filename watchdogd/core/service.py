@@ -377,6 +377,7 @@ class Service(Generic[P]):
                 uid=process.uid,
                 owner=caller.peer.uid,
                 now=now,
+                exit_releases=request.exit_releases,
             )
             if entering:
                 process.retain()
@@ -810,7 +811,7 @@ class Service(Generic[P]):
 
     def process_exited(self, process: P) -> list[Timer]:
         """Drop every timer of a process that exited; returns them, and records the
-        exit when it had any."""
+        exit when it had any but those its exit releases (``exit_releases``)."""
         if self.table.process(process.pid) is not process:
             return []
         forgotten = self.table.forget(process.pid)
@@ -821,8 +822,10 @@ class Service(Generic[P]):
             self.journal.drop(timer)
         if timers:
             self.journal.commit_soon()
+        held = [timer for timer in timers if not timer.exit_releases]
+        if held:
             self.metrics.exited += 1
-            scopes = sorted(timer.scope for timer in timers)
+            scopes = sorted(timer.scope for timer in held)
             shown = ", ".join(scopes[:_LISTED_SCOPES])
             more = (
                 f" and {len(scopes) - _LISTED_SCOPES} more" if len(scopes) > _LISTED_SCOPES else ""
@@ -836,8 +839,8 @@ class Service(Generic[P]):
                     uid=process.uid,
                     scope="",
                     policy="",
-                    timers=len(timers),
-                    note=f"exited with {len(timers)} timer(s) armed: {shown}{more}",
+                    timers=len(held),
+                    note=f"exited with {len(held)} timer(s) armed: {shown}{more}",
                 )
             )
         return timers

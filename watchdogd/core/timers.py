@@ -70,6 +70,8 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     #: The `Policy.plan` of the policy that fired it: a policy changed or removed
     #: by the time a restart resumes it starts again from its first step.
     plan: int = 0
+    #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
+    exit_releases: bool = False
 
     @property
     def key(self) -> Key:
@@ -145,6 +147,7 @@ class TimerTable(Generic[P]):
         uid: int,
         owner: int,
         now: float,
+        exit_releases: bool = False,
     ) -> tuple[Timer, bool]:
         """Arm or re-arm ``(process.pid, scope)``; returns the timer and whether it
         replaced one. A process new to the table is added with it; a process already
@@ -160,6 +163,7 @@ class TimerTable(Generic[P]):
             deadline=now + timeout,
             start_time=process.start_time,
             seq=self._next_seq,
+            exit_releases=exit_releases,
         )
         self._next_seq += 1
         return timer, self._insert(process, timer)
