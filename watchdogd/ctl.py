@@ -436,13 +436,18 @@ def run(timeout: float, scope: str | None, policy: str | None, command: Sequence
         except OSError as exc:
             raise _RunFailed(str(exc)) from None
         forwarder.attach(child.pid)
+        armed = time.monotonic()
         _arm_child(client, child, scope, timeout, policy)
         # Wait without reaping, so the pid still names the child when its timer
         # is released; then reap.
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        # The daemon's deadline is later than armed + timeout: a child that ended
+        # before that was not touched by the daemon, and no event is waited for.
+        due = time.monotonic() >= armed + timeout
         found = _release_child(client, child, scope)
         returncode = child.wait()
-        expiry = None if found is not False else _expiry_of(client, child.pid, scope, seen)
+        fired = due and found is not True
+        expiry = _expiry_of(client, child.pid, scope, seen) if fired else None
     status = returncode if returncode >= 0 else 128 - returncode
     if expiry is not None:
         click.echo(
