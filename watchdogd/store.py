@@ -57,7 +57,7 @@ import struct
 import time
 import urllib.parse
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, Literal
 
 import msgspec
@@ -674,27 +674,23 @@ _legacy_decoder = msgspec.msgpack.Decoder(
 )
 
 
+#: Schema 1 stored a timer's first nine fields, in `Timer`'s order (its columns and
+#: its journal records alike).
+_SCHEMA1_SELECT: Final = (
+    "SELECT pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time FROM timers"
+)
+
+
+def _schema1_timer(values: Sequence[object]) -> Timer:
+    return msgspec.convert(list(values), Timer)
+
+
 def _decode_record(payload: bytes) -> Record:
     try:
         return _record_decoder.decode(payload)
     except msgspec.ValidationError:
         legacy = _legacy_decoder.decode(payload)  # a journal of the previous schema
-    puts = [
-        Timer(
-            pid=pid,
-            scope=scope,
-            policy=policy,
-            uid=uid,
-            owner=owner,
-            timeout=timeout,
-            armed_at=armed_at,
-            deadline=deadline,
-            start_time=start_time,
-        )
-        for _, _, values in legacy
-        if values is not None
-        for pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time in (values,)
-    ]
+    puts = [_schema1_timer(values) for _, _, values in legacy if values is not None]
     drops = [(pid, scope, 0) for pid, scope, values in legacy if values is None]
     return Record(puts=puts, drops=drops)
 
@@ -750,24 +746,7 @@ def _parse_timers(db: sqlite3.Connection) -> tuple[list[Timer], int, str | None]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _Corrupt(f"unreadable timer record: {exc}") from None
     elif schema == 1:
-        timers = []
-        for row in db.execute(
-            "SELECT pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time "
-            "FROM timers"
-        ):
-            pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time = row
-            timer = Timer(
-                pid=pid,
-                scope=scope,
-                policy=policy,
-                uid=uid,
-                owner=owner,
-                timeout=timeout,
-                armed_at=armed_at,
-                deadline=deadline,
-                start_time=start_time,
-            )
-            timers.append(timer)
+        timers = [_schema1_timer(row) for row in db.execute(_SCHEMA1_SELECT)]
     else:
         raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA} and 1")
     return timers, schema, meta.get("boot_id")

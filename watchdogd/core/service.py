@@ -698,26 +698,19 @@ class Service(Generic[P]):
             )
         else:
             note = "the state can be written again, and holds every timer once more"
-        self.events.record(
-            EventInfo(
-                seq=0,
-                kind="state_degraded" if degraded else "state_restored",
-                time=self._wall(),
-                pid=self.daemon_pid,
-                uid=ROOT,
-                scope="",
-                policy="",
-                note=note,
-            )
-        )
+        self._record_daemon_event("state_degraded" if degraded else "state_restored", note)
 
     def record_reload(self, ok: bool, note: str) -> None:
         """A reload of the config file was applied, or refused (``ok`` False)."""
         self.metrics.reloads["ok" if ok else "failed"] += 1
+        self._record_daemon_event("reloaded" if ok else "reload_failed", note)
+
+    def _record_daemon_event(self, kind: str, note: str) -> None:
+        """An event about the daemon itself, which only root sees."""
         self.events.record(
             EventInfo(
                 seq=0,
-                kind="reloaded" if ok else "reload_failed",
+                kind=kind,
                 time=self._wall(),
                 pid=self.daemon_pid,
                 uid=ROOT,
