@@ -214,3 +214,78 @@ def test_without_xdg_runtime_dir_a_user_daemon_listens_under_tmp(
         listener.close()
         (directory / "watchdogd.sock").unlink(missing_ok=True)
         directory.rmdir()
+
+
+def _start_fails(*args: str) -> str:
+    result = subprocess.run(
+        [*WATCHDOGD, *args], capture_output=True, text=True, check=False, timeout=PATIENCE
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        (
+            '[daemon]\nsocket_mode = 0o660\nlog_level = "everything"\n',
+            "line 3: daemon.log_level: Invalid enum value 'everything'; valid: 'debug', "
+            "'info', 'warning', 'error'",
+        ),
+        (
+            '[daemon]\nsocket_group = "no-such-group-here"\n',
+            "daemon.socket_group: no group named 'no-such-group-here'",
+        ),
+        ("[daemon]\nevents = 0\n", "line 2: daemon.events: Expected `int` >= 1"),
+        (
+            '[policies.x]\ntarget = "everything"\n',
+            "policies.x.target: Invalid enum value 'everything'; valid: 'process', 'group'",
+        ),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_file_the_key_the_line_and_the_choices(
+    tmp_path: Path, socket_path: Path, document: str, expected: str
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(document)
+    stderr = _start_fails("--socket", str(socket_path), "--config", str(config))
+    assert f"{config}" in stderr
+    assert expected in " ".join(stderr.split())
+
+
+def test_a_config_that_locks_non_root_users_out_is_warned_of(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[daemon]\ndefault_policy = "graceful"\n\n'
+        '[policies.graceful]\nsteps = [{ signal = "SIGTERM" }]\nroot_only = true\n'
+    )
+    daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    daemon.start()
+    try:
+        assert "WARNING event=config_warning" in daemon.log()
+        assert "every timer a non-root user arms without naming a policy is refused" in (
+            daemon.log()
+        )
+    finally:
+        daemon.stop()
+
+
+def test_a_socket_path_under_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    stderr = _start_fails("--socket", str(missing / "wd.sock"), "--no-state")
+    assert f"{missing.parent} does not exist" in stderr
+    assert not missing.parent.exists()
+
+
+def test_a_metrics_textfile_that_cannot_be_written_stops_the_start(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    stderr = _start_fails(
+        "--socket", str(socket_path), "--metrics-textfile", str(tmp_path / "no" / "m.prom")
+    )
+    assert "--metrics-textfile" in stderr
+    assert "No such file or directory" in stderr

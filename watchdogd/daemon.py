@@ -21,6 +21,7 @@ the socket file it created.
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import resource
 import signal
@@ -32,7 +33,7 @@ import trio
 
 from ._version import __version__
 from .actions import Actions
-from .core.config import Config, parse_config
+from .core.config import Config, lockouts, parse_config
 from .core.identity import Peer
 from .core.service import Restored, Service
 from .core.timers import Timer
@@ -278,7 +279,19 @@ def load_config(path: str) -> Config:
             data = config_file.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
-    return parse_config(data, path)
+    config = parse_config(data, path)
+    group = config.daemon.socket_group
+    if isinstance(group, str):
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            raise ConfigError(
+                f"{path}: daemon.socket_group: no group named {group!r} on this host; "
+                "create it (groupadd) or name another"
+            ) from None
+    for warning in lockouts(config):
+        log.warning(logfmt("config_warning", path=path, note=warning))
+    return config
 
 
 def _status_line(service: Service[Process]) -> str:

@@ -124,8 +124,16 @@ def _group_id(group: str | int | None) -> int | None:
 
 def _prepare_directory(directory: str) -> None:
     private = directory.startswith("/tmp/")
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(directory) and not os.path.isdir(parent):
+        # One directory is made (/run/watchdogd), never a tree: a mistyped path must
+        # not leave directories behind, made as root.
+        raise ListenError(
+            f"cannot create the socket directory {directory}: {parent} does not exist"
+        )
     try:
-        os.makedirs(directory, mode=0o700 if private else 0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, mode=0o700 if private else 0o755)
         info = os.stat(directory)
     except OSError as exc:
         raise ListenError(

@@ -22,7 +22,7 @@ stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 from __future__ import annotations
 
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -182,6 +182,11 @@ def _step(step: StepConfig, where: str) -> Step:
     return Dump(timeout=timeout)
 
 
+#: The valid values of the settings that take one of a few, for error messages.
+_CHOICES: Final[dict[str, tuple[str, ...]]] = {
+    "daemon.log_level": get_args(LogLevel),
+    "policies.NAME.target": get_args(TargetKind),
+}
 _AT_PATH: Final = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
@@ -190,11 +195,41 @@ def parse_config(data: bytes | str, source: str) -> Config:
     try:
         config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_locate_in_policies(data) or _explain(str(exc))}") from None
+        explained = _locate_in_policies(data) or _explain(str(exc))
+        raise ConfigError(f"{source}{_line_of(data, explained)}: {explained}") from None
     except msgspec.DecodeError as exc:
+        # tomllib's own message ends with "(at line N, column M)".
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     config.policy_set(source)
     return config
+
+
+def lockouts(config: Config) -> list[str]:
+    """What in ``config`` shuts non-root users out, in words, for a warning at start
+    and at reload: a root-only default policy refuses every plain ``expires()``."""
+    policies = config.policy_set()
+    default = policies[config.daemon.default_policy]
+    if not default.root_only:
+        return []
+    return [
+        f"daemon.default_policy {default.name!r} is root_only: every timer a non-root "
+        "user arms without naming a policy is refused; make the default a policy "
+        "anyone may use, or set root_only = false"
+    ]
+
+
+def _line_of(data: bytes | str, explained: str) -> str:
+    """ ", line N" for the key an error names (``daemon.max_timers: ...``): the first
+    line of the file that sets that key, if one does."""
+    key = explained.split(":", 1)[0].rsplit(".", 1)[-1].split("[", 1)[0]
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", key):
+        return ""
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+    for number, line in enumerate(text.splitlines(), 1):
+        if pattern.match(line):
+            return f", line {number}"
+    return ""
 
 
 def _locate_in_policies(data: bytes | str) -> str | None:
@@ -222,4 +257,8 @@ def _explain(message: str) -> str:
     if match is None:
         return message
     where = match.group(1) or "the top level"
-    return f"{where}: {message[: match.start()]}"
+    text = message[: match.start()]
+    choices = _CHOICES.get(re.sub(r"^policies\.[^.]+\.", "policies.NAME.", where))
+    if choices and text.startswith("Invalid enum value"):
+        text += "; valid: " + ", ".join(repr(choice) for choice in choices)
+    return f"{where}: {text}"
