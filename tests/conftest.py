@@ -169,8 +169,17 @@ def wait_ready(worker: subprocess.Popen[str]) -> None:
 
 
 def sleeper() -> subprocess.Popen[bytes]:
-    """A victim that sleeps and dies by whatever signal reaches it."""
-    return subprocess.Popen(["sleep", "300"])
+    """A victim that sleeps and dies by whatever signal reaches it. Returned once
+    its command line shows in /proc: Popen returns when exec began, and the kernel
+    fills in the new program's arguments a moment later."""
+    process = subprocess.Popen(["sleep", "300"])
+    wait_until(lambda: _has_arguments(process.pid), what="the sleeper's command line")
+    return process
+
+
+def _has_arguments(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return bool(cmdline.read(1))
 
 
 WATCHDOGCTL = str(Path(sys.executable).parent / "watchdogctl")

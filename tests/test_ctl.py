@@ -266,10 +266,12 @@ class TestRun:
         )
         try:
             with daemon.client() as client:
-                wait_until(lambda: bool(client.status().timers), what="the timer")
+                wait_until(
+                    lambda: [t.command for t in client.status().timers] == ["sleep 30"],
+                    what="the timer, with its command line",
+                )
                 [timer] = client.status().timers
             assert timer.scope == "job"
-            assert timer.command == "sleep 30"
             assert timer.pid != run.pid
         finally:
             run.terminate()

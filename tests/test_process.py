@@ -17,7 +17,7 @@ from watchdogd.errors import Refusal
 from watchdogd.process import open_process, peer_of, read_start_time, read_uids, refusal_for
 from watchdogd_client.protocol import ErrorCode
 
-from conftest import reap, sleeper
+from conftest import reap, sleeper, wait_until
 
 
 def test_open_reads_identity_and_signals_exactly_that_process() -> None:
@@ -26,7 +26,9 @@ def test_open_reads_identity_and_signals_exactly_that_process() -> None:
         process = open_process(child.pid)
         assert (process.uid, process.saved_uid) == (os.getuid(), os.getuid())
         assert process.start_time == read_start_time(child.pid)
-        assert process.command() == "sleep 300"
+        # Popen returns once exec began; the kernel fills the new program's
+        # arguments a moment later (until then /proc shows "[sleep]").
+        wait_until(lambda: process.command() == "sleep 300", what="the command line")
         assert process.alive()
         process.send_signal(signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL

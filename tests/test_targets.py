@@ -31,6 +31,8 @@ FAMILY = textwrap.dedent(
             time.sleep(300)
             os._exit(0)
         kids.append(pid)
+    while os.getsid(kids[1]) != kids[1]:  # not before it is in a session of its own
+        time.sleep(0.001)
     print(*kids, flush=True)
     time.sleep(300)
     """
