@@ -115,7 +115,7 @@ def test_config_adds_and_overrides_policies() -> None:
 def test_bad_policies_name_file_and_key(document: str, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(document, "/etc/watchdogd.toml")
-    assert str(caught.value).startswith("/etc/watchdogd.toml: ")
+    assert str(caught.value).startswith(("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: "))
     assert expected in str(caught.value)
 
 

@@ -302,17 +302,20 @@ def test_a_failed_release_after_a_good_block_raises(daemon: RunningDaemon) -> No
 
 @pytest.mark.parametrize(
     ("signum", "policy"),
-    [(signal.SIGKILL, "kill"), (signal.SIGTERM, "term"), (signal.SIGABRT, "abort"), (9, "kill")],
+    [
+        (signal.SIGKILL, "kill"),
+        (signal.SIGTERM, "signal:SIGTERM"),
+        (signal.SIGUSR1, "signal:SIGUSR1"),
+        (9, "kill"),
+    ],
 )
 def test_torchs_signal_option_chooses_the_policy_that_sends_it(signum: int, policy: str) -> None:
     assert WatchdogdTimerClient(signal=signum).policy == policy
 
 
-def test_a_signal_no_built_in_sends_is_refused_with_the_way_out() -> None:
-    with pytest.raises(ValueError, match=r"no built-in watchdogd policy sends SIGUSR1;") as caught:
-        WatchdogdTimerClient(signal=signal.SIGUSR1)
-    assert "SIGTERM (term)" in str(caught.value)
-    assert "policy=NAME" in str(caught.value)
+def test_what_is_no_signal_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a signal number"):
+        WatchdogdTimerClient(signal=999)
     with pytest.raises(ValueError, match="not both"):
         WatchdogdTimerClient(policy="term", signal=signal.SIGTERM)
 
@@ -322,8 +325,27 @@ def test_a_signal_policy_is_what_the_timer_runs(env_socket: RunningDaemon) -> No
         adapter = WatchdogdTimerClient(client, signal=signal.SIGTERM)
         adapter.acquire("graceful", time.time() + 30)
         [armed] = client.status().timers
-        assert armed.policy == "term"
+        assert armed.policy == "signal:SIGTERM"
         adapter.release("graceful")
+
+
+def test_a_signal_policy_sends_that_signal_once(env_socket: RunningDaemon) -> None:
+    victim = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\n"
+         "signal.signal(signal.SIGUSR1, lambda *a: print('usr1', flush=True))\n"
+         "print('ready', flush=True)\ntime.sleep(3)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert victim.stdout is not None
+        assert victim.stdout.readline() == "ready\n"
+        with env_socket.client() as client:
+            client.acquire("usr1", 0.1, policy="signal:SIGUSR1", pid=victim.pid)
+        assert victim.stdout.readline() == "usr1\n"
+        assert victim.wait(timeout=10) == 0  # sent once, then left alone
+    finally:
+        reap(victim)
 
 
 def test_without_torch_the_import_error_says_what_to_install() -> None:

@@ -50,13 +50,6 @@ __all__ = ["TimerServerUnavailable", "WatchdogdTimerClient", "policy_for_signal"
 _MIN_TIMEOUT: Final = 0.001
 _MAX_SCOPE_BYTES: Final = 256
 
-#: torch's timer servers send one signal; the built-in policy that sends it first.
-_POLICY_OF_SIGNAL: Final[dict[int, str]] = {
-    signals.SIGKILL: "kill",
-    signals.SIGTERM: "term",
-    signals.SIGABRT: "abort",
-}
-
 
 class TimerServerUnavailable(DaemonUnavailable, BrokenPipeError):
     """Raised by `WatchdogdTimerClient` when the daemon cannot be reached: the
@@ -65,22 +58,15 @@ class TimerServerUnavailable(DaemonUnavailable, BrokenPipeError):
 
 
 def policy_for_signal(signum: int) -> str:
-    """The built-in policy that answers a torch timer's ``signal``: SIGKILL is
-    ``kill``, SIGTERM ``term`` (SIGTERM, then SIGKILL after 10 s), SIGABRT ``abort``
-    (SIGABRT, then SIGKILL after 10 s). Any other signal raises ValueError: define a
-    policy for it in the daemon's config and pass ``policy=`` instead."""
+    """The built-in policy that does what torch's timer server does with a timer's
+    ``signal``: send it once. That is ``kill`` for SIGKILL and ``signal:NAME`` (a
+    one-step built-in of the daemon) for any other; ValueError for a number that
+    is no signal."""
     try:
         name = signals.Signals(signum).name
     except ValueError:
-        name = repr(signum)
-    policy = _POLICY_OF_SIGNAL.get(signum)
-    if policy is None:
-        known = ", ".join(f"{signals.Signals(s).name} ({p})" for s, p in _POLICY_OF_SIGNAL.items())
-        raise ValueError(
-            f"no built-in watchdogd policy sends {name}; built in: {known}. "
-            "Define a policy with that signal in the daemon's config and pass policy=NAME."
-        )
-    return policy
+        raise ValueError(f"{signum!r} is not a signal number") from None
+    return "kill" if signum == signals.SIGKILL else f"signal:{name}"
 
 
 # torch is skipped by the type checker (its size would dominate the check), so its

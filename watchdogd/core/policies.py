@@ -151,6 +151,24 @@ BUILTIN: Final[Mapping[str, Policy]] = {
 }
 
 
+#: ``signal:NAME`` (``signal:SIGUSR1``, ``signal:TERM``, ``signal:10``): a built-in
+#: policy of one step that sends that signal, as torch's timer servers do.
+SIGNAL_POLICY_PREFIX: Final = "signal:"
+
+
+def signal_policy(name: str) -> Policy | None:
+    """The one-step built-in policy ``name`` stands for, if it is ``signal:NAME``
+    with a signal this host knows (None otherwise)."""
+    if not name.startswith(SIGNAL_POLICY_PREFIX):
+        return None
+    value = name[len(SIGNAL_POLICY_PREFIX) :]
+    try:
+        signum = signal_number(int(value) if value.isdigit() else value)
+    except ValueError:
+        return None
+    return Policy(name=name, steps=(Signal(signum),), builtin=True)
+
+
 def signal_number(value: str | int) -> int:
     """``"SIGTERM"``, ``"TERM"`` or ``15`` as a signal number; ValueError otherwise."""
     if isinstance(value, int):

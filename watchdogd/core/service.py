@@ -79,7 +79,7 @@ from .config import Config
 from .counters import Counters
 from .events import EventLog
 from .identity import Peer
-from .policies import Policy
+from .policies import Policy, signal_policy
 from .timers import Expired, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
@@ -353,9 +353,9 @@ class Service(Generic[P]):
                 f"not {request.timeout!r}",
             )
         policy = self.default_policy if request.policy is None else request.policy
-        chosen = self.policies.get(policy)
+        chosen = self.policies.get(policy) or signal_policy(policy)
         if chosen is None:
-            known = ", ".join(sorted(self.policies))
+            known = ", ".join([*sorted(self.policies), "signal:NAME"])
             raise Refusal(ErrorCode.UNKNOWN_POLICY, f"no policy {policy!r}; known: {known}")
         if chosen.root_only and caller.peer.uid != ROOT:
             raise Refusal(
@@ -737,7 +737,7 @@ class Service(Generic[P]):
     def policy_for(self, name: str) -> tuple[Policy, str]:
         """The policy a timer armed with ``name`` runs now, and a note when a reload
         removed it and the default stands in."""
-        policy = self.policies.get(name)
+        policy = self.policies.get(name) or signal_policy(name)
         if policy is not None:
             return policy, ""
         default = self.policies[self.default_policy]
