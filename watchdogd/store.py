@@ -245,7 +245,9 @@ class Store:
         return stored, "current" if schema == SCHEMA else "old_schema"
 
     def _move_database_aside(self, why: str, moved: list[str]) -> None:
-        for name in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
+        # SQLite's own files go with it: a rollback journal left beside a new,
+        # empty database would be played back into it.
+        for name in (self.path, f"{self.path}-wal", f"{self.path}-shm", f"{self.path}-journal"):
             if os.path.exists(name):
                 self._move_aside(name, why, moved)
         self._lock()  # a new file in its place
