@@ -27,6 +27,17 @@ def test_equal_deadlines_come_out_in_the_order_they_were_set() -> None:
     assert [key for key, _ in heap.pop_due(1.0)] == [3, 1, 2]
 
 
+def test_pop_due_takes_at_most_its_limit_earliest_first() -> None:
+    heap: DeadlineHeap[int] = DeadlineHeap()
+    for key in range(10):
+        heap.set(key, float(key))
+    heap.remove(1)  # a stale entry does not count against the limit
+    assert heap.pop_due(5.0, limit=3) == [(0, 0.0), (2, 2.0), (3, 3.0)]
+    assert heap.pop_due(5.0, limit=0) == []
+    assert heap.pop_due(5.0, limit=10) == [(4, 4.0), (5, 5.0)]
+    assert len(heap) == 4
+
+
 def test_remove_and_absent_keys() -> None:
     heap: DeadlineHeap[str] = DeadlineHeap()
     heap.set("a", 1.0)

@@ -90,12 +90,13 @@ class DeadlineHeap(Generic[K]):
         top = self.peek()
         return None if top is None else top[1]
 
-    def pop_due(self, now: float) -> list[tuple[K, float]]:
-        """Remove and return every ``(key, deadline)`` with ``deadline <= now``,
-        earliest first."""
+    def pop_due(self, now: float, limit: int | None = None) -> list[tuple[K, float]]:
+        """Remove and return every ``(key, deadline)`` with ``deadline <= now``
+        (the earliest ``limit`` of them, when given), earliest first."""
         due: list[tuple[K, float]] = []
         heap = self._heap
-        while heap and heap[0][0] <= now:
+        room = -1 if limit is None else limit
+        while heap and heap[0][0] <= now and len(due) != room:
             deadline, seq, key = heapq.heappop(heap)
             if self._is_live(seq, key):
                 del self._live[key]

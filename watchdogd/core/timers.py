@@ -221,10 +221,11 @@ class TimerTable(Generic[P]):
         del self._processes[pid]
         return timer, tracked.process
 
-    def pop_due(self, now: float) -> list[Expired[P]]:
-        """Take out every timer whose deadline is ``<= now``, earliest first."""
+    def pop_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
+        """Take out every timer whose deadline is ``<= now`` (the earliest ``limit``
+        of them, when given), earliest first."""
         expired: list[Expired[P]] = []
-        for (pid, scope), _ in self._deadlines.pop_due(now):
+        for (pid, scope), _ in self._deadlines.pop_due(now, limit):
             tracked = self._processes[pid]
             timer = tracked.scopes.pop(scope)
             self._uncount(timer.owner)
