@@ -1,30 +1,55 @@
-"""Carrying out a policy when a timer expires.
+"""Carrying out a policy when a timer expires, in batches.
 
-Each expiry runs in a task of its own, started the moment the scheduler finds it
-due: a long ``wait``, a slow hook or an unkillable target never delays another
-expiry, the scheduler or a request. Invariants:
+The scheduler hands over what fell due in one pass (at most `BATCH` timers), and
+each expiry goes through three stages:
+
+1. **First signal, in the pass** (`Actions.carry_out`). A policy whose next step is
+   a signal to the timer's own process (``target = "process"``: ``kill``, ``term``,
+   ``abort``, ``signal:NAME``) has that signal sent at once, in a tight loop over the
+   batch: no task and no event yet; in a large batch, no command line read first
+   (the event shows the one the process had when its first timer was armed).
+   That is what keeps 10,000 expiries in the same few milliseconds on time.
+2. **Settling, right after** (`Actions.settle`, called by the scheduler in batches
+   whenever nothing more is due, so that firing always comes first): the target is
+   opened in full (a group's or a tree's members are read from /proc) and further
+   signal steps are sent. A policy with a step that waits
+   (``wait``, ``exec``, ``dump``) then gets a task of its own for the rest; one that
+   only signals does not.
+3. **The outcome.** A target sent SIGKILL is watched, with every other one, by one
+   task (`Actions.run`) on one epoll set of pidfds, up to ``unkillable_after``
+   seconds: it ends as ``exited``, or is reported ``unkillable`` with its /proc state
+   and wait channel. Every expiry ends in one ``expired`` event; the events of a
+   batch are recorded together.
+
+Invariants:
 
 - Nothing here raises into the scheduler. A process that is already gone, a signal
   the kernel refuses, a hook that fails or hangs: each becomes the recorded result
   of its step. A bug is logged and costs only that expiry's record.
 - Steps after the target has exited are skipped. So is every step when the uid
   that armed the timer may no longer signal its process (its uids changed since;
-  see `watchdogd.targets`): the event says why, and its outcome is ``alive``.
+  see `watchdogd.targets`): the event says why, and its outcome is ``alive``. That
+  check is made before the first signal, in the pass.
 - A timer whose policy was removed by a reload runs the default policy, and its
   event says so.
-- A target still alive ``unkillable_after`` seconds after SIGKILL is reported as
-  ``unkillable`` with its /proc state and wait channel; the task then ends.
-- Every expiry ends in one ``expired`` event (one log line): the pid, uid, command,
-  scope, policy, when it was armed, its deadline, when it fired, how late, each
-  step's result and output, and the outcome.
+- The state records each step as it starts (a step other than the one the firing
+  record already names), so a restart resumes at the step in progress.
+- An event's ``late`` is from the deadline to its first step (the first signal).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import os
+import select
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
 
 import msgspec
 import trio
@@ -39,6 +64,14 @@ from .logs import log
 from .process import Process
 from .targets import Target, open_target
 
+#: The most expiries one pass fires, and the most one call of `Actions.settle`
+#: settles: a pass stays around a millisecond, so a request waits no longer.
+BATCH: Final = 256
+#: A pass that fires more than this does not read command lines before the first
+#: signal: its events show the command line each process had when it entered the
+#: timer table. Signals come first in a burst.
+_COMMANDS_FIRST: Final = 8
+
 
 def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
     """Where a resumed expiry goes on: at the step it had reached, unless its
@@ -51,8 +84,41 @@ def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
     return timer, "; ".join(text for text in (note, again) if text)
 
 
+@dataclass(slots=True, eq=False)
+class _Expiry:
+    """One expiry being carried out."""
+
+    timer: Timer
+    #: The timer's process, retained until the target is opened.
+    process: Process | None
+    policy: Policy
+    note: str
+    #: Where this run started (a resumed expiry: the step it had reached).
+    resumed_at: int
+    #: The next step to carry out.
+    step: int
+    command: str = ""
+    target: Target | None = None
+    gone_at_start: bool = False
+    results: list[StepResult] = field(default_factory=list)
+    #: A signal was sent (in this run or before a restart); a SIGKILL was sent.
+    signalled: bool = False
+    killed: bool = False
+    #: When this run carried out the policy's first step (the daemon's clock).
+    first_step_at: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Dying:
+    """A target sent SIGKILL, watched until every member exits."""
+
+    expiry: _Expiry
+    fds: set[int]
+    until: float
+
+
 class Actions:
-    """Starts a task for every expired timer in ``nursery``."""
+    """Carries out the policies of expired timers (see the module's docstring)."""
 
     def __init__(
         self,
@@ -61,122 +127,236 @@ class Actions:
         *,
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
+        on_settle: Callable[[], object] = lambda: None,
     ) -> None:
+        """``on_settle`` is called when expiries are waiting for `settle`."""
         self._service = service
         self._nursery = nursery
         self._clock = clock
         self._wall = wall
+        self._on_settle = on_settle
         self._daemon_pgid = os.getpgrp()
+        self._settling: deque[_Expiry] = deque()
+        self._epoll = select.epoll()
+        self._dying: dict[int, _Dying] = {}
+        self._deadlines: list[tuple[float, int, _Dying]] = []
+        self._order = itertools.count()
+        self._watching = trio.Event()
+        #: The run task's wait, and until when it waits (the daemon's clock).
+        self._sleeping: trio.CancelScope | None = None
+        self._waiting_until = math.inf
+        self._events: list[EventInfo] = []
+
+    @property
+    def settling(self) -> int:
+        """Expiries waiting for `settle`."""
+        return len(self._settling)
 
     def carry_out(self, expired: list[Expired[Process]]) -> None:
         """Start carrying out each expiry (or resuming it, from the step its timer
-        records); returns at once."""
+        records): send first signals now, leave the rest to `settle`."""
+        commands_first = len(expired) <= _COMMANDS_FIRST
         for item in expired:
-            self._nursery.start_soon(self._expire, item.timer, item.process)
+            expiry = self._begin(item.timer, item.process)
+            if expiry is None:
+                continue
+            try:
+                if expiry.policy.target == "process" and self._next_is_signal(expiry):
+                    self._open(expiry, read_command=commands_first)
+                    self._signal_steps(expiry, first_only=True)
+            except Exception:
+                self._failed(expiry, "could not start the policy")
+                continue
+            self._settling.append(expiry)
+        if self._settling:
+            self._on_settle()
 
-    async def _expire(self, timer: Timer, process: Process) -> None:
+    def settle(self) -> bool:
+        """Take up to `BATCH` expiries past their first signal; returns whether
+        more are waiting."""
+        for _ in range(min(BATCH, len(self._settling))):
+            expiry = self._settling.popleft()
+            try:
+                if expiry.target is None:
+                    self._open(expiry, read_command=True)
+                elif not expiry.command:
+                    expiry.command = expiry.target.command()
+                self._signal_steps(expiry, first_only=False)
+                target = expiry.target
+                assert target is not None
+                alive = target.alive()
+                if alive and not target.denied and expiry.step < len(expiry.policy.steps):
+                    self._nursery.start_soon(self._carry_on, expiry)
+                elif alive and expiry.killed:
+                    self._watch(expiry)
+                else:
+                    self._finish(expiry, alive=alive)
+            except Exception:
+                self._failed(expiry, "the policy failed")
+        self._flush_events()
+        return bool(self._settling)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch the targets sent SIGKILL for their exit, all in one task."""
+        task_status.started()
+        try:
+            while True:
+                if not self._deadlines:
+                    await self._watching.wait()
+                    self._watching = trio.Event()
+                    continue
+                self._waiting_until = self._deadlines[0][0]
+                with trio.move_on_at(self._trio_time(self._waiting_until)) as self._sleeping:
+                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                self._sleeping, self._waiting_until = None, math.inf
+                self._reap()
+                await trio.lowlevel.checkpoint()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let go of every expiry not finished (the daemon is stopping: they stay
+        firing in the state, for the next start to resume)."""
+        for dying in list(self._dying.values()):
+            self._forget(dying)
+        for _, _, dying in self._deadlines:
+            self._let_go(dying.expiry)
+        self._deadlines.clear()
+        while self._settling:
+            self._let_go(self._settling.popleft())
+        self._epoll.close()
+
+    @staticmethod
+    def _let_go(expiry: _Expiry) -> None:
+        if expiry.process is not None:
+            expiry.process.close()
+            expiry.process = None
+        if expiry.target is not None:
+            expiry.target.close()
+
+    # The stages of one expiry.
+
+    def _begin(self, timer: Timer, process: Process) -> _Expiry | None:
         try:
             policy, note = self._service.policy_for(timer.policy)
-            command = process.command()
-            target = open_target(policy.target, process, self._daemon_pgid, timer.owner)
+            timer, note = _resume_point(timer, policy, note)
         except Exception:
             log.exception("could not start the policy of %r", timer)
+            process.close()
             self._service.expiry_finished(timer)
-            return
-        finally:
-            process.close()  # the target holds pidfds of its own
-        try:
-            await self._run(timer, policy, target, command=command, note=note)
-        except Exception:
-            log.exception("the policy of %r failed", timer)
-            self._service.expiry_finished(timer)
-        finally:
-            target.close()
-
-    async def _run(
-        self, timer: Timer, policy: Policy, target: Target, *, command: str, note: str
-    ) -> None:
-        """Carry out ``policy`` from the step ``timer`` reached (0, or where a
-        daemon that stopped left it). Each step is recorded in the state as it
-        starts; cancelled (the daemon stops), the timer stays firing there."""
-        settings = self._service.config
-        values = {"pid": str(timer.pid), "scope": timer.scope}
-        env = {
-            "WATCHDOG_PID": str(timer.pid),
-            "WATCHDOG_SCOPE": timer.scope,
-            "WATCHDOG_POLICY": policy.name,
-            "WATCHDOG_UID": str(timer.uid),
-        }
-        timer, note = _resume_point(timer, policy, note)
-        resumed_at = timer.step
-        gone_at_start = not target.alive()
-        results: list[StepResult] = []
-        signalled = resumed_at > 0
-        killed = False
-        for index, step in enumerate(policy.steps):
-            if index < resumed_at:
-                results.append(StepResult(step=step.describe(), result="done before a restart"))
-                killed = killed or (isinstance(step, Signal) and step.signum == signal.SIGKILL)
-                continue
-            if target.denied:
-                results.append(StepResult(step=step.describe(), result="skipped: not allowed"))
-                continue
-            if not target.alive():
-                results.append(StepResult(step=step.describe(), result="skipped: target exited"))
-                continue
-            if isinstance(step, Wait):
-                end = timer.step_end if index == timer.step and timer.step_end else 0.0
-                end = end or self._clock() + step.seconds
-                timer = self._service.step_started(timer, index, end)
-                results.append(await self._wait(step, target, end))
-                continue
-            timer = self._service.step_started(timer, index)
-            results.append(await self._step(step, target, values, env))
-            if isinstance(step, Signal):
-                if not signalled:
-                    signalled = True
-                    self._service.observe_lateness(self._clock() - timer.deadline)
-                # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
-                sent = results[-1].result.startswith("sent")
-                killed = killed or (step.signum == signal.SIGKILL and sent)
-        alive = target.alive()
-        if alive and killed:
-            alive = not await target.wait_exit(settings.unkillable_after)
-        if gone_at_start:
-            outcome = "gone"
-        elif alive:
-            outcome = "unkillable" if killed else "alive"
-        else:
-            outcome = "exited"
-        downtime = (
-            "fell due while the daemon was not running"
-            if timer.deadline < self._service.started <= timer.fired_at
-            else ""
+            return None
+        expiry = _Expiry(
+            timer=timer,
+            process=process,
+            policy=policy,
+            note=note,
+            resumed_at=timer.step,
+            step=timer.step,
+            signalled=timer.step > 0,
         )
-        resumed = f"resumed at step {resumed_at + 1} after a restart" if resumed_at else ""
-        notes = [text for text in (note, target.denied, target.note, downtime, resumed) if text]
-        self._service.record_expiry(
-            EventInfo(
-                seq=0,
-                kind="expired",
-                time=self._wall(),
-                pid=timer.pid,
-                uid=timer.uid,
-                scope=timer.scope,
-                policy=policy.name,
-                command=command,
-                armed_at=self._as_wall(timer.armed_at),
-                deadline=self._as_wall(timer.deadline),
-                fired_at=self._as_wall(timer.fired_at),
-                late=timer.fired_at - timer.deadline,
-                outcome=outcome,
-                steps=results,
-                note="; ".join(notes),
+        for step in policy.steps[: timer.step]:
+            expiry.results.append(StepResult(step=step.describe(), result="done before a restart"))
+            expiry.killed = expiry.killed or (
+                isinstance(step, Signal) and step.signum == signal.SIGKILL
             )
-        )
-        self._service.expiry_finished(timer)
-        if outcome == "unkillable":
-            self._report_unkillable(timer, policy, target, settings.unkillable_after)
+        return expiry
+
+    def _next_is_signal(self, expiry: _Expiry) -> bool:
+        steps = expiry.policy.steps
+        return expiry.step < len(steps) and isinstance(steps[expiry.step], Signal)
+
+    def _open(self, expiry: _Expiry, *, read_command: bool) -> None:
+        """Pin the target (it holds pidfds of its own) and let the process go."""
+        process = expiry.process
+        assert process is not None
+        try:
+            expiry.command = process.command() if read_command else process.armed_command
+            expiry.target = open_target(
+                expiry.policy.target, process, self._daemon_pgid, expiry.timer.owner
+            )
+        finally:
+            process.close()
+            expiry.process = None
+        expiry.gone_at_start = not expiry.target.alive()
+
+    def _signal_steps(self, expiry: _Expiry, *, first_only: bool) -> None:
+        """Carry out the signal steps from the next one on (only the next one when
+        ``first_only``), up to a step that waits."""
+        target = expiry.target
+        assert target is not None
+        steps = expiry.policy.steps
+        while expiry.step < len(steps):
+            step = steps[expiry.step]
+            if not isinstance(step, Signal):
+                return
+            if target.denied or not target.alive():
+                return  # `_carry_on`'s loop says why each step was skipped
+            self._started(expiry)
+            result = target.signal(step.signum)
+            self._signalled(expiry, step, result)
+            expiry.step += 1
+            if first_only:
+                return
+
+    def _started(self, expiry: _Expiry, step_end: float = 0.0) -> None:
+        """The next step starts: note when, and have the state record it unless its
+        firing record names it already."""
+        if expiry.step == expiry.resumed_at and expiry.first_step_at is None:
+            expiry.first_step_at = self._clock()
+        timer = expiry.timer
+        if expiry.step != timer.step or step_end != timer.step_end:
+            expiry.timer = self._service.step_started(timer, expiry.step, step_end)
+
+    def _signalled(self, expiry: _Expiry, step: Signal, result: str) -> None:
+        expiry.results.append(StepResult(step=step.describe(), result=result))
+        if not expiry.signalled:
+            expiry.signalled = True
+            self._service.observe_lateness(self._clock() - expiry.timer.deadline)
+        # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
+        if step.signum == signal.SIGKILL and result.startswith("sent"):
+            expiry.killed = True
+
+    async def _carry_on(self, expiry: _Expiry) -> None:
+        """The rest of a policy that has a step that waits, in a task of its own.
+        Cancelled (the daemon stops), the timer stays firing at the step it had
+        reached."""
+        target = expiry.target
+        assert target is not None
+        try:
+            values = {"pid": str(expiry.timer.pid), "scope": expiry.timer.scope}
+            env = {
+                "WATCHDOG_PID": str(expiry.timer.pid),
+                "WATCHDOG_SCOPE": expiry.timer.scope,
+                "WATCHDOG_POLICY": expiry.policy.name,
+                "WATCHDOG_UID": str(expiry.timer.uid),
+            }
+            steps = expiry.policy.steps
+            while expiry.step < len(steps):
+                step = steps[expiry.step]
+                if target.denied or not target.alive():
+                    break
+                if isinstance(step, Wait):
+                    timer = expiry.timer
+                    end = timer.step_end if expiry.step == timer.step and timer.step_end else 0.0
+                    end = end or self._clock() + step.seconds
+                    self._started(expiry, end)
+                    expiry.results.append(await self._wait(step, target, end))
+                elif isinstance(step, Signal):
+                    self._started(expiry)
+                    self._signalled(expiry, step, target.signal(step.signum))
+                else:
+                    self._started(expiry)
+                    expiry.results.append(await self._hook(step, values, env))
+                expiry.step += 1
+            alive = target.alive()
+            if alive and expiry.killed:
+                alive = not await target.wait_exit(self._service.config.unkillable_after)
+            self._finish(expiry, alive=alive)
+        except Exception:
+            self._failed(expiry, "the policy failed")
+        finally:
+            target.close()  # cancelled: the timer stays firing at its step
+        self._flush_events()
 
     async def _wait(self, step: Wait, target: Target, end: float) -> StepResult:
         """A wait that ends at ``end`` on the daemon's clock (its original end, when
@@ -186,21 +366,75 @@ class Actions:
         return StepResult(step=step.describe(), result=result)
 
     @staticmethod
-    async def _step(
-        step: Step, target: Target, values: dict[str, str], env: dict[str, str]
-    ) -> StepResult:
-        match step:
-            case Signal(signum):
-                return StepResult(step=step.describe(), result=target.signal(signum))
-            case Wait():
-                raise AssertionError("waits are carried out by Actions._wait")
-            case Exec(argv, timeout) | Dump(argv, timeout):
-                hook = await run_hook(substitute(argv, values), env, timeout)
-                return StepResult(step=step.describe(), result=hook.result, output=hook.output)
+    async def _hook(step: Step, values: dict[str, str], env: dict[str, str]) -> StepResult:
+        assert isinstance(step, Exec | Dump)
+        hook = await run_hook(substitute(step.argv, values), env, step.timeout)
+        return StepResult(step=step.describe(), result=hook.result, output=hook.output)
 
-    def _report_unkillable(
-        self, timer: Timer, policy: Policy, target: Target, after: float
-    ) -> None:
+    def _finish(self, expiry: _Expiry, *, alive: bool) -> None:
+        """Record the expiry's event; it leaves the state."""
+        target = expiry.target
+        assert target is not None
+        timer = expiry.timer
+        for step in expiry.policy.steps[len(expiry.results) :]:
+            why = "not allowed" if target.denied else "target exited"
+            expiry.results.append(StepResult(step=step.describe(), result=f"skipped: {why}"))
+        if expiry.gone_at_start:
+            outcome = "gone"
+        elif alive:
+            outcome = "unkillable" if expiry.killed else "alive"
+        else:
+            outcome = "exited"
+        downtime = (
+            "fell due while the daemon was not running"
+            if timer.deadline < self._service.started <= timer.fired_at
+            else ""
+        )
+        resumed = (
+            f"resumed at step {expiry.resumed_at + 1} after a restart" if expiry.resumed_at else ""
+        )
+        notes = [
+            text for text in (expiry.note, target.denied, target.note, downtime, resumed) if text
+        ]
+        started = timer.fired_at if expiry.first_step_at is None else expiry.first_step_at
+        self._events.append(
+            EventInfo(
+                seq=0,
+                kind="expired",
+                time=self._wall(),
+                pid=timer.pid,
+                uid=timer.uid,
+                scope=timer.scope,
+                policy=expiry.policy.name,
+                command=expiry.command,
+                armed_at=self._as_wall(timer.armed_at),
+                deadline=self._as_wall(timer.deadline),
+                fired_at=self._as_wall(timer.fired_at),
+                late=started - timer.deadline,
+                outcome=outcome,
+                steps=expiry.results,
+                note="; ".join(notes),
+            )
+        )
+        self._service.expiry_finished(timer)
+        if outcome == "unkillable":
+            self._report_unkillable(expiry)
+        target.close()
+
+    def _failed(self, expiry: _Expiry, what: str) -> None:
+        log.exception("%s of %r", what, expiry.timer)
+        self._let_go(expiry)
+        self._service.expiry_finished(expiry.timer)
+
+    def _flush_events(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self._service.record_expiries(events)
+
+    def _report_unkillable(self, expiry: _Expiry) -> None:
+        target = expiry.target
+        assert target is not None
+        after = self._service.config.unkillable_after
         pid, state, wchan = target.survivor()
         self._service.record_unkillable(
             EventInfo(
@@ -208,14 +442,60 @@ class Actions:
                 kind="unkillable",
                 time=self._wall(),
                 pid=pid,
-                uid=timer.uid,
-                scope=timer.scope,
-                policy=policy.name,
+                uid=expiry.timer.uid,
+                scope=expiry.timer.scope,
+                policy=expiry.policy.name,
                 state=state,
                 wchan=wchan,
                 note=f"still alive {after:g}s after SIGKILL",
             )
         )
+
+    # Watching targets sent SIGKILL for their exit.
+
+    def _watch(self, expiry: _Expiry) -> None:
+        target = expiry.target
+        assert target is not None
+        until = self._clock() + self._service.config.unkillable_after
+        dying = _Dying(expiry, {member.fd for member in target.members}, until)
+        for fd in dying.fds:
+            self._epoll.register(fd, select.EPOLLIN)
+            self._dying[fd] = dying
+        heapq.heappush(self._deadlines, (until, next(self._order), dying))
+        self._watching.set()
+        if until < self._waiting_until and self._sleeping is not None:
+            self._sleeping.cancel()  # a reload shortened unkillable_after
+
+    def _reap(self) -> None:
+        """Finish the watched expiries whose targets exited (a batch at a time) and
+        those past ``unkillable_after``."""
+        for fd, _ in self._epoll.poll(0, BATCH):
+            dying = self._dying.get(fd)
+            if dying is None:
+                continue
+            self._epoll.unregister(fd)
+            del self._dying[fd]
+            dying.fds.discard(fd)
+            if not dying.fds:
+                self._finish(dying.expiry, alive=False)
+        now = self._clock()
+        while self._deadlines and (not self._deadlines[0][2].fds or self._deadlines[0][0] <= now):
+            _, _, dying = heapq.heappop(self._deadlines)
+            if dying.fds:
+                self._forget(dying)
+                target = dying.expiry.target
+                assert target is not None
+                self._finish(dying.expiry, alive=target.alive())
+        self._flush_events()
+
+    def _forget(self, dying: _Dying) -> None:
+        for fd in dying.fds:
+            self._epoll.unregister(fd)
+            del self._dying[fd]
+        dying.fds.clear()
+
+    def _trio_time(self, monotonic: float) -> float:
+        return trio.current_time() + (monotonic - self._clock())
 
     def _as_wall(self, monotonic: float) -> float:
         return self._wall() - (self._clock() - monotonic)

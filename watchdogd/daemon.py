@@ -32,7 +32,7 @@ from typing import Final
 import trio
 
 from ._version import __version__
-from .actions import Actions
+from .actions import BATCH, Actions
 from .core.config import Config, lockouts, parse_config
 from .core.identity import Peer
 from .core.service import Restored, Service
@@ -67,6 +67,7 @@ class HostProcesses:
         return process.command()
 
     def track(self, process: Process) -> None:
+        process.remember_command()
         self._watcher.watch(process)
 
     def untrack(self, process: Process) -> None:
@@ -169,6 +170,7 @@ class Daemon:
             clock=clock,
             next_deadline=self._next_deadline,
             fire=self._fire,
+            settle=self._settle,
             heartbeat=None if interval is None else (interval, self._beat),
         )
         self.service: Service[Process] = Service(
@@ -202,7 +204,10 @@ class Daemon:
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
-        self.actions = Actions(self.service, nursery, clock=self.clock)
+        self.actions = Actions(
+            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake
+        )
+        await nursery.start(self.actions.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
             await nursery.start(self.store.run)
@@ -225,15 +230,26 @@ class Daemon:
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
 
-    def _fire(self, now: float) -> None:
+    def _fire(self, now: float) -> bool:
+        """Fire a batch of what is due; whether the batch was full."""
         try:
-            expired = self.service.expire_due(now)
+            expired = self.service.expire_due(now, BATCH)
             if expired:
                 assert self.actions is not None
                 self.actions.carry_out(expired)
         except Exception:
             # A bug here must not stop the scheduler (or the request that ran it).
             log.exception("firing the timers due at %r failed", now)
+            return False
+        return len(expired) == BATCH
+
+    def _settle(self) -> bool:
+        """Settle a batch of expiries; whether more wait."""
+        try:
+            return self.actions is not None and self.actions.settle()
+        except Exception:
+            log.exception("settling expiries failed")
+            return False
 
     def _storage_changed(self, degraded: bool, reason: str) -> None:
         self.service.storage_changed(degraded, reason)

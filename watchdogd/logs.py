@@ -102,11 +102,16 @@ class Throttle:
         suppressed, bucket[2] = int(bucket[2]), 0
         return suppressed
 
-    def log(self, key: Hashable, level: int, line: str, *, exc_info: bool = False) -> None:
-        """Log ``line`` at ``level`` unless ``key`` is over its rate."""
+    def log(
+        self, key: Hashable, level: int, line: str | Callable[[], str], *, exc_info: bool = False
+    ) -> None:
+        """Log ``line`` at ``level`` unless ``key`` is over its rate (a callable is
+        called for the line only when it is logged)."""
         suppressed = self.admit(key)
-        if suppressed is None:
+        if suppressed is None or not log.isEnabledFor(level):
             return
+        if callable(line):
+            line = line()
         if suppressed:
             line = f"{line} suppressed={suppressed}"
         log.log(level, line, exc_info=exc_info)

@@ -29,6 +29,9 @@ from .errors import Refusal
 SO_PEERPIDFD: Final = getattr(socket, "SO_PEERPIDFD", 77)
 _CREDENTIALS: Final = struct.Struct("3i")
 _COMMAND_BYTES: Final = 4096
+#: Characters of a command line a process in the table keeps (a status page shows
+#: at most 1 KiB of one).
+_REMEMBERED_COMMAND: Final = 1024
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -53,7 +56,16 @@ class Process:
     the last, after ``on_last_close`` (set by whoever watches the pidfd) has run.
     """
 
-    __slots__ = ("_refs", "fd", "on_last_close", "pid", "saved_uid", "start_time", "uid")
+    __slots__ = (
+        "_refs",
+        "armed_command",
+        "fd",
+        "on_last_close",
+        "pid",
+        "saved_uid",
+        "start_time",
+        "uid",
+    )
 
     def __init__(self, pid: int, fd: int, *, uid: int, saved_uid: int, start_time: int) -> None:
         self.pid = pid
@@ -62,6 +74,10 @@ class Process:
         self.saved_uid = saved_uid
         self.start_time = start_time
         self.on_last_close: Callable[[Process], None] | None = None
+        #: Its command line when it entered the timer table (at most
+        #: `_REMEMBERED_COMMAND` characters): what an expiry in a burst records,
+        #: when there is no time to read it again before the signal.
+        self.armed_command = ""
         self._refs = 1
 
     def __repr__(self) -> str:
@@ -122,6 +138,11 @@ class Process:
     def command(self) -> str:
         """The process's command line, or ``[comm]`` when it has none (a zombie)."""
         return command_of(self.pid)
+
+    def remember_command(self) -> None:
+        """Keep its command line as it is now (it entered the timer table)."""
+        if not self.armed_command:
+            self.armed_command = command_of(self.pid)[:_REMEMBERED_COMMAND]
 
 
 def open_process(pid: int, peer: Peer | None = None) -> Process:

@@ -7,6 +7,13 @@ and never waits on an action, so one slow action cannot delay another timer. Tas
 that serve requests also call `poll` between requests, so timers fire on time even
 while a flood of requests keeps the event loop busy.
 
+Work comes in bounded passes, so that a burst of expiries never holds the event
+loop for long: ``fire(now)`` fires one batch of what is due and says whether more
+may be; ``settle()`` does one batch of the follow-up work of expiries (see
+`watchdogd.actions`) and says whether more remains. Firing always comes first:
+follow-up work runs only when nothing is due, and the task lets every other task
+run between passes.
+
 On the daemon's own clock (CLOCK_MONOTONIC) it sleeps on a `TimerFd`, which wakes it
 within microseconds of the deadline; on any other clock (trio's test clocks) it
 sleeps with trio's own deadlines.
@@ -23,42 +30,57 @@ import trio
 from .timerfd import TimerFd
 
 
+def _nothing() -> bool:
+    return False
+
+
 class Scheduler:
-    """Calls ``fire(now)`` whenever a deadline may have passed."""
+    """Calls ``fire(now)`` whenever a deadline may have passed, and ``settle()``
+    while it has work and nothing is due."""
 
     def __init__(
         self,
         *,
         clock: Callable[[], float],
         next_deadline: Callable[[], float | None],
-        fire: Callable[[float], None],
+        fire: Callable[[float], bool],
+        settle: Callable[[], bool] = _nothing,
         heartbeat: tuple[float, Callable[[], object]] | None = None,
     ) -> None:
-        """``heartbeat`` is (interval, beat): ``beat()`` is called from this task's
-        own loop at least every ``interval`` seconds (systemd's WATCHDOG=1), so a
-        stalled loop stops beating."""
+        """``fire(now)`` returns True when it stopped at its batch with more
+        perhaps due; ``settle()`` True when it has more to do. ``heartbeat`` is
+        (interval, beat): ``beat()`` is called from this task's own loop at least
+        every ``interval`` seconds (systemd's WATCHDOG=1), so a stalled loop stops
+        beating."""
         self._clock = clock
         self._next_deadline = next_deadline
         self._fire = fire
+        self._settle = settle
         self._heartbeat = heartbeat
         self._target = math.inf
         self._sleep: trio.CancelScope | None = None
 
     def poll(self, now: float) -> None:
-        """Fire what is due at ``now`` if anything is. Called by busy connection tasks,
-        so that a flood of requests cannot keep the scheduler task from running on
-        time; O(1) when nothing is due."""
+        """Fire a batch of what is due at ``now`` if anything is. Called by busy
+        connection tasks, so that a flood of requests cannot keep the scheduler task
+        from running on time; O(1) when nothing is due. The scheduler task is woken
+        for the follow-up work."""
         if now >= self._target:
-            self._fire(now)
-            deadline = self._next_deadline()
-            self._target = math.inf if deadline is None else deadline
+            if not self._fire(now):
+                deadline = self._next_deadline()
+                self._target = math.inf if deadline is None else deadline
+            self.wake()
 
     def notify(self, deadline: float) -> None:
         """A timer with ``deadline`` was armed: wake up if it is the new earliest."""
         if deadline < self._target:
             self._target = deadline
-            if self._sleep is not None:
-                self._sleep.cancel()
+            self.wake()
+
+    def wake(self) -> None:
+        """Run a pass now (there is work to settle)."""
+        if self._sleep is not None:
+            self._sleep.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         timer = TimerFd() if self._clock is time.monotonic else None
@@ -69,9 +91,15 @@ class Scheduler:
                 now = self._clock()
                 if now >= next_beat:
                     next_beat = self._beat(now)
-                self._fire(now)
+                if self._fire(now):
+                    self._target = now
+                    await trio.lowlevel.checkpoint()
+                    continue
                 deadline = self._next_deadline()
                 self._target = math.inf if deadline is None else deadline
+                if self._settle():
+                    await trio.lowlevel.checkpoint()
+                    continue
                 wake = min(self._target, next_beat)
                 with trio.CancelScope() as self._sleep:
                     if timer is not None:

@@ -38,7 +38,7 @@ from typing import Final
 import trio
 
 from .core.policies import TargetKind
-from .process import Process, children_of, read_stat, read_uids, state_and_wchan
+from .process import Process, children_of, command_of, read_stat, read_uids, state_and_wchan
 
 _MAX_MEMBERS: Final = 65536
 
@@ -57,6 +57,17 @@ class Member:
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(0))
+
+    def holds_pid(self) -> bool:
+        """Whether the process still holds its pid (running, or a zombie not yet
+        reaped): what /proc showed for the pid meanwhile was about it."""
+        try:
+            signal.pidfd_send_signal(self.fd, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def send(self, signum: int) -> bool | None:
         """Signal it; False if it is gone, None if the daemon may not (EPERM: it
@@ -133,6 +144,13 @@ class Target:
     def alive(self) -> bool:
         """Whether any member is still running."""
         return any(not member.exited() for member in self.members)
+
+    def command(self) -> str:
+        """The command line of the timer's process, or ``?`` once its pid may be
+        someone else's (it was reaped). A process killed already shows ``[name]``."""
+        root = self.members[0]
+        command = command_of(root.pid)
+        return command if root.holds_pid() else "?"
 
     def signal(self, signum: int) -> str:
         """Send ``signum``; returns the step's result."""

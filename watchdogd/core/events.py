@@ -111,6 +111,18 @@ class EventLog:
 
     def record(self, event: EventInfo) -> EventInfo:
         """Number ``event``, keep it, log it as one line, and wake followers."""
+        event = self._keep(event)
+        self._notify()
+        return event
+
+    def record_many(self, events: list[EventInfo]) -> None:
+        """`record` each of ``events``, waking followers once."""
+        for event in events:
+            self._keep(event)
+        if events:
+            self._notify()
+
+    def _keep(self, event: EventInfo) -> EventInfo:
         self._last = next(self._seq)
         event, size = _bounded(msgspec.structs.replace(event, seq=self._last))
         uid = event.uid
@@ -126,9 +138,8 @@ class EventLog:
         self._throttle.log(
             (uid, event.kind),
             _LEVELS.get(event.kind, logging.INFO),
-            logfmt(event.kind, **_loggable(event)),
+            lambda: logfmt(event.kind, **_loggable(event)),
         )
-        self._notify()
         return event
 
     def page(

@@ -592,11 +592,12 @@ class Service(Generic[P]):
             },
         )
 
-    def expire_due(self, now: float) -> list[Expired[P]]:
-        """Take out the timers due at ``now``; each stays in the state as firing
-        (the returned timer) until `expiry_finished`. Each returned process handle
-        is retained for the caller, who closes it when the action is done."""
-        expired = self.table.pop_due(now)
+    def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
+        """Take out the timers due at ``now`` (the earliest ``limit``, when given);
+        each stays in the state as firing (the returned timer) until
+        `expiry_finished`. Each returned process handle is retained for the
+        caller, who closes it when the action is done."""
+        expired = self.table.pop_due(now, limit)
         for index, item in enumerate(expired):
             item.process.retain()
             if item.orphaned:
@@ -720,10 +721,12 @@ class Service(Generic[P]):
             )
         )
 
-    def record_expiry(self, event: EventInfo) -> None:
-        """A policy ended: count it by policy and outcome, and record its event."""
-        self.metrics.expiries[(event.policy, event.outcome)] += 1
-        self.events.record(event)
+    def record_expiries(self, events: list[EventInfo]) -> None:
+        """Policies ended: count them by policy and outcome, and record their
+        events (followers are woken once)."""
+        for event in events:
+            self.metrics.expiries[(event.policy, event.outcome)] += 1
+        self.events.record_many(events)
 
     def record_unkillable(self, event: EventInfo) -> None:
         """A target outlived SIGKILL."""
