@@ -21,8 +21,8 @@ Run with ``make bench``; ``--quick`` shortens every phase.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import re
 import select
 import signal
 import socket
@@ -37,7 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from watchdogd_client import Client
-from watchdogd_client.protocol import Acquire, encode_frame
+from watchdogd_client.protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    EventInfo,
+    FrameReader,
+    Hello,
+    Welcome,
+    decode_reply,
+    encode_frame,
+)
 
 SERVER_CPU = 0
 CLIENT_CPU = 1
@@ -176,57 +186,212 @@ def many_clients(socket_path: Path, clients: int, seconds: float) -> tuple[float
     return total / seconds, total
 
 
+def events_config(directory: Path) -> Path:
+    """A config that keeps enough events for every expiry a run reads back."""
+    config = directory / "events.toml"
+    config.write_text("[daemon]\nevents = 50000\n")
+    return config
+
+
+def arm_many(socket_path: Path, count: int, prefix: str) -> None:
+    """Arm ``count`` hour-long timers on this process, pipelined a thousand at a
+    time (one client acking each would take minutes at 100,000)."""
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(socket_path))
+        reader = FrameReader(1 << 20)
+        for first in range(0, count, 1000):
+            frames = [encode_frame(Hello(id=0, version=PROTOCOL_VERSION))] if first == 0 else []
+            frames += [
+                encode_frame(Acquire(id=i + 1, scope=f"{prefix}-{i}", timeout=3600.0))
+                for i in range(first, min(count, first + 1000))
+            ]
+            raw.sendall(b"".join(frames))
+            replies = 0
+            while replies < len(frames):
+                for frame in reader.feed(raw.recv(1 << 16)):
+                    reply = decode_reply(frame)
+                    assert isinstance(reply, Acquired | Welcome), reply
+                    replies += 1
+
+
+def spawn_victims(count: int) -> list[int]:
+    """``count`` sleeping processes on the clients' CPU (they inherit it)."""
+    pin(CLIENT_CPU)
+    return [os.posix_spawn("/bin/sleep", ["sleep", "3600"], {"PATH": "/bin"}) for _ in range(count)]
+
+
+def reap_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def expiry_events(client: Client, after: int, scope: str) -> dict[int, EventInfo]:
+    """The ``expired`` events of ``scope`` numbered above ``after``, by pid."""
+    found: dict[int, EventInfo] = {}
+    while page := client.events(after=after, limit=1000).events:
+        found.update((e.pid, e) for e in page if e.kind == "expired" and e.scope == scope)
+        after = page[-1].seq
+    return found
+
+
+def wait_for_events(client: Client, after: int, scope: str, count: int) -> dict[int, EventInfo]:
+    deadline = time.monotonic() + 60
+    while len(found := expiry_events(client, after, scope)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(found)} of {count} expiries recorded after 60 s")
+        time.sleep(0.1)
+    return found
+
+
+@contextmanager
+def churning(socket_path: Path, clients: int) -> Iterator[None]:
+    """``clients`` processes arming and releasing as fast as they can meanwhile."""
+    children = []
+    for n in range(clients):
+        child = os.fork()
+        if child == 0:
+            pin(CLIENT_CPU)
+            with Client(socket_path) as client:
+                while True:
+                    client.acquire(f"churn-{n}", 60.0)
+                    client.release(f"churn-{n}")
+        children.append(child)
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+
+
 def deadline_to_death(
-    socket_path: Path, log_path: Path, victims: int, others: int, spacing: float
+    socket_path: Path, victims: int, spacing: float
 ) -> tuple[list[float], list[float]]:
-    """Lateness of each victim's death and of each SIGKILL, in seconds."""
+    """Lateness of each victim's death (its pidfd here) and of its SIGKILL (the
+    daemon's own ``late``, deadline to first signal, from its events), in seconds."""
     pin(CLIENT_CPU)
     with Client(socket_path) as client:
-        for i in range(others):
-            client.acquire(f"other-{i}", 3600.0)
-        children = [subprocess.Popen(["sleep", "3600"]) for _ in range(victims)]
-        pidfds = {os.pidfd_open(child.pid): child for child in children}
+        after = client.events(limit=1).last
+        children = spawn_victims(victims)
+        pidfds = {os.pidfd_open(pid): pid for pid in children}
         poller = select.epoll()
         for fd in pidfds:
             poller.register(fd, select.EPOLLIN)
         deadlines: dict[int, float] = {}
         base = 0.5 + victims * 0.0002  # time to arm them all before the first fires
         first = time.monotonic()
-        for index, child in enumerate(children):
+        for index, pid in enumerate(children):
             timeout = base + index * spacing - (time.monotonic() - first)
             sent = time.monotonic()
-            remaining = client.acquire("victim", timeout, pid=child.pid)
+            remaining = client.acquire("victim", timeout, pid=pid)
             acked = time.monotonic()
-            deadlines[child.pid] = (sent + acked) / 2 + remaining
+            deadlines[pid] = (sent + acked) / 2 + remaining
         lateness: list[float] = []
         while len(lateness) < victims:
             for fd, _ in poller.poll(5.0):
                 died = time.monotonic()
-                child = pidfds[fd]
                 poller.unregister(fd)
-                lateness.append(died - deadlines[child.pid])
+                lateness.append(died - deadlines[pidfds[fd]])
         poller.close()
-        for fd, child in pidfds.items():
+        for fd in pidfds:
             os.close(fd)
-            child.wait()
-        for i in range(others):
-            client.release(f"other-{i}")
-    signalled = [float(m) / 1000 for m in re.findall(r"late_ms=([0-9.e+-]+)", log_path.read_text())]
-    return lateness, signalled
+        reap_all(children)
+        events = wait_for_events(client, after, "victim", victims)
+    return lateness, [event.late or 0.0 for event in events.values()]
 
 
 def lateness_figures(
-    path: Path, log: Path, victims: int, others: int, floor: float
+    path: Path, victims: int, others: int, churners: int, floor: float
 ) -> list[Figure]:
-    death, signalled = deadline_to_death(path, log, victims, others, spacing=0.003)
+    arm_many(path, others, "other")
+    with churning(path, churners):
+        death, signalled = deadline_to_death(path, victims, spacing=0.003)
     figures = []
+    note = f"n={victims}, {others:,} others armed, {churners} clients churning"
     for name, values in (("deadline -> death", death), ("deadline -> SIGKILL sent", signalled)):
         for tag, fraction in (("p50", 0.5), ("p99", 0.99)):
             value = percentile(values, fraction)
-            note = f"n={len(values)}, {others} others armed"
             figures.append(Figure(f"{name} {tag}", value * 1e3, "ms", value / floor, note))
     mean = statistics.fmean(death)
     figures.append(Figure("deadline -> death mean", mean * 1e3, "ms", mean / floor, ""))
+    return figures
+
+
+def pinger(socket_path: Path, seconds: float) -> tuple[int, int]:
+    """Fork a process that pings for ``seconds``, each ping's send time and round
+    trip in ``(time, rtt)`` pairs written to a pipe; returns (pid, read end)."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        pin(CLIENT_CPU)
+        samples = []
+        with Client(socket_path) as client:
+            stop = time.monotonic() + seconds
+            while (sent := time.monotonic()) < stop:
+                client.ping()
+                samples.append(f"{sent!r} {time.monotonic() - sent!r}")
+        os.write(write_end, "\n".join(samples).encode())
+        os._exit(0)
+    os.close(write_end)
+    return child, read_end
+
+
+def burst_figures(directory: Path, victims: int, others: int, floor: float) -> list[Figure]:
+    """``victims`` timers falling due within the same 10 ms while ``others`` are
+    armed: the daemon's deadline -> first signal for each, and pings meanwhile."""
+    config = events_config(directory)
+    with running_daemon(directory, "--no-state", "--config", str(config)) as (path, _, _):
+        arm_many(path, others, "other")
+        children = spawn_victims(victims)
+        try:
+            with Client(path) as client:
+                after = client.events(limit=1).last
+                due = time.monotonic() + 1.0 + victims * 0.0002
+                for index, pid in enumerate(children):
+                    spread = 0.010 * index / victims
+                    client.acquire("burst", due + spread - time.monotonic(), pid=pid)
+                lead = due - time.monotonic()
+                pinging, pings = pinger(path, lead + 1.0)
+                events = wait_for_events(client, after, "burst", victims)
+            with os.fdopen(pings) as results:
+                samples = [tuple(map(float, line.split())) for line in results.read().split("\n")]
+            os.waitpid(pinging, 0)
+        finally:
+            reap_all(children)
+    late = [event.late or 0.0 for event in events.values()]
+    ends = max(late) + 0.010
+    during = [rtt for sent, rtt in samples if due <= sent <= due + ends]
+    deadlines = [event.deadline or 0.0 for event in events.values()]
+    spread = (max(deadlines) - min(deadlines)) * 1e3
+    note = f"n={victims:,} due within {spread:.1f} ms, {others:,} others"
+    figures = [
+        Figure(
+            f"burst: deadline -> first signal {tag}",
+            value * 1e3,
+            "ms",
+            value / floor,
+            note if tag == "p50" else "",
+        )
+        for tag, value in (
+            ("p50", percentile(late, 0.5)),
+            ("p99", percentile(late, 0.99)),
+            ("max", max(late)),
+        )
+    ]
+    worst = max(during, default=0.0)
+    figures.append(
+        Figure(
+            "burst: slowest ping during it",
+            worst * 1e3,
+            "ms",
+            worst / floor,
+            f"{len(during)} pings in the burst",
+        )
+    )
     return figures
 
 
@@ -313,7 +478,8 @@ def main() -> None:
     round_trips = rounds * 1_000
     seconds = rounds * (0.5 if options.quick else 1.0)
     victims = 200 if options.quick else 1_000
-    others = 2_000 if options.quick else 10_000
+    others = 10_000 if options.quick else 100_000
+    burst = 1_000 if options.quick else 10_000
 
     print(f"cpus: {os.cpu_count()}, servers on CPU {SERVER_CPU}, clients on CPU {CLIENT_CPU}")
     floor = floor_round_trip(round_trips)
@@ -336,7 +502,11 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="wd-bench-") as off_dir,
         tempfile.TemporaryDirectory(prefix="wd-bench-") as on_dir,
         running_daemon(Path(off_dir), "--no-state") as (off_path, _, off_pid),
-        running_daemon(Path(on_dir)) as (on_path, on_log, on_pid),
+        running_daemon(Path(on_dir), "--config", str(events_config(Path(on_dir)))) as (
+            on_path,
+            _,
+            on_pid,
+        ),
     ):
         for _ in range(rounds):
             for state, path, pid in (("off", off_path, off_pid), ("on", on_path, on_pid)):
@@ -384,7 +554,9 @@ def main() -> None:
             low, _, high = statistics.quantiles(kept, n=4)
             spread = f"{len(kept)} rounds, middle half {low * 100:.0f}-{high * 100:.0f} %"
             figures.append(Figure(f"{what}: state on / off", ratio * 100, "%", ratio, spread))
-        figures += lateness_figures(on_path, on_log, victims, others, floor)
+        figures += lateness_figures(on_path, victims, others, 8, floor)
+    with tempfile.TemporaryDirectory(prefix="wd-bench-") as burst_dir:
+        figures += burst_figures(Path(burst_dir), burst, others, floor)
     figures += restart_figures([100_000] if options.quick else [100_000, 1_000_000])
     width = max(len(f.name) for f in figures)
     print(f"{'figure':<{width}}  {'value':>12}  {'unit':<14} {'x floor':>8}  note")

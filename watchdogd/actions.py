@@ -289,10 +289,12 @@ class Actions:
             step = steps[expiry.step]
             if not isinstance(step, Signal):
                 return
-            if target.denied or not target.alive():
-                return  # `_carry_on`'s loop says why each step was skipped
+            # Seen alive when it was opened, for the first step of this run.
+            first = expiry.step == expiry.resumed_at and expiry.first_step_at is None
+            if target.denied or (expiry.gone_at_start if first else not target.alive()):
+                return  # `_finish` says why each step left was skipped
             self._started(expiry)
-            result = target.signal(step.signum)
+            result = target.signal(step.signum, alive=first)
             self._signalled(expiry, step, result)
             expiry.step += 1
             if first_only:

@@ -449,9 +449,11 @@ class _Connection:
     async def _flush(self, out: bytearray) -> bool:
         if self.journal.generation != self.durable:
             changed = self.journal.generation
-            # Let every other task of this turn of the loop add its changes, so
-            # that one commit serves them all.
-            await trio.lowlevel.checkpoint()
+            if trio.lowlevel.current_statistics().tasks_runnable:
+                # Let every other task of this turn of the loop add its changes,
+                # so that one commit serves them all. (Alone, commit at once: a
+                # turn of the loop costs a lone client as much as the write.)
+                await trio.lowlevel.checkpoint()
             if await self.journal.commit(changed):
                 self.durable = changed
             else:

@@ -41,6 +41,7 @@ from .core.policies import TargetKind
 from .process import Process, children_of, command_of, read_stat, read_uids, state_and_wchan
 
 _MAX_MEMBERS: Final = 65536
+_NAMES: Final = {int(member): member.name for member in signal.Signals}
 
 
 class Member:
@@ -152,14 +153,18 @@ class Target:
         command = command_of(root.pid)
         return command if root.holds_pid() else "?"
 
-    def signal(self, signum: int) -> str:
-        """Send ``signum``; returns the step's result."""
-        name = signal.Signals(signum).name
+    def signal(self, signum: int, *, alive: bool = False) -> str:
+        """Send ``signum``; returns the step's result. ``alive``: the target was
+        just seen alive (a process target then skips checking again)."""
+        name = _NAMES.get(signum) or signal.Signals(signum).name
         if self.kind == "group" and self.owner == 0:
             return self._signal_group(signum, name)
         if self.kind == "tree":
             self._collect_descendants()
-        results = [member.send(signum) for member in self.members if not member.exited()]
+        if alive and self.kind == "process":
+            results = [self.members[0].send(signum)]
+        else:
+            results = [member.send(signum) for member in self.members if not member.exited()]
         sent = results.count(True)
         if not sent:
             return f"not permitted to send {name}" if None in results else "gone"
