@@ -18,12 +18,15 @@ CPU 0, workers, victims and this process on CPU 1, as in ``bench/run.py``.
 
 Figures, for each system:
 
-- deadline -> death, p50, p99 and max: the deadline is the time the victim's arm
-  call returned (acknowledged by the daemon; written into the FIFO for torch) plus
-  1 s, on the victim's monotonic clock; death is when a pidfd of the victim, held by
-  this process, became readable;
-- deadline -> signal sent, as the server itself saw it: the daemon's ``late_ms``;
-  for torch, the time it signalled minus the request's ``expiration_time``;
+- deadline -> death, p50 and p99 (with 100 victims or fewer, p99 is the worst): the
+  deadline is the time the victim's arm call returned (acknowledged by the daemon;
+  written into the FIFO for torch) plus 1 s, on the monotonic clock; death is when a
+  pidfd of the victim, held by this process, became readable. It includes the
+  victim's own exit and this process's wake-up, on a CPU the churning workers keep
+  busy;
+- deadline -> signal sent, as the server itself saw it, which leaves those out: the
+  daemon's ``late_ms``; for torch, the time it signalled minus the request's
+  ``expiration_time``;
 - victims never killed within 10 s of their deadline (lost): counted, then killed
   here; how many of them saw their arm call raise;
 - client errors: exceptions raised by the churning workers' calls, by type, and the
@@ -377,7 +380,6 @@ def figures(tally: Tally, record: ServerRecord) -> list[tuple[str, float, str]]:
     return [
         ("deadline -> death p50", ms(tally.death, 0.5), "ms"),
         ("deadline -> death p99", ms(tally.death, 0.99), "ms"),
-        ("deadline -> death max", ms(tally.death, 1.0), "ms"),
         ("deadline -> signal sent p50, server's view", ms(record.late, 0.5), "ms"),
         ("deadline -> signal sent p99, server's view", ms(record.late, 0.99), "ms"),
         ("victims killed", len(tally.death), f"of {len(tally.victims)}"),
@@ -440,7 +442,7 @@ def main() -> None:
     print(f"{'figure':<{width}}  {'FileTimer':>10}  {'watchdogd':>10}  {'wd/FT':>6}  unit")
     for (name, their, unit), (_, our, _) in zip(theirs, ours, strict=True):
         ratio = f"{our / their:6.2f}" if their and not math.isnan(their) else f"{'-':>6}"
-        print(f"{name:<{width}}  {their:>10,.1f}  {our:>10,.1f}  {ratio}  {unit}")
+        print(f"{name:<{width}}  {their:>10,.2f}  {our:>10,.2f}  {ratio}  {unit}")
     for system in systems:
         print(details(system.name, tallies[system.name], system.record))
 
