@@ -328,6 +328,9 @@ def pinger(socket_path: Path, seconds: float) -> tuple[int, int]:
     if child == 0:
         os.close(read_end)
         pin(CLIENT_CPU)
+        # Ahead of the victims' exits, which run on this CPU too: what is timed is
+        # the daemon's answer, not this process's turn.
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
         samples = []
         with Client(socket_path) as client:
             stop = time.monotonic() + seconds
@@ -350,7 +353,7 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
         try:
             with Client(path) as client:
                 after = client.events(limit=1).last
-                due = time.monotonic() + 1.0 + victims * 0.0002
+                due = time.monotonic() + 2.0 + victims * 0.0005
                 for index, pid in enumerate(children):
                     spread = 0.010 * index / victims
                     client.acquire("burst", due + spread - time.monotonic(), pid=pid)

@@ -106,7 +106,7 @@ class Batched:
         self.unsettled += [key for key, _ in due]
         return len(due) == self.batch
 
-    def settle(self) -> bool:
+    def settle(self, until: float) -> bool:
         if self.unsettled:
             self.log.append(f"settle {self.unsettled.pop(0)}")
         return bool(self.unsettled)

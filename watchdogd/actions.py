@@ -67,6 +67,8 @@ from .targets import Target, open_target
 #: The most expiries one pass fires, and the most one call of `Actions.settle`
 #: settles: a pass stays around a millisecond, so a request waits no longer.
 BATCH: Final = 256
+#: Exited targets taken from the epoll set at a time.
+_REAPED_AT_ONCE: Final = 64
 #: A pass that fires more than this does not read command lines before the first
 #: signal: its events show the command line each process had when it entered the
 #: timer table. Signals come first in a burst.
@@ -146,6 +148,10 @@ class Actions:
         self._sleeping: trio.CancelScope | None = None
         self._waiting_until = math.inf
         self._events: list[EventInfo] = []
+        #: Targets sent SIGKILL have exited (or outlived ``unkillable_after``):
+        #: `settle` finishes them and sets ``_reaped``.
+        self._reap_due = False
+        self._reaped = trio.Event()
 
     @property
     def settling(self) -> int:
@@ -162,7 +168,7 @@ class Actions:
                 continue
             try:
                 if expiry.policy.target == "process" and self._next_is_signal(expiry):
-                    self._open(expiry, read_command=commands_first)
+                    self._open(expiry, read_command=commands_first, check=False)
                     self._signal_steps(expiry, first_only=True)
             except Exception:
                 self._failed(expiry, "could not start the policy")
@@ -171,33 +177,45 @@ class Actions:
         if self._settling:
             self._on_settle()
 
-    def settle(self) -> bool:
-        """Take up to `BATCH` expiries past their first signal; returns whether
-        more are waiting."""
-        for _ in range(min(BATCH, len(self._settling))):
-            expiry = self._settling.popleft()
-            try:
-                if expiry.target is None:
-                    self._open(expiry, read_command=True)
-                elif not expiry.command:
-                    expiry.command = expiry.target.command()
-                self._signal_steps(expiry, first_only=False)
-                target = expiry.target
-                assert target is not None
-                alive = target.alive()
-                if alive and not target.denied and expiry.step < len(expiry.policy.steps):
-                    self._nursery.start_soon(self._carry_on, expiry)
-                elif alive and expiry.killed:
-                    self._watch(expiry)
-                else:
-                    self._finish(expiry, alive=alive)
-            except Exception:
-                self._failed(expiry, "the policy failed")
+    def settle(self, until: float) -> bool:
+        """Carry expiries on past their first signal, and finish those whose
+        targets exited, until the daemon's clock reads ``until`` (the next
+        deadline, or the end of a slice) or a batch is done, whichever is first;
+        at least one thing is done. Returns whether more work is waiting."""
+        for count in range(min(BATCH, len(self._settling))):
+            if count and self._clock() >= until:
+                break
+            self._settle_one(self._settling.popleft())
+        reap = self._reap_due and (not self._settling or self._clock() < until)
+        if reap and self._reap(until):
+            self._reap_due = False
+            self._reaped.set()
         self._flush_events()
-        return bool(self._settling)
+        return bool(self._settling) or self._reap_due
+
+    def _settle_one(self, expiry: _Expiry) -> None:
+        try:
+            if expiry.target is None:
+                self._open(expiry, read_command=True)
+            elif not expiry.command:
+                expiry.command = expiry.target.command()
+            self._signal_steps(expiry, first_only=False)
+            target = expiry.target
+            assert target is not None
+            alive = target.alive()
+            if alive and not target.denied and expiry.step < len(expiry.policy.steps):
+                self._nursery.start_soon(self._carry_on, expiry)
+            elif alive and expiry.killed:
+                self._watch(expiry)
+            else:
+                self._finish(expiry, alive=alive)
+        except Exception:
+            self._failed(expiry, "the policy failed")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Watch the targets sent SIGKILL for their exit, all in one task."""
+        """Watch the targets sent SIGKILL for their exit, all in one task: when one
+        exits or outlives ``unkillable_after``, have `settle` finish it (so that
+        firing still comes first), and wait until it has."""
         task_status.started()
         try:
             while True:
@@ -209,8 +227,10 @@ class Actions:
                 with trio.move_on_at(self._trio_time(self._waiting_until)) as self._sleeping:
                     await trio.lowlevel.wait_readable(self._epoll.fileno())
                 self._sleeping, self._waiting_until = None, math.inf
-                self._reap()
-                await trio.lowlevel.checkpoint()
+                self._reaped = trio.Event()
+                self._reap_due = True
+                self._on_settle()
+                await self._reaped.wait()
         finally:
             self.close()
 
@@ -265,8 +285,11 @@ class Actions:
         steps = expiry.policy.steps
         return expiry.step < len(steps) and isinstance(steps[expiry.step], Signal)
 
-    def _open(self, expiry: _Expiry, *, read_command: bool) -> None:
-        """Pin the target (it holds pidfds of its own) and let the process go."""
+    def _open(self, expiry: _Expiry, *, read_command: bool, check: bool = True) -> None:
+        """Pin the target (it holds pidfds of its own) and let the process go.
+        ``check``: see whether it is gone already; without, the first signal
+        tells (polling a pidfd takes a lock that a storm of exits holds, and a
+        burst of expiries is such a storm)."""
         process = expiry.process
         assert process is not None
         try:
@@ -277,7 +300,8 @@ class Actions:
         finally:
             process.close()
             expiry.process = None
-        expiry.gone_at_start = not expiry.target.alive()
+        if check:
+            expiry.gone_at_start = not expiry.target.alive()
 
     def _signal_steps(self, expiry: _Expiry, *, first_only: bool) -> None:
         """Carry out the signal steps from the next one on (only the next one when
@@ -295,6 +319,8 @@ class Actions:
                 return  # `_finish` says why each step left was skipped
             self._started(expiry)
             result = target.signal(step.signum, alive=first)
+            if first and result == "gone":
+                expiry.gone_at_start = True
             self._signalled(expiry, step, result)
             expiry.step += 1
             if first_only:
@@ -468,18 +494,23 @@ class Actions:
         if until < self._waiting_until and self._sleeping is not None:
             self._sleeping.cancel()  # a reload shortened unkillable_after
 
-    def _reap(self) -> None:
-        """Finish the watched expiries whose targets exited (a batch at a time) and
-        those past ``unkillable_after``."""
-        for fd, _ in self._epoll.poll(0, BATCH):
-            dying = self._dying.get(fd)
-            if dying is None:
-                continue
-            self._epoll.unregister(fd)
-            del self._dying[fd]
-            dying.fds.discard(fd)
-            if not dying.fds:
-                self._finish(dying.expiry, alive=False)
+    def _reap(self, until: float) -> bool:
+        """Finish the watched expiries whose targets exited and those past
+        ``unkillable_after``, until ``until``; returns whether none is left."""
+        while True:
+            ready = self._epoll.poll(0, _REAPED_AT_ONCE)
+            for fd, _ in ready:
+                dying = self._dying.pop(fd, None)
+                if dying is None:
+                    continue
+                self._epoll.unregister(fd)
+                dying.fds.discard(fd)
+                if not dying.fds:
+                    self._finish(dying.expiry, alive=False)
+            if len(ready) < _REAPED_AT_ONCE:
+                break
+            if self._clock() >= until:
+                return False
         now = self._clock()
         while self._deadlines and (not self._deadlines[0][2].fds or self._deadlines[0][0] <= now):
             _, _, dying = heapq.heappop(self._deadlines)
@@ -488,7 +519,7 @@ class Actions:
                 target = dying.expiry.target
                 assert target is not None
                 self._finish(dying.expiry, alive=target.alive())
-        self._flush_events()
+        return True
 
     def _forget(self, dying: _Dying) -> None:
         for fd in dying.fds:

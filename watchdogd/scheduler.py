@@ -9,10 +9,10 @@ while a flood of requests keeps the event loop busy.
 
 Work comes in bounded passes, so that a burst of expiries never holds the event
 loop for long: ``fire(now)`` fires one batch of what is due and says whether more
-may be; ``settle()`` does one batch of the follow-up work of expiries (see
-`watchdogd.actions`) and says whether more remains. Firing always comes first:
-follow-up work runs only when nothing is due, and the task lets every other task
-run between passes.
+may be; ``settle(until)`` does the follow-up work of expiries (see
+`watchdogd.actions`) until the next deadline, or for a slice of at most 2 ms, and
+says whether more remains. Firing always comes first: follow-up work runs only
+when nothing is due, and the task lets every other task run between passes.
 
 On the daemon's own clock (CLOCK_MONOTONIC) it sleeps on a `TimerFd`, which wakes it
 within microseconds of the deadline; on any other clock (trio's test clocks) it
@@ -24,18 +24,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Final
 
 import trio
 
 from .timerfd import TimerFd
 
 
-def _nothing() -> bool:
+def _nothing(until: float) -> bool:
     return False
 
 
+#: The longest the task settles before it lets other tasks run (seconds).
+SLICE: Final = 0.002
+
+
 class Scheduler:
-    """Calls ``fire(now)`` whenever a deadline may have passed, and ``settle()``
+    """Calls ``fire(now)`` whenever a deadline may have passed, and ``settle``
     while it has work and nothing is due."""
 
     def __init__(
@@ -44,11 +49,13 @@ class Scheduler:
         clock: Callable[[], float],
         next_deadline: Callable[[], float | None],
         fire: Callable[[float], bool],
-        settle: Callable[[], bool] = _nothing,
+        settle: Callable[[float], bool] = _nothing,
         heartbeat: tuple[float, Callable[[], object]] | None = None,
     ) -> None:
         """``fire(now)`` returns True when it stopped at its batch with more
-        perhaps due; ``settle()`` True when it has more to do. ``heartbeat`` is
+        perhaps due; ``settle(until)`` works until its clock reads ``until`` (the
+        next deadline, or the end of a slice of `SLICE`), and returns True when it
+        has more to do. ``heartbeat`` is
         (interval, beat): ``beat()`` is called from this task's own loop at least
         every ``interval`` seconds (systemd's WATCHDOG=1), so a stalled loop stops
         beating."""
@@ -97,7 +104,7 @@ class Scheduler:
                     continue
                 deadline = self._next_deadline()
                 self._target = math.inf if deadline is None else deadline
-                if self._settle():
+                if self._settle(min(self._target, now + SLICE)):
                     await trio.lowlevel.checkpoint()
                     continue
                 wake = min(self._target, next_beat)

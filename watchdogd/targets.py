@@ -47,11 +47,13 @@ _NAMES: Final = {int(member): member.name for member in signal.Signals}
 class Member:
     """One pinned process of a target."""
 
-    __slots__ = ("fd", "pid")
+    __slots__ = ("fd", "pid", "waited")
 
     def __init__(self, pid: int, fd: int) -> None:
         self.pid = pid
         self.fd = fd
+        #: trio waited on the descriptor: it must hear of its closing.
+        self.waited = False
 
     def exited(self) -> bool:
         """Whether the process has exited (its pidfd is readable)."""
@@ -105,12 +107,13 @@ def _pin(
     return member
 
 
-def _close(fd: int) -> None:
-    # trio may still have the descriptor registered from a cancelled wait; it must
-    # forget it before the number can be reused. (Outside trio there is nothing to
-    # forget.)
-    with contextlib.suppress(RuntimeError):
-        trio.lowlevel.notify_closing(fd)
+def _close(fd: int, *, waited: bool = False) -> None:
+    # trio may still have a descriptor it waited on registered from a cancelled
+    # wait; it must forget it before the number can be reused. (Outside trio there
+    # is nothing to forget.)
+    if waited:
+        with contextlib.suppress(RuntimeError):
+            trio.lowlevel.notify_closing(fd)
     os.close(fd)
 
 
@@ -215,6 +218,7 @@ class Target:
         """Wait up to ``seconds`` for every member to exit; returns whether they did."""
         with trio.move_on_after(seconds):
             for member in self.members:
+                member.waited = True
                 await trio.lowlevel.wait_readable(member.fd)
         return not self.alive()
 
@@ -227,7 +231,7 @@ class Target:
 
     def close(self) -> None:
         for member in self.members:
-            _close(member.fd)
+            _close(member.fd, waited=member.waited)
         self.members = []
 
 

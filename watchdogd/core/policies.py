@@ -19,6 +19,7 @@ The built-in policies are always present unless the config overrides them by nam
 
 from __future__ import annotations
 
+import functools
 import signal
 import zlib
 from collections.abc import Mapping
@@ -129,7 +130,13 @@ class Policy(Struct, frozen=True, kw_only=True):
     def plan(self) -> int:
         """A fingerprint of what the policy does (its steps and target), the same in
         every run: a resumed expiry goes on only under the same plan."""
-        return zlib.crc32(msgspec.msgpack.encode((self.target, self.steps)))
+        return _plan(self.target, self.steps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(target: TargetKind, steps: tuple[Step, ...]) -> int:
+    # Worked out once per policy: every expiry asks.
+    return zlib.crc32(msgspec.msgpack.encode((target, steps)))
 
 
 BUILTIN: Final[Mapping[str, Policy]] = {
@@ -156,6 +163,7 @@ BUILTIN: Final[Mapping[str, Policy]] = {
 SIGNAL_POLICY_PREFIX: Final = "signal:"
 
 
+@functools.lru_cache(maxsize=256)
 def signal_policy(name: str) -> Policy | None:
     """The one-step built-in policy ``name`` stands for, if it is ``signal:NAME``
     with a signal this host knows (None otherwise)."""
