@@ -26,6 +26,7 @@ import grp
 import os
 import resource
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Final
@@ -75,6 +76,8 @@ class HostProcesses:
         process.close()  # the table's reference; the watch ends with the last
 
 
+#: Seconds a thread may run before Python offers the GIL to another (default 5 ms).
+_SWITCH_INTERVAL: Final = 0.0005
 #: The longest the cyclic garbage collector is held off by one burst of expiries.
 _HOLD_COLLECTOR: Final = 1.0
 
@@ -138,6 +141,9 @@ async def run(
     the socket accepts connections and the state is loaded.
     """
     raise_nofile_limit()
+    # A worker thread (a fold of the state, the metrics file) holds the GIL for up
+    # to this long before the event loop, which fires the timers, gets it back.
+    sys.setswitchinterval(_SWITCH_INTERVAL)
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
     try:
