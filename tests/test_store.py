@@ -319,6 +319,26 @@ def test_the_files_of_schema_2_still_load(tmp_path: Path, monkeypatch: pytest.Mo
         } == SCHEMA2_TIMERS
 
 
+def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
+    """A decoded record would hold its own copy of every value; loaded timers hold
+    one object per distinct pid, start time, policy, uid, timeout and zero, from
+    the database and the journals alike (a million of them would otherwise cost
+    some 200 bytes each more than when armed)."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    folded = [timer(4000 + i % 3, f"s{i}", deadline=100.0 + i) for i in range(200)]
+    raw = sqlite3.connect(path, isolation_level=None)
+    store_module._replace_all(raw, {t.store_key: t for t in folded}, store_module._boot_id())
+    raw.close()
+    append(path, 1, Record(puts=[timer(4000, "from-the-journal", deadline=50.0)]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert len(loaded.timers) == 201
+    for name in ("policy", "uid", "owner", "timeout", "start_time", "step_end", "fired_at"):
+        assert len({id(getattr(t, name)) for t in loaded.timers}) == 1, name
+    assert len({id(t.pid) for t in loaded.timers}) == 3
+
+
 def test_a_record_is_one_timer_shape() -> None:
     """What the journal holds is the in-memory Timer itself."""
     armed = timer(1, "x", firing=2, step=1, step_end=5.0, fired_at=4.0)

@@ -39,7 +39,14 @@ Key = tuple[int, str]
 StoreKey = tuple[int, str, int]
 
 
-class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+class Timer(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+    order=True,
+):
     """One timer: the in-memory and the stored form alike.
 
     ``uid`` is the target process's uid, ``owner`` the uid of the caller that armed
@@ -49,10 +56,18 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     number of its own, the index of the policy ``step`` in progress and, during a
     wait, when that wait ends (``step_end``), until its policy has finished.
 
+    Timers order by ``(deadline, seq)``, their first two fields (``order=True``
+    compares fields in turn, in C). ``seq`` numbers the timers in the order they
+    were armed.
+
     (A Struct without GC tracking: one is made per acquire, and it holds only
-    scalars. Fields are appended only with defaults: old records must still load.)
+    scalars. Stored as the array of its fields in this order, schema 3 of
+    `watchdogd.store`: a change of the fields or of their order is a new schema,
+    and the store still reads the old ones.)
     """
 
+    deadline: float
+    seq: int = 0
     pid: int
     scope: str
     policy: str
@@ -60,9 +75,9 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     owner: int
     timeout: float
     armed_at: float
-    deadline: float
     start_time: int = 0
-    seq: int = 0
+    #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
+    exit_releases: bool = False
     firing: int = 0
     step: int = 0
     step_end: float = 0.0
@@ -70,8 +85,6 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     #: The `Policy.plan` of the policy that fired it: a policy changed or removed
     #: by the time a restart resumes it starts again from its first step.
     plan: int = 0
-    #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
-    exit_releases: bool = False
 
     @property
     def key(self) -> Key:
