@@ -275,11 +275,6 @@ class DeadlineHeap(Generic[K]):
         self.remove(key)
         self._live[key] = self._order.insert(deadline, lambda seq: _Keyed(deadline, seq, key))
 
-    def set_many(self, keys: list[K], deadlines: list[float]) -> None:
-        """Set the deadlines of many keys at once (each given once)."""
-        for key, deadline in zip(keys, deadlines, strict=True):
-            self.set(key, deadline)
-
     def remove(self, key: K) -> bool:
         """Remove ``key``; returns whether it was present."""
         entry = self._live.pop(key, None)
