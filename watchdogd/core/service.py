@@ -484,15 +484,20 @@ class Service(Generic[P]):
         them, or fewer when the next would take the reply past `MAX_REPLY_BYTES`
         (each timer's and each new command line's encoded size is bounded from
         above, so the bound holds without encoding twice). Each process's command
-        line is sent once, cut to `MAX_COMMAND_BYTES`."""
+        line is sent once, cut to `MAX_COMMAND_BYTES`.
+
+        Root's page is read from the table's order, from the cursor on: its cost
+        is the page's, whatever the number of timers. Another uid's page is
+        chosen among the timers that uid may see (`TimerTable.visible_to`): its
+        cost follows that uid's timers, never the host's."""
         after = _parse_cursor(request.cursor)
-        visible = (
-            timer
-            for timer in self.table.timers()
-            if (peer.uid == ROOT or peer.uid in (timer.uid, timer.owner))
-            and (timer.deadline, timer.seq) > after
-        )
-        page = heapq.nsmallest(request.limit + 1, visible, key=_sort_key)
+        if peer.uid == ROOT:
+            page = list(itertools.islice(self.table.soonest(after), request.limit + 1))
+        else:
+            visible = self.table.visible_to(peer.uid)
+            if after is not None:
+                visible = (timer for timer in visible if (timer.deadline, timer.seq) > after)
+            page = heapq.nsmallest(request.limit + 1, visible)
         room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
         timers: list[TimerInfo] = []
@@ -855,13 +860,10 @@ def _clip(text: str, limit: int) -> str:
     return raw[: limit - len(_CLIPPED.encode())].decode(errors="ignore") + _CLIPPED
 
 
-def _sort_key(timer: Timer) -> tuple[float, int]:
-    return (timer.deadline, timer.seq)
-
-
-def _parse_cursor(cursor: str | None) -> tuple[float, int]:
+def _parse_cursor(cursor: str | None) -> tuple[float, int] | None:
+    """The position ``deadline/seq`` a status page ends at, or None for the first."""
     if cursor is None:
-        return (-math.inf, -1)
+        return None
     try:
         deadline, seq = cursor.split("/")
         return (float(deadline), int(seq))
