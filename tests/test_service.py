@@ -439,6 +439,22 @@ class TestStatus:
                 break
         assert seen == [f"a{i:02d}" for i in reversed(range(15))]  # soonest first
 
+    def test_command_lines_are_read_again_after_a_second(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=50), w.alice, 0.0)
+        w.host.command_lines[ALICE.pid] = "python before.py"
+
+        def command(now: float) -> str:
+            reply = service.handle(Status(id=2), w.root, now)
+            assert isinstance(reply, StatusReply)
+            return reply.commands[ALICE.pid]
+
+        assert command(1.0) == "python before.py"
+        w.host.command_lines[ALICE.pid] = "python after.py"  # setproctitle, or exec
+        assert command(1.5) == "python before.py"
+        assert command(2.0) == "python after.py"
+
     def test_bad_cursor(self) -> None:
         w = make_world()
         service = w.service
