@@ -38,6 +38,7 @@ pytest: $(TEST_STAMP)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/torch_side.py
 
 # The crash tests at full scale: 100 random kills under churn, a million timers.

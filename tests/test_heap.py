@@ -1,12 +1,23 @@
-"""The deadline heap, by example and against a dict model (hypothesis)."""
+"""The ordered deadlines and the keyed heap on them, by example and against plain
+models (hypothesis), with chunks small enough that every split and merge happens."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.core.heap import DeadlineHeap
+from watchdogd.core.heap import DeadlineHeap, Deadlines
+
+
+class Entry(msgspec.Struct, frozen=True, order=True):
+    """An entry as `Deadlines` wants them: ordered by (deadline, seq) first."""
+
+    deadline: float
+    seq: int
+    name: str = ""
 
 
 def test_earliest_first_and_replacement() -> None:
@@ -48,13 +59,54 @@ def test_remove_and_absent_keys() -> None:
     assert heap.pop_due(10.0) == []
 
 
-def test_stale_entries_are_pruned_so_the_heap_stays_bounded() -> None:
+def test_a_renewed_key_leaves_nothing_behind() -> None:
     heap: DeadlineHeap[str] = DeadlineHeap()
     for i in range(100_000):
         heap.set("renewed", float(i))  # a worker kicking its timer in a loop
     assert len(heap) == 1
-    assert heap.heap_size() <= 2 * len(heap) + 64 + 1
     assert heap.pop_due(1e9) == [("renewed", 99_999.0)]
+
+
+def add(order: Deadlines[Entry], deadline: float, name: str = "") -> Entry:
+    return order.insert(deadline, lambda seq: Entry(deadline, seq, name))
+
+
+def test_ties_are_numbered_in_the_order_they_were_added() -> None:
+    order: Deadlines[Entry] = Deadlines(chunk=4)
+    for deadline in (5.0, 1.0, 3.0):
+        assert add(order, deadline).seq == 0
+    assert [add(order, 3.0, name).seq for name in "abcdefghij"] == list(range(1, 11))
+    assert add(order, 5.0).seq == 1  # the last entry's deadline
+    assert add(order, 0.5).seq == 0  # before the first
+    assert [entry.name for entry in order if entry.deadline == 3.0] == ["", *"abcdefghij"]
+    assert list(order) == sorted(order)
+
+
+def test_after_resumes_past_a_position_even_one_no_longer_held() -> None:
+    entries = [Entry(float(d), 0) for d in range(20)]
+    order = Deadlines(entries, chunk=4)
+    assert list(order.after(7.0, 0)) == entries[8:]
+    order.remove(entries[8])  # the last entry of a page went away
+    assert list(order.after(8.0, 0)) == entries[9:]
+    assert list(order.after(7.5, 3)) == entries[9:]
+    assert list(order.after(-1.0, 0)) == entries[:8] + entries[9:]
+    assert list(order.after(19.0, 0)) == []
+
+
+def test_remove_wants_the_very_entry() -> None:
+    held = Entry(1.0, 0)
+    order = Deadlines([held])
+    with pytest.raises(ValueError, match="not held"):
+        order.remove(Entry(2.0, 0))
+    order.remove(held)
+    with pytest.raises(ValueError, match="not held"):
+        order.remove(held)
+
+
+def test_sort_puts_entries_in_the_kept_order() -> None:
+    entries = [Entry(2.0, 1), Entry(1.0, 5), Entry(2.0, 0), Entry(1.0, 2)]
+    Deadlines.sort(entries)
+    assert entries == sorted(entries)
 
 
 keys = st.integers(min_value=0, max_value=20)
@@ -105,11 +157,104 @@ class HeapAgainstDict(RuleBasedStateMachine):
     def same_contents(self) -> None:
         assert len(self.heap) == len(self.model)
         assert dict(self.heap) == self.model
+        assert [deadline for _, deadline in self.heap] == sorted(self.model.values())
         assert self.heap.next_deadline() == (min(self.model.values()) if self.model else None)
-        assert self.heap.heap_size() <= 2 * len(self.model) + 64 + 1
 
 
 HeapAgainstDict.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
 TestHeapAgainstDict = HeapAgainstDict.TestCase
+
+
+#: A few deadlines, so that ties are common.
+few_times = st.integers(min_value=0, max_value=30).map(float)
+CHUNK = 8
+
+
+class DeadlinesAgainstSortedList(RuleBasedStateMachine):
+    """`Deadlines` with chunks of 8 agrees with a sorted list, and keeps its layout:
+    chunks sorted, none empty, none over twice the chunk, none but the ends under
+    a quarter of it."""
+
+    held = Bundle("held")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: Deadlines[Entry] = Deadlines(chunk=CHUNK)
+        self.model: list[Entry] = []
+        self.names = iter(range(10**9))
+
+    @rule(target=held, deadline=few_times)
+    def insert(self, deadline: float) -> Entry:
+        entry = add(self.order, deadline, str(next(self.names)))
+        ties = [e.seq for e in self.model if e.deadline == deadline]
+        assert entry.seq == 1 + max(ties, default=-1)
+        self.model.append(entry)
+        self.model.sort()
+        return entry
+
+    @rule(entry=held)
+    def remove(self, entry: Entry) -> None:
+        if any(e is entry for e in self.model):
+            self.order.remove(entry)
+            self.model.remove(entry)
+        else:
+            with pytest.raises(ValueError, match="not held"):
+                self.order.remove(entry)
+
+    @rule(now=few_times, limit=st.none() | st.integers(min_value=0, max_value=12))
+    def pop_due(self, now: float, limit: int | None) -> None:
+        due = [e for e in self.model if e.deadline <= now][:limit]
+        assert self.order.pop_due(now, limit) == due
+        del self.model[: len(due)]
+
+    @rule(deadline=few_times, seq=st.integers(min_value=0, max_value=5))
+    def after(self, deadline: float, seq: int) -> None:
+        expected = [e for e in self.model if (e.deadline, e.seq) > (deadline, seq)]
+        assert list(self.order.after(deadline, seq)) == expected
+
+    @rule(entries=st.lists(few_times, max_size=30))
+    def rebuild(self, entries: list[float]) -> None:
+        """A restart: everything held, with more, sorted once and held anew."""
+        more = [Entry(d, 1000 + i, "restored") for i, d in enumerate(entries)]
+        everything = [*self.order, *more]
+        Deadlines.sort(everything)
+        self.order = Deadlines(everything, chunk=CHUNK)
+        self.model = sorted(self.model + more)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert list(self.order) == self.model
+        assert len(self.order) == len(self.model)
+        assert self.order.first() == (self.model[0] if self.model else None)
+
+    @invariant()
+    def layout(self) -> None:
+        sizes = self.order.chunk_sizes()
+        assert all(0 < size <= 2 * CHUNK for size in sizes)
+        assert all(size >= CHUNK // 4 for size in sizes[1:-1])
+
+
+DeadlinesAgainstSortedList.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=60, deadline=None
+)
+TestDeadlinesAgainstSortedList = DeadlinesAgainstSortedList.TestCase
+
+
+def test_chunks_split_and_merge_within_their_bounds() -> None:
+    order: Deadlines[Entry] = Deadlines(chunk=CHUNK)
+    entries = [Entry(float(d % 97), 0, str(d)) for d in range(1000)]
+    for entry in entries:
+        add(order, entry.deadline, entry.name)
+    assert len(order.chunk_sizes()) > 1000 // (2 * CHUNK)
+    assert max(order.chunk_sizes()) <= 2 * CHUNK
+    kept = list(order)[::10]
+    for index, entry in enumerate(list(order)):
+        if index % 10:
+            order.remove(entry)  # nine in ten: chunks fall under a quarter and merge
+    sizes = order.chunk_sizes()
+    assert list(order) == kept
+    assert sum(sizes) == len(order) == 100
+    assert all(CHUNK // 4 <= size <= 2 * CHUNK for size in sizes[1:-1])
+    assert list(order) == sorted(order)

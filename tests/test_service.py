@@ -9,6 +9,7 @@ import pytest
 
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
+from watchdogd.core.timers import TimerTable
 from watchdogd.errors import Refusal
 from watchdogd_client.protocol import (
     MAX_COMMAND_BYTES,
@@ -388,6 +389,71 @@ class TestStatus:
                 break
         assert seen == [f"{i:04d}" for i in range(400)]  # each once, in order
         assert pages == 4  # about 100 timers of 10 KiB each fit in 1 MiB
+
+    def test_root_pages_resume_within_timers_of_one_deadline(self) -> None:
+        """Timers armed in one turn with one timeout share a deadline; the cursor's
+        ``seq`` says where among them a page ended."""
+        w = make_world()
+        service = w.service
+        for i in range(25):
+            pid = (100, 200, 300)[i % 3]
+            service.handle(Acquire(id=i, scope=f"s{i:02d}", timeout=5, pid=pid), w.root, 0.0)
+        seen: list[str] = []
+        cursor = None
+        while True:
+            reply = service.handle(Status(id=99, limit=10, cursor=cursor), w.root, 1.0)
+            assert isinstance(reply, StatusReply)
+            seen += [t.scope for t in reply.timers]
+            cursor = reply.cursor
+            if cursor is None:
+                break
+            assert cursor.startswith("5.0/")
+        assert seen == [f"s{i:02d}" for i in range(25)]  # each once, in arming order
+
+    def test_a_non_root_status_never_walks_the_hosts_timers(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Alice's page comes from her own index: the table's order and its walk
+        of every timer are not touched, however many timers root holds."""
+        w = make_world()
+        service = w.service
+        for i in range(200):
+            service.handle(Acquire(id=i, scope=f"root-{i}", timeout=1 + i), w.root, 0.0)
+        service.handle(Acquire(id=1, scope="b", timeout=5), w.bob, 0.0)
+        for i in range(15):
+            service.handle(Acquire(id=i, scope=f"a{i:02d}", timeout=20 - i), w.alice, 0.0)
+
+        def everything(*args: object) -> None:
+            raise AssertionError("a non-root status walked the host's timers")
+
+        monkeypatch.setattr(TimerTable, "soonest", everything)
+        monkeypatch.setattr(TimerTable, "timers", everything)
+        seen: list[str] = []
+        cursor = None
+        while True:
+            reply = service.handle(Status(id=99, limit=4, cursor=cursor), w.alice, 0.0)
+            assert isinstance(reply, StatusReply)
+            seen += [t.scope for t in reply.timers]
+            cursor = reply.cursor
+            if cursor is None:
+                break
+        assert seen == [f"a{i:02d}" for i in reversed(range(15))]  # soonest first
+
+    def test_command_lines_are_read_again_after_a_second(self) -> None:
+        w = make_world()
+        service = w.service
+        service.handle(Acquire(id=1, scope="a", timeout=50), w.alice, 0.0)
+        w.host.command_lines[ALICE.pid] = "python before.py"
+
+        def command(now: float) -> str:
+            reply = service.handle(Status(id=2), w.root, now)
+            assert isinstance(reply, StatusReply)
+            return reply.commands[ALICE.pid]
+
+        assert command(1.0) == "python before.py"
+        w.host.command_lines[ALICE.pid] = "python after.py"  # setproctitle, or exec
+        assert command(1.5) == "python before.py"
+        assert command(2.0) == "python after.py"
 
     def test_bad_cursor(self) -> None:
         w = make_world()

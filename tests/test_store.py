@@ -287,6 +287,58 @@ def test_the_files_of_the_previous_schema_still_load(tmp_path: Path) -> None:
     assert sorted(t.scope for t in again.timers) == ["folded", "journal"]
 
 
+#: The boot the files of tests/data/schema2/ were written in.
+SCHEMA2_BOOT = "5c3a2f0e-7d41-4b8e-9a56-0c2d9e8f1a37"
+#: What they hold: these attributes of each timer, as they were written.
+SCHEMA2_FIELDS = (
+    "pid", "policy", "uid", "owner", "timeout", "armed_at", "deadline", "start_time", "seq",
+    "firing", "step", "step_end", "fired_at", "plan", "exit_releases",
+)  # fmt: skip
+SCHEMA2_TIMERS = {
+    "folded": (4340, "term", 1000, 0, 10.0, 290.0, 300.0, 888, 7, 0, 0, 0.0, 0.0, 0, False),
+    "firing": (4342, "abort", 1000, 1000, 10.0, 300.0, 310.0, 999, 5, 2, 1, 330.5, 320.25,
+               12345, False),
+    "journal": (4343, "kill", 1000, 1000, 2.5, 197.5, 200.0, 777, 9, 0, 0, 0.0, 0.0, 0, True),
+}  # fmt: skip
+
+
+def test_the_files_of_schema_2_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/data/schema2/ was written by the store of schema 2 (commit 13e1c43): a
+    database with two armed timers and a firing one folded in, and a journal that
+    arms one more (released by its exit) and drops one folded timer. Every
+    attribute comes back as it was written, and again once rewritten."""
+    for name in os.listdir(DATA / "schema2"):
+        shutil.copy(DATA / "schema2" / name, tmp_path / name)
+    monkeypatch.setattr(store_module, "_boot_id", lambda: SCHEMA2_BOOT)
+    path = str(tmp_path / "state.db")
+    for _ in range(2):
+        store, loaded = Store.open(path)
+        store.close()
+        assert {
+            t.scope: tuple(getattr(t, name) for name in SCHEMA2_FIELDS) for t in loaded.timers
+        } == SCHEMA2_TIMERS
+
+
+def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
+    """A decoded record would hold its own copy of every value; loaded timers hold
+    one object per distinct pid, start time, policy, uid, timeout and zero, from
+    the database and the journals alike (a million of them would otherwise cost
+    some 200 bytes each more than when armed)."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    folded = [timer(4000 + i % 3, f"s{i}", deadline=100.0 + i) for i in range(200)]
+    raw = sqlite3.connect(path, isolation_level=None)
+    store_module._replace_all(raw, {t.store_key: t for t in folded}, store_module._boot_id())
+    raw.close()
+    append(path, 1, Record(puts=[timer(4000, "from-the-journal", deadline=50.0)]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert len(loaded.timers) == 201
+    for name in ("policy", "uid", "owner", "timeout", "start_time", "step_end", "fired_at"):
+        assert len({id(getattr(t, name)) for t in loaded.timers}) == 1, name
+    assert len({id(t.pid) for t in loaded.timers}) == 3
+
+
 def test_a_record_is_one_timer_shape() -> None:
     """What the journal holds is the in-memory Timer itself."""
     armed = timer(1, "x", firing=2, step=1, step_end=5.0, fired_at=4.0)

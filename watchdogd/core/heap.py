@@ -1,38 +1,258 @@
-"""A min-heap of deadlines keyed by an arbitrary hashable key.
+"""Deadlines kept in order: the earliest found in O(1), any position in O(log n).
 
-Pure and synchronous: no clock reads, no I/O. Setting a key again replaces its
-deadline; removing a key is O(1). Both leave the old heap entry in place, marked stale
-by its sequence number, and stale entries are skipped when they reach the top. When
-stale entries outnumber live ones the heap is rebuilt from the live set, so its size
-stays within a constant factor of the number of live keys.
+Pure and synchronous: no clock reads, no I/O.
 
-Entries are ``(deadline, seq, key)``; ``seq`` is unique, so keys are never compared and
-equal deadlines come out in the order they were set.
+`Deadlines` holds entries that order themselves by ``(deadline, seq)`` (``seq``
+tells apart entries with the same deadline; no two entries held are equal). They
+sit sorted in a list of chunks of at most ``2 * _CHUNK`` entries, beside a list of
+each chunk's last entry: the layout of sortedcontainers' ``SortedList``. Adding or
+removing an entry is a binary search over the chunks' last entries, then one in a
+chunk, then a move of at most a chunk of pointers, all in C; an entry with the
+latest deadline (a timer armed with the usual timeout) is appended without a
+search. Against the binary heap this module held before, with ``(deadline, seq,
+key)`` tuples and a dict of the live keys:
+
+- the order is total, so a status page starts at its cursor in O(log n) and reads
+  on from there, where a heap must be walked whole;
+- a removal removes: no stale entries to skip, and no rebuild of the whole heap
+  (a pass over every timer in one go) when they pile up;
+- the entries are the caller's own records (the timer table holds its `Timer`
+  records, which order themselves by their first two fields): 8 bytes of pointer
+  an entry, no tuple, no key, no second dict.
+
+`DeadlineHeap` is the same order keyed by any hashable key, for callers that have
+no record of their own (the scheduler's tests).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections.abc import Hashable, Iterator
-from typing import Final, Generic, TypeVar
+import operator
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+import msgspec
+
+#: Entries per chunk after a split; a chunk splits past twice this, and one that
+#: falls under a quarter of it merges with a neighbour. At a million entries the
+#: index of chunks has about a thousand, and a move within a chunk stays a
+#: memmove of a few kilobytes.
+_CHUNK: Final = 1000
+
+
+class Entry(Protocol):
+    """What `Deadlines` holds: an object ordered by ``(deadline, seq)`` first."""
+
+    @property
+    def deadline(self) -> float: ...
+    @property
+    def seq(self) -> int: ...
+    def __lt__(self, other: Any, /) -> bool: ...
+
+
+E = TypeVar("E", bound=Entry)
+
+_deadline_of = operator.attrgetter("deadline")
+_position_of = operator.attrgetter("deadline", "seq")
+_seq_of = operator.attrgetter("seq")
+
+
+def _any_adjacent_equal(values: Iterator[object]) -> bool:
+    first, second = itertools.tee(values)
+    next(second, None)
+    return any(map(operator.eq, first, second))
+
+
+class Deadlines(Generic[E]):
+    """Entries in ``(deadline, seq)`` order. Invariants: every chunk is sorted and
+    non-empty, each chunk's entries come before the next chunk's, ``_lasts[i]`` is
+    ``_chunks[i][-1]``, and ``_len`` counts the entries. No chunk holds more than
+    twice ``chunk`` entries, and none but the first and the last fewer than a
+    quarter of it (`pop_due` shortens the first; a restart may leave the last
+    short)."""
+
+    __slots__ = ("_chunk", "_chunks", "_lasts", "_len")
+
+    def __init__(self, entries: Iterable[E] = (), *, chunk: int = _CHUNK) -> None:
+        """Hold ``entries``, which must be in order already (a restart sorts them
+        once, with `sort`, rather than inserting a million one by one). ``chunk``
+        is for tests, which exercise splits and merges with small chunks."""
+        ordered = list(entries)
+        self._chunk = chunk
+        self._chunks = [ordered[i : i + chunk] for i in range(0, len(ordered), chunk)]
+        self._lasts = [chunk[-1] for chunk in self._chunks]
+        self._len = len(ordered)
+
+    @staticmethod
+    def sort(entries: list[E]) -> None:
+        """Sort ``entries`` in place into the order `Deadlines` keeps.
+
+        Sorts on one plain number at a time, which CPython runs without calling
+        back into Python: several times faster than comparing the entries. The
+        deadline first; only if some share one (rare: timers armed by requests
+        have distinct deadlines) by ``seq`` and then the deadline again, and only
+        if some tie on both (records of a schema that had no ``seq``) by comparing
+        them whole. The checks are C loops that allocate nothing that outlives an
+        entry: the memory of a restart's temporaries stays with the process."""
+        entries.sort(key=_deadline_of)
+        if not _any_adjacent_equal(map(_deadline_of, entries)):
+            return
+        entries.sort(key=_seq_of)
+        entries.sort(key=_deadline_of)
+        if _any_adjacent_equal(map(_position_of, entries)):
+            entries.sort()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[E]:
+        """Every entry, earliest first."""
+        return itertools.chain.from_iterable(self._chunks)
+
+    def first(self) -> E | None:
+        """The earliest entry, or None when empty."""
+        return self._chunks[0][0] if self._chunks else None
+
+    def insert(self, deadline: float, make: Callable[[int], E]) -> E:
+        """Add the entry ``make(seq)``, whose deadline is ``deadline``, and return
+        it. ``seq`` is one more than that of the last entry held at exactly that
+        deadline, else 0: so equal deadlines come out in the order they were
+        added, and ``seq`` is almost always 0, which Python keeps as one shared
+        object (a counter would cost an int an entry). One search finds both the
+        number and the place; a deadline later than every other (a timer armed
+        with the usual timeout) needs none."""
+        chunks, lasts = self._chunks, self._lasts
+        self._len += 1
+        if not chunks:
+            entry = make(0)
+            chunks.append([entry])
+            lasts.append(entry)
+            return entry
+        if lasts[-1].deadline < deadline:
+            entry = make(0)
+            index = len(chunks) - 1
+            chunk = chunks[index]
+            chunk.append(entry)
+            lasts[index] = entry
+        else:
+            # After every entry at or before the deadline, in the first chunk
+            # whose last entry is later (or at the end of the last one, when its
+            # last entry has that very deadline).
+            index = min(bisect_right(lasts, deadline, key=_deadline_of), len(chunks) - 1)
+            chunk = chunks[index]
+            at = bisect_right(chunk, deadline, key=_deadline_of)
+            before = chunk[at - 1] if at else lasts[index - 1] if index else None
+            entry = make(before.seq + 1 if before and before.deadline == deadline else 0)
+            chunk.insert(at, entry)
+            if at == len(chunk) - 1:
+                lasts[index] = entry
+        size = self._chunk
+        if len(chunk) > 2 * size:
+            chunks[index : index + 1] = [chunk[:size], chunk[size:]]
+            lasts.insert(index, chunk[size - 1])
+        return entry
+
+    def remove(self, entry: E) -> None:
+        """Remove ``entry`` (this very object); ValueError if it is not held."""
+        chunks, lasts = self._chunks, self._lasts
+        index = bisect_left(lasts, entry)
+        if index < len(chunks):
+            chunk = chunks[index]
+            at = bisect_left(chunk, entry)
+            if at < len(chunk) and chunk[at] is entry:
+                del chunk[at]
+                self._len -= 1
+                if at == len(chunk) or len(chunk) < self._chunk // 4:
+                    self._repair(index)  # its last entry went, or it is small
+                return
+        raise ValueError("entry not held")
+
+    def pop_due(self, now: float, limit: int | None = None) -> list[E]:
+        """Remove and return the entries with ``deadline <= now`` (the earliest
+        ``limit`` of them, when given), earliest first."""
+        due: list[E] = []
+        room = self._len if limit is None else limit
+        chunks = self._chunks
+        while chunks and len(due) < room:
+            chunk = chunks[0]
+            count = min(bisect_right(chunk, now, key=_deadline_of), room - len(due))
+            if count == len(chunk):
+                due += chunk
+                del chunks[0]
+                del self._lasts[0]
+                continue
+            due += chunk[:count]
+            del chunk[:count]
+            break
+        self._len -= len(due)
+        return due
+
+    def after(self, deadline: float, seq: int) -> Iterator[E]:
+        """The entries after ``(deadline, seq)``, in order, from a binary search:
+        where a status page resumes from its cursor. The entries must not change
+        while the iterator is in use."""
+        position = (deadline, seq)
+        index = bisect_right(self._lasts, position, key=_position_of)
+        if index == len(self._chunks):
+            return iter(())
+        chunk = self._chunks[index]
+        at = bisect_right(chunk, position, key=_position_of)
+        return itertools.chain(
+            itertools.islice(chunk, at, None),
+            itertools.chain.from_iterable(itertools.islice(self._chunks, index + 1, None)),
+        )
+
+    def _repair(self, index: int) -> None:
+        """Restore the invariants at chunk ``index`` after entries left it: drop
+        it when empty, fix its last entry, merge it into a neighbour when small
+        (so a million removals cannot leave a million one-entry chunks)."""
+        chunks, lasts = self._chunks, self._lasts
+        chunk = chunks[index]
+        if not chunk:
+            del chunks[index]
+            del lasts[index]
+            return
+        lasts[index] = chunk[-1]
+        if len(chunk) >= self._chunk // 4 or len(chunks) == 1:
+            return
+        low = index if index + 1 < len(chunks) else index - 1
+        merged = chunks[low] + chunks[low + 1]
+        if len(merged) > 2 * self._chunk:
+            half = len(merged) // 2
+            chunks[low : low + 2] = [merged[:half], merged[half:]]
+            lasts[low] = merged[half - 1]
+        else:
+            chunks[low : low + 2] = [merged]
+            del lasts[low]
+
+    def chunk_sizes(self) -> list[int]:
+        """The length of each chunk (for tests of the layout's bounds)."""
+        return [len(chunk) for chunk in self._chunks]
+
 
 K = TypeVar("K", bound=Hashable)
 
-#: Stale entries tolerated beyond the live count before a rebuild; avoids rebuilding
-#: tiny heaps over and over.
-_PRUNE_SLACK: Final = 64
+
+class _Keyed(msgspec.Struct, Generic[K], frozen=True, order=True):
+    """A `DeadlineHeap` entry; ``seq`` is unique among entries at one deadline, so
+    keys are never compared."""
+
+    deadline: float
+    seq: int
+    key: K
 
 
 class DeadlineHeap(Generic[K]):
-    """Deadlines by key; the earliest one is found in O(1), set or removed in O(log n)."""
+    """Deadlines by key; the earliest one is found in O(1), set or removed in
+    O(log n). Setting a key again replaces its deadline; equal deadlines come out
+    in the order they were set. (The name is older than the sorted layout.)"""
 
-    __slots__ = ("_heap", "_live", "_seq")
+    __slots__ = ("_live", "_order")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, K]] = []
-        self._live: dict[K, tuple[float, int]] = {}
-        self._seq = itertools.count()
+        self._order: Deadlines[_Keyed[K]] = Deadlines()
+        self._live: dict[K, _Keyed[K]] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -41,77 +261,42 @@ class DeadlineHeap(Generic[K]):
         return key in self._live
 
     def __iter__(self) -> Iterator[tuple[K, float]]:
-        """Every live ``(key, deadline)``, in no particular order."""
-        for key, (deadline, _) in self._live.items():
-            yield key, deadline
+        """Every ``(key, deadline)``, earliest first."""
+        for entry in self._order:
+            yield entry.key, entry.deadline
 
     def get(self, key: K) -> float | None:
         """The deadline of ``key``, or None."""
         entry = self._live.get(key)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry.deadline
 
     def set(self, key: K, deadline: float) -> None:
         """Set (or replace) the deadline of ``key``."""
-        seq = next(self._seq)
-        self._live[key] = (deadline, seq)
-        heapq.heappush(self._heap, (deadline, seq, key))
-        self._prune_if_needed()
-
-    def set_many(self, keys: list[K], deadlines: list[float]) -> None:
-        """Set the deadlines of many keys new to the heap at once: one heapify,
-        not a push each (a restart loads a million)."""
-        first = next(self._seq)
-        numbers = range(first, first + len(keys))
-        self._seq = itertools.count(first + len(keys))
-        self._live.update(zip(keys, zip(deadlines, numbers, strict=True), strict=True))
-        self._heap.extend(zip(deadlines, numbers, keys, strict=True))
-        heapq.heapify(self._heap)
-        self._prune_if_needed()
+        self.remove(key)
+        self._live[key] = self._order.insert(deadline, lambda seq: _Keyed(deadline, seq, key))
 
     def remove(self, key: K) -> bool:
         """Remove ``key``; returns whether it was present."""
-        if self._live.pop(key, None) is None:
+        entry = self._live.pop(key, None)
+        if entry is None:
             return False
-        self._prune_if_needed()
+        self._order.remove(entry)
         return True
 
     def peek(self) -> tuple[K, float] | None:
         """The key with the earliest deadline and that deadline, or None when empty."""
-        heap = self._heap
-        while heap:
-            deadline, seq, key = heap[0]
-            if self._is_live(seq, key):
-                return key, deadline
-            heapq.heappop(heap)
-        return None
+        entry = self._order.first()
+        return None if entry is None else (entry.key, entry.deadline)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline, or None when empty."""
-        top = self.peek()
-        return None if top is None else top[1]
+        entry = self._order.first()
+        return None if entry is None else entry.deadline
 
     def pop_due(self, now: float, limit: int | None = None) -> list[tuple[K, float]]:
         """Remove and return every ``(key, deadline)`` with ``deadline <= now``
         (the earliest ``limit`` of them, when given), earliest first."""
-        due: list[tuple[K, float]] = []
-        heap = self._heap
-        room = -1 if limit is None else limit
-        while heap and heap[0][0] <= now and len(due) != room:
-            deadline, seq, key = heapq.heappop(heap)
-            if self._is_live(seq, key):
-                del self._live[key]
-                due.append((key, deadline))
-        return due
-
-    def _is_live(self, seq: int, key: K) -> bool:
-        entry = self._live.get(key)
-        return entry is not None and entry[1] == seq
-
-    def _prune_if_needed(self) -> None:
-        if len(self._heap) > 2 * len(self._live) + _PRUNE_SLACK:
-            self._heap = [(deadline, seq, key) for key, (deadline, seq) in self._live.items()]
-            heapq.heapify(self._heap)
-
-    def heap_size(self) -> int:
-        """Entries held, stale ones included (for tests and statistics)."""
-        return len(self._heap)
+        due = self._order.pop_due(now, limit)
+        for entry in due:
+            del self._live[entry.key]
+        return [(entry.key, entry.deadline) for entry in due]

@@ -95,6 +95,9 @@ _COMMAND_BYTES: Final = 16
 _CLIPPED: Final = "…"
 #: Scopes named in an ``exited`` event; the count covers the rest.
 _LISTED_SCOPES: Final = 10
+#: How long a command line read for a status page is shown again without being
+#: read again (`_CommandLines`).
+_COMMAND_SECONDS: Final = 1.0
 
 
 class TargetProcess(Protocol):
@@ -249,6 +252,7 @@ class Service(Generic[P]):
         self._firing_numbers = itertools.count(1)
         #: Seconds a restart may take at the timer cap (set once the state loaded).
         self.restart_estimate = 0.0
+        self._command_lines: _CommandLines[P] = _CommandLines()
 
     @property
     def connections(self) -> int:
@@ -484,15 +488,21 @@ class Service(Generic[P]):
         them, or fewer when the next would take the reply past `MAX_REPLY_BYTES`
         (each timer's and each new command line's encoded size is bounded from
         above, so the bound holds without encoding twice). Each process's command
-        line is sent once, cut to `MAX_COMMAND_BYTES`."""
+        line is sent once, cut to `MAX_COMMAND_BYTES`, and read from the system
+        at most once a second (`_CommandLines`).
+
+        Root's page is read from the table's order, from the cursor on: its cost
+        is the page's, whatever the number of timers. Another uid's page is
+        chosen among the timers that uid may see (`TimerTable.visible_to`): its
+        cost follows that uid's timers, never the host's."""
         after = _parse_cursor(request.cursor)
-        visible = (
-            timer
-            for timer in self.table.timers()
-            if (peer.uid == ROOT or peer.uid in (timer.uid, timer.owner))
-            and (timer.deadline, timer.seq) > after
-        )
-        page = heapq.nsmallest(request.limit + 1, visible, key=_sort_key)
+        if peer.uid == ROOT:
+            page = list(itertools.islice(self.table.soonest(after), request.limit + 1))
+        else:
+            visible = self.table.visible_to(peer.uid)
+            if after is not None:
+                visible = (timer for timer in visible if (timer.deadline, timer.seq) > after)
+            page = heapq.nsmallest(request.limit + 1, visible)
         room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
         timers: list[TimerInfo] = []
@@ -501,9 +511,10 @@ class Service(Generic[P]):
             command = None
             if timer.pid not in commands:
                 process = self.table.process(timer.pid)
-                command = _clip(
-                    "?" if process is None else self._processes.command(process),
-                    MAX_COMMAND_BYTES,
+                command = (
+                    "?"
+                    if process is None
+                    else self._command_lines.get(process, now, self._processes.command)
                 )
                 cost += _COMMAND_BYTES + len(command.encode())
             if cost > room and timers:
@@ -520,6 +531,7 @@ class Service(Generic[P]):
                     uid=timer.uid,
                 )
             )
+        self._command_lines.forget_old(now, keep=self.table.process_count)
         cursor = None
         if len(timers) < len(page):
             last = page[len(timers) - 1]
@@ -850,6 +862,39 @@ def _without_output(event: EventInfo) -> EventInfo:
     return msgspec.structs.replace(event, steps=steps)
 
 
+class _CommandLines(Generic[P]):
+    """The command lines status pages show, each kept `_COMMAND_SECONDS` after it
+    was read, by process (pid and start time), cut to `MAX_COMMAND_BYTES`.
+
+    Reading /proc/PID/cmdline costs some 10 µs (the kernel copies it out of the
+    process's memory): a page of 1,000 timers on 1,000 processes spent most of
+    its time there, and a walk of every page (``watchdogctl status``) meets the
+    same processes page after page. A process that changes its command line
+    (setproctitle, exec) shows the new one within that time."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self) -> None:
+        self._lines: dict[tuple[int, int], tuple[float, str]] = {}
+
+    def get(self, process: P, now: float, read: Callable[[P], str]) -> str:
+        key = (process.pid, process.start_time)
+        held = self._lines.get(key)
+        if held is not None and now - held[0] < _COMMAND_SECONDS:
+            return held[1]
+        line = _clip(read(process), MAX_COMMAND_BYTES)
+        self._lines[key] = (now, line)
+        return line
+
+    def forget_old(self, now: float, keep: int) -> None:
+        """Drop the lines past their time once there are more than ``keep`` (the
+        processes in the table) and a margin: bounded, and rarely a pass."""
+        if len(self._lines) > 2 * keep + 1024:
+            self._lines = {
+                key: held for key, held in self._lines.items() if now - held[0] < _COMMAND_SECONDS
+            }
+
+
 def _clip(text: str, limit: int) -> str:
     """``text`` in at most ``limit`` UTF-8 bytes, ending in `_CLIPPED` if it was cut."""
     raw = text.encode()
@@ -858,13 +903,10 @@ def _clip(text: str, limit: int) -> str:
     return raw[: limit - len(_CLIPPED.encode())].decode(errors="ignore") + _CLIPPED
 
 
-def _sort_key(timer: Timer) -> tuple[float, int]:
-    return (timer.deadline, timer.seq)
-
-
-def _parse_cursor(cursor: str | None) -> tuple[float, int]:
+def _parse_cursor(cursor: str | None) -> tuple[float, int] | None:
+    """The position ``deadline/seq`` a status page ends at, or None for the first."""
     if cursor is None:
-        return (-math.inf, -1)
+        return None
     try:
         deadline, seq = cursor.split("/")
         return (float(deadline), int(seq))

@@ -3,24 +3,42 @@
 Pure and synchronous: times are passed in by the caller, on one monotonic clock, and
 processes are opaque handles. Invariants:
 
-- Every armed timer is in the deadline heap under its key, and every key in the heap
-  is an armed timer.
+- Every armed timer is in the table's order (`Deadlines`, soonest first) and in its
+  process's list of timers (sorted by scope, each scope once), and nothing else is
+  in either.
 - A process is in the table exactly while it has at least one armed timer. The
   table holds one handle per process (not per timer); the methods that take a process
   out of the table return its handle so the caller can stop watching it and close it.
 - ``owner`` counts (timers per arming uid) always equal a recount of the timers.
+- The index of what each uid may see: ``_visible[uid][pid]`` counts the timers of
+  process ``pid`` whose ``uid`` or ``owner`` is ``uid``, for every uid but root's
+  (root sees every timer, through the order itself). So a user's status walks
+  that user's processes, never the host's timers.
+
+Memory is the point of this layout. A timer costs its `Timer` (144 bytes), its
+scope (64 for a dozen characters), its deadline and arming time (a float each, 32
+bytes as Python's allocator rounds them) and two pointers, one in its process's
+list and one in the order: some 290 bytes, which is most of what the daemon holds
+per timer with a million armed (bench/scale.py). Values that repeat from timer to
+timer are shared rather than copied: the pid and start time are the process
+handle's, the policy name and the timeout come from small tables of the values
+seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a
+deadline (Python keeps small ints as one object; a counter cost an int a timer).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 import msgspec
 
-from .heap import DeadlineHeap
+from .heap import Deadlines
 
 
 class ProcessRef(Protocol):
@@ -37,9 +55,18 @@ Key = tuple[int, str]
 #: Where the state keeps a timer: its key, and 0 while it is armed or its firing
 #: number once it fell due (so a firing record and a re-arm of the same key coexist).
 StoreKey = tuple[int, str, int]
+#: Root sees every timer, in the table's own order: its timers need no index.
+ROOT_UID: Final = 0
 
 
-class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+class Timer(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+    order=True,
+):
     """One timer: the in-memory and the stored form alike.
 
     ``uid`` is the target process's uid, ``owner`` the uid of the caller that armed
@@ -49,10 +76,19 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     number of its own, the index of the policy ``step`` in progress and, during a
     wait, when that wait ends (``step_end``), until its policy has finished.
 
+    Timers order by ``(deadline, seq)``, their first two fields (``order=True``
+    compares fields in turn, in C): the table's order holds the records
+    themselves. ``seq`` tells apart the armed timers that share a deadline, in the
+    order they were armed; it is 0 for all others (`Deadlines.insert`).
+
     (A Struct without GC tracking: one is made per acquire, and it holds only
-    scalars. Fields are appended only with defaults: old records must still load.)
+    scalars. Stored as the array of its fields in this order, schema 3 of
+    `watchdogd.store`: a change of the fields or of their order is a new schema,
+    and the store still reads the old ones.)
     """
 
+    deadline: float
+    seq: int = 0
     pid: int
     scope: str
     policy: str
@@ -60,9 +96,9 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     owner: int
     timeout: float
     armed_at: float
-    deadline: float
     start_time: int = 0
-    seq: int = 0
+    #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
+    exit_releases: bool = False
     firing: int = 0
     step: int = 0
     step_end: float = 0.0
@@ -70,8 +106,6 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     #: The `Policy.plan` of the policy that fired it: a policy changed or removed
     #: by the time a restart resumes it starts again from its first step.
     plan: int = 0
-    #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
-    exit_releases: bool = False
 
     @property
     def key(self) -> Key:
@@ -82,10 +116,65 @@ class Timer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
         return (self.pid, self.scope, self.firing)
 
 
+V = TypeVar("V", bound=Hashable)
+
+
+class Shared(dict[V, V]):
+    """One object for each value seen lately, so that timers holding equal values
+    (a policy name, a timeout) hold one object between them: ``shared[value]``.
+    Bounded: once it holds ``bound`` values it starts over, so values that stopped
+    repeating do not keep it full. (A dict whose misses add the value: a hit, on
+    every arm, is a subscript in C. Meant for values of one type: an int equal to
+    a float held would come back as that float.)"""
+
+    __slots__ = ("bound",)
+
+    def __init__(self, bound: int = 1024) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def __missing__(self, value: V) -> V:
+        if len(self) >= self.bound:
+            self.clear()
+        self[value] = value
+        return value
+
+
 @dataclass(slots=True)
 class _Tracked(Generic[P]):
+    """A process in the table and its timers, sorted by scope.
+
+    A list searched by bisection (in C, keyed by scope): 8 bytes a timer, where a
+    dict of scopes costs 19 to 38 bytes an entry, and 184 for a process with a
+    single timer. A restart hands the timers of a process over already sorted
+    (the database's key is ``(pid, scope, firing)``), so sorting them is a pass."""
+
     process: P
-    scopes: dict[str, Timer] = field(default_factory=dict)
+    timers: list[Timer] = field(default_factory=list)
+
+    def get(self, scope: str) -> Timer | None:
+        timers = self.timers
+        at = bisect_left(timers, scope, key=_scope_of)
+        if at < len(timers) and timers[at].scope == scope:
+            return timers[at]
+        return None
+
+    def put(self, timer: Timer) -> Timer | None:
+        """Add ``timer``, in place of the one of its scope if any (returned)."""
+        timers = self.timers
+        at = bisect_left(timers, timer.scope, key=_scope_of)
+        if at < len(timers) and timers[at].scope == timer.scope:
+            previous, timers[at] = timers[at], timer
+            return previous
+        timers.insert(at, timer)
+        return None
+
+    def pop(self, scope: str) -> Timer | None:
+        timers = self.timers
+        at = bisect_left(timers, scope, key=_scope_of)
+        if at < len(timers) and timers[at].scope == scope:
+            return timers.pop(at)
+        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,16 +190,18 @@ class Expired(Generic[P]):
 class TimerTable(Generic[P]):
     """Armed timers, their deadlines, and the processes they belong to."""
 
-    __slots__ = ("_by_owner", "_deadlines", "_next_seq", "_processes")
+    __slots__ = ("_by_owner", "_order", "_policies", "_processes", "_timeouts", "_visible")
 
     def __init__(self) -> None:
-        self._deadlines: DeadlineHeap[Key] = DeadlineHeap()
+        self._order: Deadlines[Timer] = Deadlines()
         self._processes: dict[int, _Tracked[P]] = {}
-        self._by_owner: Counter[int] = Counter()
-        self._next_seq = 0
+        self._by_owner: dict[int, int] = {}
+        self._visible: dict[int, dict[int, int]] = {}
+        self._policies: Shared[str] = Shared()
+        self._timeouts: Shared[float] = Shared()
 
     def __len__(self) -> int:
-        return len(self._deadlines)
+        return len(self._order)
 
     @property
     def process_count(self) -> int:
@@ -118,7 +209,7 @@ class TimerTable(Generic[P]):
 
     def owned_by(self, uid: int) -> int:
         """How many timers ``uid`` has armed."""
-        return self._by_owner[uid]
+        return self._by_owner.get(uid, 0)
 
     def process(self, pid: int) -> P | None:
         """The handle held for ``pid``, or None when it has no timer."""
@@ -127,15 +218,33 @@ class TimerTable(Generic[P]):
 
     def get(self, pid: int, scope: str) -> Timer | None:
         tracked = self._processes.get(pid)
-        return None if tracked is None else tracked.scopes.get(scope)
+        return None if tracked is None else tracked.get(scope)
 
     def timers(self) -> Iterator[Timer]:
         """Every armed timer, in no particular order."""
         for tracked in self._processes.values():
-            yield from tracked.scopes.values()
+            yield from tracked.timers
+
+    def soonest(self, after: tuple[float, int] | None = None) -> Iterator[Timer]:
+        """Every armed timer, soonest first (by ``(deadline, seq)``), from just
+        after ``after`` when given: found by binary search, not by a walk. The
+        table must not change while the iterator is in use."""
+        if after is None:
+            return iter(self._order)
+        return self._order.after(*after)
+
+    def visible_to(self, uid: int) -> Iterator[Timer]:
+        """The timers a non-root ``uid`` may see (on its processes or armed by
+        it), in no particular order. It walks the processes of the uid's index,
+        so its cost follows that uid's timers, not the host's."""
+        for pid in self._visible.get(uid, {}):
+            for timer in self._processes[pid].timers:
+                if uid in (timer.uid, timer.owner):
+                    yield timer
 
     def next_deadline(self) -> float | None:
-        return self._deadlines.next_deadline()
+        first = self._order.first()
+        return None if first is None else first.deadline
 
     def arm(
         self,
@@ -152,58 +261,73 @@ class TimerTable(Generic[P]):
         """Arm or re-arm ``(process.pid, scope)``; returns the timer and whether it
         replaced one. A process new to the table is added with it; a process already
         in the table must be passed as the same handle."""
-        timer = Timer(
-            pid=process.pid,
-            scope=scope,
-            policy=policy,
-            uid=uid,
-            owner=owner,
-            timeout=timeout,
-            armed_at=now,
-            deadline=now + timeout,
-            start_time=process.start_time,
-            seq=self._next_seq,
-            exit_releases=exit_releases,
-        )
-        self._next_seq += 1
-        return timer, self._insert(process, timer)
-
-    def restore(self, stored: Iterable[tuple[P, list[Timer]]]) -> None:
-        """Put back armed timers read from the state, by process (each process
-        new to the table, each scope once), on their original deadlines, keeping
-        their numbers (later timers are numbered above them). In bulk, with one
-        heapify: a restart loads a million."""
-        keys: list[Key] = []
-        deadlines: list[float] = []
-        top = self._next_seq - 1
-        for process, timers in stored:
-            if process.pid in self._processes:
-                raise ValueError(f"pid {process.pid} is in the table already")
-            scopes = {timer.scope: timer for timer in timers}
-            if len(scopes) != len(timers):
-                raise ValueError(f"pid {process.pid}: a scope is restored twice")
-            self._processes[process.pid] = _Tracked(process, scopes)
-            self._by_owner.update(timer.owner for timer in timers)
-            keys += [(timer.pid, timer.scope) for timer in timers]
-            deadlines += [timer.deadline for timer in timers]
-            top = max(top, *(timer.seq for timer in timers))
-        self._deadlines.set_many(keys, deadlines)
-        self._next_seq = top + 1
-
-    def _insert(self, process: P, timer: Timer) -> bool:
         pid = process.pid
         tracked = self._processes.get(pid)
         if tracked is None:
             tracked = self._processes[pid] = _Tracked(process)
         elif tracked.process is not process:
             raise ValueError(f"pid {pid} is already tracked with another handle")
-        previous = tracked.scopes.get(timer.scope)
+        deadline = now + timeout
+        policy, timeout = self._policies[policy], self._timeouts[timeout]
+        start_time = process.start_time
+        timer = self._order.insert(
+            deadline,
+            lambda seq: Timer(
+                deadline=deadline,
+                seq=seq,
+                pid=pid,
+                scope=scope,
+                policy=policy,
+                uid=uid,
+                owner=owner,
+                timeout=timeout,
+                armed_at=now,
+                start_time=start_time,
+                exit_releases=exit_releases,
+            ),
+        )
+        previous = tracked.put(timer)
         if previous is not None:
-            self._by_owner[previous.owner] -= 1
-        tracked.scopes[timer.scope] = timer
-        self._by_owner[timer.owner] += 1
-        self._deadlines.set(timer.key, timer.deadline)
-        return previous is not None
+            self._order.remove(previous)
+            self._count(previous, -1)
+        self._count(timer, 1)
+        return timer, previous is not None
+
+    def restore(self, stored: Iterable[tuple[P, list[Timer]]]) -> None:
+        """Put back armed timers read from the state, by process (each process
+        new to the table, each scope once), on their original deadlines and
+        numbers. Each list of timers becomes the table's own (sorted in place):
+        a copy of a million pointers would be memory the process keeps once
+        freed. In bulk, with one sort and counts taken per process in C loops:
+        a restart loads a million."""
+        lists = [list(self._order)]
+        for process, timers in stored:
+            pid = process.pid
+            if pid in self._processes:
+                raise ValueError(f"pid {pid} is in the table already")
+            timers.sort(key=_scope_of)
+            scopes = map(_scope_of, timers)
+            later = map(_scope_of, itertools.islice(timers, 1, None))
+            if any(map(operator.eq, scopes, later)):
+                raise ValueError(f"pid {pid}: a scope is restored twice")
+            self._processes[pid] = _Tracked(process, timers)
+            for owner, count in Counter(map(_owner_of, timers)).items():
+                self._by_owner[owner] = self._by_owner.get(owner, 0) + count
+            for viewer, count in _viewers(timers).items():
+                self._visible.setdefault(viewer, {})[pid] = count
+            lists.append(timers)
+        # Every timer in one list made at its final size: a list grown step by
+        # step leaves its earlier blocks in the heap, memory the process keeps.
+        total = sum(map(len, lists))
+        if not total:
+            return
+        restored = [next(itertools.chain.from_iterable(lists))] * total
+        at = 0
+        for timers in lists:
+            restored[at : at + len(timers)] = timers
+            at += len(timers)
+        Deadlines.sort(restored)
+        self._order = Deadlines(restored)
 
     def disarm(self, pid: int, scope: str) -> tuple[Timer | None, P | None]:
         """Disarm ``(pid, scope)``. Returns the timer (None if none was armed) and the
@@ -211,12 +335,12 @@ class TimerTable(Generic[P]):
         tracked = self._processes.get(pid)
         if tracked is None:
             return None, None
-        timer = tracked.scopes.pop(scope, None)
+        timer = tracked.pop(scope)
         if timer is None:
             return None, None
-        self._deadlines.remove(timer.key)
-        self._uncount(timer.owner)
-        if tracked.scopes:
+        self._order.remove(timer)
+        self._count(timer, -1)
+        if tracked.timers:
             return timer, None
         del self._processes[pid]
         return timer, tracked.process
@@ -225,13 +349,13 @@ class TimerTable(Generic[P]):
         """Take out every timer whose deadline is ``<= now`` (the earliest ``limit``
         of them, when given), earliest first."""
         expired: list[Expired[P]] = []
-        for (pid, scope), _ in self._deadlines.pop_due(now, limit):
-            tracked = self._processes[pid]
-            timer = tracked.scopes.pop(scope)
-            self._uncount(timer.owner)
-            orphaned = not tracked.scopes
+        for timer in self._order.pop_due(now, limit):
+            tracked = self._processes[timer.pid]
+            tracked.pop(timer.scope)
+            self._count(timer, -1)
+            orphaned = not tracked.timers
             if orphaned:
-                del self._processes[pid]
+                del self._processes[timer.pid]
             expired.append(Expired(timer, tracked.process, orphaned))
         return expired
 
@@ -240,15 +364,53 @@ class TimerTable(Generic[P]):
         tracked = self._processes.pop(pid, None)
         if tracked is None:
             return None
-        timers = list(tracked.scopes.values())
+        timers = tracked.timers
         for timer in timers:
-            self._deadlines.remove(timer.key)
-            self._uncount(timer.owner)
+            self._order.remove(timer)
+            self._count(timer, -1)
         return tracked.process, timers
 
-    def _uncount(self, owner: int) -> None:
-        remaining = self._by_owner[owner] - 1
+    def _count(self, timer: Timer, step: int) -> None:
+        """Count ``timer`` in (``step`` 1) or out (-1) of the owner counts and of
+        the index of who may see it. (On every arm and release: kept inline.)"""
+        owner, uid = timer.owner, timer.uid
+        by_owner = self._by_owner
+        remaining = by_owner.get(owner, 0) + step
         if remaining:
-            self._by_owner[owner] = remaining
+            by_owner[owner] = remaining
         else:
-            del self._by_owner[owner]
+            del by_owner[owner]
+        if uid == owner == ROOT_UID:
+            return  # root's own timers: root sees them through the order
+        visible, pid = self._visible, timer.pid
+        for viewer in (uid,) if uid == owner else (uid, owner):
+            if viewer == ROOT_UID:
+                continue
+            pids = visible.get(viewer)
+            if pids is None:
+                pids = visible[viewer] = {}
+            remaining = pids.get(pid, 0) + step
+            if remaining:
+                pids[pid] = remaining
+            else:
+                del pids[pid]
+                if not pids:
+                    del visible[viewer]
+
+
+_scope_of = operator.attrgetter("scope")
+_uid_of = operator.attrgetter("uid")
+_owner_of = operator.attrgetter("owner")
+
+
+def _viewers(timers: list[Timer]) -> Counter[int]:
+    """How many of ``timers`` each uid but root's may see (its own, or armed by
+    it): what `TimerTable._count` adds up one timer at a time."""
+    seen = Counter(map(_uid_of, timers))
+    seen.update(map(_owner_of, timers))
+    # A timer whose uid is its owner was counted twice.
+    own = map(operator.eq, map(_uid_of, timers), map(_owner_of, timers))
+    for uid, twice in Counter(itertools.compress(map(_uid_of, timers), own)).items():
+        seen[uid] -= twice
+    del seen[ROOT_UID]
+    return +seen

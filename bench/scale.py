@@ -1,0 +1,362 @@
+"""watchdogd at scale: memory per timer and status pages with a million timers, each
+figure printed with its ratio to a baseline measured in the same run.
+
+Figures:
+- the daemon's RSS per armed timer (VmRSS less an empty daemon's, both read after
+  READY), timers on 1,000 live processes with scopes of a dozen bytes: 100,000
+  armed by requests through the socket, without state (the baseline) and with
+  it (its store holds up to a journal's worth of changes, 8 MiB, until it folds
+  them into the database: a fixed cost, a large share of it at this size); and
+  100,000 and 1,000,000 loaded from a state file at start. Loading is how the
+  large figure is taken (arming a million through the socket takes minutes:
+  ``--arm-large`` does it too, the check that loading is a fair stand-in);
+- a root status page of 1,000 timers with 1,000,000 armed, the first one and one
+  half-way through by cursor, against the first page with 1,000 armed; the first
+  also once the daemon's command lines are stale (it reads each from /proc again,
+  some 10 µs a process, and the page spans 1,000 processes);
+- a non-root status (100 timers of its own) with 1,000,000 of root's armed, against
+  the same with none of root's: its cost must follow its own timers;
+- ``watchdogctl status`` (every page, printed) with 100,000 timers armed, against
+  ``watchdogctl ping``.
+
+The daemon runs on CPU 0 and clients on CPU 1, as in bench/run.py. Run with
+``make bench``; ``--quick`` loads 200,000 timers where the full run loads a million
+(``--small`` and ``--large`` set both sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdogd.core.timers import Timer
+from watchdogd.process import read_start_time
+from watchdogd.store import Store
+from watchdogd_client import Client
+
+SERVER_CPU = 0
+CLIENT_CPU = 1
+HOLDERS = 1_000
+TIMEOUT = 3600.0
+PAGE = 1_000
+#: The uid of the non-root caller (nobody).
+NOBODY = 65534
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    ratio: float
+    note: str
+
+
+def pin(cpu: int, pid: int = 0) -> None:
+    if cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(pid, {cpu})
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of ``pid``."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cold_and_warm(call: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Seconds of one status page ``call`` once the daemon's command lines are
+    stale (a second after its last page: each is read from /proc again), and the
+    median of ``rounds`` calls right after (read once a second at most)."""
+    time.sleep(1.1)
+    started = time.perf_counter()
+    call()
+    cold = time.perf_counter() - started
+    return cold, median_time(call, rounds)
+
+
+def median_time(call: Callable[[], object], rounds: int) -> float:
+    """Median seconds of ``call`` over ``rounds`` calls, after one to warm up."""
+    call()
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class Holders:
+    """Live processes to hold timers, and their start times."""
+
+    def __init__(self, count: int) -> None:
+        self.processes = [subprocess.Popen(["sleep", "3600"]) for _ in range(count)]
+        self.starts = [read_start_time(process.pid) for process in self.processes]
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+def deadline_of(index: int, base: float) -> float:
+    """The deadline of the ``index``-th timer of a written state: timers armed
+    10 µs apart, as requests arm them (so no two share a deadline)."""
+    return base + index * 1e-5 + TIMEOUT
+
+
+def write_state(path: Path, count: int, holders: Holders, base: float) -> None:
+    """A state file with ``count`` timers, as the daemon writes them, on the holders
+    in turn."""
+    store, _ = Store.open(str(path))
+    for index in range(count):
+        slot = index % len(holders.processes)
+        armed = base + index * 1e-5
+        store.put(
+            Timer(deadline=armed + TIMEOUT, pid=holders.processes[slot].pid,
+                  scope=f"scope-{index}", policy="kill", uid=0, owner=0, timeout=TIMEOUT,
+                  armed_at=armed, start_time=holders.starts[slot])
+        )  # fmt: skip
+    store.write_now()
+    store.close()
+
+
+@contextmanager
+def ready_daemon(state: Path | None, socket_path: Path) -> Iterator[int]:
+    """A daemon on ``state`` (None: ``--no-state``), from its sd_notify READY=1 to
+    the end of the block. Its cap on timers is raised above the default million,
+    which a non-root caller's own timers come on top of."""
+    directory = socket_path.parent
+    config = directory / "watchdogd.toml"
+    config.write_text("[daemon]\nmax_timers = 2_000_000\n")
+    notify_path = directory / "notify.sock"
+    notify_path.unlink(missing_ok=True)
+    keep = ["--no-state"] if state is None else ["--state", str(state)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(notify_path))
+        notify.settimeout(600)
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "watchdogd", "--socket", str(socket_path), *keep,
+             "--config", str(config), "--log-level", "warning"],
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+        )  # fmt: skip
+        pin(SERVER_CPU, daemon.pid)
+        try:
+            while b"READY=1" not in notify.recv(4096):
+                pass
+            yield daemon.pid
+        finally:
+            daemon.terminate()
+            daemon.wait()
+
+
+def loaded_daemon(directory: Path, count: int, holders: Holders, base: float) -> Path:
+    """A state file of ``count`` timers, started on once so that its journal is
+    folded into the database (a later start reads the database, as a restart does)."""
+    state = directory / f"state-{count}.db"
+    write_state(state, count, holders, base)
+    written = Path(f"{state}.journal.1")
+    with ready_daemon(state, directory / "fold.sock"):
+        deadline = time.monotonic() + 600
+        while written.exists():  # the fold, after READY, removes it once done
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{written} was not folded")
+            time.sleep(0.1)
+    return state
+
+
+def armed_rss(state: Path | None, socket_path: Path, count: int, holders: Holders) -> float:
+    """The daemon's RSS per timer, less an empty daemon's of the same kind, with
+    ``count`` timers armed by root through the socket, on the holders in turn."""
+    if state is not None:
+        Store.open(str(state))[0].close()
+    with ready_daemon(state, socket_path) as pid:
+        empty = rss(pid)
+        with Client(socket_path) as client:
+            pids = [process.pid for process in holders.processes]
+            for index in range(count):
+                client.acquire(f"scope-{index}", TIMEOUT, pid=pids[index % len(pids)])
+        time.sleep(2)  # a fold the arming started ends
+        return (rss(pid) - empty) / count
+
+
+def non_root_status(socket_path: Path, timers: int, rounds: int) -> float | None:
+    """Median seconds of one status page for uid nobody, holding ``timers`` timers
+    on itself; None when this bench cannot change uid (not run as root)."""
+    if os.geteuid() != 0:
+        return None
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # nobody
+        os.close(reader)
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            pin(CLIENT_CPU)
+            with Client(socket_path) as client:
+                for index in range(timers):
+                    client.acquire(f"mine-{index}", TIMEOUT)
+                page = client.status_page(limit=PAGE)
+                assert len(page.timers) == timers, len(page.timers)
+                seconds = median_time(lambda: client.status_page(limit=PAGE), rounds)
+            os.write(writer, repr(seconds).encode())
+        except BaseException as exc:
+            os.write(writer, f"error: {exc!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as result:
+        answer = result.read()
+    os.waitpid(child, 0)
+    if not answer or answer.startswith("error"):
+        raise RuntimeError(f"the non-root client failed: {answer}")
+    return float(answer)
+
+
+def ctl(socket_path: Path, *command: str) -> float:
+    """Seconds ``watchdogctl`` takes for ``command``, output discarded (median of 3)."""
+    watchdogctl = Path(sys.executable).parent / "watchdogctl"
+
+    def run() -> None:
+        subprocess.run(
+            [str(watchdogctl), "--socket", str(socket_path), *command],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+    pin(CLIENT_CPU)
+    return median_time(run, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="200,000 timers at most")
+    parser.add_argument("--small", type=int, default=100_000, help="the smaller size")
+    parser.add_argument("--large", type=int, default=1_000_000, help="the larger size")
+    parser.add_argument(
+        "--arm-large",
+        action="store_true",
+        help="also arm the larger size through the socket (minutes at a million)",
+    )
+    options = parser.parse_args()
+    small, large = options.small, 200_000 if options.quick else options.large
+    rounds = 21
+    figures: list[Figure] = []
+    holders = Holders(HOLDERS)
+    base = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="wd-scale-") as name:
+            directory = Path(name)
+            directory.chmod(0o755)  # nobody connects to the socket inside
+            empty = directory / "empty.db"
+            Store.open(str(empty))[0].close()
+            sock = directory / "wd.sock"
+
+            pin(CLIENT_CPU)
+            with ready_daemon(empty, sock) as pid:
+                empty_rss = rss(pid)
+                alone = non_root_status(sock, 100, rounds)
+            figures.append(Figure("RSS, empty daemon", empty_rss / 2**20, "MiB", 1.0, ""))
+
+            armed = armed_rss(None, sock, small, holders)
+            figures.append(
+                Figure(f"RSS per timer, {small:,} armed by requests, --no-state", armed,
+                       "B", 1.0, f"on {HOLDERS:,} processes; the memory baseline")
+            )  # fmt: skip
+            sizes = [small, large] if options.arm_large else [small]
+            for size in sizes:
+                durable = armed_rss(directory / f"armed-{size}.db", sock, size, holders)
+                figures.append(
+                    Figure(f"RSS per timer, {size:,} armed by requests, durable state",
+                           durable, "B", durable / armed,
+                           "x --no-state; the store holds <= 8 MiB of changes until a fold")
+                )  # fmt: skip
+
+            one_page = loaded_daemon(directory, PAGE, holders, base)
+            with ready_daemon(one_page, sock), Client(sock) as client:
+                alone_cold, alone_warm = cold_and_warm(
+                    lambda: client.status_page(limit=PAGE), rounds
+                )
+            for what, seconds in (("command lines read", alone_cold), ("", alone_warm)):
+                figures.append(
+                    Figure(f"root status page of {PAGE:,}, {PAGE:,} armed{what and ', '}{what}",
+                           seconds * 1e3, "ms", 1.0, f"the page baseline; {HOLDERS:,} processes")
+                )  # fmt: skip
+
+            state = loaded_daemon(directory, small, holders, base)
+            with ready_daemon(state, sock) as pid:
+                loaded = (rss(pid) - empty_rss) / small
+                figures.append(
+                    Figure(f"RSS per timer, {small:,} loaded from the state", loaded, "B",
+                           loaded / armed, "x armed by requests, --no-state")
+                )  # fmt: skip
+                ping = ctl(sock, "ping")
+                status = ctl(sock, "status")
+                figures.append(
+                    Figure("watchdogctl ping", ping, "s", 1.0, "the command-line baseline")
+                )
+                figures.append(
+                    Figure(f"watchdogctl status, {small:,} armed", status, "s",
+                           status / ping, f"x ping; every page, {small:,} rows printed")
+                )  # fmt: skip
+
+            state = loaded_daemon(directory, large, holders, base)
+            with ready_daemon(state, sock) as pid:
+                loaded = (rss(pid) - empty_rss) / large
+                figures.append(
+                    Figure(f"RSS per timer, {large:,} loaded from the state", loaded, "B",
+                           loaded / armed, f"x armed by requests, --no-state ({small:,})")
+                )  # fmt: skip
+                with Client(sock) as client:
+                    first_cold, first = cold_and_warm(
+                        lambda: client.status_page(limit=PAGE), rounds
+                    )
+                    middle = large // 2
+                    cursor = f"{deadline_of(middle, base)!r}/0"
+                    page = client.status_page(limit=PAGE, cursor=cursor)
+                    assert page.timers[0].scope == f"scope-{middle + 1}", page.timers[0]
+                    later = median_time(
+                        lambda: client.status_page(limit=PAGE, cursor=cursor), rounds
+                    )
+                for what, seconds, baseline in (
+                    ("first, command lines read", first_cold, alone_cold),
+                    ("first", first, alone_warm),
+                    ("half-way, by cursor", later, alone_warm),
+                ):
+                    figures.append(
+                        Figure(f"root status page of {PAGE:,}, {large:,} armed, {what}",
+                               seconds * 1e3, "ms", seconds / baseline,
+                               f"x the page with {PAGE:,} armed")
+                    )  # fmt: skip
+                crowded = non_root_status(sock, 100, rounds)
+            if alone is not None and crowded is not None:
+                figures.append(
+                    Figure("non-root status, 100 own timers, none of root's", alone * 1e3,
+                           "ms", 1.0, "the non-root baseline")
+                )  # fmt: skip
+                figures.append(
+                    Figure(f"non-root status, 100 own timers, {large:,} of root's",
+                           crowded * 1e3, "ms", crowded / alone, "x with none of root's")
+                )  # fmt: skip
+    finally:
+        holders.close()
+    width = max(len(f.name) for f in figures)
+    print(f"{'figure':<{width}}  {'value':>12}  {'unit':<5} {'ratio':>8}  note")
+    for f in figures:
+        print(f"{f.name:<{width}}  {f.value:>12,.2f}  {f.unit:<5} {f.ratio:>8.2f}  {f.note}")
+
+
+if __name__ == "__main__":
+    main()
