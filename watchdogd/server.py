@@ -448,12 +448,10 @@ class _Connection:
 
     async def _flush(self, out: bytearray) -> bool:
         if self.journal.generation != self.durable:
+            # Committed at once: one write(2) per reply costs less than a turn of
+            # the loop spent gathering other connections' changes into it (the
+            # frames of one connection's batch share their commit anyway).
             changed = self.journal.generation
-            if trio.lowlevel.current_statistics().tasks_runnable:
-                # Let every other task of this turn of the loop add its changes,
-                # so that one commit serves them all. (Alone, commit at once: a
-                # turn of the loop costs a lone client as much as the write.)
-                await trio.lowlevel.checkpoint()
             if await self.journal.commit(changed):
                 self.durable = changed
             else:
