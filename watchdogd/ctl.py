@@ -188,7 +188,9 @@ def _summary(info: DaemonInfo, *, visible: int) -> str:
 
 def _table(report: DaemonStatus) -> str:
     rows = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
-    return _columns(rows + [_row(timer) for timer in report.timers])
+    # Read once for the table, not once a row (status may list 100,000 timers).
+    cwd, home = _cwd(), os.path.expanduser("~")
+    return _columns(rows + [_row(timer, cwd, home) for timer in report.timers])
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> str:
@@ -200,11 +202,11 @@ def _columns(rows: Sequence[Sequence[str]]) -> str:
     )
 
 
-def _row(timer: TimerInfo) -> tuple[str, str, str, str, str, str]:
+def _row(timer: TimerInfo, cwd: str, home: str) -> tuple[str, str, str, str, str, str]:
     return (
         str(timer.pid),
         _clip(timer.command, _COMMAND_WIDTH),
-        _clip(shown_scope(timer.scope), _SCOPE_WIDTH),
+        _clip(shown_scope(timer.scope, cwd=cwd, home=home), _SCOPE_WIDTH),
         format_duration(timer.remaining),
         timer.policy,
         str(timer.uid),
@@ -219,11 +221,7 @@ def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) 
     """A scope as people read it. Default scopes are absolute ``file:line`` paths:
     one under ``cwd`` (default: the working directory) is shown relative to it, one
     under ``home`` (default: ``~``) starts with ``~/``; any other scope is unchanged."""
-    if cwd is None:
-        try:
-            cwd = os.getcwd()
-        except OSError:  # the working directory was removed
-            cwd = ""
+    cwd = _cwd() if cwd is None else cwd
     home = os.path.expanduser("~") if home is None else home
     for directory, shown in ((cwd, ""), (home, "~/")):
         prefix = directory.rstrip("/") + "/"
@@ -231,6 +229,13 @@ def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) 
         if prefix != "/" and scope.startswith(prefix) and len(scope) > len(prefix):
             return shown + scope[len(prefix) :]
     return scope
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory was removed
+        return ""
 
 
 def format_duration(seconds: float) -> str:
