@@ -55,10 +55,9 @@ class Scheduler:
         """``fire(now)`` returns True when it stopped at its batch with more
         perhaps due; ``settle(until)`` works until its clock reads ``until`` (the
         next deadline, or the end of a slice of `SLICE`), and returns True when it
-        has more to do. ``heartbeat`` is
-        (interval, beat): ``beat()`` is called from this task's own loop at least
-        every ``interval`` seconds (systemd's WATCHDOG=1), so a stalled loop stops
-        beating."""
+        has more to do. ``heartbeat`` is (interval, beat): ``beat()`` is called
+        from this task's own loop at least every ``interval`` seconds (systemd's
+        WATCHDOG=1), so a stalled loop stops beating."""
         self._clock = clock
         self._next_deadline = next_deadline
         self._fire = fire
