@@ -64,6 +64,8 @@ _FLUSH_AT: Final = 256 * 1024
 _BACKLOG: Final = 1024
 #: How long a refused connection is given to send its hello before the refusal.
 _REFUSAL_WAIT: Final = 1.0
+#: The most of an oversized frame read and dropped after refusing it.
+_DRAIN_BYTES: Final = 16 * 1024 * 1024
 
 
 class Listener:
@@ -322,6 +324,24 @@ async def _refuse(conn: socket.socket, refusal: Refusal, max_frame: int) -> None
         conn.send(out)
 
 
+async def _drain(conn: socket.socket) -> None:
+    """Read and drop what the client is still sending (the rest of a frame over
+    the bound) until it closes its side, for at most `_REFUSAL_WAIT` and
+    `_DRAIN_BYTES`: closing with it unread resets the connection, and the client
+    could see the reset before the refusal already sent."""
+    left = _DRAIN_BYTES
+    with trio.move_on_after(_REFUSAL_WAIT), contextlib.suppress(OSError):
+        while left > 0:
+            try:
+                data = conn.recv(min(_RECV_SIZE, left))
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(conn)
+                continue
+            if not data:
+                break
+            left -= len(data)
+
+
 class _Connection:
     """Reads frames, answers them, and enforces the per-connection bounds."""
 
@@ -379,6 +399,7 @@ class _Connection:
                 out = bytearray()
                 encode_frame_into(Error(code=exc.code, message=exc.message), out)
                 await self.flush(out)
+                await _drain(conn)
                 return
             if not await self.answer(frames, more=reader.buffered > 0):
                 return

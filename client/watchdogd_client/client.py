@@ -444,6 +444,10 @@ class Client(BaseClient):
                 ErrorCode.MALFORMED, f"reply id {reply.id} does not match request {request.id}"
             )
         if isinstance(reply, Error):
+            if reply.id is None:
+                # About no request in particular (a refused connection, a frame
+                # over the bound): the daemon ends the connection after it.
+                self._disconnect()
             raise RequestRefused(reply.code, reply.message)
         if not isinstance(reply, expected):
             self._disconnect()

@@ -117,12 +117,13 @@ class _Connection:
                     request_id = reply.id
                     if request_id is None:
                         # An error about no request in particular (a refused
-                        # connection, a frame over the bound): the daemon closes
-                        # the connection after it, so it answers every request.
+                        # connection, a frame over the bound): it answers every
+                        # request, and ends the connection (closing this side
+                        # lets the daemon close its own).
                         for every in self.waiting.values():
                             every.send_nowait(reply)
                         self.waiting.clear()
-                        continue
+                        return
                     channel = self.waiting.pop(request_id, None)
                     if channel is not None:
                         channel.send_nowait(reply)
@@ -273,8 +274,13 @@ class AsyncClient:
                     # delivers what it sent, or None once the stream ends.
                     connection.broken = True
                 except trio.ClosedResourceError:
+                    # The reader closed the stream under this send: it delivered
+                    # the daemon's answer first, if there was one.
                     connection.broken = True
-                    return None
+                    try:
+                        return receive.receive_nowait()
+                    except trio.WouldBlock:
+                        return None
                 except BaseException:
                     # A send cut short (cancelled) may have written part of a frame:
                     # nothing after it on this connection could be understood.
