@@ -36,35 +36,20 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+
+from run import CLIENT_CPU, SERVER_CPU, Figure, pin
 
 from watchdogd.core.timers import Timer
 from watchdogd.process import read_start_time
 from watchdogd.store import Store
 from watchdogd_client import Client
 
-SERVER_CPU = 0
-CLIENT_CPU = 1
 HOLDERS = 1_000
 TIMEOUT = 3600.0
 PAGE = 1_000
 #: The uid of the non-root caller (nobody).
 NOBODY = 65534
-
-
-@dataclass
-class Figure:
-    name: str
-    value: float
-    unit: str
-    ratio: float
-    note: str
-
-
-def pin(cpu: int, pid: int = 0) -> None:
-    if cpu < (os.cpu_count() or 1):
-        os.sched_setaffinity(pid, {cpu})
 
 
 def rss(pid: int) -> int:
