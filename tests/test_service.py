@@ -39,6 +39,24 @@ def refusal(
     return caught.value
 
 
+def every_page(
+    service: Service[FakeProcess], caller: Caller[FakeProcess], *, limit: int, now: float
+) -> tuple[list[str], list[str]]:
+    """The scopes of every status page ``caller`` gets, in order, and the cursors
+    that led from each page to the next."""
+    seen: list[str] = []
+    cursors: list[str] = []
+    cursor = None
+    while True:
+        reply = service.handle(Status(id=99, limit=limit, cursor=cursor), caller, now)
+        assert isinstance(reply, StatusReply)
+        seen += [t.scope for t in reply.timers]
+        cursor = reply.cursor
+        if cursor is None:
+            return seen, cursors
+        cursors.append(cursor)
+
+
 class TestAcquire:
     def test_targets_the_caller_by_default(self) -> None:
         w = make_world()
@@ -398,16 +416,8 @@ class TestStatus:
         for i in range(25):
             pid = (100, 200, 300)[i % 3]
             service.handle(Acquire(id=i, scope=f"s{i:02d}", timeout=5, pid=pid), w.root, 0.0)
-        seen: list[str] = []
-        cursor = None
-        while True:
-            reply = service.handle(Status(id=99, limit=10, cursor=cursor), w.root, 1.0)
-            assert isinstance(reply, StatusReply)
-            seen += [t.scope for t in reply.timers]
-            cursor = reply.cursor
-            if cursor is None:
-                break
-            assert cursor.startswith("5.0/")
+        seen, cursors = every_page(service, w.root, limit=10, now=1.0)
+        assert all(cursor.startswith("5.0/") for cursor in cursors)
         assert seen == [f"s{i:02d}" for i in range(25)]  # each once, in arming order
 
     def test_a_non_root_status_never_walks_the_hosts_timers(
@@ -428,15 +438,7 @@ class TestStatus:
 
         monkeypatch.setattr(TimerTable, "soonest", everything)
         monkeypatch.setattr(TimerTable, "timers", everything)
-        seen: list[str] = []
-        cursor = None
-        while True:
-            reply = service.handle(Status(id=99, limit=4, cursor=cursor), w.alice, 0.0)
-            assert isinstance(reply, StatusReply)
-            seen += [t.scope for t in reply.timers]
-            cursor = reply.cursor
-            if cursor is None:
-                break
+        seen, _ = every_page(service, w.alice, limit=4, now=0.0)
         assert seen == [f"a{i:02d}" for i in reversed(range(15))]  # soonest first
 
     def test_command_lines_are_read_again_after_a_second(self) -> None:
