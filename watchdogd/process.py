@@ -111,13 +111,7 @@ class Process:
 
     def alive(self) -> bool:
         """Whether the process still holds its pid (running, stopped or a zombie)."""
-        try:
-            signal.pidfd_send_signal(self.fd, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True  # it exists; we may merely not signal it
-        return True
+        return holds_pid(self.fd)
 
     def refresh(self) -> bool:
         """Read the real and saved uid again; False, with nothing changed, when the
@@ -143,6 +137,18 @@ class Process:
         """Keep its command line as it is now (it entered the timer table)."""
         if not self.armed_command:
             self.armed_command = command_of(self.pid)[:_REMEMBERED_COMMAND]
+
+
+def holds_pid(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` still holds its pid (running, stopped or a
+    zombie not yet reaped)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; we may merely not signal it
+    return True
 
 
 def open_process(pid: int, peer: Peer | None = None) -> Process:

@@ -38,7 +38,15 @@ from typing import Final
 import trio
 
 from .core.policies import TargetKind
-from .process import Process, children_of, command_of, read_stat, read_uids, state_and_wchan
+from .process import (
+    Process,
+    children_of,
+    command_of,
+    holds_pid,
+    read_stat,
+    read_uids,
+    state_and_wchan,
+)
 
 _MAX_MEMBERS: Final = 65536
 _NAMES: Final = {int(member): member.name for member in signal.Signals}
@@ -60,17 +68,6 @@ class Member:
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(0))
-
-    def holds_pid(self) -> bool:
-        """Whether the process still holds its pid (running, or a zombie not yet
-        reaped): what /proc showed for the pid meanwhile was about it."""
-        try:
-            signal.pidfd_send_signal(self.fd, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
     def send(self, signum: int) -> bool | None:
         """Signal it; False if it is gone, None if the daemon may not (EPERM: it
@@ -154,7 +151,7 @@ class Target:
         someone else's (it was reaped). A process killed already shows ``[name]``."""
         root = self.members[0]
         command = command_of(root.pid)
-        return command if root.holds_pid() else "?"
+        return command if holds_pid(root.fd) else "?"
 
     def signal(self, signum: int, *, alive: bool = False) -> str:
         """Send ``signum``; returns the step's result. ``alive``: the target was
