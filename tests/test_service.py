@@ -506,12 +506,12 @@ def test_ping_and_hello() -> None:
 def test_restore_judges_each_timer_by_its_own_process() -> None:
     """pid 200 now belongs to a new process (start 1000): an expiry of the old one
     (start 999) is recorded as gone, the new one's expiry resumes, in any order."""
-    from watchdogd.core.timers import Timer
+    from watchdogd.core.timers import Run, Timer
 
     def firing(number: int, start_time: int) -> Timer:
         return Timer(pid=200, scope=f"s{number}", policy="kill", uid=1000, owner=1000,
                      timeout=1.0, armed_at=0.0, deadline=1.0, start_time=start_time,
-                     firing=number, step=1, fired_at=1.0)  # fmt: skip
+                     firing=number, run=Run(step=1, fired_at=1.0))  # fmt: skip
 
     for order in ([firing(1, 999), firing(2, 1000)], [firing(2, 1000), firing(1, 999)]):
         service, _, _ = make_service()

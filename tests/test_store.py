@@ -18,13 +18,17 @@ import pytest
 import trio
 
 from watchdogd import store as store_module
-from watchdogd.core.timers import Timer
+from watchdogd.core.timers import Run, Timer
 from watchdogd.store import Record, StateError, Store, default_state_path
 
 DATA = Path(__file__).parent / "data"
 
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
+    """A timer; ``step``, ``step_end``, ``fired_at`` and ``plan`` make its `Run`."""
+    run = {name: fields.pop(name) for name in Run.__struct_fields__ if name in fields}
+    if run:
+        fields["run"] = Run(**run)  # type: ignore[arg-type]
     return Timer(
         pid=pid,
         scope=scope,
@@ -287,41 +291,53 @@ def test_the_files_of_the_previous_schema_still_load(tmp_path: Path) -> None:
     assert sorted(t.scope for t in again.timers) == ["folded", "journal"]
 
 
-#: The boot the files of tests/data/schema2/ were written in.
-SCHEMA2_BOOT = "5c3a2f0e-7d41-4b8e-9a56-0c2d9e8f1a37"
+#: The boots the files of tests/data/schema2/ and schema3/ were written in.
+OLD_BOOTS = {
+    "schema2": "5c3a2f0e-7d41-4b8e-9a56-0c2d9e8f1a37",
+    "schema3": "8e1d4c22-3b7a-4f05-b6c9-2a4e7d9f0c13",
+}
 #: What they hold: these attributes of each timer, as they were written.
-SCHEMA2_FIELDS = (
-    "pid", "policy", "uid", "owner", "timeout", "armed_at", "deadline", "start_time", "seq",
+OLD_FIELDS = (
+    "policy", "uid", "owner", "timeout", "armed_at", "deadline", "start_time", "seq",
     "firing", "step", "step_end", "fired_at", "plan", "exit_releases",
 )  # fmt: skip
-SCHEMA2_TIMERS = {
-    "folded": (4340, "term", 1000, 0, 10.0, 290.0, 300.0, 888, 7, 0, 0, 0.0, 0.0, 0, False),
-    "firing": (4342, "abort", 1000, 1000, 10.0, 300.0, 310.0, 999, 5, 2, 1, 330.5, 320.25,
+OLD_TIMERS = {
+    "folded": ("term", 1000, 0, 10.0, 290.0, 300.0, 888, 7, 0, 0, 0.0, 0.0, 0, False),
+    "firing": ("abort", 1000, 1000, 10.0, 300.0, 310.0, 999, 5, 2, 1, 330.5, 320.25,
                12345, False),
-    "journal": (4343, "kill", 1000, 1000, 2.5, 197.5, 200.0, 777, 9, 0, 0, 0.0, 0.0, 0, True),
+    "journal": ("kill", 1000, 1000, 2.5, 197.5, 200.0, 777, 9, 0, 0, 0.0, 0.0, 0, True),
 }  # fmt: skip
+OLD_PIDS = {
+    "schema2": {"folded": 4340, "firing": 4342, "journal": 4343},
+    "schema3": {"folded": 4440, "firing": 4442, "journal": 4443},
+}
 
 
-def test_the_files_of_schema_2_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/data/schema2/ was written by the store of schema 2 (commit 13e1c43): a
-    database with two armed timers and a firing one folded in, and a journal that
-    arms one more (released by its exit) and drops one folded timer. Every
-    attribute comes back as it was written, and again once rewritten."""
-    for name in os.listdir(DATA / "schema2"):
-        shutil.copy(DATA / "schema2" / name, tmp_path / name)
-    monkeypatch.setattr(store_module, "_boot_id", lambda: SCHEMA2_BOOT)
+@pytest.mark.parametrize("schema", ["schema2", "schema3"])
+def test_the_files_of_older_schemas_still_load(
+    schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/data/schema2/ was written by the store of schema 2 (commit 13e1c43),
+    tests/data/schema3/ by that of schema 3 (commit d8a0b22): each a database with
+    two armed timers and a firing one folded in, and a journal that arms one more
+    (released by its exit) and drops one folded timer. Every attribute comes back
+    as it was written, and again once rewritten; only a firing timer has a run."""
+    for name in os.listdir(DATA / schema):
+        shutil.copy(DATA / schema / name, tmp_path / name)
+    monkeypatch.setattr(store_module, "_boot_id", lambda: OLD_BOOTS[schema])
     path = str(tmp_path / "state.db")
     for _ in range(2):
         store, loaded = Store.open(path)
         store.close()
         assert {
-            t.scope: tuple(getattr(t, name) for name in SCHEMA2_FIELDS) for t in loaded.timers
-        } == SCHEMA2_TIMERS
+            t.scope: (t.pid, *(getattr(t, name) for name in OLD_FIELDS)) for t in loaded.timers
+        } == {scope: (OLD_PIDS[schema][scope], *fields) for scope, fields in OLD_TIMERS.items()}
+        assert {t.scope for t in loaded.timers if t.run is not None} == {"firing"}
 
 
 def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
     """A decoded record would hold its own copy of every value; loaded timers hold
-    one object per distinct pid, start time, policy, uid, timeout and zero, from
+    one object per distinct pid, start time, policy, uid and timeout, from
     the database and the journals alike (a million of them would otherwise cost
     some 200 bytes each more than when armed)."""
     path = str(tmp_path / "state.db")
@@ -334,7 +350,7 @@ def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
     store, loaded = Store.open(path)
     store.close()
     assert len(loaded.timers) == 201
-    for name in ("policy", "uid", "owner", "timeout", "start_time", "step_end", "fired_at"):
+    for name in ("policy", "uid", "owner", "timeout", "start_time"):
         assert len({id(getattr(t, name)) for t in loaded.timers}) == 1, name
     assert len({id(t.pid) for t in loaded.timers}) == 3
 

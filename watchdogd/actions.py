@@ -51,7 +51,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-import msgspec
 import trio
 
 from watchdogd_client.protocol import EventInfo, StepResult
@@ -82,7 +81,7 @@ def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
     if not (timer.step or timer.step_end) or (timer.plan == policy.plan and not note):
         return timer, note
     again = "its policy changed across a restart; started again from its first step"
-    timer = msgspec.structs.replace(timer, step=0, step_end=0.0)
+    timer = timer.at_step(0)
     return timer, "; ".join(text for text in (note, again) if text)
 
 

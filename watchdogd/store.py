@@ -14,9 +14,12 @@ is discarded).
 A record is a timer (`watchdogd.timers.Timer`, the one shape of a timer in memory,
 in the journal and in the database) or the removal of one, under its store key
 ``(pid, scope, firing)``: an armed timer, and one whose policy is in progress.
-Schema 3 stores a `Timer` as the array of its fields, ``deadline`` and ``seq``
-first; the files of schemas 2 (the same fields, ``pid`` first) and 1 (the first
-nine, in columns) still load, and are rewritten in schema 3 by the first fold.
+Schema 4 stores a `Timer` as the array of its fields, ``deadline`` and ``seq``
+first, a firing timer's progress through its policy (`Run`) and what only some
+timers keep (`Watch`) each an array of their own in the last two; the files of
+schemas 3 (the same first twelve fields, then the four of a `Run` flat), 2 (the
+fields of 3, ``pid`` first) and 1 (the first nine, in columns) still load, and
+are rewritten in schema 4 by the first fold.
 
 Invariants:
 
@@ -71,11 +74,11 @@ from typing import Final, Literal
 import msgspec
 import trio
 
-from .core.timers import StoreKey, Timer
+from .core.timers import Run, StoreKey, Timer
 from .errors import DaemonError
 from .logs import log, logfmt
 
-SCHEMA: Final = 3
+SCHEMA: Final = 4
 #: A journal this large is folded into the database and a new one started.
 JOURNAL_BYTES: Final = 8 * 1024 * 1024
 #: Retries of a failing disk wait this long at first, doubling up to the maximum.
@@ -100,7 +103,7 @@ _LOAD_BATCH: Final = 1024
 Changes = dict[StoreKey, Timer | None]
 #: What a database read at start is: of this schema and boot ("current"); absent,
 #: new or moved aside ("none": the journals hold everything since); written in
-#: another boot; or of the previous schema.
+#: another boot; or of an older schema.
 DatabaseKind = Literal["current", "none", "other_boot", "old_schema"]
 
 
@@ -126,8 +129,41 @@ class Record(msgspec.Struct, array_like=True):
     boot: str = ""
 
 
+class _Schema3Timer(msgspec.Struct, array_like=True, gc=False):
+    """A `Timer` as schema 3 stored it: its `Run` flat, and no `Watch`."""
+
+    deadline: float
+    seq: int
+    pid: int
+    scope: str
+    policy: str
+    uid: int
+    owner: int
+    timeout: float
+    armed_at: float
+    start_time: int = 0
+    exit_releases: bool = False
+    firing: int = 0
+    step: int = 0
+    step_end: float = 0.0
+    fired_at: float = 0.0
+    plan: int = 0
+
+    def upgraded(self) -> Timer:
+        return _upgraded(self)
+
+
+class _Schema3Record(msgspec.Struct, array_like=True):
+    """A `Record` of schema 3."""
+
+    reset: bool = False
+    puts: list[_Schema3Timer] = []
+    drops: list[StoreKey] = []
+    boot: str = ""
+
+
 class _Schema2Timer(msgspec.Struct, array_like=True, gc=False):
-    """A `Timer` as schema 2 stored it: the same fields, in this order."""
+    """A `Timer` as schema 2 stored it: the fields of schema 3, in this order."""
 
     pid: int
     scope: str
@@ -147,7 +183,14 @@ class _Schema2Timer(msgspec.Struct, array_like=True, gc=False):
     exit_releases: bool = False
 
     def upgraded(self) -> Timer:
-        return Timer(**msgspec.structs.asdict(self))
+        return _upgraded(self)
+
+
+def _upgraded(old: _Schema3Timer | _Schema2Timer) -> Timer:
+    """A timer of schema 3 or 2 in this schema's shape."""
+    fields = msgspec.structs.asdict(old)
+    run = Run(**{name: fields.pop(name) for name in ("step", "step_end", "fired_at", "plan")})
+    return Timer(**fields, run=run if fields["firing"] else None)
 
 
 class _Schema2Record(msgspec.Struct, array_like=True):
@@ -161,8 +204,10 @@ class _Schema2Record(msgspec.Struct, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(Record)
+_schema3_record_decoder = msgspec.msgpack.Decoder(_Schema3Record)
 _schema2_record_decoder = msgspec.msgpack.Decoder(_Schema2Record)
 _timers_decoder = msgspec.msgpack.Decoder(list[Timer])
+_schema3_timers_decoder = msgspec.msgpack.Decoder(list[_Schema3Timer])
 _schema2_timers_decoder = msgspec.msgpack.Decoder(list[_Schema2Timer])
 
 
@@ -743,13 +788,21 @@ def _schema1_timer(values: Sequence[object]) -> Timer:
 
 def _decode_record(payload: bytes) -> Record:
     """A journal record of this schema or an older one. A record of another
-    schema never validates as this one's: each schema's timer array starts with
-    values of other types (a float and an int here, an int and a string in
-    schema 2, a pid and a scope around a list in schema 1)."""
+    schema never validates as this one's: each schema's timer array holds values
+    of other types where they differ (an array or nil 13th here, an int in
+    schema 3; an int and a string first in schema 2, a pid and a scope around a
+    list in schema 1)."""
     try:
         return _record_decoder.decode(payload)
     except msgspec.ValidationError:
         pass
+    try:
+        three = _schema3_record_decoder.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    else:
+        puts = [timer.upgraded() for timer in three.puts]
+        return Record(reset=three.reset, puts=puts, drops=three.drops, boot=three.boot)
     try:
         old = _schema2_record_decoder.decode(payload)
     except msgspec.ValidationError:
@@ -764,8 +817,8 @@ def _decode_record(payload: bytes) -> Record:
 #: Per load, per kind of value: one object for each distinct value.
 _Shared = dict[str, dict[object, object]]
 #: The fields whose values repeat from timer to timer, with the kind of value
-#: each holds: a process's pid and start time, policies, uids, timeouts and the
-#: zeroes of an armed timer. (Decoding makes every one of a field's values of its
+#: each holds: a process's pid and start time, policies, uids and timeouts.
+#: (Decoding makes every one of a field's values of its
 #: declared type, so an int never stands in for an equal float.)
 _SHARED_FIELDS: Final = (
     ("pid", "pid"),
@@ -774,8 +827,6 @@ _SHARED_FIELDS: Final = (
     ("uid", "uid"),
     ("owner", "uid"),
     ("timeout", "time"),
-    ("step_end", "time"),
-    ("fired_at", "time"),
 )
 
 
@@ -840,7 +891,7 @@ def _parse_timers(db: sqlite3.Connection, shared: _Shared) -> tuple[list[Timer],
         return [], SCHEMA, None
     schema = int(meta.get("schema", "1"))
     timers: list[Timer] = []
-    if schema in (SCHEMA, 2):
+    if schema in (SCHEMA, 3, 2):
         # A batch of records as one msgpack array, decoded in one call: a start
         # with a million timers spends its time here.
         rows = db.execute("SELECT record FROM timers")
@@ -850,6 +901,8 @@ def _parse_timers(db: sqlite3.Connection, shared: _Shared) -> tuple[list[Timer],
             try:
                 if schema == SCHEMA:
                     batch = _timers_decoder.decode(array)
+                elif schema == 3:
+                    batch = [old.upgraded() for old in _schema3_timers_decoder.decode(array)]
                 else:
                     batch = [old.upgraded() for old in _schema2_timers_decoder.decode(array)]
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -860,7 +913,7 @@ def _parse_timers(db: sqlite3.Connection, shared: _Shared) -> tuple[list[Timer],
         timers = [_schema1_timer(row) for row in db.execute(_SCHEMA1_SELECT)]
         _share_values(timers, shared)
     else:
-        raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA}, 2 and 1")
+        raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA}, 3, 2 and 1")
     return timers, schema, meta.get("boot_id")
 
 

@@ -80,7 +80,7 @@ from .counters import Counters
 from .events import EventLog
 from .identity import Peer
 from .policies import Policy, signal_policy
-from .timers import Expired, StoreKey, Timer, TimerTable
+from .timers import Expired, Run, StoreKey, Timer, TimerTable
 
 ROOT: Final = 0
 #: What a status page may spend on timers and command lines: the reply bound less
@@ -618,9 +618,7 @@ class Service(Generic[P]):
             firing = msgspec.structs.replace(
                 item.timer,
                 firing=next(self._firing_numbers),
-                step=0,
-                fired_at=now,
-                plan=policy.plan,
+                run=Run(fired_at=now, plan=policy.plan),
             )
             # The armed record and the firing one go out in the same journal
             # record: a crash leaves one of the two, never neither.
@@ -635,7 +633,7 @@ class Service(Generic[P]):
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
         ``step_end``); returns the timer as now recorded."""
-        timer = msgspec.structs.replace(timer, step=step, step_end=step_end)
+        timer = timer.at_step(step, step_end)
         if timer.store_key in self._firing:
             self._firing[timer.store_key] = timer
             self.journal.put(timer)

@@ -15,10 +15,10 @@ processes are opaque handles. Invariants:
   (root sees every timer, through the order itself). So a user's status walks
   that user's processes, never the host's timers.
 
-Memory is the point of this layout. A timer costs its `Timer` (144 bytes), its
+Memory is the point of this layout. A timer costs its `Timer` (128 bytes), its
 scope (64 for a dozen characters), its deadline and arming time (a float each, 32
 bytes as Python's allocator rounds them) and two pointers, one in its process's
-list and one in the order: some 290 bytes, which is most of what the daemon holds
+list and one in the order: some 275 bytes, which is most of what the daemon holds
 per timer with a million armed (bench/scale.py). Values that repeat from timer to
 timer are shared rather than copied: the pid and start time are the process
 handle's, the policy name and the timeout come from small tables of the values
@@ -72,9 +72,9 @@ class Timer(
     ``uid`` is the target process's uid, ``owner`` the uid of the caller that armed
     it, ``start_time`` its process's start (clock ticks since boot, which tells a
     recycled pid apart); times are on the table's monotonic clock. An armed timer
-    has ``firing`` 0. A timer that fell due keeps its record, with a ``firing``
-    number of its own, the index of the policy ``step`` in progress and, during a
-    wait, when that wait ends (``step_end``), until its policy has finished.
+    has ``firing`` 0 and no ``run``. A timer that fell due keeps its record, with a
+    ``firing`` number of its own and its `Run`, until its policy has finished.
+    ``watch`` holds what only some timers need (`Watch`): None for the others.
 
     Timers order by ``(deadline, seq)``, their first two fields (``order=True``
     compares fields in turn, in C): the table's order holds the records
@@ -82,9 +82,10 @@ class Timer(
     order they were armed; it is 0 for all others (`Deadlines.insert`).
 
     (A Struct without GC tracking: one is made per acquire, and it holds only
-    scalars. Stored as the array of its fields in this order, schema 3 of
-    `watchdogd.store`: a change of the fields or of their order is a new schema,
-    and the store still reads the old ones.)
+    scalars and Structs of scalars. 14 fields make 128 bytes, a size class of
+    Python's allocator: a 15th would cost 16 bytes a timer. Stored as the array of
+    its fields in this order, schema 4 of `watchdogd.store`: a change of the fields
+    or of their order is a new schema, and the store still reads the old ones.)
     """
 
     deadline: float
@@ -100,12 +101,8 @@ class Timer(
     #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
     exit_releases: bool = False
     firing: int = 0
-    step: int = 0
-    step_end: float = 0.0
-    fired_at: float = 0.0
-    #: The `Policy.plan` of the policy that fired it: a policy changed or removed
-    #: by the time a restart resumes it starts again from its first step.
-    plan: int = 0
+    run: Run | None = None
+    watch: Watch | None = None
 
     @property
     def key(self) -> Key:
@@ -114,6 +111,62 @@ class Timer(
     @property
     def store_key(self) -> StoreKey:
         return (self.pid, self.scope, self.firing)
+
+    @property
+    def step(self) -> int:
+        """The policy step in progress (0 while armed)."""
+        return 0 if self.run is None else self.run.step
+
+    @property
+    def step_end(self) -> float:
+        return 0.0 if self.run is None else self.run.step_end
+
+    @property
+    def fired_at(self) -> float:
+        return 0.0 if self.run is None else self.run.fired_at
+
+    @property
+    def plan(self) -> int:
+        return 0 if self.run is None else self.run.plan
+
+    def at_step(self, step: int, step_end: float = 0.0) -> Timer:
+        """This firing timer with its policy at ``step`` (a wait ending at
+        ``step_end``)."""
+        run = Run() if self.run is None else self.run
+        return msgspec.structs.replace(
+            self, run=msgspec.structs.replace(run, step=step, step_end=step_end)
+        )
+
+
+class Run(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """Where the policy of a timer that fell due has got to: the index of the
+    ``step`` in progress and, during a wait, when that wait ends (``step_end``);
+    when it fell due (``fired_at``); the `Policy.plan` of the policy that fired
+    it, so that a policy changed or removed by the time a restart resumes it
+    starts again from its first step."""
+
+    step: int = 0
+    step_end: float = 0.0
+    fired_at: float = 0.0
+    plan: int = 0
+
+
+class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """What a timer keeps beyond its deadline, when it needs to.
+
+    - ``progress``: the highest progress counter its renewals carried, and when it
+      last grew (``progressed_at``); ``stall`` the seconds its policy allows
+      without growth, as armed. Its deadline is then the sooner of the timeout's
+      and ``progressed_at + stall``.
+    - ``timeout_from``: where a timeout the daemon chose came from (a request
+      that asked for a learned one, `Acquire.auto`); empty for a timeout the
+      request gave.
+    """
+
+    progress: int | None = None
+    progressed_at: float = 0.0
+    stall: float = 0.0
+    timeout_from: str = ""
 
 
 V = TypeVar("V", bound=Hashable)
