@@ -18,6 +18,7 @@ import pytest
 
 from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
+from watchdogd_client.protocol import EventInfo
 
 #: Generous bound for things that should take milliseconds, so a loaded CI machine
 #: does not turn a working feature into a failure.
@@ -227,3 +228,17 @@ def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
     for pipe in (process.stdin, process.stdout, process.stderr):
         if pipe is not None:
             pipe.close()
+
+
+def expired_event(client: Client, pid: int) -> EventInfo:
+    """Wait for the ``expired`` event of ``pid`` and return it."""
+    found: list[EventInfo] = []
+
+    def recorded() -> bool:
+        found[:] = [
+            e for e in client.events(limit=1000).events if e.kind == "expired" and e.pid == pid
+        ]
+        return bool(found)
+
+    wait_until(recorded, what=f"the expiry of pid {pid}")
+    return found[0]

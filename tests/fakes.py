@@ -76,6 +76,9 @@ class FakeHost:
     def command(self, process: FakeProcess) -> str:
         return self.command_lines.get(process.pid, f"cmd-{process.pid}")
 
+    def executable(self, process: FakeProcess) -> str:
+        return f"/usr/bin/prog-{process.pid}"
+
     def track(self, process: FakeProcess) -> None:
         assert process.pid not in self.tracked
         self.tracked.add(process.pid)

@@ -23,7 +23,6 @@ from watchdogd_client import Client
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
-    EventInfo,
     FrameReader,
     Hello,
     ReplyMessage,
@@ -36,6 +35,7 @@ from conftest import (
     RunningDaemon,
     ctl,
     ctl_command,
+    expired_event,
     gone,
     python_worker,
     reap,
@@ -99,20 +99,6 @@ def daemon(workdir: Path) -> Iterator[RunningDaemon]:
     running.start()
     yield running
     assert running.stop() == 0, running.log()
-
-
-def expired_event(client: Client, pid: int) -> EventInfo:
-    """Wait for the ``expired`` event of ``pid`` and return it."""
-    found: list[EventInfo] = []
-
-    def recorded() -> bool:
-        found[:] = [
-            e for e in client.events(limit=1000).events if e.kind == "expired" and e.pid == pid
-        ]
-        return bool(found)
-
-    wait_until(recorded, what=f"the expiry of pid {pid}")
-    return found[0]
 
 
 def hang(policy: str, *, timeout: float = 0.3, before: str = "") -> str:

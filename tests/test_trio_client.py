@@ -74,6 +74,22 @@ async def test_expires_release_renew_and_default_scopes(daemon: RunningDaemon) -
         assert await mine(client) == {}
 
 
+async def test_progress_and_learned_timeouts(daemon: RunningDaemon) -> None:
+    """The trio client carries progress and asks for learned timeouts as the
+    blocking one does."""
+    async with open_client(str(daemon.socket_path)) as client:
+        with pytest.raises(ValueError, match="needs a ceiling"):
+            client.expires("auto")
+        async with client.expires("auto", "learned", ceiling=20, floor=1) as timer:
+            await timer.renew(progress=3)
+            assert (await mine(client))["learned"] > 19
+            await timer.renew(progress=4)
+        with daemon.client() as blocking:
+            [learned] = [row for row in blocking.suggest() if row.scope == "learned"]
+        assert (learned.scope, learned.count) == ("learned", 1)
+        assert await client.acquire("other", 5, progress=1) == 5
+
+
 async def test_an_exception_or_a_cancellation_releases(daemon: RunningDaemon) -> None:
     async with open_client(str(daemon.socket_path)) as client:
         with pytest.raises(KeyError, match="boom"):

@@ -85,6 +85,18 @@ def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
     return timer, "; ".join(text for text in (note, again) if text)
 
 
+def _stall_note(timer: Timer) -> str:
+    """What an expiry's event says of a timer that stalled."""
+    watch = timer.watch
+    if watch is None or not timer.stalled:
+        return ""
+    at = "no progress counter" if watch.progress is None else f"its progress at {watch.progress}"
+    return (
+        f"stalled: re-armed with {at} for {watch.stall:g} s (its policy's stall), "
+        f"before its {timer.timeout:g} s timeout"
+    )
+
+
 @dataclass(slots=True, eq=False)
 class _Expiry:
     """One expiry being carried out."""
@@ -421,7 +433,16 @@ class Actions:
             f"resumed at step {expiry.resumed_at + 1} after a restart" if expiry.resumed_at else ""
         )
         notes = [
-            text for text in (expiry.note, target.denied, target.note, downtime, resumed) if text
+            text
+            for text in (
+                _stall_note(timer),
+                expiry.note,
+                target.denied,
+                target.note,
+                downtime,
+                resumed,
+            )
+            if text
         ]
         started = timer.fired_at if expiry.first_step_at is None else expiry.first_step_at
         self._events.append(
@@ -441,6 +462,9 @@ class Actions:
                 outcome=outcome,
                 steps=expiry.results,
                 note="; ".join(notes),
+                reason="stalled" if timer.stalled else "timeout",
+                timeout=timer.timeout,
+                timeout_from="" if timer.watch is None else timer.watch.timeout_from,
             )
         )
         self._service.expiry_finished(timer)

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
-from watchdogd_client.protocol import DaemonInfo, EventInfo, TimerInfo
+from watchdogd_client.protocol import DaemonInfo, EventInfo, TimerInfo, WhyReply, WhyTimer
 
 from ._version import __version__
 
@@ -346,6 +346,102 @@ def policies() -> None:
         steps = ", ".join(policy.steps) or "(record only)"
         rows.append((name, policy.target, steps, ", ".join(marks)))
     click.echo(_columns(rows))
+
+
+@main.command()
+@_common_options()
+def suggest() -> None:
+    """What the daemon learned of how long each scope is held before its release,
+    and the timeout it suggests: your own processes' (root: everyone's), by
+    executable and scope. A scope needs some releases before it gets a suggestion;
+    expires(after="auto", ceiling=...) arms it."""
+    rows = _client().suggest()
+    if _settings().as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        click.echo("Nothing learned yet: no timer has been released.")
+        return
+    table = [("UID", "EXECUTABLE", "SCOPE", "COUNT", "P50", "P99", "MAX", "SUGGESTED")]
+    for row in rows:
+        suggested = "-" if row.suggested is None else format_duration(row.suggested)
+        table.append(
+            (
+                str(row.uid),
+                row.executable,
+                shown_scope(row.scope),
+                str(row.count),
+                format_duration(row.p50),
+                format_duration(row.p99),
+                format_duration(row.max),
+                suggested,
+            )
+        )
+    click.echo(_columns(table))
+
+
+@main.command()
+@click.argument("pid", type=click.IntRange(min=1))
+@_common_options()
+def why(pid: int) -> None:
+    """Everything the daemon knows about why process PID was, or would be, acted
+    on: its timers (what is due and when, the timeout in force and where it came
+    from, its progress), expiries in progress, the latest events about it, and
+    what history suggests for its scopes."""
+    reply = _client().why(pid)
+    if _settings().as_json:
+        _print_json(reply)
+        return
+    click.echo("\n".join(why_lines(reply)))
+
+
+def why_lines(reply: WhyReply) -> list[str]:
+    """``watchdogctl why`` in words."""
+    lines = [f"pid {reply.pid}" + (f": {reply.command}" if reply.command else "")]
+    if reply.executable:
+        lines.append(f"  executable {reply.executable}, uid {reply.uid}")
+    if not reply.timers:
+        lines.append("  no timer armed that you may see")
+    for timer in reply.timers:
+        lines.append(f"  timer {shown_scope(timer.scope)} (policy {timer.policy})")
+        lines += [f"    {line}" for line in _timer_lines(timer)]
+    if reply.more:
+        lines.append(f"  and {reply.more} more timers")
+    for row in reply.suggestions:
+        suggested = "none yet" if row.suggested is None else format_duration(row.suggested)
+        lines.append(
+            f"  history of {shown_scope(row.scope)}: {row.count} releases, "
+            f"p50 {format_duration(row.p50)}, p99 {format_duration(row.p99)}, "
+            f"max {format_duration(row.max)}; suggested timeout {suggested}"
+        )
+    if reply.events:
+        lines.append("  events:")
+        lines += [f"    {_event_line(event)}" for event in reply.events]
+    return lines
+
+
+def _timer_lines(timer: WhyTimer) -> list[str]:
+    if timer.firing:
+        lines = [f"fell due; its policy is at {timer.firing}"]
+    elif timer.due == "stalled":
+        lines = [f"expires in {format_duration(timer.remaining)}: stalled"]
+    else:
+        lines = [f"expires in {format_duration(timer.remaining)}"]
+    source = timer.timeout_from or "given by the request"
+    lines.append(
+        f"timeout {format_duration(timer.timeout)} ({source}), "
+        f"armed {format_duration(timer.armed)} ago"
+        + ("" if timer.owner == 0 else f" by uid {timer.owner}")
+    )
+    if timer.stall:
+        progress = "no progress counter" if timer.progress is None else f"at {timer.progress}"
+        if timer.progressed is not None:
+            progress += f", last grew {format_duration(timer.progressed)} ago"
+        allowed = format_duration(timer.stall)
+        lines.append(f"progress {progress}; its policy allows {allowed} without growth")
+    elif timer.progress is not None:
+        lines.append(f"progress at {timer.progress} (its policy has no stall time)")
+    return lines + timer.notes
 
 
 @main.command()

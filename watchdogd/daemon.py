@@ -42,6 +42,7 @@ from .core.service import Restored, Service
 from .core.timers import Timer
 from .errors import ConfigError
 from .exits import ExitWatcher
+from .history_file import HistoryFile, history_path
 from .logs import log, logfmt, set_level
 from .metrics import exposition, write_textfile
 from .process import Process, open_process
@@ -68,6 +69,9 @@ class HostProcesses:
 
     def command(self, process: Process) -> str:
         return process.command()
+
+    def executable(self, process: Process) -> str:
+        return process.executable()
 
     def track(self, process: Process) -> None:
         process.remember_command()
@@ -238,6 +242,10 @@ class Daemon:
             journal=self.store,
             render_metrics=exposition,
         )
+        self.history_file: HistoryFile | None = None
+        if state_path is not None:
+            self.history_file = HistoryFile(history_path(state_path), self.service.history)
+            self.history_file.load()
         self.restored: Restored[Process] = self.service.restore(timers)
         self.service.restart_estimate = restart_estimate(
             time.monotonic() - began, len(timers), config.daemon.max_timers
@@ -272,6 +280,8 @@ class Daemon:
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
             await nursery.start(self.store.run)
+        if self.history_file is not None:
+            await nursery.start(self.history_file.run)
         await nursery.start(self.scheduler.run)
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
         await nursery.start(serve, self.listener, self.service, context)
@@ -336,6 +346,8 @@ class Daemon:
         self.watcher.close()
         if self.store is not None:
             self.store.close()
+        if self.history_file is not None:
+            self.history_file.write_now()
         self.notifier.close()
 
 

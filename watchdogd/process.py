@@ -57,6 +57,7 @@ class Process:
     """
 
     __slots__ = (
+        "_executable",
         "_refs",
         "armed_command",
         "fd",
@@ -78,6 +79,7 @@ class Process:
         #: `_REMEMBERED_COMMAND` characters): what an expiry in a burst records,
         #: when there is no time to read it again before the signal.
         self.armed_command = ""
+        self._executable = ""
         self._refs = 1
 
     def __repr__(self) -> str:
@@ -132,6 +134,17 @@ class Process:
     def command(self) -> str:
         """The process's command line, or ``[comm]`` when it has none (a zombie)."""
         return command_of(self.pid)
+
+    def executable(self) -> str:
+        """The path of the executable it runs (``?`` when it cannot be read), read
+        once: the key of its timers' history."""
+        if not self._executable:
+            try:
+                path = os.readlink(f"/proc/{self.pid}/exe")
+            except OSError:
+                path = "?"
+            self._executable = path if self.alive() else "?"
+        return self._executable
 
     def remember_command(self) -> None:
         """Keep its command line as it is now (it entered the timer table)."""

@@ -35,11 +35,19 @@ from .scope import caller_scope
 from .switches import DISABLE, env_switch
 
 if TYPE_CHECKING:
-    from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
+    from .client import (
+        After,
+        BaseClient,
+        Client,
+        DaemonStatus,
+        NullClient,
+        OnUnavailable,
+        Timer,
+    )
 
 #: Names of the blocking client, loaded with it on first use.
 _FROM_CLIENT = frozenset(
-    {"BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
+    {"After", "BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
 )
 
 
@@ -54,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "After",
     "BaseClient",
     "Client",
     "DaemonStatus",
@@ -111,15 +120,24 @@ def default_client() -> BaseClient:
 
 
 def expires(
-    after: float,
+    after: After,
     scope: str | None = None,
     *,
     policy: str | None = None,
+    floor: float = 0.0,
+    ceiling: float | None = None,
     client: BaseClient | None = None,
 ) -> Timer:
-    """Arm a timer of ``after`` seconds for the block; see `BaseClient.expires`.
+    """Arm a timer of ``after`` seconds (or ``"auto"``, between ``floor`` and
+    ``ceiling``) for the block; see `BaseClient.expires`.
 
     Uses ``client``, else the one given to `configure`, else `default_client()`.
     """
     chosen = client if client is not None else default_client()
-    return chosen.expires(after, caller_scope() if scope is None else scope, policy=policy)
+    return chosen.expires(
+        after,
+        caller_scope() if scope is None else scope,
+        policy=policy,
+        floor=floor,
+        ceiling=ceiling,
+    )

@@ -34,6 +34,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
+    Auto,
     DaemonInfo,
     Error,
     ErrorCode,
@@ -53,8 +54,13 @@ from .protocol import (
     Request,
     Status,
     StatusReply,
+    Suggest,
+    SuggestionInfo,
+    SuggestReply,
     TimerInfo,
     Welcome,
+    Why,
+    WhyReply,
     decode_reply,
     encode_frame_into,
 )
@@ -90,17 +96,82 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
     timers: list[TimerInfo]
 
 
+#: A timeout in seconds, or ``"auto"``: the one the daemon learned for the scope.
+After = float | Literal["auto"]
+
+
+def check_auto(timeout: After, ceiling: float | None) -> None:
+    """Raise ValueError for a timeout of ``"auto"`` without a ceiling."""
+    if timeout == "auto" and ceiling is None:
+        raise ValueError(
+            'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
+            "has seen enough releases of the scope, and the most it may choose"
+        )
+
+
+def acquire_request(
+    request_id: int,
+    scope: str,
+    timeout: After,
+    *,
+    policy: str | None,
+    pid: int | None,
+    progress: int | None = None,
+    floor: float = 0.0,
+    ceiling: float | None = None,
+    exit_releases: bool = False,
+) -> Acquire:
+    """The `Acquire` that `BaseClient.acquire`'s arguments stand for."""
+    check_auto(timeout, ceiling)
+    if timeout == "auto":
+        assert ceiling is not None
+        return Acquire(
+            id=request_id,
+            scope=scope,
+            timeout=ceiling,
+            policy=policy,
+            pid=pid,
+            progress=progress,
+            auto=Auto(floor=floor),
+            exit_releases=exit_releases,
+        )
+    return Acquire(
+        id=request_id,
+        scope=scope,
+        timeout=timeout,
+        policy=policy,
+        pid=pid,
+        progress=progress,
+        exit_releases=exit_releases,
+    )
+
+
 class BaseClient(abc.ABC):
     """What every client offers: arm, release, inspect, and the `expires` block."""
 
     @abc.abstractmethod
     def acquire(
-        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        policy: str | None = None,
+        pid: int | None = None,
+        progress: int | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
     ) -> float:
         """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
         ``timeout`` seconds, the daemon carries out ``policy`` on the process.
 
         ``pid`` defaults to the calling process. Returns the seconds left on the timer.
+
+        ``progress`` is a counter that the protected work itself advances (steps
+        done, bytes written): under a policy with a ``stall`` time, re-arming keeps
+        the timer alive only while it grows, so a thread that re-arms in a loop
+        cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
+        the daemon learned from earlier releases of the scope, between ``floor`` and
+        ``ceiling``, and ``ceiling`` until it has seen enough of them.
         """
 
     @abc.abstractmethod
@@ -116,15 +187,24 @@ class BaseClient(abc.ABC):
         """Check the daemon answers; returns the round trip in seconds."""
 
     def expires(
-        self, after: float, scope: str | None = None, *, policy: str | None = None
+        self,
+        after: After,
+        scope: str | None = None,
+        *,
+        policy: str | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
     ) -> Timer:
         """A context manager that arms a timer of ``after`` seconds on entry and
         releases it on exit, also when an exception leaves the block.
 
         ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
         the main thread). The block gets a `Timer` to release early or renew.
+        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`.
         """
-        return Timer(self, after, caller_scope() if scope is None else scope, policy)
+        check_auto(after, ceiling)
+        chosen = caller_scope() if scope is None else scope
+        return Timer(self, after, chosen, policy, floor=floor, ceiling=ceiling)
 
 
 class Timer:
@@ -132,16 +212,28 @@ class Timer:
 
     `release` disarms early (the rest of the block runs unprotected; calling it again
     does nothing). `renew` re-arms with the same or a new timeout, also after
-    `release`, and the block's exit then releases again.
+    `release`, and the block's exit then releases again; it may carry the work's
+    progress counter (see `BaseClient.acquire`).
     """
 
-    __slots__ = ("_armed", "after", "client", "policy", "scope")
+    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "policy", "scope")
 
-    def __init__(self, client: BaseClient, after: float, scope: str, policy: str | None) -> None:
+    def __init__(
+        self,
+        client: BaseClient,
+        after: After,
+        scope: str,
+        policy: str | None,
+        *,
+        floor: float = 0.0,
+        ceiling: float | None = None,
+    ) -> None:
         self.client = client
         self.after = after
         self.scope = scope
         self.policy = policy
+        self.floor = floor
+        self.ceiling = ceiling
         self._armed = False
 
     @property
@@ -155,11 +247,20 @@ class Timer:
             self._armed = False
             self.client.release(self.scope)
 
-    def renew(self, after: float | None = None) -> None:
-        """Re-arm: the timer now expires ``after`` (default: the last timeout) from now."""
+    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
+        """Re-arm: the timer now expires ``after`` (default: the last timeout) from
+        now; ``progress``, the work's counter, must have grown for a policy with a
+        ``stall`` time to count it as alive."""
         if after is not None:
             self.after = after
-        self.client.acquire(self.scope, self.after, policy=self.policy)
+        self.client.acquire(
+            self.scope,
+            self.after,
+            policy=self.policy,
+            progress=progress,
+            floor=self.floor,
+            ceiling=self.ceiling,
+        )
         self._armed = True
 
     def __enter__(self) -> Timer:
@@ -189,9 +290,18 @@ class NullClient(BaseClient):
     """A client that accepts everything and does nothing (tests, ``WATCHDOGD_DISABLE=1``)."""
 
     def acquire(
-        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        policy: str | None = None,
+        pid: int | None = None,
+        progress: int | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
     ) -> float:
-        return float(timeout)
+        request = acquire_request(0, scope, timeout, policy=policy, pid=pid, ceiling=ceiling)
+        return request.timeout
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         return False
@@ -329,28 +439,34 @@ class Client(BaseClient):
     def acquire(
         self,
         scope: str,
-        timeout: float,
+        timeout: After,
         *,
         policy: str | None = None,
         pid: int | None = None,
+        progress: int | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
         exit_releases: bool = False,
     ) -> float:
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
-        request = Acquire(
-            id=next(self._ids),
-            scope=scope,
-            timeout=timeout,
+        request = acquire_request(
+            next(self._ids),
+            scope,
+            timeout,
             policy=policy,
             pid=pid,
+            progress=progress,
+            floor=floor,
+            ceiling=ceiling,
             exit_releases=exit_releases,
         )
         try:
             return self._call(request, Acquired).remaining
         except DaemonUnavailable as exc:
             self._unavailable(exc)
-            return float(timeout)
+            return request.timeout
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         try:
@@ -396,6 +512,22 @@ class Client(BaseClient):
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text exposition format."""
         return self._call(Metrics(id=next(self._ids)), MetricsReply).text
+
+    def suggest(self) -> list[SuggestionInfo]:
+        """What the daemon learned of how long your scopes (root: everyone's) are
+        held before their release, and the timeout it suggests for each."""
+        rows: list[SuggestionInfo] = []
+        cursor: int | None = 0
+        while cursor is not None:
+            page = self._call(Suggest(id=next(self._ids), cursor=cursor), SuggestReply)
+            rows += page.suggestions
+            cursor = page.cursor
+        return rows
+
+    def why(self, pid: int, *, limit: int = 100) -> WhyReply:
+        """Everything the daemon knows about why process ``pid`` was, or would be,
+        acted on (what you may see of it)."""
+        return self._call(Why(id=next(self._ids), pid=pid, limit=limit), WhyReply)
 
     def _unavailable(self, exc: DaemonUnavailable) -> None:
         if self.on_unavailable == "raise":

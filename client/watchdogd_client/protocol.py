@@ -37,6 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Acquire",
     "Acquired",
+    "Auto",
     "DaemonInfo",
     "Error",
     "ErrorCode",
@@ -59,8 +60,14 @@ __all__ = [
     "Status",
     "StatusReply",
     "StepResult",
+    "Suggest",
+    "SuggestReply",
+    "SuggestionInfo",
     "TimerInfo",
     "Welcome",
+    "Why",
+    "WhyReply",
+    "WhyTimer",
     "decode_reply",
     "decode_request",
     "encode_frame",
@@ -93,6 +100,8 @@ Scope = Annotated[str, Meta(min_length=1)]
 Timeout = Annotated[float, Meta(gt=0)]
 PolicyName = Annotated[str, Meta(min_length=1, max_length=128)]
 PageSize = Annotated[int, Meta(ge=1, le=10_000)]
+#: A progress counter: any non-negative 64-bit value.
+Progress = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class ErrorCode(enum.StrEnum):
@@ -141,11 +150,25 @@ class Hello(Request, tag="hello", frozen=True, kw_only=True):
     client: str = ""
 
 
+class Auto(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Asks the daemon for a timeout learned from how long this scope was held
+    before (`Acquire.auto`), at least ``floor`` seconds."""
+
+    floor: Annotated[float, Meta(ge=0)] = 0.0
+
+
 class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     """Arm, or re-arm, the timer ``(pid, scope)`` to expire ``timeout`` seconds from now.
 
     ``pid`` defaults to the caller (as the kernel reports it). ``policy`` defaults to
     the daemon's default policy. Re-arming replaces the timeout and the policy.
+
+    ``progress`` is a counter the worker's own work advances: under a policy with a
+    ``stall`` time, a re-arm keeps the timer alive only while its progress grows.
+    With ``auto``, ``timeout`` is a ceiling: the daemon arms what it suggests for
+    this scope (`Suggest`), between ``auto.floor`` and the ceiling, once it has
+    seen enough releases of it, and the ceiling until then (a daemon that predates
+    ``auto`` arms the ceiling).
     """
 
     scope: Scope
@@ -155,6 +178,8 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     #: The process's exit releases the timer quietly: an exit with only such timers
     #: armed is no event (`watchdogctl run`, whose command is expected to end).
     exit_releases: bool = False
+    progress: Progress | None = None
+    auto: Auto | None = None
 
 
 class Release(Request, tag="release", frozen=True, kw_only=True):
@@ -199,6 +224,27 @@ class Metrics(Request, tag="metrics", frozen=True, kw_only=True):
     """The daemon's metrics in the Prometheus text exposition format."""
 
 
+class Suggest(Request, tag="suggest", frozen=True, kw_only=True):
+    """What the daemon learned of how long scopes are held before their release,
+    and the timeout it suggests for each: the caller's own uid's (root: every
+    uid's), sorted by uid, executable and scope. Pass the reply's ``cursor`` to
+    get the next page."""
+
+    limit: PageSize = 1000
+    cursor: Annotated[int, Meta(ge=0)] = 0
+
+
+class Why(Request, tag="why", frozen=True, kw_only=True):
+    """Everything the daemon knows about why process ``pid`` was, or would be,
+    acted on: its timers (those the caller may see), the expiries of its in
+    progress, the latest events about it, and what history suggests for its
+    scopes."""
+
+    pid: Pid
+    #: The most timers, and events, to include.
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 100
+
+
 class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
     """Base of every daemon-to-client message; ``id`` echoes the request's."""
 
@@ -229,6 +275,8 @@ class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
     remaining: float
     rearmed: bool
     durable: bool = True
+    #: Where the timeout in force came from, when the daemon chose it (``auto``).
+    timeout_from: str = ""
 
 
 class Released(Reply, tag="released", frozen=True, kw_only=True):
@@ -313,7 +361,10 @@ class StepResult(Struct, frozen=True, kw_only=True):
 class EventInfo(Struct, frozen=True, kw_only=True):
     """One recorded event. ``kind`` is ``expired``, ``exited``, ``unkillable``,
     ``reloaded`` or ``reload_failed``; times are Unix seconds, ``late`` is seconds
-    from the deadline to the first step."""
+    from the deadline to the first step. An expiry's ``reason`` is ``timeout`` or
+    ``stalled`` (its progress stopped growing for its policy's ``stall`` time);
+    ``timeout`` is the timeout it was armed with and ``timeout_from`` where that
+    came from when the daemon chose it."""
 
     seq: int
     kind: str
@@ -333,6 +384,9 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     note: str = ""
     state: str = ""
     wchan: str = ""
+    reason: str = ""
+    timeout: float | None = None
+    timeout_from: str = ""
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
@@ -350,6 +404,8 @@ class PolicyInfo(Struct, frozen=True, kw_only=True):
     steps: list[str]
     root_only: bool
     builtin: bool
+    #: Seconds a timer may go without its progress growing (0: no such rule).
+    stall: float = 0.0
 
 
 class PoliciesReply(Reply, tag="policies", frozen=True, kw_only=True):
@@ -365,6 +421,73 @@ class MetricsReply(Reply, tag="metrics", frozen=True, kw_only=True):
     text: str
 
 
+class SuggestionInfo(Struct, frozen=True, kw_only=True):
+    """How long one scope of one executable of one uid was held before its
+    release: ``count`` releases, their median, 99th percentile and longest, in
+    seconds (the percentiles to a bucket some 9 % wide), and the timeout the
+    daemon suggests (None until it has seen enough releases)."""
+
+    uid: int
+    executable: str
+    scope: str
+    count: int
+    p50: float
+    p99: float
+    max: float
+    suggested: float | None = None
+
+
+class SuggestReply(Reply, tag="suggest", frozen=True, kw_only=True):
+    """Answer to `Suggest`; ``cursor`` is None on the last page. ``min_samples``
+    is how many releases a suggestion needs, ``margin`` how far above the 99th
+    percentile it is."""
+
+    suggestions: list[SuggestionInfo]
+    min_samples: int
+    margin: float
+    cursor: int | None = None
+
+
+class WhyTimer(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One timer of the process `Why` asks about, as the daemon sees it now.
+
+    ``remaining`` is to its deadline; ``due`` says what its deadline is:
+    ``timeout`` (``timeout`` seconds after it was armed, ``armed`` seconds ago)
+    or ``stalled`` (``stall`` seconds after its progress last grew,
+    ``progressed`` seconds ago). A timer that fell due has ``firing`` set to the
+    step its policy is at."""
+
+    scope: str
+    policy: str
+    remaining: float
+    timeout: float
+    armed: float
+    due: str
+    owner: int
+    timeout_from: str = ""
+    progress: int | None = None
+    progressed: float | None = None
+    stall: float = 0.0
+    firing: str = ""
+    notes: list[str] = []
+
+
+class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
+    """Answer to `Why`. ``timers`` are those the caller may see (soonest first,
+    at most the request's ``limit``; ``more`` counts the rest), ``events`` the
+    latest about the pid, oldest first, and ``suggestions`` what history says
+    for the scopes of its timers."""
+
+    pid: int
+    command: str = ""
+    executable: str = ""
+    uid: int | None = None
+    timers: list[WhyTimer] = []
+    more: int = 0
+    events: list[EventInfo] = []
+    suggestions: list[SuggestionInfo] = []
+
+
 class Error(Reply, tag="error", frozen=True, kw_only=True):
     """A refused request. ``id`` is None when the request's id could not be read."""
 
@@ -373,7 +496,9 @@ class Error(Reply, tag="error", frozen=True, kw_only=True):
     message: str
 
 
-RequestMessage = Hello | Acquire | Release | Status | Ping | Events | Policies | Metrics
+RequestMessage = (
+    Hello | Acquire | Release | Status | Ping | Events | Policies | Metrics | Suggest | Why
+)
 ReplyMessage = (
     Welcome
     | Acquired
@@ -383,6 +508,8 @@ ReplyMessage = (
     | EventsReply
     | PoliciesReply
     | MetricsReply
+    | SuggestReply
+    | WhyReply
     | Error
 )
 

@@ -40,13 +40,20 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
     ) from missing
 
 from ._version import __version__
-from .client import DaemonStatus, OnUnavailable, Outage, log
+from .client import (
+    After,
+    DaemonStatus,
+    OnUnavailable,
+    Outage,
+    acquire_request,
+    check_auto,
+    log,
+)
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .paths import client_socket_path
 from .protocol import (
     MAX_REPLY_FRAME,
     PROTOCOL_VERSION,
-    Acquire,
     Acquired,
     Error,
     ErrorCode,
@@ -169,15 +176,32 @@ class AsyncClient:
         self._next_task_number = itertools.count(1)
 
     async def acquire(
-        self, scope: str, timeout: float, *, policy: str | None = None, pid: int | None = None
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        policy: str | None = None,
+        pid: int | None = None,
+        progress: int | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
-        request = Acquire(id=next(self._ids), scope=scope, timeout=timeout, policy=policy, pid=pid)
+        request = acquire_request(
+            next(self._ids),
+            scope,
+            timeout,
+            policy=policy,
+            pid=pid,
+            progress=progress,
+            floor=floor,
+            ceiling=ceiling,
+        )
         try:
             return (await self._call(request, Acquired)).remaining
         except DaemonUnavailable as exc:
             self._unavailable(exc)
-            return float(timeout)
+            return request.timeout
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
@@ -208,11 +232,20 @@ class AsyncClient:
         return trio.current_time() - started
 
     def expires(
-        self, after: float, scope: str | None = None, *, policy: str | None = None
+        self,
+        after: After,
+        scope: str | None = None,
+        *,
+        policy: str | None = None,
+        floor: float = 0.0,
+        ceiling: float | None = None,
     ) -> AsyncTimer:
         """``async with client.expires(after) as timer:`` arms on entry and releases
-        on exit, also when an exception leaves the block (which propagates)."""
-        return AsyncTimer(self, after, self._caller_scope() if scope is None else scope, policy)
+        on exit, also when an exception leaves the block (which propagates).
+        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`."""
+        check_auto(after, ceiling)
+        chosen = self._caller_scope() if scope is None else scope
+        return AsyncTimer(self, after, chosen, policy, floor=floor, ceiling=ceiling)
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it)."""
@@ -353,13 +386,24 @@ class AsyncTimer:
     """The handle of an ``async with client.expires(...)`` block; `release` and
     `renew` behave as `watchdogd_client.Timer`'s do."""
 
-    __slots__ = ("_armed", "after", "client", "policy", "scope")
+    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "policy", "scope")
 
-    def __init__(self, client: AsyncClient, after: float, scope: str, policy: str | None) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        after: After,
+        scope: str,
+        policy: str | None,
+        *,
+        floor: float = 0.0,
+        ceiling: float | None = None,
+    ) -> None:
         self.client = client
         self.after = after
         self.scope = scope
         self.policy = policy
+        self.floor = floor
+        self.ceiling = ceiling
         self._armed = False
 
     @property
@@ -372,11 +416,19 @@ class AsyncTimer:
             self._armed = False
             await self.client.release(self.scope)
 
-    async def renew(self, after: float | None = None) -> None:
-        """Re-arm: expire ``after`` (default: the last timeout) seconds from now."""
+    async def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
+        """Re-arm: expire ``after`` (default: the last timeout) seconds from now;
+        ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
             self.after = after
-        await self.client.acquire(self.scope, self.after, policy=self.policy)
+        await self.client.acquire(
+            self.scope,
+            self.after,
+            policy=self.policy,
+            progress=progress,
+            floor=self.floor,
+            ceiling=self.ceiling,
+        )
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:

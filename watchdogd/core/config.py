@@ -11,6 +11,7 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they 
     target = "tree"                     # or "process" (default), "group"
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
+    stall = 300                         # seconds without progress (optional)
 
 A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
 (an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
@@ -119,6 +120,20 @@ class PolicyConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     target: TargetKind = "process"
     steps: list[StepConfig] = []
     root_only: bool = False
+    stall: Seconds | None = None
+
+
+class HistoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[history]`` table: what the daemon learns of how long scopes are held
+    (`watchdogd.core.history`)."""
+
+    #: Keys (uid, executable, scope) remembered in all, and for one uid.
+    keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000
+    keys_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 1_000
+    #: Releases of a scope before the daemon suggests a timeout for it.
+    min_samples: Annotated[int, Meta(ge=1, le=1_000_000)] = 20
+    #: The suggestion is this many times the 99th percentile (at least the longest).
+    margin: Annotated[float, Meta(ge=1, le=100)] = 2.0
 
 
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +141,7 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     daemon: DaemonConfig = DaemonConfig()
     policies: dict[PolicyName, PolicyConfig] = {}
+    history: HistoryConfig = HistoryConfig()
 
     def policy_set(self, source: str = "config") -> dict[str, Policy]:
         """The built-in policies overlaid with the configured ones; raises
@@ -137,7 +153,11 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 for index, step in enumerate(table.steps)
             )
             policies[name] = Policy(
-                name=name, steps=steps, target=table.target, root_only=table.root_only
+                name=name,
+                steps=steps,
+                target=table.target,
+                root_only=table.root_only,
+                stall=table.stall or 0.0,
             )
         if self.daemon.default_policy not in policies:
             known = ", ".join(sorted(policies))

@@ -170,6 +170,27 @@ class EventLog:
             page.reverse()
         return page
 
+    def about(
+        self, pid: int, limit: int, viewer: int, max_bytes: int = MAX_REPLY_BYTES // 2
+    ) -> list[EventInfo]:
+        """The latest ``limit`` events about ``pid`` that uid ``viewer`` may see,
+        oldest first, in no more than ``max_bytes`` encoded (but at least one when
+        there is one). A walk of the rings ``viewer`` may read: bounded by their
+        size."""
+        rings = list(self._rings.values()) if viewer == ROOT else [self._rings.get(viewer, deque())]
+        newest = heapq.merge(*(reversed(ring) for ring in rings), key=_seq, reverse=True)
+        page: list[EventInfo] = []
+        room = max_bytes
+        for item in newest:
+            if item.event.pid != pid:
+                continue
+            room -= item.size
+            if (room < 0 and page) or len(page) == limit:
+                break
+            page.append(item.event)
+        page.reverse()
+        return page
+
     def _bound(self, uid: int) -> int:
         return self._size if uid == ROOT else min(self._per_uid, self._size)
 

@@ -122,6 +122,9 @@ class Policy(Struct, frozen=True, kw_only=True):
     #: Only root callers may arm timers with it (sensible for exec and dump steps).
     root_only: bool = False
     builtin: bool = False
+    #: Seconds a timer may go without its progress growing before it expires as
+    #: ``stalled``, however often it is re-armed (0: no such rule).
+    stall: float = 0.0
 
     def describe(self) -> list[str]:
         return [step.describe() for step in self.steps]

@@ -68,8 +68,14 @@ from watchdogd_client.protocol import (
     Status,
     StatusReply,
     StepResult,
+    Suggest,
+    SuggestionInfo,
+    SuggestReply,
     TimerInfo,
     Welcome,
+    Why,
+    WhyReply,
+    WhyTimer,
 )
 
 from .._version import __version__
@@ -78,9 +84,11 @@ from ..logs import Throttle
 from .config import Config
 from .counters import Counters
 from .events import EventLog
+from .history import History
+from .history import Key as HistoryKey
 from .identity import Peer
 from .policies import Policy, signal_policy
-from .timers import Expired, Run, StoreKey, Timer, TimerTable
+from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
 ROOT: Final = 0
 #: What a status page may spend on timers and command lines: the reply bound less
@@ -91,6 +99,8 @@ _STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
 _TIMER_BYTES: Final = 80
 #: The most an entry of `StatusReply.commands` takes besides its text.
 _COMMAND_BYTES: Final = 16
+#: The most a `SuggestionInfo` takes encoded, besides its executable and scope.
+_SUGGESTION_BYTES: Final = 160
 #: Ends a command line cut to fit.
 _CLIPPED: Final = "…"
 #: Scopes named in an ``exited`` event; the count covers the rest.
@@ -184,6 +194,9 @@ class ProcessPort(Protocol[P]):
     def command(self, process: P) -> str:
         """Its command line, for status."""
 
+    def executable(self, process: P) -> str:
+        """The path of the executable it runs, for its history."""
+
     def track(self, process: P) -> None:
         """Watch it for its exit (it entered the table); idempotent."""
 
@@ -253,6 +266,8 @@ class Service(Generic[P]):
         #: Seconds a restart may take at the timer cap (set once the state loaded).
         self.restart_estimate = 0.0
         self._command_lines: _CommandLines[P] = _CommandLines()
+        self.history = History()
+        self._configure_history(config)
 
     @property
     def connections(self) -> int:
@@ -268,6 +283,13 @@ class Service(Generic[P]):
         self.policies = config.policy_set()
         self.config = config.daemon
         self.events.resize(config.daemon.events, config.daemon.events_per_uid)
+        self._configure_history(config)
+
+    def _configure_history(self, config: Config) -> None:
+        """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
+        history, table = self.history, config.history
+        history.keys, history.keys_per_uid = table.keys, table.keys_per_uid
+        history.min_samples, history.margin = table.min_samples, table.margin
 
     def open_connection(self, peer: Peer) -> Caller[P]:
         """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
@@ -308,7 +330,7 @@ class Service(Generic[P]):
             case Acquire():
                 return self._acquire(request, caller, now)
             case Release():
-                return self._release(request, caller)
+                return self._release(request, caller, now)
             case Status():
                 return self._status(request, caller.peer, now)
             case Events():
@@ -321,6 +343,10 @@ class Service(Generic[P]):
                 return Pong(id=request.id)
             case Hello():
                 return self.welcome(request)
+            case Suggest():
+                return self._suggest(request, caller.peer)
+            case Why():
+                return self._why(request, caller.peer, now)
             case _:
                 assert_never(request)
 
@@ -370,18 +396,32 @@ class Service(Generic[P]):
         # its limit which scopes another user's process has armed.
         process = self._target(request.pid, caller)
         try:
-            if self.table.get(process.pid, request.scope) is None:
+            previous = self.table.get(process.pid, request.scope)
+            if previous is None:
                 self._check_timer_limits(caller.peer)
+            timeout, timeout_from = request.timeout, ""
+            if request.auto is not None:
+                timeout, timeout_from = self.history.timeout(
+                    self._history_key(process, request.scope), request.auto.floor, request.timeout
+                )
+            watch, deadline = None, None
+            if request.progress is not None or chosen.stall or timeout_from:
+                watch = _watch(request.progress, chosen.stall, timeout_from, previous, now)
+                deadline = now + timeout
+                if watch.stall:
+                    deadline = min(deadline, watch.progressed_at + watch.stall)
             entering = self.table.process(process.pid) is None
             timer, rearmed = self.table.arm(
                 process,
                 request.scope,
-                timeout=request.timeout,
+                timeout=timeout,
                 policy=policy,
                 uid=process.uid,
                 owner=caller.peer.uid,
                 now=now,
                 exit_releases=request.exit_releases,
+                watch=watch,
+                deadline=deadline,
             )
             if entering:
                 process.retain()
@@ -390,9 +430,16 @@ class Service(Generic[P]):
         finally:
             process.close()
         self._on_deadline(timer.deadline)
-        return Acquired(id=request.id, remaining=request.timeout, rearmed=rearmed)
+        if watch is None:
+            return Acquired(id=request.id, remaining=timeout, rearmed=rearmed)
+        return Acquired(
+            id=request.id,
+            remaining=timer.deadline - now,
+            rearmed=rearmed,
+            timeout_from=timeout_from,
+        )
 
-    def _release(self, request: Release, caller: Caller[P]) -> Released:
+    def _release(self, request: Release, caller: Caller[P], now: float) -> Released:
         if request.pid is None and self.table.process(caller.peer.pid) is None:
             return Released(id=request.id, found=False)
         process = self._target(request.pid, caller)
@@ -400,13 +447,21 @@ class Service(Generic[P]):
             if self.table.process(process.pid) is not process:
                 return Released(id=request.id, found=False)
             timer, gone = self.table.disarm(process.pid, request.scope)
-            if gone is not None:
-                self._processes.untrack(gone)
             if timer is not None:
                 self.journal.drop(timer)
+                self.history.record(
+                    self._history_key(process, timer.scope), max(0.0, now - timer.armed_at)
+                )
+            if gone is not None:
+                self._processes.untrack(gone)
         finally:
             process.close()
         return Released(id=request.id, found=timer is not None)
+
+    def _history_key(self, process: P, scope: str) -> HistoryKey:
+        """Where the history of ``scope`` on ``process`` is kept: its uid, the
+        executable it runs, the scope."""
+        return (process.uid, self._processes.executable(process), scope)
 
     def _target(self, pid: int | None, caller: Caller[P]) -> P:
         """A handle on the process a request is about, after authorization, with a
@@ -544,6 +599,95 @@ class Service(Generic[P]):
             commands=commands,
         )
 
+    def _suggest(self, request: Suggest, peer: Peer) -> SuggestReply:
+        """A page of what history says, the caller's own uid's (root: all), cut
+        to fit a reply like a status page."""
+        rows = self.history.suggestions(None if peer.uid == ROOT else peer.uid)
+        page: list[SuggestionInfo] = []
+        room = _STATUS_PAGE_BYTES
+        cursor: int | None = None
+        for index, row in enumerate(itertools.islice(rows, request.cursor, None)):
+            cost = _SUGGESTION_BYTES + len(row.executable.encode()) + len(row.scope.encode())
+            if len(page) == request.limit or (cost > room and page):
+                cursor = request.cursor + index
+                break
+            room -= cost
+            page.append(row)
+        return SuggestReply(
+            id=request.id,
+            suggestions=page,
+            min_samples=self.history.min_samples,
+            margin=self.history.margin,
+            cursor=cursor,
+        )
+
+    def _why(self, request: Why, peer: Peer, now: float) -> WhyReply:
+        """What the daemon knows about process ``request.pid``, as ``peer`` may see it."""
+        pid = request.pid
+        process = self.table.process(pid)
+
+        def mine(timer: Timer) -> bool:
+            return peer.uid in (ROOT, timer.uid, timer.owner)
+
+        armed = [] if process is None else self.table.timers_of(pid)
+        held = [timer for timer in armed if mine(timer)]
+        held += sorted(
+            (timer for timer in self._firing.values() if timer.pid == pid and mine(timer)),
+            key=lambda timer: timer.firing,
+        )
+        shown = held[: request.limit]
+        timers = [self._why_timer(timer, now) for timer in shown]
+        events = self.events.about(pid, request.limit, peer.uid)
+        if peer.uid != ROOT:
+            events = [_without_output(event) for event in events]
+        suggestions: list[SuggestionInfo] = []
+        executable = ""
+        if process is not None and held:
+            executable = self._processes.executable(process)
+            for scope in sorted({timer.scope for timer in shown}):
+                row = self.history.suggestion((process.uid, executable, scope))
+                if row is not None:
+                    suggestions.append(row)
+        return WhyReply(
+            id=request.id,
+            pid=pid,
+            command=""
+            if process is None or not held
+            else self._command_lines.get(process, now, self._processes.command),
+            executable=executable,
+            uid=None if process is None or not held else process.uid,
+            timers=timers,
+            more=len(held) - len(shown),
+            events=events,
+            suggestions=suggestions,
+        )
+
+    def _why_timer(self, timer: Timer, now: float) -> WhyTimer:
+        watch = timer.watch
+        firing = ""
+        if timer.firing:
+            policy, _ = self.policy_for(timer.policy)
+            steps = policy.steps
+            firing = (
+                f"step {timer.step + 1} of {len(steps)}: {steps[timer.step].describe()}"
+                if timer.step < len(steps)
+                else "finishing"
+            )
+        return WhyTimer(
+            scope=timer.scope,
+            policy=timer.policy,
+            remaining=max(0.0, timer.deadline - now),
+            timeout=timer.timeout,
+            armed=now - timer.armed_at,
+            due="stalled" if timer.stalled else "timeout",
+            owner=timer.owner,
+            timeout_from="" if watch is None else watch.timeout_from,
+            progress=None if watch is None else watch.progress,
+            progressed=None if watch is None else now - watch.progressed_at,
+            stall=0.0 if watch is None else watch.stall,
+            firing=firing,
+        )
+
     def info(self, now: float) -> DaemonInfo:
         """The daemon summary sent with status."""
         return DaemonInfo(
@@ -574,6 +718,7 @@ class Service(Generic[P]):
                 steps=policy.describe(),
                 root_only=policy.root_only,
                 builtin=policy.builtin,
+                stall=policy.stall,
             )
             for policy in sorted(self.policies.values(), key=lambda policy: policy.name)
         ]
@@ -850,6 +995,29 @@ class Service(Generic[P]):
                 )
             )
         return timers
+
+
+def _watch(
+    progress: int | None, stall: float, timeout_from: str, previous: Timer | None, now: float
+) -> Watch:
+    """The `Watch` of a timer armed now with ``progress`` (None: not given), under
+    a policy that allows ``stall`` seconds without growth, in place of
+    ``previous`` (None: a new timer).
+
+    Progress grows only past the highest value this timer has carried: a re-arm
+    with the same value, a lower one or none leaves the time it last grew as it
+    was. A new timer (one released and armed again is new) starts growing now."""
+    before = None if previous is None else previous.watch
+    if before is None:
+        return Watch(progress=progress, progressed_at=now, stall=stall, timeout_from=timeout_from)
+    if progress is not None and (before.progress is None or progress > before.progress):
+        return Watch(progress=progress, progressed_at=now, stall=stall, timeout_from=timeout_from)
+    return Watch(
+        progress=before.progress,
+        progressed_at=before.progressed_at,
+        stall=stall,
+        timeout_from=timeout_from,
+    )
 
 
 def _without_output(event: EventInfo) -> EventInfo:

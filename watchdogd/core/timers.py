@@ -129,6 +129,19 @@ class Timer(
     def plan(self) -> int:
         return 0 if self.run is None else self.run.plan
 
+    @property
+    def stalled(self) -> bool:
+        """Whether it expires, at its deadline, as stalled: its deadline is its
+        progress's (``stall`` seconds after its progress last grew), sooner than
+        its timeout's."""
+        watch = self.watch
+        return (
+            watch is not None
+            and watch.stall > 0
+            and self.deadline == watch.progressed_at + watch.stall
+            and self.deadline < self.armed_at + self.timeout
+        )
+
     def at_step(self, step: int, step_end: float = 0.0) -> Timer:
         """This firing timer with its policy at ``step`` (a wait ending at
         ``step_end``)."""
@@ -273,6 +286,11 @@ class TimerTable(Generic[P]):
         tracked = self._processes.get(pid)
         return None if tracked is None else tracked.get(scope)
 
+    def timers_of(self, pid: int) -> list[Timer]:
+        """The armed timers of process ``pid``, soonest first."""
+        tracked = self._processes.get(pid)
+        return [] if tracked is None else sorted(tracked.timers)
+
     def timers(self) -> Iterator[Timer]:
         """Every armed timer, in no particular order."""
         for tracked in self._processes.values():
@@ -310,8 +328,11 @@ class TimerTable(Generic[P]):
         owner: int,
         now: float,
         exit_releases: bool = False,
+        watch: Watch | None = None,
+        deadline: float | None = None,
     ) -> tuple[Timer, bool]:
-        """Arm or re-arm ``(process.pid, scope)``; returns the timer and whether it
+        """Arm or re-arm ``(process.pid, scope)`` to expire at ``deadline``
+        (``now + timeout`` unless given); returns the timer and whether it
         replaced one. A process new to the table is added with it; a process already
         in the table must be passed as the same handle."""
         pid = process.pid
@@ -320,7 +341,8 @@ class TimerTable(Generic[P]):
             tracked = self._processes[pid] = _Tracked(process)
         elif tracked.process is not process:
             raise ValueError(f"pid {pid} is already tracked with another handle")
-        deadline = now + timeout
+        if deadline is None:
+            deadline = now + timeout
         policy, timeout = self._policies[policy], self._timeouts[timeout]
         start_time = process.start_time
         timer = self._order.insert(
@@ -337,6 +359,7 @@ class TimerTable(Generic[P]):
                 armed_at=now,
                 start_time=start_time,
                 exit_releases=exit_releases,
+                watch=watch,
             ),
         )
         previous = tracked.put(timer)
