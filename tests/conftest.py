@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.cgroups import host_hierarchy
 from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 
@@ -227,3 +228,62 @@ def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
     for pipe in (process.stdin, process.stdout, process.stderr):
         if pipe is not None:
             pipe.close()
+
+
+class ScratchCgroup:
+    """A cgroup v2 made for one test, directly under the hierarchy's root."""
+
+    def __init__(self, directory: Path, path: str) -> None:
+        #: Its directory, and its path as /proc/PID/cgroup shows it.
+        self.directory = directory
+        self.path = path
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` into it."""
+        (self.directory / "cgroup.procs").write_text(str(pid))
+
+    def child(self, name: str) -> ScratchCgroup:
+        """A cgroup below it, removed with it."""
+        (self.directory / name).mkdir()
+        return ScratchCgroup(self.directory / name, f"{self.path}/{name}")
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in (self.directory / "cgroup.procs").read_text().split()]
+
+
+@pytest.fixture
+def scratch_cgroup() -> Iterator[ScratchCgroup]:
+    """A new cgroup v2; at the end every process left in it (or below) is killed and
+    it is removed. Skips where there is no cgroup v2 hierarchy to write to."""
+    hierarchy = host_hierarchy()
+    if os.getuid() != 0 or hierarchy is None or hierarchy.root != "/":
+        pytest.skip("needs root and a cgroup v2 hierarchy mounted at its root")
+    name = f"watchdogd-test-{os.getpid()}-{os.urandom(4).hex()}"
+    directory = Path(hierarchy.mount) / name
+    directory.mkdir()
+    try:
+        yield ScratchCgroup(directory, f"/{name}")
+    finally:
+        _remove_cgroup(directory)
+
+
+def _remove_cgroup(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        (directory / "cgroup.kill").write_text("1")
+    for below in sorted(directory.rglob("cgroup.procs"), key=lambda p: -len(p.parts)):
+        for pid in below.read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    # Killed processes leave their cgroup as they exit; until then rmdir says EBUSY.
+    for cgroup in sorted({p.parent for p in directory.rglob("cgroup.procs")}, key=str)[::-1]:
+        wait_until(lambda cgroup=cgroup: _removed(cgroup), what=f"{cgroup} to be removable")
+
+
+def _removed(cgroup: Path) -> bool:
+    try:
+        cgroup.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
