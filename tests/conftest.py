@@ -230,6 +230,32 @@ def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
             pipe.close()
 
 
+#: Python source of ``daemonize()``: start a daemon the classic way (fork, setsid,
+#: fork again, stdio on /dev/null) and return its pid once it runs. It is then in no
+#: tree and no process group of its caller's, but in its caller's cgroup.
+DAEMONIZE = """
+import os
+def daemonize():
+    told, tell = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(tell, str(os.getpid()).encode())
+            os.close(tell)
+            import time
+            time.sleep(300)
+        os._exit(0)
+    os.close(tell)
+    os.waitpid(child, 0)
+    with os.fdopen(told) as pipe:
+        return int(pipe.read())
+"""
+
+
 class ScratchCgroup:
     """A cgroup v2 made for one test, directly under the hierarchy's root."""
 

@@ -8,7 +8,7 @@ the file's ``[daemon] socket``, then the default of `watchdogd_client.paths`.
 Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they mean::
 
     [policies.graceful]
-    target = "tree"                     # or "process" (default), "group"
+    target = "tree"                     # or "process" (default), "group", "cgroup"
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
 
