@@ -36,7 +36,7 @@ _WATCHDOGD_SECTIONS: Final = (
             "through cgroup.kill (Linux 5.14 and later), any other signal to each process; "
             "never the root cgroup nor one holding the daemon (then the process alone). A "
             "timer armed by a user other than root signals only that user's processes, one "
-            "by one.",
+            "by one. A host without cgroup v2 refuses such a policy at start and on reload.",
         ],
     ),
     (
