@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.cgroups import host_hierarchy
 from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 from watchdogd_client.protocol import EventInfo
@@ -242,3 +243,88 @@ def expired_event(client: Client, pid: int) -> EventInfo:
 
     wait_until(recorded, what=f"the expiry of pid {pid}")
     return found[0]
+
+
+#: Python source of ``daemonize()``: start a daemon the classic way (fork, setsid,
+#: fork again, stdio on /dev/null) and return its pid once it runs. It is then in no
+#: tree and no process group of its caller's, but in its caller's cgroup.
+DAEMONIZE = """
+import os
+def daemonize():
+    told, tell = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(tell, str(os.getpid()).encode())
+            os.close(tell)
+            import time
+            time.sleep(300)
+        os._exit(0)
+    os.close(tell)
+    os.waitpid(child, 0)
+    with os.fdopen(told) as pipe:
+        return int(pipe.read())
+"""
+
+
+class ScratchCgroup:
+    """A cgroup v2 made for one test, directly under the hierarchy's root."""
+
+    def __init__(self, directory: Path, path: str) -> None:
+        #: Its directory, and its path as /proc/PID/cgroup shows it.
+        self.directory = directory
+        self.path = path
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` into it."""
+        (self.directory / "cgroup.procs").write_text(str(pid))
+
+    def child(self, name: str) -> ScratchCgroup:
+        """A cgroup below it, removed with it."""
+        (self.directory / name).mkdir()
+        return ScratchCgroup(self.directory / name, f"{self.path}/{name}")
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in (self.directory / "cgroup.procs").read_text().split()]
+
+
+@pytest.fixture
+def scratch_cgroup() -> Iterator[ScratchCgroup]:
+    """A new cgroup v2; at the end every process left in it (or below) is killed and
+    it is removed. Skips where there is no cgroup v2 hierarchy to write to."""
+    hierarchy = host_hierarchy()
+    if os.getuid() != 0 or hierarchy is None or hierarchy.root != "/":
+        pytest.skip("needs root and a cgroup v2 hierarchy mounted at its root")
+    name = f"watchdogd-test-{os.getpid()}-{os.urandom(4).hex()}"
+    directory = Path(hierarchy.mount) / name
+    directory.mkdir()
+    try:
+        yield ScratchCgroup(directory, f"/{name}")
+    finally:
+        _remove_cgroup(directory)
+
+
+def _remove_cgroup(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        (directory / "cgroup.kill").write_text("1")
+    for below in sorted(directory.rglob("cgroup.procs"), key=lambda p: -len(p.parts)):
+        for pid in below.read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    # Killed processes leave their cgroup as they exit; until then rmdir says EBUSY.
+    for cgroup in sorted({p.parent for p in directory.rglob("cgroup.procs")}, key=str)[::-1]:
+        wait_until(lambda cgroup=cgroup: _removed(cgroup), what=f"{cgroup} to be removable")
+
+
+def _removed(cgroup: Path) -> bool:
+    try:
+        cgroup.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True

@@ -11,6 +11,8 @@ from watchdogd.core.config import Config, parse_config
 from watchdogd.daemon import load_config
 from watchdogd.errors import ConfigError
 
+from test_cgroups import HYBRID, V1_ONLY
+
 
 def test_no_file_means_every_default() -> None:
     config = parse_config(b"", "empty.toml")
@@ -74,3 +76,38 @@ def test_socket_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WATCHDOGD_SOCKET")
     assert daemon_socket_path(None, from_file) == "/from/file.sock"
     assert daemon_socket_path(None, Config()).endswith("watchdogd.sock")
+
+
+CGROUP_POLICIES = """
+[policies.job]
+target = "cgroup"
+steps = [ { signal = "SIGKILL" } ]
+
+[policies.plain]
+steps = [ { signal = "SIGKILL" } ]
+"""
+
+
+def test_a_cgroup_target_needs_cgroup_v2_on_the_host(tmp_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(CGROUP_POLICIES)
+    hybrid = tmp_path / "hybrid-mountinfo"
+    hybrid.write_text(HYBRID)
+    v1_only = tmp_path / "v1-mountinfo"
+    v1_only.write_text(V1_ONLY)
+    assert load_config(str(config), mountinfo=str(hybrid)).policies["job"].target == "cgroup"
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(config), mountinfo=str(v1_only))
+    assert str(caught.value).startswith(
+        f"{config}: policies.job.target: 'cgroup' needs the cgroup v2 hierarchy, and this "
+        "host has none mounted"
+    )
+    # A file without cgroup targets loads on such a host.
+    config.write_text(CGROUP_POLICIES.replace('target = "cgroup"', 'target = "tree"'))
+    assert load_config(str(config), mountinfo=str(v1_only)).policies["job"].target == "tree"
+
+
+def test_the_targets_are_named_when_one_is_wrong() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config('[policies.x]\ntarget = "slice"\n', "w.toml")
+    assert "valid: 'process', 'group', 'tree', 'cgroup'" in str(caught.value)

@@ -1,4 +1,4 @@
-"""Policy targets on real process trees and groups."""
+"""Policy targets on real process trees, groups and cgroups."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import time
 import pytest
 import trio
 
-from watchdogd.process import open_process
+from watchdogd.process import open_process, read_stat
 from watchdogd.targets import open_target
 
-from conftest import PATIENCE, gone, reap, sleeper
+from conftest import DAEMONIZE, PATIENCE, ScratchCgroup, gone, reap, sleeper
+from test_authorization import nobody_sleeper
 
 # A parent with two children: one in the parent's group, one in a session of its own.
 FAMILY = textwrap.dedent(
@@ -125,7 +126,7 @@ async def test_wait_ends_when_every_member_exits() -> None:
         reap(parent)
 
 
-@pytest.mark.parametrize("kind", ["process", "group", "tree"])
+@pytest.mark.parametrize("kind", ["process", "group", "tree", "cgroup"])
 def test_each_target_holds_its_own_descriptors(kind: str) -> None:
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
     process = open_process(child.pid)
@@ -326,3 +327,182 @@ def test_a_group_is_signalled_only_while_a_pinned_member_is_in_it() -> None:
         process.close()
         kill_all(b, *([d] if d else []))
         reap(leader)
+
+
+# A worker that, once told, daemonizes a child (DAEMONIZE) and prints its pid.
+DAEMONIZING = DAEMONIZE + textwrap.dedent(
+    """
+    import sys, time
+    sys.stdin.readline()
+    print(daemonize(), flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def start_daemonizing(cgroup: ScratchCgroup) -> tuple[subprocess.Popen[str], int]:
+    """A worker in ``cgroup`` with a daemon it started: both there, in no tree or
+    group of each other's."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", DAEMONIZING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert worker.stdin is not None
+    assert worker.stdout is not None
+    cgroup.add(worker.pid)
+    worker.stdin.write("go\n")
+    worker.stdin.flush()
+    daemon = int(worker.stdout.readline())
+    assert read_stat(daemon).ppid != worker.pid
+    assert os.getpgid(daemon) != os.getpgid(worker.pid)
+    return worker, daemon
+
+
+def test_cgroup_reaches_a_daemon_outside_the_tree_and_the_group(
+    scratch_cgroup: ScratchCgroup,
+) -> None:
+    worker, daemon = start_daemonizing(scratch_cgroup)
+    process = open_process(worker.pid)
+    try:
+        tree = open_target("tree", process, os.getpgrp())
+        assert {m.pid for m in tree.members} == {worker.pid}
+        tree.close()
+        target = open_target("cgroup", process, os.getpgrp())
+        assert (target.kind, target.note) == ("cgroup", "")
+        assert {m.pid for m in target.members} == {worker.pid, daemon}
+        assert target.signal(signal.SIGKILL) == (
+            f"sent SIGKILL to 2 processes of cgroup {scratch_cgroup.path} through cgroup.kill"
+        )
+        wait_dead(worker.pid, daemon)
+        assert target.signal(signal.SIGKILL) == "gone"
+        target.close()
+    finally:
+        process.close()
+        kill_all(daemon)
+        reap(worker)
+
+
+async def test_cgroup_signals_other_than_sigkill_go_to_each_member(
+    scratch_cgroup: ScratchCgroup,
+) -> None:
+    first = sleeper()
+    later = sleeper()
+    process = open_process(first.pid)
+    try:
+        scratch_cgroup.add(first.pid)
+        target = open_target("cgroup", process, os.getpgrp())
+        assert {m.pid for m in target.members} == {first.pid}
+        scratch_cgroup.child("late").add(later.pid)  # came after the expiry, below it
+        assert target.signal(signal.SIGTERM) == (
+            f"sent SIGTERM to 2 processes of cgroup {scratch_cgroup.path}"
+        )
+        with trio.fail_after(PATIENCE):
+            assert await target.wait_exit(PATIENCE) is True  # waits for both
+        assert first.wait(timeout=PATIENCE) == later.wait(timeout=PATIENCE) == -signal.SIGTERM
+        target.close()
+    finally:
+        process.close()
+        reap(first)
+        reap(later)
+
+
+@pytest.mark.parametrize("where", ["root", "daemon's own", "daemon's parent"])
+def test_cgroup_is_never_the_root_nor_one_holding_the_daemon(
+    scratch_cgroup: ScratchCgroup, where: str
+) -> None:
+    victim, bystander = sleeper(), sleeper()
+    process = open_process(victim.pid)
+    daemon_pid = os.getpid()
+    try:
+        if where == "root":
+            root = ScratchCgroup(scratch_cgroup.directory.parent, "/")
+            root.add(victim.pid)
+            expected = "the root cgroup"
+        else:
+            scratch_cgroup.add(victim.pid)
+            scratch_cgroup.add(bystander.pid)
+            daemon_pid = bystander.pid  # stands for the daemon
+            if where == "daemon's own":
+                expected = f"the daemon's own cgroup, {scratch_cgroup.path}"
+            else:
+                scratch_cgroup.child("daemon").add(bystander.pid)
+                expected = f"it holds the daemon's cgroup, {scratch_cgroup.path}"
+        target = open_target("cgroup", process, os.getpgrp(), daemon_pid=daemon_pid)
+        assert target.kind == "process"
+        assert target.note == f"cgroup target refused ({expected}); acting on the process alone"
+        assert target.signal(signal.SIGKILL) == "sent SIGKILL"
+        assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+        assert bystander.poll() is None
+        target.close()
+    finally:
+        process.close()
+        reap(victim)
+        reap(bystander)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes of two users")
+def test_a_non_root_owners_cgroup_is_signalled_only_where_kill_2_allows(
+    scratch_cgroup: ScratchCgroup,
+) -> None:
+    mine, also_mine, roots = nobody_sleeper(), nobody_sleeper(), sleeper()
+    process = open_process(mine.pid)
+    try:
+        for child in (mine, also_mine, roots):
+            scratch_cgroup.add(child.pid)
+        target = open_target("cgroup", process, os.getpgrp(), owner=65534)
+        assert {m.pid for m in target.members} == {mine.pid, also_mine.pid}
+        assert "process by process, only those uid 65534 may signal" in target.note
+        assert target.signal(signal.SIGKILL) == (
+            f"sent SIGKILL to 2 processes of cgroup {scratch_cgroup.path}; "
+            "1 process of another user left alone"
+        )
+        assert mine.wait(timeout=PATIENCE) == also_mine.wait(timeout=PATIENCE) == -signal.SIGKILL
+        time.sleep(0.1)
+        assert roots.poll() is None  # cgroup.kill would have killed it
+        target.close()
+    finally:
+        process.close()
+        for child in (mine, also_mine, roots):
+            reap(child)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes of two users")
+def test_a_daemon_that_may_not_write_cgroup_kill_kills_each_process(
+    scratch_cgroup: ScratchCgroup,
+) -> None:
+    # A daemon of uid 65534, as the systemd unit runs it (no write to the cgroup
+    # file system), on a timer armed by root, over processes it may signal.
+    victims = [nobody_sleeper(), nobody_sleeper()]
+    for victim in victims:
+        scratch_cgroup.add(victim.pid)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            process = open_process(victims[0].pid)
+            target = open_target("cgroup", process, os.getpgrp())
+            result = target.signal(signal.SIGKILL)
+        except BaseException as exc:
+            result = repr(exc)
+        os.write(write_end, result.encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as pipe:
+            result = pipe.read()
+        os.waitpid(child, 0)
+        assert result == (
+            f"sent SIGKILL to 2 processes of cgroup {scratch_cgroup.path} "
+            "one by one (cgroup.kill: Permission denied)"
+        )
+        for victim in victims:
+            assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        for victim in victims:
+            reap(victim)

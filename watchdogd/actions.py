@@ -11,10 +11,10 @@ each expiry goes through three stages:
    That is what keeps 10,000 expiries in the same few milliseconds on time.
 2. **Settling, right after** (`Actions.settle`, called by the scheduler in batches
    whenever nothing more is due, so that firing always comes first): the target is
-   opened in full (a group's or a tree's members are read from /proc) and further
-   signal steps are sent. A policy with a step that waits
-   (``wait``, ``exec``, ``dump``) then gets a task of its own for the rest; one that
-   only signals does not.
+   opened in full (a group's or a tree's members are read from /proc, a cgroup's
+   from its ``cgroup.procs``) and further signal steps are sent. A policy with a
+   step that waits (``wait``, ``exec``, ``dump``) then gets a task of its own for
+   the rest; one that only signals does not.
 3. **The outcome.** A target sent SIGKILL is watched, with every other one, by one
    task (`Actions.run`) on one epoll set of pidfds, up to ``unkillable_after``
    seconds: it ends as ``exited``, or is reported ``unkillable`` with its /proc state

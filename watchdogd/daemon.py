@@ -36,6 +36,7 @@ import trio
 
 from ._version import __version__
 from .actions import BATCH, Actions
+from .cgroups import MOUNTINFO, host_hierarchy
 from .core.config import Config, lockouts, parse_config
 from .core.identity import Peer
 from .core.service import Restored, Service
@@ -365,8 +366,10 @@ def restart_estimate(load_seconds: float, loaded: int, max_timers: int) -> float
     return round(2 * (_START + per_timer * max_timers), 1)
 
 
-def load_config(path: str) -> Config:
-    """Read and decode the config file at ``path``."""
+def load_config(path: str, *, mountinfo: str = MOUNTINFO) -> Config:
+    """Read and decode the config file at ``path``, and check that this host can
+    carry out its policies: a ``cgroup`` target needs the cgroup v2 hierarchy
+    mounted (as the mount table ``mountinfo`` lists it)."""
     try:
         with open(path, "rb") as config_file:
             data = config_file.read()
@@ -382,9 +385,33 @@ def load_config(path: str) -> Config:
                 f"{path}: daemon.socket_group: no group named {group!r} on this host; "
                 "create it (groupadd) or name another"
             ) from None
+    _check_cgroup_targets(config, path, mountinfo)
     for warning in lockouts(config):
         log.warning(logfmt("config_warning", path=path, note=warning))
     return config
+
+
+def _check_cgroup_targets(config: Config, path: str, mountinfo: str) -> None:
+    keys = [
+        f"policies.{name}.target"
+        for name, table in config.policies.items()
+        if table.target == "cgroup"
+    ]
+    if not keys:
+        return
+    try:
+        hierarchy = host_hierarchy(mountinfo)
+    except OSError as exc:
+        raise ConfigError(
+            f"{path}: {keys[0]}: 'cgroup' needs the cgroup v2 hierarchy, and {mountinfo} "
+            f"cannot be read to find it: {exc.strerror}"
+        ) from None
+    if hierarchy is None:
+        raise ConfigError(
+            f"{path}: {', '.join(keys)}: 'cgroup' needs the cgroup v2 hierarchy, and this "
+            "host has none mounted (only cgroup v1 controllers, if any); use 'tree' or "
+            "'group', or mount cgroup2 (systemd.unified_cgroup_hierarchy=1)"
+        )
 
 
 def _status_line(service: Service[Process]) -> str:

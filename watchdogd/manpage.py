@@ -24,6 +24,22 @@ from ._version import __version__
 #: What a page says beyond the commands' help: (heading, paragraphs) per page.
 _WATCHDOGD_SECTIONS: Final = (
     (
+        "POLICY TARGETS",
+        [
+            "A policy in the config file ([policies.NAME], see the README for every key) "
+            'names the processes its steps act on with target = "NAME":',
+            ".TP\n.B process\nThe timer's process (the default).",
+            ".TP\n.B group\nIts process group, never the daemon's own nor a pgid of 1 or "
+            "less (then the process alone).",
+            ".TP\n.B tree\nThe process and its descendants, each through a pidfd of its own.",
+            ".TP\n.B cgroup\nEvery process in its cgroup v2 and the cgroups below it: SIGKILL "
+            "through cgroup.kill (Linux 5.14 and later), any other signal to each process; "
+            "never the root cgroup nor one holding the daemon (then the process alone). A "
+            "timer armed by a user other than root signals only that user's processes, one "
+            "by one. A host without cgroup v2 refuses such a policy at start and on reload.",
+        ],
+    ),
+    (
         "ENVIRONMENT",
         [
             ".TP\n.B WATCHDOGD_SOCKET\nThe socket to listen on when --socket is not given.",

@@ -15,16 +15,34 @@ process never share a descriptor.
   signal (a descendant that started its own session is still a child of its
   parent), re-collected from the living members before each later signal, and each
   signalled through its pidfd.
+- ``cgroup``: every process in the process's cgroup v2 and in the cgroups below it
+  (`watchdogd.cgroups`), listed from ``cgroup.procs`` at expiry and again before
+  each signal, so a process that left the tree and the group (a double fork and
+  setsid) is still a member. SIGKILL is sent by writing to the cgroup's
+  ``cgroup.kill``, which also kills what forks during the kill; without it (Linux <
+  5.14), and for any other signal, each member is signalled through its pidfd (for
+  SIGKILL, listing again until no new member appears). Never the root cgroup, nor
+  the daemon's own cgroup or one that contains it: the policy then acts on the
+  process alone and says so, as it does when the process has no cgroup v2 the
+  daemon can see. The cgroup's directory is held open from expiry on, so a later
+  step never reaches another cgroup that took its name. A member is a process
+  listed there whose /proc/PID/cgroup, read after its pidfd was opened, is the
+  cgroup or one below it.
 
 kill(2)'s rule holds for every member: for a timer armed by a non-root caller, only
 processes whose real or saved uid is the caller's are members, and its group is
-signalled member by member rather than with killpg(2). The uids are read when the
-target is opened, at expiry, not taken from when the timer was armed: a timer's own
-process that no longer has the caller's uid as its real or saved uid (it called
-setuid(2) since) is ``denied``, and no step acts on it. (A timer armed by root acts
-on its process whatever its uids became, as root's kill(2) would.) Whatever is read
-from /proc about a member is trusted only once its pidfd shows it still alive
-afterwards.
+signalled member by member rather than with killpg(2), its cgroup member by member
+rather than with ``cgroup.kill`` (which would reach every process in it, whoever's:
+even a cgroup found to hold the caller's processes only at expiry may take in
+another's by the time of the write, a setuid program run there, say). A cgroup's
+processes that are not the caller's are left alone, and each step says how many.
+The uids are read when the target is opened, at expiry (and for a tree or a cgroup,
+of each member found later, when it is found), not taken from when the timer was
+armed: a timer's own process that no longer has the caller's uid as its real or
+saved uid (it called setuid(2) since) is ``denied``, and no step acts on it. (A
+timer armed by root acts on its process whatever its uids became, as root's kill(2)
+would.) Whatever is read from /proc about a member is trusted only once its pidfd
+shows it still alive afterwards.
 """
 
 from __future__ import annotations
@@ -37,6 +55,7 @@ from typing import Final
 
 import trio
 
+from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
 from .core.policies import TargetKind
 from .process import (
     Process,
@@ -49,6 +68,9 @@ from .process import (
 )
 
 _MAX_MEMBERS: Final = 65536
+#: Times a cgroup signalled member by member with SIGKILL is listed again for
+#: processes forked while it was being signalled.
+_KILL_ROUNDS: Final = 8
 _NAMES: Final = {int(member): member.name for member in signal.Signals}
 
 
@@ -82,10 +104,16 @@ class Member:
 
 
 def _pin(
-    pid: int, *, ppid: int | None = None, pgrp: int | None = None, owner: int = 0
+    pid: int,
+    *,
+    ppid: int | None = None,
+    pgrp: int | None = None,
+    cgroup: str | None = None,
+    owner: int = 0,
 ) -> Member | None:
-    """A pidfd for ``pid``, if it is still the process /proc showed (same parent or
-    group, read after the pidfd was opened), alive, and one ``owner`` may signal."""
+    """A pidfd for ``pid``, if it is still the process /proc showed (same parent,
+    group or cgroup, read after the pidfd was opened), alive, and one ``owner`` may
+    signal."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
@@ -98,6 +126,9 @@ def _pin(
         _close(fd)
         return None
     related = (ppid is None or stat.ppid == ppid) and (pgrp is None or stat.pgrp == pgrp)
+    if cgroup is not None:
+        now_in = cgroup_of(pid)
+        related = related and now_in is not None and contains(cgroup, now_in)
     if not (allowed and related) or member.exited():
         _close(fd)
         return None
@@ -124,6 +155,7 @@ class Target:
         *,
         owner: int = 0,
         pgid: int = 0,
+        cgroup: Cgroup | None = None,
         note: str = "",
         denied: str = "",
     ) -> None:
@@ -132,6 +164,8 @@ class Target:
         #: The uid that armed the timer: members are the processes it may signal.
         self.owner = owner
         self.pgid = pgid
+        #: A ``cgroup`` target's cgroup, held open.
+        self.cgroup = cgroup
         #: Said in the expiry's event (e.g. why a group target fell back).
         self.note = note
         #: Why ``owner`` may no longer act on the timer's process; when set, no step
@@ -157,6 +191,8 @@ class Target:
         """Send ``signum``; returns the step's result. ``alive``: the target was
         just seen alive (a process target then skips checking again)."""
         name = _NAMES.get(signum) or signal.Signals(signum).name
+        if self.cgroup is not None:
+            return self._signal_cgroup(signum, name)
         if self.kind == "group" and self.owner == 0:
             return self._signal_group(signum, name)
         if self.kind == "tree":
@@ -169,7 +205,7 @@ class Target:
         if not sent:
             return f"not permitted to send {name}" if None in results else "gone"
         if self.kind != "process":
-            return f"sent {name} to {sent} process{'es' if sent != 1 else ''}"
+            return f"sent {name} to {_processes(sent)}"
         return f"sent {name}"
 
     def _signal_group(self, signum: int, name: str) -> str:
@@ -191,6 +227,54 @@ class Target:
                 return f"not permitted to send {name} to group {self.pgid}"
             return f"sent {name} to group {self.pgid}"
         return "gone"
+
+    def _signal_cgroup(self, signum: int, name: str) -> str:
+        assert self.cgroup is not None
+        others = self._collect_cgroup()
+        living = [member for member in self.members if not member.exited()]
+        if not living:
+            return "gone"
+        where = f"cgroup {self.cgroup.path}"
+        why = ""
+        if signum == signal.SIGKILL and self.owner == 0:
+            why = self.cgroup.kill()
+            if not why:
+                return f"sent SIGKILL to {_processes(len(living))} of {where} through cgroup.kill"
+        results = [member.send(signum) for member in living]
+        for _ in range(_KILL_ROUNDS if signum == signal.SIGKILL else 0):
+            known = len(self.members)
+            others = max(others, self._collect_cgroup())
+            if len(self.members) == known:
+                break
+            results += [member.send(signum) for member in self.members[known:]]
+        sent = results.count(True)
+        if not sent:
+            return f"not permitted to send {name}" if None in results else "gone"
+        result = f"sent {name} to {_processes(sent)} of {where}"
+        if why:
+            result += f" one by one ({why})"
+        if others:
+            result += f"; {_processes(others)} of another user left alone"
+        return result
+
+    def _collect_cgroup(self) -> int:
+        """Pin the processes of the cgroup not pinned yet; returns how many of those
+        listed are alive and not the owner's to signal."""
+        assert self.cgroup is not None
+        known = {member.pid for member in self.members}
+        others = 0
+        for pid in self.cgroup.pids(_MAX_MEMBERS):
+            if len(self.members) >= _MAX_MEMBERS:
+                break
+            if pid in known:
+                continue
+            member = _pin(pid, cgroup=self.cgroup.path, owner=self.owner)
+            if member is not None:
+                known.add(pid)
+                self.members.append(member)
+            elif self.owner and _belongs_to_another(pid, self.owner):
+                others += 1
+        return others
 
     def _collect_descendants(self) -> None:
         known = {member.pid for member in self.members}
@@ -230,11 +314,22 @@ class Target:
         for member in self.members:
             _close(member.fd, waited=member.waited)
         self.members = []
+        if self.cgroup is not None:
+            self.cgroup.close()
 
 
-def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int = 0) -> Target:
+def open_target(
+    kind: TargetKind,
+    process: Process,
+    daemon_pgid: int,
+    owner: int = 0,
+    *,
+    daemon_pid: int | None = None,
+) -> Target:
     """Pin the members of ``process``'s target of ``kind``, for a timer armed by uid
-    ``owner``, whose right to signal ``process`` is checked again now (see `Target`)."""
+    ``owner``, whose right to signal ``process`` is checked again now (see `Target`).
+    ``daemon_pgid`` and the cgroup of ``daemon_pid`` (by default this process) are
+    never a target."""
     root = Member(process.pid, os.dup(process.fd))
     denied = "" if owner == 0 else _denied(process, owner)
     if denied:
@@ -245,6 +340,8 @@ def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int
         target = Target("tree", [root], owner=owner)
         target._collect_descendants()
         return target
+    if kind == "cgroup":
+        return _open_cgroup(root, owner, os.getpid() if daemon_pid is None else daemon_pid)
     try:
         pgid = read_stat(process.pid).pgrp
     except OSError:
@@ -262,6 +359,68 @@ def open_target(kind: TargetKind, process: Process, daemon_pgid: int, owner: int
         if pid != process.pid and (member := _pin(pid, pgrp=pgid, owner=owner)) is not None
     ]
     return Target("group", members, owner=owner, pgid=pgid)
+
+
+def _open_cgroup(root: Member, owner: int, daemon_pid: int) -> Target:
+    cgroup, why = _cgroup_of(root, daemon_pid)
+    if cgroup is None:
+        alone = f"cgroup target refused ({why}); acting on the process alone" if why else ""
+        return Target("process", [root], owner=owner, note=alone)
+    note = ""
+    if owner:
+        note = (
+            f"cgroup {cgroup.path} signalled process by process, only those uid {owner} "
+            "may signal (cgroup.kill is for timers armed by root)"
+        )
+    target = Target("cgroup", [root], owner=owner, cgroup=cgroup, note=note)
+    target._collect_cgroup()
+    return target
+
+
+def _cgroup_of(root: Member, daemon_pid: int) -> tuple[Cgroup | None, str]:
+    """The open cgroup of ``root``'s process, or None and why not ("" when the
+    process has exited: its steps are skipped anyway)."""
+    path = cgroup_of(root.pid)
+    if root.exited():
+        return None, ""  # what /proc said may be about whoever has its pid now
+    if path is None:
+        return None, f"pid {root.pid} is in no cgroup v2"
+    if path == "/":
+        return None, "the root cgroup"
+    daemons = cgroup_of(daemon_pid)
+    if daemons is None:
+        return None, "the daemon's own cgroup cannot be read"
+    if contains(path, daemons):
+        mine = "the daemon's own cgroup" if daemons == path else "it holds the daemon's cgroup"
+        return None, f"{mine}, {path}"
+    try:
+        hierarchy = host_hierarchy()
+    except OSError as exc:
+        return None, f"cannot read the mounts: {exc.strerror}"
+    directory = None if hierarchy is None else hierarchy.directory(path)
+    if directory is None:
+        return None, f"cgroup {path} is not under a cgroup v2 mount the daemon sees"
+    try:
+        cgroup = Cgroup.open(path, directory)
+    except OSError as exc:
+        return None, f"cannot open cgroup {path}: {exc.strerror}"
+    # Still there after the directory was opened: the descriptor is its cgroup's.
+    if cgroup_of(root.pid) != path or root.exited():
+        cgroup.close()
+        return None, "" if root.exited() else f"pid {root.pid} moved out of cgroup {path}"
+    return cgroup, ""
+
+
+def _processes(count: int) -> str:
+    return f"{count} process{'es' if count != 1 else ''}"
+
+
+def _belongs_to_another(pid: int, owner: int) -> bool:
+    """Whether ``pid`` is alive and ``owner`` may not signal it (for a count only)."""
+    try:
+        return owner not in read_uids(pid)
+    except OSError:
+        return False
 
 
 def _denied(process: Process, owner: int) -> str:

@@ -8,7 +8,7 @@ the file's ``[daemon] socket``, then the default of `watchdogd_client.paths`.
 Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they mean::
 
     [policies.graceful]
-    target = "tree"                     # or "process" (default), "group"
+    target = "tree"                     # or "process" (default), "group", "cgroup"
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
     stall = 300                         # seconds without progress (optional)
@@ -18,6 +18,10 @@ A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``e
 take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
 stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 (`watchdogd.policies.check_argv`); a file that breaks this is refused.
+
+Whether the host can serve a policy (``target = "cgroup"`` needs a cgroup v2
+hierarchy mounted) is a fact of the host, not of the file: `watchdogd.daemon`
+checks it when it loads the file.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
 early once the target has exited), `Exec` (a hook from the config, never from a
 request) and `Dump` (a stack dumper). The target is the process itself, its process
-group, or its tree (the process and its descendants).
+group, its tree (the process and its descendants), or its cgroup (every process in
+its cgroup v2 and below it); `watchdogd.targets` says how each is signalled.
 
 An ``Exec`` or ``Dump`` step cannot exist with an argv where a substituted value could
 become an option or the program (`check_argv`), however it was built.
@@ -28,7 +29,7 @@ from typing import Final, Literal
 import msgspec
 from msgspec import Struct
 
-TargetKind = Literal["process", "group", "tree"]
+TargetKind = Literal["process", "group", "tree", "cgroup"]
 
 #: How long a hook or a dumper may run unless its step says otherwise.
 DEFAULT_STEP_TIMEOUT: Final = 10.0
