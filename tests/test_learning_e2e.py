@@ -128,12 +128,14 @@ def test_auto_arms_what_suggest_prints_and_it_survives_a_restart(
         assert "step" in table.stdout
         assert "SUGGESTED" in table.stdout
 
-        # A worker of the same executable now arms about what suggest printed.
+        # A worker of the same executable now arms about what suggest printed; it
+        # hangs past it, and its expiry (policy log: recorded, nothing sent) says
+        # which timeout was in force and where it came from.
         probe = python_worker(
             """
             from watchdogd_client import Client
             with Client() as client:
-                print(client.acquire("step", "auto", ceiling=30), flush=True)
+                print(client.acquire("step", "auto", ceiling=30, policy="log"), flush=True)
                 print("ready", flush=True)
                 input()
             """,
@@ -144,12 +146,14 @@ def test_auto_arms_what_suggest_prints_and_it_survives_a_restart(
             remaining = float(probe.stdout.readline())
             wait_ready(probe)
             assert remaining == pytest.approx(suggested, abs=0.05)
+            event = expired_event(client, probe.pid)
             why = client.why(probe.pid)
-            [timer] = why.timers
-            assert timer.timeout == pytest.approx(suggested)
-            assert timer.timeout_from.startswith(f"learned: {suggested:g} s suggested by 50")
         finally:
             reap(probe)
+        assert event.timeout == pytest.approx(suggested)
+        assert event.timeout_from.startswith(f"learned: {suggested:g} s suggested by 50")
+        assert event.reason == "timeout"
+        assert why.events == [event]
         daemon.stop()
         daemon.start()
         assert suggestion(socket_path) == row
