@@ -101,6 +101,32 @@ def test_happy_path(env_socket: RunningDaemon) -> None:
         assert client.status().timers == []
 
 
+def test_a_default_scope_is_the_users_call_site_for_acquire_and_release(
+    env_socket: RunningDaemon,
+) -> None:
+    """torch names a timer without a scope after contextlib's frame; the adapter
+    names it after the user's `with` line, so nested blocks are two timers, and
+    each release ends its own."""
+    timer.configure(WatchdogdTimerClient())
+    here = __file__
+    with env_socket.client() as client:
+
+        def scopes() -> set[str]:
+            return {armed.scope for armed in client.status().timers if armed.pid == os.getpid()}
+
+        outer_line = sys._getframe().f_lineno + 1
+        with timer.expires(after=30):
+            assert scopes() == {f"{here}:{outer_line}"}
+            with timer.expires(after=30):
+                inner = f"{here}:{outer_line + 2}"
+                assert scopes() == {f"{here}:{outer_line}", inner}
+            assert scopes() == {f"{here}:{outer_line}"}
+        assert scopes() == set()
+        with pytest.raises(KeyError), timer.expires(after=30):
+            raise KeyError("released all the same")
+        assert scopes() == set()
+
+
 def test_exceptions_propagate_unchanged_and_release(env_socket: RunningDaemon) -> None:
     timer.configure(WatchdogdTimerClient())
     with pytest.raises(ValueError, match=r"^foobar$"), timer.expires(after=1):

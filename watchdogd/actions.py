@@ -465,6 +465,8 @@ class Actions:
                 reason="stalled" if timer.stalled else "timeout",
                 timeout=timer.timeout,
                 timeout_from="" if timer.watch is None else timer.watch.timeout_from,
+                job="" if timer.watch is None else timer.watch.job,
+                rank=None if timer.watch is None else timer.watch.rank,
             )
         )
         self._service.expiry_finished(timer)

@@ -126,6 +126,8 @@ def expires(
     policy: str | None = None,
     floor: float = 0.0,
     ceiling: float | None = None,
+    job: str | None = None,
+    rank: int | None = None,
     client: BaseClient | None = None,
 ) -> Timer:
     """Arm a timer of ``after`` seconds (or ``"auto"``, between ``floor`` and
@@ -140,4 +142,6 @@ def expires(
         policy=policy,
         floor=floor,
         ceiling=ceiling,
+        job=job,
+        rank=rank,
     )

@@ -119,31 +119,65 @@ def acquire_request(
     progress: int | None = None,
     floor: float = 0.0,
     ceiling: float | None = None,
+    job: str | None = None,
+    rank: int | None = None,
     exit_releases: bool = False,
 ) -> Acquire:
-    """The `Acquire` that `BaseClient.acquire`'s arguments stand for."""
+    """The `Acquire` that `BaseClient.acquire`'s arguments stand for, its job and
+    ranks taken from the environment where not given (`job_of`)."""
     check_auto(timeout, ceiling)
-    if timeout == "auto":
-        assert ceiling is not None
-        return Acquire(
-            id=request_id,
-            scope=scope,
-            timeout=ceiling,
-            policy=policy,
-            pid=pid,
-            progress=progress,
-            auto=Auto(floor=floor),
-            exit_releases=exit_releases,
-        )
+    labels = job_of(job, rank)
+    auto = timeout == "auto"
     return Acquire(
         id=request_id,
         scope=scope,
-        timeout=timeout,
+        timeout=ceiling if auto else timeout,  # type: ignore[arg-type]
         policy=policy,
         pid=pid,
         progress=progress,
+        auto=Auto(floor=floor) if auto else None,
         exit_releases=exit_releases,
+        job=labels.job,
+        rank=labels.rank,
+        local_rank=labels.local_rank,
+        group_rank=labels.group_rank,
     )
+
+
+class JobLabels(msgspec.Struct, frozen=True):
+    """The distributed job a process is a rank of, and its ranks."""
+
+    job: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    group_rank: int | None = None
+
+
+#: Where a job and its ranks are read from, first match first: this project's own
+#: variables, then what torchrun (torch.distributed.elastic) sets for each worker.
+JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID")
+RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK")
+#: torchrun's run id when none was given: no job to group ranks by.
+_NO_RUN_ID: Final = "none"
+
+
+def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
+    """``job`` and ``rank`` as given, else from the environment: ``$WATCHDOGD_JOB``,
+    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, unless it is ``none``), and
+    ``$WATCHDOGD_RANK``, else ``$RANK``; ``$LOCAL_RANK`` and ``$GROUP_RANK`` are
+    kept as well. An empty ``job`` means none; a variable that is no rank is
+    ignored."""
+    if job is None:
+        found = next((os.environ[name] for name in JOB_VARIABLES if os.environ.get(name)), "")
+        job = "" if found == _NO_RUN_ID else found
+    if rank is None:
+        rank = next((value for name in RANK_VARIABLES if (value := _rank(name)) is not None), None)
+    return JobLabels(job or None, rank, _rank("LOCAL_RANK"), _rank("GROUP_RANK"))
+
+
+def _rank(variable: str) -> int | None:
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() and int(value) < 2**31 else None
 
 
 class BaseClient(abc.ABC):
@@ -160,6 +194,8 @@ class BaseClient(abc.ABC):
         progress: int | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> float:
         """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
         ``timeout`` seconds, the daemon carries out ``policy`` on the process.
@@ -194,6 +230,8 @@ class BaseClient(abc.ABC):
         policy: str | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> Timer:
         """A context manager that arms a timer of ``after`` seconds on entry and
         releases it on exit, also when an exception leaves the block.
@@ -204,7 +242,7 @@ class BaseClient(abc.ABC):
         """
         check_auto(after, ceiling)
         chosen = caller_scope() if scope is None else scope
-        return Timer(self, after, chosen, policy, floor=floor, ceiling=ceiling)
+        return Timer(self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank)
 
 
 class Timer:
@@ -216,7 +254,7 @@ class Timer:
     progress counter (see `BaseClient.acquire`).
     """
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "policy", "scope")
+    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
 
     def __init__(
         self,
@@ -227,6 +265,8 @@ class Timer:
         *,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.client = client
         self.after = after
@@ -234,6 +274,8 @@ class Timer:
         self.policy = policy
         self.floor = floor
         self.ceiling = ceiling
+        self.job = job
+        self.rank = rank
         self._armed = False
 
     @property
@@ -260,6 +302,8 @@ class Timer:
             progress=progress,
             floor=self.floor,
             ceiling=self.ceiling,
+            job=self.job,
+            rank=self.rank,
         )
         self._armed = True
 
@@ -299,9 +343,11 @@ class NullClient(BaseClient):
         progress: int | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> float:
-        request = acquire_request(0, scope, timeout, policy=policy, pid=pid, ceiling=ceiling)
-        return request.timeout
+        check_auto(timeout, ceiling)
+        return ceiling if timeout == "auto" else timeout  # type: ignore[return-value]
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         return False
@@ -446,6 +492,8 @@ class Client(BaseClient):
         progress: int | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
         exit_releases: bool = False,
     ) -> float:
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
@@ -460,6 +508,8 @@ class Client(BaseClient):
             progress=progress,
             floor=floor,
             ceiling=ceiling,
+            job=job,
+            rank=rank,
             exit_releases=exit_releases,
         )
         try:

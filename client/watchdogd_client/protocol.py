@@ -31,6 +31,7 @@ from .errors import FrameTooLarge, ProtocolError
 
 __all__ = [
     "MAX_COMMAND_BYTES",
+    "MAX_JOB_BYTES",
     "MAX_REPLY_BYTES",
     "MAX_REPLY_FRAME",
     "MAX_REQUEST_FRAME",
@@ -84,6 +85,8 @@ MAX_REPLY_BYTES: Final = 1024 * 1024
 #: Default bound on a frame the client accepts; at least `MAX_REPLY_BYTES`, with room
 #: for a future daemon that sends more.
 MAX_REPLY_FRAME: Final = 16 * 1024 * 1024
+#: The longest job name, in UTF-8 bytes.
+MAX_JOB_BYTES: Final = 128
 #: The most of a command line a status page shows, in UTF-8 bytes (marker included).
 MAX_COMMAND_BYTES: Final = 1024
 
@@ -100,6 +103,9 @@ Scope = Annotated[str, Meta(min_length=1)]
 Timeout = Annotated[float, Meta(gt=0)]
 PolicyName = Annotated[str, Meta(min_length=1, max_length=128)]
 PageSize = Annotated[int, Meta(ge=1, le=10_000)]
+#: A job's name: the daemon bounds it to `MAX_JOB_BYTES` UTF-8 bytes.
+Job = Annotated[str, Meta(min_length=1)]
+Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 #: A progress counter: any non-negative 64-bit value.
 Progress = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
@@ -180,6 +186,12 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     exit_releases: bool = False
     progress: Progress | None = None
     auto: Auto | None = None
+    #: The distributed job the process is a rank of, and its ranks (torchrun's
+    #: RANK, LOCAL_RANK, GROUP_RANK): an expiry opens an incident for the job.
+    job: Job | None = None
+    rank: Rank | None = None
+    local_rank: Rank | None = None
+    group_rank: Rank | None = None
 
 
 class Release(Request, tag="release", frozen=True, kw_only=True):
@@ -318,6 +330,8 @@ class TimerInfo(Struct, frozen=True, kw_only=True):
     policy: str
     uid: int
     command: str = ""
+    job: str = ""
+    rank: int | None = None
 
 
 class StatusReply(Reply, tag="status", frozen=True, kw_only=True):
@@ -387,6 +401,8 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     reason: str = ""
     timeout: float | None = None
     timeout_from: str = ""
+    job: str = ""
+    rank: int | None = None
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import FrameType
 from typing import Final
 
 #: The daemon's default bound on a scope is 256 bytes; a default scope stays well under.
@@ -17,7 +18,11 @@ MAX_DEFAULT_SCOPE_BYTES: Final = 200
 
 def caller_scope(depth: int = 1) -> str:
     """The ``file:line`` of the frame ``depth`` levels above the caller of this function."""
-    frame = sys._getframe(depth + 1)
+    return frame_scope(sys._getframe(depth + 1))
+
+
+def frame_scope(frame: FrameType) -> str:
+    """The default scope of a timer armed at ``frame``'s current line."""
     scope = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     thread = threading.current_thread()
     if thread is not threading.main_thread():

@@ -15,6 +15,15 @@ once (so the daemon never depends on the worker's clock). Scope ids longer than 
 daemon's bound (torch's are ``file#line``) are shortened the same way for acquire and
 release. torch is imported by this module only.
 
+torch's ``expires()`` names a timer without a scope after the frame that called
+``acquire``, which is always contextlib's (``.../contextlib.py#137``): every such
+timer of a thread would be one. Such a scope is replaced by the user's own call
+site, the ``file:line`` of the ``with`` statement (``@thread`` outside the main
+thread), as `watchdogd_client.expires` names it. Its release finds the same name:
+each thread keeps the names it gave, newest last, per torch scope, and a release
+takes the newest (blocks nest, so the newest open one is the one ending).
+The timers carry the job and ranks torchrun sets (`watchdogd_client.client.job_of`).
+
 Failures look like torch's own: with no daemon, `acquire` and `release` raise
 `TimerServerUnavailable`, which is the ``BrokenPipeError`` torch's ``FileTimerClient``
 raises with no server and also a `DaemonUnavailable`. A release that fails while an
@@ -24,12 +33,15 @@ it never replaces that exception.
 
 from __future__ import annotations
 
+import contextlib
 import signal as signals
 import sys
+import threading
 import time
 from typing import Final
 
 try:
+    import torch.distributed.elastic.timer.api
     from torch.distributed.elastic.timer.api import TimerClient
 except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
     if missing.name is None or missing.name.split(".")[0] != "torch":
@@ -42,7 +54,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 from . import default_client
 from .client import BaseClient, log
 from .errors import DaemonUnavailable
-from .scope import shorten
+from .scope import frame_scope, shorten
 
 __all__ = ["TimerServerUnavailable", "WatchdogdTimerClient", "policy_for_signal"]
 
@@ -104,8 +116,12 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         timeout = max(expiration_time - time.time(), _MIN_TIMEOUT)
+        scope = shorten(scope_id, _MAX_SCOPE_BYTES)
+        if _is_torch_default(scope_id):
+            scope = _user_call_site()
+            _given(scope_id).append(scope)
         try:
-            self.client.acquire(shorten(scope_id, _MAX_SCOPE_BYTES), timeout, policy=self.policy)
+            self.client.acquire(scope, timeout, policy=self.policy)
         except DaemonUnavailable as exc:
             raise TimerServerUnavailable(str(exc), exc.socket_path) from exc
 
@@ -114,10 +130,41 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         # exception is propagating (it is then the one being handled), raising
         # here would replace it.
         propagating = sys.exc_info()[1]
+        scope = shorten(scope_id, _MAX_SCOPE_BYTES)
+        if _is_torch_default(scope_id) and (given := _given(scope_id)):
+            scope = given.pop()
         try:
-            self.client.release(shorten(scope_id, _MAX_SCOPE_BYTES))
+            self.client.release(scope)
         except DaemonUnavailable as exc:
             if propagating is not None:
                 log.warning("could not release timer %r: %s", scope_id, exc)
                 return
             raise TimerServerUnavailable(str(exc), exc.socket_path) from exc
+
+
+#: The files of the frames between a user's ``with expires():`` and `acquire`.
+_PLUMBING: Final = frozenset(
+    {__file__, contextlib.__file__, torch.distributed.elastic.timer.api.__file__}
+)
+#: Per thread: the scopes given in place of each torch default scope, newest last.
+_scopes = threading.local()
+
+
+def _is_torch_default(scope_id: str) -> bool:
+    """Whether ``scope_id`` is the name torch gives a timer without a scope."""
+    filename, _, line = scope_id.rpartition("#")
+    return filename == contextlib.__file__ and line.isdigit()
+
+
+def _given(scope_id: str) -> list[str]:
+    given: dict[str, list[str]] = _scopes.__dict__.setdefault("given", {})
+    return given.setdefault(scope_id, [])
+
+
+def _user_call_site() -> str:
+    """The ``file:line`` of the first frame up the stack outside torch's timer
+    module, contextlib and this module (``@thread`` outside the main thread)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename in _PLUMBING:
+        frame = frame.f_back
+    return frame_scope(frame)

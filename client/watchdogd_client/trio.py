@@ -185,6 +185,8 @@ class AsyncClient:
         progress: int | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
         request = acquire_request(
@@ -196,6 +198,8 @@ class AsyncClient:
             progress=progress,
             floor=floor,
             ceiling=ceiling,
+            job=job,
+            rank=rank,
         )
         try:
             return (await self._call(request, Acquired)).remaining
@@ -239,13 +243,17 @@ class AsyncClient:
         policy: str | None = None,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> AsyncTimer:
         """``async with client.expires(after) as timer:`` arms on entry and releases
         on exit, also when an exception leaves the block (which propagates).
         ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`."""
         check_auto(after, ceiling)
         chosen = self._caller_scope() if scope is None else scope
-        return AsyncTimer(self, after, chosen, policy, floor=floor, ceiling=ceiling)
+        return AsyncTimer(
+            self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank
+        )
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it)."""
@@ -386,7 +394,7 @@ class AsyncTimer:
     """The handle of an ``async with client.expires(...)`` block; `release` and
     `renew` behave as `watchdogd_client.Timer`'s do."""
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "policy", "scope")
+    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
 
     def __init__(
         self,
@@ -397,6 +405,8 @@ class AsyncTimer:
         *,
         floor: float = 0.0,
         ceiling: float | None = None,
+        job: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.client = client
         self.after = after
@@ -404,6 +414,8 @@ class AsyncTimer:
         self.policy = policy
         self.floor = floor
         self.ceiling = ceiling
+        self.job = job
+        self.rank = rank
         self._armed = False
 
     @property
@@ -428,6 +440,8 @@ class AsyncTimer:
             progress=progress,
             floor=self.floor,
             ceiling=self.ceiling,
+            job=self.job,
+            rank=self.rank,
         )
         self._armed = True
 

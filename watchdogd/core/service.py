@@ -44,6 +44,7 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_COMMAND_BYTES,
+    MAX_JOB_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     Acquire,
@@ -94,9 +95,10 @@ ROOT: Final = 0
 #: What a status page may spend on timers and command lines: the reply bound less
 #: generous room for the rest (the daemon summary, the cursor, the framing).
 _STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
-#: The most a `TimerInfo` takes encoded, besides its scope and policy: six keys
-#: (39 bytes), two ints and a float (19), two string headers (10), an empty command.
-_TIMER_BYTES: Final = 80
+#: The most a `TimerInfo` takes encoded, besides its scope, policy and job: eight
+#: keys (50 bytes), three ints and a float (24), three string headers (15), an
+#: empty command.
+_TIMER_BYTES: Final = 100
 #: The most an entry of `StatusReply.commands` takes besides its text.
 _COMMAND_BYTES: Final = 16
 #: The most a `SuggestionInfo` takes encoded, besides its executable and scope.
@@ -367,21 +369,7 @@ class Service(Generic[P]):
         )
 
     def _acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
-        limits = self.config
-        if "\0" in request.scope:
-            raise Refusal(ErrorCode.INVALID_REQUEST, "scope contains a NUL character")
-        scope_bytes = len(request.scope.encode())
-        if scope_bytes > limits.max_scope_bytes:
-            raise Refusal(
-                ErrorCode.INVALID_REQUEST,
-                f"scope is {scope_bytes} bytes long; the limit is {limits.max_scope_bytes}",
-            )
-        if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
-            raise Refusal(
-                ErrorCode.INVALID_REQUEST,
-                f"timeout must be finite and at most {limits.max_timeout:g} s, "
-                f"not {request.timeout!r}",
-            )
+        self._check_bounds(request)
         policy = self.default_policy if request.policy is None else request.policy
         chosen = self.policies.get(policy) or signal_policy(policy)
         if chosen is None:
@@ -405,8 +393,8 @@ class Service(Generic[P]):
                     self._history_key(process, request.scope), request.auto.floor, request.timeout
                 )
             watch, deadline = None, None
-            if request.progress is not None or chosen.stall or timeout_from:
-                watch = _watch(request.progress, chosen.stall, timeout_from, previous, now)
+            if request.progress is not None or chosen.stall or timeout_from or request.job:
+                watch = _watch(request, chosen.stall, timeout_from, previous, now)
                 deadline = now + timeout
                 if watch.stall:
                     deadline = min(deadline, watch.progressed_at + watch.stall)
@@ -438,6 +426,31 @@ class Service(Generic[P]):
             rearmed=rearmed,
             timeout_from=timeout_from,
         )
+
+    def _check_bounds(self, request: Acquire) -> None:
+        """Refuse an `Acquire` whose scope, job or timeout is past a bound."""
+        limits = self.config
+        if "\0" in request.scope:
+            raise Refusal(ErrorCode.INVALID_REQUEST, "scope contains a NUL character")
+        scope_bytes = len(request.scope.encode())
+        if scope_bytes > limits.max_scope_bytes:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"scope is {scope_bytes} bytes long; the limit is {limits.max_scope_bytes}",
+            )
+        if request.job is not None and (
+            "\0" in request.job or len(request.job.encode()) > MAX_JOB_BYTES
+        ):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"a job is at most {MAX_JOB_BYTES} UTF-8 bytes, without NUL characters",
+            )
+        if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"timeout must be finite and at most {limits.max_timeout:g} s, "
+                f"not {request.timeout!r}",
+            )
 
     def _release(self, request: Release, caller: Caller[P], now: float) -> Released:
         if request.pid is None and self.table.process(caller.peer.pid) is None:
@@ -563,6 +576,9 @@ class Service(Generic[P]):
         timers: list[TimerInfo] = []
         for timer in page[: request.limit]:
             cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
+            job, rank = ("", None) if timer.watch is None else (timer.watch.job, timer.watch.rank)
+            if job:
+                cost += MAX_JOB_BYTES
             command = None
             if timer.pid not in commands:
                 process = self.table.process(timer.pid)
@@ -584,6 +600,8 @@ class Service(Generic[P]):
                     remaining=max(0.0, timer.deadline - now),
                     policy=timer.policy,
                     uid=timer.uid,
+                    job=job,
+                    rank=rank,
                 )
             )
         self._command_lines.forget_old(now, keep=self.table.process_count)
@@ -998,25 +1016,30 @@ class Service(Generic[P]):
 
 
 def _watch(
-    progress: int | None, stall: float, timeout_from: str, previous: Timer | None, now: float
+    request: Acquire, stall: float, timeout_from: str, previous: Timer | None, now: float
 ) -> Watch:
-    """The `Watch` of a timer armed now with ``progress`` (None: not given), under
-    a policy that allows ``stall`` seconds without growth, in place of
-    ``previous`` (None: a new timer).
+    """The `Watch` of a timer armed now by ``request``, under a policy that allows
+    ``stall`` seconds without progress, in place of ``previous`` (None: a new
+    timer).
 
     Progress grows only past the highest value this timer has carried: a re-arm
     with the same value, a lower one or none leaves the time it last grew as it
     was. A new timer (one released and armed again is new) starts growing now."""
+    progress, progressed_at = request.progress, now
     before = None if previous is None else previous.watch
-    if before is None:
-        return Watch(progress=progress, progressed_at=now, stall=stall, timeout_from=timeout_from)
-    if progress is not None and (before.progress is None or progress > before.progress):
-        return Watch(progress=progress, progressed_at=now, stall=stall, timeout_from=timeout_from)
+    if before is not None and (
+        progress is None or (before.progress is not None and progress <= before.progress)
+    ):
+        progress, progressed_at = before.progress, before.progressed_at
     return Watch(
-        progress=before.progress,
-        progressed_at=before.progressed_at,
+        progress=progress,
+        progressed_at=progressed_at,
         stall=stall,
         timeout_from=timeout_from,
+        job=request.job or "",
+        rank=request.rank,
+        local_rank=request.local_rank,
+        group_rank=request.group_rank,
     )
 
 

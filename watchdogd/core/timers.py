@@ -174,12 +174,18 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     - ``timeout_from``: where a timeout the daemon chose came from (a request
       that asked for a learned one, `Acquire.auto`); empty for a timeout the
       request gave.
+    - ``job`` and the ``rank``, ``local_rank`` and ``group_rank`` of its process
+      in it: the distributed job an expiry opens an incident for.
     """
 
     progress: int | None = None
     progressed_at: float = 0.0
     stall: float = 0.0
     timeout_from: str = ""
+    job: str = ""
+    rank: int | None = None
+    local_rank: int | None = None
+    group_rank: int | None = None
 
 
 V = TypeVar("V", bound=Hashable)
