@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.pressure import cgroup2_mount
 from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 
@@ -227,3 +228,30 @@ def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
     for pipe in (process.stdin, process.stdout, process.stderr):
         if pipe is not None:
             pipe.close()
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    """A cgroup v2 of the test's own, made under the host's hierarchy; whatever is
+    left in it at the end is killed, and it is removed. Skips on a host without
+    the hierarchy or its pressure files."""
+    mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+    if not mount:
+        pytest.skip("no cgroup v2 hierarchy on this host")
+    path = Path(tempfile.mkdtemp(prefix="watchdogd-test-", dir=mount))
+    if not ((path / "cpu.pressure").exists() and (path / "cgroup.kill").exists()):
+        path.rmdir()
+        pytest.skip("this kernel's cgroups have no pressure (PSI) or cgroup.kill")
+    try:
+        yield path
+    finally:
+        (path / "cgroup.kill").write_text("1")
+
+        def removed() -> bool:
+            try:
+                path.rmdir()
+            except OSError:  # EBUSY until the killed processes have exited
+                return False
+            return True
+
+        wait_until(removed, what=f"the removal of {path}")
