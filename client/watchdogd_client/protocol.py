@@ -311,9 +311,10 @@ class StepResult(Struct, frozen=True, kw_only=True):
 
 
 class EventInfo(Struct, frozen=True, kw_only=True):
-    """One recorded event. ``kind`` is ``expired``, ``exited``, ``unkillable``,
-    ``reloaded`` or ``reload_failed``; times are Unix seconds, ``late`` is seconds
-    from the deadline to the first step."""
+    """One recorded event. ``kind`` is ``expired``, ``extended`` (a timer given
+    more time because its process was starved; ``deadline`` is its new one),
+    ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
+    seconds, ``late`` is seconds from the deadline to the first step."""
 
     seq: int
     kind: str

@@ -11,12 +11,20 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they 
     target = "tree"                     # or "process" (default), "group"
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
+    starvation_grace = 30               # seconds more, once, for a starved process
+    starvation_pressure = 50            # percent (the default)
+    starvation_cpu = 25                 # percent of one CPU (the default)
 
 A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
 (an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
 take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
 stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 (`watchdogd.policies.check_argv`); a file that breaks this is refused.
+
+``starvation_grace`` (seconds, none by default) gives a timer whose process was
+starved rather than hung that much more time, once; ``starvation_pressure`` and
+``starvation_cpu`` are the thresholds of that judgement (`watchdogd.core.starvation`)
+and are refused in a policy without a grace.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from .policies import (
     Wait,
     signal_number,
 )
+from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 
 DAY: Final = 86_400.0
 
@@ -119,6 +128,13 @@ class PolicyConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     target: TargetKind = "process"
     steps: list[StepConfig] = []
     root_only: bool = False
+    #: Seconds more, once, for a timer whose process was starved at its deadline.
+    starvation_grace: Annotated[float, Meta(gt=0, le=DAY)] | None = None
+    #: The stall of the process's cgroup (percent of the armed period) from which
+    #: it may be starved.
+    starvation_pressure: Annotated[float, Meta(gt=0, le=100)] | None = None
+    #: The most CPU time (percent of one CPU) a starved process may have had.
+    starvation_cpu: Annotated[float, Meta(ge=0, le=100_000)] | None = None
 
 
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -136,8 +152,15 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 _step(step, f"{source}: policies.{name}.steps[{index}]")
                 for index, step in enumerate(table.steps)
             )
+            grace, pressure, cpu = _starvation(table, f"{source}: policies.{name}")
             policies[name] = Policy(
-                name=name, steps=steps, target=table.target, root_only=table.root_only
+                name=name,
+                steps=steps,
+                target=table.target,
+                root_only=table.root_only,
+                starvation_grace=grace,
+                starvation_pressure=pressure,
+                starvation_cpu=cpu,
             )
         if self.daemon.default_policy not in policies:
             known = ", ".join(sorted(policies))
@@ -146,6 +169,22 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 f"known: {known}"
             )
         return policies
+
+
+def _starvation(table: PolicyConfig, where: str) -> tuple[float, float, float]:
+    """A policy table's starvation grace (0: none) and thresholds, as `Policy` keeps
+    them."""
+    pressure, cpu = table.starvation_pressure, table.starvation_cpu
+    if table.starvation_grace is None:
+        for key, value in (("starvation_pressure", pressure), ("starvation_cpu", cpu)):
+            if value is not None:
+                raise ConfigError(f"{where}.{key}: applies only with starvation_grace")
+        return 0.0, DEFAULT_PRESSURE, DEFAULT_CPU
+    return (
+        table.starvation_grace,
+        DEFAULT_PRESSURE if pressure is None else pressure,
+        DEFAULT_CPU if cpu is None else cpu,
+    )
 
 
 def _step(step: StepConfig, where: str) -> Step:

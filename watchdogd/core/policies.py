@@ -3,7 +3,10 @@
 A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
 early once the target has exited), `Exec` (a hook from the config, never from a
 request) and `Dump` (a stack dumper). The target is the process itself, its process
-group, or its tree (the process and its descendants).
+group, or its tree (the process and its descendants). A policy with a
+``starvation_grace`` first judges whether the timer's process was starved rather
+than hung, and if so gives it that much more time, once, before its first step
+(`watchdogd.core.starvation`).
 
 An ``Exec`` or ``Dump`` step cannot exist with an argv where a substituted value could
 become an option or the program (`check_argv`), however it was built.
@@ -27,6 +30,8 @@ from typing import Final, Literal
 
 import msgspec
 from msgspec import Struct
+
+from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 
 TargetKind = Literal["process", "group", "tree"]
 
@@ -122,6 +127,11 @@ class Policy(Struct, frozen=True, kw_only=True):
     #: Only root callers may arm timers with it (sensible for exec and dump steps).
     root_only: bool = False
     builtin: bool = False
+    #: Seconds more a timer gets, once, when its process was starved at its
+    #: deadline (0: never), judged with these thresholds (percent).
+    starvation_grace: float = 0.0
+    starvation_pressure: float = DEFAULT_PRESSURE
+    starvation_cpu: float = DEFAULT_CPU
 
     def describe(self) -> list[str]:
         return [step.describe() for step in self.steps]
