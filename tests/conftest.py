@@ -328,3 +328,12 @@ def _removed(cgroup: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+@pytest.fixture
+def cgroup(scratch_cgroup: ScratchCgroup) -> Path:
+    """The directory of a scratch cgroup (`scratch_cgroup`) with pressure (PSI)
+    files; skips on a kernel whose cgroups have none."""
+    if not (scratch_cgroup.directory / "cpu.pressure").exists():
+        pytest.skip("this kernel's cgroups have no pressure (PSI) files")
+    return scratch_cgroup.directory

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
+from watchdogd.core.starvation import Sample
 from watchdogd.errors import Refusal
 from watchdogd.metrics import exposition
 from watchdogd_client.protocol import ErrorCode
@@ -47,6 +48,10 @@ class FakeHost:
     opened: list[FakeProcess] = field(default_factory=list)
     #: Command lines other than the default ``cmd-PID``.
     command_lines: dict[int, str] = field(default_factory=dict)
+    #: What `sample` says of each pid (an idle process at time 0 otherwise), and
+    #: the pids it was asked about, in turn.
+    samples: dict[int, Sample] = field(default_factory=dict)
+    sampled: list[int] = field(default_factory=list)
 
     def open(self, pid: int, peer: Peer) -> FakeProcess:
         if pid not in self.processes or pid in self.dead:
@@ -86,6 +91,12 @@ class FakeHost:
     def untrack(self, process: FakeProcess) -> None:
         self.tracked.remove(process.pid)
         process.close()
+
+    def sample(self, process: FakeProcess) -> Sample | None:
+        self.sampled.append(process.pid)
+        if not self.alive(process):
+            return None
+        return self.samples.get(process.pid, Sample(at=0.0, cpu=0.0))
 
 
 def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list[float]]:

@@ -63,6 +63,52 @@ def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
     assert expected in message
 
 
+def test_starvation_settings_of_a_policy() -> None:
+    policies = parse_config(
+        """
+        [policies.patient]
+        steps = [ { signal = "SIGKILL" } ]
+        starvation_grace = 30
+
+        [policies.tuned]
+        starvation_grace = 2.5
+        starvation_pressure = 80
+        starvation_cpu = 150
+        """,
+        "x.toml",
+    ).policy_set()
+    patient, tuned, kill = policies["patient"], policies["tuned"], policies["kill"]
+    assert (patient.starvation_grace, patient.starvation_pressure, patient.starvation_cpu) == (
+        30.0,
+        50.0,
+        25.0,
+    )
+    assert (tuned.starvation_grace, tuned.starvation_pressure, tuned.starvation_cpu) == (
+        2.5,
+        80.0,
+        150.0,
+    )
+    assert kill.starvation_grace == 0.0
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ("starvation_pressure = 60", "policies.p.starvation_pressure: applies only with"),
+        ("starvation_cpu = 10", "policies.p.starvation_cpu: applies only with starvation_grace"),
+        ("starvation_grace = 0", "policies.p.starvation_grace: Expected `float` > 0"),
+        ("starvation_grace = 1\nstarvation_pressure = 0", "starvation_pressure: Expected"),
+        ("starvation_grace = 1\nstarvation_pressure = 101", "starvation_pressure: Expected"),
+        ("starvation_grace = 1\nstarvation_cpu = -1", "starvation_cpu: Expected `float` >= 0"),
+    ],
+)
+def test_starvation_settings_are_checked(table: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"[policies.p]\n{table}\n", "x.toml")
+    assert expected in str(caught.value)
+    assert str(caught.value).startswith("x.toml")
+
+
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the config file"):
         load_config(str(tmp_path / "missing.toml"))

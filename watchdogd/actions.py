@@ -31,7 +31,9 @@ Invariants:
   see `watchdogd.targets`): the event says why, and its outcome is ``alive``. That
   check is made before the first signal, in the pass.
 - A timer whose policy was removed by a reload runs the default policy, and its
-  event says so.
+  event says so. So does the event of a timer that had been given more time as
+  starved, and of one judged not starved, why
+  (`watchdogd.core.service.Service.expire_due`).
 - The state records each step as it starts (a step other than the one the firing
   record already names), so a restart resumes at the step in progress.
 - An event's ``late`` is from the deadline to its first step (the first signal).
@@ -174,7 +176,7 @@ class Actions:
         records): send first signals now, leave the rest to `settle`."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for item in expired:
-            expiry = self._begin(item.timer, item.process)
+            expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
             try:
@@ -267,10 +269,12 @@ class Actions:
 
     # The stages of one expiry.
 
-    def _begin(self, timer: Timer, process: Process) -> _Expiry | None:
+    def _begin(self, timer: Timer, process: Process, judged: str = "") -> _Expiry | None:
+        """``judged``: what the service found of its starvation, if anything."""
         try:
             policy, note = self._service.policy_for(timer.policy)
             timer, note = _resume_point(timer, policy, note)
+            note = "; ".join(text for text in (note, judged) if text)
         except Exception:
             log.exception("could not start the policy of %r", timer)
             process.close()
@@ -432,11 +436,18 @@ class Actions:
         resumed = (
             f"resumed at step {expiry.resumed_at + 1} after a restart" if expiry.resumed_at else ""
         )
+        extended = (
+            f"it had been given {timer.watch.extended:g}s more as starved (its extended event "
+            "says why) and was still due"
+            if timer.watch is not None and timer.watch.extended
+            else ""
+        )
         notes = [
             text
             for text in (
                 _stall_note(timer),
                 expiry.note,
+                extended,
                 target.denied,
                 target.note,
                 downtime,

@@ -278,8 +278,9 @@ def ping() -> None:
     help="How many of the latest events to print first.",
 )
 def events(follow: bool, limit: int) -> None:
-    """Recorded events: expiries with each step's result, exits with timers armed,
-    unkillable targets, reloads. --json prints one JSON object per line."""
+    """Recorded events: expiries with each step's result, timers extended because
+    their process was starved, exits with timers armed, unkillable targets,
+    reloads. --json prints one JSON object per line."""
     as_json = _settings().as_json
     client = _client()
     page = client.events(limit=limit)

@@ -40,12 +40,14 @@ from .cgroups import MOUNTINFO, host_hierarchy
 from .core.config import Config, lockouts, parse_config
 from .core.identity import Peer
 from .core.service import Restored, Service
+from .core.starvation import Sample
 from .core.timers import Timer
 from .errors import ConfigError
 from .exits import ExitWatcher
 from .history_file import HistoryFile, history_path
 from .logs import log, logfmt, set_level
 from .metrics import exposition, write_textfile
+from .pressure import PressureGauge
 from .process import Process, open_process
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
@@ -54,10 +56,12 @@ from .systemd import Notifier, watchdog_interval
 
 
 class HostProcesses:
-    """The service's process port on a real host: pidfds and the exit watcher."""
+    """The service's process port on a real host: pidfds, the exit watcher and
+    what the kernel says of a process's share of the machine."""
 
     def __init__(self, watcher: ExitWatcher) -> None:
         self._watcher = watcher
+        self._pressure = PressureGauge()
 
     def open(self, pid: int, peer: Peer) -> Process:
         return open_process(pid, peer)
@@ -80,6 +84,9 @@ class HostProcesses:
 
     def untrack(self, process: Process) -> None:
         process.close()  # the table's reference; the watch ends with the last
+
+    def sample(self, process: Process) -> Sample | None:
+        return self._pressure.sample(process)
 
 
 #: Seconds a thread may run before Python offers the GIL to another (default 5 ms).

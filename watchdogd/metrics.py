@@ -55,6 +55,14 @@ class _Collector(Collector):
         for (policy, outcome), count in sorted(m.expiries.items()):
             expiries.add_metric([policy, outcome], count)
         yield expiries
+        extensions = CounterMetricFamily(
+            "watchdogd_extensions",
+            "Timers given more time, once, because their process was starved, by policy.",
+            labels=["policy"],
+        )
+        for policy, count in sorted(m.extensions.items()):
+            extensions.add_metric([policy], count)
+        yield extensions
         yield CounterMetricFamily(
             "watchdogd_exits", "Processes that exited with timers armed.", value=m.exited
         )

@@ -265,6 +265,8 @@ class Stat:
     ppid: int
     pgrp: int
     start_time: int  # clock ticks since boot
+    #: CPU time so far, user and system, of all its threads (clock ticks).
+    cpu_ticks: int
 
 
 def read_stat(pid: int) -> Stat:
@@ -279,6 +281,7 @@ def read_stat(pid: int) -> Stat:
         ppid=int(fields[1]),
         pgrp=int(fields[2]),
         start_time=int(fields[19]),
+        cpu_ticks=int(fields[11]) + int(fields[12]),
     )
 
 

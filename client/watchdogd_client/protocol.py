@@ -373,12 +373,13 @@ class StepResult(Struct, frozen=True, kw_only=True):
 
 
 class EventInfo(Struct, frozen=True, kw_only=True):
-    """One recorded event. ``kind`` is ``expired``, ``exited``, ``unkillable``,
-    ``reloaded`` or ``reload_failed``; times are Unix seconds, ``late`` is seconds
-    from the deadline to the first step. An expiry's ``reason`` is ``timeout`` or
-    ``stalled`` (its progress stopped growing for its policy's ``stall`` time);
-    ``timeout`` is the timeout it was armed with and ``timeout_from`` where that
-    came from when the daemon chose it."""
+    """One recorded event. ``kind`` is ``expired``, ``extended`` (a timer given
+    more time because its process was starved; ``deadline`` is its new one),
+    ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
+    seconds, ``late`` is seconds from the deadline to the first step. An expiry's
+    ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
+    policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
+    ``timeout_from`` where that came from when the daemon chose it."""
 
     seq: int
     kind: str

@@ -1,8 +1,9 @@
 """The daemon's sans-IO core: the rules, with no system call in them.
 
 The timer table and its deadline heap (`timers`, `heap`), request handling and
-authorization (`service`, `session`), policies (`policies`), the events ring
-(`events`), the counters (`counters`) and the config model (`config`). Nothing here
+authorization (`service`, `session`), policies (`policies`) and the starvation
+rule some of them apply first (`starvation`), the events ring (`events`), the
+counters (`counters`) and the config model (`config`). Nothing here
 imports trio, sqlite3, socket, subprocess or prometheus_client, or reads a clock:
 the caller passes ``now``. The core tells the runtime modules beside it (server,
 scheduler, actions, store, systemd) what must happen through a few narrow ports: a

@@ -12,6 +12,9 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they 
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
     stall = 300                         # seconds without progress (optional)
+    starvation_grace = 30               # seconds more, once, for a starved process
+    starvation_pressure = 50            # percent (the default)
+    starvation_cpu = 25                 # percent of one CPU (the default)
 
 A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
 (an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
@@ -22,6 +25,11 @@ stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 Whether the host can serve a policy (``target = "cgroup"`` needs a cgroup v2
 hierarchy mounted) is a fact of the host, not of the file: `watchdogd.daemon`
 checks it when it loads the file.
+
+``starvation_grace`` (seconds, none by default) gives a timer whose process was
+starved rather than hung that much more time, once; ``starvation_pressure`` and
+``starvation_cpu`` are the thresholds of that judgement (`watchdogd.core.starvation`)
+and are refused in a policy without a grace.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from .policies import (
     Wait,
     signal_number,
 )
+from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 
 DAY: Final = 86_400.0
 
@@ -125,6 +134,13 @@ class PolicyConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     steps: list[StepConfig] = []
     root_only: bool = False
     stall: Seconds | None = None
+    #: Seconds more, once, for a timer whose process was starved at its deadline.
+    starvation_grace: Annotated[float, Meta(gt=0, le=DAY)] | None = None
+    #: The stall of the process's cgroup (percent of the armed period) from which
+    #: it may be starved.
+    starvation_pressure: Annotated[float, Meta(gt=0, le=100)] | None = None
+    #: The most CPU time (percent of one CPU) a starved process may have had.
+    starvation_cpu: Annotated[float, Meta(ge=0, le=100_000)] | None = None
 
 
 class HistoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -156,12 +172,16 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 _step(step, f"{source}: policies.{name}.steps[{index}]")
                 for index, step in enumerate(table.steps)
             )
+            grace, pressure, cpu = _starvation(table, f"{source}: policies.{name}")
             policies[name] = Policy(
                 name=name,
                 steps=steps,
                 target=table.target,
                 root_only=table.root_only,
                 stall=table.stall or 0.0,
+                starvation_grace=grace,
+                starvation_pressure=pressure,
+                starvation_cpu=cpu,
             )
         if self.daemon.default_policy not in policies:
             known = ", ".join(sorted(policies))
@@ -170,6 +190,22 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 f"known: {known}"
             )
         return policies
+
+
+def _starvation(table: PolicyConfig, where: str) -> tuple[float, float, float]:
+    """A policy table's starvation grace (0: none) and thresholds, as `Policy` keeps
+    them."""
+    pressure, cpu = table.starvation_pressure, table.starvation_cpu
+    if table.starvation_grace is None:
+        for key, value in (("starvation_pressure", pressure), ("starvation_cpu", cpu)):
+            if value is not None:
+                raise ConfigError(f"{where}.{key}: applies only with starvation_grace")
+        return 0.0, DEFAULT_PRESSURE, DEFAULT_CPU
+    return (
+        table.starvation_grace,
+        DEFAULT_PRESSURE if pressure is None else pressure,
+        DEFAULT_CPU if cpu is None else cpu,
+    )
 
 
 def _step(step: StepConfig, where: str) -> Step:

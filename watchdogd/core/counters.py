@@ -21,6 +21,8 @@ class Counters:
         self.requests: Counter[tuple[str, str]] = Counter()
         self.expiries: Counter[tuple[str, str]] = Counter()
         self.reloads: Counter[str] = Counter()
+        #: Timers given more time because their process was starved, by policy.
+        self.extensions: Counter[str] = Counter()
         self.connections_total = 0
         self.exited = 0
         self.unkillable = 0

@@ -47,6 +47,7 @@ _CUT: Final = "\n…[output cut]"
 #: An expiry means a worker was hung; the rest are for the record.
 _LEVELS: Final = {
     "expired": logging.WARNING,
+    "extended": logging.WARNING,
     "unkillable": logging.ERROR,
     "reload_failed": logging.ERROR,
     "state_degraded": logging.ERROR,

@@ -4,7 +4,10 @@ A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
 early once the target has exited), `Exec` (a hook from the config, never from a
 request) and `Dump` (a stack dumper). The target is the process itself, its process
 group, its tree (the process and its descendants), or its cgroup (every process in
-its cgroup v2 and below it); `watchdogd.targets` says how each is signalled.
+its cgroup v2 and below it); `watchdogd.targets` says how each is signalled. A
+policy with a ``starvation_grace`` first judges whether the timer's process was starved rather
+than hung, and if so gives it that much more time, once, before its first step
+(`watchdogd.core.starvation`).
 
 An ``Exec`` or ``Dump`` step cannot exist with an argv where a substituted value could
 become an option or the program (`check_argv`), however it was built.
@@ -28,6 +31,8 @@ from typing import Final, Literal
 
 import msgspec
 from msgspec import Struct
+
+from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 
 TargetKind = Literal["process", "group", "tree", "cgroup"]
 
@@ -126,6 +131,11 @@ class Policy(Struct, frozen=True, kw_only=True):
     #: Seconds a timer may go without its progress growing before it expires as
     #: ``stalled``, however often it is re-armed (0: no such rule).
     stall: float = 0.0
+    #: Seconds more a timer gets, once, when its process was starved at its
+    #: deadline (0: never), judged with these thresholds (percent).
+    starvation_grace: float = 0.0
+    starvation_pressure: float = DEFAULT_PRESSURE
+    starvation_cpu: float = DEFAULT_CPU
 
     def describe(self) -> list[str]:
         return [step.describe() for step in self.steps]

@@ -22,6 +22,11 @@ Rules kept here:
   with the daemon's privileges and may say anything the daemon can read. Everyone
   else who may see the event sees each step and its result (the exit status). The
   record keeps the output; only the reply to a non-root caller leaves it out.
+- A timer whose policy has ``starvation_grace`` is measured when it is armed and
+  judged at its deadline, before its policy starts (`watchdogd.core.starvation`):
+  one whose process was starved is armed again for the grace, once per arming,
+  with an ``extended`` event that says why. Only such timers pay for it: the
+  others read nothing from the system when armed or when they fire.
 
 Process handles are reference-counted: the table holds one per process in it, each
 connection holds one on its caller's own process (so a worker that arms and releases
@@ -89,6 +94,7 @@ from .history import History
 from .history import Key as HistoryKey
 from .identity import Peer
 from .policies import Policy, signal_policy
+from .starvation import UNMEASURED, Sample, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
 ROOT: Final = 0
@@ -204,6 +210,10 @@ class ProcessPort(Protocol[P]):
 
     def untrack(self, process: P) -> None:
         """Drop the table's reference (it left the table)."""
+
+    def sample(self, process: P) -> Sample | None:
+        """What the kernel says of it now: its CPU time and the pressure on its
+        cgroup and on the host; None once it has exited."""
 
 
 @dataclass(slots=True)
@@ -414,6 +424,7 @@ class Service(Generic[P]):
             if entering:
                 process.retain()
                 self._processes.track(process)
+            timer = self._measure_for_starvation(timer, chosen, process)
             self.journal.put(timer)
         finally:
             process.close()
@@ -451,6 +462,19 @@ class Service(Generic[P]):
                 f"timeout must be finite and at most {limits.max_timeout:g} s, "
                 f"not {request.timeout!r}",
             )
+
+    def _measure_for_starvation(self, timer: Timer, policy: Policy, process: P) -> Timer:
+        """``timer``, just armed under ``policy``, as the table now holds it: with
+        what the kernel says of its process kept in its `Watch` (``baseline``, and
+        its grace back) when the policy has ``starvation_grace``; unchanged, at the
+        cost of this call, otherwise (the path of every acquire)."""
+        if not policy.starvation_grace:
+            return timer
+        watch = Watch() if timer.watch is None else timer.watch
+        watch = msgspec.structs.replace(
+            watch, baseline=self._processes.sample(process), extended=0.0
+        )
+        return self.table.put(process, msgspec.structs.replace(timer, watch=watch))
 
     def _release(self, request: Release, caller: Caller[P], now: float) -> Released:
         if request.pid is None and self.table.process(caller.peer.pid) is None:
@@ -704,6 +728,7 @@ class Service(Generic[P]):
             progressed=None if watch is None else now - watch.progressed_at,
             stall=0.0 if watch is None else watch.stall,
             firing=firing,
+            notes=_why_notes(watch),
         )
 
     def info(self, now: float) -> DaemonInfo:
@@ -771,13 +796,32 @@ class Service(Generic[P]):
         """Take out the timers due at ``now`` (the earliest ``limit``, when given);
         each stays in the state as firing (the returned timer) until
         `expiry_finished`. Each returned process handle is retained for the
-        caller, who closes it when the action is done."""
+        caller, who closes it when the action is done.
+
+        A timer whose policy has ``starvation_grace`` is judged first
+        (`_judge_starvation`): if its process was starved it is armed again for
+        the grace instead (`_extend`), and is not returned."""
         expired = self.table.pop_due(now, limit)
-        for index, item in enumerate(expired):
-            item.process.retain()
-            if item.orphaned:
-                self._processes.untrack(item.process)
+        fired: list[Expired[P]] = []
+        extended = False
+        for item in expired:
             policy, _ = self.policy_for(item.timer.policy)
+            note = ""
+            if policy.starvation_grace:
+                verdict = self._judge_starvation(item, policy)
+                if verdict.starved:
+                    self._extend(item, policy, verdict, now)
+                    extended = True
+                    continue
+                note = verdict.note
+            # A process whose last timer fell due is back in the table when
+            # another of its timers was extended in this pass: it stays tracked.
+            orphaned = item.orphaned and not (
+                extended and self.table.process(item.timer.pid) is item.process
+            )
+            item.process.retain()
+            if orphaned:
+                self._processes.untrack(item.process)
             firing = msgspec.structs.replace(
                 item.timer,
                 firing=next(self._firing_numbers),
@@ -788,10 +832,63 @@ class Service(Generic[P]):
             self.journal.drop(item.timer)
             self.journal.put(firing)
             self._firing[firing.store_key] = firing
-            expired[index] = Expired(firing, item.process, item.orphaned)
+            fired.append(Expired(firing, item.process, orphaned, note))
         if expired:
             self.journal.commit_soon()
-        return expired
+        return fired
+
+    def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
+        """Whether the process of ``item``, due under ``policy``, was starved since
+        its timer was armed. Not judged (no words) once the timer was extended:
+        its expiry says so."""
+        watch = item.timer.watch
+        if watch is not None and watch.extended:
+            return Verdict(False)
+        if watch is None or watch.baseline is None:
+            return UNMEASURED
+        sample = self._processes.sample(item.process)
+        if sample is None:
+            return Verdict(False)  # it has exited: its policy finds it gone
+        return judge(
+            watch.baseline,
+            sample,
+            pressure=policy.starvation_pressure,
+            cpu=policy.starvation_cpu,
+        )
+
+    def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
+        """Arm the timer of ``item`` again for its policy's grace, its process
+        being starved: an ``extended`` event says why, and its `Watch` that it was
+        extended (it is not again until it is armed anew)."""
+        timer, grace = item.timer, policy.starvation_grace
+        watch = Watch() if timer.watch is None else timer.watch
+        timer = self.table.put(
+            item.process,
+            msgspec.structs.replace(
+                timer,
+                deadline=now + grace,
+                watch=msgspec.structs.replace(watch, extended=grace),
+            ),
+        )
+        self.journal.put(timer)
+        self.metrics.extensions[policy.name] += 1
+        wall = self._wall()
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="extended",
+                time=wall,
+                pid=timer.pid,
+                uid=timer.uid,
+                scope=timer.scope,
+                policy=policy.name,
+                command=self._processes.command(item.process),
+                armed_at=wall - (now - timer.armed_at),
+                deadline=wall + grace,
+                note=f"{verdict.note}; given {grace:g}s more, once",
+            )
+        )
+        self._on_deadline(timer.deadline)
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
@@ -1041,6 +1138,21 @@ def _watch(
         local_rank=request.local_rank,
         group_rank=request.group_rank,
     )
+
+
+def _why_notes(watch: Watch | None) -> list[str]:
+    """What `Why` says of a timer beyond its fields: its job, and any extension."""
+    if watch is None:
+        return []
+    notes = []
+    if watch.job:
+        rank = "" if watch.rank is None else f" as rank {watch.rank}"
+        notes.append(f"of job {watch.job}{rank}")
+    if watch.baseline is not None and not watch.extended:
+        notes.append("its policy judges starvation at its deadline (measured when armed)")
+    if watch.extended:
+        notes.append(f"given {watch.extended:g}s more as starved (its extended event says why)")
+    return notes
 
 
 def _without_output(event: EventInfo) -> EventInfo:

@@ -39,6 +39,7 @@ from typing import Final, Generic, Protocol, TypeVar
 import msgspec
 
 from .heap import Deadlines
+from .starvation import Sample
 
 
 class ProcessRef(Protocol):
@@ -176,6 +177,11 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
       request gave.
     - ``job`` and the ``rank``, ``local_rank`` and ``group_rank`` of its process
       in it: the distributed job an expiry opens an incident for.
+    - ``baseline``: under a policy with ``starvation_grace``, what the kernel said
+      of its process when it was armed (`watchdogd.core.starvation.Sample`), for
+      its deadline to judge starvation by; ``extended`` the seconds of grace it
+      was given as starved (0 until then: once per arming). Every arming measures
+      anew and has its grace back.
     """
 
     progress: int | None = None
@@ -186,6 +192,8 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     rank: int | None = None
     local_rank: int | None = None
     group_rank: int | None = None
+    baseline: Sample | None = None
+    extended: float = 0.0
 
 
 V = TypeVar("V", bound=Hashable)
@@ -252,11 +260,13 @@ class _Tracked(Generic[P]):
 @dataclass(slots=True, frozen=True)
 class Expired(Generic[P]):
     """A timer that reached its deadline, with its process. ``orphaned`` says the
-    process left the table with it (it had no other timer)."""
+    process left the table with it (it had no other timer); ``note``, what its
+    event should say of how it came to fire (why it was not given more time)."""
 
     timer: Timer
     process: P
     orphaned: bool
+    note: str = ""
 
 
 class TimerTable(Generic[P]):
@@ -342,11 +352,7 @@ class TimerTable(Generic[P]):
         replaced one. A process new to the table is added with it; a process already
         in the table must be passed as the same handle."""
         pid = process.pid
-        tracked = self._processes.get(pid)
-        if tracked is None:
-            tracked = self._processes[pid] = _Tracked(process)
-        elif tracked.process is not process:
-            raise ValueError(f"pid {pid} is already tracked with another handle")
+        tracked = self._tracked(process)
         if deadline is None:
             deadline = now + timeout
         policy, timeout = self._policies[policy], self._timeouts[timeout]
@@ -374,6 +380,34 @@ class TimerTable(Generic[P]):
             self._count(previous, -1)
         self._count(timer, 1)
         return timer, previous is not None
+
+    def _tracked(self, process: P) -> _Tracked[P]:
+        """The entry of ``process``, made if it has none; ValueError if its pid
+        is held by another handle."""
+        tracked = self._processes.get(process.pid)
+        if tracked is None:
+            tracked = self._processes[process.pid] = _Tracked(process)
+        elif tracked.process is not process:
+            raise ValueError(f"pid {process.pid} is already tracked with another handle")
+        return tracked
+
+    def put(self, process: P, timer: Timer) -> Timer:
+        """Hold ``timer``, a record of this table's (armed, or taken out by
+        `pop_due`), on its own deadline, in place of the timer of its key if one is
+        armed; returns the record as held (its ``seq`` is the table's). Its process
+        is added when it left the table, and must be the same handle otherwise.
+        For a timer whose `Watch` changed after it was armed, and for one that fell
+        due and was given more time."""
+        tracked = self._tracked(process)
+        held = self._order.insert(
+            timer.deadline, lambda seq: msgspec.structs.replace(timer, seq=seq)
+        )
+        previous = tracked.put(held)
+        if previous is not None:
+            self._order.remove(previous)
+            self._count(previous, -1)
+        self._count(held, 1)
+        return held
 
     def restore(self, stored: Iterable[tuple[P, list[Timer]]]) -> None:
         """Put back armed timers read from the state, by process (each process
