@@ -81,6 +81,9 @@ class FakeHost:
     def command(self, process: FakeProcess) -> str:
         return self.command_lines.get(process.pid, f"cmd-{process.pid}")
 
+    def user_name(self, uid: int) -> str:
+        return {0: "root", 1000: "alice", 2000: "bob"}.get(uid, str(uid))
+
     def executable(self, process: FakeProcess) -> str:
         return f"/usr/bin/prog-{process.pid}"
 

@@ -17,8 +17,13 @@ def test_builtins_are_the_documented_ones() -> None:
         "term": ["SIGTERM", "wait 10s", "SIGKILL"],
         "abort": ["SIGABRT", "wait 10s", "SIGKILL"],
         "log": [],
+        "peer_dump": ["dump py-spy dump --pid {pid}"],
     }
     assert all(policy.target == "process" and policy.builtin for policy in BUILTIN.values())
+    assert BUILTIN["peer_dump"].peers == "none"
+    assert {policy.peers for name, policy in BUILTIN.items() if name != "peer_dump"} == {
+        "peer_dump"
+    }
 
 
 @pytest.mark.parametrize(("value", "number"), [("SIGTERM", 15), ("term", 15), ("KILL", 9), (6, 6)])

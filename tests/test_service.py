@@ -92,7 +92,7 @@ class TestAcquire:
         service = w.service
         error = refusal(service, Acquire(id=1, scope="s", timeout=5, policy="nuke"), w.alice)
         assert error.code == ErrorCode.UNKNOWN_POLICY
-        assert "abort, kill, log, ops, term" in error.message
+        assert "abort, kill, log, ops, peer_dump, term" in error.message
 
     def test_root_only_policies(self) -> None:
         w = make_world()

@@ -87,6 +87,11 @@ def _resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
     return timer, "; ".join(text for text in (note, again) if text)
 
 
+def _is_peer(timer: Timer) -> bool:
+    """Whether ``timer``'s run is a job's peer policy, not its own expiry."""
+    return timer.run is not None and timer.run.peer
+
+
 def _stall_note(timer: Timer) -> str:
     """What an expiry's event says of a timer that stalled."""
     watch = timer.watch
@@ -354,7 +359,8 @@ class Actions:
         expiry.results.append(StepResult(step=step.describe(), result=result))
         if not expiry.signalled:
             expiry.signalled = True
-            self._service.observe_lateness(self._clock() - expiry.timer.deadline)
+            if not _is_peer(expiry.timer):
+                self._service.observe_lateness(self._clock() - expiry.timer.deadline)
         # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
         if step.signum == signal.SIGKILL and result.startswith("sent"):
             expiry.killed = True
@@ -436,16 +442,19 @@ class Actions:
         resumed = (
             f"resumed at step {expiry.resumed_at + 1} after a restart" if expiry.resumed_at else ""
         )
+        peer = _is_peer(timer)
         extended = (
             f"it had been given {timer.watch.extended:g}s more as starved (its extended event "
             "says why) and was still due"
-            if timer.watch is not None and timer.watch.extended
+            if timer.watch is not None and timer.watch.extended and not peer
             else ""
         )
         notes = [
             text
             for text in (
-                _stall_note(timer),
+                f"the peer policy of incident {timer.run.incident}"
+                if peer and timer.run is not None
+                else _stall_note(timer),
                 expiry.note,
                 extended,
                 target.denied,
@@ -459,7 +468,7 @@ class Actions:
         self._events.append(
             EventInfo(
                 seq=0,
-                kind="expired",
+                kind="peer" if peer else "expired",
                 time=self._wall(),
                 pid=timer.pid,
                 uid=timer.uid,
@@ -469,15 +478,16 @@ class Actions:
                 armed_at=self._as_wall(timer.armed_at),
                 deadline=self._as_wall(timer.deadline),
                 fired_at=self._as_wall(timer.fired_at),
-                late=started - timer.deadline,
+                late=None if peer else started - timer.deadline,
                 outcome=outcome,
                 steps=expiry.results,
                 note="; ".join(notes),
-                reason="stalled" if timer.stalled else "timeout",
+                reason="" if peer else "stalled" if timer.stalled else "timeout",
                 timeout=timer.timeout,
                 timeout_from="" if timer.watch is None else timer.watch.timeout_from,
                 job="" if timer.watch is None else timer.watch.job,
                 rank=None if timer.watch is None else timer.watch.rank,
+                incident="" if timer.run is None else timer.run.incident,
             )
         )
         self._service.expiry_finished(timer)

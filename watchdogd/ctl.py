@@ -27,7 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
-from watchdogd_client.protocol import DaemonInfo, EventInfo, TimerInfo, WhyReply, WhyTimer
+from watchdogd_client.protocol import (
+    DaemonInfo,
+    EventInfo,
+    IncidentInfo,
+    TimerInfo,
+    WhyReply,
+    WhyTimer,
+)
 
 from ._version import __version__
 
@@ -187,10 +194,21 @@ def _summary(info: DaemonInfo, *, visible: int) -> str:
 
 
 def _table(report: DaemonStatus) -> str:
-    rows = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
+    rows: list[tuple[str, ...]] = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
     # Read once for the table, not once a row (status may list 100,000 timers).
     cwd, home = _cwd(), os.path.expanduser("~")
-    return _columns(rows + [_row(timer, cwd, home) for timer in report.timers])
+    rows += [_row(timer, cwd, home) for timer in report.timers]
+    if any(timer.job for timer in report.timers):
+        rows[0] += ("JOB",)
+        rows[1:] = [(*row, _job(timer)) for row, timer in zip(rows[1:], report.timers, strict=True)]
+    return _columns(rows)
+
+
+def _job(timer: TimerInfo) -> str:
+    """A timer's job and rank, as the status table shows them."""
+    if not timer.job:
+        return ""
+    return timer.job if timer.rank is None else f"{timer.job}:{timer.rank}"
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> str:
@@ -310,8 +328,7 @@ def _print_events(items: Sequence[EventInfo], as_json: bool) -> None:
 
 
 def _event_line(event: EventInfo) -> str:
-    when = datetime.datetime.fromtimestamp(event.time).strftime("%Y-%m-%d %H:%M:%S")
-    parts = [when, event.kind, f"pid={event.pid}"]
+    parts = [_when(event.time), event.kind, f"pid={event.pid}"]
     if event.scope:
         parts.append(f"scope={shown_scope(event.scope)}")
     if event.policy:
@@ -320,6 +337,10 @@ def _event_line(event: EventInfo) -> str:
         parts.append(f"late={event.late * 1000:.2f}ms")
     if event.outcome:
         parts.append(f"outcome={event.outcome}")
+    if event.job:
+        parts.append(f"job={event.job}" + ("" if event.rank is None else f" rank={event.rank}"))
+    if event.incident:
+        parts.append(f"incident={event.incident}")
     if event.state:
         parts.append(f"state={event.state!r} wchan={event.wchan}")
     parts += [f"[{step.step}: {step.result}]" for step in event.steps]
@@ -382,6 +403,86 @@ def suggest() -> None:
 
 
 @main.command()
+@_common_options()
+@click.option(
+    "--limit",
+    "-n",
+    type=click.IntRange(min=1, max=10_000),
+    default=20,
+    show_default=True,
+    help="How many of the latest incidents to list.",
+)
+def incidents(limit: int) -> None:
+    """Incidents: a timer of a job expired, and the stacks of every rank of the
+    job were gathered, host by host. Your jobs' (root: all); newest last."""
+    rows = _client().incidents(limit=limit)
+    if _settings().as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        click.echo("No incidents.")
+        return
+    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS")]
+    for row in rows:
+        table.append(
+            (
+                row.id,
+                _when(row.time),
+                row.user,
+                row.job,
+                row.host,
+                "-" if row.rank is None else str(row.rank),
+                shown_scope(row.scope),
+                row.reason if row.kind == "expired" else f"{row.kind}: {row.reason}",
+                str(row.count),
+            )
+        )
+    click.echo(_columns(table))
+
+
+@main.command()
+@click.argument("incident")
+@_common_options()
+def incident(incident: str) -> None:
+    """One incident: every rank of the job, host by host, hung ranks first, each
+    with the frame it was waiting in, then its stack."""
+    found = _client().incident(incident)
+    _print_json(found) if _settings().as_json else click.echo("\n".join(incident_lines(found)))
+
+
+def incident_lines(incident: IncidentInfo) -> list[str]:
+    """``watchdogctl incident`` in words."""
+    rank = "" if incident.rank is None else f" rank {incident.rank}"
+    lines = [
+        f"incident {incident.id}: job {incident.job} of {incident.user}, {incident.kind} "
+        f"on {incident.host}{rank} at {_when(incident.time)}"
+        + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
+        + f" ({incident.reason})",
+    ]
+    host = None
+    for member in incident.ranks:
+        if member.host != host:
+            host = member.host
+            lines += ["", f"host {host}"]
+        name = "rank ?" if member.rank is None else f"rank {member.rank}"
+        lines.append(
+            f"  {name} pid {member.pid} {member.role} ({member.state}), "
+            f"scope {shown_scope(member.scope)}"
+        )
+        if member.frame:
+            lines.append(f"    waiting in {member.frame}")
+        if member.note:
+            lines.append(f"    ({member.note})")
+        if member.stack:
+            lines.append(textwrap.indent(member.stack.rstrip("\n"), "    | "))
+    return lines
+
+
+def _when(time: float) -> str:
+    return datetime.datetime.fromtimestamp(time).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@main.command()
 @click.argument("pid", type=click.IntRange(min=1))
 @_common_options()
 def why(pid: int) -> None:
@@ -390,10 +491,7 @@ def why(pid: int) -> None:
     from, its progress), expiries in progress, the latest events about it, and
     what history suggests for its scopes."""
     reply = _client().why(pid)
-    if _settings().as_json:
-        _print_json(reply)
-        return
-    click.echo("\n".join(why_lines(reply)))
+    _print_json(reply) if _settings().as_json else click.echo("\n".join(why_lines(reply)))
 
 
 def why_lines(reply: WhyReply) -> list[str]:

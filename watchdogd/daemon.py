@@ -25,8 +25,10 @@ import ctypes
 import gc
 import grp
 import os
+import pwd
 import resource
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -77,6 +79,12 @@ class HostProcesses:
 
     def executable(self, process: Process) -> str:
         return process.executable()
+
+    def user_name(self, uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
 
     def track(self, process: Process) -> None:
         process.remember_command()
@@ -249,6 +257,7 @@ class Daemon:
             on_event=self.news.unpark_all,
             journal=self.store,
             render_metrics=exposition,
+            host=config.fleet.host or socket.gethostname(),
         )
         self.history_file: HistoryFile | None = None
         if state_path is not None:

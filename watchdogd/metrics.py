@@ -64,6 +64,18 @@ class _Collector(Collector):
             extensions.add_metric([policy], count)
         yield extensions
         yield CounterMetricFamily(
+            "watchdogd_incidents", "Incidents this host opened for a job.", value=m.incidents
+        )
+        jobs = GaugeMetricFamily(
+            "watchdogd_job_processes",
+            "Processes holding timers of a job, by its owner's uid and job: the "
+            f'{m.JOB_LABELS} with the most processes, the rest as job="(other)".',
+            labels=["uid", "job"],
+        )
+        for (uid, job), count in sorted(m.job_processes.items()):
+            jobs.add_metric([str(uid), job], count)
+        yield jobs
+        yield CounterMetricFamily(
             "watchdogd_exits", "Processes that exited with timers armed.", value=m.exited
         )
         yield CounterMetricFamily(

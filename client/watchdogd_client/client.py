@@ -42,6 +42,11 @@ from .protocol import (
     EventsReply,
     FrameReader,
     Hello,
+    Incident,
+    IncidentInfo,
+    IncidentReply,
+    Incidents,
+    IncidentsReply,
     Metrics,
     MetricsReply,
     Ping,
@@ -573,6 +578,15 @@ class Client(BaseClient):
             rows += page.suggestions
             cursor = page.cursor
         return rows
+
+    def incidents(self, *, limit: int = 100) -> list[IncidentInfo]:
+        """The latest incidents of your jobs (root: all), newest last, without
+        their stacks."""
+        return self._call(Incidents(id=next(self._ids), limit=limit), IncidentsReply).incidents
+
+    def incident(self, incident: str) -> IncidentInfo:
+        """One incident with every rank's stack you may see."""
+        return self._call(Incident(id=next(self._ids), incident=incident), IncidentReply).incident
 
     def why(self, pid: int, *, limit: int = 100) -> WhyReply:
         """Everything the daemon knows about why process ``pid`` was, or would be,

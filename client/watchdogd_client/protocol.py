@@ -47,6 +47,11 @@ __all__ = [
     "EventsReply",
     "FrameReader",
     "Hello",
+    "Incident",
+    "IncidentInfo",
+    "IncidentReply",
+    "Incidents",
+    "IncidentsReply",
     "Metrics",
     "MetricsReply",
     "Ping",
@@ -54,6 +59,7 @@ __all__ = [
     "PoliciesReply",
     "PolicyInfo",
     "Pong",
+    "RankInfo",
     "Release",
     "Released",
     "Reply",
@@ -131,6 +137,8 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     #: The target pid does not exist.
     NO_SUCH_PROCESS = "no_such_process"
+    #: No incident of that id is kept that the caller may see.
+    NO_SUCH_INCIDENT = "no_such_incident"
     #: The target pid is a thread, not a process (not its thread-group leader); the
     #: message names the process it belongs to, which is what to name instead.
     NOT_A_PROCESS = "not_a_process"
@@ -257,6 +265,19 @@ class Why(Request, tag="why", frozen=True, kw_only=True):
     limit: Annotated[int, Meta(ge=1, le=1000)] = 100
 
 
+class Incidents(Request, tag="incidents", frozen=True, kw_only=True):
+    """The latest incidents the caller may see (root: all; another uid: those of
+    its own jobs), newest last, without their stacks."""
+
+    limit: PageSize = 100
+
+
+class Incident(Request, tag="incident", frozen=True, kw_only=True):
+    """One incident, with every rank's stack the caller may see."""
+
+    incident: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
 class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
     """Base of every daemon-to-client message; ``id`` echoes the request's."""
 
@@ -373,7 +394,8 @@ class StepResult(Struct, frozen=True, kw_only=True):
 
 
 class EventInfo(Struct, frozen=True, kw_only=True):
-    """One recorded event. ``kind`` is ``expired``, ``extended`` (a timer given
+    """One recorded event. ``kind`` is ``expired``, ``peer`` (a job's peer policy
+    run on a process of an incident's job), ``extended`` (a timer given
     more time because its process was starved; ``deadline`` is its new one),
     ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
@@ -404,6 +426,9 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     timeout_from: str = ""
     job: str = ""
     rank: int | None = None
+    #: The incident this event belongs to: an expiry of a job's timer, or a peer
+    #: policy run on another process of the job (``kind`` ``peer``).
+    incident: str = ""
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
@@ -505,6 +530,64 @@ class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
     suggestions: list[SuggestionInfo] = []
 
 
+class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One process of an incident's job: the rank that was ``hung`` (its timer
+    expired) or a ``peer`` (it held a timer of the job), on ``host``.
+
+    ``state`` is ``pending`` until its policy (the hung rank's own, or the peer
+    policy) has run, then ``done``, ``gone`` (it had exited) or ``denied``.
+    ``stack`` is what its dump step captured (empty without one, or when the
+    caller may not see it: root and the process's own uid may); ``frame`` the
+    innermost frame of its main thread, where it was waiting."""
+
+    host: str
+    pid: int
+    uid: int
+    role: str
+    scope: str
+    state: str = "pending"
+    rank: int | None = None
+    local_rank: int | None = None
+    policy: str = ""
+    reason: str = ""
+    frame: str = ""
+    stack: str = ""
+    note: str = ""
+
+
+class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What happened to a job: the first expiry of one of its timers (``host``,
+    ``rank``, ``scope``, ``reason``, at ``time``, Unix seconds) and every rank
+    the daemons of its hosts found (`RankInfo`). A job is its owner's: ``user``
+    armed it (``uid``)."""
+
+    id: str
+    job: str
+    user: str
+    uid: int
+    host: str
+    scope: str
+    reason: str
+    time: float
+    rank: int | None = None
+    kind: str = "expired"
+    ranks: list[RankInfo] = []
+    #: How many ranks the incident has, when ``ranks`` is left out (a listing).
+    count: int = 0
+
+
+class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
+    """Answer to `Incidents`: summaries (no ``ranks``; ``count`` says how many)."""
+
+    incidents: list[IncidentInfo]
+
+
+class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
+    """Answer to `Incident`."""
+
+    incident: IncidentInfo
+
+
 class Error(Reply, tag="error", frozen=True, kw_only=True):
     """A refused request. ``id`` is None when the request's id could not be read."""
 
@@ -514,7 +597,18 @@ class Error(Reply, tag="error", frozen=True, kw_only=True):
 
 
 RequestMessage = (
-    Hello | Acquire | Release | Status | Ping | Events | Policies | Metrics | Suggest | Why
+    Hello
+    | Acquire
+    | Release
+    | Status
+    | Ping
+    | Events
+    | Policies
+    | Metrics
+    | Suggest
+    | Why
+    | Incidents
+    | Incident
 )
 ReplyMessage = (
     Welcome
@@ -527,6 +621,8 @@ ReplyMessage = (
     | MetricsReply
     | SuggestReply
     | WhyReply
+    | IncidentsReply
+    | IncidentReply
     | Error
 )
 

@@ -12,6 +12,7 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they 
     steps = [ { signal = "SIGTERM" }, { wait = 10 }, { signal = "SIGKILL" } ]
     root_only = false
     stall = 300                         # seconds without progress (optional)
+    peers = "peer_dump"                 # run on the job's other processes (or "none")
     starvation_grace = 30               # seconds more, once, for a starved process
     starvation_pressure = 50            # percent (the default)
     starvation_cpu = 25                 # percent of one CPU (the default)
@@ -46,6 +47,8 @@ from ..errors import ConfigError
 from .policies import (
     BUILTIN,
     DEFAULT_STEP_TIMEOUT,
+    NO_PEERS,
+    PEER_DUMP,
     Dump,
     Exec,
     Policy,
@@ -63,6 +66,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 Seconds = Annotated[float, Meta(gt=0, le=365 * DAY)]
 Count = Annotated[int, Meta(ge=1, le=100_000_000)]
 PolicyName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+HostName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,253}$")]
 
 
 class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +119,10 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.
     metrics_interval: Seconds = 5.0
+    #: Incidents kept in memory, and how long after its first expiry an incident
+    #: takes in further expiries of its job.
+    incidents: Count = 100
+    incident_window: Seconds = 30.0
 
 
 class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -134,6 +142,9 @@ class PolicyConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     steps: list[StepConfig] = []
     root_only: bool = False
     stall: Seconds | None = None
+    #: The policy run on the job's other processes when a timer of a job expires
+    #: under this one (default ``peer_dump``; ``none``: no other process).
+    peers: PolicyName | None = None
     #: Seconds more, once, for a timer whose process was starved at its deadline.
     starvation_grace: Annotated[float, Meta(gt=0, le=DAY)] | None = None
     #: The stall of the process's cgroup (percent of the armed period) from which
@@ -156,12 +167,20 @@ class HistoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     margin: Annotated[float, Meta(ge=1, le=100)] = 2.0
 
 
+class FleetConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[fleet]`` table: this host among the hosts of its jobs."""
+
+    #: This host's name in incidents (default: the machine's host name).
+    host: HostName | None = None
+
+
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A whole config file."""
 
     daemon: DaemonConfig = DaemonConfig()
     policies: dict[PolicyName, PolicyConfig] = {}
     history: HistoryConfig = HistoryConfig()
+    fleet: FleetConfig = FleetConfig()
 
     def policy_set(self, source: str = "config") -> dict[str, Policy]:
         """The built-in policies overlaid with the configured ones; raises
@@ -182,7 +201,14 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 starvation_grace=grace,
                 starvation_pressure=pressure,
                 starvation_cpu=cpu,
+                peers=PEER_DUMP if table.peers is None else table.peers,
             )
+        for name, policy in policies.items():
+            if policy.peers != NO_PEERS and policy.peers not in policies:
+                known = ", ".join([*sorted(policies), NO_PEERS])
+                raise ConfigError(
+                    f"{source}: policies.{name}.peers: no policy {policy.peers!r}; known: {known}"
+                )
         if self.daemon.default_policy not in policies:
             known = ", ".join(sorted(policies))
             raise ConfigError(

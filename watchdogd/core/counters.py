@@ -17,6 +17,9 @@ LATENESS_BUCKETS: Final = (
 class Counters:
     """Everything counted since the daemon started."""
 
+    #: The most jobs the metrics label one by one: a label set stays bounded.
+    JOB_LABELS: Final = 50
+
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()
         self.expiries: Counter[tuple[str, str]] = Counter()
@@ -24,6 +27,10 @@ class Counters:
         #: Timers given more time because their process was starved, by policy.
         self.extensions: Counter[str] = Counter()
         self.connections_total = 0
+        #: Incidents this host opened (the first expiry of a job's timer).
+        self.incidents = 0
+        #: Processes with timers of each (owner uid, job), as last rendered.
+        self.job_processes: dict[tuple[int, str], int] = {}
         self.exited = 0
         self.unkillable = 0
         self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)

@@ -19,6 +19,9 @@ The built-in policies are always present unless the config overrides them by nam
 - ``abort``: SIGABRT (core dump, or a Python faulthandler traceback), wait up to
   10 s, SIGKILL.
 - ``log``: record the expiry and do nothing else.
+- ``peer_dump``: record the process's stack (py-spy), touch nothing: what every
+  other process of a job gets when one of the job's timers expires (a policy's
+  ``peers``, `watchdogd.core.incidents`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from msgspec import Struct
 from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 
 TargetKind = Literal["process", "group", "tree", "cgroup"]
+
+#: The built-in peer policy: record the stack of each other process of the job.
+PEER_DUMP: Final = "peer_dump"
+#: ``peers = "none"``: a job's expiry acts on no other process.
+NO_PEERS: Final = "none"
 
 #: How long a hook or a dumper may run unless its step says otherwise.
 DEFAULT_STEP_TIMEOUT: Final = 10.0
@@ -136,6 +144,9 @@ class Policy(Struct, frozen=True, kw_only=True):
     starvation_grace: float = 0.0
     starvation_pressure: float = DEFAULT_PRESSURE
     starvation_cpu: float = DEFAULT_CPU
+    #: The policy run on every other process of a job when a timer of the job
+    #: armed with this policy expires (`NO_PEERS`: none).
+    peers: str = PEER_DUMP
 
     def describe(self) -> list[str]:
         return [step.describe() for step in self.steps]
@@ -168,6 +179,7 @@ BUILTIN: Final[Mapping[str, Policy]] = {
             builtin=True,
         ),
         Policy(name="log", steps=(), builtin=True),
+        Policy(name=PEER_DUMP, steps=(Dump(),), builtin=True, peers=NO_PEERS),
     )
 }
 

@@ -60,6 +60,10 @@ from watchdogd_client.protocol import (
     Events,
     EventsReply,
     Hello,
+    Incident,
+    IncidentReply,
+    Incidents,
+    IncidentsReply,
     Metrics,
     MetricsReply,
     Ping,
@@ -67,6 +71,7 @@ from watchdogd_client.protocol import (
     PoliciesReply,
     PolicyInfo,
     Pong,
+    RankInfo,
     Release,
     Released,
     ReplyMessage,
@@ -93,7 +98,8 @@ from .events import EventLog
 from .history import History
 from .history import Key as HistoryKey
 from .identity import Peer
-from .policies import Policy, signal_policy
+from .incidents import IncidentLog
+from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, signal_policy
 from .starvation import UNMEASURED, Sample, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
@@ -211,6 +217,9 @@ class ProcessPort(Protocol[P]):
     def untrack(self, process: P) -> None:
         """Drop the table's reference (it left the table)."""
 
+    def user_name(self, uid: int) -> str:
+        """The name of user ``uid`` (its number, when it has none)."""
+
     def sample(self, process: P) -> Sample | None:
         """What the kernel says of it now: its CPU time and the pressure on its
         cgroup and on the host; None once it has exited."""
@@ -250,6 +259,7 @@ class Service(Generic[P]):
         wall: Callable[[], float] = time.time,
         journal: Journal | None = None,
         render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
+        host: str = "localhost",
     ) -> None:
         self.config = config.daemon
         self.policies: Mapping[str, Policy] = config.policy_set()
@@ -280,6 +290,9 @@ class Service(Generic[P]):
         self._command_lines: _CommandLines[P] = _CommandLines()
         self.history = History()
         self._configure_history(config)
+        self.incidents = IncidentLog(
+            host, keep=config.daemon.incidents, window=config.daemon.incident_window
+        )
 
     @property
     def connections(self) -> int:
@@ -296,6 +309,8 @@ class Service(Generic[P]):
         self.config = config.daemon
         self.events.resize(config.daemon.events, config.daemon.events_per_uid)
         self._configure_history(config)
+        self.incidents.keep = config.daemon.incidents
+        self.incidents.window = config.daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
         """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
@@ -359,6 +374,8 @@ class Service(Generic[P]):
                 return self._suggest(request, caller.peer)
             case Why():
                 return self._why(request, caller.peer, now)
+            case Incidents() | Incident():
+                return self._incidents(request, caller.peer)
             case _:
                 assert_never(request)
 
@@ -641,6 +658,22 @@ class Service(Generic[P]):
             commands=commands,
         )
 
+    def _incidents(
+        self, request: Incidents | Incident, peer: Peer
+    ) -> IncidentsReply | IncidentReply:
+        """The incidents ``peer`` may see, or one of them."""
+        if isinstance(request, Incidents):
+            listing = self.incidents.listing(peer.uid, request.limit)
+            return IncidentsReply(id=request.id, incidents=listing)
+        found = self.incidents.get(request.incident, peer.uid)
+        if found is None:
+            raise Refusal(
+                ErrorCode.NO_SUCH_INCIDENT,
+                f"no incident {request.incident!r} that you may see; "
+                "watchdogctl incidents lists them",
+            )
+        return IncidentReply(id=request.id, incident=found)
+
     def _suggest(self, request: Suggest, peer: Peer) -> SuggestReply:
         """A page of what history says, the caller's own uid's (root: all), cut
         to fit a reply like a status page."""
@@ -770,6 +803,7 @@ class Service(Generic[P]):
     def metrics_text(self) -> str:
         """The metrics and the current gauges, as the renderer given at start
         writes them (the Prometheus text format, `watchdogd.metrics.exposition`)."""
+        self.metrics.job_processes = _top_jobs(self.table.jobs(), Counters.JOB_LABELS)
         return self._render_metrics(
             self.metrics,
             {
@@ -822,20 +856,96 @@ class Service(Generic[P]):
             item.process.retain()
             if orphaned:
                 self._processes.untrack(item.process)
-            firing = msgspec.structs.replace(
-                item.timer,
-                firing=next(self._firing_numbers),
-                run=Run(fired_at=now, plan=policy.plan),
-            )
+            run = Run(fired_at=now, plan=policy.plan)
+            peers: list[Expired[P]] = []
+            watch = item.timer.watch
+            if watch is not None and watch.job:
+                run, peers = self._incident(item.timer, watch, policy, run, now)
+            firing = msgspec.structs.replace(item.timer, firing=next(self._firing_numbers), run=run)
             # The armed record and the firing one go out in the same journal
             # record: a crash leaves one of the two, never neither.
             self.journal.drop(item.timer)
             self.journal.put(firing)
             self._firing[firing.store_key] = firing
             fired.append(Expired(firing, item.process, orphaned, note))
+            fired += peers
         if expired:
             self.journal.commit_soon()
         return fired
+
+    def _incident(
+        self, timer: Timer, watch: Watch, policy: Policy, run: Run, now: float
+    ) -> tuple[Run, list[Expired[P]]]:
+        """``timer`` of a job expired under ``policy``: the run of its policy,
+        which names the job's incident, and the peer policy's runs on the job's
+        other processes when the incident is new (`watchdogd.core.incidents`)."""
+        job = (timer.owner, watch.job)
+        reason = "stalled" if timer.stalled else "timeout"
+        hung = RankInfo(
+            host=self.incidents.host,
+            pid=timer.pid,
+            uid=timer.uid,
+            role="hung",
+            scope=timer.scope,
+            rank=watch.rank,
+            local_rank=watch.local_rank,
+            policy=policy.name,
+            reason=reason,
+        )
+        user = self._processes.user_name(timer.owner)
+        incident, new = self.incidents.expired(job, user, hung, reason, self._wall())
+        if new:
+            self.metrics.incidents += 1
+        run = msgspec.structs.replace(run, incident=incident)
+        return run, self._peers(incident, job, policy, timer.pid, now) if new else []
+
+    def _peers(
+        self, incident: str, job: tuple[int, str], policy: Policy, hung: int, now: float
+    ) -> list[Expired[P]]:
+        """Runs of ``policy``'s peer policy on each process but ``hung`` holding a
+        timer of ``job``: firing records of their own, kept in the state like an
+        expiry's until the policy has run. A peer policy only root may choose
+        runs on a user's job as the built-in ``peer_dump``."""
+        if policy.peers == NO_PEERS:
+            return []
+        peer_policy = self.policies.get(policy.peers) or BUILTIN[PEER_DUMP]
+        if peer_policy.root_only and job[0] != ROOT:
+            peer_policy = BUILTIN[PEER_DUMP]
+        runs: list[Expired[P]] = []
+        for pid in self.table.job_pids(*job):
+            process = self.table.process(pid)
+            if pid == hung or process is None:
+                continue
+            timer = next(
+                timer
+                for timer in self.table.timers_of(pid)
+                if timer.owner == job[0] and timer.watch is not None and timer.watch.job == job[1]
+            )
+            firing = msgspec.structs.replace(
+                timer,
+                firing=next(self._firing_numbers),
+                policy=peer_policy.name,
+                run=Run(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
+            )
+            self.journal.put(firing)
+            self._firing[firing.store_key] = firing
+            assert timer.watch is not None
+            self.incidents.add(
+                incident,
+                RankInfo(
+                    host=self.incidents.host,
+                    pid=pid,
+                    uid=timer.uid,
+                    role="peer",
+                    scope=timer.scope,
+                    rank=timer.watch.rank,
+                    local_rank=timer.watch.local_rank,
+                    policy=peer_policy.name,
+                ),
+            )
+            process.retain()
+            runs.append(Expired(firing, process, orphaned=False))
+        return runs
 
     def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
         """Whether the process of ``item``, due under ``policy``, was starved since
@@ -992,10 +1102,14 @@ class Service(Generic[P]):
         )
 
     def record_expiries(self, events: list[EventInfo]) -> None:
-        """Policies ended: count them by policy and outcome, and record their
-        events (followers are woken once)."""
+        """Policies ended: count expiries by policy and outcome, record the events
+        (followers are woken once), and give each incident what its processes'
+        policies found."""
         for event in events:
-            self.metrics.expiries[(event.policy, event.outcome)] += 1
+            if event.kind == "expired":
+                self.metrics.expiries[(event.policy, event.outcome)] += 1
+            if event.incident:
+                self.incidents.finished(event)
         self.events.record_many(events)
 
     def record_unkillable(self, event: EventInfo) -> None:
@@ -1138,6 +1252,17 @@ def _watch(
         local_rank=request.local_rank,
         group_rank=request.group_rank,
     )
+
+
+def _top_jobs(jobs: dict[tuple[int, str], int], labels: int) -> dict[tuple[int, str], int]:
+    """The ``labels`` jobs with the most processes, and the rest summed as job
+    ``(other)`` of uid 0."""
+    ranked = sorted(jobs.items(), key=lambda item: (-item[1], item[0]))
+    top = dict(ranked[:labels])
+    rest = sum(count for _, count in ranked[labels:])
+    if rest:
+        top[(ROOT, "(other)")] = rest
+    return top
 
 
 def _why_notes(watch: Watch | None) -> list[str]:

@@ -157,12 +157,16 @@ class Run(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     ``step`` in progress and, during a wait, when that wait ends (``step_end``);
     when it fell due (``fired_at``); the `Policy.plan` of the policy that fired
     it, so that a policy changed or removed by the time a restart resumes it
-    starts again from its first step."""
+    starts again from its first step. A run that belongs to an ``incident`` of
+    its job names it; ``peer`` says it is the job's peer policy, run on another
+    process of the job, not the expiry of this timer."""
 
     step: int = 0
     step_end: float = 0.0
     fired_at: float = 0.0
     plan: int = 0
+    incident: str = ""
+    peer: bool = False
 
 
 class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
@@ -272,13 +276,23 @@ class Expired(Generic[P]):
 class TimerTable(Generic[P]):
     """Armed timers, their deadlines, and the processes they belong to."""
 
-    __slots__ = ("_by_owner", "_order", "_policies", "_processes", "_timeouts", "_visible")
+    __slots__ = (
+        "_by_owner",
+        "_jobs",
+        "_order",
+        "_policies",
+        "_processes",
+        "_timeouts",
+        "_visible",
+    )
 
     def __init__(self) -> None:
         self._order: Deadlines[Timer] = Deadlines()
         self._processes: dict[int, _Tracked[P]] = {}
         self._by_owner: dict[int, int] = {}
         self._visible: dict[int, dict[int, int]] = {}
+        #: (owner, job) -> pid -> how many of its timers are of that job.
+        self._jobs: dict[tuple[int, str], dict[int, int]] = {}
         self._policies: Shared[str] = Shared()
         self._timeouts: Shared[float] = Shared()
 
@@ -301,6 +315,14 @@ class TimerTable(Generic[P]):
     def get(self, pid: int, scope: str) -> Timer | None:
         tracked = self._processes.get(pid)
         return None if tracked is None else tracked.get(scope)
+
+    def job_pids(self, owner: int, job: str) -> list[int]:
+        """The processes holding a timer of ``job`` armed by ``owner``."""
+        return list(self._jobs.get((owner, job), ()))
+
+    def jobs(self) -> dict[tuple[int, str], int]:
+        """How many processes hold timers of each (owner, job)."""
+        return {key: len(pids) for key, pids in self._jobs.items()}
 
     def timers_of(self, pid: int) -> list[Timer]:
         """The armed timers of process ``pid``, soonest first."""
@@ -429,6 +451,9 @@ class TimerTable(Generic[P]):
             self._processes[pid] = _Tracked(process, timers)
             for owner, count in Counter(map(_owner_of, timers)).items():
                 self._by_owner[owner] = self._by_owner.get(owner, 0) + count
+            for timer in itertools.compress(timers, map(_watched, timers)):
+                if timer.watch is not None and timer.watch.job:
+                    _tally(self._jobs, (timer.owner, timer.watch.job), pid, 1)
             for viewer, count in _viewers(timers).items():
                 self._visible.setdefault(viewer, {})[pid] = count
             lists.append(timers)
@@ -490,6 +515,8 @@ class TimerTable(Generic[P]):
         """Count ``timer`` in (``step`` 1) or out (-1) of the owner counts and of
         the index of who may see it. (On every arm and release: kept inline.)"""
         owner, uid = timer.owner, timer.uid
+        if timer.watch is not None and timer.watch.job:
+            _tally(self._jobs, (owner, timer.watch.job), timer.pid, step)
         by_owner = self._by_owner
         remaining = by_owner.get(owner, 0) + step
         if remaining:
@@ -514,7 +541,21 @@ class TimerTable(Generic[P]):
                     del visible[viewer]
 
 
+def _tally(
+    index: dict[tuple[int, str], dict[int, int]], key: tuple[int, str], pid: int, step: int
+) -> None:
+    pids = index.setdefault(key, {})
+    left = pids.get(pid, 0) + step
+    if left:
+        pids[pid] = left
+    else:
+        del pids[pid]
+        if not pids:
+            del index[key]
+
+
 _scope_of = operator.attrgetter("scope")
+_watched = operator.attrgetter("watch")
 _uid_of = operator.attrgetter("uid")
 _owner_of = operator.attrgetter("owner")
 

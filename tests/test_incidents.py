@@ -1,0 +1,156 @@
+"""The incident log: one incident per job and window, who may see what, bounds, and
+the frame a rank was waiting in."""
+
+from __future__ import annotations
+
+import msgspec
+
+from watchdogd.core.identity import Peer
+from watchdogd.core.incidents import MAX_STACK_BYTES, IncidentLog, first_frame
+from watchdogd_client.protocol import (
+    MAX_REPLY_BYTES,
+    Acquire,
+    EventInfo,
+    IncidentInfo,
+    RankInfo,
+    StepResult,
+)
+
+from fakes import make_world
+
+DUMP = """\
+Process 4242: python train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4243 (idle): "loader"
+    wait (threading.py:331)
+Thread 4242 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:2288)
+    train_step (train.py:88)
+    <module> (train.py:120)
+"""
+
+
+def rank(
+    pid: int, number: int, *, role: str = "hung", host: str = "a", uid: int = 1000
+) -> RankInfo:
+    return RankInfo(host=host, pid=pid, uid=uid, role=role, scope="step", rank=number)
+
+
+def finished(incident: str, pid: int, kind: str = "expired", stack: str = DUMP) -> EventInfo:
+    return EventInfo(
+        seq=0,
+        kind=kind,
+        time=0.0,
+        pid=pid,
+        uid=1000,
+        scope="step",
+        policy="rank",
+        outcome="exited",
+        steps=[StepResult(step="dump py-spy dump --pid {pid}", result="exit 0", output=stack)],
+        incident=incident,
+    )
+
+
+def test_the_frame_a_rank_waited_in_is_the_main_threads_innermost() -> None:
+    assert first_frame(DUMP) == "all_reduce (torch/distributed/distributed_c10d.py:2288)"
+    assert first_frame('Thread 7 (active): "worker"\n    spin (x.py:3)\n') == "spin (x.py:3)"
+    assert first_frame("py-spy: no such process") == ""
+
+
+def test_expiries_of_a_job_within_the_window_are_one_incident() -> None:
+    log = IncidentLog("a", window=30.0)
+    first, new = log.expired((1000, "train"), "alice", rank(10, 3), "timeout", 100.0)
+    assert new
+    again, new = log.expired((1000, "train"), "alice", rank(11, 4), "timeout", 129.0)
+    assert (again, new) == (first, False)
+    # Another user's job of the same name is theirs; after the window, a new one.
+    other, new = log.expired((2000, "train"), "bob", rank(20, 0), "timeout", 129.0)
+    assert new
+    assert other != first
+    later, new = log.expired((1000, "train"), "alice", rank(10, 3), "stalled", 131.0)
+    assert new
+    assert later != first
+
+
+def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
+    log = IncidentLog("a")
+    incident, _ = log.expired((0, "train"), "root", rank(10, 1), "timeout", 1.0)
+    log.add(incident, rank(11, 0, role="peer", uid=1000))
+    log.add(incident, rank(12, 2, role="peer", uid=2000))
+    log.finished(finished(incident, 11, kind="peer"))
+    log.finished(finished(incident, 10))
+    root_view = log.get(incident, 0)
+    assert root_view is not None
+    assert [(r.rank, r.role, r.state, bool(r.stack)) for r in root_view.ranks] == [
+        (1, "hung", "done", True),
+        (0, "peer", "done", True),
+        (2, "peer", "pending", False),
+    ]
+    assert root_view.ranks[0].frame.startswith("all_reduce")
+    # Root's job: no other user may see it at all.
+    assert log.get(incident, 1000) is None
+    assert log.listing(1000, 10) == []
+    assert [i.id for i in log.listing(0, 10)] == [incident]
+
+
+def test_a_users_incident_shows_them_only_their_processes_stacks() -> None:
+    log = IncidentLog("a")
+    incident, _ = log.expired((1000, "train"), "alice", rank(10, 1), "timeout", 1.0)
+    log.merge(
+        IncidentInfo(
+            id=incident,
+            job="train",
+            user="alice",
+            uid=1000,
+            host="a",
+            scope="step",
+            reason="timeout",
+            time=1.0,
+            ranks=[msgspec.structs.replace(rank(99, 7, host="b", uid=0), stack=DUMP)],
+        )
+    )
+    view = log.get(incident, 1000)
+    assert view is not None
+    assert [(r.host, r.pid, r.stack) for r in view.ranks] == [("a", 10, ""), ("b", 99, "")]
+    assert log.get(incident, 0) is not None
+
+
+def test_bounds_on_incidents_and_stacks() -> None:
+    log = IncidentLog("a", keep=3)
+    ids = [log.expired((1000, f"job{n}"), "alice", rank(n, 0), "timeout", 1.0)[0] for n in range(5)]
+    assert [i.id for i in log.listing(0, 10)] == ids[2:]
+    incident = ids[-1]
+    log.finished(finished(incident, 4, stack="x" * (2 * MAX_STACK_BYTES)))
+    view = log.get(incident, 0)
+    assert view is not None
+    assert len(view.ranks[0].stack.encode()) <= MAX_STACK_BYTES
+    for pid in range(100, 130):
+        log.add(incident, rank(pid, pid, role="peer"))
+        log.finished(finished(incident, pid, kind="peer", stack="y" * MAX_STACK_BYTES))
+    view = log.get(incident, 0)
+    assert view is not None
+    assert len(msgspec.msgpack.encode(view)) < MAX_REPLY_BYTES
+
+
+def test_the_service_opens_an_incident_and_sends_the_peer_policy() -> None:
+    world = make_world()
+    service = world.service
+    for pid, scope, timeout in ((200, "hung", 1.0), (201, "waiting", 60.0)):
+        caller = service.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
+        request = Acquire(id=1, scope=scope, timeout=timeout, job="j", rank=pid - 200)
+        service.handle(request, caller, 0.0)
+    fired = service.expire_due(1.0)
+    runs = [(item.timer.pid, item.timer.policy, item.timer.run) for item in fired]
+    assert [(pid, policy, run is not None and run.peer) for pid, policy, run in runs] == [
+        (200, "kill", False),
+        (201, "peer_dump", True),
+    ]
+    [listed] = service.incidents.listing(1000, 10)
+    assert (listed.job, listed.user, listed.count) == ("j", "alice", 2)
+    assert {run.incident for _, _, run in runs if run is not None} == {listed.id}
+    assert service.incidents.listing(2000, 10) == []
+    # The peer's own timer is still armed.
+    assert service.table.get(201, "waiting") is not None
+    for item in fired:
+        item.process.close()

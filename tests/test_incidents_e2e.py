@@ -1,0 +1,164 @@
+"""Incidents on one host, through a real daemon: a hung rank's expiry gathers the
+stacks of every rank of its job, and a job belongs to the user who armed it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from watchdogd_client import Client
+from watchdogd_client.protocol import IncidentInfo
+
+from conftest import (
+    PATIENCE,
+    RunningDaemon,
+    configured_daemon,
+    ctl,
+    python_worker,
+    reap,
+    wait_ready,
+    wait_until,
+)
+from test_authorization import NOBODY, as_nobody
+
+CONFIG = """
+[policies.rank]
+steps = [ { dump = true, timeout = 20 }, { signal = "SIGKILL" } ]
+"""
+
+#: A rank of job ``argv[1]``: rank ``argv[2]`` arms a timer of ``argv[3]`` seconds
+#: and waits in a function named after its rank, as a rank waits in a collective.
+RANK = """
+    import os, sys, time
+    from watchdogd_client import expires
+    job, rank, after = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+    def waiting_in_rank_{rank}():
+        time.sleep(300)
+
+    with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
+        print("ready", flush=True)
+        globals()[f"waiting_in_rank_{rank}"]()
+"""
+
+
+def start_rank(socket: Path, job: str, rank: int, after: float) -> subprocess.Popen[str]:
+    source = RANK.replace("{rank}", str(rank))
+    worker = python_worker(source, job, str(rank), str(after), socket=socket)
+    wait_ready(worker)
+    return worker
+
+
+@pytest.fixture
+def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    with configured_daemon(socket_path, tmp_path, CONFIG, for_everyone=True) as running:
+        yield running
+
+
+def incidents(socket: Path) -> list[IncidentInfo]:
+    shown = ctl(socket, "incidents", "--json")
+    assert shown.returncode == 0, shown.stderr
+    return msgspec.json.decode(shown.stdout, type=list[IncidentInfo])
+
+
+def whole(socket: Path, incident: str) -> IncidentInfo:
+    shown = ctl(socket, "incident", incident, "--json")
+    assert shown.returncode == 0, shown.stderr
+    return msgspec.json.decode(shown.stdout, type=IncidentInfo)
+
+
+def test_a_hung_rank_gathers_the_stack_of_every_rank(daemon: RunningDaemon) -> None:
+    socket = daemon.socket_path
+    ranks = [start_rank(socket, "train-1", rank, 60) for rank in (0, 2)]
+    try:
+        hung = start_rank(socket, "train-1", 1, 0.5)
+        ranks.append(hung)
+        wait_until(lambda: hung.poll() is not None, what="the hung rank's end")
+        assert hung.returncode == -signal.SIGKILL
+
+        def gathered() -> bool:
+            listed = incidents(socket)
+            return len(listed) == 1 and all(
+                rank.state != "pending" for rank in whole(socket, listed[0].id).ranks
+            )
+
+        wait_until(gathered, what="every rank's stack", timeout=PATIENCE * 3)
+        [listed] = incidents(socket)
+        incident = whole(socket, listed.id)
+        assert (incident.job, incident.rank, incident.scope, incident.reason) == (
+            "train-1",
+            1,
+            "step",
+            "timeout",
+        )
+        assert incident.user == "root"
+        assert [(r.rank, r.role, r.state) for r in incident.ranks] == [
+            (1, "hung", "done"),
+            (0, "peer", "done"),
+            (2, "peer", "done"),
+        ]
+        for rank in incident.ranks:
+            assert rank.frame.startswith(f"waiting_in_rank_{rank.rank} ("), rank.stack
+        # The peers were only looked at: they still run, their timers armed.
+        assert all(worker.poll() is None for worker in ranks[:2])
+        text = ctl(socket, "incident", listed.id)
+        assert "waiting in waiting_in_rank_1 (" in text.stdout
+        assert text.stdout.index("rank 1 pid") < text.stdout.index("rank 0 pid")
+        table = ctl(socket, "incidents")
+        assert listed.id in table.stdout
+        assert "train-1" in table.stdout
+        events = ctl(socket, "events", "--json")
+        peers = [json.loads(line) for line in events.stdout.splitlines()]
+        assert sum(event["kind"] == "peer" for event in peers) == 2
+    finally:
+        for worker in ranks:
+            reap(worker)
+
+
+def test_a_job_is_its_owners_alone(daemon: RunningDaemon) -> None:
+    """uid 65534 names root's job: its expiry opens an incident of its own, which
+    root's rank is no part of (it is not even looked at), and root's incident of
+    the job is not one it may see."""
+    socket = daemon.socket_path
+    root_rank = start_rank(socket, "shared-name", 0, 60)
+    theirs = os.fork()
+    if theirs == 0:  # pragma: no cover - the rank of uid 65534, until killed
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        with Client(socket) as client:
+            client.acquire("step", 0.3, policy="rank", job="shared-name", rank=1)
+        time.sleep(300)
+        os._exit(0)
+    try:
+        _, status = os.waitpid(theirs, 0)
+        assert os.WIFSIGNALED(status)
+        assert os.WTERMSIG(status) == signal.SIGKILL
+
+        def settled() -> bool:
+            listed = incidents(socket)
+            return len(listed) == 1 and whole(socket, listed[0].id).ranks[0].state == "done"
+
+        wait_until(settled, what="uid 65534's incident", timeout=PATIENCE * 3)
+        [own] = incidents(socket)
+        assert (own.uid, own.user, own.count) == (NOBODY, "nobody", 1)
+        assert as_nobody(lambda client: [i.id for i in client.incidents()], socket) == {
+            "ok": [own.id]
+        }
+        with daemon.client() as client:
+            assert not [e for e in client.events(limit=100).events if e.pid == root_rank.pid]
+            client.acquire("step", 0.1, pid=root_rank.pid, policy="log", job="shared-name")
+            wait_until(lambda: len(incidents(socket)) == 2, what="root's incident")
+        roots = next(i.id for i in incidents(socket) if i.uid == 0)
+        refused = as_nobody(lambda client: client.incident(roots), socket)
+        assert refused["refused"] == "no_such_incident"
+    finally:
+        reap(root_rank)

@@ -1,0 +1,265 @@
+"""Incidents: what happened to a distributed job when one of its timers expired.
+
+A timer armed with a ``job`` belongs to that job *of the user who armed it*: a job
+is keyed by (owner uid, job name), so a user who names another user's job gets an
+incident of their own, and an expiry never reaches another user's processes (root's
+timers aside: root's jobs are root's). The first expiry of a job's timer opens an
+incident; expiries of the same job within `IncidentLog.window` seconds join it as more
+hung ranks. When an incident opens, every other local process holding a timer of the
+job gets the expired timer's policy's ``peers`` policy (by default ``peer_dump``,
+which records its stack and touches nothing; `watchdogd.core.policies`).
+
+Each process of an incident is a `RankInfo`: ``pending`` until its policy has run,
+then ``done`` (or ``gone``, ``denied``), with the stack its dump step captured and
+the innermost frame of its main thread (`first_frame`). Incidents of other hosts
+of the job arrive from the fleet (`IncidentLog.merge`) and are kept beside this
+host's.
+
+Pure and synchronous, bounded: at most ``keep`` incidents (the oldest goes), at
+most `MAX_RANKS` processes an incident, each stack cut to `MAX_STACK_BYTES`. They
+are kept in memory: a restart of the daemon forgets them (the fleet keeps its own
+copy). Root sees every incident; another uid, those of its own jobs, and of each
+the stacks of its own processes only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+
+from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, IncidentInfo, RankInfo
+
+ROOT: Final = 0
+#: The most processes one incident lists.
+MAX_RANKS: Final = 1024
+#: The most of one stack an incident keeps.
+MAX_STACK_BYTES: Final = 64 * 1024
+#: Room a reply keeps for everything but the stacks.
+_ENVELOPE_BYTES: Final = 64 * 1024
+_CLIPPED: Final = "\n…(cut)\n"
+#: A thread's header in py-spy's dump: ``Thread 4242 (idle): "MainThread"``.
+_THREAD: Final = re.compile(r'^Thread \S+ \([^)]*\): "(?P<name>[^"]*)"')
+
+JobKey = tuple[int, str]
+
+
+@dataclass(slots=True, eq=False)
+class _Incident:
+    info: IncidentInfo
+    ranks: list[RankInfo] = field(default_factory=list)
+    #: Wall time until which expiries of its job join it (0: none do, a remote one).
+    open_until: float = 0.0
+
+
+class IncidentLog:
+    """The latest incidents, this host's and the fleet's, newest last."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        keep: int = 100,
+        window: float = 30.0,
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
+        self.host = host
+        self.keep = keep
+        self.window = window
+        numbers = itertools.count(1)
+        self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
+        self._incidents: OrderedDict[str, _Incident] = OrderedDict()
+        #: The incident still open to more expiries, by job.
+        self._open: dict[JobKey, str] = {}
+        #: Called with each incident this host opened or added to, for the fleet.
+        self.on_change: Callable[[IncidentInfo], object] = lambda incident: None
+
+    def __len__(self) -> int:
+        return len(self._incidents)
+
+    def expired(
+        self, job: JobKey, user: str, rank: RankInfo, reason: str, wall: float
+    ) -> tuple[str, bool]:
+        """A timer of ``job`` expired on the process ``rank`` describes: the id of
+        the incident it belongs to, and whether that incident is new (its peers
+        are then to be acted on)."""
+        held = self._incidents.get(self._open.get(job, ""))
+        if held is not None and wall < held.open_until:
+            self._add(held, rank)
+            return held.info.id, False
+        info = IncidentInfo(
+            id=self._new_id(),
+            job=job[1],
+            user=user,
+            uid=job[0],
+            host=self.host,
+            scope=rank.scope,
+            reason=reason,
+            time=wall,
+            rank=rank.rank,
+        )
+        incident = _Incident(info, open_until=wall + self.window)
+        self._keep(incident)
+        self._open[job] = info.id
+        self._add(incident, rank)
+        return info.id, True
+
+    def opened(self, kind: str, job: JobKey, user: str, note: str, wall: float) -> str:
+        """An incident of ``job`` that no expiry opened (``kind``, e.g.
+        ``host_lost``); its id."""
+        info = IncidentInfo(
+            id=self._new_id(),
+            job=job[1],
+            user=user,
+            uid=job[0],
+            host=self.host,
+            scope="",
+            reason=note,
+            time=wall,
+            kind=kind,
+        )
+        incident = _Incident(info)
+        self._keep(incident)
+        self.on_change(self._whole(incident))
+        return info.id
+
+    def add(self, incident_id: str, rank: RankInfo) -> None:
+        """Another process of the incident's job (a peer)."""
+        incident = self._incidents.get(incident_id)
+        if incident is not None:
+            self._add(incident, rank)
+
+    def _add(self, incident: _Incident, rank: RankInfo) -> None:
+        if len(incident.ranks) < MAX_RANKS:
+            incident.ranks.append(rank)
+            self.on_change(self._whole(incident))
+
+    def finished(self, event: EventInfo) -> None:
+        """The policy of a process of an incident has run: its ``expired`` or
+        ``peer`` event says how, and holds its stack if it dumped one."""
+        incident = self._incidents.get(event.incident)
+        if incident is None:
+            return
+        role = "peer" if event.kind == "peer" else "hung"
+        for index, rank in enumerate(incident.ranks):
+            if (rank.host, rank.pid, rank.role) == (self.host, event.pid, role) and (
+                rank.state == "pending"
+            ):
+                stack = _stack_of(event)
+                incident.ranks[index] = msgspec.structs.replace(
+                    rank,
+                    state=_state_of(event),
+                    stack=stack,
+                    frame=first_frame(stack),
+                    note=event.note,
+                )
+                self.on_change(self._whole(incident))
+                return
+
+    def merge(self, remote: IncidentInfo) -> None:
+        """An incident as the fleet has it: its ranks on other hosts replace what
+        was known of them; this host's own ranks stay as this host knows them."""
+        incident = self._incidents.get(remote.id)
+        if incident is None:
+            incident = _Incident(msgspec.structs.replace(remote, ranks=[], count=0))
+            self._keep(incident)
+        own = [rank for rank in incident.ranks if rank.host == self.host]
+        others = [rank for rank in remote.ranks if rank.host != self.host]
+        incident.ranks = (own + [_bounded(rank) for rank in others])[:MAX_RANKS]
+
+    def of_job(self, job: JobKey) -> Iterator[IncidentInfo]:
+        """Every incident of ``job`` kept, as a whole."""
+        for incident in self._incidents.values():
+            if (incident.info.uid, incident.info.job) == job:
+                yield self._whole(incident)
+
+    def listing(self, viewer: int, limit: int) -> list[IncidentInfo]:
+        """The latest ``limit`` incidents ``viewer`` may see, newest last, without
+        their ranks (``count`` says how many)."""
+        seen = [
+            msgspec.structs.replace(incident.info, count=len(incident.ranks))
+            for incident in reversed(self._incidents.values())
+            if viewer in (ROOT, incident.info.uid)
+        ]
+        return seen[:limit][::-1]
+
+    def get(self, incident_id: str, viewer: int) -> IncidentInfo | None:
+        """One incident as ``viewer`` may see it (None: none it may see), hung
+        ranks first, then by host and rank, its stacks cut to fit a reply."""
+        incident = self._incidents.get(incident_id)
+        if incident is None or viewer not in (ROOT, incident.info.uid):
+            return None
+        ranks = [
+            rank if viewer in (ROOT, rank.uid) else msgspec.structs.replace(rank, stack="")
+            for rank in sorted(incident.ranks, key=_shown_order)
+        ]
+        budget = (MAX_REPLY_BYTES - _ENVELOPE_BYTES) // max(1, len(ranks))
+        ranks = [
+            rank
+            if len(rank.stack.encode()) <= budget
+            else msgspec.structs.replace(rank, stack=_clip(rank.stack, budget))
+            for rank in ranks
+        ]
+        return msgspec.structs.replace(incident.info, ranks=ranks, count=len(ranks))
+
+    def _whole(self, incident: _Incident) -> IncidentInfo:
+        return msgspec.structs.replace(
+            incident.info, ranks=list(incident.ranks), count=len(incident.ranks)
+        )
+
+    def _keep(self, incident: _Incident) -> None:
+        self._incidents[incident.info.id] = incident
+        while len(self._incidents) > self.keep:
+            oldest, _ = self._incidents.popitem(last=False)
+            self._open = {job: held for job, held in self._open.items() if held != oldest}
+
+
+def first_frame(stack: str) -> str:
+    """The innermost frame of the main thread in a py-spy dump (of the first
+    thread, when none is named MainThread): where the process was waiting."""
+    frames: dict[str, str] = {}
+    thread = None
+    for line in stack.splitlines():
+        header = _THREAD.match(line)
+        if header is not None:
+            thread = header["name"]
+            continue
+        if thread is not None and thread not in frames and line.startswith(" ") and line.strip():
+            frames[thread] = line.strip()
+    return frames.get("MainThread") or next(iter(frames.values()), "")
+
+
+def _stack_of(event: EventInfo) -> str:
+    outputs = [step.output for step in event.steps if step.step.startswith("dump")]
+    return _clip(outputs[0], MAX_STACK_BYTES) if outputs else ""
+
+
+def _state_of(event: EventInfo) -> str:
+    if event.outcome == "gone":
+        return "gone"
+    if any(step.result.startswith("skipped: not allowed") for step in event.steps):
+        return "denied"
+    return "done"
+
+
+def _bounded(rank: RankInfo) -> RankInfo:
+    if len(rank.stack.encode()) <= MAX_STACK_BYTES:
+        return rank
+    return msgspec.structs.replace(rank, stack=_clip(rank.stack, MAX_STACK_BYTES))
+
+
+def _clip(text: str, limit: int) -> str:
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    keep = max(0, limit - len(_CLIPPED.encode()))
+    return raw[:keep].decode(errors="ignore") + _CLIPPED
+
+
+def _shown_order(rank: RankInfo) -> tuple[int, str, int, int]:
+    return (rank.role != "hung", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)
