@@ -21,6 +21,8 @@ from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 from watchdogd_client.protocol import EventInfo
 
+from etcd_server import EtcdServer, running_etcd
+
 #: Generous bound for things that should take milliseconds, so a loaded CI machine
 #: does not turn a working feature into a failure.
 PATIENCE = 10.0
@@ -135,6 +137,21 @@ def configured_daemon(
 def client(daemon: RunningDaemon) -> Iterator[Client]:
     with daemon.client() as connected:
         yield connected
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """A single-member etcd shared by the tests of a module: each test keeps to keys
+    of its own, and none stops it (`own_etcd` is for that)."""
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A single-member etcd for one test, which may stop, kill and start it again."""
+    with running_etcd(tmp_path / "etcd") as server:
+        yield server
 
 
 def python_worker(
