@@ -13,6 +13,7 @@ from watchdogd.metrics import exposition
 from watchdogd_client.protocol import ErrorCode
 
 DAEMON_PID = 50
+USERS = {0: "root", 1000: "alice", 2000: "bob"}
 # As on kernels with SO_PEERPIDFD (the number stands for a pidfd; the fake host
 # never uses it).
 ROOT = Peer(pid=100, uid=0, gid=0, pidfd=-1)
@@ -82,7 +83,10 @@ class FakeHost:
         return self.command_lines.get(process.pid, f"cmd-{process.pid}")
 
     def user_name(self, uid: int) -> str:
-        return {0: "root", 1000: "alice", 2000: "bob"}.get(uid, str(uid))
+        return USERS.get(uid, str(uid))
+
+    def uid_of(self, user: str) -> int | None:
+        return next((uid for uid, name in USERS.items() if name == user), None)
 
     def executable(self, process: FakeProcess) -> str:
         return f"/usr/bin/prog-{process.pid}"

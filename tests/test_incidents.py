@@ -11,7 +11,6 @@ from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,
-    IncidentInfo,
     RankInfo,
     StepResult,
 )
@@ -97,18 +96,8 @@ def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
 def test_a_users_incident_shows_them_only_their_processes_stacks() -> None:
     log = IncidentLog("a")
     incident, _ = log.expired((1000, "train"), "alice", rank(10, 1), "timeout", 1.0)
-    log.merge(
-        IncidentInfo(
-            id=incident,
-            job="train",
-            user="alice",
-            uid=1000,
-            host="a",
-            scope="step",
-            reason="timeout",
-            time=1.0,
-            ranks=[msgspec.structs.replace(rank(99, 7, host="b", uid=0), stack=DUMP)],
-        )
+    log.merge_ranks(
+        incident, "b", [msgspec.structs.replace(rank(99, 7, host="b", uid=0), stack=DUMP)]
     )
     view = log.get(incident, 1000)
     assert view is not None

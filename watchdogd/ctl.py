@@ -190,6 +190,8 @@ def _summary(info: DaemonInfo, *, visible: int) -> str:
             "\nstate degraded: the state cannot be written; timers are protected from "
             "memory only (see the daemon's log)"
         )
+    if info.fleet:
+        summary += f"\nfleet {info.fleet}"
     return summary
 
 

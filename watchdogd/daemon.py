@@ -46,6 +46,7 @@ from .core.starvation import Sample
 from .core.timers import Timer
 from .errors import ConfigError
 from .exits import ExitWatcher
+from .fleet.member import FleetMember
 from .history_file import HistoryFile, history_path
 from .logs import log, logfmt, set_level
 from .metrics import exposition, write_textfile
@@ -85,6 +86,12 @@ class HostProcesses:
             return pwd.getpwuid(uid).pw_name
         except KeyError:
             return str(uid)
+
+    def uid_of(self, user: str) -> int | None:
+        try:
+            return pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return int(user) if user.isdigit() else None
 
     def track(self, process: Process) -> None:
         process.remember_command()
@@ -211,6 +218,7 @@ async def run(
                             continue
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
                         daemon.notifier.send("STOPPING=1")
+                        await daemon.leave_fleet()
                         nursery.cancel_scope.cancel()
                         break
     finally:
@@ -230,6 +238,8 @@ class Daemon:
     ) -> None:
         self.listener = listener
         self.clock = clock
+        self.config = config
+        self.fleet: FleetMember | None = None
         began = time.monotonic()
         self.store: Store | None = None
         timers: list[Timer] = []
@@ -299,6 +309,9 @@ class Daemon:
             await nursery.start(self.store.run)
         if self.history_file is not None:
             await nursery.start(self.history_file.run)
+        if self.config.fleet.etcd:
+            self.fleet = FleetMember(self.config.fleet, self.service, self.actions.carry_out)
+            await nursery.start(self.fleet.run)
         await nursery.start(self.scheduler.run)
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
         await nursery.start(serve, self.listener, self.service, context)
@@ -317,6 +330,12 @@ class Daemon:
             )
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
+
+    async def leave_fleet(self) -> None:
+        """Leave the fleet cleanly, within `_LEAVE_TIMEOUT` (the daemon stops)."""
+        if self.fleet is not None:
+            with trio.move_on_after(_LEAVE_TIMEOUT):
+                await self.fleet.leave()
 
     def _fire(self, now: float) -> bool:
         """Fire a batch of what is due; whether the batch was full."""
@@ -368,6 +387,8 @@ class Daemon:
         self.notifier.close()
 
 
+#: The longest a clean stop waits to say to the fleet that this host leaves.
+_LEAVE_TIMEOUT: Final = 1.0
 #: Loading cost per timer when too few were loaded to measure it (this project's
 #: 2-core machines: 1,000,000 timers in about 2.9 s, from start to READY).
 _LOAD_PER_TIMER: Final = 3e-6
@@ -437,6 +458,8 @@ def _status_line(service: Service[Process]) -> str:
     )
     if service.journal.degraded:
         line = "DEGRADED: the state cannot be written, timers are in memory only; " + line
+    if service.fleet_state:
+        line += f"; fleet {service.fleet_state}"
     return line
 
 

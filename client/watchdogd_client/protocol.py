@@ -334,6 +334,8 @@ class DaemonInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     exited: int
     #: The daemon cannot write its state: timers live in memory only until it can.
     state_degraded: bool = False
+    #: With a fleet: ``connected``, or ``disconnected: why``.
+    fleet: str = ""
 
 
 class TimerInfo(Struct, frozen=True, kw_only=True):

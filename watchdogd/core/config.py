@@ -168,10 +168,22 @@ class HistoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class FleetConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[fleet]`` table: this host among the hosts of its jobs."""
+    """The ``[fleet]`` table: this host among the hosts of its jobs
+    (`watchdogd.fleet.member`). Without ``etcd`` endpoints there is no fleet."""
 
-    #: This host's name in incidents (default: the machine's host name).
+    #: etcd's client URLs (http:// or https://).
+    etcd: Annotated[list[Annotated[str, Meta(pattern=r"^https?://")]], Meta(max_length=32)] = []
+    #: This host's name in incidents and in etcd (default: the machine's host name).
     host: HostName | None = None
+    #: Where the fleet's keys live in etcd.
+    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9_./-]{0,200}$")] = "/watchdogd"
+    #: Seconds without this host's keepalive before the others call it lost.
+    lease: Annotated[int, Meta(ge=2, le=3600)] = 10
+    #: TLS: the CA that signed etcd's certificate, and this host's client
+    #: certificate and key.
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
 
 
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

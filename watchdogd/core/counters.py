@@ -29,6 +29,9 @@ class Counters:
         self.connections_total = 0
         #: Incidents this host opened (the first expiry of a job's timer).
         self.incidents = 0
+        #: Calls to the fleet's store that failed; incidents it could not keep up with.
+        self.fleet_errors = 0
+        self.fleet_dropped = 0
         #: Processes with timers of each (owner uid, job), as last rendered.
         self.job_processes: dict[tuple[int, str], int] = {}
         self.exited = 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class IncidentLog:
         self.keep = keep
         self.window = window
         numbers = itertools.count(1)
-        self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
+        run = secrets.token_hex(2)
+        self._new_id = new_id or (lambda: f"{host}-{run}{next(numbers)}")
         self._incidents: OrderedDict[str, _Incident] = OrderedDict()
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
@@ -161,16 +163,29 @@ class IncidentLog:
                 self.on_change(self._whole(incident))
                 return
 
+    def __contains__(self, incident_id: object) -> bool:
+        return incident_id in self._incidents
+
     def merge(self, remote: IncidentInfo) -> None:
-        """An incident as the fleet has it: its ranks on other hosts replace what
-        was known of them; this host's own ranks stay as this host knows them."""
-        incident = self._incidents.get(remote.id)
-        if incident is None:
-            incident = _Incident(msgspec.structs.replace(remote, ranks=[], count=0))
-            self._keep(incident)
-        own = [rank for rank in incident.ranks if rank.host == self.host]
-        others = [rank for rank in remote.ranks if rank.host != self.host]
-        incident.ranks = (own + [_bounded(rank) for rank in others])[:MAX_RANKS]
+        """An incident another host opened, as the fleet has it (its ranks come
+        host by host: `merge_ranks`)."""
+        if remote.id not in self._incidents:
+            self._keep(_Incident(msgspec.structs.replace(remote, ranks=[], count=0)))
+
+    def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> None:
+        """The ranks another host found of a kept incident: they replace what was
+        known of that host's."""
+        incident = self._incidents.get(incident_id)
+        if incident is None or host == self.host:
+            return
+        kept = [rank for rank in incident.ranks if rank.host != host]
+        incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
+            :MAX_RANKS
+        ]
+
+    def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
+        """The ranks of ``incident`` on this host."""
+        return [rank for rank in incident.ranks if rank.host == self.host]
 
     def of_job(self, job: JobKey) -> Iterator[IncidentInfo]:
         """Every incident of ``job`` kept, as a whole."""

@@ -61,6 +61,7 @@ from watchdogd_client.protocol import (
     EventsReply,
     Hello,
     Incident,
+    IncidentInfo,
     IncidentReply,
     Incidents,
     IncidentsReply,
@@ -220,6 +221,9 @@ class ProcessPort(Protocol[P]):
     def user_name(self, uid: int) -> str:
         """The name of user ``uid`` (its number, when it has none)."""
 
+    def uid_of(self, user: str) -> int | None:
+        """The uid of the user named ``user`` on this host (None: no such user)."""
+
     def sample(self, process: P) -> Sample | None:
         """What the kernel says of it now: its CPU time and the pressure on its
         cgroup and on the host; None once it has exited."""
@@ -293,6 +297,8 @@ class Service(Generic[P]):
         self.incidents = IncidentLog(
             host, keep=config.daemon.incidents, window=config.daemon.incident_window
         )
+        #: The fleet as this host sees it: "" without one (`fleet_changed`).
+        self.fleet_state = ""
 
     @property
     def connections(self) -> int:
@@ -777,6 +783,7 @@ class Service(Generic[P]):
             expired=self.metrics.expired,
             exited=self.metrics.exited,
             state_degraded=self.journal.degraded,
+            fleet=self.fleet_state,
         )
 
     def _events(self, request: Events, peer: Peer) -> EventsReply:
@@ -823,8 +830,24 @@ class Service(Generic[P]):
                     "Expired timers whose policy is still being carried out.",
                     len(self._firing),
                 ),
+                **self._fleet_gauges(),
             },
         )
+
+    def _fleet_gauges(self) -> dict[str, tuple[str, float]]:
+        if not self.fleet_state:
+            return {}
+        return {
+            "fleet_connected": (
+                "1 while the fleet's store (etcd) answers.",
+                int(self.fleet_state == "connected"),
+            ),
+            "fleet_errors": ("Calls to the fleet's store that failed.", self.metrics.fleet_errors),
+            "fleet_dropped": (
+                "Incident changes not published: more waited than the bound.",
+                self.metrics.fleet_dropped,
+            ),
+        }
 
     def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
         """Take out the timers due at ``now`` (the earliest ``limit``, when given);
@@ -897,20 +920,16 @@ class Service(Generic[P]):
         if new:
             self.metrics.incidents += 1
         run = msgspec.structs.replace(run, incident=incident)
-        return run, self._peers(incident, job, policy, timer.pid, now) if new else []
+        return run, self._peers(incident, job, policy.peers, timer.pid, now) if new else []
 
     def _peers(
-        self, incident: str, job: tuple[int, str], policy: Policy, hung: int, now: float
+        self, incident: str, job: tuple[int, str], peers: str | None, hung: int, now: float
     ) -> list[Expired[P]]:
-        """Runs of ``policy``'s peer policy on each process but ``hung`` holding a
-        timer of ``job``: firing records of their own, kept in the state like an
-        expiry's until the policy has run. A peer policy only root may choose
-        runs on a user's job as the built-in ``peer_dump``."""
-        if policy.peers == NO_PEERS:
-            return []
-        peer_policy = self.policies.get(policy.peers) or BUILTIN[PEER_DUMP]
-        if peer_policy.root_only and job[0] != ROOT:
-            peer_policy = BUILTIN[PEER_DUMP]
+        """Runs of the peer policy ``peers`` (None: each process's timer's policy's
+        own) on each process but ``hung`` holding a timer of ``job``: firing
+        records of their own, kept in the state like an expiry's until the policy
+        has run. A peer policy only root may choose runs on a user's job as the
+        built-in ``peer_dump``."""
         runs: list[Expired[P]] = []
         for pid in self.table.job_pids(*job):
             process = self.table.process(pid)
@@ -921,6 +940,12 @@ class Service(Generic[P]):
                 for timer in self.table.timers_of(pid)
                 if timer.owner == job[0] and timer.watch is not None and timer.watch.job == job[1]
             )
+            name = self.policy_for(timer.policy)[0].peers if peers is None else peers
+            if name == NO_PEERS:
+                continue
+            peer_policy = self.policies.get(name) or BUILTIN[PEER_DUMP]
+            if peer_policy.root_only and job[0] != ROOT:
+                peer_policy = BUILTIN[PEER_DUMP]
             firing = msgspec.structs.replace(
                 timer,
                 firing=next(self._firing_numbers),
@@ -946,6 +971,48 @@ class Service(Generic[P]):
             process.retain()
             runs.append(Expired(firing, process, orphaned=False))
         return runs
+
+    def held_jobs(self) -> set[tuple[str, str]]:
+        """The jobs this host holds timers of, as the fleet names them: (the name
+        of the user who armed them, the job)."""
+        return {(self._processes.user_name(uid), job) for uid, job in self.table.jobs()}
+
+    def fleet_incident(self, incident: IncidentInfo, now: float) -> list[Expired[P]]:
+        """An incident another host opened: when this host holds timers of its job
+        (the same user's: the name says, mapped to this host's uid), it is kept
+        here too and each local process of the job gets the peer policy of its
+        own timer's policy (runs for the caller to carry out). Otherwise, or
+        when it is known already, nothing."""
+        uid = self._processes.uid_of(incident.user)
+        if uid is None or incident.id in self.incidents:
+            return []
+        job = (uid, incident.job)
+        if not self.table.job_pids(*job):
+            return []
+        self.incidents.merge(incident)
+        return self._peers(incident.id, job, None, 0, now)
+
+    def host_lost(self, host: str, jobs: Iterable[tuple[str, str]]) -> None:
+        """``host`` left the fleet without stopping (its lease lapsed): an incident
+        of kind ``host_lost`` for each of its jobs this host holds too."""
+        for user, job in sorted(jobs):
+            uid = self._processes.uid_of(user)
+            if uid is None or not self.table.job_pids(uid, job):
+                continue
+            note = f"host {host} left the fleet (its lease lapsed: the daemon or the host is gone)"
+            self.incidents.opened("host_lost", (uid, job), user, note, self._wall())
+            self.metrics.incidents += 1
+
+    def fleet_changed(self, connected: bool, note: str) -> None:
+        """The fleet's store became unreachable, or reachable again."""
+        self.fleet_state = "connected" if connected else f"disconnected: {note}"
+        self._record_daemon_event(
+            "fleet_restored" if connected else "fleet_degraded",
+            note
+            if connected
+            else f"the fleet is unreachable ({note}); local timers "
+            "protect as ever, incidents stay on this host until it is back",
+        )
 
     def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
         """Whether the process of ``item``, due under ``policy``, was starved since

@@ -1,0 +1,302 @@
+"""This daemon as a member of a fleet: hosts whose jobs span each other, joined
+through etcd.
+
+What it keeps in etcd, under ``prefix`` (the layout of this release):
+
+- ``PREFIX/hosts/HOST``: this host, under its lease: the jobs it holds timers of,
+  as (user name, job) pairs, and its state (``up``; ``stopped`` just before a clean
+  stop revokes the lease).
+- ``PREFIX/jobs/USER/JOB/HOST``: one key per job it holds, under its lease, so a
+  job's hosts are one range read away.
+- ``PREFIX/incidents/ID``: an incident this host opened (`IncidentInfo` without
+  its ranks), and ``PREFIX/incidents/ID/ranks/HOST``: each host's ranks of it,
+  stacks included. Each is put under a lease of its own of `INCIDENT_TTL`, never
+  kept alive: etcd forgets incidents a day after they happened.
+
+What it does with what it sees (one watch of the whole prefix):
+
+- Another host's incident of a job this host holds timers of (the same user's, by
+  name): the incident is kept here too, and the job's local processes get the peer
+  policy of their own timers' policies (`Service.fleet_incident`); the ranks this
+  host finds are published under the incident, and those of the other hosts are
+  merged into it, so ``watchdogctl incident`` shows the whole job on every host.
+- A host key deleted without its ``stopped`` state (its lease lapsed: the daemon or
+  the host is gone, or it was frozen): a ``host_lost`` incident on this host for
+  each job the two shared (`Service.host_lost`).
+
+etcd is never on the path of local protection: expiries are decided and carried
+out by the daemon alone; this task only publishes what happened and acts on what
+others published. Every etcd call is bounded (`watchdogd.fleet.etcd`); a failure
+marks the fleet unreachable (status, a ``fleet_degraded`` event, the
+``fleet_connected`` metric) and each loop tries again with backoff until it heals.
+What waits to be published is bounded (`MAX_PENDING` incidents, the latest state
+of each; past it the oldest is dropped and counted), and so are the jobs a host
+registers (`MAX_JOBS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+import trio
+
+from watchdogd_client.protocol import IncidentInfo, RankInfo
+
+from ..core.config import FleetConfig
+from ..core.service import Service
+from ..core.timers import Expired
+from ..logs import logfmt
+from ..process import Process
+from .etcd import Backoff, EtcdClient, EtcdCompacted, EtcdFailure, Event, KeyValue
+
+log = logging.getLogger("watchdogd")
+
+#: Seconds etcd keeps an incident.
+INCIDENT_TTL: Final = 86_400
+#: Incidents waiting to be published, at most.
+MAX_PENDING: Final = 256
+#: Jobs one host registers, at most.
+MAX_JOBS: Final = 1000
+#: How often the jobs held are compared with those registered.
+_CHECK_EVERY: Final = 0.5
+#: An incident older than this when first seen (after a partition, say) is kept
+#: but no longer acted on: its ranks have long moved on.
+_STALE: Final = 60.0
+
+
+class _Host(msgspec.Struct, frozen=True):
+    """What ``PREFIX/hosts/HOST`` holds."""
+
+    host: str
+    state: str
+    jobs: list[tuple[str, str]] = []
+
+
+_json = msgspec.json.Encoder()
+_host_decoder = msgspec.json.Decoder(_Host)
+_incident_decoder = msgspec.json.Decoder(IncidentInfo)
+_ranks_decoder = msgspec.json.Decoder(list[RankInfo])
+
+
+class FleetMember:
+    """Registers this host, publishes its incidents and acts on the fleet's."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        service: Service[Process],
+        carry_out: Callable[[list[Expired[Process]]], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = EtcdClient(config.etcd, ca=config.ca, cert=config.cert, key=config.key)
+        self.service = service
+        self.host = service.incidents.host
+        self.prefix = config.prefix.rstrip("/")
+        self.ttl = config.lease
+        self._carry_out = carry_out
+        self._clock = clock
+        self._wall = wall
+        self._lease: int | None = None
+        self._pending: OrderedDict[str, IncidentInfo] = OrderedDict()
+        self._news = trio.Event()
+        self._incident_leases: OrderedDict[str, int] = OrderedDict()
+        #: Every other host as last seen, with its jobs.
+        self._hosts: dict[str, _Host] = {}
+        self._connected: bool | None = None
+        service.incidents.on_change = self._changed
+
+    # What the service tells the fleet.
+
+    def _changed(self, incident: IncidentInfo) -> None:
+        self._pending.pop(incident.id, None)
+        self._pending[incident.id] = incident
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+            self.service.metrics.fleet_dropped += 1
+        self._news.set()
+
+    # The tasks.
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.client, trio.open_nursery() as nursery:
+            nursery.start_soon(self._register)
+            nursery.start_soon(self._publish)
+            nursery.start_soon(self._watch)
+            task_status.started()
+
+    async def leave(self) -> None:
+        """Say this host stops (so its lease's end is no ``host_lost``) and give
+        its keys up: the daemon stops cleanly."""
+        if self._lease is None:
+            return
+        try:
+            value = _json.encode(_Host(self.host, "stopped"))
+            await self.client.put(self._key("hosts", self.host), value, lease=self._lease)
+            await self.client.revoke(self._lease)
+        except EtcdFailure as exc:
+            log.warning(logfmt("fleet_leave_failed", error=str(exc)))
+
+    async def _register(self) -> None:
+        """Keep this host's lease alive and its keys current."""
+        backoff = Backoff()
+        registered: set[tuple[str, str]] | None = None
+        kept_alive = 0.0
+        while True:
+            try:
+                if self._lease is None:
+                    self._lease = await self.client.grant(self.ttl)
+                    registered, kept_alive = None, self._clock()
+                jobs = set(sorted(self.service.held_jobs())[:MAX_JOBS])
+                if jobs != registered:
+                    await self._put_jobs(jobs, registered or set())
+                    registered = jobs
+                if self._clock() - kept_alive >= self.ttl / 3:
+                    if not await self.client.keepalive_once(self._lease):
+                        self._lease = None  # lapsed (this host was frozen): anew
+                        continue
+                    kept_alive = self._clock()
+                self._up()
+                backoff.reset()
+                await trio.sleep(_CHECK_EVERY)
+            except EtcdFailure as exc:
+                self._down(exc)
+                await backoff.wait()
+
+    async def _put_jobs(self, jobs: set[tuple[str, str]], before: set[tuple[str, str]]) -> None:
+        lease = self._lease
+        value = _json.encode(_Host(self.host, "up", sorted(jobs)))
+        await self.client.put(self._key("hosts", self.host), value, lease=lease)
+        for user, job in jobs - before:
+            await self.client.put(self._key("jobs", user, job, self.host), b"", lease=lease)
+        for user, job in before - jobs:
+            await self.client.delete(self._key("jobs", user, job, self.host))
+
+    async def _publish(self) -> None:
+        """Put each incident that changed: its head (when this host opened it) and
+        this host's ranks of it."""
+        backoff = Backoff()
+        while True:
+            await self._news.wait()
+            self._news = trio.Event()
+            while self._pending:
+                incident_id, incident = next(iter(self._pending.items()))
+                try:
+                    await self._put_incident(incident)
+                except EtcdFailure as exc:
+                    self._down(exc)
+                    await backoff.wait()
+                    continue
+                if self._pending.get(incident_id) is incident:
+                    del self._pending[incident_id]
+                backoff.reset()
+
+    async def _put_incident(self, incident: IncidentInfo) -> None:
+        lease = self._incident_leases.get(incident.id)
+        if lease is None:
+            lease = await self.client.grant(INCIDENT_TTL)
+            self._incident_leases[incident.id] = lease
+            while len(self._incident_leases) > MAX_PENDING:
+                self._incident_leases.popitem(last=False)
+        if incident.host == self.host:
+            head = msgspec.structs.replace(incident, ranks=[], count=0)
+            await self.client.put(
+                self._key("incidents", incident.id), _json.encode(head), lease=lease
+            )
+        ranks = self.service.incidents.own_ranks(incident)
+        key = self._key("incidents", incident.id, "ranks", self.host)
+        await self.client.put(key, _json.encode(ranks), lease=lease)
+
+    async def _watch(self) -> None:
+        """Follow the fleet: read the prefix once, then watch it from there."""
+        backoff = Backoff()
+        revision = 0
+        while True:
+            try:
+                if not revision:
+                    snapshot = await self.client.range(self.prefix + "/")
+                    for kv in snapshot.kvs:
+                        self._seen(kv.key, kv.value, kv, initial=True)
+                    revision = snapshot.revision + 1
+                async with self.client.open_watch(
+                    self.prefix + "/", start_revision=revision
+                ) as watch:
+                    self._up()
+                    backoff.reset()
+                    async for event in watch:
+                        self._event(event)
+                        revision = event.revision + 1
+            except EtcdCompacted:
+                revision = 0
+            except EtcdFailure as exc:
+                self._down(exc)
+                await backoff.wait()
+
+    def _event(self, event: Event) -> None:
+        if event.kind == "put":
+            self._seen(event.key, event.value, None, initial=False)
+            return
+        parts = self._parts(event.key)
+        if len(parts) == 2 and parts[0] == "hosts" and parts[1] != self.host:
+            gone = self._hosts.pop(parts[1], None)
+            if gone is not None and gone.state != "stopped":
+                log.warning(logfmt("fleet_host_lost", host=parts[1]))
+                self.service.host_lost(parts[1], gone.jobs)
+
+    def _seen(self, key: bytes, value: bytes, kv: KeyValue | None, *, initial: bool) -> None:
+        """A key put (``initial``: read at start, not watched)."""
+        parts = self._parts(key)
+        try:
+            if len(parts) == 2 and parts[0] == "hosts" and parts[1] != self.host:
+                self._hosts[parts[1]] = _host_decoder.decode(value)
+            elif len(parts) == 2 and parts[0] == "incidents":
+                self._incident(_incident_decoder.decode(value), initial=initial)
+            elif len(parts) == 4 and parts[0] == "incidents" and parts[2] == "ranks":
+                ranks = _ranks_decoder.decode(value)
+                self.service.incidents.merge_ranks(parts[1], parts[3], ranks)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning(
+                logfmt("fleet_unreadable_key", key=key.decode(errors="replace"), error=str(exc))
+            )
+
+    def _incident(self, incident: IncidentInfo, *, initial: bool) -> None:
+        # A lost host is seen by each of its peers, which opens an incident of its
+        # own: only an expiry is another host's to share.
+        if incident.host == self.host or incident.kind != "expired":
+            return
+        if initial and incident.time < self._wall() - _STALE:
+            return
+        runs = self.service.fleet_incident(incident, self._clock())
+        if runs:
+            log.info(
+                logfmt("fleet_incident", incident=incident.id, host=incident.host, peers=len(runs))
+            )
+            self._carry_out(runs)
+
+    # Helpers.
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts))
+
+    def _parts(self, key: bytes) -> list[str]:
+        text = key.decode(errors="replace")
+        return text[len(self.prefix) + 1 :].split("/") if text.startswith(self.prefix + "/") else []
+
+    def _up(self) -> None:
+        if self._connected is not True:
+            self._connected = True
+            log.info(logfmt("fleet_connected", endpoint=self.client.endpoint))
+            self.service.fleet_changed(True, f"connected to {self.client.endpoint}")
+
+    def _down(self, exc: EtcdFailure) -> None:
+        self.service.metrics.fleet_errors += 1
+        if self._connected is not False:
+            self._connected = False
+            log.warning(logfmt("fleet_unreachable", error=str(exc)))
+            self.service.fleet_changed(False, str(exc))
