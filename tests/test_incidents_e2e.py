@@ -107,8 +107,11 @@ def test_a_hung_rank_gathers_the_stack_of_every_rank(daemon: RunningDaemon) -> N
         ]
         for rank in incident.ranks:
             assert rank.frame.startswith(f"waiting_in_rank_{rank.rank} ("), rank.stack
-        # The peers were only looked at: they still run, their timers armed.
+        # The peers were only looked at: they still run, their timers armed, and
+        # why says which incident they are part of.
         assert all(worker.poll() is None for worker in ranks[:2])
+        why = ctl(socket, "why", str(ranks[0].pid))
+        assert f"incident {listed.id}: job train-1, expired on " in why.stdout
         text = ctl(socket, "incident", listed.id)
         assert "waiting in waiting_in_rank_1 (" in text.stdout
         assert text.stdout.index("rank 1 pid") < text.stdout.index("rank 0 pid")

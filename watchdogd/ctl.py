@@ -515,6 +515,11 @@ def why_lines(reply: WhyReply) -> list[str]:
             f"p50 {format_duration(row.p50)}, p99 {format_duration(row.p99)}, "
             f"max {format_duration(row.max)}; suggested timeout {suggested}"
         )
+    for incident in reply.incidents:
+        lines.append(
+            f"  incident {incident.id}: job {incident.job}, {incident.kind} on {incident.host}"
+            f" ({incident.reason}); watchdogctl incident {incident.id}"
+        )
     if reply.events:
         lines.append("  events:")
         lines += [f"    {_event_line(event)}" for event in reply.events]

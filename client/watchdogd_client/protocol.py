@@ -519,8 +519,8 @@ class WhyTimer(Struct, frozen=True, kw_only=True, omit_defaults=True):
 class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
     """Answer to `Why`. ``timers`` are those the caller may see (soonest first,
     at most the request's ``limit``; ``more`` counts the rest), ``events`` the
-    latest about the pid, oldest first, and ``suggestions`` what history says
-    for the scopes of its timers."""
+    latest about the pid, oldest first, ``suggestions`` what history says for the
+    scopes of its timers, and ``incidents`` those it is a rank of."""
 
     pid: int
     command: str = ""
@@ -530,6 +530,8 @@ class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
     more: int = 0
     events: list[EventInfo] = []
     suggestions: list[SuggestionInfo] = []
+    #: The incidents it is a rank of (summaries: `Incident` gives the whole).
+    incidents: list[IncidentInfo] = []
 
 
 class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -203,6 +203,16 @@ class IncidentLog:
         ]
         return seen[:limit][::-1]
 
+    def about(self, pid: int, viewer: int) -> list[IncidentInfo]:
+        """The incidents ``viewer`` may see that process ``pid`` of this host is a
+        rank of, oldest first, without their ranks."""
+        return [
+            msgspec.structs.replace(incident.info, count=len(incident.ranks))
+            for incident in self._incidents.values()
+            if viewer in (ROOT, incident.info.uid)
+            and any(rank.pid == pid and rank.host == self.host for rank in incident.ranks)
+        ]
+
     def get(self, incident_id: str, viewer: int) -> IncidentInfo | None:
         """One incident as ``viewer`` may see it (None: none it may see), hung
         ranks first, then by host and rank, its stacks cut to fit a reply."""

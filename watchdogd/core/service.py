@@ -741,6 +741,7 @@ class Service(Generic[P]):
             more=len(held) - len(shown),
             events=events,
             suggestions=suggestions,
+            incidents=self.incidents.about(pid, peer.uid)[-request.limit :],
         )
 
     def _why_timer(self, timer: Timer, now: float) -> WhyTimer:
