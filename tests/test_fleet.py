@@ -18,9 +18,19 @@ from pathlib import Path
 
 import msgspec
 
-from watchdogd_client.protocol import IncidentInfo
+from watchdogd.fleet.member import MAX_VALUE_BYTES, _within
+from watchdogd_client.protocol import IncidentInfo, RankInfo
 
-from conftest import PATIENCE, RunningDaemon, ctl, python_worker, reap, wait_ready, wait_until
+from conftest import (
+    PATIENCE,
+    RunningDaemon,
+    configured_daemon,
+    ctl,
+    python_worker,
+    reap,
+    wait_ready,
+    wait_until,
+)
 from etcd_server import EtcdServer
 
 HOSTS = ("host-a", "host-b", "host-c")
@@ -251,3 +261,33 @@ def test_without_etcd_expiries_stay_on_time_and_the_fleet_heals(
         assert "watchdogd_fleet_connected 1.0" in text
         status = ctl(daemons[0].socket_path, "status")
         assert "fleet connected" in status.stdout
+
+
+def test_a_fleet_that_cannot_be_joined_leaves_the_host_protected(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """A TLS file the daemon cannot read: it starts, says why it is not in the
+    fleet, and its timers fire as ever."""
+    config = CONFIG.format(etcd="https://127.0.0.1:1", host="alone", lease=LEASE)
+    config += 'ca = "/nonexistent/ca.pem"\n'
+    with configured_daemon(socket_path, tmp_path, config) as daemon:
+        state = fleet_state(daemon)
+        assert state.startswith("disconnected: not joined: "), state
+        with daemon.client() as client:
+            victim = subprocess.Popen(["sleep", "300"])
+            try:
+                client.acquire("alone", 0.1, pid=victim.pid, job="a/job/with/slashes")
+                assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+            finally:
+                reap(victim)
+
+
+def test_a_hosts_ranks_are_cut_to_fit_one_etcd_value() -> None:
+    ranks = [
+        RankInfo(host="a", pid=pid, uid=0, role="peer", scope="s", stack="x" * 600_000)
+        for pid in range(8)
+    ]
+    cut = _within(ranks, MAX_VALUE_BYTES)
+    assert len(msgspec.json.encode(cut)) <= MAX_VALUE_BYTES
+    assert all(rank.stack for rank in cut)
+    assert _within(ranks[:1], MAX_VALUE_BYTES * 2) == ranks[:1]

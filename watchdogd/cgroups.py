@@ -37,7 +37,9 @@ class Hierarchy:
 
     def directory(self, cgroup: str) -> str | None:
         """The directory of ``cgroup`` (a path as /proc/PID/cgroup gives it), or
-        None when it lies outside what this mount shows."""
+        None when it lies outside what this mount shows (or names a ``..``)."""
+        if not cgroup.startswith("/") or "/.." in cgroup:
+            return None
         if self.root == "/":
             return self.mount + (cgroup if cgroup != "/" else "")
         if cgroup == self.root:

@@ -310,8 +310,7 @@ class Daemon:
         if self.history_file is not None:
             await nursery.start(self.history_file.run)
         if self.config.fleet.etcd:
-            self.fleet = FleetMember(self.config.fleet, self.service, self.actions.carry_out)
-            await nursery.start(self.fleet.run)
+            await self._join_fleet(nursery)
         await nursery.start(self.scheduler.run)
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
         await nursery.start(serve, self.listener, self.service, context)
@@ -330,6 +329,19 @@ class Daemon:
             )
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
+
+    async def _join_fleet(self, nursery: trio.Nursery) -> None:
+        """Start the fleet member. A fleet that cannot be joined (a TLS file that
+        cannot be read, say) is reported, never a reason to leave the host
+        unprotected: the daemon runs on without it."""
+        assert self.actions is not None
+        try:
+            self.fleet = FleetMember(self.config.fleet, self.service, self.actions.carry_out)
+        except ConfigError as exc:
+            log.error(logfmt("fleet_unusable", error=str(exc)))
+            self.service.fleet_changed(False, f"not joined: {exc}")
+            return
+        await nursery.start(self.fleet.run)
 
     async def leave_fleet(self) -> None:
         """Leave the fleet cleanly, within `_LEAVE_TIMEOUT` (the daemon stops)."""

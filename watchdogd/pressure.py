@@ -92,9 +92,7 @@ class PressureGauge:
         """The directory of ``cgroup`` (a path as /proc/PID/cgroup gives it), or
         None when the daemon cannot see it."""
         hierarchy = self.hierarchy
-        if hierarchy is None or not cgroup.startswith("/") or "/.." in cgroup:
-            return None
-        return hierarchy.directory(cgroup)
+        return None if hierarchy is None else hierarchy.directory(cgroup)
 
 
 def read_pressure(pattern: str) -> Pressure | None:

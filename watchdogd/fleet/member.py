@@ -41,6 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
+from urllib.parse import quote, unquote
 
 import msgspec
 import trio
@@ -52,7 +53,16 @@ from ..core.service import Service
 from ..core.timers import Expired
 from ..logs import logfmt
 from ..process import Process
-from .etcd import Backoff, EtcdClient, EtcdCompacted, EtcdFailure, Event, KeyValue
+from .etcd import (
+    Backoff,
+    EtcdClient,
+    EtcdCompacted,
+    EtcdError,
+    EtcdFailure,
+    Event,
+    KeyValue,
+    LeaseNotFound,
+)
 
 log = logging.getLogger("watchdogd")
 
@@ -64,6 +74,9 @@ MAX_PENDING: Final = 256
 MAX_JOBS: Final = 1000
 #: How often the jobs held are compared with those registered.
 _CHECK_EVERY: Final = 0.5
+#: The most one value written to etcd holds: below etcd's default request bound
+#: (1.5 MiB), whatever this host's ranks of an incident dumped.
+MAX_VALUE_BYTES: Final = 1024 * 1024
 #: An incident older than this when first seen (after a partition, say) is kept
 #: but no longer acted on: its ranks have long moved on.
 _STALE: Final = 60.0
@@ -189,6 +202,15 @@ class FleetMember:
                 incident_id, incident = next(iter(self._pending.items()))
                 try:
                     await self._put_incident(incident)
+                except LeaseNotFound:
+                    self._incident_leases.pop(incident_id, None)  # etcd lost it: anew
+                    continue
+                except EtcdError as exc:
+                    # etcd refused it (too large, say): trying again changes nothing.
+                    log.warning(
+                        logfmt("fleet_incident_refused", incident=incident_id, error=str(exc))
+                    )
+                    self.service.metrics.fleet_dropped += 1
                 except EtcdFailure as exc:
                     self._down(exc)
                     await backoff.wait()
@@ -209,7 +231,7 @@ class FleetMember:
             await self.client.put(
                 self._key("incidents", incident.id), _json.encode(head), lease=lease
             )
-        ranks = self.service.incidents.own_ranks(incident)
+        ranks = _within(self.service.incidents.own_ranks(incident), MAX_VALUE_BYTES)
         key = self._key("incidents", incident.id, "ranks", self.host)
         await self.client.put(key, _json.encode(ranks), lease=lease)
 
@@ -282,11 +304,15 @@ class FleetMember:
     # Helpers.
 
     def _key(self, *parts: str) -> str:
-        return "/".join((self.prefix, *parts))
+        """A key of the prefix; each part quoted, so a job or user with a ``/`` in
+        its name is still one part."""
+        return "/".join((self.prefix, *(quote(part, safe="") for part in parts)))
 
     def _parts(self, key: bytes) -> list[str]:
         text = key.decode(errors="replace")
-        return text[len(self.prefix) + 1 :].split("/") if text.startswith(self.prefix + "/") else []
+        if not text.startswith(self.prefix + "/"):
+            return []
+        return [unquote(part) for part in text[len(self.prefix) + 1 :].split("/")]
 
     def _up(self) -> None:
         if self._connected is not True:
@@ -300,3 +326,17 @@ class FleetMember:
             self._connected = False
             log.warning(logfmt("fleet_unreachable", error=str(exc)))
             self.service.fleet_changed(False, str(exc))
+
+
+def _within(ranks: list[RankInfo], limit: int) -> list[RankInfo]:
+    """``ranks`` with their stacks cut, evenly, so that they encode to at most
+    about ``limit`` bytes."""
+    if len(_json.encode(ranks)) <= limit:
+        return ranks
+    share = max(1024, limit // max(1, len(ranks)) - 1024)
+    return [
+        msgspec.structs.replace(rank, stack=rank.stack.encode()[:share].decode(errors="ignore"))
+        if len(rank.stack.encode()) > share
+        else rank
+        for rank in ranks
+    ]
