@@ -143,3 +143,39 @@ def test_the_service_opens_an_incident_and_sends_the_peer_policy() -> None:
     assert service.table.get(201, "waiting") is not None
     for item in fired:
         item.process.close()
+
+
+def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lacks() -> None:
+    """torchrun restarted the job within the window: the restarted ranks' expiry
+    joins the incident, and the rank waiting for it is dumped as the first
+    attempt's was; a process the incident lists already is not sent it again."""
+    world = make_world()
+    service = world.service
+
+    def arm(pid: int, timeout: float, now: float) -> None:
+        world.host.processes.setdefault(pid, (1000, 1000))
+        caller = service.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
+        service.handle(Acquire(id=1, scope="step", timeout=timeout, job="j"), caller, now)
+
+    arm(200, 1.0, 0.0)
+    arm(201, 60.0, 0.0)
+    first = service.expire_due(1.0)
+    arm(210, 1.0, 5.0)
+    arm(211, 60.0, 5.0)
+    second = service.expire_due(6.0)
+    assert [(item.timer.pid, item.timer.policy) for item in second] == [
+        (210, "kill"),
+        (211, "peer_dump"),
+    ]
+    [listed] = service.incidents.listing(1000, 10)
+    assert {run.incident for item in second if (run := item.timer.run) is not None} == {listed.id}
+    whole = service.incidents.get(listed.id, 1000)
+    assert whole is not None
+    assert [(rank.pid, rank.role) for rank in whole.ranks] == [
+        (200, "hung"),
+        (210, "hung"),
+        (201, "peer"),
+        (211, "peer"),
+    ]
+    for item in first + second:
+        item.process.close()

@@ -75,6 +75,14 @@ def whole(socket: Path, incident: str) -> IncidentInfo:
     return msgspec.json.decode(shown.stdout, type=IncidentInfo)
 
 
+def gathered(socket: Path) -> bool:
+    """Whether one incident is kept and the policy of each of its ranks has run."""
+    listed = incidents(socket)
+    return len(listed) == 1 and all(
+        rank.state != "pending" for rank in whole(socket, listed[0].id).ranks
+    )
+
+
 def test_a_hung_rank_gathers_the_stack_of_every_rank(daemon: RunningDaemon) -> None:
     socket = daemon.socket_path
     ranks = [start_rank(socket, "train-1", rank, 60) for rank in (0, 2)]
@@ -84,13 +92,7 @@ def test_a_hung_rank_gathers_the_stack_of_every_rank(daemon: RunningDaemon) -> N
         wait_until(lambda: hung.poll() is not None, what="the hung rank's end")
         assert hung.returncode == -signal.SIGKILL
 
-        def gathered() -> bool:
-            listed = incidents(socket)
-            return len(listed) == 1 and all(
-                rank.state != "pending" for rank in whole(socket, listed[0].id).ranks
-            )
-
-        wait_until(gathered, what="every rank's stack", timeout=PATIENCE * 3)
+        wait_until(lambda: gathered(socket), what="every rank's stack", timeout=PATIENCE * 3)
         [listed] = incidents(socket)
         incident = whole(socket, listed.id)
         assert (incident.job, incident.rank, incident.scope, incident.reason) == (

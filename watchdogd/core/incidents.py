@@ -5,9 +5,11 @@ is keyed by (owner uid, job name), so a user who names another user's job gets a
 incident of their own, and an expiry never reaches another user's processes (root's
 timers aside: root's jobs are root's). The first expiry of a job's timer opens an
 incident; expiries of the same job within `IncidentLog.window` seconds join it as more
-hung ranks. When an incident opens, every other local process holding a timer of the
-job gets the expired timer's policy's ``peers`` policy (by default ``peer_dump``,
-which records its stack and touches nothing; `watchdogd.core.policies`).
+hung ranks. When an incident opens, and when an expiry joins it, every local process
+holding a timer of the job that the incident does not list yet gets the expired
+timer's policy's ``peers`` policy (by default ``peer_dump``, which records its stack
+and touches nothing; `watchdogd.core.policies`): so the ranks of a job restarted
+within the window (torchrun's ``--max-restarts``) are seen too, and none twice.
 
 Each process of an incident is a `RankInfo`: ``pending`` until its policy has run,
 then ``done`` (or ``gone``, ``denied``), with the stack its dump step captured and
@@ -129,6 +131,13 @@ class IncidentLog:
         self._keep(incident)
         self.on_change(self._whole(incident))
         return info.id
+
+    def pids(self, incident_id: str) -> set[int]:
+        """The pids of this host's processes the incident lists."""
+        incident = self._incidents.get(incident_id)
+        if incident is None:
+            return set()
+        return {rank.pid for rank in incident.ranks if rank.host == self.host}
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""

@@ -902,7 +902,8 @@ class Service(Generic[P]):
     ) -> tuple[Run, list[Expired[P]]]:
         """``timer`` of a job expired under ``policy``: the run of its policy,
         which names the job's incident, and the peer policy's runs on the job's
-        other processes when the incident is new (`watchdogd.core.incidents`)."""
+        other processes that the incident does not list yet: all of them when it
+        is new (`watchdogd.core.incidents`)."""
         job = (timer.owner, watch.job)
         reason = "stalled" if timer.stalled else "timeout"
         hung = RankInfo(
@@ -921,20 +922,26 @@ class Service(Generic[P]):
         if new:
             self.metrics.incidents += 1
         run = msgspec.structs.replace(run, incident=incident)
-        return run, self._peers(incident, job, policy.peers, timer.pid, now) if new else []
+        listed = self.incidents.pids(incident) | {timer.pid}
+        return run, self._peers(incident, job, policy.peers, listed, now)
 
     def _peers(
-        self, incident: str, job: tuple[int, str], peers: str | None, hung: int, now: float
+        self,
+        incident: str,
+        job: tuple[int, str],
+        peers: str | None,
+        listed: set[int],
+        now: float,
     ) -> list[Expired[P]]:
         """Runs of the peer policy ``peers`` (None: each process's timer's policy's
-        own) on each process but ``hung`` holding a timer of ``job``: firing
+        own) on each process not ``listed`` holding a timer of ``job``: firing
         records of their own, kept in the state like an expiry's until the policy
         has run. A peer policy only root may choose runs on a user's job as the
         built-in ``peer_dump``."""
         runs: list[Expired[P]] = []
         for pid in self.table.job_pids(*job):
             process = self.table.process(pid)
-            if pid == hung or process is None:
+            if pid in listed or process is None:
                 continue
             timer = next(
                 timer
@@ -991,7 +998,7 @@ class Service(Generic[P]):
         if not self.table.job_pids(*job):
             return []
         self.incidents.merge(incident)
-        return self._peers(incident.id, job, None, 0, now)
+        return self._peers(incident.id, job, None, set(), now)
 
     def host_lost(self, host: str, jobs: Iterable[tuple[str, str]]) -> None:
         """``host`` left the fleet without stopping (its lease lapsed): an incident
