@@ -11,6 +11,7 @@ from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,
+    IncidentInfo,
     RankInfo,
     StepResult,
 )
@@ -178,4 +179,37 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
         (211, "peer"),
     ]
     for item in first + second:
+        item.process.close()
+
+
+def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ranks() -> None:
+    """Another host's incident of alice's job, kept here: a rank of the job that
+    started here since (a restart) gets the peer policy when a new hung rank
+    joins the incident there, and a rank listed already does not get it again."""
+    world = make_world()
+    service = world.service
+    caller = service.open_connection(Peer(pid=200, uid=1000, gid=1000, pidfd=-1))
+    service.handle(Acquire(id=1, scope="step", timeout=60.0, job="j", rank=0), caller, 0.0)
+    head = IncidentInfo(
+        id="b-1", job="j", user="alice", uid=1000, host="b", scope="s", reason="timeout", time=0.0
+    )
+    [first] = service.fleet_incident(head, 1.0)
+    assert (first.timer.pid, first.timer.policy) == (200, "peer_dump")
+    later = service.open_connection(Peer(pid=201, uid=1000, gid=1000, pidfd=-1))
+    service.handle(Acquire(id=2, scope="step", timeout=60.0, job="j", rank=1), later, 2.0)
+    one = rank(900, 5, host="b")
+    assert service.fleet_ranks("b-1", "b", [one], 3.0) == []  # the same hung rank
+    two = rank(901, 7, host="b")
+    [second] = service.fleet_ranks("b-1", "b", [one, two], 4.0)
+    assert second.timer.pid == 201
+    shown = service.incidents.get("b-1", 1000)
+    assert shown is not None
+    here = service.incidents.host
+    assert sorted((r.host, r.pid, r.role) for r in shown.ranks) == [
+        ("b", 900, "hung"),
+        ("b", 901, "hung"),
+        (here, 200, "peer"),
+        (here, 201, "peer"),
+    ]
+    for item in (first, second):
         item.process.close()

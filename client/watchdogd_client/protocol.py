@@ -552,6 +552,7 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     state: str = "pending"
     rank: int | None = None
     local_rank: int | None = None
+    group_rank: int | None = None
     policy: str = ""
     reason: str = ""
     frame: str = ""

@@ -181,16 +181,30 @@ class IncidentLog:
         if remote.id not in self._incidents:
             self._keep(_Incident(msgspec.structs.replace(remote, ranks=[], count=0)))
 
-    def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> None:
+    def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> bool:
         """The ranks another host found of a kept incident: they replace what was
-        known of that host's."""
+        known of that host's. Whether a hung rank came with them that was not
+        known before, in a later word from that host (an expiry there joined the
+        incident after it opened)."""
         incident = self._incidents.get(incident_id)
         if incident is None or host == self.host:
-            return
+            return False
+        if not any(rank.host == host for rank in incident.ranks):
+            hung = {rank.pid for rank in ranks if rank.role == "hung"}
+        else:
+            hung = {r.pid for r in incident.ranks if r.host == host and r.role == "hung"}
         kept = [rank for rank in incident.ranks if rank.host != host]
         incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
             :MAX_RANKS
         ]
+        return any(
+            rank.role == "hung" and rank.pid not in hung for rank in ranks if rank.host == host
+        )
+
+    def head(self, incident_id: str) -> IncidentInfo | None:
+        """What an incident is, without its ranks."""
+        incident = self._incidents.get(incident_id)
+        return None if incident is None else incident.info
 
     def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
         """The ranks of ``incident`` on this host."""

@@ -914,6 +914,7 @@ class Service(Generic[P]):
             scope=timer.scope,
             rank=watch.rank,
             local_rank=watch.local_rank,
+            group_rank=watch.group_rank,
             policy=policy.name,
             reason=reason,
         )
@@ -973,6 +974,7 @@ class Service(Generic[P]):
                     scope=timer.scope,
                     rank=timer.watch.rank,
                     local_rank=timer.watch.local_rank,
+                    group_rank=timer.watch.group_rank,
                     policy=peer_policy.name,
                 ),
             )
@@ -999,6 +1001,22 @@ class Service(Generic[P]):
             return []
         self.incidents.merge(incident)
         return self._peers(incident.id, job, None, set(), now)
+
+    def fleet_ranks(
+        self, incident_id: str, host: str, ranks: list[RankInfo], now: float
+    ) -> list[Expired[P]]:
+        """The ranks ``host`` found of an incident kept here. When a new hung rank
+        came with them (an expiry there joined the incident: a job restarted
+        within the window hung again), the job's local processes the incident
+        does not list yet get the peer policy, as a local expiry would give them."""
+        if not self.incidents.merge_ranks(incident_id, host, ranks):
+            return []
+        head = self.incidents.head(incident_id)
+        uid = None if head is None else self._processes.uid_of(head.user)
+        if head is None or uid is None:
+            return []
+        listed = self.incidents.pids(incident_id)
+        return self._peers(incident_id, (uid, head.job), None, listed, now)
 
     def host_lost(self, host: str, jobs: Iterable[tuple[str, str]]) -> None:
         """``host`` left the fleet without stopping (its lease lapsed): an incident

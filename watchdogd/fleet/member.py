@@ -220,17 +220,17 @@ class FleetMember:
                 backoff.reset()
 
     async def _put_incident(self, incident: IncidentInfo) -> None:
+        """Its head once (when this host opened it: the head never changes), and
+        this host's ranks of it as they are now."""
         lease = self._incident_leases.get(incident.id)
         if lease is None:
             lease = await self.client.grant(INCIDENT_TTL)
+            if incident.host == self.host:
+                head = _json.encode(msgspec.structs.replace(incident, ranks=[], count=0))
+                await self.client.put(self._key("incidents", incident.id), head, lease=lease)
             self._incident_leases[incident.id] = lease
             while len(self._incident_leases) > MAX_PENDING:
                 self._incident_leases.popitem(last=False)
-        if incident.host == self.host:
-            head = msgspec.structs.replace(incident, ranks=[], count=0)
-            await self.client.put(
-                self._key("incidents", incident.id), _json.encode(head), lease=lease
-            )
         ranks = _within(self.service.incidents.own_ranks(incident), MAX_VALUE_BYTES)
         key = self._key("incidents", incident.id, "ranks", self.host)
         await self.client.put(key, _json.encode(ranks), lease=lease)
@@ -281,7 +281,9 @@ class FleetMember:
                 self._incident(_incident_decoder.decode(value), initial=initial)
             elif len(parts) == 4 and parts[0] == "incidents" and parts[2] == "ranks":
                 ranks = _ranks_decoder.decode(value)
-                self.service.incidents.merge_ranks(parts[1], parts[3], ranks)
+                runs = self.service.fleet_ranks(parts[1], parts[3], ranks, self._clock())
+                if runs:
+                    self._carry_out(runs)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning(
                 logfmt("fleet_unreadable_key", key=key.decode(errors="replace"), error=str(exc))
