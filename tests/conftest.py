@@ -117,6 +117,18 @@ def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
     assert status == 0, f"watchdogd exited {status}:\n{running.log()}"
 
 
+#: A config whose daemon says a restart of it takes about a second: its timer cap is
+#: small. A client waits that long for a daemon that went away for good.
+SHORT_RESTART = "[daemon]\nmax_timers = 1000\n"
+
+
+@pytest.fixture
+def short_lived_daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    """A daemon for tests that stop it for good (`SHORT_RESTART`)."""
+    with configured_daemon(socket_path, tmp_path, SHORT_RESTART) as running:
+        yield running
+
+
 @contextlib.contextmanager
 def configured_daemon(
     socket_path: Path, tmp_path: Path, config: str, *, for_everyone: bool = False

@@ -25,7 +25,7 @@ from watchdogd_client import (
 )
 from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
-from conftest import PATIENCE, RunningDaemon
+from conftest import PATIENCE, SHORT_RESTART, RunningDaemon
 
 
 def my_timers(client: Client) -> dict[str, float]:
@@ -122,7 +122,9 @@ def test_warn_mode_warns_once_per_outage(
         assert warning.startswith("running unprotected until the daemon answers again")
         assert sum("still running unprotected" in r.getMessage() for r in caplog.records) == 9
 
-        daemon = RunningDaemon(socket_path, tmp_path / "log", [])
+        config = tmp_path / "watchdogd.toml"
+        config.write_text(SHORT_RESTART)
+        daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
         daemon.start()
         try:
             with client.expires(5):
@@ -295,15 +297,19 @@ class TestExpires:
             raise KeyError("boom")
         assert my_timers(client) == {}
 
-    def test_daemon_gone_at_exit_of_a_good_block_raises(self, daemon: RunningDaemon) -> None:
+    def test_daemon_gone_at_exit_of_a_good_block_raises(
+        self, short_lived_daemon: RunningDaemon
+    ) -> None:
+        daemon = short_lived_daemon
         client = daemon.client(reconnect_timeout=0.2)  # gone, not restarting
         with pytest.raises(DaemonUnavailable), client.expires(30):
             daemon.stop()
         client.close()
 
     def test_daemon_gone_never_masks_the_blocks_exception(
-        self, daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+        self, short_lived_daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
     ) -> None:
+        daemon = short_lived_daemon
         client = daemon.client(reconnect_timeout=0.2)  # gone, not restarting
 
         def failing_block() -> None:

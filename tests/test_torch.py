@@ -299,8 +299,9 @@ def test_no_daemon_raises_what_torchs_own_clients_raise(tmp_path: Path) -> None:
 
 
 def test_a_failed_release_never_replaces_the_blocks_exception(
-    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+    short_lived_daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
+    daemon = short_lived_daemon
     client = daemon.client(reconnect_timeout=0.2)
     adapter = WatchdogdTimerClient(client)
     with (  # noqa: PT012
@@ -315,7 +316,8 @@ def test_a_failed_release_never_replaces_the_blocks_exception(
     daemon.start()  # the fixture stops it again
 
 
-def test_a_failed_release_after_a_good_block_raises(daemon: RunningDaemon) -> None:
+def test_a_failed_release_after_a_good_block_raises(short_lived_daemon: RunningDaemon) -> None:
+    daemon = short_lived_daemon
     client = daemon.client(reconnect_timeout=0.2)
     with (
         pytest.raises(BrokenPipeError),
