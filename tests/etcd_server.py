@@ -105,7 +105,9 @@ def _openssl(*args: str | Path) -> None:
 
 
 class EtcdServer:
-    """One etcd member; `start` it, then `url` is its client URL."""
+    """One etcd member; `start` it, then `url` is its client URL. It skips the
+    fsyncs of its log unless ``fsync`` (bench/fleet.py measures etcd as it runs in
+    production)."""
 
     def __init__(
         self,
@@ -114,8 +116,10 @@ class EtcdServer:
         name: str = "etcd",
         ports: tuple[int, int] | None = None,
         tls: TlsFiles | None = None,
+        fsync: bool = False,
     ) -> None:
         self.directory = directory
+        self.fsync = fsync
         self.name = name
         self.client_port, self.peer_port = ports or tuple(free_ports(2))
         self.tls = tls
@@ -148,10 +152,11 @@ class EtcdServer:
             # Elections in tenths of a second: a restarted member answers quickly.
             "--heartbeat-interval=50",
             "--election-timeout=500",
-            # Test data need not survive a power cut; fsyncs would dominate the time.
-            "--unsafe-no-fsync",
             "--log-level=warn",
         ]
+        if not self.fsync:
+            # Test data need not survive a power cut; fsyncs would dominate the time.
+            command.append("--unsafe-no-fsync")
         if self.tls is not None:
             command += [
                 f"--trusted-ca-file={self.tls.ca}",

@@ -239,7 +239,7 @@ class Daemon:
         self.listener = listener
         self.clock = clock
         self.config = config
-        self.fleet: FleetMember | None = None
+        self.fleet: FleetMember[Process] | None = None
         began = time.monotonic()
         self.store: Store | None = None
         timers: list[Timer] = []
