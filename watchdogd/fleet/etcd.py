@@ -405,8 +405,11 @@ class EtcdClient:
     async def aclose(self) -> None:
         """Close the idle connections (a later call opens new ones)."""
         idle, self._idle = self._idle, []
-        for connection in idle:
-            await connection.aclose()
+        # Shielded: in a cancelled scope (a member's tasks ending), the first close's
+        # Cancelled would leave the others open. A forceful close never waits.
+        with trio.CancelScope(shield=True):
+            for connection in idle:
+                await connection.aclose()
 
     async def grant(self, ttl: int) -> int:
         """A new lease that lives ``ttl`` seconds unless kept alive; its id."""
