@@ -26,6 +26,10 @@ Figures:
   hosts, each of which would decode every event on its own core);
 - the arithmetic for 10,000 hosts, from the counts measured.
 
+Each member watches the host keys and the incidents' heads, and the ranks of the
+incidents of its own jobs (`watchdogd.fleet.member`); the arithmetic prints what a
+watch of the whole prefix, as the first release of the fleet had, would cost.
+
 Run with ``make bench``; ``--quick`` runs 50 members and fewer incidents.
 """
 
@@ -544,17 +548,28 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lag.run)
 
-        # The floors.
+        # The floors, and what a put and an event cost etcd's CPU.
+        rounds = 20 if options.quick else 200
+        start = await meter.snapshot()
         async with EtcdClient([etcd.url]) as client:
-            one = (await put_to_watch(client, 20 if options.quick else 200))[10:]
-        many = (await bare_fan_out(etcd.url, members, 10 if options.quick else 50))[2:]
+            one = (await put_to_watch(client, rounds))[10:]
+        middle = await meter.snapshot()
+        many = (await bare_fan_out(etcd.url, members, rounds // 4))[2:]
+        end = await meter.snapshot()
         floor, bare = statistics.median(one), statistics.median(many)
+        put_cost = meter.since(start, middle).etcd_cpu / rounds
+        event_cost = (meter.since(middle, end).etcd_cpu - rounds // 4 * put_cost) / (
+            rounds // 4 * members
+        )
         figures += [
             Figure("floor: put → watch event, p50", floor * 1e3, "ms", 1.0,
                    f"p99 {percentile(one, 0.99) * 1e3:.2f} ms; EtcdClient, one watch"),
             Figure(f"put → {members} bare watches all seen, p50", bare * 1e3, "ms",
                    bare / floor, f"x floor; p99 {percentile(many, 0.99) * 1e3:.2f} ms; "
                    "a client each, no member code"),
+            Figure("etcd's CPU: a put and its event / an event more", put_cost * 1e6, "µs",
+                   event_cost / put_cost, f"ratio: an event more ({event_cost * 1e6:.0f} µs) "
+                   "/ the put; 100-byte values"),
         ]  # fmt: skip
 
         # The fleet joins at once.
@@ -633,7 +648,8 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
         restart = await restart_read(etcd.url)
         figures.append(restart)
         print_arithmetic(members, span=span, ranks=options.ranks, joined=joined,
-                         phases=[during, after], count=count + burst)  # fmt: skip
+                         phases=[during, after], count=count + burst,
+                         costs=(put_cost, event_cost))  # fmt: skip
         nursery.cancel_scope.cancel()
     return figures
 
@@ -645,25 +661,28 @@ def keepalive_period() -> float:
 
 
 async def restart_read(url: str) -> Figure:
-    """What a member reads when it (re)starts, every key under the prefix, and
-    whether its client takes it (the reply's bound, `Limits.max_body`)."""
+    """What a member reads when it (re)starts, the host keys and the incidents'
+    heads, against the whole prefix (a day of incidents' stacks), and whether its
+    client takes it (the reply's bound, `Limits.max_body`)."""
 
-    def raw() -> int:
-        body = json.dumps({"key": b64(PREFIX + "/"), "range_end": b64(PREFIX + "0")})
+    def raw(start: str, end: str) -> int:
+        body = json.dumps({"key": b64(start), "range_end": b64(end)})
         request = urllib.request.Request(f"{url}/v3/kv/range", data=body.encode())
         with urllib.request.urlopen(request, timeout=30) as reply:
             return len(reply.read())
 
-    size = await trio.to_thread.run_sync(raw)
+    read = await trio.to_thread.run_sync(raw, f"{PREFIX}/hosts/", f"{PREFIX}/incidents0")
+    whole = await trio.to_thread.run_sync(raw, f"{PREFIX}/", f"{PREFIX}0")
     bound = Limits().max_body
     try:
         async with EtcdClient([url]) as client:
-            await client.range(PREFIX + "/")
+            await client.range(f"{PREFIX}/hosts/", through=f"{PREFIX}/incidents/")
         taken = "the client takes it"
     except EtcdFailure as exc:
         taken = f"the client refuses it: {exc}"
-    return Figure("a member (re)starting reads the prefix", size / 1024, "KiB", size / bound,
-                  f"x the client's bound ({bound // 2**20} MiB): {taken}")  # fmt: skip
+    return Figure("a member (re)starting reads hosts and heads", read / 1024, "KiB",
+                  read / bound, f"x the client's bound ({bound // 2**20} MiB): {taken}; the "
+                  f"whole prefix is {whole / 1024:,.0f} KiB")  # fmt: skip
 
 
 def b64(text: str) -> str:
@@ -709,8 +728,9 @@ def load_figures(what: str, phase: Phase, count: int, span: int, members: int) -
         Figure(f"{what}: writes per incident", phase.writes / count, "", phase.writes / count
                / least, f"x the least ({least}: a head, a ranks key per host); "
                f"client: {calls['grant']} grants, puts: {kinds}"),
-        Figure(f"{what}: watch events per put", events / puts, "", events / puts / members,
-               f"x members; {events / phase.seconds:,.0f} events/s, etcd CPU "
+        Figure(f"{what}: watch events per incident", events / count, "",
+               events / (puts * members), f"x a watch of the whole prefix ({members} a put); "
+               f"{events / phase.seconds:,.0f} events/s, etcd CPU "
                f"{phase.etcd_cpu / events * 1e6:.0f} µs each; slow watchers "
                f"{phase.etcd['etcd_debugging_mvcc_slow_watcher_total']:.0f}"),
         phase_cpu(what, phase),
@@ -718,54 +738,70 @@ def load_figures(what: str, phase: Phase, count: int, span: int, members: int) -
 
 
 def print_arithmetic(
-    members: int, *, span: int, ranks: int, joined: Phase, phases: list[Phase], count: int
+    members: int,
+    *,
+    span: int,
+    ranks: int,
+    joined: Phase,
+    phases: list[Phase],
+    count: int,
+    costs: tuple[float, float],
 ) -> None:
     """The same fleet at 10,000 hosts, from what was counted here (``phases``: those
-    of ``count`` incidents)."""
+    of ``count`` incidents; ``costs``: etcd's CPU for a put, and for an event
+    more)."""
     nodes = 10_000
 
     def total(name: str) -> float:
         return sum(phase.etcd.get(name, 0.0) for phase in phases)
 
     events = total("etcd_debugging_mvcc_events_total")
-    puts = total("etcd_mvcc_put_total") / count
-    host_cost = sum(phase.cpu for phase in phases) / events
-    etcd_cost = sum(phase.etcd_cpu for phase in phases) / events
-    join_events = joined.etcd["etcd_debugging_mvcc_events_total"]
     calls = sum((phase.calls for phase in phases), Counter[str]())
-    ranks_puts = calls["put ranks"] / count
+    heads, ranks_puts = calls["put heads"] / count, calls["put ranks"] / count
     head_bytes = calls["bytes heads"] / max(1, calls["put heads"])
     ranks_bytes = calls["bytes ranks"] / max(1, calls["put ranks"])
-    join_writes = joined.writes / members * nodes
+    host_cost = sum(phase.cpu for phase in phases) / events
+    put_cost, event_cost = costs
+    writes = total("etcd_server_proposals_committed_total") / count
+
+    def fan(hosts: int) -> float:
+        """Watch events an incident sends: its heads to every host, its ranks to the
+        hosts of its job."""
+        return heads * hosts + ranks_puts * span
+
+    whole = (heads + ranks_puts) * nodes
+    joins = joined.calls["put hosts"] / members
     lines = [
         f"At {nodes:,} hosts (lease {LEASE} s, jobs of {span} hosts, {ranks} ranks a host), "
         f"from what {members} hosts cost here:",
         f"- keepalives: {nodes:,} / {keepalive_period():g} s = "
         f"{nodes / keepalive_period():,.0f}/s, each an HTTP request to the gateway and a "
         "LeaseKeepAlive stream; the leader renews in memory, no raft proposal",
-        "- a job starting or ending on a host: 2 writes (the host's key, the job's key)",
-        f"- an incident: {total('etcd_server_proposals_committed_total') / count:.1f} writes "
-        f"({puts:.1f} puts, the rest lease grants: one per host of the job), "
-        f"{total('etcd_debugging_mvcc_total_put_size_in_bytes') / count / 1024:,.0f} KiB put",
-        f"- every member watches the whole prefix, so every put is an event to every host: "
-        f"{events / total('etcd_mvcc_put_total'):.0f} per put here, {puts * nodes:,.0f} per "
-        f"incident at {nodes:,}, "
-        f"{total('etcd_debugging_mvcc_total_put_size_in_bytes') / count * nodes / 2**30:,.1f} "
-        "GiB sent (before base64 and JSON)",
-        f"- etcd's CPU per event sent: {etcd_cost * 1e6:.0f} µs here (gateway included), "
-        f"{etcd_cost * puts * nodes:,.1f} s of etcd CPU per incident at {nodes:,}: "
-        f"{1 / (etcd_cost * puts * nodes):.2f} incidents/s saturate one core",
-        f"- each host decodes every event: {host_cost * 1e6:.0f} µs of CPU an event here, "
-        f"{host_cost * puts * 1e3:.1f} ms a host per incident anywhere in the fleet",
-        f"- the whole fleet joining at once (a restart of every daemon): {join_writes:,.0f} "
-        f"writes, {join_writes * nodes:,.0f} events, "
-        f"{join_writes * nodes * joined.etcd_cpu / max(1.0, join_events) / 3600:,.1f} h of "
-        "etcd CPU at the cost per event measured while these joined",
-        f"- with a narrower watch (incident heads and hosts to every host, ranks to the "
-        f"job's hosts only): {nodes + ranks_puts * span:,.0f} events per incident, "
-        f"{(nodes * head_bytes + ranks_puts * span * ranks_bytes) / 2**20:,.1f} MiB",
-        "The limit is the watch of the whole prefix: events grow with hosts x writes, "
-        "and writes with hosts.",
+        "- a job starting or ending on a host: 2 writes (its host key, to every host; its "
+        "job key, to none)",
+        f"- an incident: {writes:.1f} writes: "
+        f"{heads:.1f} head ({head_bytes / 1024:.1f} KiB), {ranks_puts:.1f} ranks keys "
+        f"({ranks_bytes / 1024:.1f} KiB), the rest lease grants (one a host of the job)",
+        f"- watch events an incident sends: heads to every host, ranks to its job's: "
+        f"{fan(members):,.0f} here by that count, {events / count:,.0f} measured; "
+        f"{fan(nodes):,.0f} at {nodes:,}, "
+        f"{(heads * nodes * head_bytes + ranks_puts * span * ranks_bytes) / 2**20:,.1f} MiB "
+        f"(a watch of the whole prefix: {whole:,.0f}, "
+        f"{(heads * head_bytes + ranks_puts * ranks_bytes) * nodes / 2**30:,.2f} GiB)",
+        f"- etcd's CPU at the floors' costs ({put_cost * 1e6:.0f} µs a write, "
+        f"{event_cost * 1e6:.0f} µs an event, gateway included): "
+        f"{writes * put_cost + fan(nodes) * event_cost:,.2f} s an incident at {nodes:,} "
+        f"(the whole prefix: {writes * put_cost + whole * event_cost:,.1f} s); measured here "
+        f"{sum(phase.etcd_cpu for phase in phases) / count * 1e3:.0f} ms, "
+        f"{(writes * put_cost + fan(members) * event_cost) * 1e3:.0f} ms by those costs",
+        f"- a host's CPU: {host_cost * 1e6:.0f} µs an event here, "
+        f"{host_cost * heads * 1e3:.2f} ms per incident anywhere in the fleet",
+        f"- the whole fleet restarting at once: {joins * nodes:,.0f} host keys put, "
+        f"{joins * nodes * nodes:,.0f} events, "
+        f"{joins * nodes * nodes * event_cost / 3600:,.1f} h of etcd CPU",
+        "Heads and host keys still reach every host: an incident is 10,000 small events, "
+        "a restart of the fleet 10^8. Watching each held job's keys would bound both by "
+        "the jobs a host holds.",
     ]
     print("\n".join(lines))
 

@@ -93,6 +93,20 @@ async def test_range_is_every_key_under_the_prefix(etcd_client: EtcdClient, pref
     assert (await etcd_client.range(prefix + b"none/")).kvs == []
 
 
+async def test_range_and_watch_through_a_later_prefix(
+    etcd_client: EtcdClient, prefix: bytes
+) -> None:
+    for key in (b"a/1", b"b", b"c/1", b"c/2", b"c0", b"d/1"):
+        await etcd_client.put(prefix + key, key)
+    found = await etcd_client.range(prefix + b"a/", through=prefix + b"c/")
+    assert [kv.value for kv in found.kvs] == [b"a/1", b"b", b"c/1", b"c/2"]
+    async with etcd_client.open_watch(prefix + b"a/", through=prefix + b"c/") as watch:
+        for key in (b"d/2", b"c0", b"c/3", b"a/2"):
+            await etcd_client.put(prefix + key, key)
+        events = await next_events(watch, 2)
+    assert [e.value for e in events] == [b"c/3", b"a/2"]
+
+
 async def test_closed_in_a_cancelled_scope_it_closes_every_idle_connection(
     etcd: EtcdServer, prefix: bytes
 ) -> None:

@@ -106,6 +106,19 @@ def test_a_users_incident_shows_them_only_their_processes_stacks() -> None:
     assert log.get(incident, 0) is not None
 
 
+def test_a_host_is_settled_once_none_of_its_ranks_is_pending() -> None:
+    log = IncidentLog("a")
+    incident, _ = log.expired((0, "train"), "root", rank(10, 0), "timeout", 1.0)
+    log.add(incident, rank(11, 1, role="peer"))
+    assert log.settled_hosts(incident) == set()
+    log.merge_ranks(incident, "b", [msgspec.structs.replace(rank(20, 2, host="b"), state="done")])
+    log.finished(finished(incident, 10))
+    assert log.settled_hosts(incident) == {"b"}
+    log.finished(finished(incident, 11, kind="peer"))
+    assert log.settled_hosts(incident) == {"a", "b"}
+    assert log.settled_hosts("no-such-incident") == set()
+
+
 def test_bounds_on_incidents_and_stacks() -> None:
     log = IncidentLog("a", keep=3)
     ids = [log.expired((1000, f"job{n}"), "alice", rank(n, 0), "timeout", 1.0)[0] for n in range(5)]

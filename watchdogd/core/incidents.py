@@ -206,6 +206,15 @@ class IncidentLog:
         incident = self._incidents.get(incident_id)
         return None if incident is None else incident.info
 
+    def settled_hosts(self, incident_id: str) -> set[str]:
+        """The hosts whose ranks of a kept incident are known, none of them still
+        ``pending`` (none, for an incident not kept)."""
+        incident = self._incidents.get(incident_id)
+        if incident is None:
+            return set()
+        hosts = {rank.host for rank in incident.ranks}
+        return hosts - {rank.host for rank in incident.ranks if rank.state == "pending"}
+
     def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
         """The ranks of ``incident`` on this host."""
         return [rank for rank in incident.ranks if rank.host == self.host]

@@ -460,11 +460,12 @@ class EtcdClient:
         )
         return reply.kvs[0] if reply.kvs else None
 
-    async def range(self, prefix: Data) -> Range:
-        """Every key that starts with ``prefix``, with the revision they were read
-        at. (The whole reply must fit ``Limits.max_body``.)"""
+    async def range(self, prefix: Data, *, through: Data | None = None) -> Range:
+        """Every key that starts with ``prefix`` (with ``through``: every key from
+        ``prefix`` to the last that starts with ``through``), with the revision they
+        were read at. (The whole reply must fit ``Limits.max_body``.)"""
         raw = _bytes(prefix)
-        request = _RangeRequest(raw, prefix_end(raw))
+        request = _RangeRequest(raw, prefix_end(_bytes(raw if through is None else through)))
         reply = await self._call("/v3/kv/range", request, _RangeReply, repeatable=True)
         return Range(reply.header.revision, reply.kvs)
 
@@ -477,15 +478,17 @@ class EtcdClient:
         return reply.deleted
 
     @contextlib.asynccontextmanager
-    async def open_watch(self, prefix: Data, *, start_revision: int = 0) -> AsyncIterator[Watch]:
-        """Watch every key that starts with ``prefix``, from ``start_revision`` (0:
-        from now on); iterate the `Watch` for its events. Opening it is bounded by the
-        call timeout (`EtcdUnavailable`); it ends with `WatchBroken`,
-        `EtcdCompacted` or another `EtcdError`, never quietly."""
+    async def open_watch(
+        self, prefix: Data, *, through: Data | None = None, start_revision: int = 0
+    ) -> AsyncIterator[Watch]:
+        """Watch every key that starts with ``prefix`` (with ``through``, as
+        `range`), from ``start_revision`` (0: from now on); iterate the `Watch` for
+        its events. Opening it is bounded by the call timeout (`EtcdUnavailable`); it
+        ends with `WatchBroken`, `EtcdCompacted` or another `EtcdError`, never
+        quietly."""
         raw = _bytes(prefix)
-        body = _encoder.encode(
-            _WatchRequest(_WatchCreate(raw, prefix_end(raw), max(start_revision, 0)))
-        )
+        end = prefix_end(_bytes(raw if through is None else through))
+        body = _encoder.encode(_WatchRequest(_WatchCreate(raw, end, max(start_revision, 0))))
 
         async def start(endpoint: Endpoint) -> Watch:
             return await self._start_watch(endpoint, body, start_revision)
