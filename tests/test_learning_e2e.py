@@ -31,23 +31,30 @@ min_samples = 20
 
 #: A training loop whose steps advance a counter, and a side thread that renews
 #: the timer every 0.1 s with that counter, as a heartbeat would; after
-#: ``steps`` steps the loop hangs (and says when), the heartbeat goes on.
+#: ``steps`` steps the loop hangs (and says when), the heartbeat goes on. Each line
+#: is one write(2), so the two threads' lines never mix.
 HEARTBEAT_WORKER = """
-    import sys, threading, time
+    import os, sys, threading, time
     from watchdogd_client import expires
     steps = int(sys.argv[1])
     done = 0
+
+    def say(line):
+        os.write(1, (line + "\\n").encode())
+
     with expires(after=60, scope="train", policy="stalling") as timer:
+        say("ready")
+
         def heartbeat():
             while True:
                 timer.renew(progress=done)
-                print("renewed", flush=True)
+                say("renewed")
                 time.sleep(0.1)
+
         threading.Thread(target=heartbeat, daemon=True).start()
-        print("ready", flush=True)
         for done in range(1, steps + 1):
             time.sleep(0.05)
-        print(f"stuck {time.time()!r}", flush=True)
+        say(f"stuck {time.time()!r}")
         time.sleep(60)
 """
 
