@@ -14,12 +14,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from watchdogd.cgroups import host_hierarchy
 from watchdogd.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
-from watchdogd_client.protocol import EventInfo
+from watchdogd_client.protocol import EventInfo, IncidentInfo
 
 from etcd_server import EtcdServer, running_etcd
 
@@ -366,3 +367,42 @@ def cgroup(scratch_cgroup: ScratchCgroup) -> Path:
     if not (scratch_cgroup.directory / "cpu.pressure").exists():
         pytest.skip("this kernel's cgroups have no pressure (PSI) files")
     return scratch_cgroup.directory
+
+
+#: A rank of job ``argv[1]``: rank ``argv[2]`` arms a timer of ``argv[3]`` seconds
+#: under policy ``rank`` and waits in a function named after its rank, as a rank
+#: waits in a collective.
+RANK = """
+    import sys, time
+    from watchdogd_client import expires
+    job, rank, after = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+    def waiting_in_rank_{rank}():
+        time.sleep(300)
+
+    with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
+        print("ready", flush=True)
+        waiting_in_rank_{rank}()
+"""
+
+
+def start_rank(socket: Path, job: str, rank: int, after: float) -> subprocess.Popen[str]:
+    """A `RANK` worker on the daemon at ``socket``, once it is ready."""
+    worker = python_worker(RANK.replace("{rank}", str(rank)), job, str(rank), str(after),
+                           socket=socket)  # fmt: skip
+    wait_ready(worker)
+    return worker
+
+
+def incidents(socket: Path) -> list[IncidentInfo]:
+    """``watchdogctl incidents --json``, read back."""
+    shown = ctl(socket, "incidents", "--json")
+    assert shown.returncode == 0, shown.stderr
+    return msgspec.json.decode(shown.stdout, type=list[IncidentInfo])
+
+
+def whole(socket: Path, incident: str) -> IncidentInfo:
+    """``watchdogctl incident ID --json``, read back."""
+    shown = ctl(socket, "incident", incident, "--json")
+    assert shown.returncode == 0, shown.stderr
+    return msgspec.json.decode(shown.stdout, type=IncidentInfo)

@@ -26,10 +26,11 @@ from conftest import (
     RunningDaemon,
     configured_daemon,
     ctl,
-    python_worker,
+    incidents,
     reap,
-    wait_ready,
+    start_rank,
     wait_until,
+    whole,
 )
 from etcd_server import EtcdServer
 
@@ -48,21 +49,6 @@ etcd = ["{etcd}"]
 host = "{host}"
 prefix = "/watchdogd-test"
 lease = {lease}
-"""
-
-#: Rank ``argv[2]`` of job ``argv[1]``: arms ``argv[3]`` seconds and waits in a
-#: function named after its rank, as a rank waits in a collective.
-RANK = """
-    import sys, time
-    from watchdogd_client import expires
-    job, rank, after = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-
-    def waiting_in_rank_{rank}():
-        time.sleep(300)
-
-    with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
-        print("ready", flush=True)
-        waiting_in_rank_{rank}()
 """
 
 
@@ -95,31 +81,11 @@ def fleet_state(daemon: RunningDaemon) -> str:
         return client.status().daemon.fleet
 
 
-def start_rank(daemon: RunningDaemon, job: str, rank: int, after: float) -> subprocess.Popen[str]:
-    worker = python_worker(
-        RANK.replace("{rank}", str(rank)), job, str(rank), str(after), socket=daemon.socket_path
-    )
-    wait_ready(worker)
-    return worker
-
-
-def incidents(daemon: RunningDaemon) -> list[IncidentInfo]:
-    shown = ctl(daemon.socket_path, "incidents", "--json")
-    assert shown.returncode == 0, shown.stderr
-    return msgspec.json.decode(shown.stdout, type=list[IncidentInfo])
-
-
-def whole(daemon: RunningDaemon, incident: str) -> IncidentInfo:
-    shown = ctl(daemon.socket_path, "incident", incident, "--json")
-    assert shown.returncode == 0, shown.stderr
-    return msgspec.json.decode(shown.stdout, type=IncidentInfo)
-
-
 def six_stacks(daemon: RunningDaemon) -> IncidentInfo | None:
-    listed = incidents(daemon)
+    listed = incidents(daemon.socket_path)
     if len(listed) != 1:
         return None
-    incident = whole(daemon, listed[0].id)
+    incident = whole(daemon.socket_path, listed[0].id)
     if len(incident.ranks) == 6 and all(rank.state == "done" for rank in incident.ranks):
         return incident
     return None
@@ -132,7 +98,7 @@ def test_a_hung_rank_gives_every_host_the_stacks_of_all_six(
         ranks = []
         try:
             for number in (0, 1, 2, 4, 5):
-                ranks.append(start_rank(daemons[number // 2], "run-6", number, 120))
+                ranks.append(start_rank(daemons[number // 2].socket_path, "run-6", number, 120))
             # Every host has registered the job before rank 3 hangs.
             wait_until(
                 lambda: all(
@@ -141,7 +107,7 @@ def test_a_hung_rank_gives_every_host_the_stacks_of_all_six(
                 ),
                 what="every host's jobs in etcd",
             )
-            hung = start_rank(daemons[1], "run-6", 3, 0.5)
+            hung = start_rank(daemons[1].socket_path, "run-6", 3, 0.5)
             ranks.append(hung)
             deadline = time.time() + 0.5
             found: dict[str, IncidentInfo] = {}
@@ -195,7 +161,10 @@ def registered(etcd: EtcdServer, host: str) -> list[list[str]]:
 
 def test_a_frozen_daemon_is_a_lost_host(own_etcd: EtcdServer, tmp_path: Path) -> None:
     with fleet_of_three(own_etcd, tmp_path) as daemons:
-        ranks = [start_rank(daemon, "run-lost", index, 120) for index, daemon in enumerate(daemons)]
+        ranks = [
+            start_rank(daemon.socket_path, "run-lost", index, 120)
+            for index, daemon in enumerate(daemons)
+        ]
         try:
             wait_until(
                 lambda: all(registered(own_etcd, host) for host in HOSTS),
@@ -207,13 +176,13 @@ def test_a_frozen_daemon_is_a_lost_host(own_etcd: EtcdServer, tmp_path: Path) ->
             stopped = time.monotonic()
             for daemon in daemons[:2]:
                 wait_until(
-                    lambda d=daemon: any(i.kind == "host_lost" for i in incidents(d)),
+                    lambda d=daemon: any(i.kind == "host_lost" for i in incidents(d.socket_path)),
                     what="host_lost",
                     timeout=LEASE + 2 + PATIENCE,
                 )
             took = time.monotonic() - stopped
             frozen.process.send_signal(signal.SIGCONT)
-            [lost] = incidents(daemons[0])
+            [lost] = incidents(daemons[0].socket_path)
             assert (lost.kind, lost.job) == ("host_lost", "run-lost")
             assert "host-c" in lost.reason
             assert took <= LEASE + 2, took
@@ -221,7 +190,7 @@ def test_a_frozen_daemon_is_a_lost_host(own_etcd: EtcdServer, tmp_path: Path) ->
             # A clean stop is no lost host.
             daemons[1].stop()
             time.sleep(LEASE + 1)
-            assert len(incidents(daemons[0])) == 1
+            assert len(incidents(daemons[0].socket_path)) == 1
         finally:
             for worker in ranks:
                 reap(worker)

@@ -6,26 +6,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from watchdogd_client import Client
-from watchdogd_client.protocol import IncidentInfo
 
 from conftest import (
     PATIENCE,
     RunningDaemon,
     configured_daemon,
     ctl,
-    python_worker,
+    incidents,
     reap,
-    wait_ready,
+    start_rank,
     wait_until,
+    whole,
 )
 from test_authorization import NOBODY, as_nobody
 
@@ -34,45 +32,11 @@ CONFIG = """
 steps = [ { dump = true, timeout = 20 }, { signal = "SIGKILL" } ]
 """
 
-#: A rank of job ``argv[1]``: rank ``argv[2]`` arms a timer of ``argv[3]`` seconds
-#: and waits in a function named after its rank, as a rank waits in a collective.
-RANK = """
-    import os, sys, time
-    from watchdogd_client import expires
-    job, rank, after = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-
-    def waiting_in_rank_{rank}():
-        time.sleep(300)
-
-    with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
-        print("ready", flush=True)
-        globals()[f"waiting_in_rank_{rank}"]()
-"""
-
-
-def start_rank(socket: Path, job: str, rank: int, after: float) -> subprocess.Popen[str]:
-    source = RANK.replace("{rank}", str(rank))
-    worker = python_worker(source, job, str(rank), str(after), socket=socket)
-    wait_ready(worker)
-    return worker
-
 
 @pytest.fixture
 def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
     with configured_daemon(socket_path, tmp_path, CONFIG, for_everyone=True) as running:
         yield running
-
-
-def incidents(socket: Path) -> list[IncidentInfo]:
-    shown = ctl(socket, "incidents", "--json")
-    assert shown.returncode == 0, shown.stderr
-    return msgspec.json.decode(shown.stdout, type=list[IncidentInfo])
-
-
-def whole(socket: Path, incident: str) -> IncidentInfo:
-    shown = ctl(socket, "incident", incident, "--json")
-    assert shown.returncode == 0, shown.stderr
-    return msgspec.json.decode(shown.stdout, type=IncidentInfo)
 
 
 def gathered(socket: Path) -> bool:

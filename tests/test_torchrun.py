@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PATIENCE, configured_daemon, wait_until
-from test_incidents_e2e import gathered, incidents, whole
+from conftest import PATIENCE, configured_daemon, incidents, wait_until, whole
+from test_incidents_e2e import gathered
 
 pytest.importorskip("torch")
 

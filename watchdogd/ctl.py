@@ -146,6 +146,18 @@ def main(ctx: click.Context) -> None:
     ctx.call_on_close(ctx.ensure_object(_Settings).close)
 
 
+def _limit_option(help_text: str) -> Callable[[_F], _F]:
+    """``--limit/-n``: how many of the latest records a command shows."""
+    return click.option(
+        "--limit",
+        "-n",
+        type=click.IntRange(min=1, max=10_000),
+        default=20,
+        show_default=True,
+        help=help_text,
+    )
+
+
 def _client() -> Client:
     return _settings().client()
 
@@ -289,14 +301,7 @@ def ping() -> None:
 @main.command()
 @_common_options()
 @click.option("--follow", "-f", is_flag=True, help="Keep printing events as they happen.")
-@click.option(
-    "--limit",
-    "-n",
-    type=click.IntRange(min=1, max=10_000),
-    default=20,
-    show_default=True,
-    help="How many of the latest events to print first.",
-)
+@_limit_option("How many of the latest events to print first.")
 def events(follow: bool, limit: int) -> None:
     """Recorded events: expiries with each step's result, timers extended because
     their process was starved, exits with timers armed, unkillable targets,
@@ -406,14 +411,7 @@ def suggest() -> None:
 
 @main.command()
 @_common_options()
-@click.option(
-    "--limit",
-    "-n",
-    type=click.IntRange(min=1, max=10_000),
-    default=20,
-    show_default=True,
-    help="How many of the latest incidents to list.",
-)
+@_limit_option("How many of the latest incidents to list.")
 def incidents(limit: int) -> None:
     """Incidents: a timer of a job expired, and the stacks of every rank of the
     job were gathered, host by host. Your jobs' (root: all); newest last."""

@@ -96,17 +96,7 @@ class IncidentLog:
         if held is not None and wall < held.open_until:
             self._add(held, rank)
             return held.info.id, False
-        info = IncidentInfo(
-            id=self._new_id(),
-            job=job[1],
-            user=user,
-            uid=job[0],
-            host=self.host,
-            scope=rank.scope,
-            reason=reason,
-            time=wall,
-            rank=rank.rank,
-        )
+        info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
         incident = _Incident(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
@@ -116,17 +106,7 @@ class IncidentLog:
     def opened(self, kind: str, job: JobKey, user: str, note: str, wall: float) -> str:
         """An incident of ``job`` that no expiry opened (``kind``, e.g.
         ``host_lost``); its id."""
-        info = IncidentInfo(
-            id=self._new_id(),
-            job=job[1],
-            user=user,
-            uid=job[0],
-            host=self.host,
-            scope="",
-            reason=note,
-            time=wall,
-            kind=kind,
-        )
+        info = self._head(job, user, wall, scope="", reason=note, kind=kind)
         incident = _Incident(info)
         self._keep(incident)
         self.on_change(self._whole(incident))
@@ -138,6 +118,31 @@ class IncidentLog:
         if incident is None:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
+
+    def _head(
+        self,
+        job: JobKey,
+        user: str,
+        wall: float,
+        *,
+        scope: str,
+        reason: str,
+        rank: int | None = None,
+        kind: str = "expired",
+    ) -> IncidentInfo:
+        """A new incident of ``job`` opened on this host at ``wall``."""
+        return IncidentInfo(
+            id=self._new_id(),
+            job=job[1],
+            user=user,
+            uid=job[0],
+            host=self.host,
+            scope=scope,
+            reason=reason,
+            time=wall,
+            rank=rank,
+            kind=kind,
+        )
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
