@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import signal
 import socket
@@ -24,7 +25,9 @@ from typing import BinaryIO
 
 import pytest
 
+from watchdogd.core.history import History
 from watchdogd.core.timers import Timer
+from watchdogd.history_file import HistoryFile
 from watchdogd.store import StateError, Store
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
@@ -62,7 +65,11 @@ def tmpfs(*, size: str = "4m", inodes: int = 64) -> Iterator[Path]:
 def fill_space(directory: Path) -> Path:
     """Write a file until the disk refuses more; returns it (delete it to free)."""
     filler = directory / "filler"
-    with open(filler, "wb") as out, pytest.raises(OSError, match="No space left") as refused:
+    # Unbuffered: closing the file then flushes nothing, and cannot fail.
+    with (
+        open(filler, "wb", buffering=0) as out,
+        pytest.raises(OSError, match="No space left") as refused,
+    ):
         _write_forever(out, b"\0" * 65536)
     assert refused.value.errno == errno.ENOSPC
     with contextlib.suppress(OSError), open(filler, "ab") as out:  # the last partial block
@@ -80,7 +87,7 @@ def fill_inodes(directory: Path) -> list[Path]:
     return made
 
 
-def _write_forever(out: BinaryIO, block: bytes) -> None:
+def _write_forever(out: BinaryIO | io.RawIOBase, block: bytes) -> None:
     while True:
         out.write(block)
         out.flush()
@@ -373,3 +380,38 @@ def test_a_state_file_made_late_is_still_locked(tmp_path: Path) -> None:
             Store.open(str(disk / "state.db"))
         assert stat.S_IMODE(os.stat(disk / "state.db").st_mode) == 0o600
         store.close()
+
+
+#: A key of the history: uid, executable, scope.
+KEY = (1000, "/usr/bin/python3", "step")
+
+
+def test_the_history_on_a_full_then_a_read_only_disk(disk: Path) -> None:
+    """What the daemon learned stays in memory while its file cannot be written
+    (a full tmpfs, then one remounted read-only), the file it had stays whole,
+    and the next write once the disk is back holds everything."""
+    path = disk / "state.db.history"
+    history = History()
+    history.record(KEY, 0.25)
+    file = HistoryFile(str(path), history)
+    file.write_now()
+    written = path.read_bytes()
+    filler = fill_space(disk)
+    for _ in range(50):
+        history.record(KEY, 0.5)
+    file.write_now()  # ENOSPC: kept in memory
+    assert path.read_bytes() == written
+    assert not (disk / "state.db.history.new").exists()
+    filler.unlink()
+    remount(disk, "ro")
+    try:
+        file.write_now()  # EROFS
+        assert path.read_bytes() == written
+    finally:
+        remount(disk, "rw")
+    file.write_now()
+    loaded = History()
+    HistoryFile(str(path), loaded).load()
+    assert list(loaded.suggestions()) == list(history.suggestions())
+    [row] = loaded.suggestions()
+    assert row.count == 51
