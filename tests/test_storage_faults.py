@@ -330,7 +330,7 @@ async def test_the_journal_descriptor_is_never_left_stale(tmp_path: Path) -> Non
         for index in range(40):
             store.put(Timer(pid=index + 2, scope="s", policy="kill", uid=0, owner=0,
                             timeout=1.0, armed_at=0.0, deadline=1.0))  # fmt: skip
-            await store.commit(store.generation)
+            store.commit(store.generation)
             await store._fold()
             assert store._fd is not None
             assert ".journal." in os.readlink(f"/proc/self/fd/{store._fd}")

@@ -85,7 +85,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
         store.drop(timer(11, "gone"))
         firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
         store.put(firing)
-        trio.run(store.commit, store.generation)
+        assert store.commit(store.generation)
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no fold: a crash
     os.waitpid(child, 0)
     _, loaded = Store.open(path)
@@ -125,7 +125,7 @@ async def test_one_write_serves_every_change_of_a_turn(
         store.put(timer(pid, "s"))
         changed = store.generation
         await trio.lowlevel.checkpoint()  # as the server does before committing
-        assert await store.commit(changed)
+        assert store.commit(changed)
         acknowledged.append(pid)
 
     async with trio.open_nursery() as nursery:
@@ -144,7 +144,7 @@ async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None
         store.put(timer(1, "expired-later"))
         store.commit_soon()
         with trio.fail_after(5):
-            while not await store.commit(store.generation) or store._pending:
+            while not store.commit(store.generation) or store._pending:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     store.close()
@@ -161,7 +161,7 @@ async def test_full_journals_are_folded_and_few_files_exist(tmp_path: Path) -> N
             store.put(timer(i, "s"))
             if i % 3 == 0:
                 store.drop(timer(i, "s"))
-            assert await store.commit(store.generation)
+            assert store.commit(store.generation)
             await trio.sleep(0)
             most = max(most, len(journals(tmp_path)))
         with trio.fail_after(5):
@@ -439,7 +439,7 @@ async def test_a_database_that_refuses_folds_keeps_memory_and_journals_bounded(
             armed = timer(10_000 + index, "churn")
             store.put(armed)
             store.drop(armed)  # released: nothing stays live
-            assert await store.commit(store.generation)
+            assert store.commit(store.generation)
             await trio.sleep(0)
             journal_most = max(journal_most, store._written)
             memory_most = max(memory_most, len(store._unfolded))

@@ -473,7 +473,7 @@ class _Connection:
             # the loop spent gathering other connections' changes into it (the
             # frames of one connection's batch share their commit anyway).
             changed = self.journal.generation
-            if await self.journal.commit(changed):
+            if self.journal.commit(changed):
                 self.durable = changed
             else:
                 out = _not_durable(out)

@@ -469,9 +469,10 @@ class Store:
             self._pending[timer.store_key] = None
         self.generation += 1
 
-    async def commit(self, generation: int) -> bool:
+    def commit(self, generation: int) -> bool:
         """Write what is pending; returns whether every change up to
-        ``generation`` is in the state (False while degraded)."""
+        ``generation`` is in the state (False while degraded). Synchronous: a
+        reply's commit is one write(2), with no turn of the event loop."""
         if self._durable < generation and not self.degraded:
             self._append_pending()
         return self._durable >= generation
@@ -484,7 +485,7 @@ class Store:
         batch, self._pending = self._pending, {}
         generation = self.generation
         if batch:
-            record = _encode(Record(), batch)
+            record = _encode_changes(batch)
             try:
                 _write_all(self._fd, record)
             except OSError as exc:
@@ -736,6 +737,20 @@ def _encode(header: Record, changes: Mapping[StoreKey, Timer | None]) -> bytes:
         boot=header.boot,
     )
     payload = _encoder.encode(record)
+    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _encode_changes(changes: Mapping[StoreKey, Timer | None]) -> bytes:
+    """`_encode` of a record of changes alone (no reset, no boot), the one a reply
+    waits for: the same bytes, made without a `Record`."""
+    puts: list[Timer] = []
+    drops: list[StoreKey] = []
+    for key, timer in changes.items():
+        if timer is None:
+            drops.append(key)
+        else:
+            puts.append(timer)
+    payload = _encoder.encode((False, puts, drops, ""))
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 

@@ -165,7 +165,7 @@ class Journal(Protocol):
     def drop(self, timer: Timer) -> None:
         """``timer`` is gone: released, its process exited, or its policy ended."""
 
-    async def commit(self, generation: int) -> bool:
+    def commit(self, generation: int) -> bool:
         """Write what is pending; whether every change up to ``generation`` is in."""
 
     def commit_soon(self) -> None:
@@ -186,7 +186,7 @@ class NullJournal:
     def drop(self, timer: Timer) -> None:
         pass
 
-    async def commit(self, generation: int) -> bool:
+    def commit(self, generation: int) -> bool:
         return True
 
     def commit_soon(self) -> None:

@@ -34,7 +34,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -261,8 +261,7 @@ class _Tracked(Generic[P]):
         return None
 
 
-@dataclass(slots=True, frozen=True)
-class Expired(Generic[P]):
+class Expired(NamedTuple, Generic[P]):
     """A timer that reached its deadline, with its process. ``orphaned`` says the
     process left the table with it (it had no other timer); ``note``, what its
     event should say of how it came to fire (why it was not given more time)."""
