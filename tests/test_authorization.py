@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from watchdogd_client import Client, RequestRefused, WatchdogdError
+from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
 
 from conftest import (
@@ -439,3 +440,44 @@ def test_over_the_connection_limit_the_refusal_always_arrives(daemon: RunningDae
 
     outcome = as_nobody(over_the_limit, daemon.socket_path)
     assert outcome == {"ok": {"limit_exceeded": rounds, "trio limit_exceeded": rounds // 10}}
+
+
+def test_timers_of_root_and_of_nobody_falling_due_together_each_kill_once(
+    daemon: RunningDaemon,
+) -> None:
+    """Root's timers take the short way to their first signal (`Actions._send_first`),
+    nobody's the way that checks first that nobody may still signal its process:
+    falling due within the same few milliseconds, each victim dies once, with
+    one event each."""
+    roots = [sleeper() for _ in range(12)]
+    nobodys = [nobody_sleeper() for _ in range(3)]
+    try:
+        due = 1.0
+        with daemon.client() as client:
+            for victim in roots:
+                client.acquire("together", due, pid=victim.pid)
+            pids = [victim.pid for victim in nobodys]
+            outcome = as_nobody(
+                lambda c: [c.acquire("together", due, pid=pid) for pid in pids],
+                daemon.socket_path,
+            )
+            assert outcome == {"ok": [due] * 3}
+            for victim in roots + nobodys:
+                assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+            events: list[EventInfo] = []
+
+            def recorded() -> bool:
+                events[:] = [e for e in client.events(limit=100).events if e.scope == "together"]
+                return len(events) >= 15
+
+            wait_until(recorded, what="an event for every victim")
+    finally:
+        for victim in roots + nobodys:
+            reap(victim)
+    assert sorted(event.pid for event in events) == sorted(v.pid for v in roots + nobodys)
+    for event in events:
+        assert [step.result for step in event.steps] == ["sent SIGKILL"], event
+        assert event.outcome == "exited", event
+        assert event.late is not None, event
+        assert event.late >= 0, event
+    assert {event.uid for event in events if event.pid in pids} == {NOBODY}
