@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import resource
 import signal
@@ -13,8 +14,17 @@ import threading
 
 import pytest
 
+from watchdogd import process as process_module
 from watchdogd.errors import Refusal
-from watchdogd.process import open_process, peer_of, read_start_time, read_uids, refusal_for
+from watchdogd.process import (
+    open_process,
+    peer_of,
+    read_start_time,
+    read_stat,
+    read_uids,
+    refusal_for,
+    uids_of,
+)
 from watchdogd_client.protocol import ErrorCode
 
 from conftest import reap, sleeper, wait_until
@@ -127,6 +137,46 @@ def test_refresh_reads_the_uids_again_and_refuses_once_the_process_is_gone() -> 
     finally:
         os.close(changed)
         if not reaped:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to change a process's uids")
+def test_uids_of_a_pidfd_are_what_proc_shows_and_a_zombie_keeps_them() -> None:
+    """Real 65534, effective 1, saved 0, as a setuid program that dropped part of
+    its privilege: the pidfd (PIDFD_GET_INFO, on this kernel) says what
+    /proc/PID/status says; a descriptor that is no pidfd (what a kernel without
+    PIDFD_GET_INFO answers with ENOTTY too) falls back to /proc; once reaped, the
+    process is gone."""
+    changed, told = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - waits to be killed
+        os.close(changed)
+        os.setresuid(65534, 1, 0)
+        os.write(told, b"x")
+        signal.pause()
+        os._exit(0)
+    os.close(told)
+    pidfd = os.pidfd_open(child)
+    not_a_pidfd, other_end = os.pipe()
+    try:
+        assert os.read(changed, 1) == b"x"
+        assert read_uids(child) == (65534, 0)
+        assert uids_of(pidfd, child) == (65534, 0)
+        if tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 13):
+            # Read from the pidfd itself, not from /proc.
+            fcntl.ioctl(pidfd, process_module._PIDFD_GET_INFO, bytearray(64), True)
+        assert uids_of(not_a_pidfd, child) == (65534, 0)
+        os.kill(child, signal.SIGKILL)
+        wait_until(lambda: read_stat(child).state == "Z", what="a zombie")
+        assert uids_of(pidfd, child) == (65534, 0)
+        os.waitpid(child, 0)
+        with pytest.raises(ProcessLookupError):
+            uids_of(pidfd, child)
+    finally:
+        for fd in (changed, pidfd, not_a_pidfd, other_end):
+            os.close(fd)
+        with contextlib.suppress(OSError):  # reaped already, unless it failed first
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
 

@@ -6,12 +6,14 @@ never signalled: the old pidfd only ever refers to the old process.
 
 Identity comes from the kernel only: `peer_of` reads SO_PEERCRED (pid, uid, gid) and,
 where the kernel has it (Linux >= 6.5), SO_PEERPIDFD, a pidfd for the exact process
-that connected.
+that connected. A process's uids come from its pidfd where the kernel has
+PIDFD_GET_INFO (Linux >= 6.13), else from /proc/PID/status (`uids_of`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
 import socket
@@ -32,6 +34,15 @@ _COMMAND_BYTES: Final = 4096
 #: Characters of a command line a process in the table keeps (a status page shows
 #: at most 1 KiB of one).
 _REMEMBERED_COMMAND: Final = 1024
+#: ioctl(2) PIDFD_GET_INFO (Linux 6.13), _IOWR(0xFF, 11, struct pidfd_info): what
+#: the kernel knows of a pidfd's own process, its credentials among it.
+_PIDFD_GET_INFO: Final = 0xC040FF0B
+_PIDFD_INFO_CREDS: Final = 1 << 1
+#: struct pidfd_info as first published (64 bytes): mask, cgroupid; pid, tgid,
+#: ppid, ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid, a spare word.
+_PIDFD_INFO: Final = struct.Struct("=QQ12I")
+#: Errors of a kernel without PIDFD_GET_INFO, or of a descriptor it is not for.
+_NO_PIDFD_INFO: Final = frozenset({errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP})
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -119,11 +130,11 @@ class Process:
         """Read the real and saved uid again; False, with nothing changed, when the
         process has exited.
 
-        The pidfd is checked after /proc is read, so the uids belong to this process
-        and not to one that took its pid after it was reaped.
+        The pidfd is checked after the uids are read, so they belong to this process
+        and not to one that took its pid after it was reaped (read from /proc).
         """
         try:
-            uid, saved_uid = read_uids(self.pid)
+            uid, saved_uid = uids_of(self.fd, self.pid)
         except (FileNotFoundError, ProcessLookupError):
             return False
         if not self.alive():
@@ -182,7 +193,7 @@ def open_process(pid: int, peer: Peer | None = None) -> Process:
     except OSError as exc:
         raise refusal_for(pid, exc) from None
     try:
-        uid, saved_uid = read_uids(pid)
+        uid, saved_uid = uids_of(fd, pid)
         start_time = read_start_time(pid)
         process = Process(pid, fd, uid=uid, saved_uid=saved_uid, start_time=start_time)
     except (OSError, ValueError, IndexError) as exc:
@@ -245,6 +256,28 @@ def thread_group_of(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def uids_of(pidfd: int, pid: int) -> tuple[int, int]:
+    """The real and saved uid of the process of ``pidfd`` (whose pid is ``pid``):
+    from the pidfd itself, one ioctl(2) of about 3 µs here, where the kernel has
+    PIDFD_GET_INFO; else `read_uids` (some 14 µs). Raises ProcessLookupError once
+    the process has been reaped (a zombie still has its uids)."""
+    info = bytearray(_PIDFD_INFO.size)
+    info[0] = _PIDFD_INFO_CREDS
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info, True)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise ProcessLookupError(pid) from None
+        if exc.errno not in _NO_PIDFD_INFO:
+            raise
+        try:
+            return read_uids(pid)
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+    fields = _PIDFD_INFO.unpack(info)
+    return fields[5], fields[9]
 
 
 def read_uids(pid: int) -> tuple[int, int]:

@@ -65,6 +65,7 @@ from .process import (
     read_stat,
     read_uids,
     state_and_wchan,
+    uids_of,
 )
 
 _MAX_MEMBERS: Final = 65536
@@ -121,7 +122,7 @@ def _pin(
     member = Member(pid, fd)
     try:
         stat = read_stat(pid)
-        allowed = owner == 0 or owner in read_uids(pid)
+        allowed = owner == 0 or owner in uids_of(fd, pid)
     except OSError:
         _close(fd)
         return None
