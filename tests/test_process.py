@@ -111,17 +111,24 @@ def test_start_time_parses_names_with_spaces_and_parentheses(tmp_path: os.PathLi
         reap(child)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to change a process's uids")
-def test_refresh_reads_the_uids_again_and_refuses_once_the_process_is_gone() -> None:
+def child_with_uids(real: int, effective: int, saved: int) -> tuple[int, int]:
+    """A forked child that sets its uids and waits to be killed: its pid, and a
+    pipe it writes a byte to once its uids are set."""
     changed, told = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - waits to be killed
         os.close(changed)
-        os.setresuid(65534, 65534, 0)
+        os.setresuid(real, effective, saved)
         os.write(told, b"x")
         signal.pause()
         os._exit(0)
     os.close(told)
+    return child, changed
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to change a process's uids")
+def test_refresh_reads_the_uids_again_and_refuses_once_the_process_is_gone() -> None:
+    child, changed = child_with_uids(65534, 65534, 0)
     reaped = False
     try:
         process = open_process(child)
@@ -148,15 +155,7 @@ def test_uids_of_a_pidfd_are_what_proc_shows_and_a_zombie_keeps_them() -> None:
     /proc/PID/status says; a descriptor that is no pidfd (what a kernel without
     PIDFD_GET_INFO answers with ENOTTY too) falls back to /proc; once reaped, the
     process is gone."""
-    changed, told = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - waits to be killed
-        os.close(changed)
-        os.setresuid(65534, 1, 0)
-        os.write(told, b"x")
-        signal.pause()
-        os._exit(0)
-    os.close(told)
+    child, changed = child_with_uids(65534, 1, 0)
     pidfd = os.pidfd_open(child)
     not_a_pidfd, other_end = os.pipe()
     try:
