@@ -8,13 +8,14 @@ each expiry goes through three stages:
    ``abort``, ``signal:NAME``) has that signal sent at once, in a tight loop over the
    batch: no task and no event yet; in a large batch, no command line read first
    (the event shows the one the process had when its first timer was armed).
-   A timer armed by root, whose policy starts afresh, takes the short way
+   A timer whose policy starts afresh takes the short way
    (`Actions._send_first`): the signal goes through the pidfd the daemon holds
-   already, before any object of the expiry is made (root may signal anything:
-   nothing to check). A timer armed by another uid has its target opened first,
-   which checks that the uid may still signal its process. Everything else waits
-   for settling, so 10,000 expiries due in the same 10 ms cost about what a bare
-   Python loop popping a heap and sending each SIGKILL costs (`make bench`).
+   already, before any object of the expiry is made. For a timer armed by a uid
+   other than root, the uids of its process are read from the pidfd first
+   (`watchdogd.process.uids_of`), and a uid that may no longer signal it is left
+   to the usual way, which records why. Everything else waits for settling, so
+   10,000 expiries due in the same 10 ms cost about what a bare Python loop
+   popping a heap and sending each SIGKILL costs (`make bench`).
 2. **Settling, right after** (`Actions.settle`, called by the scheduler in batches
    whenever nothing more is due, so that firing always comes first): the target is
    opened in full (a group's or a tree's members are read from /proc, a cgroup's
@@ -200,7 +201,7 @@ class Actions:
         records): send first signals now, leave the rest to `settle`."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for item in expired:
-            if item.timer.owner == 0 and self._send_first(item, commands_first):
+            if self._send_first(item, commands_first):
                 continue
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
@@ -217,17 +218,22 @@ class Actions:
             self._on_settle()
 
     def _send_first(self, item: Expired[Process], read_command: bool) -> bool:
-        """The short way for a timer armed by root whose policy starts afresh with
-        a signal to its process: send it through the process's own pidfd, before
-        anything else is made of the expiry (`settle` makes the rest, `_Sent`).
-        Root may signal any process, so there is nothing to check first. Returns
-        False, having done nothing, for any other expiry."""
+        """The short way for a timer whose policy starts afresh with a signal to
+        its process: send it through the process's own pidfd, before anything else
+        is made of the expiry (`settle` makes the rest, `_Sent`). A timer armed by
+        a uid other than root goes this way only if that uid may still signal the
+        process (the check `open_target` makes, on uids read from the pidfd).
+        Returns False, having done nothing, for any other expiry: the usual way
+        then says why."""
         timer, process = item.timer, item.process
         if timer.step or timer.step_end or _is_peer(timer):
             return False
         policy, note = self._service.policy_for(timer.policy)
         steps = policy.steps
         if note or policy.target != "process" or not steps or type(steps[0]) is not Signal:
+            return False
+        owner = timer.owner
+        if owner and not (process.refresh() and owner in (process.uid, process.saved_uid)):
             return False
         step = steps[0]
         command = process.command() if read_command else process.armed_command
