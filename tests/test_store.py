@@ -73,6 +73,19 @@ def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
 
 
+def test_a_record_of_changes_is_made_as_a_record_would_be() -> None:
+    """A reply's commit encodes its changes without building a `Record`
+    (`_encode_changes`): the bytes must stay those of the `Record` they stand for."""
+    armed = timer(10, "a")
+    firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
+    changes = {armed.store_key: armed, (11, "gone", 0): None, firing.store_key: firing}
+    made = store_module._encode_changes(changes)
+    assert made == store_module._encode(Record(), changes)
+    assert list(store_module._records(made, newest=True)) == [
+        Record(puts=[armed, firing], drops=[(11, "gone", 0)])
+    ]
+
+
 def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
     child = os.fork()
