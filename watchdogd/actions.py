@@ -201,8 +201,13 @@ class Actions:
         records): send first signals now, leave the rest to `settle`."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for item in expired:
-            if self._send_first(item, commands_first):
-                continue
+            try:
+                if self._send_first(item, commands_first):
+                    continue
+            except Exception:
+                # Before its signal (nothing after it can raise): the usual way
+                # carries the expiry out, or records why it could not.
+                log.exception("the short way failed for %r", item.timer)
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
