@@ -11,6 +11,7 @@ import shutil
 import signal
 import sqlite3
 import stat
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -74,16 +75,17 @@ def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
 
 
 def test_a_record_of_changes_is_made_as_a_record_would_be() -> None:
-    """A reply's commit encodes its changes without building a `Record`
-    (`_encode_changes`): the bytes must stay those of the `Record` they stand for."""
+    """A journal record is encoded without building a `Record` (`_encode`): the
+    bytes must stay those of the `Record` they stand for."""
     armed = timer(10, "a")
     firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
     changes = {armed.store_key: armed, (11, "gone", 0): None, firing.store_key: firing}
-    made = store_module._encode_changes(changes)
-    assert made == store_module._encode(Record(), changes)
-    assert list(store_module._records(made, newest=True)) == [
-        Record(puts=[armed, firing], drops=[(11, "gone", 0)])
-    ]
+    for header in (Record(), Record(reset=True, boot="a-boot")):
+        made = store_module._encode(header, changes)
+        record = msgspec.structs.replace(header, puts=[armed, firing], drops=[(11, "gone", 0)])
+        payload = msgspec.msgpack.encode(record)
+        assert made == store_module._RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        assert list(store_module._records(made, newest=True)) == [record]
 
 
 def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:

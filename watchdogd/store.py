@@ -129,6 +129,10 @@ class Record(msgspec.Struct, array_like=True):
     boot: str = ""
 
 
+#: The header of a record of changes alone (no reset, no boot).
+_CHANGES: Final = Record()
+
+
 class _Schema3Timer(msgspec.Struct, array_like=True, gc=False):
     """A `Timer` as schema 3 stored it: its `Run` flat, and no `Watch`."""
 
@@ -485,7 +489,7 @@ class Store:
         batch, self._pending = self._pending, {}
         generation = self.generation
         if batch:
-            record = _encode_changes(batch)
+            record = _encode(_CHANGES, batch)
             try:
                 _write_all(self._fd, record)
             except OSError as exc:
@@ -730,19 +734,9 @@ class Store:
 
 
 def _encode(header: Record, changes: Mapping[StoreKey, Timer | None]) -> bytes:
-    record = Record(
-        reset=header.reset,
-        puts=[timer for timer in changes.values() if timer is not None],
-        drops=[key for key, timer in changes.items() if timer is None],
-        boot=header.boot,
-    )
-    payload = _encoder.encode(record)
-    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def _encode_changes(changes: Mapping[StoreKey, Timer | None]) -> bytes:
-    """`_encode` of a record of changes alone (no reset, no boot), the one a reply
-    waits for: the same bytes, made without a `Record`."""
+    """A journal record of ``changes`` under ``header``'s ``reset`` and ``boot``:
+    the bytes of the `Record` they make, encoded as its array without making one
+    (a reply's commit makes a record, `_CHANGES`)."""
     puts: list[Timer] = []
     drops: list[StoreKey] = []
     for key, timer in changes.items():
@@ -750,7 +744,7 @@ def _encode_changes(changes: Mapping[StoreKey, Timer | None]) -> bytes:
             drops.append(key)
         else:
             puts.append(timer)
-    payload = _encoder.encode((False, puts, drops, ""))
+    payload = _encoder.encode((header.reset, puts, drops, header.boot))
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
