@@ -401,11 +401,21 @@ def burst_floor(victims: int, others: int) -> list[float]:
     return late
 
 
-def arm_burst_as_nobody(socket_path: Path, victims: int, scope: str) -> tuple[int, float, int]:
+def arm_burst(client: Client, pids: list[int], scope: str) -> float:
+    """Arm a timer of ``scope`` on each of ``pids``, their deadlines spread evenly
+    over 10 ms starting a little after the last is armed; returns the first."""
+    due = time.monotonic() + 2.0 + len(pids) * 0.0005
+    for index, pid in enumerate(pids):
+        client.acquire(scope, due + 0.010 * index / len(pids) - time.monotonic(), pid=pid)
+    return due
+
+
+def arm_burst_as_nobody(socket_path: Path, victims: int, scope: str) -> tuple[int, int]:
     """Fork a child running as uid 65534 that spawns ``victims`` sleeping
     processes of its own and arms their timers of ``scope``, due within 10 ms as
-    the burst's are; returns (child, when they are due, the write end of a pipe).
-    The child waits for a byte on that pipe, then kills and reaps its victims."""
+    the burst's are (`arm_burst`); returns the child once they are armed, and the
+    write end of a pipe: the child waits for a byte on it, then kills and reaps its
+    victims."""
     ready_read, ready_write = os.pipe()
     done_read, done_write = os.pipe()
     child = os.fork()
@@ -417,10 +427,7 @@ def arm_burst_as_nobody(socket_path: Path, victims: int, scope: str) -> tuple[in
         os.setuid(NOBODY)
         pids = spawn_victims(victims)
         with Client(socket_path) as client:
-            due = time.monotonic() + 2.0 + victims * 0.0005
-            for index, pid in enumerate(pids):
-                client.acquire(scope, due + 0.010 * index / victims - time.monotonic(), pid=pid)
-        os.write(ready_write, repr(due).encode())
+            arm_burst(client, pids, scope)
         os.close(ready_write)
         os.read(done_read, 1)
         reap_all(pids)
@@ -428,8 +435,8 @@ def arm_burst_as_nobody(socket_path: Path, victims: int, scope: str) -> tuple[in
     os.close(ready_write)
     os.close(done_read)
     with os.fdopen(ready_read) as ready:
-        due = float(ready.read())
-    return child, due, done_write
+        ready.read()  # closed once every timer is armed
+    return child, done_write
 
 
 def burst_figures(directory: Path, victims: int, others: int, floor: float) -> list[Figure]:
@@ -444,10 +451,7 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
         try:
             with Client(path) as client:
                 after = client.events(limit=1).last
-                due = time.monotonic() + 2.0 + victims * 0.0005
-                for index, pid in enumerate(children):
-                    spread = 0.010 * index / victims
-                    client.acquire("burst", due + spread - time.monotonic(), pid=pid)
+                due = arm_burst(client, children, "burst")
                 lead = due - time.monotonic()
                 pinging, pings = pinger(path, lead + 1.0)
                 events = wait_for_events(client, after, "burst", victims)
@@ -463,7 +467,7 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
             os.chmod(directory, 0o755)
             with Client(path) as client:
                 after = client.events(limit=1).last
-                nobody, _, done = arm_burst_as_nobody(path, victims, "burst-nobody")
+                nobody, done = arm_burst_as_nobody(path, victims, "burst-nobody")
                 try:
                     nobodys = wait_for_events(client, after, "burst-nobody", victims)
                 finally:
