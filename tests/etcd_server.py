@@ -39,6 +39,15 @@ def etcd_binary() -> str:
     return str(files / "etcdbin" / "etcd")
 
 
+def _stopped(task: Path) -> bool:
+    """Whether the thread of /proc/PID/task/TID is stopped (or gone)."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 def free_ports(count: int) -> list[int]:
     """Ports no one listens on now: bound at once, so that they differ, then freed."""
     with contextlib.ExitStack() as stack:
@@ -205,9 +214,16 @@ class EtcdServer:
 
     def pause(self) -> None:
         """Freeze it (SIGSTOP): connections stay open and nothing answers, as with a
-        hung or partitioned etcd."""
+        hung or partitioned etcd. Returns once every thread of it is stopped: the
+        kernel stops them after kill(2) returns, and a thread that runs meanwhile
+        (on a busy machine, for milliseconds) still answers."""
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            assert time.monotonic() < deadline, "etcd did not stop"
+            time.sleep(0.001)
 
     def resume(self) -> None:
         assert self.process is not None
