@@ -6,9 +6,13 @@ floor's echo process, the daemon) on CPU 0, clients on CPU 1. Waking a process o
 other core dominates a round trip, so unpinned figures swing from run to run.
 
 Figures:
+- a second floor: the same echo on trio, answering as the daemon's connections read
+  (no decoding, no work), against the raw floor: what the event loop alone costs;
 - acked round trips per second for one client (acquire and release alternating);
 - acked requests per second from 8 client processes;
 - both again with durable state off (``--no-state``), and the ratio on/off;
+- one change committed by the store alone (encoded, one write(2)), against the
+  daemon's CPU per request without state;
 - for 1,000 victims, idle with 10,000 other timers armed, then with 100,000 armed
   while 8 clients churn: deadline to death (the victim's pidfd reporting its exit in
   this process) and deadline to first signal (the daemon's own ``late``, from its
@@ -16,7 +20,8 @@ Figures:
 - a burst: 10,000 victims due within 10 ms, 100,000 others armed: deadline to first
   signal, p50, p99 and max, each against a bare Python loop that pops the same
   deadlines from a heap and sends the same SIGKILLs through pidfds (its own floor),
-  and the slowest ping answered meanwhile; then the same burst armed by uid 65534
+  that loop in C (bench/burst_floor.c, when a C compiler is found: the machine's
+  floor), and the slowest ping answered meanwhile; then the same burst armed by uid 65534
   (as root only), whose first signals each wait for a check of the uid;
 - restart: start to sd_notify READY with 100,000 and 1,000,000 timers in the state,
   against an empty state.
@@ -32,6 +37,7 @@ import heapq
 import math
 import os
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -43,6 +49,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import trio
 
 from watchdogd_client import Client
 from watchdogd_client.protocol import (
@@ -79,16 +87,21 @@ def pin(cpu: int, pid: int = 0) -> None:
 
 
 @contextmanager
-def echo_server() -> Iterator[socket.socket]:
+def echo_server(*, on_trio: bool = False) -> Iterator[socket.socket]:
     """The floor's other end: a process on the servers' CPU that sends back what it
-    gets, kept for the whole run as the daemons are."""
+    gets, kept for the whole run as the daemons are. ``on_trio``: it reads and
+    answers as the daemon's connections do (a non-blocking socket, trio's
+    ``wait_readable`` when nothing is there), doing no other work."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = os.fork()
     if child == 0:
         ours.close()
         pin(SERVER_CPU)
-        while data := theirs.recv(65536):
-            theirs.sendall(data)
+        if on_trio:
+            trio.run(_echo_on_trio, theirs)
+        else:
+            while data := theirs.recv(65536):
+                theirs.sendall(data)
         os._exit(0)
     theirs.close()
     try:
@@ -96,6 +109,19 @@ def echo_server() -> Iterator[socket.socket]:
     finally:
         ours.close()
         os.waitpid(child, 0)
+
+
+async def _echo_on_trio(conn: socket.socket) -> None:
+    conn.setblocking(False)
+    while True:
+        try:
+            data = conn.recv(65536)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(conn)
+            continue
+        if not data:
+            return
+        conn.send(data)
 
 
 def floor_round_trip(echo: socket.socket, count: int) -> float:
@@ -401,6 +427,26 @@ def burst_floor(victims: int, others: int) -> list[float]:
     return late
 
 
+def native_burst_floor(directory: Path, victims: int, others: int) -> list[float] | None:
+    """`burst_floor` without Python: bench/burst_floor.c, built with the C compiler
+    found, on the same deadlines, heap size and CPUs. What this machine's kernel
+    leaves for any signaller; None (said in a line) without a C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        print("burst: no C compiler found; the native floor is skipped")
+        return None
+    program = directory / "burst_floor"
+    source = Path(__file__).with_name("burst_floor.c")
+    subprocess.run([compiler, "-O2", "-o", str(program), str(source)], check=True)
+    children = spawn_victims(victims)
+    try:
+        command = [str(program), str(SERVER_CPU), str(others), *map(str, children)]
+        printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    finally:
+        reap_all(children)
+    return [float(line) for line in printed.split()]
+
+
 def arm_burst(client: Client, pids: list[int], scope: str) -> float:
     """Arm a timer of ``scope`` on each of ``pids``, their deadlines spread evenly
     over 10 ms starting a little after the last is armed; returns the first."""
@@ -478,6 +524,7 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
     # floor (this machine's speed drifts).
     after_it = burst_floor(victims, others)
     bare = min(before, after_it, key=lambda late: percentile(late, 0.99))
+    native = native_burst_floor(directory, victims, others)
     late = [event.late or 0.0 for event in events.values()]
     ends = max(late) + 0.010
     during = [rtt for sent, rtt in samples if due <= sent <= due + ends]
@@ -487,6 +534,18 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
     figures = []
     for tag, fraction in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
         ours, least = percentile(late, fraction), percentile(bare, fraction)
+        if native is not None:
+            figures.append(
+                Figure(
+                    f"burst: native pop-and-SIGKILL loop {tag}",
+                    percentile(native, fraction) * 1e3,
+                    "ms",
+                    percentile(native, fraction) / least,
+                    "the same loop in C: this machine's floor; x the bare loop's"
+                    if tag == "p50"
+                    else "",
+                )
+            )
         figures += [
             Figure(
                 f"burst: bare pop-and-SIGKILL loop {tag}",
@@ -528,6 +587,42 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
         )
     )
     return figures
+
+
+def commit_figure(cpu_off: float) -> Figure:
+    """The least durable state adds to a request: one change (an arm, then a
+    release, in turns) made and committed by the daemon's own `Store` (its record
+    encoded and written with one write(2)), against the daemon's CPU per request
+    without state. For state on to keep 95 % of the stateless rate, this must stay
+    under 5.3 % of it (1 / 0.95 - 1)."""
+    from watchdogd.core.timers import Timer
+    from watchdogd.process import read_start_time
+    from watchdogd.store import Store
+
+    count = 20_000
+    with tempfile.TemporaryDirectory(prefix="wd-bench-") as directory:
+        store, _ = Store.open(str(Path(directory) / "state.db"))
+        try:
+            now = time.monotonic()
+            timer = Timer(pid=os.getpid(), scope="bench", policy="kill", uid=0, owner=0,
+                          timeout=60.0, armed_at=now, deadline=now + 60,
+                          start_time=read_start_time(os.getpid()), seq=0)  # fmt: skip
+            started = time.perf_counter()
+            for _ in range(count // 2):
+                store.put(timer)
+                store.commit(store.generation)
+                store.drop(timer)
+                store.commit(store.generation)
+            each = (time.perf_counter() - started) / count
+        finally:
+            store.close()
+    return Figure(
+        "a change committed by the Store alone",
+        each * 1e6,
+        "us",
+        each / cpu_off,
+        "encoded and written, one write(2); x the daemon's CPU per request, state off",
+    )
 
 
 def time_to_ready(state: Path, socket_path: Path) -> float:
@@ -598,6 +693,22 @@ def restart_figures(sizes: list[int]) -> list[Figure]:
     return figures
 
 
+def per_round(name: str, times: list[float], floors: list[float], note: str) -> Figure:
+    """Round trips, each round's against the floor of the same round: the floor
+    itself swings (25 to 48 us here) with how busy the machine just was."""
+    paired = [ours / least for ours, least in zip(times, floors, strict=True)]
+    low, _, high = statistics.quantiles(paired, n=4)
+    one = statistics.median(times)
+    spread = f"{1 / one:,.0f}/s; x its round's floor, middle half {low:.2f}-{high:.2f}"
+    return Figure(
+        name,
+        one * 1e6,
+        "us/round trip",
+        statistics.median(paired),
+        f"{spread}; {note}" if note else spread,
+    )
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -620,11 +731,13 @@ def main() -> None:
     # The floor and both daemons take the load in turns, round after round: this
     # machine's speed drifts over seconds, and the comparison must not.
     floors: list[float] = []
+    trio_floors: list[float] = []
     singles: dict[str, list[float]] = {"off": [], "on": []}
     eights: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}  # daemon CPU per request
     with (
         echo_server() as echo,
+        echo_server(on_trio=True) as trio_echo,
         tempfile.TemporaryDirectory(prefix="wd-bench-") as off_dir,
         tempfile.TemporaryDirectory(prefix="wd-bench-") as on_dir,
         running_daemon(Path(off_dir), "--no-state") as (off_path, _, off_pid),
@@ -636,6 +749,7 @@ def main() -> None:
     ):
         for _ in range(rounds):
             floors.append(floor_round_trip(echo, round_trips // rounds))
+            trio_floors.append(floor_round_trip(trio_echo, round_trips // rounds))
             for state, path, pid in (("off", off_path, off_pid), ("on", on_path, on_pid)):
                 singles[state].append(single_client(path, round_trips // rounds))
                 before = cpu_seconds(pid)
@@ -651,23 +765,18 @@ def main() -> None:
                 "us/round trip",
                 1.0,
                 f"{floor_rate:,.0f}/s; median of {rounds} rounds between the daemons'",
-            )
+            ),
+            per_round(
+                "floor: trio echo, no work",
+                trio_floors,
+                floors,
+                "the daemon's read loop alone, answering without decoding",
+            ),
         ]
         for state in ("off", "on"):
-            one = statistics.median(singles[state])
             eight = statistics.median(eights[state])
-            # Each round against the floor of the same round: the floor itself
-            # swings (25 to 48 us here) with how busy the machine just was.
-            paired = [ours / least for ours, least in zip(singles[state], floors, strict=True)]
-            low, _, high = statistics.quantiles(paired, n=4)
             figures += [
-                Figure(
-                    f"1 client, state {state}",
-                    one * 1e6,
-                    "us/round trip",
-                    statistics.median(paired),
-                    f"{1 / one:,.0f}/s; x its round's floor, middle half {low:.2f}-{high:.2f}",
-                ),
+                per_round(f"1 client, state {state}", singles[state], floors, ""),
                 Figure(
                     f"8 clients, state {state}",
                     eight,
@@ -687,6 +796,7 @@ def main() -> None:
                     "8 clients; steadier than wall-clock rates here",
                 )
             )
+        figures.append(commit_figure(statistics.median(cpu["off"])))
         for what, kept in (
             ("1 client", [off / on for on, off in zip(singles["on"], singles["off"], strict=True)]),
             ("8 clients", [on / off for on, off in zip(eights["on"], eights["off"], strict=True)]),
