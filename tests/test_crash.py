@@ -20,7 +20,7 @@ import pytest
 from watchdogd.daemon import restart_estimate
 from watchdogd_client import DaemonUnavailable
 
-from conftest import PATIENCE, RunningDaemon, reap, wait_until
+from conftest import PATIENCE, RunningDaemon, expired_event, reap, wait_until
 
 SOAK = os.environ.get("WATCHDOGD_SOAK", "") == "1"
 
@@ -86,7 +86,7 @@ def test_a_sigterm_during_a_term_policy_leaves_it_for_the_next_start(
         status = ignores_term.wait(timeout=PATIENCE + 10)
         assert status == -signal.SIGKILL
         with restartable.client() as client:
-            [event] = [e for e in client.events().events if e.kind == "expired"]
+            event = expired_event(client, ignores_term.pid)
         assert event.outcome == "exited"
         assert "resumed at step 2" in event.note
         # The wait kept its end: SIGKILL came about 10 s after the SIGTERM.
@@ -256,7 +256,7 @@ def test_a_policy_removed_across_a_restart_starts_the_default_from_its_first_ste
         assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
         assert time.monotonic() - started < PATIENCE  # not after the old 30 s wait
         with daemon.client() as client:
-            [event] = [e for e in client.events().events if e.kind == "expired"]
+            event = expired_event(client, worker.pid)
         assert event.policy == "kill"
         assert "started again from its first step" in event.note
     finally:

@@ -26,6 +26,7 @@ from conftest import (
     RunningDaemon,
     configured_daemon,
     ctl,
+    expired_event,
     incidents,
     reap,
     start_rank,
@@ -210,7 +211,7 @@ def test_without_etcd_expiries_stay_on_time_and_the_fleet_heals(
             try:
                 client.acquire("alone", 0.2, pid=victim.pid, job="run-alone")
                 assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
-                [event] = [e for e in client.events(limit=100).events if e.pid == victim.pid]
+                event = expired_event(client, victim.pid)
                 assert event.late is not None
                 assert event.late < 0.05
                 kinds = [e.kind for e in client.events(limit=100).events]
