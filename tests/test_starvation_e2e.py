@@ -155,7 +155,12 @@ def test_a_victim_starved_by_a_hog_gets_its_grace(
     assert status == -signal.SIGKILL
     extended, expired = the("extended", events), the("expired", events)
     name = "/" + cgroup.name
-    assert extended.note.startswith(f"starved: over the {TIMEOUT:.2f}s it was armed")
+    # The period runs from the sample taken at arming to the one taken at the
+    # deadline, which a busy machine can delay by some milliseconds: the note
+    # says what was measured.
+    period = re.match(r"starved: over the (\d+\.\d\d)s it was armed", extended.note)
+    assert period is not None, extended.note
+    assert TIMEOUT - 0.1 < float(period[1]) < TIMEOUT + 0.5
     assert f"its cgroup {name} waited for cpu" in extended.note
     assert extended.note.endswith(f"given {GRACE:g}s more, once")
     assert "watchdogd_extensions_total" in client.metrics()
