@@ -21,8 +21,8 @@ Figures:
   signal, p50, p99 and max, each against a bare Python loop that pops the same
   deadlines from a heap and sends the same SIGKILLs through pidfds (its own floor),
   that loop in C (bench/burst_floor.c, when a C compiler is found: the machine's
-  floor), and the slowest ping answered meanwhile; then the same burst armed by uid 65534
-  (as root only), whose first signals each wait for a check of the uid;
+  floor), and the slowest ping answered meanwhile; then the same burst armed by
+  uid 65534 (as root only), whose first signals each wait for a check of the uid;
 - restart: start to sd_notify READY with 100,000 and 1,000,000 timers in the state,
   against an empty state.
 
@@ -430,14 +430,20 @@ def burst_floor(victims: int, others: int) -> list[float]:
 def native_burst_floor(directory: Path, victims: int, others: int) -> list[float] | None:
     """`burst_floor` without Python: bench/burst_floor.c, built with the C compiler
     found, on the same deadlines, heap size and CPUs. What this machine's kernel
-    leaves for any signaller; None (said in a line) without a C compiler."""
+    leaves for any signaller; None (said in a line) without a C compiler that
+    builds it."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         print("burst: no C compiler found; the native floor is skipped")
         return None
     program = directory / "burst_floor"
     source = Path(__file__).with_name("burst_floor.c")
-    subprocess.run([compiler, "-O2", "-o", str(program), str(source)], check=True)
+    build = [compiler, "-O2", "-o", str(program), str(source)]
+    built = subprocess.run(build, check=False, capture_output=True, text=True)
+    if built.returncode != 0:
+        print(f"burst: {source.name} did not build; the native floor is skipped")
+        print(built.stderr, end="")
+        return None
     children = spawn_victims(victims)
     try:
         command = [str(program), str(SERVER_CPU), str(others), *map(str, children)]
