@@ -238,7 +238,7 @@ class Actions:
         if note or policy.target != "process" or not steps or type(steps[0]) is not Signal:
             return False
         owner = timer.owner
-        if owner and not (process.refresh() and owner in (process.uid, process.saved_uid)):
+        if owner and not process.signallable_by(owner):
             return False
         step = steps[0]
         command = process.command() if read_command else process.armed_command

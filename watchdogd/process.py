@@ -142,6 +142,12 @@ class Process:
         self.uid, self.saved_uid = uid, saved_uid
         return True
 
+    def signallable_by(self, uid: int) -> bool:
+        """Whether ``uid`` may signal the process now, as kill(2) would judge a
+        user's signal: it is still the process's real or saved uid (read again,
+        `refresh`). False once the process has exited."""
+        return self.refresh() and uid in (self.uid, self.saved_uid)
+
     def command(self) -> str:
         """The process's command line, or ``[comm]`` when it has none (a zombie)."""
         return command_of(self.pid)

@@ -427,7 +427,7 @@ def _belongs_to_another(pid: int, owner: int) -> bool:
 def _denied(process: Process, owner: int) -> str:
     """Why ``owner`` may not signal ``process`` now, or "" if it may (or the process
     has exited: its steps are skipped anyway)."""
-    if not process.refresh() or owner in (process.uid, process.saved_uid):
+    if process.signallable_by(owner) or not process.alive():
         return ""
     return (
         f"uid {owner} may no longer signal pid {process.pid}: its real uid is now "
