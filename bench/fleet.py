@@ -65,6 +65,7 @@ from watchdogd.core.timers import Expired
 from watchdogd.fleet.etcd import Data, EtcdClient, EtcdFailure, Limits
 from watchdogd.fleet.member import FleetMember
 from watchdogd.metrics import exposition
+from watchdogd.users import UserNames
 from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
@@ -142,10 +143,7 @@ class FakePort:
         process.close()
 
     def user_name(self, uid: int) -> str:
-        return "root" if uid == 0 else str(uid)
-
-    def uid_of(self, user: str) -> int | None:
-        return 0 if user == "root" else None
+        return "root" if uid == 0 else f"#{uid}"
 
     def sample(self, process: FakeProcess) -> Sample | None:
         return None
@@ -307,7 +305,9 @@ def build_hosts(
         service = Service(config, FakePort(), daemon_pid=1, now=time.monotonic(),
                           render_metrics=exposition, host=name)  # fmt: skip
         actions = FakeActions(name, service, clocks, nursery, stack)
-        member = FleetMember(config.fleet, service, actions.carry_out,
+        names = UserNames(name_of_uid=lambda uid: "root" if uid == 0 else f"#{uid}",
+                          uid_of_name=lambda name: 0 if name == "root" else None)  # fmt: skip
+        member = FleetMember(config.fleet, service, actions.carry_out, names,
                              client=CountingClient(endpoint, calls, clocks))  # fmt: skip
         hosts.append(Host(name, service, member, actions))
     for number, members in enumerate(spans):

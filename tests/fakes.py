@@ -10,6 +10,7 @@ from watchdogd.core.service import Caller, Service
 from watchdogd.core.starvation import Sample
 from watchdogd.errors import Refusal
 from watchdogd.metrics import exposition
+from watchdogd.users import UserNames
 from watchdogd_client.protocol import ErrorCode
 
 DAEMON_PID = 50
@@ -83,10 +84,7 @@ class FakeHost:
         return self.command_lines.get(process.pid, f"cmd-{process.pid}")
 
     def user_name(self, uid: int) -> str:
-        return USERS.get(uid, str(uid))
-
-    def uid_of(self, user: str) -> int | None:
-        return next((uid for uid, name in USERS.items() if name == user), None)
+        return USERS.get(uid, f"#{uid}")
 
     def executable(self, process: FakeProcess) -> str:
         return f"/usr/bin/prog-{process.pid}"
@@ -150,3 +148,11 @@ def make_world(**limits: object) -> World:
     service, host, notified = make_service(**limits)
     alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
     return World(service, host, notified, alice, bob, root)
+
+
+def fake_names() -> UserNames:
+    """The fleet names of `USERS`, without passwd lookups."""
+    return UserNames(
+        name_of_uid=lambda uid: USERS.get(uid, f"#{uid}"),
+        uid_of_name=lambda name: next((uid for uid, known in USERS.items() if known == name), None),
+    )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from watchdogd.fleet.member import MAX_VALUE_BYTES, _within
+from watchdogd.fleet.records import MAX_RANKS_BYTES, encode_ranks
 from watchdogd_client.protocol import IncidentInfo, RankInfo
 
 from conftest import (
@@ -257,7 +257,8 @@ def test_a_hosts_ranks_are_cut_to_fit_one_etcd_value() -> None:
         RankInfo(host="a", pid=pid, uid=0, role="peer", scope="s", stack="x" * 600_000)
         for pid in range(8)
     ]
-    cut = _within(ranks, MAX_VALUE_BYTES)
-    assert len(msgspec.json.encode(cut)) <= MAX_VALUE_BYTES
-    assert all(rank.stack for rank in cut)
-    assert _within(ranks[:1], MAX_VALUE_BYTES * 2) == ranks[:1]
+    cut = encode_ranks([(rank, "") for rank in ranks], MAX_RANKS_BYTES)
+    assert len(cut) <= MAX_RANKS_BYTES
+    assert all(rank["stack"] for rank in msgspec.json.decode(cut))
+    whole = encode_ranks([(ranks[0], "")], MAX_RANKS_BYTES * 2)
+    assert msgspec.json.decode(whole)[0]["stack"] == ranks[0].stack

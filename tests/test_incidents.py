@@ -80,7 +80,7 @@ def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
     log.add(incident, rank(12, 2, role="peer", uid=2000))
     log.finished(finished(incident, 11, kind="peer"))
     log.finished(finished(incident, 10))
-    root_view = log.get(incident, 0)
+    root_view = log.get(incident, 0, 0)
     assert root_view is not None
     assert [(r.rank, r.role, r.state, bool(r.stack)) for r in root_view.ranks] == [
         (1, "hung", "done", True),
@@ -89,7 +89,7 @@ def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
     ]
     assert root_view.ranks[0].frame.startswith("all_reduce")
     # Root's job: no other user may see it at all.
-    assert log.get(incident, 1000) is None
+    assert log.get(incident, 1000, 1000) is None
     assert log.listing(1000, 10) == []
     assert [i.id for i in log.listing(0, 10)] == [incident]
 
@@ -100,10 +100,10 @@ def test_a_users_incident_shows_them_only_their_processes_stacks() -> None:
     log.merge_ranks(
         incident, "b", [msgspec.structs.replace(rank(99, 7, host="b", uid=0), stack=DUMP)]
     )
-    view = log.get(incident, 1000)
+    view = log.get(incident, 1000, 1000)
     assert view is not None
     assert [(r.host, r.pid, r.stack) for r in view.ranks] == [("a", 10, ""), ("b", 99, "")]
-    assert log.get(incident, 0) is not None
+    assert log.get(incident, 0, 0) is not None
 
 
 def test_a_host_is_settled_once_none_of_its_ranks_is_pending() -> None:
@@ -125,13 +125,13 @@ def test_bounds_on_incidents_and_stacks() -> None:
     assert [i.id for i in log.listing(0, 10)] == ids[2:]
     incident = ids[-1]
     log.finished(finished(incident, 4, stack="x" * (2 * MAX_STACK_BYTES)))
-    view = log.get(incident, 0)
+    view = log.get(incident, 0, 0)
     assert view is not None
     assert len(view.ranks[0].stack.encode()) <= MAX_STACK_BYTES
     for pid in range(100, 130):
         log.add(incident, rank(pid, pid, role="peer"))
         log.finished(finished(incident, pid, kind="peer", stack="y" * MAX_STACK_BYTES))
-    view = log.get(incident, 0)
+    view = log.get(incident, 0, 0)
     assert view is not None
     assert len(msgspec.msgpack.encode(view)) < MAX_REPLY_BYTES
 
@@ -183,7 +183,7 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
     ]
     [listed] = service.incidents.listing(1000, 10)
     assert {run.incident for item in second if (run := item.timer.run) is not None} == {listed.id}
-    whole = service.incidents.get(listed.id, 1000)
+    whole = service.incidents.get(listed.id, 1000, 1000)
     assert whole is not None
     assert [(rank.pid, rank.role) for rank in whole.ranks] == [
         (200, "hung"),
@@ -206,7 +206,7 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     head = IncidentInfo(
         id="b-1", job="j", user="alice", uid=1000, host="b", scope="s", reason="timeout", time=0.0
     )
-    [first] = service.fleet_incident(head, 1.0)
+    [first] = service.fleet_incident(head, 1000, 1.0)
     assert (first.timer.pid, first.timer.policy) == (200, "peer_dump")
     later = service.open_connection(Peer(pid=201, uid=1000, gid=1000, pidfd=-1))
     service.handle(Acquire(id=2, scope="step", timeout=60.0, job="j", rank=1), later, 2.0)
@@ -215,7 +215,7 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     two = rank(901, 7, host="b")
     [second] = service.fleet_ranks("b-1", "b", [one, two], 4.0)
     assert second.timer.pid == 201
-    shown = service.incidents.get("b-1", 1000)
+    shown = service.incidents.get("b-1", 1000, 1000)
     assert shown is not None
     here = service.incidents.host
     assert sorted((r.host, r.pid, r.role) for r in shown.ranks) == [

@@ -32,7 +32,7 @@ from watchdogd_client.protocol import (
 
 from conftest import PATIENCE
 from etcd_server import EtcdServer
-from fakes import ROOT, FakeHost, FakeProcess
+from fakes import ROOT, FakeHost, FakeProcess, fake_names
 
 #: The pids of each host's ranks, root's processes.
 PIDS = (500, 501)
@@ -127,7 +127,7 @@ class Host:
         return run.incident
 
     def incident(self, incident: str) -> IncidentInfo | None:
-        return self.service.incidents.get(incident, 0)
+        return self.service.incidents.get(incident, 0, 0)
 
 
 def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host:
@@ -147,7 +147,9 @@ def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host
             )  # fmt: skip
             assert isinstance(reply, Acquired), reply
     host = Host(name, service, RecordingClient(etcd.url))
-    host.member = FleetMember(config.fleet, service, host.carry_out, client=host.client)
+    host.member = FleetMember(
+        config.fleet, service, host.carry_out, fake_names(), client=host.client
+    )
     return host
 
 

@@ -69,7 +69,7 @@ from .core.service import Service
 from .core.timers import Expired, Timer
 from .hooks import run_hook, substitute
 from .logs import log
-from .process import Process
+from .process import Process, ptrace_reader
 from .targets import Target, open_target
 
 #: The most expiries one pass fires, and the most one call of `Actions.settle`
@@ -494,6 +494,9 @@ class Actions:
                 elif isinstance(step, Signal):
                     self._started(expiry)
                     self._signalled(expiry, step, target.signal(step.signum))
+                elif isinstance(step, Dump):
+                    self._started(expiry)
+                    expiry.results.append(await self._dump(expiry, step, values, env))
                 else:
                     self._started(expiry)
                     expiry.results.append(await self._hook(step, values, env))
@@ -514,6 +517,19 @@ class Actions:
         exited = await target.wait_exit(max(0.0, end - self._clock()))
         result = "exited" if exited else f"still running after {step.seconds:g}s"
         return StepResult(step=step.describe(), result=result)
+
+    async def _dump(
+        self, expiry: _Expiry, step: Dump, values: dict[str, str], env: dict[str, str]
+    ) -> StepResult:
+        """A dump of the timer's process, and who besides root may read it: the one
+        user ptrace's read rule let read the process both just before and just
+        after it was dumped (`watchdogd.process.ptrace_reader`), stored with the
+        stack, since the process may be gone when someone looks."""
+        before = ptrace_reader(expiry.timer.pid)
+        result = await self._hook(step, values, env)
+        after = ptrace_reader(expiry.timer.pid)
+        self._service.dump_taken(expiry.timer, before if before == after else None)
+        return result
 
     @staticmethod
     async def _hook(step: Step, values: dict[str, str], env: dict[str, str]) -> StepResult:

@@ -25,7 +25,6 @@ import ctypes
 import gc
 import grp
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -56,14 +55,16 @@ from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .store import Store
 from .systemd import Notifier, watchdog_interval
+from .users import UserNames
 
 
 class HostProcesses:
     """The service's process port on a real host: pidfds, the exit watcher and
     what the kernel says of a process's share of the machine."""
 
-    def __init__(self, watcher: ExitWatcher) -> None:
+    def __init__(self, watcher: ExitWatcher, names: UserNames) -> None:
         self._watcher = watcher
+        self._names = names
         self._pressure = PressureGauge()
 
     def open(self, pid: int, peer: Peer) -> Process:
@@ -82,16 +83,7 @@ class HostProcesses:
         return process.executable()
 
     def user_name(self, uid: int) -> str:
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return str(uid)
-
-    def uid_of(self, user: str) -> int | None:
-        try:
-            return pwd.getpwnam(user).pw_uid
-        except KeyError:
-            return int(user) if user.isdigit() else None
+        return self._names.name_of(uid) or f"#{uid}"
 
     def track(self, process: Process) -> None:
         process.remember_command()
@@ -247,6 +239,7 @@ class Daemon:
             self.store, loaded = Store.open(state_path)
             timers = loaded.timers
         self.watcher = ExitWatcher()
+        self.names = UserNames()
         self.news = trio.lowlevel.ParkingLot()
         self.notifier = Notifier()
         self.actions: Actions | None = None
@@ -260,7 +253,7 @@ class Daemon:
         )
         self.service: Service[Process] = Service(
             config,
-            HostProcesses(self.watcher),
+            HostProcesses(self.watcher, self.names),
             daemon_pid=os.getpid(),
             now=clock(),
             on_deadline=self.scheduler.notify,
@@ -304,6 +297,7 @@ class Daemon:
             self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake
         )
         await nursery.start(self.actions.run)
+        await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
             await nursery.start(self.store.run)
@@ -336,7 +330,9 @@ class Daemon:
         unprotected: the daemon runs on without it."""
         assert self.actions is not None
         try:
-            self.fleet = FleetMember(self.config.fleet, self.service, self.actions.carry_out)
+            self.fleet = FleetMember(
+                self.config.fleet, self.service, self.actions.carry_out, self.names
+            )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))
             self.service.fleet_changed(False, f"not joined: {exc}")

@@ -90,6 +90,15 @@ class _Collector(Collector):
         for result, count in sorted(m.reloads.items()):
             reloads.add_metric([result], count)
         yield reloads
+        if m.fleet_rejected:
+            rejected = CounterMetricFamily(
+                "watchdogd_fleet_rejected",
+                "Keys read from the fleet's store that were not taken, by reason.",
+                labels=["reason"],
+            )
+            for reason, count in sorted(m.fleet_rejected.items()):
+                rejected.add_metric([reason], count)
+            yield rejected
         yield HistogramMetricFamily(
             "watchdogd_lateness_seconds",
             "Time from a deadline to the first signal of its policy.",

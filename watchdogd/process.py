@@ -296,6 +296,37 @@ def read_uids(pid: int) -> tuple[int, int]:
     raise ProcessLookupError(pid)
 
 
+def ptrace_reader(pid: int) -> tuple[int, int] | None:
+    """The one user besides root who may read the memory (the stack) of ``pid``
+    now, by ptrace's read rule, as (uid, gid): its real, effective and saved uids
+    are that uid, its gids that gid, and it is dumpable. None when no such user
+    exists (root alone may), or the process is gone.
+
+    The kernel owns a process's /proc files by its effective uid and gid while it
+    is dumpable, by root otherwise (a process that changed its credentials, say a
+    daemon that dropped root, is not dumpable): the owner of the status file, read
+    through the same open file, says which."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            owner = os.fstat(status.fileno())
+            uids: set[int] = set()
+            gids: set[int] = set()
+            for line in status:
+                if line.startswith(b"Uid:"):
+                    uids = set(map(int, line.split()[1:4]))
+                elif line.startswith(b"Gid:"):
+                    gids = set(map(int, line.split()[1:4]))
+                    break
+    except (OSError, ValueError):
+        return None
+    if len(uids) != 1 or len(gids) != 1:
+        return None
+    uid, gid = uids.pop(), gids.pop()
+    if uid == 0 or (owner.st_uid, owner.st_gid) != (uid, gid):
+        return None
+    return uid, gid
+
+
 @dataclass(slots=True, frozen=True)
 class Stat:
     """The fields of /proc/PID/stat the daemon uses."""

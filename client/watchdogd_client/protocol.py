@@ -540,9 +540,11 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     ``state`` is ``pending`` until its policy (the hung rank's own, or the peer
     policy) has run, then ``done``, ``gone`` (it had exited) or ``denied``.
-    ``stack`` is what its dump step captured (empty without one, or when the
-    caller may not see it: root and the process's own uid may); ``frame`` the
-    innermost frame of its main thread, where it was waiting."""
+    ``stack`` is what its dump step captured; ``frame`` the innermost frame of
+    its main thread, where it was waiting. Both are empty for a caller who may not
+    see them: root may; another user only where ptrace's read rule let them read
+    the process themselves when it was dumped (``reader_uid``: the one uid besides
+    root, with ``reader_gid`` its gid; None: root alone), and ``note`` says why."""
 
     host: str
     pid: int
@@ -558,6 +560,8 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frame: str = ""
     stack: str = ""
     note: str = ""
+    reader_uid: int | None = None
+    reader_gid: int | None = None
 
 
 class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):

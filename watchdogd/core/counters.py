@@ -32,6 +32,11 @@ class Counters:
         #: Calls to the fleet's store that failed; incidents it could not keep up with.
         self.fleet_errors = 0
         self.fleet_dropped = 0
+        #: Keys read from the fleet that were not taken, by reason
+        #: (`watchdogd.fleet.records.REASONS`).
+        self.fleet_rejected: Counter[str] = Counter()
+        #: Errors of the fleet's task that nothing expected (a bug): it restarts.
+        self.fleet_unexpected = 0
         #: Processes with timers of each (owner uid, job), as last rendered.
         self.job_processes: dict[tuple[int, str], int] = {}
         self.exited = 0

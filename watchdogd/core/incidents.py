@@ -21,7 +21,8 @@ Pure and synchronous, bounded: at most ``keep`` incidents (the oldest goes), at
 most `MAX_RANKS` processes an incident, each stack cut to `MAX_STACK_BYTES`. They
 are kept in memory: a restart of the daemon forgets them (the fleet keeps its own
 copy). Root sees every incident; another uid, those of its own jobs, and of each
-the stacks of its own processes only.
+the stacks only of the processes ptrace's read rule let it read when they were
+dumped (`may_read`): the decision is taken at the dump and kept with the rank.
 """
 
 from __future__ import annotations
@@ -155,6 +156,22 @@ class IncidentLog:
             incident.ranks.append(rank)
             self.on_change(self._whole(incident))
 
+    def dumped(self, incident_id: str, pid: int, role: str, reader: tuple[int, int] | None) -> None:
+        """The dump of this host's process ``pid`` (its ``role`` in the incident) was
+        taken: ``reader`` is who besides root may read it (`get`)."""
+        incident = self._incidents.get(incident_id)
+        if incident is None:
+            return
+        uid, gid = (None, None) if reader is None else reader
+        for index, rank in enumerate(incident.ranks):
+            if (rank.host, rank.pid, rank.role) == (self.host, pid, role) and (
+                rank.state == "pending"
+            ):
+                incident.ranks[index] = msgspec.structs.replace(
+                    rank, reader_uid=uid, reader_gid=gid
+                )
+                return
+
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
         ``peer`` event says how, and holds its stack if it dumped one."""
@@ -250,14 +267,16 @@ class IncidentLog:
             and any(rank.pid == pid and rank.host == self.host for rank in incident.ranks)
         ]
 
-    def get(self, incident_id: str, viewer: int) -> IncidentInfo | None:
-        """One incident as ``viewer`` may see it (None: none it may see), hung
-        ranks first, then by host and rank, its stacks cut to fit a reply."""
+    def get(self, incident_id: str, viewer: int, viewer_gid: int) -> IncidentInfo | None:
+        """One incident as ``viewer`` (of group ``viewer_gid``) may see it (None:
+        none it may see), hung ranks first, then by host and rank, its stacks cut
+        to fit a reply. A rank's stack and frame are shown to root, and to the
+        rank's reader (`may_read`); to anyone else, a note says why not."""
         incident = self._incidents.get(incident_id)
         if incident is None or viewer not in (ROOT, incident.info.uid):
             return None
         ranks = [
-            rank if viewer in (ROOT, rank.uid) else msgspec.structs.replace(rank, stack="")
+            rank if may_read(rank, viewer, viewer_gid) else _unread(rank)
             for rank in sorted(incident.ranks, key=_shown_order)
         ]
         budget = (MAX_REPLY_BYTES - _ENVELOPE_BYTES) // max(1, len(ranks))
@@ -279,6 +298,31 @@ class IncidentLog:
         while len(self._incidents) > self.keep:
             oldest, _ = self._incidents.popitem(last=False)
             self._open = {job: held for job, held in self._open.items() if held != oldest}
+
+
+def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
+    """Whether ``viewer`` (of group ``viewer_gid``) may see the stack and frame of
+    ``rank``: root may; another user only where ptrace's read rule let them read
+    the process when it was dumped (its reader: the same real, effective and
+    saved uid, the same gids, dumpable). A remote rank's reader is the local user
+    of its name, and its gid is not compared (gids are numbers of its host)."""
+    if viewer == ROOT:
+        return True
+    if rank.reader_uid is None or rank.reader_uid != viewer:
+        return False
+    return rank.reader_gid is None or rank.reader_gid == viewer_gid
+
+
+def _unread(rank: RankInfo) -> RankInfo:
+    """``rank`` without what its viewer may not see, with a note why."""
+    if not (rank.stack or rank.frame):
+        return rank
+    why = (
+        "its stack is shown to root only: when it was dumped, ptrace's rules would not "
+        "have let you read this process (its uids or gids differed, or it was not dumpable)"
+    )
+    note = f"{rank.note}; {why}" if rank.note else why
+    return msgspec.structs.replace(rank, stack="", frame="", note=note)
 
 
 def first_frame(stack: str) -> str:

@@ -219,10 +219,8 @@ class ProcessPort(Protocol[P]):
         """Drop the table's reference (it left the table)."""
 
     def user_name(self, uid: int) -> str:
-        """The name of user ``uid`` (its number, when it has none)."""
-
-    def uid_of(self, user: str) -> int | None:
-        """The uid of the user named ``user`` on this host (None: no such user)."""
+        """The fleet name of user ``uid`` (`watchdogd.users`) if known at once, else
+        ``#UID``; never a lookup that waits (it is asked for, for next time)."""
 
     def sample(self, process: P) -> Sample | None:
         """What the kernel says of it now: its CPU time and the pressure on its
@@ -447,6 +445,10 @@ class Service(Generic[P]):
             if entering:
                 process.retain()
                 self._processes.track(process)
+            if request.job:
+                # The name an incident of the job will carry, looked up off the
+                # loop now: by its expiry it is known.
+                self._processes.user_name(caller.peer.uid)
             timer = self._measure_for_starvation(timer, chosen, process)
             self.journal.put(timer)
         finally:
@@ -671,7 +673,7 @@ class Service(Generic[P]):
         if isinstance(request, Incidents):
             listing = self.incidents.listing(peer.uid, request.limit)
             return IncidentsReply(id=request.id, incidents=listing)
-        found = self.incidents.get(request.incident, peer.uid)
+        found = self.incidents.get(request.incident, peer.uid, peer.gid)
         if found is None:
             raise Refusal(
                 ErrorCode.NO_SUCH_INCIDENT,
@@ -845,8 +847,12 @@ class Service(Generic[P]):
             ),
             "fleet_errors": ("Calls to the fleet's store that failed.", self.metrics.fleet_errors),
             "fleet_dropped": (
-                "Incident changes not published: more waited than the bound.",
+                "Incident changes not published: more of their user's waited than its share.",
                 self.metrics.fleet_dropped,
+            ),
+            "fleet_unexpected_errors": (
+                "Errors of the fleet's task that nothing expected; it starts again.",
+                self.metrics.fleet_unexpected,
             ),
         }
 
@@ -982,52 +988,89 @@ class Service(Generic[P]):
             runs.append(Expired(firing, process, orphaned=False))
         return runs
 
-    def held_jobs(self) -> set[tuple[str, str]]:
-        """The jobs this host holds timers of, as the fleet names them: (the name
-        of the user who armed them, the job)."""
-        return {(self._processes.user_name(uid), job) for uid, job in self.table.jobs()}
+    def held_jobs(self, limit: int, per_uid: int) -> list[tuple[int, str]]:
+        """The jobs this host holds timers of, as (the uid that armed them, the
+        job), at most ``limit``: root's first, then each other uid's, at most
+        ``per_uid`` of each, in the order they came, a uid at a time in turn; so
+        that one user's many jobs never crowd out another's."""
+        root: list[tuple[int, str]] = []
+        others: dict[int, list[tuple[int, str]]] = {}
+        for key in self.table.job_keys():
+            if key[0] == ROOT:
+                if len(root) < limit:
+                    root.append(key)
+                continue
+            held = others.get(key[0])
+            if held is None:
+                others[key[0]] = [key]
+            elif len(held) < per_uid:
+                held.append(key)
+        turns = itertools.zip_longest(*(others[uid] for uid in sorted(others)))
+        rest = (key for turn in turns for key in turn if key is not None)
+        return root + list(itertools.islice(rest, max(0, limit - len(root))))
 
-    def fleet_incident(self, incident: IncidentInfo, now: float) -> list[Expired[P]]:
-        """An incident another host opened: when this host holds timers of its job
-        (the same user's: the name says, mapped to this host's uid), it is kept
-        here too and each local process of the job gets the peer policy of its
-        own timer's policy (runs for the caller to carry out). Otherwise, or
-        when it is known already, nothing."""
-        uid = self._processes.uid_of(incident.user)
-        if uid is None or incident.id in self.incidents:
+    def jobs_changed(self) -> int:
+        """A number that changes whenever a job came or went."""
+        return self.table.jobs_changed
+
+    def fleet_incident(self, incident: IncidentInfo, uid: int, now: float) -> list[Expired[P]]:
+        """An incident another host opened, of a job of the user this host knows as
+        ``uid`` (the fleet maps the incident's user *name* to it): when this host
+        holds timers of the job, the incident is kept here too, as ``uid``'s, and
+        each local process of the job gets the peer policy of its own timer's
+        policy (runs for the caller to carry out). Otherwise, or when it is known
+        already, nothing."""
+        if incident.id in self.incidents:
             return []
         job = (uid, incident.job)
         if not self.table.job_pids(*job):
             return []
-        self.incidents.merge(incident)
+        self.incidents.merge(msgspec.structs.replace(incident, uid=uid))
         return self._peers(incident.id, job, None, set(), now)
 
     def fleet_ranks(
         self, incident_id: str, host: str, ranks: list[RankInfo], now: float
     ) -> list[Expired[P]]:
-        """The ranks ``host`` found of an incident kept here. When a new hung rank
-        came with them (an expiry there joined the incident: a job restarted
-        within the window hung again), the job's local processes the incident
-        does not list yet get the peer policy, as a local expiry would give them."""
+        """The ranks ``host`` found of an incident kept here, their readers mapped
+        to local uids already. When a new hung rank came with them (an expiry there
+        joined the incident: a job restarted within the window hung again), the
+        job's local processes the incident does not list yet get the peer policy,
+        as a local expiry would give them."""
         if not self.incidents.merge_ranks(incident_id, host, ranks):
             return []
         head = self.incidents.head(incident_id)
-        uid = None if head is None else self._processes.uid_of(head.user)
-        if head is None or uid is None:
+        if head is None:
             return []
         listed = self.incidents.pids(incident_id)
-        return self._peers(incident_id, (uid, head.job), None, listed, now)
+        return self._peers(incident_id, (head.uid, head.job), None, listed, now)
 
-    def host_lost(self, host: str, jobs: Iterable[tuple[str, str]]) -> None:
+    def host_lost(self, host: str, user: str, jobs: Iterable[tuple[int, str]]) -> None:
         """``host`` left the fleet without stopping (its lease lapsed): an incident
-        of kind ``host_lost`` for each of its jobs this host holds too."""
-        for user, job in sorted(jobs):
-            uid = self._processes.uid_of(user)
-            if uid is None or not self.table.job_pids(uid, job):
+        of kind ``host_lost`` for each of its jobs this host holds too, as (local
+        uid, job); ``user`` names each uid as the fleet does."""
+        for uid, job in sorted(jobs):
+            if not self.table.job_pids(uid, job):
                 continue
             note = f"host {host} left the fleet (its lease lapsed: the daemon or the host is gone)"
             self.incidents.opened("host_lost", (uid, job), user, note, self._wall())
             self.metrics.incidents += 1
+
+    def fleet_rejected(self, reason: str) -> None:
+        """A key read from the fleet was not taken (`watchdogd.fleet.records`)."""
+        self.metrics.fleet_rejected[reason] += 1
+
+    def fleet_failed(self, *, unexpected: bool = False) -> None:
+        """A call to the fleet's store failed (``unexpected``: the fleet's task met
+        an error nothing expected, and starts again)."""
+        if unexpected:
+            self.metrics.fleet_unexpected += 1
+        else:
+            self.metrics.fleet_errors += 1
+
+    def fleet_dropped(self) -> None:
+        """An incident change was not published: its user's share of the queue
+        was full."""
+        self.metrics.fleet_dropped += 1
 
     def fleet_changed(self, connected: bool, note: str) -> None:
         """The fleet's store became unreachable, or reachable again."""
@@ -1204,6 +1247,14 @@ class Service(Generic[P]):
             if event.incident:
                 self.incidents.finished(event)
         self.events.record_many(events)
+
+    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+        """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
+        besides root that may read what it captured (None: root alone), as the
+        kernel judged it then. Kept with the incident's rank, if it has one."""
+        if timer.run is not None and timer.run.incident:
+            role = "peer" if timer.run.peer else "hung"
+            self.incidents.dumped(timer.run.incident, timer.pid, role, reader)
 
     def record_unkillable(self, event: EventInfo) -> None:
         """A target outlived SIGKILL."""

@@ -283,6 +283,7 @@ class TimerTable(Generic[P]):
         "_processes",
         "_timeouts",
         "_visible",
+        "jobs_changed",
     )
 
     def __init__(self) -> None:
@@ -292,6 +293,9 @@ class TimerTable(Generic[P]):
         self._visible: dict[int, dict[int, int]] = {}
         #: (owner, job) -> pid -> how many of its timers are of that job.
         self._jobs: dict[tuple[int, str], dict[int, int]] = {}
+        #: Counts every job that came or went: the fleet registers the jobs anew
+        #: only when it moved.
+        self.jobs_changed = 0
         self._policies: Shared[str] = Shared()
         self._timeouts: Shared[float] = Shared()
 
@@ -318,6 +322,10 @@ class TimerTable(Generic[P]):
     def job_pids(self, owner: int, job: str) -> list[int]:
         """The processes holding a timer of ``job`` armed by ``owner``."""
         return list(self._jobs.get((owner, job), ()))
+
+    def job_keys(self) -> Iterator[tuple[int, str]]:
+        """Every (owner, job) held, in the order they came."""
+        return iter(self._jobs)
 
     def jobs(self) -> dict[tuple[int, str], int]:
         """How many processes hold timers of each (owner, job)."""
@@ -452,7 +460,7 @@ class TimerTable(Generic[P]):
                 self._by_owner[owner] = self._by_owner.get(owner, 0) + count
             for timer in itertools.compress(timers, map(_watched, timers)):
                 if timer.watch is not None and timer.watch.job:
-                    _tally(self._jobs, (timer.owner, timer.watch.job), pid, 1)
+                    self.jobs_changed += _tally(self._jobs, (timer.owner, timer.watch.job), pid, 1)
             for viewer, count in _viewers(timers).items():
                 self._visible.setdefault(viewer, {})[pid] = count
             lists.append(timers)
@@ -515,7 +523,7 @@ class TimerTable(Generic[P]):
         the index of who may see it. (On every arm and release: kept inline.)"""
         owner, uid = timer.owner, timer.uid
         if timer.watch is not None and timer.watch.job:
-            _tally(self._jobs, (owner, timer.watch.job), timer.pid, step)
+            self.jobs_changed += _tally(self._jobs, (owner, timer.watch.job), timer.pid, step)
         by_owner = self._by_owner
         remaining = by_owner.get(owner, 0) + step
         if remaining:
@@ -542,15 +550,21 @@ class TimerTable(Generic[P]):
 
 def _tally(
     index: dict[tuple[int, str], dict[int, int]], key: tuple[int, str], pid: int, step: int
-) -> None:
-    pids = index.setdefault(key, {})
+) -> bool:
+    """Count ``pid`` in or out of ``key``; whether ``key`` came or went."""
+    pids = index.get(key)
+    if pids is None:
+        pids = index[key] = {pid: step}
+        return True
     left = pids.get(pid, 0) + step
     if left:
         pids[pid] = left
-    else:
-        del pids[pid]
-        if not pids:
-            del index[key]
+        return False
+    del pids[pid]
+    if pids:
+        return False
+    del index[key]
+    return True
 
 
 _scope_of = operator.attrgetter("scope")

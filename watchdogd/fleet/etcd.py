@@ -22,7 +22,11 @@ Bounds:
   calls in progress and those of watches together; a call that finds them all busy
   waits for one within its timeout.
 - A reply is at most ``Limits.max_body`` bytes, a watch message at most
-  ``Limits.max_line``, a response head ``Limits.max_head`` in ``max_headers`` lines.
+  ``Limits.max_line``, a response head ``Limits.max_head`` in ``max_headers`` lines;
+  past a bound a call raises `EtcdTooLarge`. So that any number of keys can be read
+  whatever their size, a range is read in pages (`EtcdClient.range_pages`: at most
+  `MAX_PAGE` keys, fewer when their values are large), and a watch asks etcd to
+  split large responses into fragments.
 - A watch waits for events without a timeout, since waiting is what it is for; its
   connection's TCP keepalive ends it about 11 s after its host vanished.
 
@@ -61,7 +65,15 @@ import msgspec
 import trio
 
 from ..errors import ConfigError, DaemonError
-from .http1 import ConnectFailed, Connection, ConnectionBroken, Endpoint, Limits, open_connection
+from .http1 import (
+    ConnectFailed,
+    Connection,
+    ConnectionBroken,
+    Endpoint,
+    Limits,
+    TooLarge,
+    open_connection,
+)
 
 __all__ = [
     "Backoff",
@@ -70,6 +82,7 @@ __all__ = [
     "EtcdCompacted",
     "EtcdError",
     "EtcdFailure",
+    "EtcdTooLarge",
     "EtcdUnavailable",
     "Event",
     "KeyValue",
@@ -78,6 +91,7 @@ __all__ = [
     "Range",
     "Watch",
     "WatchBroken",
+    "WatchTooLarge",
     "prefix_end",
     "tls_context",
 ]
@@ -87,6 +101,9 @@ UNKNOWN: Final = 2
 NOT_FOUND: Final = 5
 OUT_OF_RANGE: Final = 11
 UNAVAILABLE: Final = 14
+
+#: The most keys one page of a range read asks for.
+MAX_PAGE: Final = 256
 
 #: A key or a value: bytes, or a str that stands for its UTF-8.
 Data = bytes | str
@@ -131,6 +148,18 @@ class EtcdCompacted(EtcdError):
 class WatchBroken(EtcdUnavailable):
     """Raised by a watch whose stream ended: its connection broke, or etcd closed
     it. The caller watches again from `Watch.revision` + 1."""
+
+
+class EtcdTooLarge(EtcdUnavailable):
+    """Raised when etcd's answer was over this client's bound (`Limits`): a range
+    of keys whose values are too large together. Asking for the same again gets
+    the same; `EtcdClient.range` asks for fewer keys a page instead."""
+
+
+class WatchTooLarge(WatchBroken, EtcdTooLarge):
+    """Raised by a watch whose next message was over the client's bound: watching
+    again from the same revision meets it again, so the caller reads the present
+    state instead (`EtcdClient.range_pages`) and watches from after it."""
 
 
 class KeyValue(msgspec.Struct, frozen=True):
@@ -257,6 +286,8 @@ class _PutRequest(msgspec.Struct, omit_defaults=True):
 class _RangeRequest(msgspec.Struct, omit_defaults=True):
     key: bytes
     range_end: bytes = b""
+    limit: int = 0
+    revision: int = 0
 
 
 class _Compare(msgspec.Struct):
@@ -287,6 +318,9 @@ class _WatchCreate(msgspec.Struct, omit_defaults=True):
     key: bytes
     range_end: bytes = b""
     start_revision: int = 0
+    #: etcd splits a large response into fragments (each within its request
+    #: bound), so that no watch message outgrows the client's line bound.
+    fragment: bool = True
 
 
 class _WatchRequest(msgspec.Struct):
@@ -299,6 +333,7 @@ class _Reply(msgspec.Struct):
 
 class _RangeReply(_Reply):
     kvs: list[KeyValue] = []
+    more: bool = False
 
 
 class _DeleteRangeReply(_Reply):
@@ -460,14 +495,48 @@ class EtcdClient:
         )
         return reply.kvs[0] if reply.kvs else None
 
-    async def range(self, prefix: Data, *, through: Data | None = None) -> Range:
+    async def range(
+        self, prefix: Data, *, through: Data | None = None, page: int = MAX_PAGE
+    ) -> Range:
         """Every key that starts with ``prefix`` (with ``through``: every key from
         ``prefix`` to the last that starts with ``through``), with the revision they
-        were read at. (The whole reply must fit ``Limits.max_body``.)"""
+        were read at: `range_pages`, gathered."""
+        revision, kvs = 0, []
+        async for part in self.range_pages(prefix, through=through, page=page):
+            revision = part.revision
+            kvs += part.kvs
+        return Range(revision, kvs)
+
+    async def range_pages(
+        self, prefix: Data, *, through: Data | None = None, page: int = MAX_PAGE
+    ) -> AsyncIterator[Range]:
+        """The keys of `range`, read a page at a time, all at the revision of the
+        first page: at most ``page`` keys a page, and fewer when a page's values
+        would be over the reply bound (each key alone is within it: etcd bounds a
+        request). Raises `EtcdCompacted` when etcd compacted that revision away
+        in between (read again)."""
         raw = _bytes(prefix)
-        request = _RangeRequest(raw, prefix_end(_bytes(raw if through is None else through)))
-        reply = await self._call("/v3/kv/range", request, _RangeReply, repeatable=True)
-        return Range(reply.header.revision, reply.kvs)
+        end = prefix_end(_bytes(raw if through is None else through))
+        start, revision, size = raw, 0, page
+        while True:
+            request = _RangeRequest(start, end, limit=size, revision=revision)
+            try:
+                reply = await self._call("/v3/kv/range", request, _RangeReply, repeatable=True)
+            except EtcdTooLarge:
+                if size == 1:
+                    raise
+                size = max(1, size // 4)
+                continue
+            except EtcdError as exc:
+                if exc.code == OUT_OF_RANGE and revision:
+                    raise EtcdCompacted(revision) from None
+                raise
+            revision = revision or reply.header.revision
+            yield Range(revision, reply.kvs)
+            if not reply.more or not reply.kvs:
+                return
+            start = reply.kvs[-1].key + b"\0"
+            size = min(page, size * 2)
 
     async def delete(self, key: Data, *, prefix: bool = False) -> int:
         """Delete ``key`` (every key that starts with it, with ``prefix``); how many
@@ -558,6 +627,9 @@ class EtcdClient:
             await connection.send(path, body)
             head = await connection.receive_head()
             data = await connection.read_body()
+        except TooLarge as exc:
+            await connection.aclose()
+            raise EtcdTooLarge(str(exc)) from None
         except ConnectionBroken as exc:
             await connection.aclose()
             raise _Ambiguous(str(exc)) from None
@@ -689,6 +761,8 @@ class Watch:
                 line = await anext(self._lines)
             except StopAsyncIteration:
                 raise WatchBroken(f"{endpoint} ended the watch stream") from None
+            except TooLarge as exc:
+                raise WatchTooLarge(f"a watch message over the bound: {exc}") from None
             except ConnectionBroken as exc:
                 raise WatchBroken(f"the watch stream broke: {exc}") from None
             if not line.strip():

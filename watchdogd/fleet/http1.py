@@ -64,6 +64,11 @@ class ConnectionBroken(Exception):
     message says which. The connection must not be used again."""
 
 
+class TooLarge(ConnectionBroken):
+    """A body or a line of the response was over its bound (`Limits`): the peer
+    answered, with more than this connection takes."""
+
+
 class ConnectFailed(ConnectionBroken):
     """The connection could not be opened (refused, unreachable, no such host, a TLS
     handshake that failed): no request went out on it."""
@@ -217,7 +222,8 @@ class Connection:
             self._left = int(length)
             if self._left > self._limits.max_body:
                 raise self._broken(
-                    f"a body of {self._left} bytes, over the bound of {self._limits.max_body}"
+                    f"a body of {self._left} bytes, over the bound of {self._limits.max_body}",
+                    TooLarge,
                 )
             self._framing = "length"
         else:
@@ -232,7 +238,9 @@ class Connection:
         while data := await self._read_some():
             body += data
             if len(body) > self._limits.max_body:
-                raise self._broken(f"a body over the bound of {self._limits.max_body} bytes")
+                raise self._broken(
+                    f"a body over the bound of {self._limits.max_body} bytes", TooLarge
+                )
         return bytes(body)
 
     async def read_lines(self) -> AsyncGenerator[bytes, None]:
@@ -244,7 +252,9 @@ class Connection:
             *whole, rest = line.split(b"\n")
             for one in [*whole, rest]:
                 if len(one) > self._limits.max_line:
-                    raise self._broken(f"a line over the bound of {self._limits.max_line} bytes")
+                    raise self._broken(
+                        f"a line over the bound of {self._limits.max_line} bytes", TooLarge
+                    )
             for one in whole:
                 yield bytes(one.rstrip(b"\r"))
             line = bytearray(rest)
@@ -377,9 +387,11 @@ class Connection:
         self._buffer += data
         return bool(data)
 
-    def _broken(self, what: str) -> ConnectionBroken:
+    def _broken(
+        self, what: str, kind: type[ConnectionBroken] = ConnectionBroken
+    ) -> ConnectionBroken:
         self._state = "broken"
-        return ConnectionBroken(f"{self.endpoint}: {what}")
+        return kind(f"{self.endpoint}: {what}")
 
 
 def _cause(exc: BaseException) -> str:

@@ -51,11 +51,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import msgspec
 import trio
@@ -65,25 +65,53 @@ from watchdogd_client.protocol import IncidentInfo, RankInfo
 from ..core.config import FleetConfig
 from ..core.service import Service, TargetProcess
 from ..core.timers import Expired
-from ..logs import logfmt
+from ..logs import Throttle, logfmt
+from ..users import UserNames
 from .etcd import (
     Backoff,
     EtcdClient,
     EtcdCompacted,
     EtcdError,
     EtcdFailure,
+    EtcdTooLarge,
     Event,
     LeaseNotFound,
+)
+from .records import (
+    MAX_JOBS,
+    MAX_RANKS_BYTES,
+    MAX_USERS,
+    FleetRank,
+    HostRecord,
+    Rejected,
+    decode_head,
+    decode_host,
+    decode_ranks,
+    encode_ranks,
+    read_key,
 )
 
 log = logging.getLogger("watchdogd")
 
-#: Seconds etcd keeps an incident.
-INCIDENT_TTL: Final = 86_400
-#: Incidents waiting to be published, at most.
+#: Jobs of one uid (root's aside) among those a host registers, at most.
+MAX_JOBS_PER_UID: Final = 100
+#: Incident changes waiting to be published, at most: `PENDING_PER_UID` of one
+#: uid (past it, that uid's oldest goes), `MAX_PENDING` in all.
 MAX_PENDING: Final = 256
-#: Jobs one host registers, at most.
-MAX_JOBS: Final = 1000
+PENDING_PER_UID: Final = 32
+#: What one uid publishes: `PUBLISH_BURST` puts at once, then `PUBLISH_RATE` a
+#: second; the others' turns are never spent on it.
+PUBLISH_BURST: Final = 20
+PUBLISH_RATE: Final = 2.0
+#: Other hosts kept, at most, and their jobs in all.
+MAX_HOSTS: Final = 1024
+MAX_FLEET_JOBS: Final = 65_536
+#: What other hosts' ranks may hold, in bytes: of one incident, and in all.
+MAX_INCIDENT_BYTES: Final = 8 * 1024 * 1024
+MAX_FLEET_RANK_BYTES: Final = 64 * 1024 * 1024
+#: Another host's incidents acted on, per job: `HEADS_BURST` at once, then one
+#: every `window` / `HEADS_BURST` seconds (each starts the job's peer policy here).
+HEADS_BURST: Final = 4
 #: Jobs whose incidents' ranks are followed at once, at most: each holds one of
 #: the client's 8 connections, beside the watch and the calls of registering,
 #: publishing and leaving.
@@ -95,12 +123,18 @@ _SETTLE: Final = 120.0
 _NEVER: Final = sys.maxsize
 #: How often the jobs held are compared with those registered.
 _CHECK_EVERY: Final = 0.5
-#: The most one value written to etcd holds: below etcd's default request bound
-#: (1.5 MiB), whatever this host's ranks of an incident dumped.
-MAX_VALUE_BYTES: Final = 1024 * 1024
 #: An incident older than this when first seen (after a partition, say) is kept
 #: but no longer acted on: its ranks have long moved on.
 _STALE: Final = 60.0
+#: The parts of the member whose health makes it "connected".
+_NEEDED: Final = ("register", "watch")
+
+
+def head_ttl(window: float) -> int:
+    """Seconds etcd keeps an incident's keys: through its window and the follow of
+    its ranks after it, with a minute to spare; no longer, so that a flood of
+    incidents leaves etcd soon."""
+    return int(window + _SETTLE + 60)
 
 
 @dataclass(slots=True)
@@ -126,18 +160,71 @@ class _Following:
     rewind: int = _NEVER
 
 
-class _Host(msgspec.Struct, frozen=True):
-    """What ``PREFIX/hosts/HOST`` holds."""
+class _Queue:
+    """What waits to be published: the latest state of each incident, by the uid
+    it belongs to, taken a uid at a time in turn. A uid holds at most
+    `PENDING_PER_UID`, all at most `MAX_PENDING`: past either, the oldest of the
+    uid with the most goes, so one user's flood drops only its own."""
 
-    host: str
-    state: str
-    jobs: list[tuple[str, str]] = []
+    def __init__(self) -> None:
+        self._by_uid: dict[int, OrderedDict[str, IncidentInfo]] = {}
+        self._turns: deque[int] = deque()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def put(self, incident: IncidentInfo) -> int:
+        """Queue ``incident`` (in place of an older state of it); how many were
+        dropped for it."""
+        held = self._by_uid.get(incident.uid)
+        if held is None:
+            held = self._by_uid[incident.uid] = OrderedDict()
+            self._turns.append(incident.uid)
+        if held.pop(incident.id, None) is None:
+            self._count += 1
+        held[incident.id] = incident
+        dropped = 0
+        while len(held) > PENDING_PER_UID or self._count > MAX_PENDING:
+            fullest = held if len(held) > PENDING_PER_UID else max(self._by_uid.values(), key=len)
+            fullest.popitem(last=False)
+            self._count -= 1
+            dropped += 1
+        return dropped
+
+    def put_back(self, incident: IncidentInfo) -> None:
+        """``incident`` could not be published: it waits again, unless a later state
+        of it came meanwhile."""
+        held = self._by_uid.get(incident.uid)
+        if held is not None and incident.id in held:
+            return
+        self.put(incident)
+
+    def take(self, admit: Callable[[int], bool]) -> IncidentInfo | None:
+        """The oldest change of the next uid in turn that ``admit`` lets publish;
+        None when none may."""
+        for _ in range(len(self._turns)):
+            uid = self._turns[0]
+            self._turns.rotate(-1)
+            held = self._by_uid[uid]
+            if not held:
+                self._forget(uid)
+                continue
+            if not admit(uid):
+                continue
+            _, incident = held.popitem(last=False)
+            self._count -= 1
+            if not held:
+                self._forget(uid)
+            return incident
+        return None
+
+    def _forget(self, uid: int) -> None:
+        del self._by_uid[uid]
+        self._turns.remove(uid)
 
 
 _json = msgspec.json.Encoder()
-_host_decoder = msgspec.json.Decoder(_Host)
-_incident_decoder = msgspec.json.Decoder(IncidentInfo)
-_ranks_decoder = msgspec.json.Decoder(list[RankInfo])
 
 P = TypeVar("P", bound=TargetProcess)
 
@@ -145,13 +232,14 @@ P = TypeVar("P", bound=TargetProcess)
 class FleetMember(Generic[P]):
     """Registers this host, publishes its incidents and acts on the fleet's.
     ``client`` stands in for the one ``config`` names (bench/fleet.py counts its
-    calls)."""
+    calls); ``names`` maps uids and fleet names (`watchdogd.users`)."""
 
     def __init__(
         self,
         config: FleetConfig,
         service: Service[P],
         carry_out: Callable[[list[Expired[P]]], None],
+        names: UserNames,
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -161,15 +249,21 @@ class FleetMember(Generic[P]):
             config.etcd, ca=config.ca, cert=config.cert, key=config.key
         )
         self.service = service
+        self.names = names
         self.host = service.incidents.host
         self.prefix = config.prefix.rstrip("/")
         self.ttl = config.lease
+        self.head_ttl = head_ttl(service.incidents.window)
         self._carry_out = carry_out
         self._clock = clock
         self._wall = wall
         self._lease: int | None = None
-        self._pending: OrderedDict[str, IncidentInfo] = OrderedDict()
+        self._queue = _Queue()
         self._news = trio.Event()
+        self._rate = Throttle(PUBLISH_BURST, PUBLISH_RATE, clock=clock)
+        self._heads = Throttle(
+            HEADS_BURST, HEADS_BURST / max(service.incidents.window, 1.0), clock=clock
+        )
         self._incident_leases: OrderedDict[str, int] = OrderedDict()
         #: The incidents whose ranks this host follows or followed, the latest.
         self._followed: OrderedDict[str, None] = OrderedDict()
@@ -177,24 +271,31 @@ class FleetMember(Generic[P]):
         self._following: dict[tuple[str, str], _Following] = {}
         self._limiter = trio.CapacityLimiter(MAX_FOLLOWED)
         self._nursery: trio.Nursery | None = None
-        #: Every other host as last seen, with its jobs.
-        self._hosts: dict[str, _Host] = {}
+        #: Every other host as last seen, with its jobs; how many jobs in all.
+        self._hosts: dict[str, tuple[str, frozenset[tuple[str, str]]]] = {}
+        self._host_jobs = 0
+        #: The bytes of other hosts' ranks taken, by (incident, host).
+        self._rank_bytes: dict[tuple[str, str], int] = {}
+        #: The jobs this host holds, as the fleet names them (`held`), as of the
+        #: count of changes `_held_at`.
+        self._held: frozenset[tuple[str, str]] = frozenset()
+        self._held_at = -1
+        #: What is wrong with each part of the member (None: nothing).
+        self._health: dict[str, str | None] = {}
         self._connected: bool | None = None
+        self._log = Throttle(5, 0.2, clock=clock)
         service.incidents.on_change = self._changed
 
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
-        return {host for host, seen in self._hosts.items() if (user, job) in seen.jobs}
+        return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
 
     # What the service tells the fleet.
 
     def _changed(self, incident: IncidentInfo) -> None:
-        self._pending.pop(incident.id, None)
-        self._pending[incident.id] = incident
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
-            self.service.metrics.fleet_dropped += 1
+        for _ in range(self._queue.put(incident)):
+            self.service.fleet_dropped()
         self._news.set()
 
     # The tasks.
@@ -202,10 +303,27 @@ class FleetMember(Generic[P]):
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.client, trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._register)
-            nursery.start_soon(self._publish)
-            nursery.start_soon(self._watch)
+            nursery.start_soon(self._supervised, "register", self._register)
+            nursery.start_soon(self._supervised, "publish", self._publish)
+            nursery.start_soon(self._supervised, "watch", self._watch)
             task_status.started()
+
+    async def _supervised(self, part: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run ``loop`` and, should an error nothing expected end it (a bug), count
+        it, say so and run it again with backoff: no error of the fleet reaches the
+        daemon, whose protection goes on without it."""
+        backoff = Backoff(0.5, 30.0)
+        while True:
+            try:
+                await loop()
+            except Exception as exc:
+                self.service.fleet_failed(unexpected=True)
+                if self._log.admit(("unexpected", part)) is not None:
+                    log.exception(logfmt("fleet_task_failed", part=part))
+                self._down(part, f"its task failed ({exc!r}) and starts again")
+            else:
+                return
+            await backoff.wait()
 
     async def leave(self) -> None:
         """Say this host stops (so its lease's end is no ``host_lost``) and give
@@ -213,7 +331,7 @@ class FleetMember(Generic[P]):
         if self._lease is None:
             return
         try:
-            value = _json.encode(_Host(self.host, "stopped"))
+            value = _json.encode(HostRecord(self.host, "stopped"))
             await self.client.put(self._key("hosts", self.host), value, lease=self._lease)
             await self.client.revoke(self._lease)
         except EtcdFailure as exc:
@@ -222,72 +340,110 @@ class FleetMember(Generic[P]):
     async def _register(self) -> None:
         """Keep this host's lease alive and its keys current."""
         backoff = Backoff()
-        registered: set[tuple[str, str]] | None = None
+        registered: list[tuple[str, str]] | None = None
+        seen = -1
         kept_alive = 0.0
         while True:
             try:
                 if self._lease is None:
                     self._lease = await self.client.grant(self.ttl)
                     registered, kept_alive = None, self._clock()
-                jobs = set(sorted(self.service.held_jobs())[:MAX_JOBS])
-                if jobs != registered:
-                    await self._put_jobs(jobs, registered or set())
-                    registered = jobs
+                changed = self.service.jobs_changed()
+                if changed != seen or registered is None:
+                    jobs = sorted(await self.held())
+                    if jobs != registered:
+                        await self._put_jobs(jobs, registered or [])
+                        registered = jobs
+                    seen = changed
                 if self._clock() - kept_alive >= self.ttl / 3:
                     if not await self.client.keepalive_once(self._lease):
                         self._lease = None  # lapsed (this host was frozen): anew
                         continue
                     kept_alive = self._clock()
-                self._up()
+                self._ok("register")
                 backoff.reset()
                 await trio.sleep(_CHECK_EVERY)
             except EtcdFailure as exc:
-                self._down(exc)
+                self._down("register", str(exc))
                 await backoff.wait()
 
-    async def _put_jobs(self, jobs: set[tuple[str, str]], before: set[tuple[str, str]]) -> None:
+    async def held(self) -> frozenset[tuple[str, str]]:
+        """The jobs this host registers, as the fleet names them: cut to their
+        bounds before any name is looked up, and made again only when a job came
+        or went."""
+        changed = self.service.jobs_changed()
+        if changed != self._held_at:
+            self._held = frozenset(await self._held_jobs())
+            self._held_at = changed
+        return self._held
+
+    async def _held_jobs(self) -> list[tuple[str, str]]:
+        held = self.service.held_jobs(MAX_JOBS, MAX_JOBS_PER_UID)
+        users: dict[int, str] = {}
+        jobs: set[tuple[str, str]] = set()
+        for uid, job in held:
+            if uid not in users:
+                if len(users) == MAX_USERS:
+                    continue
+                users[uid] = await self.names.resolve_name(uid)
+            jobs.add((users[uid], job))
+        return sorted(jobs)
+
+    async def _put_jobs(self, jobs: list[tuple[str, str]], before: list[tuple[str, str]]) -> None:
         lease = self._lease
-        value = _json.encode(_Host(self.host, "up", sorted(jobs)))
+        value = _json.encode(HostRecord(self.host, "up", jobs))
         await self.client.put(self._key("hosts", self.host), value, lease=lease)
-        for user, job in jobs - before:
+        for user, job in sorted(set(jobs) - set(before)):
             await self.client.put(self._key("jobs", user, job, self.host), b"", lease=lease)
-        for user, job in before - jobs:
+        for user, job in sorted(set(before) - set(jobs)):
             await self.client.delete(self._key("jobs", user, job, self.host))
 
     async def _publish(self) -> None:
         """Put each incident that changed: its head (when this host opened it) and
-        this host's ranks of it."""
+        this host's ranks of it; a uid at a time in turn, each within its rate."""
         backoff = Backoff()
         while True:
-            await self._news.wait()
-            self._news = trio.Event()
-            while self._pending:
-                incident_id, incident = next(iter(self._pending.items()))
-                try:
-                    await self._put_incident(incident)
-                except LeaseNotFound:
-                    self._incident_leases.pop(incident_id, None)  # etcd lost it: anew
-                    continue
-                except EtcdError as exc:
-                    # etcd refused it (too large, say): trying again changes nothing.
-                    log.warning(
-                        logfmt("fleet_incident_refused", incident=incident_id, error=str(exc))
-                    )
-                    self.service.metrics.fleet_dropped += 1
-                except EtcdFailure as exc:
-                    self._down(exc)
-                    await backoff.wait()
-                    continue
-                if self._pending.get(incident_id) is incident:
-                    del self._pending[incident_id]
-                backoff.reset()
+            incident = self._queue.take(self._admit)
+            if incident is None:
+                if self._queue:
+                    # Every uid with changes waiting is over its rate for now.
+                    await trio.sleep(1 / PUBLISH_RATE)
+                else:
+                    await self._news.wait()
+                    self._news = trio.Event()
+                continue
+            try:
+                await self._put_incident(incident)
+            except LeaseNotFound:
+                self._incident_leases.pop(incident.id, None)  # etcd lost it: anew
+                self._queue.put_back(incident)
+                continue
+            except EtcdError as exc:
+                # etcd refused it (too large, say): trying again changes nothing.
+                log.warning(logfmt("fleet_incident_refused", incident=incident.id, error=str(exc)))
+                self.service.fleet_dropped()
+            except EtcdFailure as exc:
+                self._down("publish", str(exc))
+                self._queue.put_back(incident)
+                await backoff.wait()
+                continue
+            self._ok("publish")
+            backoff.reset()
+
+    def _admit(self, uid: int) -> bool:
+        return self._rate.admit(uid) is not None
 
     async def _put_incident(self, incident: IncidentInfo) -> None:
         """Its head once (when this host opened it: the head never changes), and
         this host's ranks of it as they are now."""
+        if incident.host == self.host:
+            # The name the fleet knows the user by, looked up now if it was not
+            # known when the incident opened.
+            user = await self.names.resolve_name(incident.uid)
+            incident = msgspec.structs.replace(incident, user=user)
         lease = self._incident_leases.get(incident.id)
         if lease is None:
-            lease = await self.client.grant(INCIDENT_TTL)
+            lease = await self.client.grant(self.head_ttl)
             if incident.host == self.host:
                 head = _json.encode(msgspec.structs.replace(incident, ranks=[], count=0))
                 key = self._key("incidents", incident.id)
@@ -297,14 +453,21 @@ class FleetMember(Generic[P]):
             self._incident_leases[incident.id] = lease
             while len(self._incident_leases) > MAX_PENDING:
                 self._incident_leases.popitem(last=False)
-        ranks = _within(self.service.incidents.own_ranks(incident), MAX_VALUE_BYTES)
+        ranks = [
+            (rank, await self._reader_name(rank))
+            for rank in self.service.incidents.own_ranks(incident)
+        ]
         key = self._key("ranks", incident.user, incident.job, incident.id, self.host)
-        await self.client.put(key, _json.encode(ranks), lease=lease)
+        await self.client.put(key, encode_ranks(ranks, MAX_RANKS_BYTES), lease=lease)
+
+    async def _reader_name(self, rank: RankInfo) -> str:
+        uid = rank.reader_uid
+        return "" if uid is None else await self.names.resolve_name(uid)
 
     async def _watch(self) -> None:
         """Follow the host keys and the incidents' heads."""
         hosts, heads = self._key("hosts", ""), self._key("incidents", "")
-        await self._follow_keys(hosts, through=heads, at=_Position())
+        await self._follow_keys("watch", hosts, through=heads, at=_Position())
 
     def _follow(self, incident: IncidentInfo, revision: int) -> None:
         """Follow the ranks of ``incident``, kept here, from ``revision`` (its
@@ -329,7 +492,7 @@ class FleetMember(Generic[P]):
         incidents = {incident.id: (incident.host, open_until)}
         self._following[job] = _Following(incidents, _Position(revision))
         assert self._nursery is not None
-        self._nursery.start_soon(self._follow_job, job)
+        self._nursery.start_soon(self._supervised, "ranks", lambda: self._follow_job(job))
 
     async def _follow_job(self, job: tuple[str, str]) -> None:
         """Follow the ranks of the job's incidents through their windows (an expiry
@@ -346,24 +509,30 @@ class FleetMember(Generic[P]):
             )
 
         prefix, at = self._key("ranks", *job, ""), following.at
-        async with self._limiter:
-            while True:
-                following.stage = trio.CancelScope()
-                at.revision = min(at.revision, following.rewind)
-                following.rewind = _NEVER
-                with following.stage:
-                    last = max(until for _, until in following.incidents.values())
-                    with trio.move_on_after(max(0.0, last - self._wall())) as windows:
-                        await self._follow_keys(prefix, at=at)
-                    if windows.cancelled_caught:  # every window has passed
-                        with trio.move_on_after(_SETTLE):
-                            await self._follow_keys(prefix, at=at, done=settled)
-                if not following.stage.cancelled_caught:
-                    del self._following[job]
-                    return
+        try:
+            async with self._limiter:
+                while True:
+                    following.stage = trio.CancelScope()
+                    at.revision = min(at.revision, following.rewind)
+                    following.rewind = _NEVER
+                    with following.stage:
+                        last = max(until for _, until in following.incidents.values())
+                        with trio.move_on_after(max(0.0, last - self._wall())) as windows:
+                            await self._follow_keys("ranks", prefix, at=at)
+                        if windows.cancelled_caught:  # every window has passed
+                            with trio.move_on_after(_SETTLE):
+                                await self._follow_keys("ranks", prefix, at=at, done=settled)
+                    if not following.stage.cancelled_caught:
+                        return
+        finally:
+            del self._following[job]
+            if not self._following:
+                self._health.pop("ranks", None)
+                self._report()
 
     async def _follow_keys(
         self,
+        part: str,
         prefix: str,
         *,
         through: str | None = None,
@@ -371,70 +540,132 @@ class FleetMember(Generic[P]):
         done: Callable[[], bool] = lambda: False,
     ) -> None:
         """Read the keys under ``prefix`` (through ``through``, as
-        `EtcdClient.range`) once, unless ``at`` says where to start, then watch
-        them from there, until ``done``. ``at`` follows what was seen."""
+        `EtcdClient.range`) once, a page at a time, unless ``at`` says where to
+        start, then watch them from there, until ``done``. ``at`` follows what was
+        seen; ``part`` is what a failure marks down."""
         backoff = Backoff()
         while not done():
             try:
                 if not at.revision:
-                    snapshot = await self.client.range(prefix, through=through)
-                    for kv in snapshot.kvs:
-                        self._seen(kv.key, kv.value, kv.mod_revision, initial=True)
-                    at.revision = snapshot.revision + 1
+                    revision = 0
+                    async for page in self.client.range_pages(prefix, through=through):
+                        revision = page.revision
+                        for kv in page.kvs:
+                            await self._apply(kv.key, kv.value, kv.mod_revision, initial=True)
+                    at.revision = revision + 1
                     continue
                 async with self.client.open_watch(
                     prefix, through=through, start_revision=at.revision
                 ) as watch:
-                    self._up()
+                    self._ok(part)
                     backoff.reset()
                     async for event in watch:
-                        self._event(event)
+                        await self._event(event)
                         at.revision = event.revision + 1
                         if done():
                             return
             except EtcdCompacted:
                 at.revision = 0
+            except EtcdTooLarge as exc:
+                # What etcd holds there is over the bounds: read the present state
+                # again (a page at a time), after a while.
+                at.revision = 0
+                self._down(part, str(exc))
+                await backoff.wait()
             except EtcdFailure as exc:
-                self._down(exc)
+                self._down(part, str(exc))
                 await backoff.wait()
 
-    def _event(self, event: Event) -> None:
+    # What the fleet says.
+
+    async def _event(self, event: Event) -> None:
         if event.kind == "put":
-            self._seen(event.key, event.value, event.revision, initial=False)
+            await self._apply(event.key, event.value, event.revision, initial=False)
             return
-        parts = self._parts(event.key)
-        if len(parts) == 2 and parts[0] == "hosts" and parts[1] != self.host:
-            gone = self._hosts.pop(parts[1], None)
-            if gone is not None and gone.state != "stopped":
-                log.warning(logfmt("fleet_host_lost", host=parts[1]))
-                self.service.host_lost(parts[1], gone.jobs)
-
-    def _seen(self, key: bytes, value: bytes, revision: int, *, initial: bool) -> None:
-        """A key put at ``revision`` (``initial``: read at start, not watched)."""
-        parts = self._parts(key)
+        await trio.lowlevel.checkpoint()
         try:
-            if len(parts) == 2 and parts[0] == "hosts" and parts[1] != self.host:
-                self._hosts[parts[1]] = _host_decoder.decode(value)
-            elif len(parts) == 2 and parts[0] == "incidents":
-                self._incident(_incident_decoder.decode(value), revision, initial=initial)
-            elif len(parts) == 5 and parts[0] == "ranks":
-                ranks = _ranks_decoder.decode(value)
-                runs = self.service.fleet_ranks(parts[3], parts[4], ranks, self._clock())
-                if runs:
-                    self._carry_out(runs)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning(
-                logfmt("fleet_unreadable_key", key=key.decode(errors="replace"), error=str(exc))
-            )
+            parts = read_key(self.prefix, event.key)
+        except Rejected:
+            return  # a key this host never took is gone: nothing to forget
+        if parts[0] == "hosts" and parts[1] != self.host:
+            await self._host_gone(parts[1])
 
-    def _incident(self, incident: IncidentInfo, revision: int, *, initial: bool) -> None:
+    async def _apply(self, key: bytes, value: bytes, revision: int, *, initial: bool) -> None:
+        """A key put at ``revision`` (``initial``: read at start, not watched):
+        decoded whole, then applied; a key that is not taken is counted and
+        skipped, nothing of it applied."""
+        await trio.lowlevel.checkpoint()
+        try:
+            match read_key(self.prefix, key):
+                case ("hosts", host):
+                    if host != self.host:
+                        self._host_seen(host, decode_host(host, value))
+                case ("incidents", incident_id):
+                    head = decode_head(incident_id, value, self._wall())
+                    await self._head_seen(head, revision, initial=initial)
+                case ("ranks", _user, _job, incident_id, host):
+                    await self._ranks_seen(incident_id, host, value)
+        except Rejected as exc:
+            self.service.fleet_rejected(exc.reason)
+            if self._log.admit(("rejected", exc.reason)) is not None:
+                log.warning(
+                    logfmt(
+                        "fleet_key_rejected",
+                        key=key[:200].decode(errors="replace"),
+                        reason=exc.reason,
+                        error=exc.detail[:200],
+                    )
+                )
+        except Exception:
+            # A bug: this key is lost, and counted; the fleet goes on.
+            self.service.fleet_failed(unexpected=True)
+            self.service.fleet_rejected("unexpected")
+            if self._log.admit("unexpected") is not None:
+                log.exception(logfmt("fleet_key_failed", key=key[:200].decode(errors="replace")))
+
+    def _host_seen(self, host: str, record: HostRecord) -> None:
+        before = self._hosts.get(host)
+        jobs = frozenset(record.jobs)
+        kept = self._host_jobs - (0 if before is None else len(before[1]))
+        if before is None and len(self._hosts) >= MAX_HOSTS:
+            raise Rejected("budget", f"more than {MAX_HOSTS} hosts")
+        if kept + len(jobs) > MAX_FLEET_JOBS:
+            raise Rejected("budget", f"more than {MAX_FLEET_JOBS} jobs of other hosts")
+        self._hosts[host] = (record.state, jobs)
+        self._host_jobs = kept + len(jobs)
+
+    async def _host_gone(self, host: str) -> None:
+        gone = self._hosts.pop(host, None)
+        if gone is None:
+            return
+        state, jobs = gone
+        self._host_jobs -= len(jobs)
+        if state == "stopped":
+            return
+        log.warning(logfmt("fleet_host_lost", host=host))
+        # Only the jobs this host holds too matter: no name of the others is
+        # looked up.
+        for user, job in sorted(jobs & await self.held()):
+            uid = await self.names.resolve_uid(user)
+            if uid is not None:
+                self.service.host_lost(host, user, [(uid, job)])
+
+    async def _head_seen(self, incident: IncidentInfo, revision: int, *, initial: bool) -> None:
         # A lost host is seen by each of its peers, which opens an incident of its
         # own: only an expiry is another host's to share.
         if incident.host == self.host or incident.kind != "expired":
             return
         if initial and incident.time < self._wall() - _STALE:
             return
-        runs = self.service.fleet_incident(incident, self._clock())
+        job = (incident.user, incident.job)
+        if job not in await self.held() or incident.id in self.service.incidents:
+            return
+        if self._heads.admit(job) is None:
+            raise Rejected("budget", f"more incidents of job {incident.job} than its rate")
+        uid = await self.names.resolve_uid(incident.user)
+        if uid is None:
+            return
+        runs = self.service.fleet_incident(incident, uid, self._clock())
         if runs:
             log.info(
                 logfmt("fleet_incident", incident=incident.id, host=incident.host, peers=len(runs))
@@ -443,6 +674,34 @@ class FleetMember(Generic[P]):
         if incident.id in self.service.incidents:
             self._follow(incident, revision)
 
+    async def _ranks_seen(self, incident_id: str, host: str, value: bytes) -> None:
+        if host == self.host or incident_id not in self.service.incidents:
+            return
+        self._take_rank_bytes(incident_id, host, len(value))
+        ranks: list[RankInfo] = []
+        for rank, reader in decode_ranks(host, value):
+            # Who may read its stack here: the local user of the reader's name.
+            uid = None if not reader else await self.names.resolve_uid(reader)
+            ranks.append(msgspec.structs.replace(rank, reader_uid=uid, reader_gid=None))
+        runs = self.service.fleet_ranks(incident_id, host, ranks, self._clock())
+        if runs:
+            self._carry_out(runs)
+
+    def _take_rank_bytes(self, incident_id: str, host: str, size: int) -> None:
+        """Count ``size`` bytes of ``host``'s ranks of an incident against the
+        bounds, or raise `Rejected`."""
+        taken = self._rank_bytes
+        taken.pop((incident_id, host), None)
+        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
+            for key in [key for key in taken if key[0] not in self.service.incidents]:
+                del taken[key]
+        of_incident = sum(n for (other, _), n in taken.items() if other == incident_id)
+        if of_incident + size > MAX_INCIDENT_BYTES:
+            raise Rejected("budget", f"ranks of one incident over {MAX_INCIDENT_BYTES} bytes")
+        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
+            raise Rejected("budget", f"ranks of other hosts over {MAX_FLEET_RANK_BYTES} bytes")
+        taken[(incident_id, host)] = size
+
     # Helpers.
 
     def _key(self, *parts: str) -> str:
@@ -450,35 +709,31 @@ class FleetMember(Generic[P]):
         its name is still one part."""
         return "/".join((self.prefix, *(quote(part, safe="") for part in parts)))
 
-    def _parts(self, key: bytes) -> list[str]:
-        text = key.decode(errors="replace")
-        if not text.startswith(self.prefix + "/"):
-            return []
-        return [unquote(part) for part in text[len(self.prefix) + 1 :].split("/")]
+    def _ok(self, part: str) -> None:
+        if self._health.get(part, "") is not None:
+            self._health[part] = None
+            self._report()
 
-    def _up(self) -> None:
-        if self._connected is not True:
+    def _down(self, part: str, error: str) -> None:
+        self.service.fleet_failed()
+        if self._health.get(part) != error:
+            self._health[part] = error
+            self._report()
+
+    def _report(self) -> None:
+        """Say whether the fleet is connected: every part that needs etcd works now
+        (registering and watching at least), or which does not, and why."""
+        failing = [(part, error) for part, error in self._health.items() if error is not None]
+        connected = not failing and all(part in self._health for part in _NEEDED)
+        if connected and self._connected is not True:
             self._connected = True
             log.info(logfmt("fleet_connected", endpoint=self.client.endpoint))
             self.service.fleet_changed(True, f"connected to {self.client.endpoint}")
-
-    def _down(self, exc: EtcdFailure) -> None:
-        self.service.metrics.fleet_errors += 1
-        if self._connected is not False:
+        elif failing and self._connected is not False:
             self._connected = False
-            log.warning(logfmt("fleet_unreachable", error=str(exc)))
-            self.service.fleet_changed(False, str(exc))
+            part, error = failing[0]
+            log.warning(logfmt("fleet_unreachable", part=part, error=error))
+            self.service.fleet_changed(False, f"{part}: {error}")
 
 
-def _within(ranks: list[RankInfo], limit: int) -> list[RankInfo]:
-    """``ranks`` with their stacks cut, evenly, so that they encode to at most
-    about ``limit`` bytes."""
-    if len(_json.encode(ranks)) <= limit:
-        return ranks
-    share = max(1024, limit // max(1, len(ranks)) - 1024)
-    return [
-        msgspec.structs.replace(rank, stack=rank.stack.encode()[:share].decode(errors="ignore"))
-        if len(rank.stack.encode()) > share
-        else rank
-        for rank in ranks
-    ]
+__all__ = ["FleetMember", "FleetRank", "head_ttl"]
