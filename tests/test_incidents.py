@@ -226,3 +226,32 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     ]
     for item in (first, second):
         item.process.close()
+
+
+def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() -> None:
+    log = IncidentLog("a")
+    incident, _ = log.expired((1000, "train"), "alice", rank(10, 0, uid=1000), "timeout", 1.0)
+    log.add(incident, rank(11, 1, role="peer", uid=1000))
+    log.dumped(incident, 10, "hung", (1000, 1000))
+    log.dumped(incident, 11, "peer", None)  # e.g. its saved uid was root's
+    log.finished(finished(incident, 10))
+    log.finished(finished(incident, 11, kind="peer"))
+    remote = msgspec.structs.replace(rank(99, 2, host="b", uid=4242), stack=DUMP, reader_uid=1000)
+    log.merge_ranks(incident, "b", [remote])
+    view = log.get(incident, 1000, 1000)
+    assert view is not None
+    shown = {r.pid: (bool(r.stack), bool(r.frame), r.state) for r in view.ranks}
+    assert shown == {
+        10: (True, True, "done"),
+        11: (False, False, "done"),
+        99: (True, False, "pending"),
+    }
+    [hidden] = [r for r in view.ranks if r.pid == 11]
+    assert "shown to root only" in hidden.note
+    # The same uid in another group could not have read it.
+    other_group = log.get(incident, 1000, 2000)
+    assert other_group is not None
+    assert {r.pid for r in other_group.ranks if r.stack} == {99}
+    root = log.get(incident, 0, 0)
+    assert root is not None
+    assert all(r.stack for r in root.ranks)

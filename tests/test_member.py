@@ -16,10 +16,11 @@ import pytest
 import trio
 
 from watchdogd.core.config import Config, DaemonConfig, FleetConfig
+from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.timers import Expired
 from watchdogd.fleet.etcd import Data, EtcdClient, Watch
-from watchdogd.fleet.member import FleetMember
+from watchdogd.fleet.member import MAX_PENDING, PENDING_PER_UID, FleetMember, _Queue
 from watchdogd.metrics import exposition
 from watchdogd_client.protocol import (
     Acquire,
@@ -271,3 +272,59 @@ async def test_a_member_starting_after_a_day_of_stacks_reads_the_heads_only(
     late = make_host("late", "train", etcd, prefix)
     async with running(late):
         await wait_for(lambda: late.peers == ["x-1", "x-1"], "the peers of x-1")
+
+
+def test_the_publication_queue_takes_uids_in_turn_and_drops_a_flooders_own() -> None:
+    queue = _Queue()
+
+    def incident(uid: int, number: int) -> IncidentInfo:
+        return IncidentInfo(id=f"h-{uid}-{number}", job="j", user=f"#{uid}", uid=uid,
+                            host="h", scope="s", reason="timeout", time=0.0)  # fmt: skip
+
+    dropped = sum(queue.put(incident(1002, number)) for number in range(PENDING_PER_UID + 50))
+    assert dropped == 50
+    assert queue.put(incident(0, 1)) == 0
+    assert queue.put(incident(1001, 1)) == 0
+    # Each uid in turn: the flooder's backlog never delays root's or 1001's.
+    taken = [queue.take(lambda uid: True) for _ in range(3)]
+    assert sorted(item.uid for item in taken if item is not None) == [0, 1001, 1002]
+    # A uid over its rate waits; the others go on.
+    late = queue.take(lambda uid: uid != 1002)
+    assert late is None
+    queue.put(incident(0, 2))
+    item = queue.take(lambda uid: uid != 1002)
+    assert item is not None
+    assert item.id == "h-0-2"
+    # The whole queue stays bounded, the largest uid's oldest going first.
+    for uid in range(2000, 2000 + MAX_PENDING):
+        queue.put(incident(uid, 1))
+    assert len(queue) <= MAX_PENDING
+    # The flooder had the most: its changes went, the others' one each stayed.
+    assert queue.take(lambda uid: uid == 2000) is not None
+    assert queue.take(lambda uid: uid == 1002) is None
+
+
+def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> None:
+    config = Config(daemon=DaemonConfig(max_timers_per_uid=100_000))
+    fake = FakeHost(dict.fromkeys(range(1000, 1500), (1003, 1003)) | {999: (0, 0)})
+    service = Service(config, fake, daemon_pid=50, now=0.0, render_metrics=exposition, host="a")
+    flooder = service.open_connection(Peer(pid=1000, uid=1003, gid=1003, pidfd=-1))
+    for number in range(300):
+        service.handle(Acquire(id=number + 1, scope=f"s{number}", timeout=60.0,
+                               job=f"flood-{number:03}"), flooder, 0.0)  # fmt: skip
+    other = service.open_connection(Peer(pid=1001, uid=1004, gid=1004, pidfd=-1))
+    fake.processes[1001] = (1004, 1004)
+    service.handle(Acquire(id=1, scope="mine", timeout=60.0, job="mine"), other, 0.0)
+    root = service.open_connection(ROOT)
+    service.handle(Acquire(id=1, scope="r", timeout=60.0, pid=999, job="roots"), root, 0.0)
+    held = service.held_jobs(150, 100)
+    assert held[0] == (0, "roots")
+    assert (1004, "mine") in held
+    assert sum(1 for uid, _ in held if uid == 1003) == 100
+    assert len(held) == 102
+    assert len(service.held_jobs(10, 100)) == 10
+    before = service.jobs_changed()
+    service.handle(Acquire(id=9, scope="no-job", timeout=30.0), flooder, 0.0)
+    assert service.jobs_changed() == before  # no job came or went: nothing to register
+    service.handle(Acquire(id=10, scope="new", timeout=30.0, job="new"), flooder, 0.0)
+    assert service.jobs_changed() != before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -19,6 +20,7 @@ from watchdogd.errors import Refusal
 from watchdogd.process import (
     open_process,
     peer_of,
+    ptrace_reader,
     read_start_time,
     read_stat,
     read_uids,
@@ -253,3 +255,49 @@ def test_every_errno_maps_to_a_refusal(number: int, code: ErrorCode) -> None:
     refusal = refusal_for(gone.pid, OSError(number, os.strerror(number)))
     assert refusal.code == code
     assert refusal.message
+
+
+def child_with_credentials(uid: tuple[int, int, int], gid: int, *, dumpable: bool) -> int:
+    """A forked child with these uids and gid, made dumpable again or not (a change
+    of credentials makes a process not dumpable); its pid, once they are set."""
+    changed, told = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - waits to be killed
+        os.close(changed)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(*uid)
+        if dumpable:
+            ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+        os.write(told, b"x")
+        signal.pause()
+        os._exit(0)
+    os.close(told)
+    assert os.read(changed, 1) == b"x"
+    os.close(changed)
+    return child
+
+
+_PR_SET_DUMPABLE = 4
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to change a process's uids")
+def test_ptrace_reader_is_the_one_user_the_kernel_lets_read_the_process() -> None:
+    nobody = 65534
+    children = {
+        "all nobody's, dumpable": child_with_credentials((nobody,) * 3, nobody, dumpable=True),
+        "saved uid root": child_with_credentials((nobody, nobody, 0), nobody, dumpable=True),
+        "not dumpable": child_with_credentials((nobody,) * 3, nobody, dumpable=False),
+    }
+    try:
+        readers = {what: ptrace_reader(pid) for what, pid in children.items()}
+        assert readers == {
+            "all nobody's, dumpable": (nobody, nobody),
+            "saved uid root": None,
+            "not dumpable": None,
+        }
+        assert ptrace_reader(os.getpid()) is None  # root's: root alone
+    finally:
+        for pid in children.values():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert ptrace_reader(next(iter(children.values()))) is None  # gone
