@@ -119,9 +119,14 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.
     metrics_interval: Seconds = 5.0
-    #: Incidents kept in memory, and how long after its first expiry an incident
-    #: takes in further expiries of its job.
+    #: Incidents kept in memory: this many of root's jobs, and this many in all
+    #: of other users' jobs (`watchdogd.core.incidents`).
     incidents: Count = 100
+    #: Incidents kept of one non-root uid's jobs at most; past the shared total,
+    #: whoever holds the most loses its oldest, so no uid evicts another's.
+    incidents_per_uid: Count = 100
+    #: How long after its first expiry an incident takes in further expiries of
+    #: its job.
     incident_window: Seconds = 30.0
 
 

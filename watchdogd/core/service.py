@@ -295,7 +295,10 @@ class Service(Generic[P]):
         self.history = History()
         self._configure_history(config)
         self.incidents = IncidentLog(
-            host, keep=config.daemon.incidents, window=config.daemon.incident_window
+            host,
+            keep=config.daemon.incidents,
+            per_uid=config.daemon.incidents_per_uid,
+            window=config.daemon.incident_window,
         )
         #: The fleet as this host sees it: "" without one (`fleet_changed`).
         self.fleet_state = ""
@@ -315,7 +318,7 @@ class Service(Generic[P]):
         self.config = config.daemon
         self.events.resize(config.daemon.events, config.daemon.events_per_uid)
         self._configure_history(config)
-        self.incidents.keep = config.daemon.incidents
+        self.incidents.resize(config.daemon.incidents, config.daemon.incidents_per_uid)
         self.incidents.window = config.daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
