@@ -115,6 +115,9 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     reply_bytes_per_uid: Annotated[int, Meta(ge=1024 * 1024, le=1024**3)] = 8 * 1024 * 1024
     #: The same over all non-root uids together.
     reply_bytes: Annotated[int, Meta(ge=1024 * 1024, le=16 * 1024**3)] = 64 * 1024 * 1024
+    #: Dump steps (py-spy) run at once; more wait their turn in order, each for no
+    #: longer than its step's timeout, which bounds its wait and its run together.
+    max_dumps: Annotated[int, Meta(ge=1, le=1024)] = 4
     #: A target still alive this long after SIGKILL is reported as unkillable.
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.

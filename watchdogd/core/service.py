@@ -839,6 +839,12 @@ class Service(Generic[P]):
                     "Expired timers whose policy is still being carried out.",
                     len(self._firing),
                 ),
+                "dumps_running": ("Dump steps running now.", self.metrics.dumps_running),
+                "dumps_waiting": (
+                    "Dump steps waiting for a turn now: at most max_dumps run at once.",
+                    self.metrics.dumps_waiting,
+                ),
+                "dumps_max": ("Dump steps run at once at most (max_dumps).", self.config.max_dumps),
                 **self._fleet_gauges(),
             },
         )
