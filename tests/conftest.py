@@ -142,8 +142,12 @@ def configured_daemon(
     config_file.write_text(config)
     running = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config_file)])
     running.start()
-    yield running
-    assert running.stop() == 0, running.log()
+    try:
+        yield running
+    finally:
+        # Stopped when the test failed as well: a failure must not leave it running.
+        status = running.stop()
+    assert status == 0, running.log()
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd.hooks import OUTPUT_LIMIT, run_hook, substitute
+from watchdogd.core.counters import Counters
+from watchdogd.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook, substitute
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 
@@ -91,6 +92,108 @@ async def test_missing_program_is_a_result_not_an_error() -> None:
 async def test_killed_by_a_signal() -> None:
     result = await run_hook(["sh", "-c", "kill -TERM $$"], {}, 5)
     assert (result.status, result.result) == (143, "killed by SIGTERM")
+
+
+#: A dumper that notes when it started and ended (wall clock, nanoseconds) and sleeps.
+#: Its arguments: the record's path, a name, the seconds to sleep.
+RECORDING_DUMPER = (
+    'echo "start $(date +%s%N) $1" >> "$0"; sleep "$2"; echo "end $(date +%s%N) $1" >> "$0"'
+)
+
+
+def most_at_once(record: Path) -> int:
+    """The most dumpers a ``RECORDING_DUMPER`` record shows running at one time."""
+    changes = []
+    for line in record.read_text().splitlines():
+        what, at, _ = line.split()
+        changes.append((int(at), 0 if what == "end" else 1))
+    running = most = 0
+    for _, start in sorted(changes):  # at one instant, an end comes before a start
+        running += 1 if start else -1
+        most = max(most, running)
+    return most
+
+
+async def test_the_dump_pool_runs_a_few_at_once(tmp_path: Path) -> None:
+    counters = Counters()
+    pool = DumpPool(3, counters)
+    record = tmp_path / "dumps"
+    results: dict[int, HookResult] = {}
+    seen: list[tuple[int, int]] = []
+
+    async def dump(number: int) -> None:
+        argv = ["sh", "-c", RECORDING_DUMPER, str(record), str(number), "0.3"]
+        results[number] = await pool.run(argv, {}, 30)
+
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            for number in range(10):
+                nursery.start_soon(dump, number)
+            while len(results) < 10:
+                seen.append((counters.dumps_running, counters.dumps_waiting))
+                await trio.sleep(0.02)
+    assert most_at_once(record) == 3
+    assert max(seen) == (3, 7)
+    assert (counters.dumps_running, counters.dumps_waiting, counters.dumps_not_run) == (0, 0, 0)
+    assert sorted(int(line.split()[2]) for line in record.read_text().splitlines()) == sorted(
+        [*range(10), *range(10)]
+    )
+    assert all(result.status == 0 for result in results.values())
+    waited = [result for result in results.values() if result.result != "exit 0"]
+    assert len(waited) == 7
+    assert all(result.result.endswith("for a turn (max_dumps = 3)") for result in waited)
+
+
+async def test_dumps_take_their_turns_first_come_first_served(tmp_path: Path) -> None:
+    pool = DumpPool(1, Counters())
+    record = tmp_path / "dumps"
+
+    async def dump(number: int) -> None:
+        argv = ["sh", "-c", RECORDING_DUMPER, str(record), str(number), "0.05"]
+        await pool.run(argv, {}, 30)
+
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            for number in range(8):
+                nursery.start_soon(dump, number)
+                await trio.sleep(0.005)  # arrive in this order
+    starts = [int(line.split()[2]) for line in record.read_text().splitlines() if "start" in line]
+    assert starts == list(range(8))
+
+
+async def test_a_dumps_timeout_bounds_its_wait_and_its_run(tmp_path: Path) -> None:
+    counters = Counters()
+    pool = DumpPool(1, counters)
+    record = tmp_path / "dumps"
+    results: list[tuple[str, HookResult]] = []
+
+    async def dump(name: str, seconds: str, timeout: float) -> None:
+        argv = ["sh", "-c", RECORDING_DUMPER, str(record), name, seconds]
+        results.append((name, await pool.run(argv, {}, timeout)))
+
+    started = trio.current_time()
+    with trio.fail_after(PATIENCE):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dump, "long", "2", 30.0)
+            await trio.sleep(0.1)
+            nursery.start_soon(dump, "hasty", "0", 0.5)  # no turn within its timeout
+            await trio.sleep(0.1)
+            nursery.start_soon(dump, "patient", "0.5", 30.0)
+            while not results:
+                await trio.sleep(0.01)
+            assert trio.current_time() - started < 1.5
+            pool.resize(2)  # a larger pool gives the next waiter its turn now
+    hasty, patient, long = (result for _, result in results)
+    assert [name for name, _ in results] == ["hasty", "patient", "long"]
+    assert (hasty.status, hasty.result) == (
+        None,
+        "not run: no turn within 0.5s (max_dumps = 1, all running)",
+    )
+    assert counters.dumps_not_run == 1
+    assert patient.status == 0
+    assert patient.result.startswith("exit 0; waited ")
+    assert long.result == "exit 0"
+    assert "hasty" not in record.read_text()  # it never started
 
 
 def test_a_daemon_refuses_at_start_a_hook_that_could_take_a_scope_as_an_option(

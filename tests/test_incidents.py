@@ -136,6 +136,101 @@ def test_bounds_on_incidents_and_stacks() -> None:
     assert len(msgspec.msgpack.encode(view)) < MAX_REPLY_BYTES
 
 
+def opened(log: IncidentLog, uid: int, job: str, wall: float = 1.0) -> str:
+    """The id of a new incident of ``uid``'s ``job``."""
+    incident, new = log.expired((uid, job), f"user{uid}", rank(1, 0, uid=uid), "timeout", wall)
+    assert new
+    return incident
+
+
+def test_one_uids_flood_evicts_only_its_own_incidents() -> None:
+    log = IncidentLog("a", keep=20, per_uid=20)
+    roots = [opened(log, 0, f"root{n}") for n in range(3)]
+    alices = [opened(log, 1001, f"alice{n}") for n in range(4)]
+    flood = [opened(log, 1002, f"flood{n}") for n in range(2704)]
+    for incident in roots:
+        assert log.get(incident, 0, 0) is not None
+    for incident in alices:
+        assert log.get(incident, 1001, 1001) is not None
+    # The flooder kept the rest of the shared 20, its newest.
+    assert (log.kept(0), log.kept(1001), log.kept(1002)) == (3, 4, 16)
+    assert [i.id for i in log.listing(1002, 100)] == flood[-16:]
+    assert log.get(flood[0], 0, 0) is None
+    # An evicted incident is open to its job's expiries no more: a later one opens anew.
+    again, new = log.expired((1002, "flood0"), "user1002", rank(1, 0), "timeout", 2.0)
+    assert new
+    assert again != flood[0]
+
+
+def test_roots_share_is_its_own() -> None:
+    log = IncidentLog("a", keep=5)
+    roots = [opened(log, 0, f"root{n}") for n in range(7)]
+    for n in range(50):
+        opened(log, 65534, f"nobody{n}")
+    # Root's own newest five: root's incidents give way to root's alone.
+    assert [i.id for i in log.listing(0, 100) if i.uid == 0] == roots[2:]
+    assert (log.kept(0), log.kept(65534), len(log)) == (5, 5, 10)
+
+
+def test_a_uid_keeps_at_most_its_share() -> None:
+    log = IncidentLog("a", keep=100, per_uid=10)
+    ids = [opened(log, 1001, f"job{n}") for n in range(25)]
+    assert log.kept(1001) == 10
+    assert [i.id for i in log.listing(1001, 100)] == ids[-10:]
+
+
+def test_many_uids_share_the_log_fairly() -> None:
+    log = IncidentLog("a", keep=100, per_uid=100)
+    # 40 uids with two incidents each, within their fair share, then a flooder.
+    few = {uid: [opened(log, uid, f"j{n}") for n in range(2)] for uid in range(2000, 2040)}
+    for n in range(1000):
+        opened(log, 1002, f"flood{n}")
+    assert all(log.get(incident, uid, uid) is not None for uid, ids in few.items() for incident in ids)
+    assert log.kept(1002) == 20
+    # A newcomer takes its room from whoever holds the most: the flooder.
+    newcomer = opened(log, 3000, "late")
+    assert log.get(newcomer, 3000, 3000) is not None
+    assert (log.kept(1002), len(log)) == (19, 100)
+    # More uids than room: each holds at most one, the newest uids' kept.
+    crowd = IncidentLog("a", keep=10)
+    for uid in range(1000, 1100):
+        opened(crowd, uid, "j")
+    assert [i.uid for i in crowd.listing(0, 100)] == list(range(1090, 1100))
+
+
+def test_incidents_from_the_fleet_count_against_their_owner() -> None:
+    log = IncidentLog("a", keep=4, per_uid=4)
+    root = opened(log, 0, "root-job")
+    mine = opened(log, 1001, "mine")
+    for n in range(10):
+        remote = IncidentInfo(
+            id=f"b-{n}",
+            job=f"j{n}",
+            user="user1002",
+            uid=1002,
+            host="b",
+            scope="step",
+            reason="timeout",
+            time=1.0,
+        )
+        log.merge(remote)
+    assert log.get(root, 0, 0) is not None
+    assert log.get(mine, 1001, 1001) is not None
+    assert (log.kept(1001), log.kept(1002)) == (1, 3)
+    assert [i.id for i in log.listing(1002, 100)] == ["b-7", "b-8", "b-9"]
+
+
+def test_a_shrunk_log_keeps_the_newest_of_each_share() -> None:
+    log = IncidentLog("a", keep=10, per_uid=10)
+    roots = [opened(log, 0, f"r{n}") for n in range(6)]
+    alices = [opened(log, 1001, f"a{n}") for n in range(6)]
+    bobs = [opened(log, 1002, f"b{n}") for n in range(4)]
+    log.resize(4, per_uid=3)
+    assert [i.id for i in log.listing(0, 100) if i.uid == 0] == roots[-4:]
+    assert [i.id for i in log.listing(1001, 100)] == alices[-2:]
+    assert [i.id for i in log.listing(1002, 100)] == bobs[-2:]
+
+
 def test_the_service_opens_an_incident_and_sends_the_peer_policy() -> None:
     world = make_world()
     service = world.service

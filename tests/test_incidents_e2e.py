@@ -21,6 +21,7 @@ from conftest import (
     ctl,
     incidents,
     reap,
+    sleeper,
     start_rank,
     wait_until,
     whole,
@@ -131,3 +132,98 @@ def test_a_job_is_its_owners_alone(daemon: RunningDaemon) -> None:
         assert refused["refused"] == "no_such_incident"
     finally:
         reap(root_rank)
+
+
+#: Incidents kept small, so that a flood passes the shares many times over.
+SHARED = """
+[daemon]
+incidents = 20
+incidents_per_uid = 5
+"""
+#: A uid with no passwd entry, as a container's often is.
+NAMELESS = 4242
+
+
+def opened_as(uid: int, socket: Path, prefix: str, count: int, within: float) -> int:
+    """In a child running as ``uid`` (fork, then setresuid), open up to ``count``
+    incidents, one job each (a ``log`` timer of 1 ms), for at most ``within``
+    seconds; wait until each has expired, and return how many were armed."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        armed = -1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            end = time.monotonic() + within
+            with Client(socket) as client:
+                armed = 0
+                while armed < count and time.monotonic() < end:
+                    name = f"{prefix}-{armed}"
+                    client.acquire(name, 0.001, policy="log", job=name)
+                    armed += 1
+                # Its timers fire only while it lives: it leaves once none is armed.
+                while client.status().timers and time.monotonic() < end + PATIENCE:
+                    time.sleep(0.01)
+        finally:
+            os.write(write_end, str(armed).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        armed = int(pipe.read())
+    os.waitpid(child, 0)
+    assert armed > 0, f"uid {uid} could not arm its timers"
+    return armed
+
+
+def incidents_opened(client: Client) -> int:
+    """The daemon's count of the incidents it opened, from its metrics."""
+    for line in client.metrics().splitlines():
+        if line.startswith("watchdogd_incidents_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no watchdogd_incidents_total in the metrics")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as other uids")
+def test_a_flood_of_incidents_leaves_roots_readable(socket_path: Path, tmp_path: Path) -> None:
+    """uid 65534 opens incident after incident: root's and another user's earlier
+    incidents stay readable, and the flooder keeps no more than its share."""
+    with configured_daemon(socket_path, tmp_path, SHARED, for_everyone=True) as daemon:
+        socket = daemon.socket_path
+        victim = sleeper()
+        try:
+            with daemon.client() as client:
+                client.acquire("root", 0.01, pid=victim.pid, policy="log", job="root-job")
+                wait_until(lambda: incidents_opened(client) == 1, what="root's incident")
+                [root_incident] = incidents(socket)
+                opened_as(NAMELESS, socket, "theirs", 2, PATIENCE)
+                wait_until(lambda: incidents_opened(client) == 3, what="uid 4242's incidents")
+                theirs = [i.id for i in incidents(socket) if i.uid == NAMELESS]
+                assert len(theirs) == 2
+
+                flood = opened_as(NOBODY, socket, "flood", 2000, 10.0)
+                assert flood > 20, "too few to pass the shares: the machine is too slow"
+                wait_until(
+                    lambda: incidents_opened(client) == 3 + flood,
+                    what="every incident of the flood",
+                    timeout=PATIENCE * 3,
+                )
+        finally:
+            reap(victim)
+        shown = ctl(socket, "incident", root_incident.id)
+        assert shown.returncode == 0, shown.stderr
+        assert root_incident.id in shown.stdout
+        assert whole(socket, root_incident.id).job == "root-job"
+        for incident in theirs:
+            assert whole(socket, incident).uid == NAMELESS
+        kept = incidents(socket)
+        floods = [i for i in kept if i.uid == NOBODY]
+        assert len(floods) == 5, [i.job for i in floods]
+        # Its newest are the ones kept; its first is gone, for root as for itself.
+        newest = [f"flood-{n}" for n in range(flood - 5, flood)]
+        assert sorted(i.job for i in floods) == sorted(newest)
+        seen = as_nobody(lambda client: [i.job for i in client.incidents()], socket)
+        assert len(seen["ok"]) == 5
+        assert "flood-0" not in seen["ok"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_hooks import RECORDING_DUMPER, most_at_once
 
 from watchdogd_client import Client
 from watchdogd_client.protocol import (
@@ -33,6 +34,7 @@ from watchdogd_client.protocol import (
 from conftest import (
     PATIENCE,
     RunningDaemon,
+    configured_daemon,
     ctl,
     ctl_command,
     expired_event,
@@ -435,3 +437,101 @@ def test_policies_are_listed_with_their_steps(daemon: RunningDaemon) -> None:
     assert "group" in lines["group_kill"]
     as_json = json.loads(ctl(daemon.socket_path, "policies", "--json").stdout)
     assert as_json["default"] == "kill"
+
+
+#: Dump steps that take a second each, three at once at most; and a policy whose dump
+#: comes before its SIGKILL, with a short timeout.
+POOLED = """
+[daemon]
+max_dumps = 3
+
+[policies.slow_dump]
+steps = [ {{ dump = ["sh", "-c", '{script}', "{record}", "{{pid}}", "1"], timeout = 30 }} ]
+
+[policies.dump_then_kill]
+steps = [
+    {{ dump = ["sh", "-c", '{script}', "{record}", "{{pid}}", "0"], timeout = 0.5 }},
+    {{ signal = "SIGKILL" }},
+]
+"""
+
+
+def gauges(client: Client) -> dict[str, float]:
+    """The daemon's metrics whose names begin with ``watchdogd_dumps``."""
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(client.metrics())
+        for sample in family.samples
+        if sample.name.startswith("watchdogd_dumps")
+    }
+
+
+def arm_at_once(socket_path: Path, timers: list[tuple[int, str, float]]) -> None:
+    """Arm (pid, policy, timeout) timers in one write: equal timeouts fall due together."""
+    frames = [encode_frame(Hello(id=0, version=1))] + [
+        encode_frame(Acquire(id=n + 1, scope="pooled", timeout=timeout, pid=pid, policy=policy))
+        for n, (pid, policy, timeout) in enumerate(timers)
+    ]
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(socket_path))
+        raw.sendall(b"".join(frames))
+        reader = FrameReader(1 << 20)
+        replies: list[ReplyMessage] = []
+        while len(replies) < len(frames):
+            replies += [decode_reply(f) for f in reader.feed(raw.recv(65536))]
+    assert all(isinstance(reply, Acquired) for reply in replies[1:]), replies
+
+
+def test_dumps_run_a_few_at_once_and_delay_no_kill(socket_path: Path, tmp_path: Path) -> None:
+    """Ten timers under a slow dump policy fall due together: three dumps run at a
+    time and all ten run; meanwhile a kill of another timer goes out on time, and a
+    dump-then-kill timer's SIGKILL waits no longer than its dump step's timeout."""
+    record = tmp_path / "dumps"
+    config = POOLED.format(script=RECORDING_DUMPER, record=record)
+    with configured_daemon(socket_path, tmp_path, config) as daemon:
+        dumped = [sleeper() for _ in range(10)]
+        killed, dump_killed = sleeper(), sleeper()
+        seen: list[dict[str, float]] = []
+        try:
+            arm_at_once(
+                daemon.socket_path,
+                [(victim.pid, "slow_dump", 0.3) for victim in dumped]
+                + [(killed.pid, "kill", 0.4), (dump_killed.pid, "dump_then_kill", 0.4)],
+            )
+            with daemon.client() as client:
+
+                def every_dump_ran() -> bool:
+                    seen.append(gauges(client))
+                    return record.exists() and record.read_text().count("end ") == 10
+
+                wait_until(every_dump_ran, what="every dump", timeout=PATIENCE * 2)
+                events = {e.pid: e for e in client.events(limit=100).events if e.kind == "expired"}
+                after = gauges(client)
+        finally:
+            for victim in [*dumped, killed, dump_killed]:
+                reap(victim)
+    lines = [line.split() for line in record.read_text().splitlines()]
+    assert sorted(int(pid) for what, _, pid in lines if what == "start") == sorted(
+        victim.pid for victim in dumped
+    )
+    assert most_at_once(record) == 3
+    assert max(sample["watchdogd_dumps_running"] for sample in seen) == 3
+    assert max(sample["watchdogd_dumps_waiting"] for sample in seen) >= 4
+    assert after["watchdogd_dumps_max"] == 3
+    assert (after["watchdogd_dumps_running"], after["watchdogd_dumps_waiting"]) == (0, 0)
+    assert after["watchdogd_dumps_not_run_total"] == 1
+    last_start = max(int(at) for what, at, _ in lines if what == "start") / 1e9
+    # The kill went out at its deadline, while dumps still waited for their turn.
+    kill = events[killed.pid]
+    assert [step.result for step in kill.steps] == ["sent SIGKILL"]
+    assert (kill.late or 0.0) < 1.0
+    assert kill.time < last_start
+    # The dump that got no turn within its 0.5 s gave way to its SIGKILL.
+    dump, sigkill = events[dump_killed.pid].steps
+    assert dump.result == "not run: no turn within 0.5s (max_dumps = 3, all running)"
+    assert sigkill.result == "sent SIGKILL"
+    assert events[dump_killed.pid].outcome == "exited"
+    assert events[dump_killed.pid].time < last_start
+    waited = [events[victim.pid].steps[0].result for victim in dumped]
+    assert all(result.startswith("exit 0") for result in waited), waited
+    assert sum("for a turn (max_dumps = 3)" in result for result in waited) == 7

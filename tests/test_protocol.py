@@ -299,6 +299,23 @@ class TestValidation:
         error = self._error({"type": "acquire", "id": 11, "scope": "s", "timeout": 1, "pid": pid})
         assert error.code == ErrorCode.INVALID_REQUEST
 
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"type": "suggest", "cursor": 2**63},
+            {"type": "suggest", "cursor": 2**64 - 1},
+            {"type": "suggest", "cursor": -1},
+            {"type": "events", "after": 2**63},
+            {"type": "events", "after": -1},
+            {"type": "status", "cursor": "1.0/" + "9" * 100},
+        ],
+    )
+    def test_positions_past_63_bits_are_invalid(self, fields: dict[str, object]) -> None:
+        error = self._error({**fields, "id": 12})
+        assert error.code == ErrorCode.INVALID_REQUEST
+        assert error.request_id == 12
+        assert ("cursor" if "cursor" in fields else "after") in error.message
+
     def test_unreadable_id_is_none(self) -> None:
         error = self._error({"type": "acquire", "id": "eleven", "scope": "s", "timeout": 1})
         assert error.request_id is None

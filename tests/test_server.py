@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -42,6 +43,8 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Status,
     StatusReply,
+    Suggest,
+    SuggestReply,
     Welcome,
     decode_reply,
     encode_frame,
@@ -177,6 +180,52 @@ async def test_bad_frames_leave_the_connection_and_others_usable(
     assert reply.code == ErrorCode.MALFORMED
     assert await conn.ask(Ping(id=7)) == Pong(id=7)
     assert await bystander.ask(Ping(id=8)) == Pong(id=8)
+
+
+#: Cursors of every request that takes one, out of range or of the wrong shape.
+#: msgpack has no integer past 2**64 - 1: 2**64 + 1 goes as the float and the text
+#: a client could send instead.
+_BAD_POSITIONS: list[dict[str, object]] = [
+    {"type": op, field: value}
+    for op, field in (("suggest", "cursor"), ("events", "after"))
+    for value in (2**63, 2**64 - 1, float(2**64 + 1), str(2**64 + 1), -1, -(2**63), 1.5,
+                  "9" * 60_000, [1], {"a": 1}, None if op == "suggest" else True)
+]  # fmt: skip
+_BAD_STATUS_CURSORS: list[dict[str, object]] = [
+    {"type": "status", "cursor": cursor}
+    for cursor in (f"1.0/{2**63}", f"1.0/{2**64 + 1}", "1.0/-1", "nan/1", "inf/3", "-inf/3",
+                   "1e400/1", "1.0", "/1", "", "1.0/1/2", "1/ 2_0", "x" * 60_000, 2**63, -1, 1.0)
+]  # fmt: skip
+BAD_CURSORS = _BAD_POSITIONS + _BAD_STATUS_CURSORS
+
+
+async def test_a_cursor_of_any_size_or_shape_is_an_invalid_request(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    service = await start_daemon()
+    conn = await Conn.open(socket_path)
+    for number in range(3):
+        await conn.ask(Acquire(id=1, scope=f"s{number}", timeout=60))
+    for request_id, fields in enumerate(BAD_CURSORS, 10):
+        body = msgspec.msgpack.encode({**fields, "id": request_id})
+        await conn.stream.send_all(struct.pack(">I", len(body)) + body)
+        reply = await conn.receive()
+        assert isinstance(reply, Error), fields
+        assert (reply.id, reply.code) == (request_id, ErrorCode.INVALID_REQUEST), reply
+        assert len(reply.message) < 1000
+    # The connection stays usable; the daemon failed on nothing; good cursors work.
+    assert await conn.ask(Ping(id=1)) == Pong(id=1)
+    assert not [key for key in service.metrics.requests if key[1] == ErrorCode.INTERNAL]
+    first = await conn.ask(Status(id=2, limit=2))
+    assert isinstance(first, StatusReply)
+    assert first.cursor is not None
+    rest = await conn.ask(Status(id=3, limit=2, cursor=first.cursor))
+    assert isinstance(rest, StatusReply)
+    assert [t.scope for t in first.timers + rest.timers] == ["s0", "s1", "s2"]
+    last = await conn.ask(Suggest(id=4, cursor=2**63 - 1))
+    assert isinstance(last, SuggestReply)
+    assert (last.suggestions, last.cursor) == ([], None)
+    assert await conn.ask(Events(id=5, after=2**63 - 1)) == EventsReply(id=5, events=[], last=0)
 
 
 async def test_first_frame_must_be_hello(start_daemon: StartDaemon, socket_path: Path) -> None:

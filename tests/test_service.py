@@ -457,10 +457,15 @@ class TestStatus:
         assert command(1.5) == "python before.py"
         assert command(2.0) == "python after.py"
 
-    def test_bad_cursor(self) -> None:
+    @pytest.mark.parametrize(
+        "cursor", ["x", "", "nan/1", "inf/1", "1e400/2", "1.0/-1", f"1.0/{2**63}", "1.0/1/2"]
+    )
+    def test_bad_cursor(self, cursor: str) -> None:
         w = make_world()
         service = w.service
-        assert refusal(service, Status(id=1, cursor="x"), w.root).code == ErrorCode.INVALID_REQUEST
+        refused = refusal(service, Status(id=1, cursor=cursor), w.root)
+        assert refused.code == ErrorCode.INVALID_REQUEST
+        assert "the cursor of the page before" in refused.message
 
 
 class TestExpiryAndExit:

@@ -44,6 +44,9 @@ Invariants:
 - The state records each step as it starts (a step other than the one the firing
   record already names), so a restart resumes at the step in progress.
 - An event's ``late`` is from the deadline to its first step (the first signal).
+- Dump steps share one `watchdogd.hooks.DumpPool` (``max_dumps`` at once); every
+  other step runs at once, so a queue of dumps delays no signal but the one after
+  a dump of its own policy, and that one no longer than the dump step's timeout.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from watchdogd_client.protocol import EventInfo, StepResult
 from .core.policies import Dump, Exec, Policy, Signal, Step, Wait
 from .core.service import Service
 from .core.timers import Expired, Timer
-from .hooks import run_hook, substitute
+from .hooks import DumpPool, run_hook, substitute
 from .logs import log
 from .process import Process, ptrace_reader
 from .targets import Target, open_target
@@ -190,6 +193,7 @@ class Actions:
         #: `settle` finishes them and sets ``_reaped``.
         self._reap_due = False
         self._reaped = trio.Event()
+        self._dumps = DumpPool(service.config.max_dumps, service.metrics)
 
     @property
     def settling(self) -> int:
@@ -531,10 +535,14 @@ class Actions:
         self._service.dump_taken(expiry.timer, before if before == after else None)
         return result
 
-    @staticmethod
-    async def _hook(step: Step, values: dict[str, str], env: dict[str, str]) -> StepResult:
+    async def _hook(self, step: Step, values: dict[str, str], env: dict[str, str]) -> StepResult:
         assert isinstance(step, Exec | Dump)
-        hook = await run_hook(substitute(step.argv, values), env, step.timeout)
+        argv = substitute(step.argv, values)
+        if isinstance(step, Dump):
+            self._dumps.resize(self._service.config.max_dumps)  # a reload may have changed it
+            hook = await self._dumps.run(argv, env, step.timeout)
+        else:
+            hook = await run_hook(argv, env, step.timeout)
         return StepResult(step=step.describe(), result=hook.result, output=hook.output)
 
     def _finish(self, expiry: _Expiry, *, alive: bool) -> None:

@@ -10,6 +10,13 @@ The output is kept in the event for root: `watchdogd.core.service` hides it from
 everyone else.
 Its stdout and stderr are captured together, keeping at most `OUTPUT_LIMIT` bytes;
 past its time limit its whole session is killed and the step says so.
+
+Dump programs run through a `DumpPool`: at most ``max_dumps`` at once, the rest
+waiting their turn first come, first served, so a burst of expiries (a job's
+peers, incidents forged in the fleet) starts a few dumpers at a time, never one a
+process. A dump step's timeout bounds its wait for a turn and its run together:
+the step after it, a policy's SIGKILL, is never put off longer than the dump's
+own step says, however many other dumps are queued.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from dataclasses import dataclass
 from typing import Final
 
 import trio
+
+from .core.counters import Counters
 
 OUTPUT_LIMIT: Final = 64 * 1024
 _READ: Final = 16 * 1024
@@ -122,3 +131,69 @@ async def run_hook(argv: Sequence[str], env: Mapping[str, str], timeout: float) 
 def _kill_session(leader: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(leader, signal.SIGKILL)
+
+
+class DumpPool:
+    """Runs dump programs at most ``size`` at once, the others queued in order of
+    arrival (`run`); ``counters`` counts how many run and wait, and how many got
+    no turn within their timeout."""
+
+    def __init__(self, size: int, counters: Counters) -> None:
+        self._turns = trio.CapacityLimiter(size)
+        self._counters = counters
+
+    @property
+    def size(self) -> int:
+        return int(self._turns.total_tokens)
+
+    def resize(self, size: int) -> None:
+        """At most ``size`` at once from now on; dumps running past it run on."""
+        if size != self._turns.total_tokens:
+            self._turns.total_tokens = size
+
+    async def run(self, argv: Sequence[str], env: Mapping[str, str], timeout: float) -> HookResult:
+        """Run ``argv`` as `run_hook` does once it has a turn, the wait for it and
+        the run together within ``timeout`` seconds; one that gets no turn within
+        them is not run."""
+        deadline = trio.current_time() + timeout
+        turn = object()
+        waited = 0.0
+        try:
+            self._turns.acquire_on_behalf_of_nowait(turn)
+        except trio.WouldBlock:
+            waited = await self._wait_for_turn(turn, deadline)
+            if waited < 0:
+                return self._not_run(timeout)
+        try:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return self._not_run(timeout)
+            self._counters.dumps_running += 1
+            try:
+                result = await run_hook(argv, env, left)
+            finally:
+                self._counters.dumps_running -= 1
+        finally:
+            self._turns.release_on_behalf_of(turn)
+        if waited:
+            note = f"{result.result}; waited {waited:.2f}s for a turn (max_dumps = {self.size})"
+            result = HookResult(result.status, note, result.output)
+        return result
+
+    def _not_run(self, timeout: float) -> HookResult:
+        self._counters.dumps_not_run += 1
+        return HookResult(
+            None, f"not run: no turn within {timeout:g}s (max_dumps = {self.size}, all running)", ""
+        )
+
+    async def _wait_for_turn(self, turn: object, deadline: float) -> float:
+        """Queue for a turn until ``deadline``: how long it took, or -1 if none came."""
+        started = trio.current_time()
+        self._counters.dumps_waiting += 1
+        try:
+            with trio.move_on_at(deadline):
+                await self._turns.acquire_on_behalf_of(turn)
+                return trio.current_time() - started
+        finally:
+            self._counters.dumps_waiting -= 1
+        return -1.0

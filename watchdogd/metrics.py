@@ -82,6 +82,11 @@ class _Collector(Collector):
             "watchdogd_unkillable", "Targets still alive after SIGKILL.", value=m.unkillable
         )
         yield CounterMetricFamily(
+            "watchdogd_dumps_not_run",
+            "Dump steps that got no turn among max_dumps within their timeout.",
+            value=m.dumps_not_run,
+        )
+        yield CounterMetricFamily(
             "watchdogd_connections", "Connections accepted.", value=m.connections_total
         )
         reloads = CounterMetricFamily(

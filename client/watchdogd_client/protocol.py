@@ -114,6 +114,12 @@ Job = Annotated[str, Meta(min_length=1)]
 Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 #: A progress counter: any non-negative 64-bit value.
 Progress = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Where a page of events or suggestions resumes (an event's number, a row's
+#: offset): a non-negative signed 64-bit value, the most either can reach.
+Position = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Where a status page resumes: the ``cursor`` of the page before, as the daemon
+#: wrote it (a deadline and a sequence number, far shorter than this bound).
+StatusCursor = Annotated[str, Meta(max_length=64)]
 
 
 class ErrorCode(enum.StrEnum):
@@ -216,7 +222,7 @@ class Status(Request, tag="status", frozen=True, kw_only=True):
     """
 
     limit: PageSize = 1000
-    cursor: str | None = None
+    cursor: StatusCursor | None = None
 
 
 class Ping(Request, tag="ping", frozen=True, kw_only=True):
@@ -231,7 +237,7 @@ class Events(Request, tag="events", frozen=True, kw_only=True):
     reply up to ``wait`` seconds for one to happen (a long poll, for following).
     """
 
-    after: Annotated[int, Meta(ge=0)] | None = None
+    after: Position | None = None
     limit: PageSize = 100
     wait: Annotated[float, Meta(ge=0, le=300)] = 0.0
 
@@ -251,7 +257,7 @@ class Suggest(Request, tag="suggest", frozen=True, kw_only=True):
     get the next page."""
 
     limit: PageSize = 1000
-    cursor: Annotated[int, Meta(ge=0)] = 0
+    cursor: Position = 0
 
 
 class Why(Request, tag="why", frozen=True, kw_only=True):

@@ -2,7 +2,8 @@
 
 The timer table and its deadline heap (`timers`, `heap`), request handling and
 authorization (`service`, `session`), policies (`policies`) and the starvation
-rule some of them apply first (`starvation`), the events ring (`events`), the
+rule some of them apply first (`starvation`), the events ring (`events`) and
+the incident log (`incidents`) with the per-uid shares they keep (`shares`), the
 counters (`counters`) and the config model (`config`). Nothing here
 imports trio, sqlite3, socket, subprocess or prometheus_client, or reads a clock:
 the caller passes ``now``. The core tells the runtime modules beside it (server,

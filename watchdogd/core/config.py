@@ -115,13 +115,21 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     reply_bytes_per_uid: Annotated[int, Meta(ge=1024 * 1024, le=1024**3)] = 8 * 1024 * 1024
     #: The same over all non-root uids together.
     reply_bytes: Annotated[int, Meta(ge=1024 * 1024, le=16 * 1024**3)] = 64 * 1024 * 1024
+    #: Dump steps (py-spy) run at once; more wait their turn in order, each for no
+    #: longer than its step's timeout, which bounds its wait and its run together.
+    max_dumps: Annotated[int, Meta(ge=1, le=1024)] = 4
     #: A target still alive this long after SIGKILL is reported as unkillable.
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.
     metrics_interval: Seconds = 5.0
-    #: Incidents kept in memory, and how long after its first expiry an incident
-    #: takes in further expiries of its job.
+    #: Incidents kept in memory: this many of root's jobs, and this many in all
+    #: of other users' jobs (`watchdogd.core.incidents`).
     incidents: Count = 100
+    #: Incidents kept of one non-root uid's jobs at most; past the shared total,
+    #: whoever holds the most loses its oldest, so no uid evicts another's.
+    incidents_per_uid: Count = 100
+    #: How long after its first expiry an incident takes in further expiries of
+    #: its job.
     incident_window: Seconds = 30.0
 
 

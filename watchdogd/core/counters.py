@@ -41,6 +41,11 @@ class Counters:
         self.job_processes: dict[tuple[int, str], int] = {}
         self.exited = 0
         self.unkillable = 0
+        #: Dump steps running and waiting for a turn now (`watchdogd.hooks.DumpPool`),
+        #: and those that got no turn within their timeout.
+        self.dumps_running = 0
+        self.dumps_waiting = 0
+        self.dumps_not_run = 0
         self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)
         self._lateness_sum = 0.0
 

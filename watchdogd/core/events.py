@@ -13,7 +13,8 @@ Invariants:
 - Every other uid keeps at most ``per_uid`` events, and all of them together at
   most ``size``. Past that, the oldest event of whoever holds the most goes (the
   recording uid on a tie), so a uid holding no more than its fair share never loses
-  an event to another uid's activity.
+  an event to another uid's activity (`watchdogd.core.shares`, which the incident
+  log shares).
 - Every event, once kept, encodes to at most `MAX_EVENT_BYTES` (long hook output is
   cut with a marker), and a page stops before it would pass ``max_bytes``, so a page
   always holds at least one event and always fits in a reply.
@@ -34,6 +35,7 @@ import msgspec
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
 from ..logs import Throttle, logfmt
+from .shares import Shares
 
 ROOT: Final = 0
 #: Room left in a reply for what surrounds the events (type, id, last).
@@ -74,17 +76,15 @@ class EventLog:
         per_uid: int | None = None,
         throttle: Throttle | None = None,
     ) -> None:
-        self._size = size
-        self._per_uid = size if per_uid is None else per_uid
+        self._shares = Shares(size, per_uid)
         self._rings: dict[int, deque[_Kept]] = {}
-        self._others = 0  # events kept for uids other than root
         self._seq = itertools.count(1)
         self._last = 0
         self._notify = notify
         self._throttle = Throttle() if throttle is None else throttle
 
     def __len__(self) -> int:
-        return self._others + len(self._rings.get(ROOT, ()))
+        return len(self._shares)
 
     @property
     def last(self) -> int:
@@ -93,22 +93,13 @@ class EventLog:
 
     def kept(self, uid: int) -> int:
         """How many events of ``uid`` are kept."""
-        return len(self._rings.get(uid, ()))
+        return self._shares.held(uid)
 
     def resize(self, size: int, per_uid: int | None = None) -> None:
         """Keep at most ``size`` (and ``per_uid`` per uid) from now on; the newest
         stay when a bound shrinks."""
-        self._size = size
-        self._per_uid = size if per_uid is None else per_uid
-        for uid, ring in list(self._rings.items()):
-            bound = self._bound(uid)
-            if ring.maxlen != bound:
-                dropped = max(0, len(ring) - bound)
-                self._rings[uid] = deque(ring, maxlen=bound)
-                if uid != ROOT:
-                    self._others -= dropped
-        while self._others > self._size:
-            self._evict(None)
+        for uid in self._shares.resize(size, per_uid):
+            self._drop_oldest(uid)
 
     def record(self, event: EventInfo) -> EventInfo:
         """Number ``event``, keep it, log it as one line, and wake followers."""
@@ -127,15 +118,10 @@ class EventLog:
         self._last = next(self._seq)
         event, size = _bounded(msgspec.structs.replace(event, seq=self._last))
         uid = event.uid
-        ring = self._rings.get(uid)
-        if ring is None:
-            ring = self._rings[uid] = deque(maxlen=self._bound(uid))
-        if uid != ROOT and len(ring) < self._bound(uid):
-            # The ring is not full, so this event adds to the shared total.
-            self._others += 1
-            while self._others > self._size:
-                self._evict(uid)
-        ring.append(_Kept(event, size))
+        victim = self._shares.add(uid)
+        if victim is not None:
+            self._drop_oldest(victim)
+        self._rings.setdefault(uid, deque()).append(_Kept(event, size))
         self._throttle.log(
             (uid, event.kind),
             _LEVELS.get(event.kind, logging.INFO),
@@ -192,20 +178,11 @@ class EventLog:
         page.reverse()
         return page
 
-    def _bound(self, uid: int) -> int:
-        return self._size if uid == ROOT else min(self._per_uid, self._size)
-
-    def _evict(self, recording: int | None) -> None:
-        """Drop the oldest event of the non-root uid holding the most."""
-        most = max(
-            (uid for uid in self._rings if uid != ROOT),
-            key=lambda uid: (len(self._rings[uid]), uid == recording),
-        )
-        ring = self._rings[most]
+    def _drop_oldest(self, uid: int) -> None:
+        ring = self._rings[uid]
         ring.popleft()
-        self._others -= 1
-        if not ring and most != recording:
-            del self._rings[most]
+        if not ring:
+            del self._rings[uid]
 
 
 def _seq(item: _Kept) -> int:

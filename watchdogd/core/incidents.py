@@ -17,12 +17,19 @@ the innermost frame of its main thread (`first_frame`). Incidents of other hosts
 of the job arrive from the fleet (`IncidentLog.merge`) and are kept beside this
 host's.
 
-Pure and synchronous, bounded: at most ``keep`` incidents (the oldest goes), at
-most `MAX_RANKS` processes an incident, each stack cut to `MAX_STACK_BYTES`. They
-are kept in memory: a restart of the daemon forgets them (the fleet keeps its own
-copy). Root sees every incident; another uid, those of its own jobs, and of each
-the stacks only of the processes ptrace's read rule let it read when they were
-dumped (`may_read`): the decision is taken at the dump and kept with the rank.
+Pure and synchronous, bounded per uid as the events ring is
+(`watchdogd.core.shares`): an incident counts against the uid that owns its job
+(``IncidentInfo.uid``), one merged from the fleet too. At most ``keep`` of root's
+incidents are kept, a share no other uid's incident evicts; at most ``keep`` of
+every other uid's together, and ``per_uid`` of any one uid's. Past that the oldest
+incident of the uid holding the most goes (the opening uid on a tie), so one uid's
+flood evicts only its own older incidents once it holds the most, and a uid
+holding no more than its fair share keeps all of its. At most `MAX_RANKS`
+processes an incident, each stack cut to `MAX_STACK_BYTES`. They are kept in
+memory: a restart of the daemon forgets them (the fleet keeps its own copy). Root
+sees every incident; another uid, those of its own jobs, and of each the stacks
+only of the processes ptrace's read rule let it read when they were dumped
+(`may_read`): the decision is taken at the dump and kept with the rank.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
@@ -38,6 +45,8 @@ from typing import Final
 import msgspec
 
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, IncidentInfo, RankInfo
+
+from .shares import Shares
 
 ROOT: Final = 0
 #: The most processes one incident lists.
@@ -69,16 +78,19 @@ class IncidentLog:
         host: str,
         *,
         keep: int = 100,
+        per_uid: int | None = None,
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
     ) -> None:
         self.host = host
-        self.keep = keep
         self.window = window
+        self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
         run = secrets.token_hex(2)
         self._new_id = new_id or (lambda: f"{host}-{run}{next(numbers)}")
         self._incidents: OrderedDict[str, _Incident] = OrderedDict()
+        #: The ids of each uid's incidents, oldest first: whose oldest gives way.
+        self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
         #: Called with each incident this host opened or added to, for the fleet.
@@ -86,6 +98,16 @@ class IncidentLog:
 
     def __len__(self) -> int:
         return len(self._incidents)
+
+    def kept(self, uid: int) -> int:
+        """How many incidents of ``uid``'s jobs are kept."""
+        return self._shares.held(uid)
+
+    def resize(self, keep: int, per_uid: int | None = None) -> None:
+        """Keep at most ``keep`` (and ``per_uid`` per uid) from now on; the newest
+        stay when a bound shrinks."""
+        for uid in self._shares.resize(keep, per_uid):
+            self._drop_oldest(uid)
 
     def expired(
         self, job: JobKey, user: str, rank: RankInfo, reason: str, wall: float
@@ -294,10 +316,22 @@ class IncidentLog:
         )
 
     def _keep(self, incident: _Incident) -> None:
+        uid = incident.info.uid
+        victim = self._shares.add(uid)
+        if victim is not None:
+            self._drop_oldest(victim)
         self._incidents[incident.info.id] = incident
-        while len(self._incidents) > self.keep:
-            oldest, _ = self._incidents.popitem(last=False)
-            self._open = {job: held for job, held in self._open.items() if held != oldest}
+        self._owned.setdefault(uid, deque()).append(incident.info.id)
+
+    def _drop_oldest(self, uid: int) -> None:
+        owned = self._owned[uid]
+        oldest = owned.popleft()
+        if not owned:
+            del self._owned[uid]
+        info = self._incidents.pop(oldest).info
+        job = (info.uid, info.job)
+        if self._open.get(job) == oldest:
+            del self._open[job]
 
 
 def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:

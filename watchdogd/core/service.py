@@ -39,6 +39,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -123,6 +124,10 @@ _LISTED_SCOPES: Final = 10
 #: How long a command line read for a status page is shown again without being
 #: read again (`_CommandLines`).
 _COMMAND_SECONDS: Final = 1.0
+#: A status cursor: a deadline as ``repr`` writes a float, then its timer's sequence
+#: number.
+_CURSOR: Final = re.compile(r"(?P<deadline>-?[0-9][0-9.e+-]{0,31})/(?P<seq>[0-9]{1,19})")
+_MAX_SEQ: Final = 2**63 - 1
 
 
 class TargetProcess(Protocol):
@@ -293,7 +298,10 @@ class Service(Generic[P]):
         self.history = History()
         self._configure_history(config)
         self.incidents = IncidentLog(
-            host, keep=config.daemon.incidents, window=config.daemon.incident_window
+            host,
+            keep=config.daemon.incidents,
+            per_uid=config.daemon.incidents_per_uid,
+            window=config.daemon.incident_window,
         )
         #: The fleet as this host sees it: "" without one (`fleet_changed`).
         self.fleet_state = ""
@@ -313,7 +321,7 @@ class Service(Generic[P]):
         self.config = config.daemon
         self.events.resize(config.daemon.events, config.daemon.events_per_uid)
         self._configure_history(config)
-        self.incidents.keep = config.daemon.incidents
+        self.incidents.resize(config.daemon.incidents, config.daemon.incidents_per_uid)
         self.incidents.window = config.daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
@@ -833,6 +841,12 @@ class Service(Generic[P]):
                     "Expired timers whose policy is still being carried out.",
                     len(self._firing),
                 ),
+                "dumps_running": ("Dump steps running now.", self.metrics.dumps_running),
+                "dumps_waiting": (
+                    "Dump steps waiting for a turn now: at most max_dumps run at once.",
+                    self.metrics.dumps_waiting,
+                ),
+                "dumps_max": ("Dump steps run at once at most (max_dumps).", self.config.max_dumps),
                 **self._fleet_gauges(),
             },
         )
@@ -1474,11 +1488,20 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _parse_cursor(cursor: str | None) -> tuple[float, int] | None:
-    """The position ``deadline/seq`` a status page ends at, or None for the first."""
+    """The position ``deadline/seq`` a status page ends at, or None for the first.
+    Only what `Service._status` writes is one: a finite deadline and a sequence
+    number within 64 bits."""
     if cursor is None:
         return None
-    try:
-        deadline, seq = cursor.split("/")
-        return (float(deadline), int(seq))
-    except ValueError:
-        raise Refusal(ErrorCode.INVALID_REQUEST, f"not a status cursor: {cursor!r}") from None
+    found = _CURSOR.fullmatch(cursor)
+    position = None
+    if found is not None:
+        with contextlib.suppress(ValueError):  # "1.2.3", "1e-" and the like
+            position = (float(found["deadline"]), int(found["seq"]))
+    if position is None or not math.isfinite(position[0]) or position[1] > _MAX_SEQ:
+        raise Refusal(
+            ErrorCode.INVALID_REQUEST,
+            f"not a status cursor: {cursor!r}; pass the cursor of the page before "
+            "(none for the first page)",
+        )
+    return position
