@@ -7,7 +7,6 @@ on real tmpfs mounts.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sqlite3
 import stat
@@ -21,8 +20,6 @@ import trio
 from watchdogd import store as store_module
 from watchdogd.core.timers import Run, Timer
 from watchdogd.store import Record, StateError, Store, default_state_path
-
-DATA = Path(__file__).parent / "data"
 
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
@@ -283,71 +280,6 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     assert loaded.timers == []
     _, again = Store.open(path)  # and it stays discarded
     assert again.timers == []
-
-
-def test_the_files_of_the_previous_schema_still_load(tmp_path: Path) -> None:
-    """tests/data/schema1/ was written by the daemon of schema 1: a database with
-    one timer folded in, and a journal with one more armed and the first dropped."""
-    for name in os.listdir(DATA / "schema1"):
-        shutil.copy(DATA / "schema1" / name, tmp_path / name)
-    path = str(tmp_path / "state.db")
-    raw = sqlite3.connect(path)  # as if written in this boot
-    raw.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (store_module._boot_id(),))
-    raw.commit()
-    raw.close()
-    store, loaded = Store.open(path)
-    store.close()
-    assert sorted((t.pid, t.scope, t.deadline, t.start_time) for t in loaded.timers) == [
-        (4242, "journal", 200.0, 777),
-        (4243, "folded", 300.0, 888),
-    ]
-    # Rewritten in this schema from the first journal of the run on.
-    _, again = Store.open(path)
-    assert sorted(t.scope for t in again.timers) == ["folded", "journal"]
-
-
-#: The boots the files of tests/data/schema2/ and schema3/ were written in.
-OLD_BOOTS = {
-    "schema2": "5c3a2f0e-7d41-4b8e-9a56-0c2d9e8f1a37",
-    "schema3": "8e1d4c22-3b7a-4f05-b6c9-2a4e7d9f0c13",
-}
-#: What they hold: these attributes of each timer, as they were written.
-OLD_FIELDS = (
-    "policy", "uid", "owner", "timeout", "armed_at", "deadline", "start_time", "seq",
-    "firing", "step", "step_end", "fired_at", "plan", "exit_releases",
-)  # fmt: skip
-OLD_TIMERS = {
-    "folded": ("term", 1000, 0, 10.0, 290.0, 300.0, 888, 7, 0, 0, 0.0, 0.0, 0, False),
-    "firing": ("abort", 1000, 1000, 10.0, 300.0, 310.0, 999, 5, 2, 1, 330.5, 320.25,
-               12345, False),
-    "journal": ("kill", 1000, 1000, 2.5, 197.5, 200.0, 777, 9, 0, 0, 0.0, 0.0, 0, True),
-}  # fmt: skip
-OLD_PIDS = {
-    "schema2": {"folded": 4340, "firing": 4342, "journal": 4343},
-    "schema3": {"folded": 4440, "firing": 4442, "journal": 4443},
-}
-
-
-@pytest.mark.parametrize("schema", ["schema2", "schema3"])
-def test_the_files_of_older_schemas_still_load(
-    schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """tests/data/schema2/ was written by the store of schema 2 (commit 13e1c43),
-    tests/data/schema3/ by that of schema 3 (commit d8a0b22): each a database with
-    two armed timers and a firing one folded in, and a journal that arms one more
-    (released by its exit) and drops one folded timer. Every attribute comes back
-    as it was written, and again once rewritten; only a firing timer has a run."""
-    for name in os.listdir(DATA / schema):
-        shutil.copy(DATA / schema / name, tmp_path / name)
-    monkeypatch.setattr(store_module, "_boot_id", lambda: OLD_BOOTS[schema])
-    path = str(tmp_path / "state.db")
-    for _ in range(2):
-        store, loaded = Store.open(path)
-        store.close()
-        assert {
-            t.scope: (t.pid, *(getattr(t, name) for name in OLD_FIELDS)) for t in loaded.timers
-        } == {scope: (OLD_PIDS[schema][scope], *fields) for scope, fields in OLD_TIMERS.items()}
-        assert {t.scope for t in loaded.timers if t.run is not None} == {"firing"}
 
 
 def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:

@@ -16,10 +16,7 @@ in the journal and in the database) or the removal of one, under its store key
 ``(pid, scope, firing)``: an armed timer, and one whose policy is in progress.
 Schema 4 stores a `Timer` as the array of its fields, ``deadline`` and ``seq``
 first, a firing timer's progress through its policy (`Run`) and what only some
-timers keep (`Watch`) each an array of their own in the last two; the files of
-schemas 3 (the same first twelve fields, then the four of a `Run` flat), 2 (the
-fields of 3, ``pid`` first) and 1 (the first nine, in columns) still load, and
-are rewritten in schema 4 by the first fold.
+timers keep (`Watch`) each an array of their own in the last two.
 
 Invariants:
 
@@ -68,13 +65,13 @@ import time
 import urllib.parse
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final, Literal
 
 import msgspec
 import trio
 
-from .core.timers import Run, StoreKey, Timer
+from .core.timers import StoreKey, Timer
 from .errors import DaemonError
 from .logs import log, logfmt
 
@@ -101,10 +98,9 @@ _CORRUPT_CODES: Final = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
 _LOAD_BATCH: Final = 1024
 
 Changes = dict[StoreKey, Timer | None]
-#: What a database read at start is: of this schema and boot ("current"); absent,
-#: new or moved aside ("none": the journals hold everything since); written in
-#: another boot; or of an older schema.
-DatabaseKind = Literal["current", "none", "other_boot", "old_schema"]
+#: What a database read at start is: of this boot ("current"); absent, new or moved
+#: aside ("none": the journals hold everything since); or written in another boot.
+DatabaseKind = Literal["current", "none", "other_boot"]
 
 
 class StateError(DaemonError):
@@ -133,86 +129,9 @@ class Record(msgspec.Struct, array_like=True):
 _CHANGES: Final = Record()
 
 
-class _Schema3Timer(msgspec.Struct, array_like=True, gc=False):
-    """A `Timer` as schema 3 stored it: its `Run` flat, and no `Watch`."""
-
-    deadline: float
-    seq: int
-    pid: int
-    scope: str
-    policy: str
-    uid: int
-    owner: int
-    timeout: float
-    armed_at: float
-    start_time: int = 0
-    exit_releases: bool = False
-    firing: int = 0
-    step: int = 0
-    step_end: float = 0.0
-    fired_at: float = 0.0
-    plan: int = 0
-
-    def upgraded(self) -> Timer:
-        return _upgraded(self)
-
-
-class _Schema3Record(msgspec.Struct, array_like=True):
-    """A `Record` of schema 3."""
-
-    reset: bool = False
-    puts: list[_Schema3Timer] = []
-    drops: list[StoreKey] = []
-    boot: str = ""
-
-
-class _Schema2Timer(msgspec.Struct, array_like=True, gc=False):
-    """A `Timer` as schema 2 stored it: the fields of schema 3, in this order."""
-
-    pid: int
-    scope: str
-    policy: str
-    uid: int
-    owner: int
-    timeout: float
-    armed_at: float
-    deadline: float
-    start_time: int = 0
-    seq: int = 0
-    firing: int = 0
-    step: int = 0
-    step_end: float = 0.0
-    fired_at: float = 0.0
-    plan: int = 0
-    exit_releases: bool = False
-
-    def upgraded(self) -> Timer:
-        return _upgraded(self)
-
-
-def _upgraded(old: _Schema3Timer | _Schema2Timer) -> Timer:
-    """A timer of schema 3 or 2 in this schema's shape."""
-    fields = msgspec.structs.asdict(old)
-    run = Run(**{name: fields.pop(name) for name in ("step", "step_end", "fired_at", "plan")})
-    return Timer(**fields, run=run if fields["firing"] else None)
-
-
-class _Schema2Record(msgspec.Struct, array_like=True):
-    """A `Record` of schema 2: its timers in their order of then."""
-
-    reset: bool = False
-    puts: list[_Schema2Timer] = []
-    drops: list[StoreKey] = []
-    boot: str = ""
-
-
 _encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(Record)
-_schema3_record_decoder = msgspec.msgpack.Decoder(_Schema3Record)
-_schema2_record_decoder = msgspec.msgpack.Decoder(_Schema2Record)
 _timers_decoder = msgspec.msgpack.Decoder(list[Timer])
-_schema3_timers_decoder = msgspec.msgpack.Decoder(list[_Schema3Timer])
-_schema2_timers_decoder = msgspec.msgpack.Decoder(list[_Schema2Timer])
 
 
 class Loaded(msgspec.Struct):
@@ -301,9 +220,9 @@ class Store:
         # The database must be rewritten whole by the first fold.
         store._unfolded, store._unfolded_reset = dict(timers), True
         # The journals must no longer be replayed over what the database holds
-        # (another boot's state, or another schema): this run's first journal
-        # starts with the whole state, which supersedes every older file.
-        store._start_journal(timers if kind in ("other_boot", "old_schema") else None)
+        # (another boot's state): this run's first journal starts with the whole
+        # state, which supersedes every older file.
+        store._start_journal(timers if kind == "other_boot" else None)
         store._shared = {}
         return store, Loaded(timers=list(timers.values()), moved_aside=moved)
 
@@ -322,7 +241,7 @@ class Store:
         try:
             db = _connect(self.path)
             try:
-                stored, schema, boot = _read_timers(db, self._shared)
+                stored, boot = _read_timers(db, self._shared)
             except BaseException:
                 db.close()
                 raise
@@ -332,7 +251,7 @@ class Store:
                 return [], "none"
             self._enter_degraded(_reason(exc))
             try:
-                stored, schema, boot = _read_immutable(self.path, self._shared)
+                stored, boot = _read_immutable(self.path, self._shared)
             except (sqlite3.Error, _Corrupt) as again:
                 log.error(logfmt("state_unread", path=self.path, error=_reason(again)))
                 self._db_unread = True
@@ -344,7 +263,7 @@ class Store:
         if boot != _boot_id():
             log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(stored)))
             return [], "other_boot"
-        return stored, "current" if schema == SCHEMA else "old_schema"
+        return stored, "current"
 
     def _move_database_aside(self, why: str, moved: list[str]) -> None:
         # SQLite's own files go with it: a rollback journal left beside a new,
@@ -771,56 +690,11 @@ def _records(data: bytes, *, newest: bool) -> Iterator[Record | str]:
             yield f"bad checksum in the record at byte {offset}"
             return
         try:
-            yield _decode_record(payload)
+            yield _record_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             yield f"unreadable record at byte {offset}: {exc}"
             return
         offset = start + length
-
-
-#: A record of schema 1: ``[(pid, scope, [policy, uid, ...] or None), ...]``.
-_legacy_decoder = msgspec.msgpack.Decoder(
-    list[tuple[int, str, tuple[int, str, str, int, int, float, float, float, int] | None]]
-)
-
-
-#: Schema 1 stored a timer's first nine fields in schema 2's order (its columns and
-#: its journal records alike).
-_SCHEMA1_SELECT: Final = (
-    "SELECT pid, scope, policy, uid, owner, timeout, armed_at, deadline, start_time FROM timers"
-)
-
-
-def _schema1_timer(values: Sequence[object]) -> Timer:
-    return msgspec.convert(list(values), _Schema2Timer).upgraded()
-
-
-def _decode_record(payload: bytes) -> Record:
-    """A journal record of this schema or an older one. A record of another
-    schema never validates as this one's: each schema's timer array holds values
-    of other types where they differ (an array or nil 13th here, an int in
-    schema 3; an int and a string first in schema 2, a pid and a scope around a
-    list in schema 1)."""
-    try:
-        return _record_decoder.decode(payload)
-    except msgspec.ValidationError:
-        pass
-    try:
-        three = _schema3_record_decoder.decode(payload)
-    except msgspec.ValidationError:
-        pass
-    else:
-        puts = [timer.upgraded() for timer in three.puts]
-        return Record(reset=three.reset, puts=puts, drops=three.drops, boot=three.boot)
-    try:
-        old = _schema2_record_decoder.decode(payload)
-    except msgspec.ValidationError:
-        legacy = _legacy_decoder.decode(payload)  # schema 1
-        puts = [_schema1_timer(values) for _, _, values in legacy if values is not None]
-        drops = [(pid, scope, 0) for pid, scope, values in legacy if values is None]
-        return Record(puts=puts, drops=drops)
-    puts = [timer.upgraded() for timer in old.puts]
-    return Record(reset=old.reset, puts=puts, drops=old.drops, boot=old.boot)
 
 
 #: Per load, per kind of value: one object for each distinct value.
@@ -882,51 +756,41 @@ def _connect(path: str) -> sqlite3.Connection:
 
 def _read_timers(
     db: sqlite3.Connection, shared: _Shared | None = None
-) -> tuple[list[Timer], int, str | None]:
-    """The timers of a database of this schema or an older one, its schema and the
-    boot it was written in (None for a new database); raises `_Corrupt` for a
-    schema this daemon cannot read. The timers share their repeated values with
-    each other and with what else was loaded with ``shared``."""
+) -> tuple[list[Timer], str | None]:
+    """The timers of a database and the boot it was written in (None for a new
+    database); raises `_Corrupt` for a schema this daemon cannot read. The timers
+    share their repeated values with each other and with what else was loaded with
+    ``shared``."""
     try:
         return _parse_timers(db, {} if shared is None else shared)
     except (ValueError, TypeError, KeyError) as exc:
         raise _Corrupt(f"unreadable content: {exc}") from None
 
 
-def _parse_timers(db: sqlite3.Connection, shared: _Shared) -> tuple[list[Timer], int, str | None]:
+def _parse_timers(db: sqlite3.Connection, shared: _Shared) -> tuple[list[Timer], str | None]:
     meta = _meta(db)
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
     if "timers" not in tables:
-        return [], SCHEMA, None
-    schema = int(meta.get("schema", "1"))
+        return [], None
+    if meta.get("schema") != str(SCHEMA):
+        raise _Corrupt(f"schema version {meta.get('schema')}; this daemon reads {SCHEMA}")
     timers: list[Timer] = []
-    if schema in (SCHEMA, 3, 2):
-        # A batch of records as one msgpack array, decoded in one call: a start
-        # with a million timers spends its time here.
-        rows = db.execute("SELECT record FROM timers")
-        while blobs := [blob for (blob,) in rows.fetchmany(_LOAD_BATCH)]:
-            array = b"\xdd" + len(blobs).to_bytes(4, "big") + b"".join(blobs)
-            del blobs
-            try:
-                if schema == SCHEMA:
-                    batch = _timers_decoder.decode(array)
-                elif schema == 3:
-                    batch = [old.upgraded() for old in _schema3_timers_decoder.decode(array)]
-                else:
-                    batch = [old.upgraded() for old in _schema2_timers_decoder.decode(array)]
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _Corrupt(f"unreadable timer record: {exc}") from None
-            _share_values(batch, shared)
-            timers += batch
-    elif schema == 1:
-        timers = [_schema1_timer(row) for row in db.execute(_SCHEMA1_SELECT)]
-        _share_values(timers, shared)
-    else:
-        raise _Corrupt(f"schema version {schema}; this daemon reads {SCHEMA}, 3, 2 and 1")
-    return timers, schema, meta.get("boot_id")
+    # A batch of records as one msgpack array, decoded in one call: a start with a
+    # million timers spends its time here.
+    rows = db.execute("SELECT record FROM timers")
+    while blobs := [blob for (blob,) in rows.fetchmany(_LOAD_BATCH)]:
+        array = b"\xdd" + len(blobs).to_bytes(4, "big") + b"".join(blobs)
+        del blobs
+        try:
+            batch = _timers_decoder.decode(array)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _Corrupt(f"unreadable timer record: {exc}") from None
+        _share_values(batch, shared)
+        timers += batch
+    return timers, meta.get("boot_id")
 
 
-def _read_immutable(path: str, shared: _Shared) -> tuple[list[Timer], int, str | None]:
+def _read_immutable(path: str, shared: _Shared) -> tuple[list[Timer], str | None]:
     """Read the database file as it is, through a connection that writes nothing
     (the lock held on it keeps others out): what a read-only disk allows."""
     uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?immutable=1"
