@@ -19,7 +19,9 @@ import trio
 
 from watchdogd import store as store_module
 from watchdogd.core.timers import Run, Timer
-from watchdogd.store import Record, StateError, Store, default_state_path
+from watchdogd.storage import database, schema
+from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
+from watchdogd.store import StateError, Store, default_state_path
 
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
@@ -53,7 +55,7 @@ def append(path: str, number: int, record: Record, tail: bytes = b"") -> None:
     changes: dict[tuple[int, str, int], Timer | None] = {t.store_key: t for t in record.puts}
     changes.update(dict.fromkeys(record.drops))
     with open(f"{path}.journal.{number}", "ab") as journal:
-        journal.write(store_module._encode(record, changes) + tail)
+        journal.write(encode(record, changes) + tail)
 
 
 def test_default_path_is_beside_the_socket() -> None:
@@ -72,17 +74,17 @@ def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
 
 
 def test_a_record_of_changes_is_made_as_a_record_would_be() -> None:
-    """A journal record is encoded without building a `Record` (`_encode`): the
+    """A journal record is encoded without building a `Record` (`encode`): the
     bytes must stay those of the `Record` they stand for."""
     armed = timer(10, "a")
     firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
     changes = {armed.store_key: armed, (11, "gone", 0): None, firing.store_key: firing}
     for header in (Record(), Record(reset=True, boot="a-boot")):
-        made = store_module._encode(header, changes)
+        made = encode(header, changes)
         record = msgspec.structs.replace(header, puts=[armed, firing], drops=[(11, "gone", 0)])
         payload = msgspec.msgpack.encode(record)
-        assert made == store_module._RECORD.pack(len(payload), zlib.crc32(payload)) + payload
-        assert list(store_module._records(made, newest=True)) == [record]
+        assert made == RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        assert list(records(made, newest=True)) == [record]
 
 
 def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
@@ -124,13 +126,12 @@ async def test_one_write_serves_every_change_of_a_turn(
 ) -> None:
     store, _ = Store.open(str(tmp_path / "state.db"))
     writes: list[int] = []
-    write_all = store_module._write_all
 
     def counting(fd: int | None, data: bytes) -> None:
         writes.append(len(data))
         write_all(fd, data)
 
-    monkeypatch.setattr(store_module, "_write_all", counting)
+    monkeypatch.setattr(store_module, "write_all", counting)
     acknowledged: list[int] = []
 
     async def acknowledge(pid: int) -> None:
@@ -291,7 +292,7 @@ def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
     Store.open(path)[0].close()
     folded = [timer(4000 + i % 3, f"s{i}", deadline=100.0 + i) for i in range(200)]
     raw = sqlite3.connect(path, isolation_level=None)
-    store_module._replace_all(raw, {t.store_key: t for t in folded}, store_module._boot_id())
+    database.replace_all(raw, {t.store_key: t for t in folded}, schema.boot_id())
     raw.close()
     append(path, 1, Record(puts=[timer(4000, "from-the-journal", deadline=50.0)]))
     store, loaded = Store.open(path)
