@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -205,3 +206,38 @@ def test_expires_blocks_span_a_daemon_restart(daemon: RunningDaemon) -> None:
     finally:
         reap(working)
         reap(hung)
+
+
+def test_a_state_of_a_newer_schema_is_moved_aside_and_the_daemon_starts_empty(
+    daemon: RunningDaemon,
+) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire("of-the-newer-daemon", 60.0, pid=victim.pid)
+        assert daemon.stop(signal.SIGTERM) == 0
+        store, loaded = Store.open(daemon.state_path)
+        # The whole state in the database, as a newer daemon's fold would leave it.
+        store._write_database({t.store_key: t for t in loaded.timers}, reset=True)
+        store.close()
+        for journal in Path(daemon.state_path).parent.glob("*.journal.*"):
+            journal.unlink()
+        raw = sqlite3.connect(daemon.state_path)
+        raw.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+        raw.commit()
+        raw.close()
+        daemon.start()
+        with daemon.client() as client:
+            assert client.status().timers == []
+        log = daemon.log()
+        [line] = [line for line in log.splitlines() if "event=state_schema_unreadable" in line]
+        assert " ERROR " in line
+        assert "newer than this daemon's 4: none of its timers are restored" in line
+        [aside] = Path(daemon.state_path).parent.glob("*.state.db.schema-99-*")
+        assert f"moved_to={aside}" in line
+        raw = sqlite3.connect(aside)  # moved whole: its timer is still in it
+        assert raw.execute("SELECT scope FROM timers").fetchall() == [("of-the-newer-daemon",)]
+        raw.close()
+        assert "restored=0 dropped=0 resumed=0 moved_aside=1" in log
+    finally:
+        reap(victim)

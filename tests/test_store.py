@@ -250,19 +250,98 @@ def test_a_corrupt_database_is_moved_aside_and_the_journals_still_count(
     assert not store.degraded
 
 
-def test_a_newer_schema_is_moved_aside(tmp_path: Path) -> None:
-    path = str(tmp_path / "state.db")
+def database_of_schema(path: str, named: str) -> None:
+    """A database holding one timer, whose ``meta`` names schema ``named``."""
     store, _ = Store.open(path)
-    store._write_database({}, reset=True)
+    store._write_database({timer(1, "a").store_key: timer(1, "a")}, reset=True)
     store.close()
+    for journal in journals(Path(path).parent):
+        os.unlink(Path(path).parent / journal)
     raw = sqlite3.connect(path)
-    raw.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+    raw.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (named,))
     raw.commit()
     raw.close()
+
+
+def test_a_newer_schema_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "99")
     store, loaded = Store.open(path)
     store.close()
     assert loaded.timers == []
-    assert any(".damaged-" in name for name in os.listdir(tmp_path))
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-99-")
+    assert any(".schema-99-" in name for name in os.listdir(tmp_path))
+    # Moved whole, never decoded: what it held is still there.
+    raw = sqlite3.connect(aside)
+    assert raw.execute("SELECT count(*) FROM timers").fetchone() == (1,)
+    raw.close()
+    [line] = [r for r in caplog.records if "event=state_schema_unreadable" in r.getMessage()]
+    assert line.levelname == "ERROR"
+    assert "newer than this daemon's 4" in line.getMessage()
+    assert "none of its timers are restored" in line.getMessage()
+    assert f"moved_to={aside}" in line.getMessage()
+    assert not store.degraded
+    _, again = Store.open(path)  # a new, empty state in its place
+    assert again.timers == []
+    assert again.moved_aside == []
+
+
+def test_a_schema_older_than_any_release_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "3")
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-3-")
+    assert "older than any this daemon reads (from 4 on)" in caplog.text
+
+
+def test_a_journal_of_a_newer_schema_is_moved_aside_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its first record names its schema: the journal is moved aside whole, not
+    replayed even in part."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    payload = msgspec.msgpack.encode((False, [timer(1, "of-schema-99")], [], schema.boot_id(), 99))
+    newer = RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+    Path(f"{path}.journal.7").write_bytes(newer)
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.journal.7.schema-99-")
+    assert Path(aside).read_bytes() == newer
+    assert "event=state_schema_unreadable" in caplog.text
+    assert not store.degraded
+
+
+def test_a_journal_that_names_no_schema_is_of_schema_4(tmp_path: Path) -> None:
+    """The first journals of schema 4 named none: their first record has four
+    elements, the boot last."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    append(path, 1, Record(puts=[timer(1, "named-no-schema")], boot=schema.boot_id()))
+    store, loaded = Store.open(path)
+    store.close()
+    assert [t.scope for t in loaded.timers] == ["named-no-schema"]
+    assert loaded.moved_aside == []
+
+
+def test_the_first_record_of_a_journal_names_this_schema(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    [first] = journals(tmp_path)
+    data = (tmp_path / first).read_bytes()
+    length, _ = RECORD.unpack_from(data)
+    fields = msgspec.msgpack.decode(data[RECORD.size : RECORD.size + length])
+    assert fields == [False, [], [], schema.boot_id(), schema.SCHEMA]
 
 
 def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
@@ -281,6 +360,28 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     assert loaded.timers == []
     _, again = Store.open(path)  # and it stays discarded
     assert again.timers == []
+
+
+def upgraded_policy(fields: list[object]) -> list[object]:
+    """A migration to a hypothetical schema 5, whose stored policy names say so."""
+    return [*fields[:4], f"{fields[4]}@5", *fields[5:]]
+
+
+def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 6)
+    monkeypatch.setattr(
+        schema,
+        "MIGRATIONS",
+        {4: upgraded_policy, 5: lambda fields: [*fields[:4], f"{fields[4]}@6", *fields[5:]]},
+    )
+    array = msgspec.msgpack.encode([timer(1, "a")])
+    assert [t.policy for t in schema.decode_timers(array, 4)] == ["kill@5@6"]
+    assert [t.policy for t in schema.decode_timers(array, 5)] == ["kill@6"]
+    schema.check(4)
+    with pytest.raises(schema.SchemaError, match="schema 3, older than any this daemon reads"):
+        schema.check(3)
+    with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
+        schema.check(7)
 
 
 def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:

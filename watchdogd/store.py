@@ -29,8 +29,10 @@ Invariants:
   state (``snapshot``) to a new journal headed by a reset record, removes the older
   journals it supersedes, and clears the degraded state. Memory stays bounded while
   degraded: nothing is queued but the need for that one full write.
-- Loading reads the database, then replays every journal in order. A damaged file
-  is moved aside, never deleted, with an ERROR naming where
+- Loading reads the database, then replays every journal in order, each file in
+  the schema it names (`watchdogd.storage.schema`, which migrates an older one's
+  timers). A file that cannot be read (damaged, or of a schema this daemon does
+  not read) is moved aside, never deleted, with an ERROR naming where
   (`watchdogd.storage.faults`); the good prefix of a damaged journal still counts.
   Anything else that fails at start (a full or read-only disk) starts the daemon
   degraded with everything it could read.
@@ -54,7 +56,7 @@ import trio
 from .core.timers import StoreKey, Timer
 from .logs import log, logfmt
 from .storage.database import Database
-from .storage.faults import Aside, Damaged, StateError, reason
+from .storage.faults import Aside, StateError, Unreadable, reason
 from .storage.journal import (
     CHANGES,
     Record,
@@ -162,9 +164,10 @@ class Store:
         # The database must be rewritten whole by the first fold.
         store._unfolded, store._unfolded_reset = dict(timers), True
         # The journals must no longer be replayed over what the database holds
-        # (another boot's state): this run's first journal starts with the whole
-        # state, which supersedes every older file.
-        store._start_journal(timers if kind == "other_boot" else None)
+        # (another boot's state, or an older schema's): this run's first journal
+        # starts with the whole state, in this schema, which supersedes every
+        # older file.
+        store._start_journal(timers if kind in ("other_boot", "older_schema") else None)
         store._shared = {}
         return store, Loaded(timers=list(timers.values()), moved_aside=moved)
 
@@ -198,7 +201,7 @@ class Store:
     ) -> int | None:
         """Create journal ``number`` and write its first record (``first``, with
         ``changes`` and this boot); None, with nothing left behind, if it fails."""
-        record = encode(msgspec.structs.replace(first, boot=boot_id()), changes)
+        record = encode(msgspec.structs.replace(first, boot=boot_id()), changes, first=True)
         fd = self._open_journal(number, degrade=degrade)
         if fd is None:
             return None
@@ -371,7 +374,7 @@ class Store:
             self._unfolded, self._unfolded_reset, self._rebuild = {}, False, False
             try:
                 await trio.to_thread.run_sync(self._write_database, changes, reset)
-            except (sqlite3.Error, OSError, Damaged, StateError) as exc:
+            except (sqlite3.Error, OSError, Unreadable, StateError) as exc:
                 self.errors += 1
                 log.error(logfmt("state_fold_failed", path=self.path, error=reason(exc)))
                 self._unfolded, self._rebuild = {}, True

@@ -7,11 +7,13 @@ Invariants:
   held for the store's life: a second daemon on the same state is refused
   (`watchdogd.storage.faults.StateError`), even when nothing can be written.
 - Only folds write it, in a worker thread, each in one transaction; its ``meta``
-  table names the schema and the boot it was written in.
-- A database SQLite calls corrupt (SQLITE_CORRUPT, SQLITE_NOTADB) or of an unknown
-  schema is moved aside, with SQLite's own files beside it. One that cannot be
-  read and is not damaged (a failing disk) is never written over: the next start
-  reads it again.
+  table names the schema and the boot it was written in. A database of an older
+  schema is read through the migrations (`watchdogd.storage.schema`) and
+  rewritten whole, in this schema, by the first fold.
+- A database SQLite calls corrupt (SQLITE_CORRUPT, SQLITE_NOTADB), with content
+  that does not decode, or of a schema this daemon cannot read is moved aside,
+  with SQLite's own files beside it. One that cannot be read and is not damaged
+  (a failing disk) is never written over: the next start reads it again.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import msgspec
 
 from ..core.timers import StoreKey, Timer
 from ..logs import log, logfmt
-from .faults import Aside, Damaged, StateError, reason
-from .schema import SCHEMA, Changes, Shared, boot_id, decode_timers, share_values
+from . import schema
+from .faults import Aside, Damaged, StateError, Unreadable, reason
+from .schema import Changes, Shared, boot_id, decode_timers, share_values
 
 _INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?)"
 _DELETE: Final = "DELETE FROM timers WHERE pid = ? AND scope = ? AND firing = ?"
@@ -42,16 +45,17 @@ _CORRUPT_CODES: Final = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
 #: much larger batch outgrows.
 _LOAD_BATCH: Final = 1024
 
-#: What a database read at start is: of this boot ("current"); absent, new or moved
-#: aside ("none": the journals hold everything since); or written in another boot.
-DatabaseKind = Literal["current", "none", "other_boot"]
+#: What a database read at start is: of this boot and schema ("current"); absent,
+#: new or moved aside ("none": the journals hold everything since); written in
+#: another boot; or of an older schema, migrated.
+DatabaseKind = Literal["current", "none", "other_boot", "older_schema"]
 
 _encoder = msgspec.msgpack.Encoder()
 
 
 class Database:
     """The database file of the state ``path``: its lock, its connection, its
-    reading at start and its writing by folds. Damaged files go to ``aside``;
+    reading at start and its writing by folds. Files it cannot read go to ``aside``;
     ``degrade(reason)`` is told of a disk that refuses it."""
 
     def __init__(self, path: str, aside: Aside, degrade: Callable[[str], object]) -> None:
@@ -78,18 +82,21 @@ class Database:
         try:
             db = _connect(self.path)
             try:
-                stored, boot = _read_timers(db, shared)
+                stored, stored_schema, boot = _read_timers(db, shared)
             except BaseException:
                 db.close()
                 raise
-        except (sqlite3.Error, Damaged) as exc:
-            if isinstance(exc, Damaged) or _code(exc) in _CORRUPT_CODES:
-                self._move_aside(str(exc))
+        except (sqlite3.Error, Unreadable) as exc:
+            if isinstance(exc, Unreadable):
+                self._move_aside(exc)
+                return [], "none"
+            if _code(exc) in _CORRUPT_CODES:
+                self._move_aside(Damaged(str(exc)))
                 return [], "none"
             self._degrade(reason(exc))
             try:
-                stored, boot = _read_immutable(self.path, shared)
-            except (sqlite3.Error, Damaged) as again:
+                stored, stored_schema, boot = _read_immutable(self.path, shared)
+            except (sqlite3.Error, Unreadable) as again:
                 log.error(logfmt("state_unread", path=self.path, error=reason(again)))
                 self.unread = True
                 return [], "none"
@@ -100,14 +107,14 @@ class Database:
         if boot != boot_id():
             log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(stored)))
             return [], "other_boot"
-        return stored, "current"
+        return stored, "current" if stored_schema == schema.SCHEMA else "older_schema"
 
-    def _move_aside(self, why: str) -> None:
+    def _move_aside(self, problem: Unreadable) -> None:
         # SQLite's own files go with it: a rollback journal left beside a new,
         # empty database would be played back into it.
         for name in (self.path, f"{self.path}-wal", f"{self.path}-shm", f"{self.path}-journal"):
             if os.path.exists(name):
-                self._aside.move(name, why)
+                self._aside.move(name, problem)
         self.lock()  # a new file in its place
 
     def lock(self) -> bool:
@@ -188,24 +195,28 @@ def _connect(path: str) -> sqlite3.Connection:
 
 def _read_timers(
     db: sqlite3.Connection, shared: Shared | None = None
-) -> tuple[list[Timer], str | None]:
-    """The timers of a database and the boot it was written in (None for a new
-    database); raises `Damaged` for a schema this daemon cannot read. The timers
-    share their repeated values with each other and with what else was loaded with
-    ``shared``."""
+) -> tuple[list[Timer], int, str | None]:
+    """The timers of a database, its schema and the boot it was written in (None
+    for a new database); raises `Damaged` for content that does not decode and
+    `watchdogd.storage.schema.SchemaError` for a schema this daemon cannot read.
+    The timers share their repeated values with each other and with what else was
+    loaded with ``shared``."""
     try:
         return _parse_timers(db, {} if shared is None else shared)
     except (ValueError, TypeError, KeyError) as exc:
         raise Damaged(f"unreadable content: {exc}") from None
 
 
-def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], str | None]:
+def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], int, str | None]:
     meta = _meta(db)
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
     if "timers" not in tables:
-        return [], None
-    if meta.get("schema") != str(SCHEMA):
-        raise Damaged(f"schema version {meta.get('schema')}; this daemon reads {SCHEMA}")
+        return [], schema.SCHEMA, None
+    named = meta.get("schema")
+    if named is None or not named.isdigit():
+        raise Damaged(f"schema version {named!r}")
+    stored = int(named)
+    schema.check(stored)
     timers: list[Timer] = []
     # A batch of records as one msgpack array, decoded in one call: a start with a
     # million timers spends its time here.
@@ -214,15 +225,15 @@ def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], 
         array = b"\xdd" + len(blobs).to_bytes(4, "big") + b"".join(blobs)
         del blobs
         try:
-            batch = decode_timers(array)
+            batch = decode_timers(array, stored)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise Damaged(f"unreadable timer record: {exc}") from None
         share_values(batch, shared)
         timers += batch
-    return timers, meta.get("boot_id")
+    return timers, stored, meta.get("boot_id")
 
 
-def _read_immutable(path: str, shared: Shared) -> tuple[list[Timer], str | None]:
+def _read_immutable(path: str, shared: Shared) -> tuple[list[Timer], int, str | None]:
     """Read the database file as it is, through a connection that writes nothing
     (the lock held on it keeps others out): what a read-only disk allows."""
     uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?immutable=1"
@@ -263,7 +274,7 @@ def replace_all(db: sqlite3.Connection, timers: Mapping[StoreKey, Timer | None],
         )
         db.executemany(
             "INSERT OR REPLACE INTO meta VALUES (?, ?)",
-            [("schema", str(SCHEMA)), ("boot_id", boot)],
+            [("schema", str(schema.SCHEMA)), ("boot_id", boot)],
         )
         db.execute("COMMIT")
     except BaseException:

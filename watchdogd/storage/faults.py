@@ -2,12 +2,15 @@
 
 Invariants:
 
-- A state file is never deleted because it cannot be read: it is renamed beside
-  itself (``NAME.damaged-TIMESTAMP``), with an ERROR line naming where it went.
+- A state file is never deleted because it cannot be read (`Unreadable`): it is
+  renamed beside itself, with a suffix that says why and when
+  (``NAME.damaged-20260101T120000``, ``NAME.schema-9-20260101T120000``), and an
+  ERROR line names where it went.
 - A file that cannot be renamed (a read-only disk) is kept where it is, remembered
   (`Aside.stuck`), never removed by the store, and moved at the next recovery.
 - Another daemon holding the state is the only fault that stops a start
-  (`StateError`); damage moves a file aside, and a failing disk degrades the store.
+  (`StateError`); a file that cannot be read is moved aside, and a failing disk
+  degrades the store.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ class StateError(DaemonError):
     degraded, instead.)"""
 
 
-class Damaged(Exception):
+class Unreadable(Exception):
+    """A state file this daemon cannot read, whatever the disk does: it is moved
+    aside under ``suffix``, and its ERROR line is ``event``."""
+
+    suffix = "damaged"
+    event = "state_damaged"
+
+
+class Damaged(Unreadable):
     """A state file that is damaged, not merely unwritable."""
 
 
@@ -40,30 +51,31 @@ def reason(exc: BaseException) -> str:
 
 class Aside:
     """Moves state files aside. ``moved`` lists where they went; ``stuck`` the
-    ones still to move (a rename that failed, a journal unreadable at start)."""
+    ones still to move (a rename that failed, a journal unreadable at start), with
+    what is wrong with each."""
 
     def __init__(self) -> None:
         self.moved: list[str] = []
-        self.stuck: list[str] = []
+        self.stuck: dict[str, Unreadable] = {}
 
-    def move(self, name: str, why: str) -> None:
-        aside = f"{name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    def move(self, name: str, problem: Unreadable) -> None:
+        aside = f"{name}.{problem.suffix}-{time.strftime('%Y%m%dT%H%M%S')}"
         try:
             os.replace(name, aside)
         except OSError as exc:
-            self.stuck.append(name)
-            log.error(logfmt("state_damaged", path=name, error=why, not_moved=reason(exc)))
+            self.stuck[name] = problem
+            log.error(logfmt(problem.event, path=name, error=problem, not_moved=reason(exc)))
             return
         self.moved.append(aside)
-        log.error(logfmt("state_damaged", path=name, error=why, moved_to=aside))
+        log.error(logfmt(problem.event, path=name, error=problem, moved_to=aside))
 
     def keep(self, name: str) -> None:
         """Leave ``name`` in place for now (unreadable is not proof of damage)."""
-        self.stuck.append(name)
+        self.stuck[name] = Damaged("damaged or unreadable at start")
 
     def move_stuck(self) -> None:
         """Try again to move the files that stayed in place."""
-        stuck, self.stuck = self.stuck, []
-        for name in stuck:
+        stuck, self.stuck = self.stuck, {}
+        for name, problem in stuck.items():
             if os.path.exists(name):
-                self.move(name, "damaged or unreadable at start")
+                self.move(name, problem)
