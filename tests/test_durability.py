@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from watchdogd.process import read_start_time
 from watchdogd.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
@@ -26,6 +27,7 @@ from conftest import (
     wait_ready,
     wait_until,
 )
+from state_files import PIDS, SCHEMAS, WRITTEN, make_own
 
 
 def arm(client: Client, scope: str, timeout: float, pid: int) -> float:
@@ -206,6 +208,55 @@ def test_expires_blocks_span_a_daemon_restart(daemon: RunningDaemon) -> None:
     finally:
         reap(working)
         reap(hung)
+
+
+@pytest.mark.parametrize("stored", SCHEMAS)
+def test_a_daemon_upgraded_from_each_released_schema_keeps_every_timer(
+    stored: int, socket_path: Path, tmp_path: Path
+) -> None:
+    """A daemon starts on the state a daemon of schema N left when it was killed
+    (tests/data/schemaN/, made this boot's for live processes): every armed timer
+    is armed again, on its original deadline, with its policy and its job, and the
+    expiry whose policy was in progress resumes and finishes."""
+    victims = [sleeper() for _ in PIDS]
+    daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", [])
+    try:
+        pids = [victim.pid for victim in victims]
+        state = make_own(stored, tmp_path / "state", pids, list(map(read_start_time, pids)))
+        daemon.args = ["--state", str(state)]
+        daemon.start()
+        pid_of = dict(zip(PIDS, pids, strict=True))
+        armed = {scope: t for scope, t in WRITTEN.items() if not t.firing}
+        with daemon.client() as client:
+            now = time.monotonic()
+            timers = {t.scope: t for t in client.status().timers}
+            assert set(timers) == set(armed)
+            for scope, written in armed.items():
+                shown = timers[scope]
+                assert (shown.pid, shown.policy, shown.uid) == (
+                    pid_of[written.pid],
+                    written.policy,
+                    os.getuid(),
+                )
+                assert shown.remaining == pytest.approx(written.deadline - now, abs=PATIENCE)
+                assert (shown.job, shown.rank) == (
+                    ("", None) if written.watch is None else (written.watch.job, written.watch.rank)
+                )
+            wait_until(
+                lambda: any(event.scope == "hung" for event in expired_events(client)),
+                what="the expiry in progress to finish",
+            )
+        assert "restored=4 dropped=0 resumed=1" in daemon.log()
+        assert "ERROR" not in daemon.log()
+        assert all(victim.poll() is None for victim in victims)
+        assert daemon.stop(signal.SIGTERM) == 0
+        daemon.start()  # and kept again, now in this schema
+        with daemon.client() as client:
+            assert {t.scope for t in client.status().timers} == set(armed)
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for victim in victims:
+            reap(victim)
 
 
 def test_a_state_of_a_newer_schema_is_moved_aside_and_the_daemon_starts_empty(

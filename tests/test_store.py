@@ -23,6 +23,8 @@ from watchdogd.storage import database, schema
 from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
 from watchdogd.store import StateError, Store, default_state_path
 
+from state_files import PIDS, SCHEMAS, WRITTEN, make_own
+
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
     """A timer; ``step``, ``step_end``, ``fired_at`` and ``plan`` make its `Run`."""
@@ -362,9 +364,87 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     assert again.timers == []
 
 
+def own_timers(pids: list[int], starts: list[int]) -> dict[str, Timer]:
+    """`WRITTEN` as `make_own` makes it, for processes ``pids``."""
+    values = dict(zip(PIDS, zip(pids, starts, strict=True), strict=True))
+    return {
+        scope: msgspec.structs.replace(
+            written,
+            pid=values[written.pid][0],
+            start_time=values[written.pid][1],
+            uid=os.getuid(),
+            owner=os.getuid(),
+        )
+        for scope, written in WRITTEN.items()
+    }
+
+
+@pytest.mark.parametrize("stored", SCHEMAS)
+def test_the_state_of_every_released_schema_loads_as_it_was_written(
+    stored: int, tmp_path: Path
+) -> None:
+    """tests/data/schemaN/ was written by the store of schema N (`write_state`): a
+    database with armed timers of every built-in policy, one of a job with its
+    progress watched and a firing one folded in, and a journal that arms one more,
+    re-arms one and releases one. Every attribute comes back as it was written,
+    through the migrations from N to this schema, and again once rewritten."""
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(stored, tmp_path, pids, starts))
+    for _ in range(2):
+        store, loaded = Store.open(path)
+        store.close()
+        assert {t.scope: t for t in loaded.timers} == own_timers(pids, starts)
+        assert loaded.moved_aside == []
+        assert not store.degraded
+
+
+def test_every_schema_since_the_first_release_has_its_migration_and_its_state() -> None:
+    """Schema 4 is that of the first release: each one since migrates from the one
+    before it, and tests/data/ holds a state of each, written by its own store."""
+    assert set(schema.MIGRATIONS) == set(range(4, schema.SCHEMA))
+    assert set(range(4, schema.SCHEMA)) | {4} <= set(SCHEMAS)
+
+
 def upgraded_policy(fields: list[object]) -> list[object]:
     """A migration to a hypothetical schema 5, whose stored policy names say so."""
     return [*fields[:4], f"{fields[4]}@5", *fields[5:]]
+
+
+async def test_the_loader_walks_the_migrations_to_this_schema_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon of a hypothetical schema 5 starts on tests/data/schema4/: the
+    database and the journal are read through the migration from 4, the first
+    journal of the run holds the whole state in schema 5, and once folded the
+    database is of schema 5; neither is migrated again."""
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: upgraded_policy})
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(4, tmp_path, pids, starts))
+    expected = {
+        scope: msgspec.structs.replace(t, policy=f"{t.policy}@5")
+        for scope, t in own_timers(pids, starts).items()
+    }
+    store, loaded = Store.open(path)
+    store.close()  # killed before its first fold
+    assert {t.scope: t for t in loaded.timers} == expected
+    [first] = journals(tmp_path)
+    assert first == "state.db.journal.3"  # the older journals it supersedes are gone
+    store, loaded = Store.open(path)
+    assert {t.scope: t for t in loaded.timers} == expected
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        with trio.fail_after(5):
+            while store._fold_wanted or store._folding:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert {t.scope: t for t in loaded.timers} == expected
 
 
 def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -382,6 +462,21 @@ def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.Monke
         schema.check(3)
     with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
         schema.check(7)
+
+
+def test_a_timer_that_does_not_migrate_is_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: lambda fields: fields[99]})
+    path = str(make_own(4, tmp_path, [101, 102, 103, 104], [11, 12, 13, 14]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    assert sorted(Path(aside).name.split("-")[0] for aside in loaded.moved_aside) == [
+        "state.db.damaged",
+        "state.db.journal.2.damaged",
+    ]
 
 
 def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
