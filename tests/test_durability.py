@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from watchdogd.process import read_start_time
 from watchdogd.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
@@ -25,6 +27,7 @@ from conftest import (
     wait_ready,
     wait_until,
 )
+from state_files import PIDS, SCHEMAS, WRITTEN, make_own
 
 
 def arm(client: Client, scope: str, timeout: float, pid: int) -> float:
@@ -205,3 +208,87 @@ def test_expires_blocks_span_a_daemon_restart(daemon: RunningDaemon) -> None:
     finally:
         reap(working)
         reap(hung)
+
+
+@pytest.mark.parametrize("stored", SCHEMAS)
+def test_a_daemon_upgraded_from_each_released_schema_keeps_every_timer(
+    stored: int, socket_path: Path, tmp_path: Path
+) -> None:
+    """A daemon starts on the state a daemon of schema N left when it was killed
+    (tests/data/schemaN/, made this boot's for live processes): every armed timer
+    is armed again, on its original deadline, with its policy and its job, and the
+    expiry whose policy was in progress resumes and finishes."""
+    victims = [sleeper() for _ in PIDS]
+    daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", [])
+    try:
+        pids = [victim.pid for victim in victims]
+        state = make_own(stored, tmp_path / "state", pids, list(map(read_start_time, pids)))
+        daemon.args = ["--state", str(state)]
+        daemon.start()
+        pid_of = dict(zip(PIDS, pids, strict=True))
+        armed = {scope: t for scope, t in WRITTEN.items() if not t.firing}
+        with daemon.client() as client:
+            now = time.monotonic()
+            timers = {t.scope: t for t in client.status().timers}
+            assert set(timers) == set(armed)
+            for scope, written in armed.items():
+                shown = timers[scope]
+                assert (shown.pid, shown.policy, shown.uid) == (
+                    pid_of[written.pid],
+                    written.policy,
+                    os.getuid(),
+                )
+                assert shown.remaining == pytest.approx(written.deadline - now, abs=PATIENCE)
+                assert (shown.job, shown.rank) == (
+                    ("", None) if written.watch is None else (written.watch.job, written.watch.rank)
+                )
+            wait_until(
+                lambda: any(event.scope == "hung" for event in expired_events(client)),
+                what="the expiry in progress to finish",
+            )
+        assert "restored=4 dropped=0 resumed=1" in daemon.log()
+        assert "ERROR" not in daemon.log()
+        assert all(victim.poll() is None for victim in victims)
+        assert daemon.stop(signal.SIGTERM) == 0
+        daemon.start()  # and kept again, now in this schema
+        with daemon.client() as client:
+            assert {t.scope for t in client.status().timers} == set(armed)
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for victim in victims:
+            reap(victim)
+
+
+def test_a_state_of_a_newer_schema_is_moved_aside_and_the_daemon_starts_empty(
+    daemon: RunningDaemon,
+) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire("of-the-newer-daemon", 60.0, pid=victim.pid)
+        assert daemon.stop(signal.SIGTERM) == 0
+        store, loaded = Store.open(daemon.state_path)
+        # The whole state in the database, as a newer daemon's fold would leave it.
+        store._write_database({t.store_key: t for t in loaded.timers}, reset=True)
+        store.close()
+        for journal in Path(daemon.state_path).parent.glob("*.journal.*"):
+            journal.unlink()
+        raw = sqlite3.connect(daemon.state_path)
+        raw.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+        raw.commit()
+        raw.close()
+        daemon.start()
+        with daemon.client() as client:
+            assert client.status().timers == []
+        log = daemon.log()
+        [line] = [line for line in log.splitlines() if "event=state_schema_unreadable" in line]
+        assert " ERROR " in line
+        assert "newer than this daemon's 4: none of its timers are restored" in line
+        [aside] = Path(daemon.state_path).parent.glob("*.state.db.schema-99-*")
+        assert f"moved_to={aside}" in line
+        raw = sqlite3.connect(aside)  # moved whole: its timer is still in it
+        assert raw.execute("SELECT scope FROM timers").fetchall() == [("of-the-newer-daemon",)]
+        raw.close()
+        assert "restored=0 dropped=0 resumed=0 moved_aside=1" in log
+    finally:
+        reap(victim)

@@ -372,7 +372,7 @@ def test_a_state_file_made_late_is_still_locked(tmp_path: Path) -> None:
         made = fill_inodes(disk)
         store, _ = Store.open(str(disk / "state.db"))
         assert store.degraded
-        assert store._lock_fd is None
+        assert store._database.lock_fd is None
         for path in made:
             path.unlink()
         assert store.recover()

@@ -7,7 +7,6 @@ on real tmpfs mounts.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sqlite3
 import stat
@@ -20,9 +19,11 @@ import trio
 
 from watchdogd import store as store_module
 from watchdogd.core.timers import Run, Timer
-from watchdogd.store import Record, StateError, Store, default_state_path
+from watchdogd.storage import database, schema
+from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
+from watchdogd.store import StateError, Store, default_state_path
 
-DATA = Path(__file__).parent / "data"
+from state_files import PIDS, SCHEMAS, WRITTEN, make_own
 
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
@@ -56,7 +57,7 @@ def append(path: str, number: int, record: Record, tail: bytes = b"") -> None:
     changes: dict[tuple[int, str, int], Timer | None] = {t.store_key: t for t in record.puts}
     changes.update(dict.fromkeys(record.drops))
     with open(f"{path}.journal.{number}", "ab") as journal:
-        journal.write(store_module._encode(record, changes) + tail)
+        journal.write(encode(record, changes) + tail)
 
 
 def test_default_path_is_beside_the_socket() -> None:
@@ -75,17 +76,17 @@ def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
 
 
 def test_a_record_of_changes_is_made_as_a_record_would_be() -> None:
-    """A journal record is encoded without building a `Record` (`_encode`): the
+    """A journal record is encoded without building a `Record` (`encode`): the
     bytes must stay those of the `Record` they stand for."""
     armed = timer(10, "a")
     firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
     changes = {armed.store_key: armed, (11, "gone", 0): None, firing.store_key: firing}
     for header in (Record(), Record(reset=True, boot="a-boot")):
-        made = store_module._encode(header, changes)
+        made = encode(header, changes)
         record = msgspec.structs.replace(header, puts=[armed, firing], drops=[(11, "gone", 0)])
         payload = msgspec.msgpack.encode(record)
-        assert made == store_module._RECORD.pack(len(payload), zlib.crc32(payload)) + payload
-        assert list(store_module._records(made, newest=True)) == [record]
+        assert made == RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        assert list(records(made, newest=True)) == [record]
 
 
 def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
@@ -127,13 +128,12 @@ async def test_one_write_serves_every_change_of_a_turn(
 ) -> None:
     store, _ = Store.open(str(tmp_path / "state.db"))
     writes: list[int] = []
-    write_all = store_module._write_all
 
     def counting(fd: int | None, data: bytes) -> None:
         writes.append(len(data))
         write_all(fd, data)
 
-    monkeypatch.setattr(store_module, "_write_all", counting)
+    monkeypatch.setattr(store_module, "write_all", counting)
     acknowledged: list[int] = []
 
     async def acknowledge(pid: int) -> None:
@@ -252,19 +252,98 @@ def test_a_corrupt_database_is_moved_aside_and_the_journals_still_count(
     assert not store.degraded
 
 
-def test_a_newer_schema_is_moved_aside(tmp_path: Path) -> None:
-    path = str(tmp_path / "state.db")
+def database_of_schema(path: str, named: str) -> None:
+    """A database holding one timer, whose ``meta`` names schema ``named``."""
     store, _ = Store.open(path)
-    store._write_database({}, reset=True)
+    store._write_database({timer(1, "a").store_key: timer(1, "a")}, reset=True)
     store.close()
+    for journal in journals(Path(path).parent):
+        os.unlink(Path(path).parent / journal)
     raw = sqlite3.connect(path)
-    raw.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+    raw.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (named,))
     raw.commit()
     raw.close()
+
+
+def test_a_newer_schema_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "99")
     store, loaded = Store.open(path)
     store.close()
     assert loaded.timers == []
-    assert any(".damaged-" in name for name in os.listdir(tmp_path))
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-99-")
+    assert any(".schema-99-" in name for name in os.listdir(tmp_path))
+    # Moved whole, never decoded: what it held is still there.
+    raw = sqlite3.connect(aside)
+    assert raw.execute("SELECT count(*) FROM timers").fetchone() == (1,)
+    raw.close()
+    [line] = [r for r in caplog.records if "event=state_schema_unreadable" in r.getMessage()]
+    assert line.levelname == "ERROR"
+    assert "newer than this daemon's 4" in line.getMessage()
+    assert "none of its timers are restored" in line.getMessage()
+    assert f"moved_to={aside}" in line.getMessage()
+    assert not store.degraded
+    _, again = Store.open(path)  # a new, empty state in its place
+    assert again.timers == []
+    assert again.moved_aside == []
+
+
+def test_a_schema_older_than_any_release_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "3")
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-3-")
+    assert "older than any this daemon reads (from 4 on)" in caplog.text
+
+
+def test_a_journal_of_a_newer_schema_is_moved_aside_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its first record names its schema: the journal is moved aside whole, not
+    replayed even in part."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    payload = msgspec.msgpack.encode((False, [timer(1, "of-schema-99")], [], schema.boot_id(), 99))
+    newer = RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+    Path(f"{path}.journal.7").write_bytes(newer)
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.journal.7.schema-99-")
+    assert Path(aside).read_bytes() == newer
+    assert "event=state_schema_unreadable" in caplog.text
+    assert not store.degraded
+
+
+def test_a_journal_that_names_no_schema_is_of_schema_4(tmp_path: Path) -> None:
+    """The first journals of schema 4 named none: their first record has four
+    elements, the boot last."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    append(path, 1, Record(puts=[timer(1, "named-no-schema")], boot=schema.boot_id()))
+    store, loaded = Store.open(path)
+    store.close()
+    assert [t.scope for t in loaded.timers] == ["named-no-schema"]
+    assert loaded.moved_aside == []
+
+
+def test_the_first_record_of_a_journal_names_this_schema(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    [first] = journals(tmp_path)
+    data = (tmp_path / first).read_bytes()
+    length, _ = RECORD.unpack_from(data)
+    fields = msgspec.msgpack.decode(data[RECORD.size : RECORD.size + length])
+    assert fields == [False, [], [], schema.boot_id(), schema.SCHEMA]
 
 
 def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
@@ -285,69 +364,119 @@ def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
     assert again.timers == []
 
 
-def test_the_files_of_the_previous_schema_still_load(tmp_path: Path) -> None:
-    """tests/data/schema1/ was written by the daemon of schema 1: a database with
-    one timer folded in, and a journal with one more armed and the first dropped."""
-    for name in os.listdir(DATA / "schema1"):
-        shutil.copy(DATA / "schema1" / name, tmp_path / name)
-    path = str(tmp_path / "state.db")
-    raw = sqlite3.connect(path)  # as if written in this boot
-    raw.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (store_module._boot_id(),))
-    raw.commit()
-    raw.close()
-    store, loaded = Store.open(path)
-    store.close()
-    assert sorted((t.pid, t.scope, t.deadline, t.start_time) for t in loaded.timers) == [
-        (4242, "journal", 200.0, 777),
-        (4243, "folded", 300.0, 888),
-    ]
-    # Rewritten in this schema from the first journal of the run on.
-    _, again = Store.open(path)
-    assert sorted(t.scope for t in again.timers) == ["folded", "journal"]
+def own_timers(pids: list[int], starts: list[int]) -> dict[str, Timer]:
+    """`WRITTEN` as `make_own` makes it, for processes ``pids``."""
+    values = dict(zip(PIDS, zip(pids, starts, strict=True), strict=True))
+    return {
+        scope: msgspec.structs.replace(
+            written,
+            pid=values[written.pid][0],
+            start_time=values[written.pid][1],
+            uid=os.getuid(),
+            owner=os.getuid(),
+        )
+        for scope, written in WRITTEN.items()
+    }
 
 
-#: The boots the files of tests/data/schema2/ and schema3/ were written in.
-OLD_BOOTS = {
-    "schema2": "5c3a2f0e-7d41-4b8e-9a56-0c2d9e8f1a37",
-    "schema3": "8e1d4c22-3b7a-4f05-b6c9-2a4e7d9f0c13",
-}
-#: What they hold: these attributes of each timer, as they were written.
-OLD_FIELDS = (
-    "policy", "uid", "owner", "timeout", "armed_at", "deadline", "start_time", "seq",
-    "firing", "step", "step_end", "fired_at", "plan", "exit_releases",
-)  # fmt: skip
-OLD_TIMERS = {
-    "folded": ("term", 1000, 0, 10.0, 290.0, 300.0, 888, 7, 0, 0, 0.0, 0.0, 0, False),
-    "firing": ("abort", 1000, 1000, 10.0, 300.0, 310.0, 999, 5, 2, 1, 330.5, 320.25,
-               12345, False),
-    "journal": ("kill", 1000, 1000, 2.5, 197.5, 200.0, 777, 9, 0, 0, 0.0, 0.0, 0, True),
-}  # fmt: skip
-OLD_PIDS = {
-    "schema2": {"folded": 4340, "firing": 4342, "journal": 4343},
-    "schema3": {"folded": 4440, "firing": 4442, "journal": 4443},
-}
-
-
-@pytest.mark.parametrize("schema", ["schema2", "schema3"])
-def test_the_files_of_older_schemas_still_load(
-    schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stored", SCHEMAS)
+def test_the_state_of_every_released_schema_loads_as_it_was_written(
+    stored: int, tmp_path: Path
 ) -> None:
-    """tests/data/schema2/ was written by the store of schema 2 (commit 13e1c43),
-    tests/data/schema3/ by that of schema 3 (commit d8a0b22): each a database with
-    two armed timers and a firing one folded in, and a journal that arms one more
-    (released by its exit) and drops one folded timer. Every attribute comes back
-    as it was written, and again once rewritten; only a firing timer has a run."""
-    for name in os.listdir(DATA / schema):
-        shutil.copy(DATA / schema / name, tmp_path / name)
-    monkeypatch.setattr(store_module, "_boot_id", lambda: OLD_BOOTS[schema])
-    path = str(tmp_path / "state.db")
+    """tests/data/schemaN/ was written by the store of schema N (`write_state`): a
+    database with armed timers of every built-in policy, one of a job with its
+    progress watched and a firing one folded in, and a journal that arms one more,
+    re-arms one and releases one. Every attribute comes back as it was written,
+    through the migrations from N to this schema, and again once rewritten."""
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(stored, tmp_path, pids, starts))
     for _ in range(2):
         store, loaded = Store.open(path)
         store.close()
-        assert {
-            t.scope: (t.pid, *(getattr(t, name) for name in OLD_FIELDS)) for t in loaded.timers
-        } == {scope: (OLD_PIDS[schema][scope], *fields) for scope, fields in OLD_TIMERS.items()}
-        assert {t.scope for t in loaded.timers if t.run is not None} == {"firing"}
+        assert {t.scope: t for t in loaded.timers} == own_timers(pids, starts)
+        assert loaded.moved_aside == []
+        assert not store.degraded
+
+
+def test_every_schema_since_the_first_release_has_its_migration_and_its_state() -> None:
+    """Schema 4 is that of the first release: each one since migrates from the one
+    before it, and tests/data/ holds a state of each, written by its own store."""
+    assert set(schema.MIGRATIONS) == set(range(4, schema.SCHEMA))
+    assert set(range(4, schema.SCHEMA)) | {4} <= set(SCHEMAS)
+
+
+def upgraded_policy(fields: list[object]) -> list[object]:
+    """A migration to a hypothetical schema 5, whose stored policy names say so."""
+    return [*fields[:4], f"{fields[4]}@5", *fields[5:]]
+
+
+async def test_the_loader_walks_the_migrations_to_this_schema_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon of a hypothetical schema 5 starts on tests/data/schema4/: the
+    database and the journal are read through the migration from 4, the first
+    journal of the run holds the whole state in schema 5, and once folded the
+    database is of schema 5; neither is migrated again."""
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: upgraded_policy})
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(4, tmp_path, pids, starts))
+    expected = {
+        scope: msgspec.structs.replace(t, policy=f"{t.policy}@5")
+        for scope, t in own_timers(pids, starts).items()
+    }
+    store, loaded = Store.open(path)
+    store.close()  # killed before its first fold
+    assert {t.scope: t for t in loaded.timers} == expected
+    [first] = journals(tmp_path)
+    assert first == "state.db.journal.3"  # the older journals it supersedes are gone
+    store, loaded = Store.open(path)
+    assert {t.scope: t for t in loaded.timers} == expected
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        with trio.fail_after(5):
+            while store._fold_wanted or store._folding:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert {t.scope: t for t in loaded.timers} == expected
+
+
+def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 6)
+    monkeypatch.setattr(
+        schema,
+        "MIGRATIONS",
+        {4: upgraded_policy, 5: lambda fields: [*fields[:4], f"{fields[4]}@6", *fields[5:]]},
+    )
+    array = msgspec.msgpack.encode([timer(1, "a")])
+    assert [t.policy for t in schema.decode_timers(array, 4)] == ["kill@5@6"]
+    assert [t.policy for t in schema.decode_timers(array, 5)] == ["kill@6"]
+    schema.check(4)
+    with pytest.raises(schema.SchemaError, match="schema 3, older than any this daemon reads"):
+        schema.check(3)
+    with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
+        schema.check(7)
+
+
+def test_a_timer_that_does_not_migrate_is_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: lambda fields: fields[99]})
+    path = str(make_own(4, tmp_path, [101, 102, 103, 104], [11, 12, 13, 14]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    assert sorted(Path(aside).name.split("-")[0] for aside in loaded.moved_aside) == [
+        "state.db.damaged",
+        "state.db.journal.2.damaged",
+    ]
 
 
 def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
@@ -359,7 +488,7 @@ def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
     Store.open(path)[0].close()
     folded = [timer(4000 + i % 3, f"s{i}", deadline=100.0 + i) for i in range(200)]
     raw = sqlite3.connect(path, isolation_level=None)
-    store_module._replace_all(raw, {t.store_key: t for t in folded}, store_module._boot_id())
+    database.replace_all(raw, {t.store_key: t for t in folded}, schema.boot_id())
     raw.close()
     append(path, 1, Record(puts=[timer(4000, "from-the-journal", deadline=50.0)]))
     store, loaded = Store.open(path)

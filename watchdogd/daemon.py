@@ -235,9 +235,10 @@ class Daemon:
         began = time.monotonic()
         self.store: Store | None = None
         timers: list[Timer] = []
+        moved_aside = 0
         if state_path is not None:
             self.store, loaded = Store.open(state_path)
-            timers = loaded.timers
+            timers, moved_aside = loaded.timers, len(loaded.moved_aside)
         self.watcher = ExitWatcher()
         self.names = UserNames()
         self.news = trio.lowlevel.ParkingLot()
@@ -288,6 +289,9 @@ class Daemon:
                     restored=self.restored.armed,
                     dropped=self.restored.dropped,
                     resumed=len(self.restored.resumed),
+                    # Files it could not read, each named by an ERROR line: what
+                    # they held is not among the timers restored.
+                    moved_aside=moved_aside,
                 )
             )
 

@@ -85,8 +85,8 @@ class Timer(
     (A Struct without GC tracking: one is made per acquire, and it holds only
     scalars and Structs of scalars. 14 fields make 128 bytes, a size class of
     Python's allocator: a 15th would cost 16 bytes a timer. Stored as the array of
-    its fields in this order, schema 4 of `watchdogd.store`: a change of the fields
-    or of their order is a new schema, and the store still reads the old ones.)
+    its fields in this order, schema 4 of `watchdogd.storage.schema`: a change of
+    the fields or of their order is a new schema, with its migration from this one.)
     """
 
     deadline: float
