@@ -182,6 +182,12 @@ class Connection:
         self._stream = stream
         self._fd = tcp.socket.fileno()
         self._limits = limits
+        # In bytes, made once: h11 would encode str headers again for each request.
+        self._headers = [
+            (b"Host", endpoint.authority.encode("ascii")),
+            (b"Content-Type", b"application/json"),
+            (b"Accept", b"application/json"),
+        ]
         # h11 refuses an incomplete event past this; a head cannot get there (its
         # reads stop at the bound, `_receive`), so it bounds chunk-size lines and
         # trailers.
@@ -221,16 +227,8 @@ class Connection:
         """Send ``POST path`` with the JSON ``body``."""
         assert self._state == "idle", f"a request on a connection that is {self._state}"
         self._state = "broken"  # until the request went out whole
-        request = h11.Request(
-            method="POST",
-            target=path,
-            headers=[
-                ("Host", self.endpoint.authority),
-                ("Content-Type", "application/json"),
-                ("Accept", "application/json"),
-                ("Content-Length", str(len(body))),
-            ],
-        )
+        headers = [*self._headers, (b"Content-Length", b"%d" % len(body))]
+        request = h11.Request(method=b"POST", target=path.encode("ascii"), headers=headers)
         data = self._h11.send(request) + self._h11.send(h11.Data(data=body))
         data += self._h11.send(h11.EndOfMessage())
         try:
