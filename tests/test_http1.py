@@ -181,6 +181,22 @@ async def test_interim_answers_are_skipped_and_close_is_honoured() -> None:
         (chunked(b"xy").replace(b"xy\r\n", b"xyz"), Limits(), "not followed by CRLF"),
         (ok(b"0123456789")[:-4], Limits(), "closed in a body"),
         (b"HTTP/1.1 200 OK\r\nContent-", Limits(), "closed in a response head"),
+        # Sent at once, blank line and all: refused on its size alone.
+        (ok(b"", "X: " + "y" * 16400), Limits(), "head over 16384 bytes"),
+        # Twenty digits at most: a longer number is refused, never converted.
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", Limits(), "number"),
+        (chunked(b"x" * 4097), Limits(max_body=4096), "over the bound of 4096"),
+        # A chunk-size line that never ends, held only to the head's bound.
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"e" * 20000,
+            Limits(),
+            "chunk size or trailers over",
+        ),
+        (chunked(b"x", trailers=b"X: y\r\n" * 65), Limits(), "trailers over"),
+        (chunked(b"x", trailers=b"X: " + b"y" * 16400 + b"\r\n"), Limits(), "trailers over"),
+        (chunked(b"x" * 100)[:-20], Limits(), "closed in a body"),
+        # A TLS server's first bytes: refused at once, without waiting for a blank line.
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", Limits(), "not an HTTP/1.1 response"),
     ],
 )
 async def test_a_peer_that_breaks_the_protocol_or_a_bound_breaks_the_connection(
@@ -192,9 +208,10 @@ async def test_a_peer_that_breaks_the_protocol_or_a_bound_breaks_the_connection(
             await trio.sleep_forever()  # what the client waits for, never comes
 
     async with serving(answer_and_hold) as server, connected(server, limits) as connection:
-        with pytest.raises(ConnectionBroken, match=message):
+        with pytest.raises(ConnectionBroken, match=message) as raised:
             await post(connection)
         assert not connection.reusable
+    assert len(str(raised.value)) < 400, "a refused line is quoted, not copied whole"
 
 
 async def test_a_streamed_line_over_the_bound_breaks_the_connection() -> None:
@@ -221,3 +238,63 @@ def test_endpoints_parse_from_urls() -> None:
     for url in ("127.0.0.1:2379", "unix:///x", "http://h", "http://h:99999", "http://u@h:1"):
         with pytest.raises(ValueError, match="http"):
             Endpoint.parse(url)
+
+
+async def test_a_body_and_a_line_at_their_bound_are_taken() -> None:
+    line = b"y" * 2048
+    answers = (chunked(b"x" * 2000, b"x" * 2096), chunked(line[:1000], line[1000:] + b"\n"))
+    limits = Limits(max_body=4096, max_line=2048)
+    async with serving(*answers) as server, connected(server, limits) as connection:
+        assert await post(connection) == (200, b"x" * 4096)
+        with trio.fail_after(PATIENCE):
+            await connection.send("/v3/watch", b"{}")
+            await connection.receive_head()
+            assert [one async for one in connection.read_lines()] == [line]
+        assert connection.reusable
+
+
+async def test_each_interim_head_has_a_bound_of_its_own() -> None:
+    big = "X: " + "y" * 10000
+    answer = f"HTTP/1.1 100 Continue\r\n{big}\r\n\r\n".encode() + ok(b"x", big)
+    async with serving(answer, ok(b"next")) as server, connected(server) as connection:
+        assert await post(connection) == (200, b"x")
+        assert await post(connection) == (200, b"next")
+
+
+async def test_a_stream_that_breaks_mid_line_breaks_the_connection() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b'9\r\n{"n":1}\n{\r\n'
+    async with serving(answer) as server, connected(server) as connection:
+        lines = []
+
+        async def follow() -> None:
+            async for line in connection.read_lines():
+                lines.append(line)
+
+        with trio.fail_after(PATIENCE):
+            await connection.send("/v3/watch", b"{}")
+            await connection.receive_head()
+            with pytest.raises(ConnectionBroken, match="closed in a body"):
+                await follow()
+        assert lines == [b'{"n":1}']
+        assert not connection.reusable
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\nx",
+        ok(b"x", "Connection: close"),
+        ok(b"x", "Connection: keep-alive, close"),
+    ],
+)
+async def test_a_response_that_closes_leaves_no_reusable_connection(answer: bytes) -> None:
+    async with serving(answer, ok(b"never")) as server, connected(server) as connection:
+        assert await post(connection) == (200, b"x")
+        assert not connection.reusable
+
+
+async def test_what_came_after_a_response_leaves_it_unusable() -> None:
+    async with serving(ok(b"x") + ok(b"unasked")) as server, connected(server) as connection:
+        assert await post(connection) == (200, b"x")
+        assert not connection.reusable
+        assert connection.closed_by_peer()

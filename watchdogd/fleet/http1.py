@@ -1,17 +1,30 @@
 """HTTP/1.1 client connections over trio streams, bounded in every size.
 
-Only what etcd's JSON gateway needs: a request is a ``POST`` with a
-``Content-Length`` body; a response body comes with ``Content-Length``, with
-``Transfer-Encoding: chunked`` (the gateway's streams), or without either and runs
-to the end of the connection.
+h11 speaks the protocol (the request's bytes, the response's framing: a
+``Content-Length`` body, ``Transfer-Encoding: chunked`` as the gateway's streams
+are, or a body that runs to the end of the connection, and whether the connection
+may carry another request); this module moves its bytes over a trio stream, holds
+what the peer sends to our bounds, and says what went wrong in this project's words.
+Only what etcd's JSON gateway needs: a request is a ``POST`` with a JSON body.
+
+Why h11 and not httpx: the etcd client keeps its own pool of idle connections under
+its own limit of connections (watches included), and checks a pooled connection
+for a peer that closed it before each use. httpx would bring anyio and a second
+pool that holds connections outside that count, and it bounds neither a body nor a
+streamed line, so ours would be counted around it all the same; h11 is the
+protocol layer that httpx's own HTTP/1.1 stands on, without any of that.
 
 Invariants:
 
 - Nothing the peer sends is held past a bound (`Limits`): a response head (status
-  line, headers, and a chunked body's trailers) is at most ``max_head`` bytes in at
-  most ``max_headers`` lines, a body read whole at most ``max_body`` bytes, a line of
-  a streamed body at most ``max_line`` bytes. A declared ``Content-Length`` over the
-  bound is refused before anything of the body is read.
+  line and headers) is at most ``max_head`` bytes in at most ``max_headers`` lines,
+  and so are a chunked body's trailers; a chunk-size line is refused once
+  ``max_head`` bytes of it wait for their end; a body read whole is at most
+  ``max_body`` bytes, a line of a streamed body at most ``max_line`` bytes. A
+  declared ``Content-Length`` over the bound is refused before anything of the body
+  is read; a growing body or line is refused before it is copied past its bound.
+  What is received at a time is at most 64 KiB, and no more than what is left of
+  the bound while a head is read.
 - Every way a connection can fail (an OSError, a TLS error, the end of the stream
   before the response did, an answer that is not HTTP/1.1, a bound exceeded) is
   raised as `ConnectionBroken`, or `ConnectFailed` while it is being opened, when
@@ -29,16 +42,17 @@ import select
 import socket
 import ssl
 import urllib.parse
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from typing import Annotated, Final, Literal
 
+import h11
 import msgspec
 import trio
 
 #: Bytes asked of the stream at a time.
 _RECEIVE: Final = 65536
-#: A chunk-size line ("1f4;ext=1") is short; anything longer is not HTTP.
-_MAX_CHUNK_LINE: Final = 1024
+#: Bytes of a refused head quoted in the error, so that it shows what answered.
+_QUOTED: Final = 80
 #: TCP keepalive on every connection: an idle connection (a watch with nothing to
 #: report) to a host that vanished without closing it, in a partition or a power
 #: loss, fails after about 5 + 3 x 2 = 11 s instead of the kernel's two hours.
@@ -47,6 +61,25 @@ _KEEPALIVE: Final = (
     (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5),
     (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2),
     (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+)
+#: h11's reasons for refusing what the peer sent, by how they begin, in the words
+#: of this module's errors; h11's own text follows in parentheses, and a reason not
+#: listed is given as h11 words it.
+_REASONS: Final = (
+    ("illegal status line", "not an HTTP/1.1 response"),
+    # h11's name for a status line that starts with a control byte (TLS, say).
+    ("illegal request line", "not an HTTP/1.1 response"),
+    ("no response line", "not an HTTP/1.1 response"),
+    ("illegal header line", "a malformed header line"),
+    ("continuation line at start", "a malformed header line"),
+    ("bad Content-Length", "a Content-Length that is not a number"),
+    ("conflicting Content-Length", "a Content-Length that is not one number"),
+    ("Only Transfer-Encoding", "a transfer encoding this client does not read"),
+    ("multiple Transfer-Encoding", "a transfer encoding this client does not read"),
+    ("illegal chunk header", "a chunk size that is not a number"),
+    ("malformed chunk footer", "a chunk not followed by CRLF"),
+    # max_incomplete_event_size: past a head, only a chunk-size line or trailers wait.
+    ("Receive buffer too long", "a chunk size or trailers over the bound of a head"),
 )
 
 
@@ -154,21 +187,34 @@ class Connection:
         self._stream = stream
         self._fd = tcp.socket.fileno()
         self._limits = limits
-        self._buffer = bytearray()
+        # In bytes, made once: h11 would encode str headers again for each request.
+        self._headers = [
+            (b"Host", endpoint.authority.encode("ascii")),
+            (b"Content-Type", b"application/json"),
+            (b"Accept", b"application/json"),
+        ]
+        # h11 refuses an incomplete event past this; a head cannot get there (its
+        # reads stop at the bound, `_receive`), so it bounds chunk-size lines and
+        # trailers.
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=limits.max_head)
         #: "idle" (ready for a request), "sent" (its head not read yet), "body" (the
         #: body is being read), "broken" (never used again).
         self._state = "idle"
-        self._keep_alive = True
-        self._framing: Literal["chunked", "length", "eof"] = "eof"
-        self._left = 0  # bytes left of the body or of the current chunk
-        self._chunk_crlf = False  # the CRLF after a chunk's data is still to be read
-        self._done = False
+        #: Bytes received of the response head being read, and its first bytes.
+        self._head_bytes = 0
+        self._head_start = b""
+        #: Whether the peer ended the stream: what h11 refuses next is that end.
+        self._ended = False
         #: Requests sent on this connection, for a caller to tell a fresh one.
         self.requests = 0
 
     @property
     def reusable(self) -> bool:
-        return self._state == "idle" and self._keep_alive and not self._buffer
+        return (
+            self._state == "idle"
+            and self._h11.our_state is h11.IDLE
+            and not self._h11.trailing_data[0]
+        )
 
     def closed_by_peer(self) -> bool:
         """Whether the idle connection has something to read: its peer closed it (or
@@ -176,7 +222,7 @@ class Connection:
         server that restarted leaves every pooled connection in this state."""
         poller = select.poll()
         poller.register(self._fd, select.POLLIN | select.POLLRDHUP)
-        return bool(poller.poll(0)) or bool(self._buffer)
+        return bool(poller.poll(0)) or bool(self._h11.trailing_data[0])
 
     async def aclose(self) -> None:
         self._state = "broken"
@@ -186,15 +232,12 @@ class Connection:
         """Send ``POST path`` with the JSON ``body``."""
         assert self._state == "idle", f"a request on a connection that is {self._state}"
         self._state = "broken"  # until the request went out whole
-        head = (
-            f"POST {path} HTTP/1.1\r\n"
-            f"Host: {self.endpoint.authority}\r\n"
-            "Content-Type: application/json\r\n"
-            "Accept: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode("ascii")
+        headers = [*self._headers, (b"Content-Length", b"%d" % len(body))]
+        request = h11.Request(method=b"POST", target=path.encode("ascii"), headers=headers)
+        data = self._h11.send(request) + self._h11.send(h11.Data(data=body))
+        data += self._h11.send(h11.EndOfMessage())
         try:
-            await self._stream.send_all(head + body)
+            await self._stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise ConnectionBroken(f"sending to {self.endpoint} failed: {_cause(exc)}") from exc
         self.requests += 1
@@ -204,31 +247,22 @@ class Connection:
         """The response's head, once it has come whole; its body is read next."""
         assert self._state == "sent", f"a response head on a connection that is {self._state}"
         self._state = "broken"  # until the head is read and understood
-        head = await self._read_head()
-        while 100 <= head.status < 200:  # interim answers precede the real one
-            head = await self._read_head()
-        connection = head.headers.get("connection", "").lower()
-        if "close" in connection:
-            self._keep_alive = False
-        encoding = head.headers.get("transfer-encoding")
-        length = head.headers.get("content-length")
-        if encoding is not None:
-            if encoding.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                raise self._broken(f"a transfer encoding this client does not read: {encoding}")
-            self._framing, self._left, self._chunk_crlf = "chunked", 0, False
-        elif length is not None:
-            if not length.isdigit():
-                raise self._broken(f"a Content-Length that is not a number: {length!r}")
-            self._left = int(length)
-            if self._left > self._limits.max_body:
-                raise self._broken(
-                    f"a body of {self._left} bytes, over the bound of {self._limits.max_body}",
-                    TooLarge,
-                )
-            self._framing = "length"
-        else:
-            self._framing, self._keep_alive = "eof", False
-        self._done = False
+        self._head_bytes, self._head_start = 0, b""
+        event = await self._next_event("a response head", head=True)
+        while isinstance(event, h11.InformationalResponse):  # interim answers: skipped
+            # What came after it is the next head's, and counts against its bound.
+            self._head_bytes = len(self._h11.trailing_data[0])
+            event = await self._next_event("a response head", head=True)
+        assert isinstance(event, h11.Response), event
+        if len(event.headers) > self._limits.max_headers:
+            raise self._broken(f"more than {self._limits.max_headers} header lines")
+        head = Head(event.status_code, _joined(event.headers))
+        # h11 checked that it is a number of at most 20 digits; a chunked body
+        # would ignore it.
+        declared = int(head.headers.get("content-length", "0"))
+        if declared > self._limits.max_body and "transfer-encoding" not in head.headers:
+            bound = self._limits.max_body
+            raise self._broken(f"a body of {declared} bytes, over the bound of {bound}", TooLarge)
         self._state = "body"
         return head
 
@@ -236,162 +270,114 @@ class Connection:
         """The rest of the response's body, at most ``max_body`` bytes."""
         body = bytearray()
         while data := await self._read_some():
+            if len(body) + len(data) > self._limits.max_body:
+                raise self._broken(f"a body over the bound of {self._limits.max_body} bytes", TooLarge)
             body += data
-            if len(body) > self._limits.max_body:
-                raise self._broken(
-                    f"a body over the bound of {self._limits.max_body} bytes", TooLarge
-                )
         return bytes(body)
 
     async def read_lines(self) -> AsyncGenerator[bytes, None]:
         """The rest of the body, a line at a time (without its line end), each line
         as soon as it has come whole: the gateway writes one JSON message a line."""
+        bound = self._limits.max_line
         line = bytearray()
         while data := await self._read_some():
-            line += data
-            *whole, rest = line.split(b"\n")
-            for one in [*whole, rest]:
-                if len(one) > self._limits.max_line:
-                    raise self._broken(
-                        f"a line over the bound of {self._limits.max_line} bytes", TooLarge
-                    )
-            for one in whole:
-                yield bytes(one.rstrip(b"\r"))
-            line = bytearray(rest)
+            start = 0
+            while (end := data.find(b"\n", start)) >= 0:
+                if len(line) + end - start > bound:
+                    raise self._broken(f"a line over the bound of {bound} bytes", TooLarge)
+                line += data[start:end]
+                yield bytes(line.rstrip(b"\r"))
+                line.clear()
+                start = end + 1
+            if len(line) + len(data) - start > bound:
+                raise self._broken(f"a line over the bound of {bound} bytes", TooLarge)
+            line += data[start:]
         if line:
             yield bytes(line)
 
-    async def _read_head(self) -> Head:
-        end = self._buffer.find(b"\r\n\r\n")
-        while end < 0:
-            if len(self._buffer) > self._limits.max_head:
-                raise self._broken(f"a response head over {self._limits.max_head} bytes")
-            await self._fill("a response head")
-            end = self._buffer.find(b"\r\n\r\n")
-        if end > self._limits.max_head:
-            raise self._broken(f"a response head over {self._limits.max_head} bytes")
-        status_line, *lines = bytes(self._buffer[:end]).split(b"\r\n")
-        del self._buffer[: end + 4]
-        version, _, rest = status_line.partition(b" ")
-        code = rest[:3]
-        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
-            raise self._broken(f"not an HTTP/1.1 response: {status_line[:80]!r}")
-        if version == b"HTTP/1.0":
-            self._keep_alive = False
-        return Head(int(code), self._headers(lines))
-
-    def _headers(self, lines: list[bytes]) -> dict[str, str]:
-        if len(lines) > self._limits.max_headers:
-            raise self._broken(f"more than {self._limits.max_headers} header lines")
-        headers: dict[str, str] = {}
-        for line in lines:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip():
-                raise self._broken(f"a malformed header line: {line[:80]!r}")
-            key = name.decode("latin-1").lower()
-            text = value.strip().decode("latin-1")
-            headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        return headers
-
     async def _read_some(self) -> bytes:
         """The next piece of the body; b"" once it has ended, when the connection is
-        idle again (or, for a body that ran to the end of the stream, spent)."""
+        idle again (or, when it cannot carry another request, spent)."""
         assert self._state == "body", f"a body read on a connection that is {self._state}"
-        if self._done:
-            return b""
-        if self._framing == "chunked":
-            data = await self._read_chunked()
-        elif self._framing == "length":
-            data = await self._read_length()
-        else:
-            data = await self._read_to_eof()
-        if self._done:
-            self._state = "idle" if self._framing != "eof" else "broken"
-        return data
+        event = await self._next_event("a body", head=False)
+        if isinstance(event, h11.Data):
+            return event.data
+        assert isinstance(event, h11.EndOfMessage), event
+        trailers = event.headers
+        size = sum(len(name) + len(value) + 4 for name, value in trailers)
+        if size > self._limits.max_head or len(trailers) > self._limits.max_headers:
+            raise self._broken("trailers over the bounds of a response head")
+        # h11 ends a body that runs to the end of the stream as if the connection
+        # could carry another; it cannot.
+        done = self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE
+        if done and not self._ended:
+            self._h11.start_next_cycle()
+            self._state = "idle"
+        else:  # either side asked to close, or the stream has ended
+            self._state = "broken"
+        return b""
 
-    async def _read_length(self) -> bytes:
-        if self._left == 0:
-            self._done = True
-            return b""
-        if not self._buffer:
-            await self._fill("a body")
-        return self._take(self._left)
-
-    async def _read_to_eof(self) -> bytes:
-        if not self._buffer and not await self._receive_into_buffer():
-            self._done = True
-            return b""
-        data = bytes(self._buffer)
-        self._buffer.clear()
-        return data
-
-    async def _read_chunked(self) -> bytes:
-        if self._chunk_crlf:
-            while len(self._buffer) < 2:
-                await self._fill("a chunk's end")
-            if self._buffer[:2] != b"\r\n":
-                raise self._broken("a chunk not followed by CRLF")
-            del self._buffer[:2]
-            self._chunk_crlf = False
-        if self._left == 0:
-            line = await self._read_line(_MAX_CHUNK_LINE, "a chunk size")
-            size = line.split(b";", 1)[0].strip()
+    async def _next_event(self, what: str, *, head: bool) -> h11.Event:
+        """The next thing h11 makes of the response, receiving as it needs."""
+        while True:
             try:
-                self._left = int(size, 16)
-            except ValueError:
-                raise self._broken(f"a chunk size that is not a number: {size[:20]!r}") from None
-            if self._left == 0:
-                await self._read_trailers()
-                self._done = True
-                return b""
-        if not self._buffer:
-            await self._fill("a chunk")
-        data = self._take(self._left)
-        self._chunk_crlf = self._left == 0
-        return data
+                event = self._h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise self._refused(what, str(exc), head=head) from None
+            if isinstance(event, h11.Event):
+                return event
+            # PAUSED comes only after the end of a response, which is never read past.
+            assert event is h11.NEED_DATA, event
+            await self._receive(what, head=head)
 
-    async def _read_trailers(self) -> None:
-        size = count = 0
-        while line := await self._read_line(self._limits.max_head, "a trailer"):
-            size += len(line) + 2
-            count += 1
-            if size > self._limits.max_head or count > self._limits.max_headers:
-                raise self._broken("trailers over the bounds of a response head")
-
-    async def _read_line(self, limit: int, what: str) -> bytes:
-        end = self._buffer.find(b"\r\n")
-        while end < 0:
-            if len(self._buffer) > limit:
-                raise self._broken(f"{what} over {limit} bytes")
-            await self._fill(what)
-            end = self._buffer.find(b"\r\n")
-        line = bytes(self._buffer[:end])
-        del self._buffer[: end + 2]
-        return line
-
-    def _take(self, most: int) -> bytes:
-        data = bytes(self._buffer[:most])
-        del self._buffer[:most]
-        self._left -= len(data)
-        return data
-
-    async def _fill(self, what: str) -> None:
-        if not await self._receive_into_buffer():
-            raise self._broken(f"the connection closed in {what}")
-
-    async def _receive_into_buffer(self) -> bool:
+    async def _receive(self, what: str, *, head: bool) -> None:
+        room = _RECEIVE
+        if head:
+            # Never more than the head's bound: h11 would parse a head that came
+            # whole in one read, however long.
+            room = self._limits.max_head - self._head_bytes
+            if room <= 0:
+                raise self._broken(f"a response head over {self._limits.max_head} bytes")
         try:
-            data = await self._stream.receive_some(_RECEIVE)
+            # bytes() of bytes is the same object: a copy only of a bytearray.
+            data = bytes(await self._stream.receive_some(room))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise self._broken(f"receiving failed: {_cause(exc)}") from exc
-        self._buffer += data
-        return bool(data)
+        if head:
+            self._head_bytes += len(data)
+            self._head_start = self._head_start or data[:_QUOTED]
+        self._ended = not data
+        self._h11.receive_data(data)
+
+    def _refused(self, what: str, reason: str, *, head: bool) -> ConnectionBroken:
+        """The error for what h11 refused of the response, read in ``what``."""
+        # h11 had all the data before the end and wanted more, so the end is what
+        # it refuses now.
+        if self._ended:
+            return self._broken(f"the connection closed in {what}")
+        if len(reason) > _QUOTED * 2:  # h11 quotes a refused line whole
+            reason = f"{reason[: _QUOTED * 2]}..."
+        words = next((ours for theirs, ours in _REASONS if reason.startswith(theirs)), None)
+        text = reason if words is None else f"{words} ({reason})"
+        if head:
+            text += f", in a head that began {self._head_start!r}"
+        return self._broken(text)
 
     def _broken(
         self, what: str, kind: type[ConnectionBroken] = ConnectionBroken
     ) -> ConnectionBroken:
         self._state = "broken"
         return kind(f"{self.endpoint}: {what}")
+
+
+def _joined(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Headers by their lower-case name (h11 writes names so), a repeated header's
+    values joined by ", "."""
+    joined: dict[str, str] = {}
+    for raw_name, raw_value in headers:
+        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+        joined[name] = f"{joined[name]}, {value}" if name in joined else value
+    return joined
 
 
 def _cause(exc: BaseException) -> str:
