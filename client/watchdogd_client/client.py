@@ -21,20 +21,19 @@ import threading
 import time
 import weakref
 from types import TracebackType
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar, Unpack
 
 import msgspec
 
 from ._version import __version__ as _version
+from .arming import After, Arming, acquire_request, arming_timeout
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .paths import client_socket_path
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     PROTOCOL_VERSION,
-    Acquire,
     Acquired,
-    Auto,
     DaemonInfo,
     Error,
     ErrorCode,
@@ -101,90 +100,6 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
     timers: list[TimerInfo]
 
 
-#: A timeout in seconds, or ``"auto"``: the one the daemon learned for the scope.
-After = float | Literal["auto"]
-
-
-def check_auto(timeout: After, ceiling: float | None) -> None:
-    """Raise ValueError for a timeout of ``"auto"`` without a ceiling."""
-    if timeout == "auto" and ceiling is None:
-        raise ValueError(
-            'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
-            "has seen enough releases of the scope, and the most it may choose"
-        )
-
-
-def acquire_request(
-    request_id: int,
-    scope: str,
-    timeout: After,
-    *,
-    policy: str | None,
-    pid: int | None,
-    progress: int | None = None,
-    floor: float = 0.0,
-    ceiling: float | None = None,
-    job: str | None = None,
-    rank: int | None = None,
-    exit_releases: bool = False,
-) -> Acquire:
-    """The `Acquire` that `BaseClient.acquire`'s arguments stand for, its job and
-    ranks taken from the environment where not given (`job_of`)."""
-    check_auto(timeout, ceiling)
-    labels = job_of(job, rank)
-    auto = timeout == "auto"
-    return Acquire(
-        id=request_id,
-        scope=scope,
-        timeout=ceiling if auto else timeout,  # type: ignore[arg-type]
-        policy=policy,
-        pid=pid,
-        progress=progress,
-        auto=Auto(floor=floor) if auto else None,
-        exit_releases=exit_releases,
-        job=labels.job,
-        rank=labels.rank,
-        local_rank=labels.local_rank,
-        group_rank=labels.group_rank,
-    )
-
-
-class JobLabels(msgspec.Struct, frozen=True):
-    """The distributed job a process is a rank of, and its ranks."""
-
-    job: str | None = None
-    rank: int | None = None
-    local_rank: int | None = None
-    group_rank: int | None = None
-
-
-#: Where a job and its ranks are read from, first match first: this project's own
-#: variables, then what torchrun (torch.distributed.elastic) sets for each worker.
-JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID")
-RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK")
-#: torchrun's run id when none was given: no job to group ranks by.
-_NO_RUN_ID: Final = "none"
-
-
-def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
-    """``job`` and ``rank`` as given, else from the environment: ``$WATCHDOGD_JOB``,
-    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, unless it is ``none``), and
-    ``$WATCHDOGD_RANK``, else ``$RANK``; ``$LOCAL_RANK`` and ``$GROUP_RANK`` are
-    kept as well. An empty ``job`` means none; a variable that is no rank is
-    ignored."""
-    if job is None:
-        found = next((os.environ[name] for name in JOB_VARIABLES if os.environ.get(name)), "")
-        job = "" if found == _NO_RUN_ID else found
-    if rank is None:
-        rank = next((value for name in RANK_VARIABLES if (value := _rank(name)) is not None), None)
-    return JobLabels(job or None, rank, _rank("LOCAL_RANK"), _rank("GROUP_RANK"))
-
-
-def _rank(variable: str) -> int | None:
-    value = os.environ.get(variable, "")
-    return int(value) if value.isdigit() and int(value) < 2**31 else None
-
-
 class BaseClient(abc.ABC):
     """What every client offers: arm, release, inspect, and the `expires` block."""
 
@@ -194,16 +109,12 @@ class BaseClient(abc.ABC):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
         """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
-        ``timeout`` seconds, the daemon carries out ``policy`` on the process.
+        ``timeout`` seconds, the daemon carries out the ``policy`` on the process.
 
         ``pid`` defaults to the calling process. Returns the seconds left on the timer.
 
@@ -211,8 +122,8 @@ class BaseClient(abc.ABC):
         done, bytes written): under a policy with a ``stall`` time, re-arming keeps
         the timer alive only while it grows, so a thread that re-arms in a loop
         cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
-        the daemon learned from earlier releases of the scope, between ``floor`` and
-        ``ceiling``, and ``ceiling`` until it has seen enough of them.
+        the daemon learned from earlier releases of the scope. ``**arming``: the
+        policy, the bounds of ``"auto"`` and the job, as `Arming` describes them.
         """
 
     @abc.abstractmethod
@@ -227,27 +138,17 @@ class BaseClient(abc.ABC):
     def ping(self) -> float:
         """Check the daemon answers; returns the round trip in seconds."""
 
-    def expires(
-        self,
-        after: After,
-        scope: str | None = None,
-        *,
-        policy: str | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> Timer:
+    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
         """A context manager that arms a timer of ``after`` seconds on entry and
         releases it on exit, also when an exception leaves the block.
 
         ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
         the main thread). The block gets a `Timer` to release early or renew.
-        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`.
+        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
+        job (see `Arming`).
         """
-        check_auto(after, ceiling)
-        chosen = caller_scope() if scope is None else scope
-        return Timer(self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank)
+        arming_timeout(after, arming)
+        return Timer(self, after, caller_scope() if scope is None else scope, arming)
 
 
 class Timer:
@@ -259,28 +160,14 @@ class Timer:
     progress counter (see `BaseClient.acquire`).
     """
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
+    __slots__ = ("_armed", "after", "arming", "client", "scope")
 
-    def __init__(
-        self,
-        client: BaseClient,
-        after: After,
-        scope: str,
-        policy: str | None,
-        *,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> None:
+    def __init__(self, client: BaseClient, after: After, scope: str, arming: Arming) -> None:
         self.client = client
         self.after = after
         self.scope = scope
-        self.policy = policy
-        self.floor = floor
-        self.ceiling = ceiling
-        self.job = job
-        self.rank = rank
+        #: The policy and the rest of what the timer is armed with, as `expires` took them.
+        self.arming = arming
         self._armed = False
 
     @property
@@ -300,16 +187,7 @@ class Timer:
         ``stall`` time to count it as alive."""
         if after is not None:
             self.after = after
-        self.client.acquire(
-            self.scope,
-            self.after,
-            policy=self.policy,
-            progress=progress,
-            floor=self.floor,
-            ceiling=self.ceiling,
-            job=self.job,
-            rank=self.rank,
-        )
+        self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
         self._armed = True
 
     def __enter__(self) -> Timer:
@@ -343,16 +221,11 @@ class NullClient(BaseClient):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
-        check_auto(timeout, ceiling)
-        return ceiling if timeout == "auto" else timeout  # type: ignore[return-value]
+        return arming_timeout(timeout, arming)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         return False
@@ -492,14 +365,10 @@ class Client(BaseClient):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
         exit_releases: bool = False,
+        **arming: Unpack[Arming],
     ) -> float:
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
@@ -508,14 +377,10 @@ class Client(BaseClient):
             next(self._ids),
             scope,
             timeout,
-            policy=policy,
             pid=pid,
             progress=progress,
-            floor=floor,
-            ceiling=ceiling,
-            job=job,
-            rank=rank,
             exit_releases=exit_releases,
+            **arming,
         )
         try:
             return self._call(request, Acquired).remaining

@@ -25,7 +25,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import Final, TypeVar, Unpack
 
 try:
     import trio
@@ -40,15 +40,8 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
     ) from missing
 
 from ._version import __version__
-from .client import (
-    After,
-    DaemonStatus,
-    OnUnavailable,
-    Outage,
-    acquire_request,
-    check_auto,
-    log,
-)
+from .arming import After, Arming, acquire_request, arming_timeout
+from .client import DaemonStatus, OnUnavailable, Outage, log
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .paths import client_socket_path
 from .protocol import (
@@ -180,26 +173,13 @@ class AsyncClient:
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
         request = acquire_request(
-            next(self._ids),
-            scope,
-            timeout,
-            policy=policy,
-            pid=pid,
-            progress=progress,
-            floor=floor,
-            ceiling=ceiling,
-            job=job,
-            rank=rank,
+            next(self._ids), scope, timeout, pid=pid, progress=progress, **arming
         )
         try:
             return (await self._call(request, Acquired)).remaining
@@ -236,24 +216,15 @@ class AsyncClient:
         return trio.current_time() - started
 
     def expires(
-        self,
-        after: After,
-        scope: str | None = None,
-        *,
-        policy: str | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        self, after: After, scope: str | None = None, **arming: Unpack[Arming]
     ) -> AsyncTimer:
         """``async with client.expires(after) as timer:`` arms on entry and releases
         on exit, also when an exception leaves the block (which propagates).
-        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`."""
-        check_auto(after, ceiling)
+        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
+        job (see `watchdogd_client.arming.Arming`)."""
+        arming_timeout(after, arming)
         chosen = self._caller_scope() if scope is None else scope
-        return AsyncTimer(
-            self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank
-        )
+        return AsyncTimer(self, after, chosen, arming)
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it)."""
@@ -394,28 +365,13 @@ class AsyncTimer:
     """The handle of an ``async with client.expires(...)`` block; `release` and
     `renew` behave as `watchdogd_client.Timer`'s do."""
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
+    __slots__ = ("_armed", "after", "arming", "client", "scope")
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        after: After,
-        scope: str,
-        policy: str | None,
-        *,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> None:
+    def __init__(self, client: AsyncClient, after: After, scope: str, arming: Arming) -> None:
         self.client = client
         self.after = after
         self.scope = scope
-        self.policy = policy
-        self.floor = floor
-        self.ceiling = ceiling
-        self.job = job
-        self.rank = rank
+        self.arming = arming
         self._armed = False
 
     @property
@@ -433,16 +389,7 @@ class AsyncTimer:
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
             self.after = after
-        await self.client.acquire(
-            self.scope,
-            self.after,
-            policy=self.policy,
-            progress=progress,
-            floor=self.floor,
-            ceiling=self.ceiling,
-            job=self.job,
-            rank=self.rank,
-        )
+        await self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:
