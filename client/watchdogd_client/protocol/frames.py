@@ -48,9 +48,10 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 def encode_frame(message: Request | Reply) -> bytes:
     """Return one complete frame carrying ``message``."""
-    out = bytearray()
-    encode_frame_into(message, out)
-    return bytes(out)
+    # Encoding first and prepending the header is the quickest of the ways to make
+    # one frame; `encode_frame_into` is for several frames in one buffer.
+    body = _encoder.encode(message)
+    return _HEADER.pack(len(body)) + body
 
 
 def encode_frame_into(message: Request | Reply, out: bytearray) -> None:
