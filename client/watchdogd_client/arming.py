@@ -12,13 +12,15 @@ turns them into a request.
 from __future__ import annotations
 
 import os
-from typing import Final, Literal, TypedDict, Unpack
+from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack
 
 import msgspec
 
 from .protocol import Acquire, Auto
 
-__all__ = ["JOB_VARIABLES", "RANK_VARIABLES", "After", "Arming", "JobLabels", "job_of"]
+__all__ = ["JOB_VARIABLES", "RANK_VARIABLES", "After", "Arming", "Handle", "JobLabels", "job_of"]
+
+_C = TypeVar("_C")
 
 #: A timeout in seconds, or ``"auto"``: the one the daemon learned for the scope.
 After = float | Literal["auto"]
@@ -96,6 +98,26 @@ def acquire_request(
         local_rank=labels.local_rank,
         group_rank=labels.group_rank,
     )
+
+
+class Handle(Generic[_C]):
+    """What the handle of an ``expires()`` block holds, blocking or async alike: the
+    ``client`` it arms through, the timeout ``after``, the ``scope`` and the
+    ``arming`` it was given, and whether its timer is `armed`."""
+
+    __slots__ = ("_armed", "after", "arming", "client", "scope")
+
+    def __init__(self, client: _C, after: After, scope: str, arming: Arming) -> None:
+        self.client = client
+        self.after = after
+        self.scope = scope
+        self.arming = arming
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether this handle's timer is armed (as far as this handle knows)."""
+        return self._armed
 
 
 class JobLabels(msgspec.Struct, frozen=True):
