@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from watchdogd.errors import Refusal
-from watchdogd_client.client import JobLabels, job_of
+from watchdogd_client.arming import JobLabels, job_of
 from watchdogd_client.protocol import Acquire, ErrorCode, Status, StatusReply
 
 from fakes import make_world

@@ -20,9 +20,10 @@ imports it).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from ._version import __version__
+from .arming import After, Arming
 from .errors import (
     DaemonUnavailable,
     FrameTooLarge,
@@ -35,19 +36,11 @@ from .scope import caller_scope
 from .switches import DISABLE, env_switch
 
 if TYPE_CHECKING:
-    from .client import (
-        After,
-        BaseClient,
-        Client,
-        DaemonStatus,
-        NullClient,
-        OnUnavailable,
-        Timer,
-    )
+    from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
 
 #: Names of the blocking client, loaded with it on first use.
 _FROM_CLIENT = frozenset(
-    {"After", "BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
+    {"BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
 )
 
 
@@ -63,6 +56,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "After",
+    "Arming",
     "BaseClient",
     "Client",
     "DaemonStatus",
@@ -123,25 +117,14 @@ def expires(
     after: After,
     scope: str | None = None,
     *,
-    policy: str | None = None,
-    floor: float = 0.0,
-    ceiling: float | None = None,
-    job: str | None = None,
-    rank: int | None = None,
     client: BaseClient | None = None,
+    **arming: Unpack[Arming],
 ) -> Timer:
-    """Arm a timer of ``after`` seconds (or ``"auto"``, between ``floor`` and
-    ``ceiling``) for the block; see `BaseClient.expires`.
+    """Arm a timer of ``after`` seconds (or ``"auto"``) for the block, with the
+    policy and the rest that ``**arming`` gives (see `Arming`); see
+    `BaseClient.expires`.
 
     Uses ``client``, else the one given to `configure`, else `default_client()`.
     """
     chosen = client if client is not None else default_client()
-    return chosen.expires(
-        after,
-        caller_scope() if scope is None else scope,
-        policy=policy,
-        floor=floor,
-        ceiling=ceiling,
-        job=job,
-        rank=rank,
-    )
+    return chosen.expires(after, caller_scope() if scope is None else scope, **arming)

@@ -4,14 +4,17 @@
 serialised by a lock, so any number of threads may share one client. A child process
 created by ``fork()`` never uses its parent's connection: it opens its own on first
 use, and its requests are about its own pid. Every request is idempotent (acquire
-re-arms, release of an absent timer succeeds), so one that fails because an established
-connection broke (the daemon restarted) is sent again once on a new connection.
+re-arms, release of an absent timer succeeds), so one whose connection broke after
+the handshake (the daemon restarted) is sent again once on a new connection.
+
+The protocol (ids, the handshake, matching and checking replies, what each error
+means, whether to send again) is the engine's, `watchdogd_client.engine`; `Client`
+carries its bytes over a blocking socket with kernel-side timeouts.
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
 import logging
 import math
 import os
@@ -21,27 +24,23 @@ import threading
 import time
 import weakref
 from types import TracebackType
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, TypeVar, Unpack
 
 import msgspec
 
 from ._version import __version__ as _version
-from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
+from .arming import After, Arming, Handle, acquire_request, arming_timeout
+from .engine import Answer, Connection, Engine
+from .errors import DaemonUnavailable, WatchdogdError
+from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
-    PROTOCOL_VERSION,
-    Acquire,
     Acquired,
-    Auto,
     DaemonInfo,
-    Error,
-    ErrorCode,
     Events,
     EventsReply,
-    FrameReader,
-    Hello,
     Incident,
     IncidentInfo,
     IncidentReply,
@@ -66,8 +65,6 @@ from .protocol import (
     Welcome,
     Why,
     WhyReply,
-    decode_reply,
-    encode_frame_into,
 )
 from .scope import caller_scope
 
@@ -82,7 +79,6 @@ __all__ = [
 
 log = logging.getLogger("watchdogd_client")
 
-OnUnavailable = Literal["raise", "warn"]
 _R = TypeVar("_R", bound=ReplyMessage)
 
 _DEFAULT_TIMEOUT: Final = 10.0
@@ -101,90 +97,6 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
     timers: list[TimerInfo]
 
 
-#: A timeout in seconds, or ``"auto"``: the one the daemon learned for the scope.
-After = float | Literal["auto"]
-
-
-def check_auto(timeout: After, ceiling: float | None) -> None:
-    """Raise ValueError for a timeout of ``"auto"`` without a ceiling."""
-    if timeout == "auto" and ceiling is None:
-        raise ValueError(
-            'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
-            "has seen enough releases of the scope, and the most it may choose"
-        )
-
-
-def acquire_request(
-    request_id: int,
-    scope: str,
-    timeout: After,
-    *,
-    policy: str | None,
-    pid: int | None,
-    progress: int | None = None,
-    floor: float = 0.0,
-    ceiling: float | None = None,
-    job: str | None = None,
-    rank: int | None = None,
-    exit_releases: bool = False,
-) -> Acquire:
-    """The `Acquire` that `BaseClient.acquire`'s arguments stand for, its job and
-    ranks taken from the environment where not given (`job_of`)."""
-    check_auto(timeout, ceiling)
-    labels = job_of(job, rank)
-    auto = timeout == "auto"
-    return Acquire(
-        id=request_id,
-        scope=scope,
-        timeout=ceiling if auto else timeout,  # type: ignore[arg-type]
-        policy=policy,
-        pid=pid,
-        progress=progress,
-        auto=Auto(floor=floor) if auto else None,
-        exit_releases=exit_releases,
-        job=labels.job,
-        rank=labels.rank,
-        local_rank=labels.local_rank,
-        group_rank=labels.group_rank,
-    )
-
-
-class JobLabels(msgspec.Struct, frozen=True):
-    """The distributed job a process is a rank of, and its ranks."""
-
-    job: str | None = None
-    rank: int | None = None
-    local_rank: int | None = None
-    group_rank: int | None = None
-
-
-#: Where a job and its ranks are read from, first match first: this project's own
-#: variables, then what torchrun (torch.distributed.elastic) sets for each worker.
-JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID")
-RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK")
-#: torchrun's run id when none was given: no job to group ranks by.
-_NO_RUN_ID: Final = "none"
-
-
-def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
-    """``job`` and ``rank`` as given, else from the environment: ``$WATCHDOGD_JOB``,
-    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, unless it is ``none``), and
-    ``$WATCHDOGD_RANK``, else ``$RANK``; ``$LOCAL_RANK`` and ``$GROUP_RANK`` are
-    kept as well. An empty ``job`` means none; a variable that is no rank is
-    ignored."""
-    if job is None:
-        found = next((os.environ[name] for name in JOB_VARIABLES if os.environ.get(name)), "")
-        job = "" if found == _NO_RUN_ID else found
-    if rank is None:
-        rank = next((value for name in RANK_VARIABLES if (value := _rank(name)) is not None), None)
-    return JobLabels(job or None, rank, _rank("LOCAL_RANK"), _rank("GROUP_RANK"))
-
-
-def _rank(variable: str) -> int | None:
-    value = os.environ.get(variable, "")
-    return int(value) if value.isdigit() and int(value) < 2**31 else None
-
-
 class BaseClient(abc.ABC):
     """What every client offers: arm, release, inspect, and the `expires` block."""
 
@@ -194,16 +106,12 @@ class BaseClient(abc.ABC):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
         """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
-        ``timeout`` seconds, the daemon carries out ``policy`` on the process.
+        ``timeout`` seconds, the daemon carries out the ``policy`` on the process.
 
         ``pid`` defaults to the calling process. Returns the seconds left on the timer.
 
@@ -211,8 +119,8 @@ class BaseClient(abc.ABC):
         done, bytes written): under a policy with a ``stall`` time, re-arming keeps
         the timer alive only while it grows, so a thread that re-arms in a loop
         cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
-        the daemon learned from earlier releases of the scope, between ``floor`` and
-        ``ceiling``, and ``ceiling`` until it has seen enough of them.
+        the daemon learned from earlier releases of the scope. ``**arming``: the
+        policy, the bounds of ``"auto"`` and the job, as `Arming` describes them.
         """
 
     @abc.abstractmethod
@@ -227,30 +135,20 @@ class BaseClient(abc.ABC):
     def ping(self) -> float:
         """Check the daemon answers; returns the round trip in seconds."""
 
-    def expires(
-        self,
-        after: After,
-        scope: str | None = None,
-        *,
-        policy: str | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> Timer:
+    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
         """A context manager that arms a timer of ``after`` seconds on entry and
         releases it on exit, also when an exception leaves the block.
 
         ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
         the main thread). The block gets a `Timer` to release early or renew.
-        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`.
+        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
+        job (see `Arming`).
         """
-        check_auto(after, ceiling)
-        chosen = caller_scope() if scope is None else scope
-        return Timer(self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank)
+        arming_timeout(after, arming)
+        return Timer(self, after, caller_scope() if scope is None else scope, arming)
 
 
-class Timer:
+class Timer(Handle["BaseClient"]):
     """The handle of an ``expires()`` block.
 
     `release` disarms early (the rest of the block runs unprotected; calling it again
@@ -259,34 +157,7 @@ class Timer:
     progress counter (see `BaseClient.acquire`).
     """
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
-
-    def __init__(
-        self,
-        client: BaseClient,
-        after: After,
-        scope: str,
-        policy: str | None,
-        *,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> None:
-        self.client = client
-        self.after = after
-        self.scope = scope
-        self.policy = policy
-        self.floor = floor
-        self.ceiling = ceiling
-        self.job = job
-        self.rank = rank
-        self._armed = False
-
-    @property
-    def armed(self) -> bool:
-        """Whether this handle's timer is armed (as far as this handle knows)."""
-        return self._armed
+    __slots__ = ()
 
     def release(self) -> None:
         """Disarm now; idempotent."""
@@ -300,16 +171,7 @@ class Timer:
         ``stall`` time to count it as alive."""
         if after is not None:
             self.after = after
-        self.client.acquire(
-            self.scope,
-            self.after,
-            policy=self.policy,
-            progress=progress,
-            floor=self.floor,
-            ceiling=self.ceiling,
-            job=self.job,
-            rank=self.rank,
-        )
+        self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
         self._armed = True
 
     def __enter__(self) -> Timer:
@@ -343,16 +205,11 @@ class NullClient(BaseClient):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
-        check_auto(timeout, ceiling)
-        return ceiling if timeout == "auto" else timeout  # type: ignore[return-value]
+        return arming_timeout(timeout, arming)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         return False
@@ -373,41 +230,6 @@ class NullClient(BaseClient):
 
     def ping(self) -> float:
         return 0.0
-
-
-class Outage:
-    """Says once per outage that a ``on_unavailable="warn"`` client runs unprotected.
-
-    The first failure of an outage is a warning; the ones after it, until a request
-    is answered again, are debug lines, so a worker arming a timer per step does not
-    write two lines per step while the daemon is down. The first answer after an
-    outage is logged at info level and ends it.
-    """
-
-    __slots__ = ("_down",)
-
-    def __init__(self) -> None:
-        self._down = False
-
-    def failed(self, exc: DaemonUnavailable) -> None:
-        if self._down:
-            log.debug("still running unprotected: %s", exc)
-            return
-        self._down = True
-        log.warning(
-            "running unprotected until the daemon answers again "
-            "(further failures are logged at debug level): %s",
-            exc,
-        )
-
-    def answered(self, socket_path: str) -> None:
-        if self._down:
-            self._down = False
-            log.info("watchdogd answers again at %s: timers protect again", socket_path)
-
-
-class _ConnectionLost(Exception):
-    """The established connection broke; the request may be sent again once."""
 
 
 class Client(BaseClient):
@@ -434,29 +256,27 @@ class Client(BaseClient):
         max_reply: int = MAX_REPLY_FRAME,
         reconnect_timeout: float = _RECONNECT_TIMEOUT,
     ) -> None:
-        if on_unavailable not in ("raise", "warn"):
-            raise ValueError(f"on_unavailable must be 'raise' or 'warn', not {on_unavailable!r}")
+        self._outage = Outage(on_unavailable)
         if max_reply < MAX_REPLY_BYTES:
             # A reply the daemon may send would then be unreadable.
             raise ValueError(f"max_reply must be at least {MAX_REPLY_BYTES}, not {max_reply!r}")
         if not (math.isfinite(timeout) and timeout >= 0.001):
             raise ValueError(f"timeout must be finite and at least 0.001 s, not {timeout!r}")
+        self.on_unavailable: OnUnavailable = on_unavailable
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
-        #: How long the daemon said a restart of it may take (its Welcome).
-        self._restart = 0.0
-        self.on_unavailable: OnUnavailable = on_unavailable
-        self._outage = Outage()
-        self._max_reply = max_reply
+        self._engine = Engine(
+            self.socket_path,
+            client=f"python/{_version}",
+            reconnect_timeout=reconnect_timeout,
+            max_reply=max_reply,
+        )
         self._lock = threading.Lock()
+        #: The socket and its protocol: both or neither.
         self._sock: socket.socket | None = None
-        self._reader = FrameReader(max_reply)
+        self._connection: Connection | None = None
         self._owner_pid = 0
-        # next() on a count is atomic under the GIL: requests get their ids
-        # before taking the lock.
-        self._ids = itertools.count(1)
-        self._out = bytearray()
         _live_clients.add(self)
 
     def __repr__(self) -> str:
@@ -469,7 +289,7 @@ class Client(BaseClient):
             "socket_path": self.socket_path,
             "timeout": self.timeout,
             "on_unavailable": self.on_unavailable,
-            "max_reply": self._max_reply,
+            "max_reply": self._engine.max_reply,
             "reconnect_timeout": self.reconnect_timeout,
         }
 
@@ -492,42 +312,36 @@ class Client(BaseClient):
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
         exit_releases: bool = False,
+        **arming: Unpack[Arming],
     ) -> float:
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
         request = acquire_request(
-            next(self._ids),
+            self._engine.next_id(),
             scope,
             timeout,
-            policy=policy,
             pid=pid,
             progress=progress,
-            floor=floor,
-            ceiling=ceiling,
-            job=job,
-            rank=rank,
             exit_releases=exit_releases,
+            **arming,
         )
         try:
             return self._call(request, Acquired).remaining
         except DaemonUnavailable as exc:
-            self._unavailable(exc)
+            self._outage.failed(exc)
             return request.timeout
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         try:
-            return self._call(Release(id=next(self._ids), scope=scope, pid=pid), Released).found
+            return self._call(
+                Release(id=self._engine.next_id(), scope=scope, pid=pid), Released
+            ).found
         except DaemonUnavailable as exc:
-            self._unavailable(exc)
+            self._outage.failed(exc)
             return False
 
     def status(self) -> DaemonStatus:
@@ -544,11 +358,13 @@ class Client(BaseClient):
         """One page of `status`, as the daemon sent it (command lines in
         ``commands``, see `StatusReply.timers_with_commands`); pass the reply's
         ``cursor`` to get the next."""
-        return self._call(Status(id=next(self._ids), limit=limit, cursor=cursor), StatusReply)
+        return self._call(
+            Status(id=self._engine.next_id(), limit=limit, cursor=cursor), StatusReply
+        )
 
     def ping(self) -> float:
         started = time.perf_counter()
-        self._call(Ping(id=next(self._ids)), Pong)
+        self._call(Ping(id=self._engine.next_id()), Pong)
         return time.perf_counter() - started
 
     def events(
@@ -557,16 +373,16 @@ class Client(BaseClient):
         """Recorded events, oldest first: the latest ``limit``, or those after the
         number ``after``. With ``wait``, the daemon holds the reply up to that many
         seconds for a new event (pass the reply's ``last`` as the next ``after``)."""
-        request = Events(id=next(self._ids), after=after, limit=limit, wait=wait)
+        request = Events(id=self._engine.next_id(), after=after, limit=limit, wait=wait)
         return self._call(request, EventsReply, wait=wait)
 
     def policies(self) -> PoliciesReply:
         """The daemon's policies and its default policy."""
-        return self._call(Policies(id=next(self._ids)), PoliciesReply)
+        return self._call(Policies(id=self._engine.next_id()), PoliciesReply)
 
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text exposition format."""
-        return self._call(Metrics(id=next(self._ids)), MetricsReply).text
+        return self._call(Metrics(id=self._engine.next_id()), MetricsReply).text
 
     def suggest(self) -> list[SuggestionInfo]:
         """What the daemon learned of how long your scopes (root: everyone's) are
@@ -574,7 +390,7 @@ class Client(BaseClient):
         rows: list[SuggestionInfo] = []
         cursor: int | None = 0
         while cursor is not None:
-            page = self._call(Suggest(id=next(self._ids), cursor=cursor), SuggestReply)
+            page = self._call(Suggest(id=self._engine.next_id(), cursor=cursor), SuggestReply)
             rows += page.suggestions
             cursor = page.cursor
         return rows
@@ -582,127 +398,93 @@ class Client(BaseClient):
     def incidents(self, *, limit: int = 100) -> list[IncidentInfo]:
         """The latest incidents of your jobs (root: all), newest last, without
         their stacks."""
-        return self._call(Incidents(id=next(self._ids), limit=limit), IncidentsReply).incidents
+        return self._call(
+            Incidents(id=self._engine.next_id(), limit=limit), IncidentsReply
+        ).incidents
 
     def incident(self, incident: str) -> IncidentInfo:
         """One incident with every rank's stack you may see."""
-        return self._call(Incident(id=next(self._ids), incident=incident), IncidentReply).incident
+        return self._call(
+            Incident(id=self._engine.next_id(), incident=incident), IncidentReply
+        ).incident
 
     def why(self, pid: int, *, limit: int = 100) -> WhyReply:
         """Everything the daemon knows about why process ``pid`` was, or would be,
         acted on (what you may see of it)."""
-        return self._call(Why(id=next(self._ids), pid=pid, limit=limit), WhyReply)
-
-    def _unavailable(self, exc: DaemonUnavailable) -> None:
-        if self.on_unavailable == "raise":
-            raise exc
-        self._outage.failed(exc)
+        return self._call(Why(id=self._engine.next_id(), pid=pid, limit=limit), WhyReply)
 
     def _call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> _R:
-        reply = self._call_locked(request, expected, wait=wait)
+        with self._lock:
+            answer = self._attempt(request, expected, wait)
+            if answer.retry:
+                # The connection broke under the request: the daemon may have
+                # restarted. Every request is idempotent, so it goes once more.
+                self._reconnect()
+                answer = self._attempt(request, expected, wait, resent=True)
+        reply = answer.result(expected)
         self._outage.answered(self.socket_path)
         return reply
 
-    def _call_locked(self, request: Request, expected: type[_R], *, wait: float) -> _R:
-        with self._lock:
-            if self._sock is not None and self._owner_pid != os.getpid():
-                self._disconnect()
-            reused = self._sock is not None
-            if not reused:
-                self._connect()
-            if wait:
-                self._set_timeouts(self.timeout + wait)
-            try:
-                return self._round_trip(request, expected)
-            except _ConnectionLost as exc:
-                self._disconnect()
-                if not reused:
-                    raise self._error(f"the connection closed ({exc})") from None
-            finally:
-                if wait and self._sock is not None:
-                    self._set_timeouts(self.timeout)
-            # The connection was older than this request: the daemon may have
-            # restarted. Every request is idempotent, so send it once more.
-            self._reconnect()
-            if wait:
-                self._set_timeouts(self.timeout + wait)
-            try:
-                return self._round_trip(request, expected)
-            except _ConnectionLost as exc:
-                self._disconnect()
-                raise self._error(f"the connection closed ({exc})") from None
-
-    def _round_trip(self, request: Request, expected: type[_R]) -> _R:
-        reply = self._exchange(request)
-        if reply.id != request.id and not (isinstance(reply, Error) and reply.id is None):
+    def _attempt(
+        self, request: Request, expected: type[_R], wait: float, *, resent: bool = False
+    ) -> Answer:
+        if self._sock is not None and self._owner_pid != os.getpid():
             self._disconnect()
-            raise ProtocolError(
-                ErrorCode.MALFORMED, f"reply id {reply.id} does not match request {request.id}"
-            )
-        if isinstance(reply, Error):
-            if reply.id is None:
-                # About no request in particular (a refused connection, a frame
-                # over the bound): the daemon ends the connection after it.
-                self._disconnect()
-            raise RequestRefused(reply.code, reply.message)
-        if not isinstance(reply, expected):
-            self._disconnect()
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"expected a {expected.__name__} reply, got {type(reply).__name__}",
-            )
-        return reply
-
-    def _exchange(self, request: Request) -> ReplyMessage:
-        sock = self._sock
+        if self._sock is None:
+            self._connect()
+        sock, connection = self._sock, self._connection
         assert sock is not None
-        out = self._out
-        out.clear()
-        encode_frame_into(request, out)
+        assert connection is not None
+        frame = connection.send(request, expected, resent=resent)
+        if wait:
+            self._set_timeouts(self.timeout + wait)
+        try:
+            answer = self._exchange(sock, connection, request.id, frame)
+        finally:
+            if wait and self._sock is not None:
+                self._set_timeouts(self.timeout)
+        if connection.state != "open":
+            self._disconnect()
+        return answer
+
+    def _exchange(
+        self, sock: socket.socket, connection: Connection, request_id: int, frame: bytes
+    ) -> Answer:
+        """Send ``frame`` and read until the answer to ``request_id``."""
+        closed = "the daemon closed it"
         try:
             try:
-                sock.sendall(out)
+                sock.sendall(frame)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The daemon may have answered and closed before reading this (a
                 # refusal at a connection limit, or a frame over its bound): what
                 # it sent is still readable, and a refusal must read as one.
-                reply = self._receive_pending(sock)
-                if reply is None:
-                    raise _ConnectionLost(exc.strerror) from None
-                return reply
-            reply = self._receive(sock)
+                connection.send_failed()
+                closed = exc.strerror or closed
+            while True:
+                try:
+                    data = sock.recv(_RECV_SIZE)
+                except (BrokenPipeError, ConnectionResetError) as exc:
+                    answers = connection.connection_lost(exc.strerror)
+                else:
+                    answers = (
+                        connection.receive_data(data)
+                        if data
+                        else connection.connection_lost(closed)
+                    )
+                for answer in answers:
+                    if answer.id == request_id:
+                        return answer
+                assert connection.state != "closed", "a request left unanswered"
         except BlockingIOError:
             # SO_RCVTIMEO / SO_SNDTIMEO ran out.
             self._disconnect()
-            raise self._error(f"no reply within {self.timeout:g} s") from None
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _ConnectionLost(exc.strerror) from None
+            raise self._engine.unavailable(f"no reply within {self.timeout:g} s") from None
         except BaseException:
-            # Anything else (a ProtocolError, or a KeyboardInterrupt mid-recv) leaves
-            # a reply unread: the connection is out of step, so it goes.
+            # Anything else (a KeyboardInterrupt mid-recv) leaves a reply unread: the
+            # connection is out of step, so it goes.
             self._disconnect()
             raise
-        if reply is None:
-            raise _ConnectionLost("the daemon closed it")
-        return reply
-
-    def _receive(self, sock: socket.socket) -> ReplyMessage | None:
-        """The next reply, or None if the daemon closed the connection."""
-        while True:
-            data = sock.recv(_RECV_SIZE)
-            if not data:
-                return None
-            frames = self._reader.feed(data)
-            if frames:
-                # One request is in flight at a time, so one reply is due.
-                return decode_reply(frames[0])
-
-    def _receive_pending(self, sock: socket.socket) -> ReplyMessage | None:
-        """A reply the daemon sent before it closed the connection, or None."""
-        try:
-            return self._receive(sock)
-        except (OSError, ProtocolError):
-            return None
 
     def _connect(self) -> None:
         try:
@@ -717,42 +499,30 @@ class Client(BaseClient):
         self._set_timeouts(self.timeout)
         try:
             sock.connect(self.socket_path)
-        except FileNotFoundError:
-            raise self._error("no socket there") from None
-        except ConnectionRefusedError:
-            raise self._error("nothing is listening on it") from None
         except BlockingIOError:
-            raise self._error(f"its backlog stayed full for {self.timeout:g} s") from None
+            raise self._engine.unavailable(
+                f"its backlog stayed full for {self.timeout:g} s"
+            ) from None
         except OSError as exc:
-            raise self._error(exc.strerror or str(exc)) from None
+            raise self._engine.connect_failed(exc) from None
         self._owner_pid = os.getpid()
-        self._reader = FrameReader(self._max_reply)
-        hello = Hello(id=next(self._ids), version=PROTOCOL_VERSION, client=f"python/{_version}")
-        try:
-            reply = self._exchange(hello)
-        except _ConnectionLost as exc:
-            raise self._error(f"the connection closed during the handshake ({exc})") from None
-        if isinstance(reply, Error):
-            raise RequestRefused(reply.code, reply.message)
-        if not isinstance(reply, Welcome):
-            raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
-        self._restart = reply.restart
+        connection = self._connection = self._engine.connect()
+        answer = self._exchange(sock, connection, connection.hello_id, connection.hello)
+        answer.result(Welcome)
 
     def _reconnect(self) -> None:
-        """Connect again, waiting out a daemon restart for ``reconnect_timeout``, or
-        as long as the daemon said its restart may take, if longer."""
-        deadline = time.monotonic() + max(self.reconnect_timeout, self._restart)
-        pause = 0.01
+        """Connect again, waiting out a daemon restart as the engine says."""
+        backoff = self._engine.reconnecting(time.monotonic())
         while True:
             try:
                 self._connect()
             except DaemonUnavailable:
-                if time.monotonic() + pause > deadline:
+                pause = backoff.pause(time.monotonic())
+                if pause is None:
                     raise
             else:
                 return
             time.sleep(pause)
-            pause = min(pause * 2, 0.25)
 
     def _set_timeouts(self, seconds: float) -> None:
         # Kernel-side timeouts: settimeout() would add a poll() before every recv.
@@ -766,22 +536,14 @@ class Client(BaseClient):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-    def _error(self, reason: str) -> DaemonUnavailable:
-        return DaemonUnavailable.at(self.socket_path, reason)
+        self._connection = None
 
     def _after_fork_in_child(self) -> None:
         # The parent's connection belongs to the parent: drop our copy of the fd
         # (closing a copy sends nothing on the socket). A lock another thread held
         # at fork time would stay held forever in the child.
         self._lock = threading.Lock()
-        # Buffers another thread was using at fork time stay "in use" in the child
-        # (a bytearray exported to sendall can no longer be resized).
-        self._out = bytearray()
-        self._reader = FrameReader(self._max_reply)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._disconnect()
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()

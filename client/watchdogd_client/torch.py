@@ -22,7 +22,7 @@ site, the ``file:line`` of the ``with`` statement (``@thread`` outside the main
 thread), as `watchdogd_client.expires` names it. Its release finds the same name:
 each thread keeps the names it gave, newest last, per torch scope, and a release
 takes the newest (blocks nest, so the newest open one is the one ending).
-The timers carry the job and ranks torchrun sets (`watchdogd_client.client.job_of`).
+The timers carry the job and ranks torchrun sets (`watchdogd_client.arming.job_of`).
 
 Failures look like torch's own: with no daemon, `acquire` and `release` raise
 `TimerServerUnavailable`, which is the ``BrokenPipeError`` torch's ``FileTimerClient``

@@ -11,10 +11,15 @@
 
 `open_client` opens one connection (lazily, on the first request) that any number of
 tasks share: requests are pipelined, each reply finds its request by id, so a slow
-request never holds up another. Requests are idempotent; one that fails because an
-established connection broke (the daemon restarted) is sent again on a new one, for
-up to ``reconnect_timeout`` seconds. The default scope of ``expires()`` is the
-caller's ``file:line@task#n``: two tasks running the same line never share a timer.
+request never holds up another. Requests are idempotent; one whose connection broke
+after the handshake (the daemon restarted) is sent again on a new one, which the
+client keeps trying to open for up to ``reconnect_timeout`` seconds. The default
+scope of ``expires()`` is the caller's ``file:line@task#n``: two tasks running the
+same line never share a timer.
+
+The protocol is the same engine the blocking client drives
+(`watchdogd_client.engine`): here a reader task per connection feeds it what arrives
+and hands each answer to the task waiting for it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import Final, TypeVar, Unpack
 
 try:
     import trio
@@ -40,25 +45,14 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
     ) from missing
 
 from ._version import __version__
-from .client import (
-    After,
-    DaemonStatus,
-    OnUnavailable,
-    Outage,
-    acquire_request,
-    check_auto,
-    log,
-)
-from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
+from .arming import After, Arming, Handle, acquire_request, arming_timeout
+from .client import DaemonStatus, log
+from .engine import Answer, Backoff, Connection, Engine
+from .errors import DaemonUnavailable, WatchdogdError
+from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
-    MAX_REPLY_FRAME,
-    PROTOCOL_VERSION,
     Acquired,
-    Error,
-    ErrorCode,
-    FrameReader,
-    Hello,
     Ping,
     Pong,
     Release,
@@ -69,8 +63,6 @@ from .protocol import (
     StatusReply,
     TimerInfo,
     Welcome,
-    decode_reply,
-    encode_frame,
 )
 from .scope import shorten
 
@@ -105,44 +97,36 @@ async def open_client(
 
 
 class _Connection:
-    """One connection and the replies its requests are waiting for."""
+    """One stream, its protocol, and the tasks waiting for answers on it."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, protocol: Connection) -> None:
         self.stream = stream
+        self.protocol = protocol
         self.send_lock = trio.Lock()
-        self.waiting: dict[int, trio.MemorySendChannel[ReplyMessage | None]] = {}
-        self.broken = False
-        #: The reader task has ended: nothing more will be delivered.
-        self.ended = False
+        self.waiting: dict[int, trio.MemorySendChannel[Answer]] = {}
 
     async def read_replies(self) -> None:
-        reader = FrameReader(MAX_REPLY_FRAME)
+        """Feed the protocol what arrives and hand each answer to its task, until the
+        connection ends; then close the stream (closing this side lets the daemon
+        close its own)."""
+        protocol = self.protocol
         try:
-            while data := await self.stream.receive_some(_RECV_SIZE):
-                for frame in reader.feed(data):
-                    reply = decode_reply(frame)
-                    request_id = reply.id
-                    if request_id is None:
-                        # An error about no request in particular (a refused
-                        # connection, a frame over the bound): it answers every
-                        # request, and ends the connection (closing this side
-                        # lets the daemon close its own).
-                        for every in self.waiting.values():
-                            every.send_nowait(reply)
-                        self.waiting.clear()
-                        return
-                    channel = self.waiting.pop(request_id, None)
-                    if channel is not None:
-                        channel.send_nowait(reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
-            pass
+            while protocol.state != "closed":
+                try:
+                    data = await self.stream.receive_some(_RECV_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                self._deliver(protocol.receive_data(data) if data else protocol.connection_lost())
         finally:
-            self.broken = self.ended = True
-            for channel in self.waiting.values():
-                channel.send_nowait(None)  # the request's answer is lost
-            self.waiting.clear()
+            self._deliver(protocol.connection_lost())  # nothing more will be read
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
+
+    def _deliver(self, answers: list[Answer]) -> None:
+        for answer in answers:
+            channel = self.waiting.pop(answer.id, None)
+            if channel is not None:
+                channel.send_nowait(answer)
 
 
 class AsyncClient:
@@ -159,17 +143,19 @@ class AsyncClient:
         on_unavailable: OnUnavailable = "raise",
         reconnect_timeout: float = 5.0,
     ) -> None:
+        self._outage = Outage(on_unavailable)
+        self.on_unavailable: OnUnavailable = on_unavailable
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
-        self.on_unavailable: OnUnavailable = on_unavailable
-        self._outage = Outage()
         self.reconnect_timeout = reconnect_timeout
-        #: How long the daemon said a restart of it may take (its Welcome).
-        self._restart = 0.0
+        self._engine = Engine(
+            self.socket_path,
+            client=f"python-trio/{__version__}",
+            reconnect_timeout=reconnect_timeout,
+        )
         self._nursery = nursery
         self._connection: _Connection | None = None
         self._connect_lock = trio.Lock()
-        self._ids = itertools.count(1)
         self._task_numbers: weakref.WeakKeyDictionary[trio.lowlevel.Task, int] = (
             weakref.WeakKeyDictionary()
         )
@@ -180,41 +166,28 @@ class AsyncClient:
         scope: str,
         timeout: After,
         *,
-        policy: str | None = None,
         pid: int | None = None,
         progress: int | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        **arming: Unpack[Arming],
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
         request = acquire_request(
-            next(self._ids),
-            scope,
-            timeout,
-            policy=policy,
-            pid=pid,
-            progress=progress,
-            floor=floor,
-            ceiling=ceiling,
-            job=job,
-            rank=rank,
+            self._engine.next_id(), scope, timeout, pid=pid, progress=progress, **arming
         )
         try:
             return (await self._call(request, Acquired)).remaining
         except DaemonUnavailable as exc:
-            self._unavailable(exc)
+            self._outage.failed(exc)
             return request.timeout
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
         try:
             return (
-                await self._call(Release(id=next(self._ids), scope=scope, pid=pid), Released)
+                await self._call(Release(id=self._engine.next_id(), scope=scope, pid=pid), Released)
             ).found
         except DaemonUnavailable as exc:
-            self._unavailable(exc)
+            self._outage.failed(exc)
             return False
 
     async def status(self) -> DaemonStatus:
@@ -222,7 +195,7 @@ class AsyncClient:
         timers: list[TimerInfo] = []
         cursor: str | None = None
         while True:
-            request = Status(id=next(self._ids), limit=_STATUS_PAGE, cursor=cursor)
+            request = Status(id=self._engine.next_id(), limit=_STATUS_PAGE, cursor=cursor)
             page = await self._call(request, StatusReply)
             timers.extend(page.timers_with_commands())
             cursor = page.cursor
@@ -232,28 +205,19 @@ class AsyncClient:
     async def ping(self) -> float:
         """Round trip to the daemon, in seconds."""
         started = trio.current_time()
-        await self._call(Ping(id=next(self._ids)), Pong)
+        await self._call(Ping(id=self._engine.next_id()), Pong)
         return trio.current_time() - started
 
     def expires(
-        self,
-        after: After,
-        scope: str | None = None,
-        *,
-        policy: str | None = None,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
+        self, after: After, scope: str | None = None, **arming: Unpack[Arming]
     ) -> AsyncTimer:
         """``async with client.expires(after) as timer:`` arms on entry and releases
         on exit, also when an exception leaves the block (which propagates).
-        ``after="auto"`` with ``floor`` and ``ceiling``: see `acquire`."""
-        check_auto(after, ceiling)
+        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
+        job (see `watchdogd_client.arming.Arming`)."""
+        arming_timeout(after, arming)
         chosen = self._caller_scope() if scope is None else scope
-        return AsyncTimer(
-            self, after, chosen, policy, floor=floor, ceiling=ceiling, job=job, rank=rank
-        )
+        return AsyncTimer(self, after, chosen, arming)
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it)."""
@@ -269,158 +233,96 @@ class AsyncClient:
             number = self._task_numbers[task] = next(self._next_task_number)
         return shorten(f"{frame.f_code.co_filename}:{frame.f_lineno}@{task.name}#{number}")
 
-    def _unavailable(self, exc: DaemonUnavailable) -> None:
-        if self.on_unavailable == "raise":
-            raise exc
-        self._outage.failed(exc)
-
     async def _call(self, request: Request, expected: type[_R]) -> _R:
-        reply = await self._call_once(request, expected)
+        answer = await self._attempt(request, expected)
+        if answer.retry:
+            # The connection broke under the request: the daemon may have restarted.
+            # Every request is idempotent, so it goes once more on a new connection.
+            answer = await self._attempt(request, expected, resent=True)
+        reply = answer.result(expected)
         self._outage.answered(self.socket_path)
         return reply
 
-    async def _call_once(self, request: Request, expected: type[_R]) -> _R:
-        connection = await self._connected(reconnect=False)
-        reply = await self._exchange(connection, request)
-        if reply is None:
-            # The connection broke under the request: the daemon may have restarted.
-            # Every request is idempotent, so send it once more on a new connection.
-            connection = await self._connected(reconnect=True)
-            reply = await self._exchange(connection, request)
-            if reply is None:
-                raise self._error("the connection closed")
-        if isinstance(reply, Error):
-            raise RequestRefused(reply.code, reply.message)
-        if not isinstance(reply, expected):
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"expected a {expected.__name__} reply, got {type(reply).__name__}",
-            )
-        return reply
+    async def _attempt(
+        self, request: Request, expected: type[_R], *, resent: bool = False
+    ) -> Answer:
+        connection = await self._connected(reconnect=resent)
+        frame = connection.protocol.send(request, expected, resent=resent)
+        return await self._exchange(connection, request.id, frame)
 
-    async def _exchange(self, connection: _Connection, request: Request) -> ReplyMessage | None:
-        """Send ``request``; its reply, or None if the connection broke first."""
-        send, receive = trio.open_memory_channel[ReplyMessage | None](1)
-        if connection.ended:
-            return None
-        connection.waiting[request.id] = send
+    async def _exchange(self, connection: _Connection, request_id: int, frame: bytes) -> Answer:
+        """Send ``frame``; the answer to ``request_id``, which the reader task hands
+        over."""
+        send, receive = trio.open_memory_channel[Answer](1)
+        connection.waiting[request_id] = send
         try:
             with trio.fail_after(self.timeout):
                 try:
                     async with connection.send_lock:
-                        await connection.stream.send_all(encode_frame(request))
-                except trio.BrokenResourceError:
-                    # The daemon may have answered and closed before reading this
-                    # (a refusal at a connection limit): the reader task still
-                    # delivers what it sent, or None once the stream ends.
-                    connection.broken = True
-                except trio.ClosedResourceError:
-                    # The reader closed the stream under this send: it delivered
-                    # the daemon's answer first, if there was one.
-                    connection.broken = True
-                    try:
-                        return receive.receive_nowait()
-                    except trio.WouldBlock:
-                        return None
+                        await connection.stream.send_all(frame)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # The daemon may have answered and closed before reading this (a
+                    # refusal at a connection limit), or the reader closed the stream
+                    # under this send: the reader hands over what the daemon sent, or
+                    # the loss once the stream ends.
+                    connection.protocol.send_failed()
                 except BaseException:
                     # A send cut short (cancelled) may have written part of a frame:
                     # nothing after it on this connection could be understood.
-                    connection.broken = True
+                    connection.protocol.send_failed()
                     connection.stream.socket.close()
                     raise
                 return await receive.receive()
         except trio.TooSlowError:
-            raise self._error(f"no reply within {self.timeout:g} s") from None
+            raise self._engine.unavailable(f"no reply within {self.timeout:g} s") from None
         finally:
-            connection.waiting.pop(request.id, None)
+            connection.waiting.pop(request_id, None)
+            connection.protocol.abandon(request_id)
 
     async def _connected(self, *, reconnect: bool) -> _Connection:
         async with self._connect_lock:
             connection = self._connection
-            if connection is not None and not connection.broken:
+            if connection is not None and connection.protocol.state == "open":
                 return connection
-            window = max(self.reconnect_timeout, self._restart)
-            deadline = trio.current_time() + (window if reconnect else 0)
-            pause = 0.01
+            now = trio.current_time()
+            backoff = self._engine.reconnecting(now) if reconnect else Backoff(now)
             while True:
                 try:
                     connection = await self._connect()
                 except DaemonUnavailable:
-                    if trio.current_time() + pause > deadline:
+                    pause = backoff.pause(trio.current_time())
+                    if pause is None:
                         raise
                 else:
                     self._connection = connection
                     return connection
                 await trio.sleep(pause)
-                pause = min(pause * 2, 0.25)
 
     async def _connect(self) -> _Connection:
         try:
             with trio.fail_after(self.timeout):
                 stream = await trio.open_unix_socket(self.socket_path)
-        except FileNotFoundError:
-            raise self._error("no socket there") from None
-        except ConnectionRefusedError:
-            raise self._error("nothing is listening on it") from None
         except trio.TooSlowError:
-            raise self._error(f"no answer within {self.timeout:g} s") from None
+            raise self._engine.unavailable(f"no answer within {self.timeout:g} s") from None
         except OSError as exc:
-            raise self._error(exc.strerror or str(exc)) from None
-        connection = _Connection(stream)
+            raise self._engine.connect_failed(exc) from None
+        connection = _Connection(stream, self._engine.connect())
         self._nursery.start_soon(connection.read_replies)
-        hello = Hello(
-            id=next(self._ids), version=PROTOCOL_VERSION, client=f"python-trio/{__version__}"
-        )
+        protocol = connection.protocol
         try:
-            reply = await self._exchange(connection, hello)
+            answer = await self._exchange(connection, protocol.hello_id, protocol.hello)
+            answer.result(Welcome)
         except BaseException:
             await stream.aclose()
             raise
-        if isinstance(reply, Welcome):
-            self._restart = reply.restart
-            return connection
-        await stream.aclose()
-        if reply is None:
-            raise self._error("the connection closed during the handshake")
-        if isinstance(reply, Error):
-            raise RequestRefused(reply.code, reply.message)
-        raise ProtocolError(ErrorCode.MALFORMED, f"expected welcome, got {reply!r}")
-
-    def _error(self, reason: str) -> DaemonUnavailable:
-        return DaemonUnavailable.at(self.socket_path, reason)
+        return connection
 
 
-class AsyncTimer:
+class AsyncTimer(Handle["AsyncClient"]):
     """The handle of an ``async with client.expires(...)`` block; `release` and
     `renew` behave as `watchdogd_client.Timer`'s do."""
 
-    __slots__ = ("_armed", "after", "ceiling", "client", "floor", "job", "policy", "rank", "scope")
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        after: After,
-        scope: str,
-        policy: str | None,
-        *,
-        floor: float = 0.0,
-        ceiling: float | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-    ) -> None:
-        self.client = client
-        self.after = after
-        self.scope = scope
-        self.policy = policy
-        self.floor = floor
-        self.ceiling = ceiling
-        self.job = job
-        self.rank = rank
-        self._armed = False
-
-    @property
-    def armed(self) -> bool:
-        return self._armed
+    __slots__ = ()
 
     async def release(self) -> None:
         """Disarm now; idempotent."""
@@ -433,16 +335,7 @@ class AsyncTimer:
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
             self.after = after
-        await self.client.acquire(
-            self.scope,
-            self.after,
-            policy=self.policy,
-            progress=progress,
-            floor=self.floor,
-            ceiling=self.ceiling,
-            job=self.job,
-            rank=self.rank,
-        )
+        await self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:

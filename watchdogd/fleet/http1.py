@@ -271,7 +271,9 @@ class Connection:
         body = bytearray()
         while data := await self._read_some():
             if len(body) + len(data) > self._limits.max_body:
-                raise self._broken(f"a body over the bound of {self._limits.max_body} bytes", TooLarge)
+                raise self._broken(
+                    f"a body over the bound of {self._limits.max_body} bytes", TooLarge
+                )
             body += data
         return bytes(body)
 

@@ -1,0 +1,156 @@
+"""What arms a timer: the arming parameters every ``expires()`` and ``acquire()``
+takes, the job a process belongs to, and the `Acquire` they make.
+
+`Arming` declares the keyword parameters once; the module-level `expires`, the
+blocking client's and the trio client's ``expires`` and ``acquire`` all take them as
+``**arming``, so a parameter added here reaches every one of them. `arming_timeout`
+checks them where they are given (a name that is no parameter raises TypeError at
+the call, as a misspelt keyword does), and `acquire_request` is the one place that
+turns them into a request.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack
+
+import msgspec
+
+from .protocol import Acquire, Auto
+
+__all__ = ["JOB_VARIABLES", "RANK_VARIABLES", "After", "Arming", "Handle", "JobLabels", "job_of"]
+
+_C = TypeVar("_C")
+
+#: A timeout in seconds, or ``"auto"``: the one the daemon learned for the scope.
+After = float | Literal["auto"]
+
+
+class Arming(TypedDict, total=False):
+    """The keyword parameters that arm a timer, besides its timeout and scope.
+
+    ``policy``: the policy the daemon carries out when the timer expires (default:
+    the daemon's default policy).
+    ``floor`` and ``ceiling``: with a timeout of ``"auto"``, the daemon arms the
+    timeout it learned from earlier releases of the scope, between ``floor``
+    (default 0) and ``ceiling`` seconds, and ``ceiling`` until it has seen enough of
+    them; ``"auto"`` needs a ``ceiling``.
+    ``job`` and ``rank``: the distributed job the process is a rank of; by default
+    from the environment (`job_of`).
+    """
+
+    policy: str | None
+    floor: float
+    ceiling: float | None
+    job: str | None
+    rank: int | None
+
+
+_PARAMETERS: Final = frozenset(Arming.__optional_keys__)
+
+
+def arming_timeout(timeout: After, arming: Arming) -> float:
+    """The timeout an acquire sends: ``timeout``, or for ``"auto"`` its ceiling
+    (what the daemon arms until it has learned the scope).
+
+    Raises TypeError for a parameter that is none of `Arming`'s, and ValueError
+    for ``"auto"`` without a ceiling.
+    """
+    if not _PARAMETERS.issuperset(arming):
+        unknown = min(arming.keys() - _PARAMETERS)
+        raise TypeError(f"unexpected keyword argument {unknown!r}")
+    if timeout != "auto":
+        return timeout
+    ceiling = arming.get("ceiling")
+    if ceiling is None:
+        raise ValueError(
+            'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
+            "has seen enough releases of the scope, and the most it may choose"
+        )
+    return ceiling
+
+
+def acquire_request(
+    request_id: int,
+    scope: str,
+    timeout: After,
+    *,
+    pid: int | None = None,
+    progress: int | None = None,
+    exit_releases: bool = False,
+    **arming: Unpack[Arming],
+) -> Acquire:
+    """The `Acquire` that an ``acquire()``'s arguments stand for, its job and ranks
+    taken from the environment where not given (`job_of`)."""
+    armed = arming_timeout(timeout, arming)
+    labels = job_of(arming.get("job"), arming.get("rank"))
+    return Acquire(
+        id=request_id,
+        scope=scope,
+        timeout=armed,
+        policy=arming.get("policy"),
+        pid=pid,
+        progress=progress,
+        auto=Auto(floor=arming.get("floor", 0.0)) if timeout == "auto" else None,
+        exit_releases=exit_releases,
+        job=labels.job,
+        rank=labels.rank,
+        local_rank=labels.local_rank,
+        group_rank=labels.group_rank,
+    )
+
+
+class Handle(Generic[_C]):
+    """What the handle of an ``expires()`` block holds, blocking or async alike: the
+    ``client`` it arms through, the timeout ``after``, the ``scope`` and the
+    ``arming`` it was given, and whether its timer is `armed`."""
+
+    __slots__ = ("_armed", "after", "arming", "client", "scope")
+
+    def __init__(self, client: _C, after: After, scope: str, arming: Arming) -> None:
+        self.client = client
+        self.after = after
+        self.scope = scope
+        self.arming = arming
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether this handle's timer is armed (as far as this handle knows)."""
+        return self._armed
+
+
+class JobLabels(msgspec.Struct, frozen=True):
+    """The distributed job a process is a rank of, and its ranks."""
+
+    job: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    group_rank: int | None = None
+
+
+#: Where a job and its ranks are read from, first match first: this project's own
+#: variables, then what torchrun (torch.distributed.elastic) sets for each worker.
+JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID")
+RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK")
+#: torchrun's run id when none was given: no job to group ranks by.
+_NO_RUN_ID: Final = "none"
+
+
+def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
+    """``job`` and ``rank`` as given, else from the environment: ``$WATCHDOGD_JOB``,
+    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, unless it is ``none``), and
+    ``$WATCHDOGD_RANK``, else ``$RANK``; ``$LOCAL_RANK`` and ``$GROUP_RANK`` are
+    kept as well. An empty ``job`` means none; a variable that is no rank is
+    ignored."""
+    if job is None:
+        found = next((os.environ[name] for name in JOB_VARIABLES if os.environ.get(name)), "")
+        job = "" if found == _NO_RUN_ID else found
+    if rank is None:
+        rank = next((value for name in RANK_VARIABLES if (value := _rank(name)) is not None), None)
+    return JobLabels(job or None, rank, _rank("LOCAL_RANK"), _rank("GROUP_RANK"))
+
+
+def _rank(variable: str) -> int | None:
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() and int(value) < 2**31 else None

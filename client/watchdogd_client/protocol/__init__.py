@@ -1,0 +1,158 @@
+"""The watchdogd wire protocol: message types and framing, with no I/O.
+
+A connection is a byte stream of frames. Each frame is a 4-byte big-endian unsigned
+length followed by one msgpack message of exactly that length. Messages are tagged,
+frozen msgspec Structs; the tag travels in the ``type`` key.
+
+Invariants the daemon and the client both rely on:
+
+- The first request on a connection is `Hello`; the daemon answers `Welcome` or an
+  `Error` and closes the connection when the major version is not one it speaks.
+- Every request carries an ``id`` that its reply echoes, so a client may pipeline.
+  An `Error` whose ``id`` is None answers something whose id could not be read.
+- A frame that declares more bytes than the receiver's bound is refused before any
+  buffer of that size exists (`FrameReader` raises `FrameTooLarge`).
+- Time on the wire is always relative seconds (``timeout``, ``remaining``); absolute
+  deadlines never leave the daemon.
+- New fields are added only with defaults, and unknown fields are ignored, so an older
+  peer can read a newer peer's messages (msgspec's schema-evolution rules).
+
+Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
+daemon answers, and the codes of its refusals) and `protocol.frames` (framing, the
+bounds on a frame, one decoder per direction). Every name is imported from here, by
+the daemon and the clients alike.
+"""
+
+from __future__ import annotations
+
+from .frames import (
+    HEADER_SIZE,
+    MAX_REPLY_BYTES,
+    MAX_REPLY_FRAME,
+    MAX_REQUEST_FRAME,
+    FrameReader,
+    decode_reply,
+    decode_request,
+    encode_frame,
+    encode_frame_into,
+)
+from .replies import (
+    MAX_COMMAND_BYTES,
+    Acquired,
+    DaemonInfo,
+    Error,
+    ErrorCode,
+    EventInfo,
+    EventsReply,
+    IncidentInfo,
+    IncidentReply,
+    IncidentsReply,
+    MetricsReply,
+    PoliciesReply,
+    PolicyInfo,
+    Pong,
+    RankInfo,
+    Released,
+    Reply,
+    ReplyMessage,
+    StatusReply,
+    StepResult,
+    SuggestionInfo,
+    SuggestReply,
+    TimerInfo,
+    Welcome,
+    WhyReply,
+    WhyTimer,
+)
+from .requests import (
+    MAX_JOB_BYTES,
+    PROTOCOL_VERSION,
+    Acquire,
+    Auto,
+    Events,
+    Hello,
+    Incident,
+    Incidents,
+    Job,
+    Metrics,
+    PageSize,
+    Pid,
+    Ping,
+    Policies,
+    PolicyName,
+    Progress,
+    Rank,
+    Release,
+    Request,
+    RequestId,
+    RequestMessage,
+    Scope,
+    Status,
+    Suggest,
+    Timeout,
+    Why,
+)
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_COMMAND_BYTES",
+    "MAX_JOB_BYTES",
+    "MAX_REPLY_BYTES",
+    "MAX_REPLY_FRAME",
+    "MAX_REQUEST_FRAME",
+    "PROTOCOL_VERSION",
+    "Acquire",
+    "Acquired",
+    "Auto",
+    "DaemonInfo",
+    "Error",
+    "ErrorCode",
+    "EventInfo",
+    "Events",
+    "EventsReply",
+    "FrameReader",
+    "Hello",
+    "Incident",
+    "IncidentInfo",
+    "IncidentReply",
+    "Incidents",
+    "IncidentsReply",
+    "Job",
+    "Metrics",
+    "MetricsReply",
+    "PageSize",
+    "Pid",
+    "Ping",
+    "Policies",
+    "PoliciesReply",
+    "PolicyInfo",
+    "PolicyName",
+    "Pong",
+    "Progress",
+    "Rank",
+    "RankInfo",
+    "Release",
+    "Released",
+    "Reply",
+    "ReplyMessage",
+    "Request",
+    "RequestId",
+    "RequestMessage",
+    "Scope",
+    "Status",
+    "StatusReply",
+    "StepResult",
+    "Suggest",
+    "SuggestReply",
+    "SuggestionInfo",
+    "Timeout",
+    "TimerInfo",
+    "Welcome",
+    "Why",
+    "WhyReply",
+    "WhyTimer",
+    "decode_reply",
+    "decode_request",
+    "encode_frame",
+    "encode_frame_into",
+]

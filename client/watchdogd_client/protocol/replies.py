@@ -1,0 +1,399 @@
+"""The replies: what the daemon answers, as tagged, frozen Structs, and the error
+codes its refusals carry.
+
+A reply's ``id`` echoes its request's; an `Error` whose ``id`` is None answers
+something whose id could not be read. Fields are added only with defaults and unknown
+ones are ignored, so an older client reads a newer daemon's replies.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import msgspec
+from msgspec import Struct
+
+from .requests import RequestId
+
+#: The most of a command line a status page shows, in UTF-8 bytes (marker included).
+MAX_COMMAND_BYTES: Final = 1024
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable codes carried by `Error` replies."""
+
+    #: Raised when the first frame on a connection is not `Hello`.
+    HANDSHAKE_REQUIRED = "handshake_required"
+    #: The client speaks a major protocol version the daemon does not.
+    UNSUPPORTED_VERSION = "unsupported_version"
+    #: A frame declared a length over the receiver's bound; the connection is closed.
+    FRAME_TOO_LARGE = "frame_too_large"
+    #: The frame is not a msgpack message.
+    MALFORMED = "malformed"
+    #: The ``type`` names no request this daemon knows.
+    UNKNOWN_OP = "unknown_op"
+    #: The message decodes but a field is missing, of the wrong type or out of range.
+    INVALID_REQUEST = "invalid_request"
+    #: The named policy is not configured.
+    UNKNOWN_POLICY = "unknown_policy"
+    #: The caller could not kill(2) the target process, or the target is protected.
+    PERMISSION_DENIED = "permission_denied"
+    #: The target pid does not exist.
+    NO_SUCH_PROCESS = "no_such_process"
+    #: No incident of that id is kept that the caller may see.
+    NO_SUCH_INCIDENT = "no_such_incident"
+    #: The target pid is a thread, not a process (not its thread-group leader); the
+    #: message names the process it belongs to, which is what to name instead.
+    NOT_A_PROCESS = "not_a_process"
+    #: A per-uid or global bound on timers or connections was reached.
+    LIMIT_EXCEEDED = "limit_exceeded"
+    #: The daemon lacks a resource for now (file descriptors, memory); the request
+    #: may succeed if sent again later. Nothing was changed.
+    UNAVAILABLE = "unavailable"
+    #: The daemon failed while handling a valid request (a bug; it is logged).
+    INTERNAL = "internal"
+
+
+class Reply(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """Base of every daemon-to-client message; ``id`` echoes the request's."""
+
+    id: RequestId
+
+
+class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
+    """Answer to `Hello`: the daemon's protocol version, release and pid.
+
+    ``restart`` is how long a restart of this daemon may take, in seconds, by its
+    own measure of loading its state, at its timer cap: a client whose
+    connection breaks waits at least this long for the daemon to come back.
+    """
+
+    version: int
+    server: str
+    pid: int
+    restart: float = 0.0
+
+
+class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
+    """Answer to `Acquire`: seconds left on the timer, and whether it replaced one.
+
+    ``durable`` is False when the daemon could not write its state (a failing
+    disk): the timer is armed and protects, but would not survive a daemon crash.
+    """
+
+    remaining: float
+    rearmed: bool
+    durable: bool = True
+    #: Where the timeout in force came from, when the daemon chose it (``auto``).
+    timeout_from: str = ""
+
+
+class Released(Reply, tag="released", frozen=True, kw_only=True):
+    """Answer to `Release`: whether a timer was armed under that key; ``durable``
+    as for `Acquired`."""
+
+    found: bool
+    durable: bool = True
+
+
+class DaemonInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A summary of the daemon, sent with every status page."""
+
+    version: str
+    pid: int
+    uptime: float
+    timers: int
+    processes: int
+    connections: int
+    requests: int
+    expired: int
+    exited: int
+    #: The daemon cannot write its state: timers live in memory only until it can.
+    state_degraded: bool = False
+    #: With a fleet: ``connected``, or ``disconnected: why``.
+    fleet: str = ""
+
+
+class TimerInfo(Struct, frozen=True, kw_only=True):
+    """One armed timer as a status page shows it.
+
+    ``command`` is the process's command line. A daemon sends it once per process
+    in `StatusReply.commands` and leaves it empty here (it is still sent, so older
+    clients that require it can read the reply); the clients' ``status()`` fill it
+    in (`StatusReply.timers_with_commands`).
+    """
+
+    pid: int
+    scope: str
+    remaining: float
+    policy: str
+    uid: int
+    command: str = ""
+    job: str = ""
+    rank: int | None = None
+
+
+class StatusReply(Reply, tag="status", frozen=True, kw_only=True):
+    """Answer to `Status`. ``cursor`` is None on the last page.
+
+    ``commands`` maps each pid on the page to its command line, cut to
+    `MAX_COMMAND_BYTES` with a ``…`` marker. A page ends at ``limit`` timers or
+    before its frame would pass `MAX_REPLY_BYTES`, whichever comes first.
+    """
+
+    daemon: DaemonInfo
+    timers: list[TimerInfo]
+    cursor: str | None = None
+    commands: dict[int, str] = {}
+
+    def timers_with_commands(self) -> list[TimerInfo]:
+        """``timers`` with each ``command`` taken from ``commands`` where it has one."""
+        commands = self.commands
+        if not commands:
+            return self.timers
+        return [
+            msgspec.structs.replace(timer, command=commands[timer.pid])
+            if timer.pid in commands
+            else timer
+            for timer in self.timers
+        ]
+
+
+class Pong(Reply, tag="pong", frozen=True, kw_only=True):
+    """Answer to `Ping`."""
+
+
+class StepResult(Struct, frozen=True, kw_only=True):
+    """What one step of a policy did, with any output it captured."""
+
+    step: str
+    result: str
+    output: str = ""
+
+
+class EventInfo(Struct, frozen=True, kw_only=True):
+    """One recorded event. ``kind`` is ``expired``, ``peer`` (a job's peer policy
+    run on a process of an incident's job), ``extended`` (a timer given
+    more time because its process was starved; ``deadline`` is its new one),
+    ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
+    seconds, ``late`` is seconds from the deadline to the first step. An expiry's
+    ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
+    policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
+    ``timeout_from`` where that came from when the daemon chose it."""
+
+    seq: int
+    kind: str
+    time: float
+    pid: int
+    uid: int
+    scope: str
+    policy: str
+    command: str = ""
+    armed_at: float | None = None
+    deadline: float | None = None
+    fired_at: float | None = None
+    late: float | None = None
+    outcome: str = ""
+    steps: list[StepResult] = []
+    timers: int | None = None
+    note: str = ""
+    state: str = ""
+    wchan: str = ""
+    reason: str = ""
+    timeout: float | None = None
+    timeout_from: str = ""
+    job: str = ""
+    rank: int | None = None
+    #: The incident this event belongs to: an expiry of a job's timer, or a peer
+    #: policy run on another process of the job (``kind`` ``peer``).
+    incident: str = ""
+
+
+class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
+    """Answer to `Events`. Pass ``last`` as the next request's ``after``."""
+
+    events: list[EventInfo]
+    last: int
+
+
+class PolicyInfo(Struct, frozen=True, kw_only=True):
+    """A policy as `Policies` lists it."""
+
+    name: str
+    target: str
+    steps: list[str]
+    root_only: bool
+    builtin: bool
+    #: Seconds a timer may go without its progress growing (0: no such rule).
+    stall: float = 0.0
+
+
+class PoliciesReply(Reply, tag="policies", frozen=True, kw_only=True):
+    """Answer to `Policies`."""
+
+    policies: list[PolicyInfo]
+    default: str
+
+
+class MetricsReply(Reply, tag="metrics", frozen=True, kw_only=True):
+    """Answer to `Metrics`: Prometheus text exposition format."""
+
+    text: str
+
+
+class SuggestionInfo(Struct, frozen=True, kw_only=True):
+    """How long one scope of one executable of one uid was held before its
+    release: ``count`` releases, their median, 99th percentile and longest, in
+    seconds (the percentiles to a bucket some 9 % wide), and the timeout the
+    daemon suggests (None until it has seen enough releases)."""
+
+    uid: int
+    executable: str
+    scope: str
+    count: int
+    p50: float
+    p99: float
+    max: float
+    suggested: float | None = None
+
+
+class SuggestReply(Reply, tag="suggest", frozen=True, kw_only=True):
+    """Answer to `Suggest`; ``cursor`` is None on the last page. ``min_samples``
+    is how many releases a suggestion needs, ``margin`` how far above the 99th
+    percentile it is."""
+
+    suggestions: list[SuggestionInfo]
+    min_samples: int
+    margin: float
+    cursor: int | None = None
+
+
+class WhyTimer(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One timer of the process `Why` asks about, as the daemon sees it now.
+
+    ``remaining`` is to its deadline; ``due`` says what its deadline is:
+    ``timeout`` (``timeout`` seconds after it was armed, ``armed`` seconds ago)
+    or ``stalled`` (``stall`` seconds after its progress last grew,
+    ``progressed`` seconds ago). A timer that fell due has ``firing`` set to the
+    step its policy is at."""
+
+    scope: str
+    policy: str
+    remaining: float
+    timeout: float
+    armed: float
+    due: str
+    owner: int
+    timeout_from: str = ""
+    progress: int | None = None
+    progressed: float | None = None
+    stall: float = 0.0
+    firing: str = ""
+    notes: list[str] = []
+
+
+class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
+    """Answer to `Why`. ``timers`` are those the caller may see (soonest first,
+    at most the request's ``limit``; ``more`` counts the rest), ``events`` the
+    latest about the pid, oldest first, ``suggestions`` what history says for the
+    scopes of its timers, and ``incidents`` those it is a rank of."""
+
+    pid: int
+    command: str = ""
+    executable: str = ""
+    uid: int | None = None
+    timers: list[WhyTimer] = []
+    more: int = 0
+    events: list[EventInfo] = []
+    suggestions: list[SuggestionInfo] = []
+    #: The incidents it is a rank of (summaries: `Incident` gives the whole).
+    incidents: list[IncidentInfo] = []
+
+
+class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One process of an incident's job: the rank that was ``hung`` (its timer
+    expired) or a ``peer`` (it held a timer of the job), on ``host``.
+
+    ``state`` is ``pending`` until its policy (the hung rank's own, or the peer
+    policy) has run, then ``done``, ``gone`` (it had exited) or ``denied``.
+    ``stack`` is what its dump step captured; ``frame`` the innermost frame of
+    its main thread, where it was waiting. Both are empty for a caller who may not
+    see them: root may; another user only where ptrace's read rule let them read
+    the process themselves when it was dumped (``reader_uid``: the one uid besides
+    root, with ``reader_gid`` its gid; None: root alone), and ``note`` says why."""
+
+    host: str
+    pid: int
+    uid: int
+    role: str
+    scope: str
+    state: str = "pending"
+    rank: int | None = None
+    local_rank: int | None = None
+    group_rank: int | None = None
+    policy: str = ""
+    reason: str = ""
+    frame: str = ""
+    stack: str = ""
+    note: str = ""
+    reader_uid: int | None = None
+    reader_gid: int | None = None
+
+
+class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What happened to a job: the first expiry of one of its timers (``host``,
+    ``rank``, ``scope``, ``reason``, at ``time``, Unix seconds) and every rank
+    the daemons of its hosts found (`RankInfo`). A job is its owner's: ``user``
+    armed it (``uid``)."""
+
+    id: str
+    job: str
+    user: str
+    uid: int
+    host: str
+    scope: str
+    reason: str
+    time: float
+    rank: int | None = None
+    kind: str = "expired"
+    ranks: list[RankInfo] = []
+    #: How many ranks the incident has, when ``ranks`` is left out (a listing).
+    count: int = 0
+
+
+class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
+    """Answer to `Incidents`: summaries (no ``ranks``; ``count`` says how many)."""
+
+    incidents: list[IncidentInfo]
+
+
+class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
+    """Answer to `Incident`."""
+
+    incident: IncidentInfo
+
+
+class Error(Reply, tag="error", frozen=True, kw_only=True):
+    """A refused request. ``id`` is None when the request's id could not be read."""
+
+    id: RequestId | None = None  # type: ignore[assignment]  # widened on purpose
+    code: str
+    message: str
+
+
+ReplyMessage = (
+    Welcome
+    | Acquired
+    | Released
+    | StatusReply
+    | Pong
+    | EventsReply
+    | PoliciesReply
+    | MetricsReply
+    | SuggestReply
+    | WhyReply
+    | IncidentsReply
+    | IncidentReply
+    | Error
+)

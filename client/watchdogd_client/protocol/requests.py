@@ -1,0 +1,183 @@
+"""The requests: what a client asks of the daemon, as tagged, frozen Structs with a
+bound on every field.
+
+Each request carries an ``id`` that its reply echoes (`RequestId`). `Hello` comes
+first on a connection. Bounds that depend on the daemon's config (a scope's length, the
+longest timeout) are the daemon's to check; the ones here hold for every daemon.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from msgspec import Meta, Struct
+
+#: Major protocol version. A peer with another major version is refused at handshake.
+PROTOCOL_VERSION: Final = 1
+#: The longest job name, in UTF-8 bytes.
+MAX_JOB_BYTES: Final = 128
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Negative pids and 0 mean process groups to kill(2); they are never a valid target.
+Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+#: The byte-length bound on a scope is the daemon's (configurable) limit.
+Scope = Annotated[str, Meta(min_length=1)]
+#: NaN, zero and negative values fail here; infinity and the configured maximum are
+#: refused by the daemon with a message that states its limit.
+Timeout = Annotated[float, Meta(gt=0)]
+PolicyName = Annotated[str, Meta(min_length=1, max_length=128)]
+PageSize = Annotated[int, Meta(ge=1, le=10_000)]
+#: A job's name: the daemon bounds it to `MAX_JOB_BYTES` UTF-8 bytes.
+Job = Annotated[str, Meta(min_length=1)]
+Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+#: A progress counter: any non-negative 64-bit value.
+Progress = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Where a page of events or suggestions resumes (an event's number, a row's
+#: offset): a non-negative signed 64-bit value, the most either can reach.
+Position = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: Where a status page resumes: the ``cursor`` of the page before, as the daemon
+#: wrote it (a deadline and a sequence number, far shorter than this bound).
+StatusCursor = Annotated[str, Meta(max_length=64)]
+
+
+class Request(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """Base of every client-to-daemon message."""
+
+    id: RequestId
+
+
+class Hello(Request, tag="hello", frozen=True, kw_only=True):
+    """First request on a connection: the client's protocol version."""
+
+    version: int
+    client: str = ""
+
+
+class Auto(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Asks the daemon for a timeout learned from how long this scope was held
+    before (`Acquire.auto`), at least ``floor`` seconds."""
+
+    floor: Annotated[float, Meta(ge=0)] = 0.0
+
+
+class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
+    """Arm, or re-arm, the timer ``(pid, scope)`` to expire ``timeout`` seconds from now.
+
+    ``pid`` defaults to the caller (as the kernel reports it). ``policy`` defaults to
+    the daemon's default policy. Re-arming replaces the timeout and the policy.
+
+    ``progress`` is a counter the worker's own work advances: under a policy with a
+    ``stall`` time, a re-arm keeps the timer alive only while its progress grows.
+    With ``auto``, ``timeout`` is a ceiling: the daemon arms what it suggests for
+    this scope (`Suggest`), between ``auto.floor`` and the ceiling, once it has
+    seen enough releases of it, and the ceiling until then (a daemon that predates
+    ``auto`` arms the ceiling).
+    """
+
+    scope: Scope
+    timeout: Timeout
+    policy: PolicyName | None = None
+    pid: Pid | None = None
+    #: The process's exit releases the timer quietly: an exit with only such timers
+    #: armed is no event (`watchdogctl run`, whose command is expected to end).
+    exit_releases: bool = False
+    progress: Progress | None = None
+    auto: Auto | None = None
+    #: The distributed job the process is a rank of, and its ranks (torchrun's
+    #: RANK, LOCAL_RANK, GROUP_RANK): an expiry opens an incident for the job.
+    job: Job | None = None
+    rank: Rank | None = None
+    local_rank: Rank | None = None
+    group_rank: Rank | None = None
+
+
+class Release(Request, tag="release", frozen=True, kw_only=True):
+    """Disarm the timer ``(pid, scope)``; releasing an absent timer succeeds."""
+
+    scope: Scope
+    pid: Pid | None = None
+
+
+class Status(Request, tag="status", frozen=True, kw_only=True):
+    """One page of the armed timers, soonest first, with a summary of the daemon.
+
+    Pass the reply's ``cursor`` to get the next page.
+    """
+
+    limit: PageSize = 1000
+    cursor: StatusCursor | None = None
+
+
+class Ping(Request, tag="ping", frozen=True, kw_only=True):
+    """Liveness check."""
+
+
+class Events(Request, tag="events", frozen=True, kw_only=True):
+    """Recorded events, oldest first.
+
+    With ``after`` None: the latest ``limit`` events. Otherwise the events whose
+    ``seq`` is greater than ``after``; when there are none yet, the daemon holds the
+    reply up to ``wait`` seconds for one to happen (a long poll, for following).
+    """
+
+    after: Position | None = None
+    limit: PageSize = 100
+    wait: Annotated[float, Meta(ge=0, le=300)] = 0.0
+
+
+class Policies(Request, tag="policies", frozen=True, kw_only=True):
+    """The configured policies and the default one."""
+
+
+class Metrics(Request, tag="metrics", frozen=True, kw_only=True):
+    """The daemon's metrics in the Prometheus text exposition format."""
+
+
+class Suggest(Request, tag="suggest", frozen=True, kw_only=True):
+    """What the daemon learned of how long scopes are held before their release,
+    and the timeout it suggests for each: the caller's own uid's (root: every
+    uid's), sorted by uid, executable and scope. Pass the reply's ``cursor`` to
+    get the next page."""
+
+    limit: PageSize = 1000
+    cursor: Position = 0
+
+
+class Why(Request, tag="why", frozen=True, kw_only=True):
+    """Everything the daemon knows about why process ``pid`` was, or would be,
+    acted on: its timers (those the caller may see), the expiries of its in
+    progress, the latest events about it, and what history suggests for its
+    scopes."""
+
+    pid: Pid
+    #: The most timers, and events, to include.
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 100
+
+
+class Incidents(Request, tag="incidents", frozen=True, kw_only=True):
+    """The latest incidents the caller may see (root: all; another uid: those of
+    its own jobs), newest last, without their stacks."""
+
+    limit: PageSize = 100
+
+
+class Incident(Request, tag="incident", frozen=True, kw_only=True):
+    """One incident, with every rank's stack the caller may see."""
+
+    incident: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+RequestMessage = (
+    Hello
+    | Acquire
+    | Release
+    | Status
+    | Ping
+    | Events
+    | Policies
+    | Metrics
+    | Suggest
+    | Why
+    | Incidents
+    | Incident
+)
