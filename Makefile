@@ -49,7 +49,7 @@ soak: $(TEST_STAMP)
 # The man pages in man/ are generated from the commands' own help; the suite
 # checks that they are current.
 man: $(STAMP)
-	$(BIN)/python -m watchdogd.manpage man
+	$(BIN)/python -m watchdogd.cli.manpage man
 
 # Wheels of both packages in dist/, for machines without this checkout.
 wheels: $(STAMP)

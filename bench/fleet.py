@@ -64,8 +64,8 @@ from watchdogd.core.starvation import Sample
 from watchdogd.core.timers import Expired
 from watchdogd.fleet.etcd import Data, EtcdClient, EtcdFailure, Limits
 from watchdogd.fleet.member import FleetMember
-from watchdogd.metrics import exposition
-from watchdogd.users import UserNames
+from watchdogd.host.users import UserNames
+from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.

@@ -602,8 +602,8 @@ def commit_figure(cpu_off: float) -> Figure:
     without state. For state on to keep 95 % of the stateless rate, this must stay
     under 5.3 % of it (1 / 0.95 - 1)."""
     from watchdogd.core.timers import Timer
-    from watchdogd.process import read_start_time
-    from watchdogd.store import Store
+    from watchdogd.host.process import read_start_time
+    from watchdogd.storage.store import Store
 
     count = 20_000
     with tempfile.TemporaryDirectory(prefix="wd-bench-") as directory:
@@ -657,8 +657,8 @@ def restart_figures(sizes: list[int]) -> list[Figure]:
     """Start to READY with ``sizes`` timers in the state (on 100 live processes),
     against the same with an empty state."""
     from watchdogd.core.timers import Timer
-    from watchdogd.process import read_start_time
-    from watchdogd.store import Store
+    from watchdogd.host.process import read_start_time
+    from watchdogd.storage.store import Store
 
     figures = []
     holders = [subprocess.Popen(["sleep", "3600"]) for _ in range(100)]

@@ -41,8 +41,8 @@ from pathlib import Path
 from run import CLIENT_CPU, SERVER_CPU, Figure, pin
 
 from watchdogd.core.timers import Timer
-from watchdogd.process import read_start_time
-from watchdogd.store import Store
+from watchdogd.host.process import read_start_time
+from watchdogd.storage.store import Store
 from watchdogd_client import Client
 
 HOLDERS = 1_000

@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from watchdogd.cgroups import host_hierarchy
-from watchdogd.store import default_state_path
+from watchdogd.host.cgroups import host_hierarchy
+from watchdogd.storage.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 from watchdogd_client.protocol import EventInfo, IncidentInfo
 

@@ -9,8 +9,8 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.starvation import Sample
 from watchdogd.errors import Refusal
-from watchdogd.metrics import exposition
-from watchdogd.users import UserNames
+from watchdogd.host.users import UserNames
+from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import ErrorCode
 
 DAEMON_PID = 50

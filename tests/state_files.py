@@ -168,7 +168,7 @@ def write_state(directory: Path) -> None:
     left it when killed: `FOLDED` in the database, then a journal of `JOURNALED`
     and `RELEASED`. Every file names the boot `BOOT`."""
     from watchdogd.storage import schema
-    from watchdogd.store import Store
+    from watchdogd.storage.store import Store
 
     with tempfile.NamedTemporaryFile("w") as boot:
         boot.write(BOOT + "\n")

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from watchdogd.cgroups import Cgroup, Hierarchy, cgroup_of, contains, find_hierarchy
+from watchdogd.host.cgroups import Cgroup, Hierarchy, cgroup_of, contains, find_hierarchy
 
 from conftest import PATIENCE, ScratchCgroup, reap, sleeper
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.cgroups import host_hierarchy
-from watchdogd.process import read_stat
+from watchdogd.host.cgroups import host_hierarchy
+from watchdogd.host.process import read_stat
 from watchdogd_client import Client
 
 from conftest import (

@@ -194,7 +194,7 @@ def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
 def test_without_xdg_runtime_dir_a_user_daemon_listens_under_tmp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from watchdogd.cli import daemon_socket_path
+    from watchdogd.cli.watchdogd import daemon_socket_path
     from watchdogd.core.config import Config
     from watchdogd_client.paths import client_socket_path
 

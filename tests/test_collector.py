@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from watchdogd.daemon import Collector
+from watchdogd.runtime.daemon import Collector
 
 
 @pytest.fixture(autouse=True)

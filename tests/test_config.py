@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.cli import daemon_socket_path
+from watchdogd.cli.watchdogd import daemon_socket_path
 from watchdogd.core.config import Config, parse_config
-from watchdogd.daemon import load_config
 from watchdogd.errors import ConfigError
+from watchdogd.runtime.daemon import load_config
 
 from test_cgroups import HYBRID, V1_ONLY
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.daemon import restart_estimate
+from watchdogd.runtime.daemon import restart_estimate
 from watchdogd_client import DaemonUnavailable
 
 from conftest import PATIENCE, RunningDaemon, expired_event, reap, wait_until
@@ -200,8 +200,8 @@ def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> N
     """A state of 1,000,000 timers on 100 processes; the daemon is killed with the
     first 100 about to fall due, and restarted: those 100 die on time."""
     from watchdogd.core.timers import Timer
-    from watchdogd.process import read_start_time
-    from watchdogd.store import Store
+    from watchdogd.host.process import read_start_time
+    from watchdogd.storage.store import Store
 
     state = tmp_path / "state.db"
     holders = hung_workers(100)

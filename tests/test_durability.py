@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from watchdogd.process import read_start_time
-from watchdogd.store import Store
+from watchdogd.host.process import read_start_time
+from watchdogd.storage.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 

@@ -6,8 +6,8 @@ import subprocess
 
 import trio
 
-from watchdogd.exits import ExitWatcher
-from watchdogd.process import Process, open_process
+from watchdogd.host.exits import ExitWatcher
+from watchdogd.host.process import Process, open_process
 
 from conftest import reap, sleeper
 

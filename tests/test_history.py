@@ -10,7 +10,7 @@ import pytest
 
 from watchdogd.core import history as history_module
 from watchdogd.core.history import MAX_BUCKETS, Histogram, History, bucket_of, upper_edge
-from watchdogd.history_file import HistoryFile
+from watchdogd.storage.history_file import HistoryFile
 
 KEY = (1000, "/usr/bin/python3", "train.py:42")
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from watchdogd.core.counters import Counters
-from watchdogd.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook, substitute
+from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook, substitute
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 import pytest
 
-from watchdogd import cli, ctl
-from watchdogd.manpage import PAGES, escape, pages
+from watchdogd.cli import watchdogctl, watchdogd
+from watchdogd.cli.manpage import PAGES, escape, pages
 
 MAN = Path(__file__).parent.parent / "man"
 
@@ -22,20 +22,20 @@ def test_the_checked_in_page_is_the_generated_one(name: str) -> None:
 
 
 def test_every_command_and_option_is_on_its_page() -> None:
-    watchdogctl = pages()["watchdogctl.1"]
-    ctx = click.Context(ctl.main, info_name="watchdogctl")
-    for name in ctl.main.list_commands(ctx):
-        command = ctl.main.get_command(ctx, name)
+    ctl_page = pages()["watchdogctl.1"]
+    ctx = click.Context(watchdogctl.main, info_name="watchdogctl")
+    for name in watchdogctl.main.list_commands(ctx):
+        command = watchdogctl.main.get_command(ctx, name)
         assert command is not None
-        assert f'.SS "watchdogctl {name} ' in watchdogctl
+        assert f'.SS "watchdogctl {name} ' in ctl_page
         for param in command.params:
             if isinstance(param, click.Option):
                 for opt in param.opts:
-                    assert escape(opt) in watchdogctl, (name, opt)
-    watchdogd = pages()["watchdogd.8"]
-    for param in cli.main.params:
+                    assert escape(opt) in ctl_page, (name, opt)
+    daemon_page = pages()["watchdogd.8"]
+    for param in watchdogd.main.params:
         for opt in param.opts:
-            assert escape(opt) in watchdogd
+            assert escape(opt) in daemon_page
 
 
 def test_roff_specials_are_escaped() -> None:

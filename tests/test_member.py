@@ -21,7 +21,7 @@ from watchdogd.core.service import Service
 from watchdogd.core.timers import Expired
 from watchdogd.fleet.etcd import Data, EtcdClient, Watch
 from watchdogd.fleet.member import MAX_PENDING, PENDING_PER_UID, FleetMember, _Queue
-from watchdogd.metrics import exposition
+from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,

@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from watchdogd.cgroups import cgroup_of, host_hierarchy
 from watchdogd.core.starvation import Sample
-from watchdogd.pressure import PressureGauge, read_pressure
-from watchdogd.process import open_process
+from watchdogd.host.cgroups import cgroup_of, host_hierarchy
+from watchdogd.host.pressure import PressureGauge, read_pressure
+from watchdogd.host.process import open_process
 
 from conftest import reap, sleeper, wait_until
 

@@ -15,9 +15,9 @@ import threading
 
 import pytest
 
-from watchdogd import process as process_module
 from watchdogd.errors import Refusal
-from watchdogd.process import (
+from watchdogd.host import process as process_module
+from watchdogd.host.process import (
     open_process,
     peer_of,
     ptrace_reader,

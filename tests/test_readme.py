@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.daemon import load_config
+from watchdogd.runtime.daemon import load_config
 from watchdogd_client import Client
 
 from conftest import PATIENCE, RunningDaemon, reap, sleeper
@@ -319,7 +319,11 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     shown = subprocess.run(
-        [PYTHON, "-c", "import watchdogd.cli, watchdogd.ctl; print(watchdogd.__file__)"],
+        [
+            PYTHON,
+            "-c",
+            "import watchdogd.cli.watchdogd, watchdogd.cli.watchdogctl; print(watchdogd.__file__)",
+        ],
         env={**os.environ, "PYTHONPATH": str(target)},
         cwd=tmp_path,  # not the checkout, whose watchdogd/ would come first
         capture_output=True,

@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from watchdogd.core.heap import DeadlineHeap
-from watchdogd.scheduler import Scheduler
+from watchdogd.runtime.scheduler import Scheduler
 
 
 class Harness:

@@ -23,9 +23,9 @@ import trio.testing
 
 from watchdogd.core.config import Config, DaemonConfig
 from watchdogd.core.service import Service
-from watchdogd.daemon import run
 from watchdogd.errors import ListenError
-from watchdogd.server import ReplyBudget, open_listener
+from watchdogd.runtime.daemon import run
+from watchdogd.runtime.server import ReplyBudget, open_listener
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,

@@ -13,7 +13,7 @@ from watchdogd.core.config import Config, PolicyConfig
 from watchdogd.core.service import Service
 from watchdogd.core.starvation import UNMEASURED, Pressure, Sample, judge
 from watchdogd.core.timers import Timer, Watch
-from watchdogd.store import Store
+from watchdogd.storage.store import Store
 from watchdogd_client.protocol import Acquire, EventInfo
 
 from fakes import ALICE, FakeHost, FakeProcess, World, make_world

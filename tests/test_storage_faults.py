@@ -27,8 +27,8 @@ import pytest
 
 from watchdogd.core.history import History
 from watchdogd.core.timers import Timer
-from watchdogd.history_file import HistoryFile
-from watchdogd.store import StateError, Store
+from watchdogd.storage.history_file import HistoryFile
+from watchdogd.storage.store import StateError, Store
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,

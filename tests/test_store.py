@@ -17,11 +17,11 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd import store as store_module
 from watchdogd.core.timers import Run, Timer
 from watchdogd.storage import database, schema
+from watchdogd.storage import store as store_module
 from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
-from watchdogd.store import StateError, Store, default_state_path
+from watchdogd.storage.store import StateError, Store, default_state_path
 
 from state_files import PIDS, SCHEMAS, WRITTEN, make_own
 

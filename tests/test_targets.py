@@ -13,8 +13,8 @@ import time
 import pytest
 import trio
 
-from watchdogd.process import open_process, read_stat
-from watchdogd.targets import open_target
+from watchdogd.host.process import open_process, read_stat
+from watchdogd.host.targets import open_target
 
 from conftest import DAEMONIZE, PATIENCE, ScratchCgroup, gone, reap, sleeper
 from test_authorization import nobody_sleeper

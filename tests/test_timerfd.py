@@ -5,7 +5,7 @@ from __future__ import annotations
 import select
 import time
 
-from watchdogd.timerfd import TimerFd
+from watchdogd.host.timerfd import TimerFd
 
 
 def readable(timer: TimerFd, wait: float) -> bool:

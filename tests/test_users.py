@@ -1,5 +1,5 @@
 """Fleet names of users: valid names, nameless uids as #UID, lookups off the loop
-and cached, misses included (watchdogd.users)."""
+and cached, misses included (watchdogd.host.users)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import trio
 
-from watchdogd.users import UserNames, fleet_user, valid_name
+from watchdogd.host.users import UserNames, fleet_user, valid_name
 
 
 def test_the_valid_names_are_the_strict_user_name_syntax() -> None:

@@ -1,5 +1,5 @@
 """``python -m watchdogd`` runs the daemon, like the ``watchdogd`` command."""
 
-from .cli import main
+from .cli.watchdogd import main
 
 main()

@@ -24,7 +24,7 @@ stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 (`watchdogd.policies.check_argv`); a file that breaks this is refused.
 
 Whether the host can serve a policy (``target = "cgroup"`` needs a cgroup v2
-hierarchy mounted) is a fact of the host, not of the file: `watchdogd.daemon`
+hierarchy mounted) is a fact of the host, not of the file: `watchdogd.runtime.daemon`
 checks it when it loads the file.
 
 ``starvation_grace`` (seconds, none by default) gives a timer whose process was

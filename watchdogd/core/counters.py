@@ -1,5 +1,5 @@
 """Counters kept in the hot path as plain integers: a request costs one dict
-increment. `watchdogd.metrics` renders them in the Prometheus text format when
+increment. `watchdogd.runtime.metrics` renders them in the Prometheus text format when
 asked."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Counters:
         self.job_processes: dict[tuple[int, str], int] = {}
         self.exited = 0
         self.unkillable = 0
-        #: Dump steps running and waiting for a turn now (`watchdogd.hooks.DumpPool`),
+        #: Dump steps running and waiting for a turn now (`watchdogd.runtime.hooks.DumpPool`),
         #: and those that got no turn within their timeout.
         self.dumps_running = 0
         self.dumps_waiting = 0

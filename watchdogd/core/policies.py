@@ -4,7 +4,7 @@ A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
 early once the target has exited), `Exec` (a hook from the config, never from a
 request) and `Dump` (a stack dumper). The target is the process itself, its process
 group, its tree (the process and its descendants), or its cgroup (every process in
-its cgroup v2 and below it); `watchdogd.targets` says how each is signalled. A
+its cgroup v2 and below it); `watchdogd.host.targets` says how each is signalled. A
 policy with a ``starvation_grace`` first judges whether the timer's process was starved rather
 than hung, and if so gives it that much more time, once, before its first step
 (`watchdogd.core.starvation`).

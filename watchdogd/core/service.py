@@ -150,7 +150,7 @@ P = TypeVar("P", bound=TargetProcess)
 
 class Journal(Protocol):
     """Where the service reports each change of the timers it must keep (the
-    state store, `watchdogd.store.Store`)."""
+    state store, `watchdogd.storage.store.Store`)."""
 
     @property
     def generation(self) -> int:
@@ -224,7 +224,7 @@ class ProcessPort(Protocol[P]):
         """Drop the table's reference (it left the table)."""
 
     def user_name(self, uid: int) -> str:
-        """The fleet name of user ``uid`` (`watchdogd.users`) if known at once, else
+        """The fleet name of user ``uid`` (`watchdogd.host.users`) if known at once, else
         ``#UID``; never a lookup that waits (it is asked for, for next time)."""
 
     def sample(self, process: P) -> Sample | None:
@@ -820,7 +820,7 @@ class Service(Generic[P]):
 
     def metrics_text(self) -> str:
         """The metrics and the current gauges, as the renderer given at start
-        writes them (the Prometheus text format, `watchdogd.metrics.exposition`)."""
+        writes them (the Prometheus text format, `watchdogd.runtime.metrics.exposition`)."""
         self.metrics.job_processes = _top_jobs(self.table.jobs(), Counters.JOB_LABELS)
         return self._render_metrics(
             self.metrics,

@@ -65,8 +65,8 @@ from watchdogd_client.protocol import IncidentInfo, RankInfo
 from ..core.config import FleetConfig
 from ..core.service import Service, TargetProcess
 from ..core.timers import Expired
+from ..host.users import UserNames
 from ..logs import Throttle, logfmt
-from ..users import UserNames
 from .etcd import (
     Backoff,
     EtcdClient,
@@ -232,7 +232,7 @@ P = TypeVar("P", bound=TargetProcess)
 class FleetMember(Generic[P]):
     """Registers this host, publishes its incidents and acts on the fleet's.
     ``client`` stands in for the one ``config`` names (bench/fleet.py counts its
-    calls); ``names`` maps uids and fleet names (`watchdogd.users`)."""
+    calls); ``names`` maps uids and fleet names (`watchdogd.host.users`)."""
 
     def __init__(
         self,

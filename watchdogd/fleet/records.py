@@ -16,7 +16,7 @@ The bounds (also in docs/fleet.md and SECURITY.md):
   to 64 KiB and for the collectives summaries of ranks), checked before decoding;
 - a host lists at most `MAX_JOBS` jobs of at most `MAX_USERS` users; an incident
   at most `MAX_RANKS` ranks of a host; every string has a bound in bytes;
-- names are valid: users as `watchdogd.users.fleet_user` says, hosts as the
+- names are valid: users as `watchdogd.host.users.fleet_user` says, hosts as the
   config's ``host`` (`HOST`), incident ids as this package makes them (`ID`);
 - an incident's ``time`` lies within `MAX_AGE` seconds before the reader's wall
   clock and `MAX_SKEW` after it (a head from ten years ahead would never go
@@ -39,7 +39,7 @@ from msgspec import Meta, Struct
 
 from watchdogd_client.protocol import MAX_JOB_BYTES, IncidentInfo, RankInfo
 
-from ..users import fleet_user
+from ..host.users import fleet_user
 
 #: Why a key was rejected: the label values of ``fleet_rejected``.
 REASONS: Final = ("key", "size", "decode", "name", "time", "mismatch", "budget", "unexpected")

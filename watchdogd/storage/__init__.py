@@ -1,8 +1,7 @@
-"""The state's files, as `watchdogd.store.Store` reads and writes them.
-
-`journal`: the append-only journals of changes, their records and their replay.
-`database`: the SQLite database that journals are folded into. `schema`: the form a
-timer is stored in, and how loaded timers are decoded. `faults`: what can be wrong
-with a file, and moving one aside, never deleting it. When each is written, and what
-a failing disk does to the daemon, is the store's to decide.
+"""The state on disk: `store` (the `Store`: what is written when, and what a failing
+disk does to the daemon), the journals of changes (`journal`), the SQLite database
+they are folded into (`database`), the form a timer is stored in and the
+migrations from older schemas (`schema`), moving aside a file that cannot be read,
+never deleting it (`faults`), and the history of how long each scope ran
+(`history_file`).
 """

@@ -36,7 +36,7 @@ from watchdogd_client.protocol import (
     WhyTimer,
 )
 
-from ._version import __version__
+from .._version import __version__
 
 #: Exit status of `run` when watchdogctl itself fails (as GNU timeout does).
 RUN_FAILED: Final = 125

@@ -14,7 +14,7 @@ their uid's `ReplyBudget`: a connection of a uid over it waits, so many connecti
 of one user asking for large pages cannot drive the daemon's memory up.
 
 A reply is an acknowledgement: it is sent only once the changes made before it are
-committed to the state file (see `watchdogd.store`).
+committed to the state file (see `watchdogd.storage.store`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
-from .core.service import ROOT, Service
-from .core.session import Session
-from .errors import ListenError, Refusal
-from .logs import log, logfmt
-from .process import peer_of
+from ..core.service import ROOT, Service
+from ..core.session import Session
+from ..errors import ListenError, Refusal
+from ..host.process import peer_of
+from ..logs import log, logfmt
 
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024

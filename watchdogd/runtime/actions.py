@@ -12,7 +12,7 @@ each expiry goes through three stages:
    (`Actions._send_first`): the signal goes through the pidfd the daemon holds
    already, before any object of the expiry is made. For a timer armed by a uid
    other than root, the uids of its process are read from the pidfd first
-   (`watchdogd.process.uids_of`), and a uid that may no longer signal it is left
+   (`watchdogd.host.process.uids_of`), and a uid that may no longer signal it is left
    to the usual way, which records why. Everything else waits for settling, so
    10,000 expiries due in the same 10 ms cost about what a bare Python loop
    popping a heap and sending each SIGKILL costs (`make bench`).
@@ -35,7 +35,7 @@ Invariants:
   of its step. A bug is logged and costs only that expiry's record.
 - Steps after the target has exited are skipped. So is every step when the uid
   that armed the timer may no longer signal its process (its uids changed since;
-  see `watchdogd.targets`): the event says why, and its outcome is ``alive``. That
+  see `watchdogd.host.targets`): the event says why, and its outcome is ``alive``. That
   check is made before the first signal, in the pass.
 - A timer whose policy was removed by a reload runs the default policy, and its
   event says so. So does the event of a timer that had been given more time as
@@ -44,7 +44,7 @@ Invariants:
 - The state records each step as it starts (a step other than the one the firing
   record already names), so a restart resumes at the step in progress.
 - An event's ``late`` is from the deadline to its first step (the first signal).
-- Dump steps share one `watchdogd.hooks.DumpPool` (``max_dumps`` at once); every
+- Dump steps share one `watchdogd.runtime.hooks.DumpPool` (``max_dumps`` at once); every
   other step runs at once, so a queue of dumps delays no signal but the one after
   a dump of its own policy, and that one no longer than the dump step's timeout.
 """
@@ -67,13 +67,13 @@ import trio
 
 from watchdogd_client.protocol import EventInfo, StepResult
 
-from .core.policies import Dump, Exec, Policy, Signal, Step, Wait
-from .core.service import Service
-from .core.timers import Expired, Timer
+from ..core.policies import Dump, Exec, Policy, Signal, Step, Wait
+from ..core.service import Service
+from ..core.timers import Expired, Timer
+from ..host.process import Process, ptrace_reader
+from ..host.targets import Target, open_target
+from ..logs import log
 from .hooks import DumpPool, run_hook, substitute
-from .logs import log
-from .process import Process, ptrace_reader
-from .targets import Target, open_target
 
 #: The most expiries one pass fires, and the most one call of `Actions.settle`
 #: settles: a pass stays around a millisecond, so a request waits no longer.
@@ -527,7 +527,7 @@ class Actions:
     ) -> StepResult:
         """A dump of the timer's process, and who besides root may read it: the one
         user ptrace's read rule let read the process both just before and just
-        after it was dumped (`watchdogd.process.ptrace_reader`), stored with the
+        after it was dumped (`watchdogd.host.process.ptrace_reader`), stored with the
         stack, since the process may be gone when someone looks."""
         before = ptrace_reader(expiry.timer.pid)
         result = await self._hook(step, values, env)

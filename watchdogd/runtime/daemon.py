@@ -8,7 +8,7 @@ Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file 
 created is removed, no timer fires on the way out, and a policy in progress is
 abandoned); SIGHUP reloads the config file, keeping the old config when the new one
 is invalid, and never changes a log level given on the command line. The
-``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli`); `run`
+``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
 unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads
 its config, binds its socket or loads its state is a reload once it is up, not a
 hang-up that kills it. (Before the command's code runs at all, while the interpreter
@@ -35,27 +35,27 @@ from typing import Final
 
 import trio
 
-from ._version import __version__
+from .._version import __version__
+from ..core.config import Config, lockouts, parse_config
+from ..core.identity import Peer
+from ..core.service import Restored, Service
+from ..core.starvation import Sample
+from ..core.timers import Timer
+from ..errors import ConfigError
+from ..fleet.member import FleetMember
+from ..host.cgroups import MOUNTINFO, host_hierarchy
+from ..host.exits import ExitWatcher
+from ..host.pressure import PressureGauge
+from ..host.process import Process, open_process
+from ..host.systemd import Notifier, watchdog_interval
+from ..host.users import UserNames
+from ..logs import log, logfmt, set_level
+from ..storage.history_file import HistoryFile, history_path
+from ..storage.store import Store
 from .actions import BATCH, Actions
-from .cgroups import MOUNTINFO, host_hierarchy
-from .core.config import Config, lockouts, parse_config
-from .core.identity import Peer
-from .core.service import Restored, Service
-from .core.starvation import Sample
-from .core.timers import Timer
-from .errors import ConfigError
-from .exits import ExitWatcher
-from .fleet.member import FleetMember
-from .history_file import HistoryFile, history_path
-from .logs import log, logfmt, set_level
 from .metrics import exposition, write_textfile
-from .pressure import PressureGauge
-from .process import Process, open_process
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
-from .store import Store
-from .systemd import Notifier, watchdog_interval
-from .users import UserNames
 
 
 class HostProcesses:
@@ -197,7 +197,7 @@ async def run(
                 else None
             )
             if signals is not None:
-                # A SIGHUP held since start-up (see `watchdogd.cli`) arrives now, as a
+                # A SIGHUP held since start-up (see `watchdogd.cli.watchdogd`) arrives now, as a
                 # reload.
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
             async with trio.open_nursery() as nursery:

@@ -2,7 +2,7 @@
 commands themselves: every option, command and help text on a page is the one
 ``--help`` shows, so the pages cannot say something the commands do not.
 
-``python -m watchdogd.manpage DIR`` (``make man``) writes ``DIR/watchdogd.8`` and
+``python -m watchdogd.cli.manpage DIR`` (``make man``) writes ``DIR/watchdogd.8`` and
 ``DIR/watchdogctl.1``. A page depends only on the commands and the version (no date,
 no terminal width), so the pages checked in under ``man/`` are compared with a fresh
 rendering by the suite and never drift.
@@ -18,8 +18,8 @@ from typing import Final
 
 import click
 
-from . import cli, ctl
-from ._version import __version__
+from .._version import __version__
+from . import watchdogctl, watchdogd
 
 #: What a page says beyond the commands' help: (heading, paragraphs) per page.
 _WATCHDOGD_SECTIONS: Final = (
@@ -86,8 +86,8 @@ _WATCHDOGCTL_SECTIONS: Final = (
 
 #: File name -> (command, name, section, title, further sections).
 PAGES: Final = {
-    "watchdogd.8": (cli.main, "watchdogd", 8, "System Administration", _WATCHDOGD_SECTIONS),
-    "watchdogctl.1": (ctl.main, "watchdogctl", 1, "User Commands", _WATCHDOGCTL_SECTIONS),
+    "watchdogd.8": (watchdogd.main, "watchdogd", 8, "System Administration", _WATCHDOGD_SECTIONS),
+    "watchdogctl.1": (watchdogctl.main, "watchdogctl", 1, "User Commands", _WATCHDOGCTL_SECTIONS),
 }
 
 
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Write every page into the directory named on the command line."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m watchdogd.manpage DIRECTORY")
+        raise SystemExit("usage: python -m watchdogd.cli.manpage DIRECTORY")
     os.makedirs(args[0], exist_ok=True)
     for file, text in pages().items():
         with open(os.path.join(args[0], file), "w", encoding="utf-8") as out:

@@ -16,7 +16,7 @@ process never share a descriptor.
   parent), re-collected from the living members before each later signal, and each
   signalled through its pidfd.
 - ``cgroup``: every process in the process's cgroup v2 and in the cgroups below it
-  (`watchdogd.cgroups`), listed from ``cgroup.procs`` at expiry and again before
+  (`watchdogd.host.cgroups`), listed from ``cgroup.procs`` at expiry and again before
   each signal, so a process that left the tree and the group (a double fork and
   setsid) is still a member. SIGKILL is sent by writing to the cgroup's
   ``cgroup.kill``, which also kills what forks during the kill; without it (Linux <
@@ -55,8 +55,8 @@ from typing import Final
 
 import trio
 
+from ..core.policies import TargetKind
 from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
-from .core.policies import TargetKind
 from .process import (
     Process,
     children_of,

@@ -53,11 +53,11 @@ from typing import Final
 import msgspec
 import trio
 
-from .core.timers import StoreKey, Timer
-from .logs import log, logfmt
-from .storage.database import Database
-from .storage.faults import Aside, StateError, Unreadable, reason
-from .storage.journal import (
+from ..core.timers import StoreKey, Timer
+from ..logs import log, logfmt
+from .database import Database
+from .faults import Aside, StateError, Unreadable, reason
+from .journal import (
     CHANGES,
     Record,
     close,
@@ -68,7 +68,7 @@ from .storage.journal import (
     replay,
     write_all,
 )
-from .storage.schema import Changes, Shared, boot_id
+from .schema import Changes, Shared, boot_id
 
 __all__ = ["JOURNAL_BYTES", "Loaded", "StateError", "Store", "default_state_path"]
 

@@ -11,15 +11,15 @@ import trio
 
 from watchdogd_client.paths import ENV_SOCKET, user_socket_path
 
-from ._version import __version__
-from .core.config import Config
-from .daemon import load_config, run
-from .errors import ConfigError, DaemonError
-from .logs import LEVELS, set_level, setup
-from .metrics import write_textfile
-from .server import Listener
-from .store import default_state_path
-from .systemd import inherited_listener
+from .._version import __version__
+from ..core.config import Config
+from ..errors import ConfigError, DaemonError
+from ..host.systemd import inherited_listener
+from ..logs import LEVELS, set_level, setup
+from ..runtime.daemon import load_config, run
+from ..runtime.metrics import write_textfile
+from ..runtime.server import Listener
+from ..storage.store import default_state_path
 
 
 def daemon_socket_path(option: str | None, config: Config) -> str:

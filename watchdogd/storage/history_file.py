@@ -21,8 +21,8 @@ from typing import Final
 import msgspec
 import trio
 
-from .core.history import History
-from .logs import logfmt
+from ..core.history import History
+from ..logs import logfmt
 
 log = logging.getLogger("watchdogd")
 

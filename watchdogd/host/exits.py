@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import trio
 
-from .logs import log
+from ..logs import log
 from .process import Process
 
 

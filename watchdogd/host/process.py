@@ -24,8 +24,8 @@ from typing import Final
 
 from watchdogd_client.protocol import ErrorCode
 
-from .core.identity import Peer
-from .errors import Refusal
+from ..core.identity import Peer
+from ..errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
 SO_PEERPIDFD: Final = getattr(socket, "SO_PEERPIDFD", 77)

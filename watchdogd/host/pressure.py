@@ -16,7 +16,7 @@ Where each figure comes from:
   host's, and is not read twice.
 
 A cgroup the daemon cannot place (no v2 hierarchy mounted, a path outside what
-its mount shows; `watchdogd.cgroups`) is unknown: the rule then
+its mount shows; `watchdogd.host.cgroups`) is unknown: the rule then
 judges by the host's pressure. /proc is read before the pidfd is checked, so a
 sample belongs to the process the handle names, never to one that took its pid.
 
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from ..core.starvation import RESOURCES, Pressure, Sample
 from .cgroups import MOUNTINFO, Hierarchy, cgroup_of, host_hierarchy
-from .core.starvation import RESOURCES, Pressure, Sample
 from .process import Process, read_stat
 
 #: The host's PSI files.
