@@ -185,7 +185,9 @@ def test_many_uids_share_the_log_fairly() -> None:
     few = {uid: [opened(log, uid, f"j{n}") for n in range(2)] for uid in range(2000, 2040)}
     for n in range(1000):
         opened(log, 1002, f"flood{n}")
-    assert all(log.get(incident, uid, uid) is not None for uid, ids in few.items() for incident in ids)
+    assert all(
+        log.get(incident, uid, uid) is not None for uid, ids in few.items() for incident in ids
+    )
     assert log.kept(1002) == 20
     # A newcomer takes its room from whoever holds the most: the flooder.
     newcomer = opened(log, 3000, "late")
