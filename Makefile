@@ -41,6 +41,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/torch_side.py
 	$(BIN)/python bench/fleet.py
+	$(BIN)/python bench/fleet_attack.py
 
 # The crash tests at full scale: 100 random kills under churn, a million timers.
 soak: $(TEST_STAMP)

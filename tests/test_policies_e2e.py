@@ -367,8 +367,11 @@ def test_ten_simultaneous_expiries_all_fire_on_time(daemon: RunningDaemon, clien
     # The 3 s waits of half of them delayed none of the others' first signal.
     lateness = sorted(event.late or 0.0 for event in events)
     assert lateness[-1] < 0.05, lateness
+    # They fell due together: well within one 3 s wait, which a first signal that
+    # waited for another policy's step would show as lateness. (Each deadline is
+    # taken as its request is handled, so a busy machine spreads them a little.)
     deadlines = [event.deadline or 0.0 for event in events]
-    assert max(deadlines) - min(deadlines) < 0.01
+    assert max(deadlines) - min(deadlines) < 0.25
 
 
 def test_events_follow_prints_expiries_as_they_happen(daemon: RunningDaemon) -> None:

@@ -66,7 +66,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 Seconds = Annotated[float, Meta(gt=0, le=365 * DAY)]
 Count = Annotated[int, Meta(ge=1, le=100_000_000)]
 PolicyName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-HostName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,253}$")]
+#: As long as Linux lets a host name be (HOST_NAME_MAX), so that an incident's id,
+#: the host's name and a little more, fits an `Incident` request's 128 characters.
+HostName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
 class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -121,6 +121,8 @@ MAX_FOLLOWED: Final = 4
 _SETTLE: Final = 120.0
 #: A revision after every other.
 _NEVER: Final = sys.maxsize
+#: How long a follow holds its watch while other jobs wait for one.
+_TURN: Final = 2.0
 #: How often the jobs held are compared with those registered.
 _CHECK_EVERY: Final = 0.5
 #: An incident older than this when first seen (after a partition, say) is kept
@@ -498,8 +500,15 @@ class FleetMember(Generic[P]):
         """Follow the ranks of the job's incidents through their windows (an expiry
         on an incident's host joins it until then, and the peer policy reaches the
         processes it adds), then until every host of the job has settled each, for
-        `_SETTLE` seconds at most."""
-        following = self._following[job]
+        `_SETTLE` seconds past the last window at most.
+
+        At most `MAX_FOLLOWED` jobs hold a watch at once; while others wait for
+        one, each holds it for a turn of `_TURN` seconds, then lets the next go
+        first, and goes on from the revision it reached: so incidents that never
+        settle (forged, or of a host gone) delay a real one by a turn, no more."""
+        following = self._following.get(job)
+        if following is None:
+            return  # its task failed and was started again: the follow was over
 
         def settled() -> bool:
             holders = self.holders(*job) | {self.host}
@@ -510,25 +519,41 @@ class FleetMember(Generic[P]):
 
         prefix, at = self._key("ranks", *job, ""), following.at
         try:
-            async with self._limiter:
-                while True:
-                    following.stage = trio.CancelScope()
-                    at.revision = min(at.revision, following.rewind)
-                    following.rewind = _NEVER
-                    with following.stage:
-                        last = max(until for _, until in following.incidents.values())
-                        with trio.move_on_after(max(0.0, last - self._wall())) as windows:
-                            await self._follow_keys("ranks", prefix, at=at)
-                        if windows.cancelled_caught:  # every window has passed
-                            with trio.move_on_after(_SETTLE):
-                                await self._follow_keys("ranks", prefix, at=at, done=settled)
-                    if not following.stage.cancelled_caught:
-                        return
+            while True:
+                async with self._limiter:
+                    while True:
+                        with trio.move_on_after(_TURN):
+                            await self._follow_turn(following, prefix, at, settled)
+                            return
+                        if self._limiter.statistics().tasks_waiting:
+                            break  # the turn is over: the others first
         finally:
             del self._following[job]
             if not self._following:
                 self._health.pop("ranks", None)
                 self._report()
+
+    async def _follow_turn(
+        self,
+        following: _Following,
+        prefix: str,
+        at: _Position,
+        settled: Callable[[], bool],
+    ) -> None:
+        """Follow the ranks from ``at`` until the follow is over: through the
+        windows, then until ``settled`` or the settling time is up."""
+        while True:
+            following.stage = trio.CancelScope()
+            at.revision = min(at.revision, following.rewind)
+            following.rewind = _NEVER
+            with following.stage:
+                last = max(until for _, until in following.incidents.values())
+                with trio.move_on_after(max(0.0, last - self._wall())):
+                    await self._follow_keys("ranks", prefix, at=at)
+                with trio.move_on_after(max(0.0, last + _SETTLE - self._wall())):
+                    await self._follow_keys("ranks", prefix, at=at, done=settled)
+            if not following.stage.cancelled_caught:
+                return
 
     async def _follow_keys(
         self,

@@ -63,8 +63,9 @@ MAX_AGE: Final = 86_400.0
 #: this much at most, with NTP).
 MAX_SKEW: Final = 300.0
 
-HOST: Final = re.compile(r"[A-Za-z0-9_.:-]{1,253}")
-ID: Final = re.compile(r"[A-Za-z0-9_.:-]{1,300}")
+HOST: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+#: At most what an `Incident` request may name, so that every incident kept can be read.
+ID: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 #: The largest pid Linux hands out (PID_MAX_LIMIT).
 _MAX_PID: Final = 4_194_304
 
@@ -96,11 +97,11 @@ class HostRecord(Struct, frozen=True):
 
 
 class _Head(Struct, frozen=True, kw_only=True):
-    id: Annotated[str, Meta(max_length=300)]
+    id: Annotated[str, Meta(max_length=128)]
     job: _Short
     user: Annotated[str, Meta(max_length=64)]
     uid: _Uid
-    host: Annotated[str, Meta(max_length=253)]
+    host: Annotated[str, Meta(max_length=64)]
     scope: Annotated[str, Meta(max_length=MAX_SCOPE_BYTES)]
     reason: _Text
     time: float
@@ -112,7 +113,7 @@ class FleetRank(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A rank as the fleet holds it: `RankInfo` without the local readers, with
     the fleet name of the user besides root who may read its stack."""
 
-    host: Annotated[str, Meta(max_length=253)]
+    host: Annotated[str, Meta(max_length=64)]
     pid: _Pid
     uid: _Uid
     role: Literal["hung", "peer", "expired"]
