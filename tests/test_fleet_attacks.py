@@ -41,8 +41,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from watchdogd.cli.watchdogctl import main as ctl_main
 from watchdogd.core.config import parse_config
-from watchdogd.ctl import main as ctl_main
 from watchdogd.errors import ConfigError
 from watchdogd.fleet.etcd import EtcdClient
 from watchdogd.fleet.member import MAX_JOBS_PER_UID, PUBLISH_BURST, PUBLISH_RATE, head_ttl
