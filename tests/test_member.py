@@ -137,8 +137,8 @@ def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host
         fleet=FleetConfig(etcd=[etcd.url], host=name, prefix=prefix),
     )
     fake = FakeHost(dict.fromkeys(PIDS, (0, 0)))
-    service = Service(config, fake, daemon_pid=50, now=time.monotonic(),
-                      render_metrics=exposition, host=name)  # fmt: skip
+    service = Service(config, fake, daemon_pid=50, now=time.monotonic(), wall=time.time,
+                      clock=time.monotonic, render_metrics=exposition, host=name)  # fmt: skip
     if job is not None:
         caller = service.open_connection(ROOT)
         for index, pid in enumerate(PIDS):
@@ -307,7 +307,8 @@ def test_the_publication_queue_takes_uids_in_turn_and_drops_a_flooders_own() -> 
 def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> None:
     config = Config(daemon=DaemonConfig(max_timers_per_uid=100_000))
     fake = FakeHost(dict.fromkeys(range(1000, 1500), (1003, 1003)) | {999: (0, 0)})
-    service = Service(config, fake, daemon_pid=50, now=0.0, render_metrics=exposition, host="a")
+    service = Service(config, fake, daemon_pid=50, now=0.0, wall=lambda: 0.0, clock=lambda: 0.0,
+                      render_metrics=exposition, host="a")  # fmt: skip
     flooder = service.open_connection(Peer(pid=1000, uid=1003, gid=1003, pidfd=-1))
     for number in range(300):
         service.handle(Acquire(id=number + 1, scope=f"s{number}", timeout=60.0,

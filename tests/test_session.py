@@ -7,8 +7,9 @@ import logging
 import msgspec
 import pytest
 
+from watchdogd.core.logline import RateLimitedLog, Throttle
 from watchdogd.core.session import Session
-from watchdogd.logs import Throttle
+from watchdogd.logs import LoggingSink
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
@@ -110,7 +111,9 @@ def test_internal_errors_are_logged_at_a_bounded_rate(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     service, _, _ = make_service()
-    service.log_throttle = Throttle(burst=3, per_second=0.0)
+    service.log = RateLimitedLog(
+        Throttle(burst=3, per_second=0.0, clock=lambda: 0.0), LoggingSink()
+    )
     session = Session(service, service.open_connection(ALICE))
     exchange(session, Hello(id=1, version=1))
 

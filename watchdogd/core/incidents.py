@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,8 +85,9 @@ class IncidentLog:
         self.window = window
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
-        run = secrets.token_hex(2)
-        self._new_id = new_id or (lambda: f"{host}-{run}{next(numbers)}")
+        # The runtime passes ids that differ from one run of the daemon to the
+        # next (`watchdogd.runtime.daemon`); these only count.
+        self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
         self._incidents: OrderedDict[str, _Incident] = OrderedDict()
         #: The ids of each uid's incidents, oldest first: whose oldest gives way.
         self._owned: dict[int, deque[str]] = {}

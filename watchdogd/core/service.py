@@ -1,8 +1,10 @@
 """Request handling: the one place where every request type is dispatched.
 
-Synchronous and free of sockets: the caller passes ``now`` (on the monotonic clock
-the table uses), the wall clock that stamps events is injected, and the processes
-port does the few system calls that opening and watching a process need. That keeps
+Synchronous and free of sockets, clocks, logs and randomness: the caller passes
+``now`` (on the monotonic clock the table uses) to each call, and the runtime passes
+in at start the wall clock that stamps events, the monotonic clock of the log
+throttle, the log sink, the incident id maker, and the processes port that does the
+few system calls that opening and watching a process need. That keeps
 every rule here testable with a fake port and numbers for the time.
 
 Rules kept here:
@@ -40,7 +42,6 @@ import heapq
 import itertools
 import math
 import re
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -93,7 +94,6 @@ from watchdogd_client.protocol import (
 
 from .._version import __version__
 from ..errors import Refusal
-from ..logs import Throttle
 from .config import Config
 from .counters import Counters
 from .events import EventLog
@@ -101,6 +101,7 @@ from .history import History
 from .history import Key as HistoryKey
 from .identity import Peer
 from .incidents import IncidentLog
+from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, signal_policy
 from .starvation import UNMEASURED, Sample, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
@@ -261,24 +262,24 @@ class Service(Generic[P]):
         *,
         daemon_pid: int,
         now: float,
+        wall: Callable[[], float],
+        clock: Callable[[], float],
+        render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
         on_deadline: Callable[[float], None] = lambda deadline: None,
         on_event: Callable[[], object] = lambda: None,
-        wall: Callable[[], float] = time.time,
         journal: Journal | None = None,
-        render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
+        log: LogSink | None = None,
+        new_id: Callable[[], str] | None = None,
         host: str = "localhost",
     ) -> None:
         self.config = config.daemon
         self.policies: Mapping[str, Policy] = config.policy_set()
         self.table: TimerTable[P] = TimerTable()
         self.metrics = Counters()
-        #: Rate-limits the log lines requests can cause, per (uid, kind).
-        self.log_throttle = Throttle()
+        #: The log of lines requests can cause, rate-limited per (uid, kind).
+        self.log = RateLimitedLog(Throttle(clock=clock), NullSink() if log is None else log)
         self.events = EventLog(
-            config.daemon.events,
-            on_event,
-            per_uid=config.daemon.events_per_uid,
-            throttle=self.log_throttle,
+            config.daemon.events, on_event, per_uid=config.daemon.events_per_uid, log=self.log
         )
         self.daemon_pid = daemon_pid
         self._processes = processes
@@ -302,6 +303,7 @@ class Service(Generic[P]):
             keep=config.daemon.incidents,
             per_uid=config.daemon.incidents_per_uid,
             window=config.daemon.incident_window,
+            new_id=new_id,
         )
         #: The fleet as this host sees it: "" without one (`fleet_changed`).
         self.fleet_state = ""
