@@ -10,8 +10,9 @@ every rule here testable with a fake port and numbers for the time.
 Rules kept here:
 
 - The target of a request is the caller (its kernel-reported pid) unless it names a
-  pid; a named pid is allowed where the caller could kill(2) it: root, or the caller's
-  uid equal to the target's real or saved uid. pid 1 and the daemon are never targets.
+  pid; a named pid is allowed where the caller could kill(2) it
+  (`watchdogd.core.identity.may_signal`: root, or the caller's uid equal to the
+  target's real or saved uid). pid 1 and the daemon are never targets.
   The uids are those of the moment of the request: read when the process is opened,
   or read again (`ProcessPort.refresh`) when the table already holds it, since it
   may have called setuid(2) since its first timer.
@@ -99,14 +100,13 @@ from .counters import Counters
 from .events import EventLog
 from .history import History
 from .history import Key as HistoryKey
-from .identity import Peer
+from .identity import ROOT, Peer, may_signal
 from .incidents import IncidentLog
 from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, signal_policy
 from .starvation import UNMEASURED, Sample, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
-ROOT: Final = 0
 #: What a status page may spend on timers and command lines: the reply bound less
 #: generous room for the rest (the daemon summary, the cursor, the framing).
 _STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
@@ -555,7 +555,7 @@ class Service(Generic[P]):
             process = self._processes.open(pid, peer)
         else:
             process.retain()
-        if not self._may_signal(peer, process):
+        if not may_signal(peer.uid, process.uid, process.saved_uid):
             process.close()
             raise Refusal(
                 ErrorCode.PERMISSION_DENIED,
@@ -591,11 +591,6 @@ class Service(Generic[P]):
             )
         process.retain()
         return process
-
-    @staticmethod
-    def _may_signal(peer: Peer, process: TargetProcess) -> bool:
-        """kill(2)'s rule for an unprivileged sender."""
-        return peer.uid == ROOT or peer.uid in (process.uid, process.saved_uid)
 
     def _check_timer_limits(self, peer: Peer) -> None:
         limits = self.config
