@@ -308,7 +308,7 @@ def build_hosts(
         actions = FakeActions(name, service, clocks, nursery, stack)
         names = UserNames(name_of_uid=lambda uid: "root" if uid == 0 else f"#{uid}",
                           uid_of_name=lambda name: 0 if name == "root" else None)  # fmt: skip
-        member = FleetMember(config.fleet, service, actions.carry_out, names,
+        member = FleetMember(config.fleet, service.fleet, actions.carry_out, names,
                              client=CountingClient(endpoint, calls, clocks))  # fmt: skip
         hosts.append(Host(name, service, member, actions))
     for number, members in enumerate(spans):

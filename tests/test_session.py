@@ -100,7 +100,7 @@ def test_a_bug_becomes_an_internal_error_not_a_crash(monkeypatch: pytest.MonkeyP
     def broken(*args: object) -> object:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(service, "_status", broken)
+    monkeypatch.setattr(service.pages, "status", broken)
     reply, keep_open = exchange(session, msgspec.msgpack.encode({"type": "status", "id": 2}))
     assert isinstance(reply, Error)
     assert (reply.id, reply.code, keep_open) == (2, ErrorCode.INTERNAL, True)
@@ -120,7 +120,7 @@ def test_internal_errors_are_logged_at_a_bounded_rate(
     def broken(*args: object) -> object:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(service, "_status", broken)
+    monkeypatch.setattr(service.pages, "status", broken)
     with caplog.at_level(logging.ERROR, logger="watchdogd"):
         for request_id in range(2, 102):
             reply, _ = exchange(

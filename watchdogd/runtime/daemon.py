@@ -342,7 +342,7 @@ class Daemon:
         assert self.actions is not None
         try:
             self.fleet = FleetMember(
-                self.config.fleet, self.service, self.actions.carry_out, self.names
+                self.config.fleet, self.service.fleet, self.actions.carry_out, self.names
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))
