@@ -303,11 +303,12 @@ def build_hosts(
         name = f"host-{index:05}"
         config = Config(fleet=FleetConfig(etcd=[endpoint], host=name, prefix=PREFIX, lease=LEASE))
         service = Service(config, FakePort(), daemon_pid=1, now=time.monotonic(),
-                          render_metrics=exposition, host=name)  # fmt: skip
+                          wall=time.time, clock=time.monotonic, render_metrics=exposition,
+                          host=name)  # fmt: skip
         actions = FakeActions(name, service, clocks, nursery, stack)
         names = UserNames(name_of_uid=lambda uid: "root" if uid == 0 else f"#{uid}",
                           uid_of_name=lambda name: 0 if name == "root" else None)  # fmt: skip
-        member = FleetMember(config.fleet, service, actions.carry_out, names,
+        member = FleetMember(config.fleet, service.fleet, actions.carry_out, names,
                              client=CountingClient(endpoint, calls, clocks))  # fmt: skip
         hosts.append(Host(name, service, member, actions))
     for number, members in enumerate(spans):

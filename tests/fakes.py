@@ -127,6 +127,7 @@ def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list
         now=0.0,
         on_deadline=notified.append,
         wall=lambda: 1_700_000_000.0,
+        clock=lambda: 0.0,
         render_metrics=exposition,
     )
     return service, host, notified

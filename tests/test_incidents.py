@@ -303,14 +303,14 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     head = IncidentInfo(
         id="b-1", job="j", user="alice", uid=1000, host="b", scope="s", reason="timeout", time=0.0
     )
-    [first] = service.fleet_incident(head, 1000, 1.0)
+    [first] = service.fleet.fleet_incident(head, 1000, 1.0)
     assert (first.timer.pid, first.timer.policy) == (200, "peer_dump")
     later = service.open_connection(Peer(pid=201, uid=1000, gid=1000, pidfd=-1))
     service.handle(Acquire(id=2, scope="step", timeout=60.0, job="j", rank=1), later, 2.0)
     one = rank(900, 5, host="b")
-    assert service.fleet_ranks("b-1", "b", [one], 3.0) == []  # the same hung rank
+    assert service.fleet.fleet_ranks("b-1", "b", [one], 3.0) == []  # the same hung rank
     two = rank(901, 7, host="b")
-    [second] = service.fleet_ranks("b-1", "b", [one, two], 4.0)
+    [second] = service.fleet.fleet_ranks("b-1", "b", [one, two], 4.0)
     assert second.timer.pid == 201
     shown = service.incidents.get("b-1", 1000, 1000)
     assert shown is not None

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from watchdogd.logs import Throttle, logfmt
+from watchdogd.core.logline import RateLimitedLog
+from watchdogd.logs import LoggingSink, Throttle, logfmt
 
 
 def test_logfmt_quotes_only_what_needs_it() -> None:
@@ -46,7 +47,9 @@ def test_the_table_of_buckets_stays_bounded() -> None:
 
 def test_a_let_through_line_says_suppressed(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    throttle = Throttle(burst=1, per_second=1.0, clock=lambda: now[0])
+    throttle = RateLimitedLog(
+        Throttle(burst=1, per_second=1.0, clock=lambda: now[0]), LoggingSink()
+    )
     with caplog.at_level(logging.INFO, logger="watchdogd"):
         for _ in range(4):
             throttle.log("k", logging.INFO, "event=unread_replies uid=65534")

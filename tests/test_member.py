@@ -137,8 +137,8 @@ def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host
         fleet=FleetConfig(etcd=[etcd.url], host=name, prefix=prefix),
     )
     fake = FakeHost(dict.fromkeys(PIDS, (0, 0)))
-    service = Service(config, fake, daemon_pid=50, now=time.monotonic(),
-                      render_metrics=exposition, host=name)  # fmt: skip
+    service = Service(config, fake, daemon_pid=50, now=time.monotonic(), wall=time.time,
+                      clock=time.monotonic, render_metrics=exposition, host=name)  # fmt: skip
     if job is not None:
         caller = service.open_connection(ROOT)
         for index, pid in enumerate(PIDS):
@@ -149,7 +149,7 @@ def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host
             assert isinstance(reply, Acquired), reply
     host = Host(name, service, RecordingClient(etcd.url))
     host.member = FleetMember(
-        config.fleet, service, host.carry_out, fake_names(), client=host.client
+        config.fleet, service.fleet, host.carry_out, fake_names(), client=host.client
     )
     return host
 
@@ -307,7 +307,8 @@ def test_the_publication_queue_takes_uids_in_turn_and_drops_a_flooders_own() -> 
 def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> None:
     config = Config(daemon=DaemonConfig(max_timers_per_uid=100_000))
     fake = FakeHost(dict.fromkeys(range(1000, 1500), (1003, 1003)) | {999: (0, 0)})
-    service = Service(config, fake, daemon_pid=50, now=0.0, render_metrics=exposition, host="a")
+    service = Service(config, fake, daemon_pid=50, now=0.0, wall=lambda: 0.0, clock=lambda: 0.0,
+                      render_metrics=exposition, host="a")  # fmt: skip
     flooder = service.open_connection(Peer(pid=1000, uid=1003, gid=1003, pidfd=-1))
     for number in range(300):
         service.handle(Acquire(id=number + 1, scope=f"s{number}", timeout=60.0,
@@ -317,14 +318,14 @@ def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> N
     service.handle(Acquire(id=1, scope="mine", timeout=60.0, job="mine"), other, 0.0)
     root = service.open_connection(ROOT)
     service.handle(Acquire(id=1, scope="r", timeout=60.0, pid=999, job="roots"), root, 0.0)
-    held = service.held_jobs(150, 100)
+    held = service.fleet.held_jobs(150, 100)
     assert held[0] == (0, "roots")
     assert (1004, "mine") in held
     assert sum(1 for uid, _ in held if uid == 1003) == 100
     assert len(held) == 102
-    assert len(service.held_jobs(10, 100)) == 10
-    before = service.jobs_changed()
+    assert len(service.fleet.held_jobs(10, 100)) == 10
+    before = service.fleet.jobs_changed()
     service.handle(Acquire(id=9, scope="no-job", timeout=30.0), flooder, 0.0)
-    assert service.jobs_changed() == before  # no job came or went: nothing to register
+    assert service.fleet.jobs_changed() == before  # no job came or went: nothing to register
     service.handle(Acquire(id=10, scope="new", timeout=30.0, job="new"), flooder, 0.0)
-    assert service.jobs_changed() != before
+    assert service.fleet.jobs_changed() != before

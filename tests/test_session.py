@@ -7,8 +7,9 @@ import logging
 import msgspec
 import pytest
 
+from watchdogd.core.logline import RateLimitedLog, Throttle
 from watchdogd.core.session import Session
-from watchdogd.logs import Throttle
+from watchdogd.logs import LoggingSink
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
@@ -99,7 +100,7 @@ def test_a_bug_becomes_an_internal_error_not_a_crash(monkeypatch: pytest.MonkeyP
     def broken(*args: object) -> object:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(service, "_status", broken)
+    monkeypatch.setattr(service.pages, "status", broken)
     reply, keep_open = exchange(session, msgspec.msgpack.encode({"type": "status", "id": 2}))
     assert isinstance(reply, Error)
     assert (reply.id, reply.code, keep_open) == (2, ErrorCode.INTERNAL, True)
@@ -110,14 +111,16 @@ def test_internal_errors_are_logged_at_a_bounded_rate(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     service, _, _ = make_service()
-    service.log_throttle = Throttle(burst=3, per_second=0.0)
+    service.log = RateLimitedLog(
+        Throttle(burst=3, per_second=0.0, clock=lambda: 0.0), LoggingSink()
+    )
     session = Session(service, service.open_connection(ALICE))
     exchange(session, Hello(id=1, version=1))
 
     def broken(*args: object) -> object:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(service, "_status", broken)
+    monkeypatch.setattr(service.pages, "status", broken)
     with caplog.at_level(logging.ERROR, logger="watchdogd"):
         for request_id in range(2, 102):
             reply, _ = exchange(

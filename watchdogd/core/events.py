@@ -18,14 +18,14 @@ Invariants:
 - Every event, once kept, encodes to at most `MAX_EVENT_BYTES` (long hook output is
   cut with a marker), and a page stops before it would pass ``max_bytes``, so a page
   always holds at least one event and always fits in a reply.
-- Log lines are rate-limited per (uid, kind) by a `Throttle`.
+- Each kept event is handed to the log as one line, rate-limited per (uid, kind)
+  (`watchdogd.core.logline`); without a log, none is.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final, NamedTuple
@@ -34,7 +34,7 @@ import msgspec
 
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
-from ..logs import Throttle, logfmt
+from .logline import Level, RateLimitedLog, logfmt
 from .shares import Shares
 
 ROOT: Final = 0
@@ -48,12 +48,12 @@ _CUT: Final = "\n…[output cut]"
 
 #: An expiry means a worker was hung; the rest are for the record.
 _LEVELS: Final = {
-    "expired": logging.WARNING,
-    "extended": logging.WARNING,
-    "unkillable": logging.ERROR,
-    "reload_failed": logging.ERROR,
-    "state_degraded": logging.ERROR,
-    "state_restored": logging.WARNING,
+    "expired": Level.WARNING,
+    "extended": Level.WARNING,
+    "unkillable": Level.ERROR,
+    "reload_failed": Level.ERROR,
+    "state_degraded": Level.ERROR,
+    "state_restored": Level.WARNING,
 }
 
 _encoder = msgspec.msgpack.Encoder()
@@ -74,14 +74,14 @@ class EventLog:
         notify: Callable[[], object] = lambda: None,
         *,
         per_uid: int | None = None,
-        throttle: Throttle | None = None,
+        log: RateLimitedLog | None = None,
     ) -> None:
         self._shares = Shares(size, per_uid)
         self._rings: dict[int, deque[_Kept]] = {}
         self._seq = itertools.count(1)
         self._last = 0
         self._notify = notify
-        self._throttle = Throttle() if throttle is None else throttle
+        self._log = log
 
     def __len__(self) -> int:
         return len(self._shares)
@@ -107,6 +107,15 @@ class EventLog:
         self._notify()
         return event
 
+    def record_daemon(self, kind: str, note: str, *, pid: int, time: float) -> EventInfo:
+        """`record` an event about the daemon itself (its ``pid``), which only root
+        sees."""
+        return self.record(
+            EventInfo(
+                seq=0, kind=kind, time=time, pid=pid, uid=ROOT, scope="", policy="", note=note
+            )
+        )
+
     def record_many(self, events: list[EventInfo]) -> None:
         """`record` each of ``events``, waking followers once."""
         for event in events:
@@ -122,11 +131,12 @@ class EventLog:
         if victim is not None:
             self._drop_oldest(victim)
         self._rings.setdefault(uid, deque()).append(_Kept(event, size))
-        self._throttle.log(
-            (uid, event.kind),
-            _LEVELS.get(event.kind, logging.INFO),
-            lambda: logfmt(event.kind, **_loggable(event)),
-        )
+        if self._log is not None:
+            self._log.log(
+                (uid, event.kind),
+                _LEVELS.get(event.kind, Level.INFO),
+                lambda: logfmt(event.kind, **_loggable(event)),
+            )
         return event
 
     def page(

@@ -1,8 +1,18 @@
-"""Who is calling: the credentials the kernel reported for a connection."""
+"""Who is calling, and whom it may signal.
+
+The credentials the kernel reported for a connection (`Peer`), the uid of root
+(`ROOT`), and kill(2)'s rule for a sender (`may_signal`): the one rule by which a
+request may name a target and by which a timer's owner is checked again before
+its policy signals (`watchdogd.host.process.Process.signallable_by`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+#: The uid of root: bounded only by the global caps, and sees everything.
+ROOT: Final = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -14,3 +24,10 @@ class Peer:
     uid: int
     gid: int
     pidfd: int | None = None
+
+
+def may_signal(sender: int, real_uid: int, saved_uid: int) -> bool:
+    """Whether uid ``sender`` may signal a process of ``real_uid`` and ``saved_uid``
+    (as they are now), as kill(2) judges it: root always, anyone else while it is
+    still the process's real or saved uid."""
+    return sender == ROOT or sender in (real_uid, saved_uid)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,18 +85,23 @@ class IncidentLog:
         self.window = window
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
-        run = secrets.token_hex(2)
-        self._new_id = new_id or (lambda: f"{host}-{run}{next(numbers)}")
+        # The runtime passes ids that differ from one run of the daemon to the
+        # next (`watchdogd.runtime.daemon`); these only count.
+        self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
         self._incidents: OrderedDict[str, _Incident] = OrderedDict()
         #: The ids of each uid's incidents, oldest first: whose oldest gives way.
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
-        #: Called with each incident this host opened or added to, for the fleet.
-        self.on_change: Callable[[IncidentInfo], object] = lambda incident: None
+        self._listener: Callable[[IncidentInfo], object] = lambda incident: None
 
     def __len__(self) -> int:
         return len(self._incidents)
+
+    def subscribe(self, listener: Callable[[IncidentInfo], object]) -> None:
+        """Have ``listener`` called with each incident this host opens or adds to,
+        whole, as it changes (the fleet publishes it); it replaces the one before."""
+        self._listener = listener
 
     def kept(self, uid: int) -> int:
         """How many incidents of ``uid``'s jobs are kept."""
@@ -132,7 +136,7 @@ class IncidentLog:
         info = self._head(job, user, wall, scope="", reason=note, kind=kind)
         incident = _Incident(info)
         self._keep(incident)
-        self.on_change(self._whole(incident))
+        self._listener(self._whole(incident))
         return info.id
 
     def pids(self, incident_id: str) -> set[int]:
@@ -176,7 +180,7 @@ class IncidentLog:
     def _add(self, incident: _Incident, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
             incident.ranks.append(rank)
-            self.on_change(self._whole(incident))
+            self._listener(self._whole(incident))
 
     def dumped(self, incident_id: str, pid: int, role: str, reader: tuple[int, int] | None) -> None:
         """The dump of this host's process ``pid`` (its ``role`` in the incident) was
@@ -213,7 +217,7 @@ class IncidentLog:
                     frame=first_frame(stack),
                     note=event.note,
                 )
-                self.on_change(self._whole(incident))
+                self._listener(self._whole(incident))
                 return
 
     def __contains__(self, incident_id: object) -> bool:

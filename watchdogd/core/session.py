@@ -8,14 +8,13 @@ buffer, and says when the connection must close. Invariants:
 - After the handshake, a frame that fails to decode or validate gets an error reply
   carrying its id (when readable) and the connection stays usable.
 - No exception leaves `Session.receive`: a bug while handling a valid request is
-  logged (rate-limited per uid) and answered with ``internal``. Nothing a request can
+  handed to the log (rate-limited per uid) and answered with ``internal``. Nothing a request can
   cause other than a bug is logged with a traceback.
 - Every request is counted once, by op and result, when it is answered.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Final
 
 from watchdogd_client.errors import ProtocolError
@@ -32,6 +31,7 @@ from watchdogd_client.protocol import (
 )
 
 from ..errors import Refusal
+from .logline import Level
 from .service import Caller, Service
 
 
@@ -93,15 +93,15 @@ class Session:
         except Refusal as refusal:
             result = refusal.code
             reply = Error(id=request.id, code=refusal.code, message=refusal.message)
-        except Exception:
+        except Exception as exc:
             # A bug, logged with its traceback; rate-limited per uid all the same,
             # since whoever found it can repeat the request at will.
             peer = self.caller.peer
-            self.service.log_throttle.log(
+            self.service.log.log(
                 (peer.uid, "internal"),
-                logging.ERROR,
+                Level.ERROR,
                 f"internal error handling {request!r} from pid {peer.pid} uid {peer.uid}",
-                exc_info=True,
+                error=exc,
             )
             result = ErrorCode.INTERNAL
             reply = Error(

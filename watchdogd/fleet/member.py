@@ -29,12 +29,12 @@ What it does with what it sees:
 
 - Another host's incident of a job this host holds timers of (the same user's, by
   name): the incident is kept here too, and the job's local processes get the peer
-  policy of their own timers' policies (`Service.fleet_incident`); the ranks this
+  policy of their own timers' policies (`FleetBridge.fleet_incident`); the ranks this
   host finds are published under the incident, and those of the other hosts are
   merged into it, so ``watchdogctl incident`` shows the whole job on every host.
 - A host key deleted without its ``stopped`` state (its lease lapsed: the daemon or
   the host is gone, or it was frozen): a ``host_lost`` incident on this host for
-  each job the two shared (`Service.host_lost`).
+  each job the two shared (`FleetBridge.host_lost`).
 
 etcd is never on the path of local protection: expiries are decided and carried
 out by the daemon alone; this task only publishes what happened and acts on what
@@ -62,8 +62,9 @@ import trio
 
 from watchdogd_client.protocol import IncidentInfo, RankInfo
 
+from ..core.bridge import FleetBridge
 from ..core.config import FleetConfig
-from ..core.service import Service, TargetProcess
+from ..core.ports import TargetProcess
 from ..core.timers import Expired
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
@@ -239,7 +240,7 @@ class FleetMember(Generic[P]):
     def __init__(
         self,
         config: FleetConfig,
-        service: Service[P],
+        core: FleetBridge[P],
         carry_out: Callable[[list[Expired[P]]], None],
         names: UserNames,
         *,
@@ -250,12 +251,12 @@ class FleetMember(Generic[P]):
         self.client = client or EtcdClient(
             config.etcd, ca=config.ca, cert=config.cert, key=config.key
         )
-        self.service = service
+        self.core = core
         self.names = names
-        self.host = service.incidents.host
+        self.host = core.host
         self.prefix = config.prefix.rstrip("/")
         self.ttl = config.lease
-        self.head_ttl = head_ttl(service.incidents.window)
+        self.head_ttl = head_ttl(core.incident_window)
         self._carry_out = carry_out
         self._clock = clock
         self._wall = wall
@@ -264,7 +265,7 @@ class FleetMember(Generic[P]):
         self._news = trio.Event()
         self._rate = Throttle(PUBLISH_BURST, PUBLISH_RATE, clock=clock)
         self._heads = Throttle(
-            HEADS_BURST, HEADS_BURST / max(service.incidents.window, 1.0), clock=clock
+            HEADS_BURST, HEADS_BURST / max(core.incident_window, 1.0), clock=clock
         )
         self._incident_leases: OrderedDict[str, int] = OrderedDict()
         #: The incidents whose ranks this host follows or followed, the latest.
@@ -286,18 +287,19 @@ class FleetMember(Generic[P]):
         self._health: dict[str, str | None] = {}
         self._connected: bool | None = None
         self._log = Throttle(5, 0.2, clock=clock)
-        service.incidents.on_change = self._changed
+        core.attach(self)
 
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
         return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
 
-    # What the service tells the fleet.
+    # What the core tells the fleet.
 
-    def _changed(self, incident: IncidentInfo) -> None:
+    def incident_changed(self, incident: IncidentInfo) -> None:
+        """An incident this host opened or added to: queued to be published."""
         for _ in range(self._queue.put(incident)):
-            self.service.fleet_dropped()
+            self.core.fleet_dropped()
         self._news.set()
 
     # The tasks.
@@ -319,7 +321,7 @@ class FleetMember(Generic[P]):
             try:
                 await loop()
             except Exception as exc:
-                self.service.fleet_failed(unexpected=True)
+                self.core.fleet_failed(unexpected=True)
                 if self._log.admit(("unexpected", part)) is not None:
                     log.exception(logfmt("fleet_task_failed", part=part))
                 self._down(part, f"its task failed ({exc!r}) and starts again")
@@ -350,7 +352,7 @@ class FleetMember(Generic[P]):
                 if self._lease is None:
                     self._lease = await self.client.grant(self.ttl)
                     registered, kept_alive = None, self._clock()
-                changed = self.service.jobs_changed()
+                changed = self.core.jobs_changed()
                 if changed != seen or registered is None:
                     jobs = sorted(await self.held())
                     if jobs != registered:
@@ -373,14 +375,14 @@ class FleetMember(Generic[P]):
         """The jobs this host registers, as the fleet names them: cut to their
         bounds before any name is looked up, and made again only when a job came
         or went."""
-        changed = self.service.jobs_changed()
+        changed = self.core.jobs_changed()
         if changed != self._held_at:
             self._held = frozenset(await self._held_jobs())
             self._held_at = changed
         return self._held
 
     async def _held_jobs(self) -> list[tuple[str, str]]:
-        held = self.service.held_jobs(MAX_JOBS, MAX_JOBS_PER_UID)
+        held = self.core.held_jobs(MAX_JOBS, MAX_JOBS_PER_UID)
         users: dict[int, str] = {}
         jobs: set[tuple[str, str]] = set()
         for uid, job in held:
@@ -423,7 +425,7 @@ class FleetMember(Generic[P]):
             except EtcdError as exc:
                 # etcd refused it (too large, say): trying again changes nothing.
                 log.warning(logfmt("fleet_incident_refused", incident=incident.id, error=str(exc)))
-                self.service.fleet_dropped()
+                self.core.fleet_dropped()
             except EtcdFailure as exc:
                 self._down("publish", str(exc))
                 self._queue.put_back(incident)
@@ -455,10 +457,7 @@ class FleetMember(Generic[P]):
             self._incident_leases[incident.id] = lease
             while len(self._incident_leases) > MAX_PENDING:
                 self._incident_leases.popitem(last=False)
-        ranks = [
-            (rank, await self._reader_name(rank))
-            for rank in self.service.incidents.own_ranks(incident)
-        ]
+        ranks = [(rank, await self._reader_name(rank)) for rank in self.core.own_ranks(incident)]
         key = self._key("ranks", incident.user, incident.job, incident.id, self.host)
         await self.client.put(key, encode_ranks(ranks, MAX_RANKS_BYTES), lease=lease)
 
@@ -481,7 +480,7 @@ class FleetMember(Generic[P]):
         while len(self._followed) > MAX_PENDING:
             self._followed.popitem(last=False)
         job = (incident.user, incident.job)
-        open_until = incident.time + self.service.incidents.window
+        open_until = incident.time + self.core.incident_window
         following = self._following.get(job)
         if following is not None:
             # Its job's ranks are watched already, but some of its may have come
@@ -513,7 +512,7 @@ class FleetMember(Generic[P]):
         def settled() -> bool:
             holders = self.holders(*job) | {self.host}
             return all(
-                holders | {host} <= self.service.incidents.settled_hosts(incident)
+                holders | {host} <= self.core.settled_hosts(incident)
                 for incident, (host, _) in following.incidents.items()
             )
 
@@ -631,7 +630,7 @@ class FleetMember(Generic[P]):
                 case ("ranks", _user, _job, incident_id, host):
                     await self._ranks_seen(incident_id, host, value)
         except Rejected as exc:
-            self.service.fleet_rejected(exc.reason)
+            self.core.fleet_rejected(exc.reason)
             if self._log.admit(("rejected", exc.reason)) is not None:
                 log.warning(
                     logfmt(
@@ -643,8 +642,8 @@ class FleetMember(Generic[P]):
                 )
         except Exception:
             # A bug: this key is lost, and counted; the fleet goes on.
-            self.service.fleet_failed(unexpected=True)
-            self.service.fleet_rejected("unexpected")
+            self.core.fleet_failed(unexpected=True)
+            self.core.fleet_rejected("unexpected")
             if self._log.admit("unexpected") is not None:
                 log.exception(logfmt("fleet_key_failed", key=key[:200].decode(errors="replace")))
 
@@ -673,7 +672,7 @@ class FleetMember(Generic[P]):
         for user, job in sorted(jobs & await self.held()):
             uid = await self.names.resolve_uid(user)
             if uid is not None:
-                self.service.host_lost(host, user, [(uid, job)])
+                self.core.host_lost(host, user, [(uid, job)])
 
     async def _head_seen(self, incident: IncidentInfo, revision: int, *, initial: bool) -> None:
         # A lost host is seen by each of its peers, which opens an incident of its
@@ -683,24 +682,24 @@ class FleetMember(Generic[P]):
         if initial and incident.time < self._wall() - _STALE:
             return
         job = (incident.user, incident.job)
-        if job not in await self.held() or incident.id in self.service.incidents:
+        if job not in await self.held() or self.core.knows(incident.id):
             return
         if self._heads.admit(job) is None:
             raise Rejected("budget", f"more incidents of job {incident.job} than its rate")
         uid = await self.names.resolve_uid(incident.user)
         if uid is None:
             return
-        runs = self.service.fleet_incident(incident, uid, self._clock())
+        runs = self.core.fleet_incident(incident, uid, self._clock())
         if runs:
             log.info(
                 logfmt("fleet_incident", incident=incident.id, host=incident.host, peers=len(runs))
             )
             self._carry_out(runs)
-        if incident.id in self.service.incidents:
+        if self.core.knows(incident.id):
             self._follow(incident, revision)
 
     async def _ranks_seen(self, incident_id: str, host: str, value: bytes) -> None:
-        if host == self.host or incident_id not in self.service.incidents:
+        if host == self.host or not self.core.knows(incident_id):
             return
         self._take_rank_bytes(incident_id, host, len(value))
         ranks: list[RankInfo] = []
@@ -708,7 +707,7 @@ class FleetMember(Generic[P]):
             # Who may read its stack here: the local user of the reader's name.
             uid = None if not reader else await self.names.resolve_uid(reader)
             ranks.append(msgspec.structs.replace(rank, reader_uid=uid, reader_gid=None))
-        runs = self.service.fleet_ranks(incident_id, host, ranks, self._clock())
+        runs = self.core.fleet_ranks(incident_id, host, ranks, self._clock())
         if runs:
             self._carry_out(runs)
 
@@ -718,7 +717,7 @@ class FleetMember(Generic[P]):
         taken = self._rank_bytes
         taken.pop((incident_id, host), None)
         if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            for key in [key for key in taken if key[0] not in self.service.incidents]:
+            for key in [key for key in taken if not self.core.knows(key[0])]:
                 del taken[key]
         of_incident = sum(n for (other, _), n in taken.items() if other == incident_id)
         if of_incident + size > MAX_INCIDENT_BYTES:
@@ -740,7 +739,7 @@ class FleetMember(Generic[P]):
             self._report()
 
     def _down(self, part: str, error: str) -> None:
-        self.service.fleet_failed()
+        self.core.fleet_failed()
         if self._health.get(part) != error:
             self._health[part] = error
             self._report()
@@ -753,12 +752,12 @@ class FleetMember(Generic[P]):
         if connected and self._connected is not True:
             self._connected = True
             log.info(logfmt("fleet_connected", endpoint=self.client.endpoint))
-            self.service.fleet_changed(True, f"connected to {self.client.endpoint}")
+            self.core.fleet_changed(True, f"connected to {self.client.endpoint}")
         elif failing and self._connected is not False:
             self._connected = False
             part, error = failing[0]
             log.warning(logfmt("fleet_unreachable", part=part, error=error))
-            self.service.fleet_changed(False, f"{part}: {error}")
+            self.core.fleet_changed(False, f"{part}: {error}")
 
 
 __all__ = ["FleetMember", "FleetRank", "head_ttl"]

@@ -24,7 +24,7 @@ from typing import Final
 
 from watchdogd_client.protocol import ErrorCode
 
-from ..core.identity import Peer
+from ..core.identity import Peer, may_signal
 from ..errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
@@ -145,8 +145,9 @@ class Process:
     def signallable_by(self, uid: int) -> bool:
         """Whether ``uid`` may signal the process now, as kill(2) would judge a
         user's signal: it is still the process's real or saved uid (read again,
-        `refresh`). False once the process has exited."""
-        return self.refresh() and uid in (self.uid, self.saved_uid)
+        `refresh`; `watchdogd.core.identity.may_signal`). False once the process
+        has exited."""
+        return self.refresh() and may_signal(uid, self.uid, self.saved_uid)
 
     def command(self) -> str:
         """The process's command line, or ``[comm]`` when it has none (a zombie)."""

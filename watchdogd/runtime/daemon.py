@@ -24,8 +24,10 @@ import contextlib
 import ctypes
 import gc
 import grp
+import itertools
 import os
 import resource
+import secrets
 import signal
 import socket
 import sys
@@ -49,7 +51,7 @@ from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process
 from ..host.systemd import Notifier, watchdog_interval
 from ..host.users import UserNames
-from ..logs import log, logfmt, set_level
+from ..logs import LoggingSink, log, logfmt, set_level
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.store import Store
 from .actions import BATCH, Actions
@@ -252,16 +254,21 @@ class Daemon:
             settle=self._settle,
             heartbeat=None if interval is None else (interval, self._beat),
         )
+        host = config.fleet.host or socket.gethostname()
         self.service: Service[Process] = Service(
             config,
             HostProcesses(self.watcher, self.names),
             daemon_pid=os.getpid(),
             now=clock(),
+            wall=time.time,
+            clock=time.monotonic,
+            log=LoggingSink(),
+            new_id=incident_ids(host),
             on_deadline=self.scheduler.notify,
             on_event=self.news.unpark_all,
             journal=self.store,
             render_metrics=exposition,
-            host=config.fleet.host or socket.gethostname(),
+            host=host,
         )
         self.history_file: HistoryFile | None = None
         if state_path is not None:
@@ -335,7 +342,7 @@ class Daemon:
         assert self.actions is not None
         try:
             self.fleet = FleetMember(
-                self.config.fleet, self.service, self.actions.carry_out, self.names
+                self.config.fleet, self.service.fleet, self.actions.carry_out, self.names
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))
@@ -461,6 +468,13 @@ def _check_cgroup_targets(config: Config, path: str, mountinfo: str) -> None:
             "host has none mounted (only cgroup v1 controllers, if any); use 'tree' or "
             "'group', or mount cgroup2 (systemd.unified_cgroup_hierarchy=1)"
         )
+
+
+def incident_ids(host: str) -> Callable[[], str]:
+    """The maker of this run's incident ids: ``HOST-RUNN``, a random run tag and a
+    count, so that the ids of a restarted daemon never meet those it gave before."""
+    run, numbers = secrets.token_hex(2), itertools.count(1)
+    return lambda: f"{host}-{run}{next(numbers)}"
 
 
 def _status_line(service: Service[Process]) -> str:

@@ -6,7 +6,7 @@ with a small fixed environment. ``{pid}`` and ``{scope}`` are substituted only w
 they are a whole argument, so a scope can never inject arguments or a command; and
 every step's argv has ``{scope}`` only after a ``--`` argument
 (`watchdogd.policies.check_argv`), so a scope is never read as an option either.
-The output is kept in the event for root: `watchdogd.core.service` hides it from
+The output is kept in the event for root: `watchdogd.core.pages` hides it from
 everyone else.
 Its stdout and stderr are captured together, keeping at most `OUTPUT_LIMIT` bytes;
 past its time limit its whole session is killed and the step says so.

@@ -45,7 +45,8 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
-from ..core.service import ROOT, Service
+from ..core.identity import ROOT
+from ..core.service import Service
 from ..core.session import Session
 from ..errors import ListenError, Refusal
 from ..host.process import peer_of
@@ -282,13 +283,13 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
             service.close_connection(caller)
     except (ConnectionResetError, BrokenPipeError):
         pass
-    except Exception:
+    except Exception as exc:
         # A bug must cost one connection, never the daemon and its timers.
-        service.log_throttle.log(
+        service.log.log(
             ("?" if peer is None else peer.uid, "connection_failed"),
             logging.ERROR,
             f"connection from pid {'?' if peer is None else peer.pid} failed",
-            exc_info=True,
+            error=exc,
         )
     finally:
         conn.close()
@@ -385,7 +386,7 @@ class _Connection:
                     await trio.lowlevel.wait_readable(conn)
                     continue
                 peer = self.session.caller.peer
-                self.session.service.log_throttle.log(
+                self.session.service.log.log(
                     (peer.uid, "partial_frame_timeout"),
                     logging.INFO,
                     logfmt("partial_frame_timeout", pid=peer.pid, uid=peer.uid),
@@ -480,7 +481,7 @@ class _Connection:
         if await _send_all(self.conn, out, self.config.send_timeout):
             return True
         peer = self.session.caller.peer
-        self.session.service.log_throttle.log(
+        self.session.service.log.log(
             (peer.uid, "unread_replies"),
             logging.INFO,
             logfmt("unread_replies", pid=peer.pid, uid=peer.uid),

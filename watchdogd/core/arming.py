@@ -1,0 +1,367 @@
+"""Connections, the handshake, and the requests that change timers (acquire,
+release), with their authorization and limits.
+
+Rules kept here:
+
+- The target of a request is the caller (its kernel-reported pid) unless it names a
+  pid; a named pid is allowed where the caller could kill(2) it
+  (`watchdogd.core.identity.may_signal`). pid 1 and the daemon are never targets.
+  The uids are those of the moment of the request: read when the process is opened,
+  or read again (`ProcessPort.refresh`) when the table already holds it, since it
+  may have called setuid(2) since its first timer.
+- Release is authorized like arming: you may release what you could have armed.
+- Per-uid limits apply to non-root callers; everyone is bounded by the global caps.
+- Authorization comes before limits, so a refusal never tells one user what another
+  has armed.
+- A timer whose policy has ``starvation_grace`` is measured when it is armed
+  (`watchdogd.core.firing` judges it at its deadline); only such timers pay for it.
+
+Process handles are reference-counted: the table holds one per process in it, each
+connection holds one on its caller's own process (so a worker that arms and releases
+in a loop does not reopen a pidfd each time), and a request holds one while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic
+
+import msgspec
+
+from watchdogd_client.protocol import (
+    MAX_JOB_BYTES,
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    ErrorCode,
+    Hello,
+    Release,
+    Released,
+    Welcome,
+)
+
+from .._version import __version__
+from ..errors import Refusal
+from .counters import Counters
+from .history import History
+from .history import Key as HistoryKey
+from .identity import ROOT, Peer, may_signal
+from .lifecycle import Lifecycle
+from .policies import Policy
+from .ports import Journal, P, ProcessPort
+from .rules import Rules
+from .timers import Timer, TimerTable, Watch
+
+
+@dataclass(slots=True, eq=False)
+class Caller(Generic[P]):
+    """One connection's caller: its kernel-reported credentials and, once it has
+    armed a timer on itself, a handle on its process kept for the connection's life."""
+
+    peer: Peer
+    process: P | None = None
+
+
+class Arming(Generic[P]):
+    """Who is connected, and what they may arm and release."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        table: TimerTable[P],
+        processes: ProcessPort[P],
+        journal: Journal,
+        lifecycle: Lifecycle[P],
+        *,
+        history: History,
+        metrics: Counters,
+        daemon_pid: int,
+        on_deadline: Callable[[float], None],
+    ) -> None:
+        self._rules = rules
+        self._table = table
+        self._processes = processes
+        self._journal = journal
+        self._lifecycle = lifecycle
+        self._history = history
+        self._metrics = metrics
+        self._daemon_pid = daemon_pid
+        self._on_deadline = on_deadline
+        self._connections: Counter[int] = Counter()
+        #: Seconds a restart may take at the timer cap (set once the state loaded).
+        self.restart_estimate = 0.0
+
+    @property
+    def connections(self) -> int:
+        return self._connections.total()
+
+    def open_connection(self, peer: Peer) -> Caller[P]:
+        """Count a new connection; raises `Refusal` (and counts nothing) at a limit."""
+        limits = self._rules.daemon
+        if self.connections >= limits.max_connections:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the daemon has {limits.max_connections} connections open, its limit",
+            )
+        if peer.uid != ROOT and self._connections[peer.uid] >= limits.max_connections_per_uid:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid} has {limits.max_connections_per_uid} connections open, its limit",
+            )
+        self._connections[peer.uid] += 1
+        self._metrics.connections_total += 1
+        caller: Caller[P] = Caller(peer)
+        if peer.pidfd is None:
+            # Without SO_PEERPIDFD the caller is found by pid: do it while it is
+            # surely the process that just connected, not on its first request.
+            with contextlib.suppress(Refusal):
+                caller.process = self._processes.open(peer.pid, peer)
+        return caller
+
+    def close_connection(self, caller: Caller[P]) -> None:
+        """Uncount a connection and drop its handle on the caller's process."""
+        uid = caller.peer.uid
+        self._connections[uid] -= 1
+        if not self._connections[uid]:
+            del self._connections[uid]
+        if caller.process is not None:
+            caller.process.close()
+            caller.process = None
+
+    def welcome(self, hello: Hello) -> Welcome:
+        """Answer a handshake; refuses a major version this daemon does not speak."""
+        if hello.version != PROTOCOL_VERSION:
+            raise Refusal(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"this daemon speaks protocol version {PROTOCOL_VERSION}, "
+                f"the client speaks {hello.version}; upgrade the older of the two",
+            )
+        return Welcome(
+            id=hello.id,
+            version=PROTOCOL_VERSION,
+            server=f"watchdogd/{__version__}",
+            pid=self._daemon_pid,
+            restart=self.restart_estimate,
+        )
+
+    def acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
+        """Arm (or re-arm) the timer ``request`` names, for ``caller``."""
+        self._check_bounds(request)
+        policy, chosen = self._rules.chosen(request.policy, caller.peer.uid)
+        # Authorization comes before the limits: whether the timer exists decides
+        # whether a limit applies, so checking limits first would tell a caller at
+        # its limit which scopes another user's process has armed.
+        process = self._target(request.pid, caller)
+        try:
+            previous = self._table.get(process.pid, request.scope)
+            if previous is None:
+                self._check_timer_limits(caller.peer)
+            timeout, timeout_from = request.timeout, ""
+            if request.auto is not None:
+                timeout, timeout_from = self._history.timeout(
+                    self._history_key(process, request.scope), request.auto.floor, request.timeout
+                )
+            watch, deadline = None, None
+            if request.progress is not None or chosen.stall or timeout_from or request.job:
+                watch = _watch(request, chosen.stall, timeout_from, previous, now)
+                deadline = now + timeout
+                if watch.stall:
+                    deadline = min(deadline, watch.progressed_at + watch.stall)
+            entering = self._table.process(process.pid) is None
+            timer, rearmed = self._table.arm(
+                process,
+                request.scope,
+                timeout=timeout,
+                policy=policy,
+                uid=process.uid,
+                owner=caller.peer.uid,
+                now=now,
+                exit_releases=request.exit_releases,
+                watch=watch,
+                deadline=deadline,
+            )
+            if entering:
+                process.retain()
+                self._processes.track(process)
+            if request.job:
+                # The name an incident of the job will carry, looked up off the
+                # loop now: by its expiry it is known.
+                self._processes.user_name(caller.peer.uid)
+            timer = self._measure_for_starvation(timer, chosen, process)
+            self._journal.put(timer)
+        finally:
+            process.close()
+        self._on_deadline(timer.deadline)
+        if watch is None:
+            return Acquired(id=request.id, remaining=timeout, rearmed=rearmed)
+        return Acquired(
+            id=request.id,
+            remaining=timer.deadline - now,
+            rearmed=rearmed,
+            timeout_from=timeout_from,
+        )
+
+    def _check_bounds(self, request: Acquire) -> None:
+        """Refuse an `Acquire` whose scope, job or timeout is past a bound."""
+        limits = self._rules.daemon
+        if "\0" in request.scope:
+            raise Refusal(ErrorCode.INVALID_REQUEST, "scope contains a NUL character")
+        scope_bytes = len(request.scope.encode())
+        if scope_bytes > limits.max_scope_bytes:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"scope is {scope_bytes} bytes long; the limit is {limits.max_scope_bytes}",
+            )
+        if request.job is not None and (
+            "\0" in request.job or len(request.job.encode()) > MAX_JOB_BYTES
+        ):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"a job is at most {MAX_JOB_BYTES} UTF-8 bytes, without NUL characters",
+            )
+        if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"timeout must be finite and at most {limits.max_timeout:g} s, "
+                f"not {request.timeout!r}",
+            )
+
+    def _measure_for_starvation(self, timer: Timer, policy: Policy, process: P) -> Timer:
+        """``timer``, just armed under ``policy``, as the table now holds it: with
+        what the kernel says of its process kept in its `Watch` (``baseline``, and
+        its grace back) when the policy has ``starvation_grace``; unchanged, at the
+        cost of this call, otherwise (the path of every acquire)."""
+        if not policy.starvation_grace:
+            return timer
+        watch = Watch() if timer.watch is None else timer.watch
+        watch = msgspec.structs.replace(
+            watch, baseline=self._processes.sample(process), extended=0.0
+        )
+        return self._table.put(process, msgspec.structs.replace(timer, watch=watch))
+
+    def release(self, request: Release, caller: Caller[P], now: float) -> Released:
+        """Disarm the timer ``request`` names, if ``caller`` could have armed it."""
+        if request.pid is None and self._table.process(caller.peer.pid) is None:
+            return Released(id=request.id, found=False)
+        process = self._target(request.pid, caller)
+        try:
+            if self._table.process(process.pid) is not process:
+                return Released(id=request.id, found=False)
+            timer, gone = self._table.disarm(process.pid, request.scope)
+            if timer is not None:
+                self._journal.drop(timer)
+                self._history.record(
+                    self._history_key(process, timer.scope), max(0.0, now - timer.armed_at)
+                )
+            if gone is not None:
+                self._processes.untrack(gone)
+        finally:
+            process.close()
+        return Released(id=request.id, found=timer is not None)
+
+    def _history_key(self, process: P, scope: str) -> HistoryKey:
+        """Where the history of ``scope`` on ``process`` is kept: its uid, the
+        executable it runs, the scope."""
+        return (process.uid, self._processes.executable(process), scope)
+
+    def _target(self, pid: int | None, caller: Caller[P]) -> P:
+        """A handle on the process a request is about, after authorization, with a
+        reference of its own that the request must `close`."""
+        if pid is None:
+            return self._caller_itself(caller)
+        peer = caller.peer
+        if pid <= 1:
+            raise Refusal(ErrorCode.PERMISSION_DENIED, "pid 1 (init) is never a target")
+        if pid == self._daemon_pid:
+            raise Refusal(ErrorCode.PERMISSION_DENIED, "the daemon itself is never a target")
+        process = self._table.process(pid)
+        if process is not None and not self._processes.refresh(process):
+            # Its exit is not processed yet and the pid may be someone else's by
+            # now: settle it rather than attach a timer to a dead handle.
+            self._lifecycle.process_exited(process)
+            process = None
+        if process is None:
+            process = self._processes.open(pid, peer)
+        else:
+            process.retain()
+        if not may_signal(peer.uid, process.uid, process.saved_uid):
+            process.close()
+            raise Refusal(
+                ErrorCode.PERMISSION_DENIED,
+                f"uid {peer.uid} may not signal pid {pid} (real uid {process.uid}, "
+                f"saved uid {process.saved_uid}); only root or the owner may arm or release "
+                "its timers",
+            )
+        return process
+
+    def _caller_itself(self, caller: Caller[P]) -> P:
+        """The exact process that opened the connection.
+
+        Its handle comes from the connection (SO_PEERPIDFD), so a connection that
+        outlives its process (a child kept the socket) never reaches whoever holds
+        the pid next: the table's handle for the pid is used only when it is the
+        same process (same pid and start time), or when the table's is the one
+        that has gone.
+        """
+        own = caller.process
+        if own is None:
+            own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
+        held = self._table.process(own.pid)
+        if held is None or held is own or held.start_time == own.start_time:
+            process = held or own
+        elif not self._processes.alive(held):
+            self._lifecycle.process_exited(held)  # the table's is the one that has gone
+            process = own
+        else:
+            raise Refusal(
+                ErrorCode.NO_SUCH_PROCESS,
+                f"the process that opened this connection (pid {own.pid}) has exited; "
+                "its pid now belongs to another process",
+            )
+        process.retain()
+        return process
+
+    def _check_timer_limits(self, peer: Peer) -> None:
+        limits = self._rules.daemon
+        if len(self._table) >= limits.max_timers:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the daemon holds {limits.max_timers} timers, its limit",
+            )
+        if peer.uid != ROOT and self._table.owned_by(peer.uid) >= limits.max_timers_per_uid:
+            raise Refusal(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"uid {peer.uid} has {limits.max_timers_per_uid} timers armed, its limit",
+            )
+
+
+def _watch(
+    request: Acquire, stall: float, timeout_from: str, previous: Timer | None, now: float
+) -> Watch:
+    """The `Watch` of a timer armed now by ``request``, under a policy that allows
+    ``stall`` seconds without progress, in place of ``previous`` (None: a new
+    timer).
+
+    Progress grows only past the highest value this timer has carried: a re-arm
+    with the same value, a lower one or none leaves the time it last grew as it
+    was. A new timer (one released and armed again is new) starts growing now."""
+    progress, progressed_at = request.progress, now
+    before = None if previous is None else previous.watch
+    if before is not None and (
+        progress is None or (before.progress is not None and progress <= before.progress)
+    ):
+        progress, progressed_at = before.progress, before.progressed_at
+    return Watch(
+        progress=progress,
+        progressed_at=progressed_at,
+        stall=stall,
+        timeout_from=timeout_from,
+        job=request.job or "",
+        rank=request.rank,
+        local_rank=request.local_rank,
+        group_rank=request.group_rank,
+    )

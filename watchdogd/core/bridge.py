@@ -1,0 +1,212 @@
+"""The fleet bridge: what the fleet (`watchdogd.fleet.member`) asks of the core and
+tells it, as named calls.
+
+The fleet never reaches into the core's state: it learns this host's name and the
+incident window here, the jobs this host holds (`held_jobs`, `jobs_changed`), and
+the incidents to publish through the publisher it attaches (`attach`); it hands in
+what other hosts said (`fleet_incident`, `fleet_ranks`, `host_lost`) and its own
+health (`fleet_changed`, `fleet_failed`, `fleet_rejected`, `fleet_dropped`).
+Invariants:
+
+- An incident from another host is kept here only when this host holds timers of
+  its job; each local process of that job then gets the peer policy of its own
+  timer's policy, once (an incident already known brings nothing).
+- One uid's many jobs never crowd another's out of what this host registers.
+- Without a fleet the state is "", and no fleet gauge is shown.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol
+
+import msgspec
+
+from watchdogd_client.protocol import IncidentInfo, RankInfo
+
+from .counters import Counters
+from .events import EventLog
+from .firing import Firing
+from .identity import ROOT
+from .incidents import IncidentLog
+from .ports import P
+from .timers import Expired, TimerTable
+
+
+class Publisher(Protocol):
+    """The fleet's side: told of each incident this host opened or added to."""
+
+    def incident_changed(self, incident: IncidentInfo) -> None: ...
+
+
+class FleetBridge(Generic[P]):
+    """The core as the fleet sees it."""
+
+    def __init__(
+        self,
+        table: TimerTable[P],
+        firing: Firing[P],
+        incidents: IncidentLog,
+        *,
+        events: EventLog,
+        metrics: Counters,
+        wall: Callable[[], float],
+        daemon_pid: int,
+    ) -> None:
+        self._table = table
+        self._firing = firing
+        self._incidents = incidents
+        self._events = events
+        self._metrics = metrics
+        self._wall = wall
+        self._daemon_pid = daemon_pid
+        #: The fleet as this host sees it: "" without one (`fleet_changed`).
+        self.state = ""
+
+    # What the fleet asks.
+
+    @property
+    def host(self) -> str:
+        """This host's name in the fleet."""
+        return self._incidents.host
+
+    @property
+    def incident_window(self) -> float:
+        """Seconds during which more expiries of a job join its incident."""
+        return self._incidents.window
+
+    def attach(self, publisher: Publisher) -> None:
+        """Tell ``publisher`` of each incident this host opens or adds to."""
+        self._incidents.subscribe(publisher.incident_changed)
+
+    def knows(self, incident_id: str) -> bool:
+        """Whether the incident is kept here."""
+        return incident_id in self._incidents
+
+    def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
+        """This host's ranks of ``incident``."""
+        return self._incidents.own_ranks(incident)
+
+    def settled_hosts(self, incident_id: str) -> set[str]:
+        """The hosts whose ranks of the incident have all settled."""
+        return self._incidents.settled_hosts(incident_id)
+
+    def held_jobs(self, limit: int, per_uid: int) -> list[tuple[int, str]]:
+        """The jobs this host holds timers of, as (the uid that armed them, the
+        job), at most ``limit``: root's first, then each other uid's, at most
+        ``per_uid`` of each, in the order they came, a uid at a time in turn; so
+        that one user's many jobs never crowd out another's."""
+        root: list[tuple[int, str]] = []
+        others: dict[int, list[tuple[int, str]]] = {}
+        for key in self._table.job_keys():
+            if key[0] == ROOT:
+                if len(root) < limit:
+                    root.append(key)
+                continue
+            held = others.get(key[0])
+            if held is None:
+                others[key[0]] = [key]
+            elif len(held) < per_uid:
+                held.append(key)
+        turns = itertools.zip_longest(*(others[uid] for uid in sorted(others)))
+        rest = (key for turn in turns for key in turn if key is not None)
+        return root + list(itertools.islice(rest, max(0, limit - len(root))))
+
+    def jobs_changed(self) -> int:
+        """A number that changes whenever a job came or went."""
+        return self._table.jobs_changed
+
+    # What the fleet tells.
+
+    def fleet_incident(self, incident: IncidentInfo, uid: int, now: float) -> list[Expired[P]]:
+        """An incident another host opened, of a job of the user this host knows as
+        ``uid`` (the fleet maps the incident's user *name* to it): when this host
+        holds timers of the job, the incident is kept here too, as ``uid``'s, and
+        each local process of the job gets the peer policy of its own timer's
+        policy (runs for the caller to carry out). Otherwise, or when it is known
+        already, nothing."""
+        if incident.id in self._incidents:
+            return []
+        job = (uid, incident.job)
+        if not self._table.job_pids(*job):
+            return []
+        self._incidents.merge(msgspec.structs.replace(incident, uid=uid))
+        return self._firing.peers(incident.id, job, None, set(), now)
+
+    def fleet_ranks(
+        self, incident_id: str, host: str, ranks: list[RankInfo], now: float
+    ) -> list[Expired[P]]:
+        """The ranks ``host`` found of an incident kept here, their readers mapped
+        to local uids already. When a new hung rank came with them (an expiry there
+        joined the incident: a job restarted within the window hung again), the
+        job's local processes the incident does not list yet get the peer policy,
+        as a local expiry would give them."""
+        if not self._incidents.merge_ranks(incident_id, host, ranks):
+            return []
+        head = self._incidents.head(incident_id)
+        if head is None:
+            return []
+        listed = self._incidents.pids(incident_id)
+        return self._firing.peers(incident_id, (head.uid, head.job), None, listed, now)
+
+    def host_lost(self, host: str, user: str, jobs: Iterable[tuple[int, str]]) -> None:
+        """``host`` left the fleet without stopping (its lease lapsed): an incident
+        of kind ``host_lost`` for each of its jobs this host holds too, as (local
+        uid, job); ``user`` names each uid as the fleet does."""
+        for uid, job in sorted(jobs):
+            if not self._table.job_pids(uid, job):
+                continue
+            note = f"host {host} left the fleet (its lease lapsed: the daemon or the host is gone)"
+            self._incidents.opened("host_lost", (uid, job), user, note, self._wall())
+            self._metrics.incidents += 1
+
+    def fleet_rejected(self, reason: str) -> None:
+        """A key read from the fleet was not taken (`watchdogd.fleet.records`)."""
+        self._metrics.fleet_rejected[reason] += 1
+
+    def fleet_failed(self, *, unexpected: bool = False) -> None:
+        """A call to the fleet's store failed (``unexpected``: the fleet's task met
+        an error nothing expected, and starts again)."""
+        if unexpected:
+            self._metrics.fleet_unexpected += 1
+        else:
+            self._metrics.fleet_errors += 1
+
+    def fleet_dropped(self) -> None:
+        """An incident change was not published: its user's share of the queue
+        was full."""
+        self._metrics.fleet_dropped += 1
+
+    def fleet_changed(self, connected: bool, note: str) -> None:
+        """The fleet's store became unreachable, or reachable again."""
+        self.state = "connected" if connected else f"disconnected: {note}"
+        self._events.record_daemon(
+            "fleet_restored" if connected else "fleet_degraded",
+            note
+            if connected
+            else f"the fleet is unreachable ({note}); local timers "
+            "protect as ever, incidents stay on this host until it is back",
+            pid=self._daemon_pid,
+            time=self._wall(),
+        )
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The fleet's gauges for the metrics page (none without a fleet)."""
+        if not self.state:
+            return {}
+        return {
+            "fleet_connected": (
+                "1 while the fleet's store (etcd) answers.",
+                int(self.state == "connected"),
+            ),
+            "fleet_errors": ("Calls to the fleet's store that failed.", self._metrics.fleet_errors),
+            "fleet_dropped": (
+                "Incident changes not published: more of their user's waited than its share.",
+                self._metrics.fleet_dropped,
+            ),
+            "fleet_unexpected_errors": (
+                "Errors of the fleet's task that nothing expected; it starts again.",
+                self._metrics.fleet_unexpected,
+            ),
+        }

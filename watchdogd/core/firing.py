@@ -1,0 +1,318 @@
+"""Expiry: timers taken out of the heap when due, kept as firing until their policy
+has run, with the starvation rule and the incident peers that an expiry brings.
+
+Invariants:
+
+- A timer that falls due leaves the table and enters the firing set in the same
+  journal record (the armed record dropped, the firing one put): a crash leaves one
+  of the two, never neither. It stays there, with the step its policy reached,
+  until `Firing.finished`.
+- A timer whose policy has ``starvation_grace`` is judged at its deadline, before
+  its policy starts (`watchdogd.core.starvation`): one whose process was starved is
+  armed again for the grace, once per arming, with an ``extended`` event that says
+  why. Only such timers pay for it: the others read nothing from the system when
+  they fire.
+- An expiry of a timer that carries a job opens (or joins) the job's incident, and
+  each other local process of the job that the incident does not list yet gets a
+  firing record of its own for the job's peer policy. A peer policy only root may
+  choose runs on a user's job as the built-in ``peer_dump``.
+- Firing records are numbered in the order they fired; the numbers go on from the
+  highest restored (`Firing.resume`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Generic
+
+import msgspec
+
+from watchdogd_client.protocol import EventInfo, RankInfo
+
+from .counters import Counters
+from .events import EventLog
+from .identity import ROOT
+from .incidents import IncidentLog
+from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy
+from .ports import Journal, P, ProcessPort
+from .rules import Rules
+from .starvation import UNMEASURED, Verdict, judge
+from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
+
+
+class Firing(Generic[P]):
+    """The timers whose policy is in progress, and how a due timer becomes one."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        table: TimerTable[P],
+        processes: ProcessPort[P],
+        journal: Journal,
+        *,
+        events: EventLog,
+        incidents: IncidentLog,
+        metrics: Counters,
+        wall: Callable[[], float],
+        on_deadline: Callable[[float], None],
+    ) -> None:
+        self._rules = rules
+        self._table = table
+        self._processes = processes
+        self._journal = journal
+        self._events = events
+        self._incidents = incidents
+        self._metrics = metrics
+        self._wall = wall
+        self._on_deadline = on_deadline
+        #: Timers whose policy is in progress, by store key: part of the state
+        #: until the policy has finished.
+        self._firing: dict[StoreKey, Timer] = {}
+        self._numbers = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._firing)
+
+    def timers(self) -> Iterable[Timer]:
+        """Every firing timer, for the state's snapshot."""
+        return self._firing.values()
+
+    def of_pid(self, pid: int) -> list[Timer]:
+        """The firing timers of ``pid``, in the order they fired."""
+        held = (timer for timer in self._firing.values() if timer.pid == pid)
+        return sorted(held, key=lambda timer: timer.firing)
+
+    def resume(self, timers: Iterable[Timer]) -> None:
+        """Keep ``timers``, firing when the state was written, as firing again
+        (the daemon restarted); numbering goes on past theirs."""
+        highest = 0
+        for timer in timers:
+            self._firing[timer.store_key] = timer
+            highest = max(highest, timer.firing)
+        self._numbers = itertools.count(highest + 1)
+
+    def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
+        """Take out the timers due at ``now`` (the earliest ``limit``, when given);
+        each stays in the state as firing (the returned timer) until `finished`.
+        Each returned process handle is retained for the caller, who closes it
+        when the action is done.
+
+        A timer whose policy has ``starvation_grace`` is judged first
+        (`_judge_starvation`): if its process was starved it is armed again for
+        the grace instead (`_extend`), and is not returned."""
+        expired = self._table.pop_due(now, limit)
+        fired: list[Expired[P]] = []
+        extended = False
+        for item in expired:
+            policy, _ = self._rules.policy_for(item.timer.policy)
+            note = ""
+            if policy.starvation_grace:
+                verdict = self._judge_starvation(item, policy)
+                if verdict.starved:
+                    self._extend(item, policy, verdict, now)
+                    extended = True
+                    continue
+                note = verdict.note
+            # A process whose last timer fell due is back in the table when
+            # another of its timers was extended in this pass: it stays tracked.
+            orphaned = item.orphaned and not (
+                extended and self._table.process(item.timer.pid) is item.process
+            )
+            item.process.retain()
+            if orphaned:
+                self._processes.untrack(item.process)
+            run = Run(fired_at=now, plan=policy.plan)
+            peers: list[Expired[P]] = []
+            watch = item.timer.watch
+            if watch is not None and watch.job:
+                run, peers = self._incident(item.timer, watch, policy, run, now)
+            firing = msgspec.structs.replace(item.timer, firing=next(self._numbers), run=run)
+            # The armed record and the firing one go out in the same journal
+            # record: a crash leaves one of the two, never neither.
+            self._journal.drop(item.timer)
+            self._journal.put(firing)
+            self._firing[firing.store_key] = firing
+            fired.append(Expired(firing, item.process, orphaned, note))
+            fired += peers
+        if expired:
+            self._journal.commit_soon()
+        return fired
+
+    def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
+        """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
+        ``step_end``); returns the timer as now recorded."""
+        timer = timer.at_step(step, step_end)
+        if timer.store_key in self._firing:
+            self._firing[timer.store_key] = timer
+            self._journal.put(timer)
+            self._journal.commit_soon()
+        return timer
+
+    def finished(self, timer: Timer) -> None:
+        """The policy of firing ``timer`` has ended: it leaves the state."""
+        if self._firing.pop(timer.store_key, None) is not None:
+            self._journal.drop(timer)
+            self._journal.commit_soon()
+
+    def record_expiries(self, events: list[EventInfo]) -> None:
+        """Policies ended: count expiries by policy and outcome, record the events
+        (followers are woken once), and give each incident what its processes'
+        policies found."""
+        for event in events:
+            if event.kind == "expired":
+                self._metrics.expiries[(event.policy, event.outcome)] += 1
+            if event.incident:
+                self._incidents.finished(event)
+        self._events.record_many(events)
+
+    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+        """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
+        besides root that may read what it captured (None: root alone), as the
+        kernel judged it then. Kept with the incident's rank, if it has one."""
+        if timer.run is not None and timer.run.incident:
+            role = "peer" if timer.run.peer else "hung"
+            self._incidents.dumped(timer.run.incident, timer.pid, role, reader)
+
+    def record_unkillable(self, event: EventInfo) -> None:
+        """A target outlived SIGKILL."""
+        self._metrics.unkillable += 1
+        self._events.record(event)
+
+    def _incident(
+        self, timer: Timer, watch: Watch, policy: Policy, run: Run, now: float
+    ) -> tuple[Run, list[Expired[P]]]:
+        """``timer`` of a job expired under ``policy``: the run of its policy,
+        which names the job's incident, and the peer policy's runs on the job's
+        other processes that the incident does not list yet: all of them when it
+        is new (`watchdogd.core.incidents`)."""
+        job = (timer.owner, watch.job)
+        reason = "stalled" if timer.stalled else "timeout"
+        hung = RankInfo(
+            host=self._incidents.host,
+            pid=timer.pid,
+            uid=timer.uid,
+            role="hung",
+            scope=timer.scope,
+            rank=watch.rank,
+            local_rank=watch.local_rank,
+            group_rank=watch.group_rank,
+            policy=policy.name,
+            reason=reason,
+        )
+        user = self._processes.user_name(timer.owner)
+        incident, new = self._incidents.expired(job, user, hung, reason, self._wall())
+        if new:
+            self._metrics.incidents += 1
+        run = msgspec.structs.replace(run, incident=incident)
+        listed = self._incidents.pids(incident) | {timer.pid}
+        return run, self.peers(incident, job, policy.peers, listed, now)
+
+    def peers(
+        self,
+        incident: str,
+        job: tuple[int, str],
+        peers: str | None,
+        listed: set[int],
+        now: float,
+    ) -> list[Expired[P]]:
+        """Runs of the peer policy ``peers`` (None: each process's timer's policy's
+        own) on each process not ``listed`` holding a timer of ``job``: firing
+        records of their own, kept in the state like an expiry's until the policy
+        has run. A peer policy only root may choose runs on a user's job as the
+        built-in ``peer_dump``."""
+        runs: list[Expired[P]] = []
+        for pid in self._table.job_pids(*job):
+            process = self._table.process(pid)
+            if pid in listed or process is None:
+                continue
+            timer = next(
+                timer
+                for timer in self._table.timers_of(pid)
+                if timer.owner == job[0] and timer.watch is not None and timer.watch.job == job[1]
+            )
+            name = self._rules.policy_for(timer.policy)[0].peers if peers is None else peers
+            if name == NO_PEERS:
+                continue
+            peer_policy = self._rules.policies.get(name) or BUILTIN[PEER_DUMP]
+            if peer_policy.root_only and job[0] != ROOT:
+                peer_policy = BUILTIN[PEER_DUMP]
+            firing = msgspec.structs.replace(
+                timer,
+                firing=next(self._numbers),
+                policy=peer_policy.name,
+                run=Run(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
+            )
+            self._journal.put(firing)
+            self._firing[firing.store_key] = firing
+            assert timer.watch is not None
+            self._incidents.add(
+                incident,
+                RankInfo(
+                    host=self._incidents.host,
+                    pid=pid,
+                    uid=timer.uid,
+                    role="peer",
+                    scope=timer.scope,
+                    rank=timer.watch.rank,
+                    local_rank=timer.watch.local_rank,
+                    group_rank=timer.watch.group_rank,
+                    policy=peer_policy.name,
+                ),
+            )
+            process.retain()
+            runs.append(Expired(firing, process, orphaned=False))
+        return runs
+
+    def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
+        """Whether the process of ``item``, due under ``policy``, was starved since
+        its timer was armed. Not judged (no words) once the timer was extended:
+        its expiry says so."""
+        watch = item.timer.watch
+        if watch is not None and watch.extended:
+            return Verdict(False)
+        if watch is None or watch.baseline is None:
+            return UNMEASURED
+        sample = self._processes.sample(item.process)
+        if sample is None:
+            return Verdict(False)  # it has exited: its policy finds it gone
+        return judge(
+            watch.baseline,
+            sample,
+            pressure=policy.starvation_pressure,
+            cpu=policy.starvation_cpu,
+        )
+
+    def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
+        """Arm the timer of ``item`` again for its policy's grace, its process
+        being starved: an ``extended`` event says why, and its `Watch` that it was
+        extended (it is not again until it is armed anew)."""
+        timer, grace = item.timer, policy.starvation_grace
+        watch = Watch() if timer.watch is None else timer.watch
+        timer = self._table.put(
+            item.process,
+            msgspec.structs.replace(
+                timer,
+                deadline=now + grace,
+                watch=msgspec.structs.replace(watch, extended=grace),
+            ),
+        )
+        self._journal.put(timer)
+        self._metrics.extensions[policy.name] += 1
+        wall = self._wall()
+        self._events.record(
+            EventInfo(
+                seq=0,
+                kind="extended",
+                time=wall,
+                pid=timer.pid,
+                uid=timer.uid,
+                scope=timer.scope,
+                policy=policy.name,
+                command=self._processes.command(item.process),
+                armed_at=wall - (now - timer.armed_at),
+                deadline=wall + grace,
+                note=f"{verdict.note}; given {grace:g}s more, once",
+            )
+        )
+        self._on_deadline(timer.deadline)

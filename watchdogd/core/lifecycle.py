@@ -1,0 +1,198 @@
+"""How timers come back from the state after a restart and leave with their process.
+
+Invariants:
+
+- A restored timer is re-armed on its original deadline when its process is still
+  there: the same pid with the same start time. Otherwise it is dropped (its
+  process is gone or the pid belongs to another process now). Each timer is checked
+  on its own: the pid may have been reused, and a firing record of the old process
+  may sit beside timers of the new.
+- A firing timer whose process is still there resumes at the step its policy had
+  reached; one whose process is gone is recorded as an expiry whose target had
+  gone, and is not signalled.
+- A process that exits takes all its timers with it at once; the exit is recorded
+  (``exited``) when it held any but those its exit releases (``exit_releases``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Final, Generic
+
+from watchdogd_client.protocol import EventInfo
+
+from ..errors import Refusal
+from .counters import Counters
+from .events import EventLog
+from .firing import Firing
+from .identity import Peer
+from .ports import Journal, P, ProcessPort
+from .timers import Expired, Timer, TimerTable
+
+#: Scopes named in an ``exited`` event; the count covers the rest.
+_LISTED_SCOPES: Final = 10
+
+
+@dataclass(slots=True)
+class Restored(Generic[P]):
+    """What `Lifecycle.restore` put back: armed timers, dropped ones (their process
+    is gone), and expiries whose policy resumes."""
+
+    armed: int = 0
+    dropped: int = 0
+    resumed: list[Expired[P]] = field(default_factory=list)
+
+
+class Lifecycle(Generic[P]):
+    """Restore from the state, exits, and the stop."""
+
+    def __init__(
+        self,
+        table: TimerTable[P],
+        processes: ProcessPort[P],
+        journal: Journal,
+        firing: Firing[P],
+        *,
+        events: EventLog,
+        metrics: Counters,
+        wall: Callable[[], float],
+        on_deadline: Callable[[float], None],
+    ) -> None:
+        self._table = table
+        self._processes = processes
+        self._journal = journal
+        self._firing = firing
+        self._events = events
+        self._metrics = metrics
+        self._wall = wall
+        self._on_deadline = on_deadline
+
+    def restore(self, timers: Iterable[Timer]) -> Restored[P]:
+        """Put back the timers read from the state (the daemon restarted): armed
+        ones in the table, firing ones (with a retained handle) in ``resumed``
+        for their policy to go on."""
+        restored = Restored[P]()
+        by_pid: dict[int, list[Timer]] = {}
+        for timer in timers:
+            by_pid.setdefault(timer.pid, []).append(timer)
+        handles: dict[int, P] = {}
+        groups: list[tuple[P, list[Timer]]] = []
+        firing: list[tuple[Timer, P | None]] = []
+        for pid, held in by_pid.items():
+            process = self._reopen(pid)
+            if process is not None:
+                handles[pid] = process
+            armed = self._sort_restored(process, held, firing, restored)
+            if process is not None and armed:
+                groups.append((process, armed))
+        self._table.restore(groups)
+        for process, _ in groups:
+            self._processes.track(process)
+        earliest = self._table.next_deadline()
+        if earliest is not None:
+            self._on_deadline(earliest)
+        self._firing.resume(timer for timer, _ in firing)
+        for timer, target in firing:
+            if target is None:
+                self._record_gone_while_down(timer)
+                self._firing.finished(timer)
+                continue
+            target.retain()
+            restored.resumed.append(Expired(timer, target, orphaned=False))
+        self._journal.commit_soon()
+        for process in handles.values():
+            if self._table.process(process.pid) is not process:
+                process.close()
+        return restored
+
+    def _record_gone_while_down(self, timer: Timer) -> None:
+        self._metrics.expiries[(timer.policy, "gone")] += 1
+        self._events.record(
+            EventInfo(
+                seq=0,
+                kind="expired",
+                time=self._wall(),
+                pid=timer.pid,
+                uid=timer.uid,
+                scope=timer.scope,
+                policy=timer.policy,
+                outcome="gone",
+                note=f"its policy was at step {timer.step + 1} when the daemon stopped; "
+                "the process had exited by its restart, so nothing was sent again",
+            )
+        )
+
+    def _sort_restored(
+        self,
+        process: P | None,
+        held: list[Timer],
+        firing: list[tuple[Timer, P | None]],
+        restored: Restored[P],
+    ) -> list[Timer]:
+        """The armed timers of ``held`` that belong to ``process``; firing ones go
+        to ``firing`` with the process, or None when theirs is gone; the rest are
+        dropped."""
+        armed = []
+        for timer in held:
+            same = process is not None and process.start_time == timer.start_time
+            if timer.firing:
+                firing.append((timer, process if same else None))
+            elif same:
+                armed.append(timer)
+            else:
+                self._journal.drop(timer)
+                restored.dropped += 1
+        restored.armed += len(armed)
+        return armed
+
+    def _reopen(self, pid: int) -> P | None:
+        """A handle on whatever process holds ``pid`` now, if any."""
+        try:
+            return self._processes.open(pid, Peer(pid=0, uid=0, gid=0))
+        except Refusal:
+            return None
+
+    def close(self) -> None:
+        """Drop every timer and the table's handles (the daemon is stopping). The
+        journal is not told: the timers stay in the store for the next start."""
+        for timer in list(self._table.timers()):
+            _, gone = self._table.disarm(timer.pid, timer.scope)
+            if gone is not None:
+                self._processes.untrack(gone)
+
+    def process_exited(self, process: P) -> list[Timer]:
+        """Drop every timer of a process that exited; returns them, and records the
+        exit when it had any but those its exit releases (``exit_releases``)."""
+        if self._table.process(process.pid) is not process:
+            return []
+        forgotten = self._table.forget(process.pid)
+        assert forgotten is not None
+        _, timers = forgotten
+        self._processes.untrack(process)
+        for timer in timers:
+            self._journal.drop(timer)
+        if timers:
+            self._journal.commit_soon()
+        held = [timer for timer in timers if not timer.exit_releases]
+        if held:
+            self._metrics.exited += 1
+            scopes = sorted(timer.scope for timer in held)
+            shown = ", ".join(scopes[:_LISTED_SCOPES])
+            more = (
+                f" and {len(scopes) - _LISTED_SCOPES} more" if len(scopes) > _LISTED_SCOPES else ""
+            )
+            self._events.record(
+                EventInfo(
+                    seq=0,
+                    kind="exited",
+                    time=self._wall(),
+                    pid=process.pid,
+                    uid=process.uid,
+                    scope="",
+                    policy="",
+                    timers=len(held),
+                    note=f"exited with {len(held)} timer(s) armed: {shown}{more}",
+                )
+            )
+        return timers

@@ -1,0 +1,468 @@
+"""The query pages: status, events, why, suggest, incidents, policies and metrics.
+
+Each page shows what its caller may see and fits in one reply. Invariants:
+
+- A non-root caller sees only the timers on its own uid's processes or that it
+  armed, the events of its own uid, and the incidents of its own jobs.
+- The output of a hook (``exec`` and ``dump`` steps) is shown to root only: it ran
+  with the daemon's privileges and may say anything the daemon can read. Everyone
+  else who may see the event sees each step and its result (the exit status). The
+  record keeps the output; only the reply to a non-root caller leaves it out.
+- A page stops before it would take the reply past `MAX_REPLY_BYTES`: each entry's
+  encoded size is bounded from above, so the bound holds without encoding twice.
+- A cursor is only what a page wrote; anything else is refused, never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Final, Generic
+
+import msgspec
+
+from watchdogd_client.protocol import (
+    MAX_COMMAND_BYTES,
+    MAX_JOB_BYTES,
+    MAX_REPLY_BYTES,
+    DaemonInfo,
+    ErrorCode,
+    EventInfo,
+    Events,
+    EventsReply,
+    Incident,
+    IncidentReply,
+    Incidents,
+    IncidentsReply,
+    Policies,
+    PoliciesReply,
+    PolicyInfo,
+    Status,
+    StatusReply,
+    StepResult,
+    Suggest,
+    SuggestionInfo,
+    SuggestReply,
+    TimerInfo,
+    Why,
+    WhyReply,
+    WhyTimer,
+)
+
+from .._version import __version__
+from ..errors import Refusal
+from .arming import Arming
+from .bridge import FleetBridge
+from .counters import Counters
+from .events import EventLog
+from .firing import Firing
+from .history import History
+from .identity import ROOT, Peer
+from .incidents import IncidentLog
+from .ports import Journal, P, ProcessPort
+from .rules import Rules
+from .timers import Timer, TimerTable, Watch
+
+#: What a status page may spend on timers and command lines: the reply bound less
+#: generous room for the rest (the daemon summary, the cursor, the framing).
+_STATUS_PAGE_BYTES: Final = MAX_REPLY_BYTES - 4096
+#: The most a `TimerInfo` takes encoded, besides its scope, policy and job: eight
+#: keys (50 bytes), three ints and a float (24), three string headers (15), an
+#: empty command.
+_TIMER_BYTES: Final = 100
+#: The most an entry of `StatusReply.commands` takes besides its text.
+_COMMAND_BYTES: Final = 16
+#: The most a `SuggestionInfo` takes encoded, besides its executable and scope.
+_SUGGESTION_BYTES: Final = 160
+#: Ends a command line cut to fit.
+_CLIPPED: Final = "…"
+#: How long a command line read for a status page is shown again without being
+#: read again (`_CommandLines`).
+_COMMAND_SECONDS: Final = 1.0
+#: A status cursor: a deadline as ``repr`` writes a float, then its timer's sequence
+#: number.
+_CURSOR: Final = re.compile(r"(?P<deadline>-?[0-9][0-9.e+-]{0,31})/(?P<seq>[0-9]{1,19})")
+_MAX_SEQ: Final = 2**63 - 1
+
+
+class Pages(Generic[P]):
+    """The answers to the requests that only read."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        table: TimerTable[P],
+        processes: ProcessPort[P],
+        journal: Journal,
+        *,
+        firing: Firing[P],
+        arming: Arming[P],
+        fleet: FleetBridge[P],
+        events: EventLog,
+        history: History,
+        incidents: IncidentLog,
+        metrics: Counters,
+        render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
+        daemon_pid: int,
+        started: float,
+    ) -> None:
+        self._rules = rules
+        self._table = table
+        self._processes = processes
+        self._journal = journal
+        self._firing = firing
+        self._arming = arming
+        self._fleet = fleet
+        self._events = events
+        self._history = history
+        self._incidents = incidents
+        self._metrics = metrics
+        self._render_metrics = render_metrics
+        self._daemon_pid = daemon_pid
+        self._started = started
+        self._command_lines: _CommandLines[P] = _CommandLines()
+
+    def status(self, request: Status, peer: Peer, now: float) -> StatusReply:
+        """A page of the timers ``peer`` may see, soonest first: ``request.limit`` of
+        them, or fewer when the next would take the reply past `MAX_REPLY_BYTES`
+        (each timer's and each new command line's encoded size is bounded from
+        above, so the bound holds without encoding twice). Each process's command
+        line is sent once, cut to `MAX_COMMAND_BYTES`, and read from the system
+        at most once a second (`_CommandLines`).
+
+        Root's page is read from the table's order, from the cursor on: its cost
+        is the page's, whatever the number of timers. Another uid's page is
+        chosen among the timers that uid may see (`TimerTable.visible_to`): its
+        cost follows that uid's timers, never the host's."""
+        after = _parse_cursor(request.cursor)
+        if peer.uid == ROOT:
+            page = list(itertools.islice(self._table.soonest(after), request.limit + 1))
+        else:
+            visible = self._table.visible_to(peer.uid)
+            if after is not None:
+                visible = (timer for timer in visible if (timer.deadline, timer.seq) > after)
+            page = heapq.nsmallest(request.limit + 1, visible)
+        room = _STATUS_PAGE_BYTES
+        commands: dict[int, str] = {}
+        timers: list[TimerInfo] = []
+        for timer in page[: request.limit]:
+            cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
+            job, rank = ("", None) if timer.watch is None else (timer.watch.job, timer.watch.rank)
+            if job:
+                cost += MAX_JOB_BYTES
+            command = None
+            if timer.pid not in commands:
+                process = self._table.process(timer.pid)
+                command = (
+                    "?"
+                    if process is None
+                    else self._command_lines.get(process, now, self._processes.command)
+                )
+                cost += _COMMAND_BYTES + len(command.encode())
+            if cost > room and timers:
+                break
+            room -= cost
+            if command is not None:
+                commands[timer.pid] = command
+            timers.append(
+                TimerInfo(
+                    pid=timer.pid,
+                    scope=timer.scope,
+                    remaining=max(0.0, timer.deadline - now),
+                    policy=timer.policy,
+                    uid=timer.uid,
+                    job=job,
+                    rank=rank,
+                )
+            )
+        self._command_lines.forget_old(now, keep=self._table.process_count)
+        cursor = None
+        if len(timers) < len(page):
+            last = page[len(timers) - 1]
+            cursor = f"{last.deadline!r}/{last.seq}"
+        return StatusReply(
+            id=request.id,
+            daemon=self.info(now),
+            timers=timers,
+            cursor=cursor,
+            commands=commands,
+        )
+
+    def incidents(
+        self, request: Incidents | Incident, peer: Peer
+    ) -> IncidentsReply | IncidentReply:
+        """The incidents ``peer`` may see, or one of them."""
+        if isinstance(request, Incidents):
+            listing = self._incidents.listing(peer.uid, request.limit)
+            return IncidentsReply(id=request.id, incidents=listing)
+        found = self._incidents.get(request.incident, peer.uid, peer.gid)
+        if found is None:
+            raise Refusal(
+                ErrorCode.NO_SUCH_INCIDENT,
+                f"no incident {request.incident!r} that you may see; "
+                "watchdogctl incidents lists them",
+            )
+        return IncidentReply(id=request.id, incident=found)
+
+    def suggest(self, request: Suggest, peer: Peer) -> SuggestReply:
+        """A page of what history says, the caller's own uid's (root: all), cut
+        to fit a reply like a status page."""
+        rows = self._history.suggestions(None if peer.uid == ROOT else peer.uid)
+        page: list[SuggestionInfo] = []
+        room = _STATUS_PAGE_BYTES
+        cursor: int | None = None
+        for index, row in enumerate(itertools.islice(rows, request.cursor, None)):
+            cost = _SUGGESTION_BYTES + len(row.executable.encode()) + len(row.scope.encode())
+            if len(page) == request.limit or (cost > room and page):
+                cursor = request.cursor + index
+                break
+            room -= cost
+            page.append(row)
+        return SuggestReply(
+            id=request.id,
+            suggestions=page,
+            min_samples=self._history.min_samples,
+            margin=self._history.margin,
+            cursor=cursor,
+        )
+
+    def why(self, request: Why, peer: Peer, now: float) -> WhyReply:
+        """What the daemon knows about process ``request.pid``, as ``peer`` may see it."""
+        pid = request.pid
+        process = self._table.process(pid)
+
+        def mine(timer: Timer) -> bool:
+            return peer.uid in (ROOT, timer.uid, timer.owner)
+
+        armed = [] if process is None else self._table.timers_of(pid)
+        held = [timer for timer in armed if mine(timer)]
+        held += [timer for timer in self._firing.of_pid(pid) if mine(timer)]
+        shown = held[: request.limit]
+        timers = [self._why_timer(timer, now) for timer in shown]
+        events = self._events.about(pid, request.limit, peer.uid)
+        if peer.uid != ROOT:
+            events = [_without_output(event) for event in events]
+        suggestions: list[SuggestionInfo] = []
+        executable = ""
+        if process is not None and held:
+            executable = self._processes.executable(process)
+            for scope in sorted({timer.scope for timer in shown}):
+                row = self._history.suggestion((process.uid, executable, scope))
+                if row is not None:
+                    suggestions.append(row)
+        return WhyReply(
+            id=request.id,
+            pid=pid,
+            command=""
+            if process is None or not held
+            else self._command_lines.get(process, now, self._processes.command),
+            executable=executable,
+            uid=None if process is None or not held else process.uid,
+            timers=timers,
+            more=len(held) - len(shown),
+            events=events,
+            suggestions=suggestions,
+            incidents=self._incidents.about(pid, peer.uid)[-request.limit :],
+        )
+
+    def _why_timer(self, timer: Timer, now: float) -> WhyTimer:
+        watch = timer.watch
+        firing = ""
+        if timer.firing:
+            policy, _ = self._rules.policy_for(timer.policy)
+            steps = policy.steps
+            firing = (
+                f"step {timer.step + 1} of {len(steps)}: {steps[timer.step].describe()}"
+                if timer.step < len(steps)
+                else "finishing"
+            )
+        return WhyTimer(
+            scope=timer.scope,
+            policy=timer.policy,
+            remaining=max(0.0, timer.deadline - now),
+            timeout=timer.timeout,
+            armed=now - timer.armed_at,
+            due="stalled" if timer.stalled else "timeout",
+            owner=timer.owner,
+            timeout_from="" if watch is None else watch.timeout_from,
+            progress=None if watch is None else watch.progress,
+            progressed=None if watch is None else now - watch.progressed_at,
+            stall=0.0 if watch is None else watch.stall,
+            firing=firing,
+            notes=_why_notes(watch),
+        )
+
+    def info(self, now: float) -> DaemonInfo:
+        """The daemon summary sent with status."""
+        return DaemonInfo(
+            version=__version__,
+            pid=self._daemon_pid,
+            uptime=now - self._started,
+            timers=len(self._table),
+            processes=self._table.process_count,
+            connections=self._arming.connections,
+            requests=self._metrics.requests_total,
+            expired=self._metrics.expired,
+            exited=self._metrics.exited,
+            state_degraded=self._journal.degraded,
+            fleet=self._fleet.state,
+        )
+
+    def events(self, request: Events, peer: Peer) -> EventsReply:
+        events = self._events.page(request.after, request.limit, peer.uid)
+        if peer.uid != ROOT:
+            events = [_without_output(event) for event in events]
+        last = events[-1].seq if events else self._events.last
+        return EventsReply(id=request.id, events=events, last=last)
+
+    def policies(self, request: Policies) -> PoliciesReply:
+        infos = [
+            PolicyInfo(
+                name=policy.name,
+                target=policy.target,
+                steps=policy.describe(),
+                root_only=policy.root_only,
+                builtin=policy.builtin,
+                stall=policy.stall,
+            )
+            for policy in sorted(self._rules.policies.values(), key=lambda policy: policy.name)
+        ]
+        return PoliciesReply(id=request.id, policies=infos, default=self._rules.default_policy)
+
+    def metrics_text(self) -> str:
+        """The metrics and the current gauges, as the renderer given at start
+        writes them (the Prometheus text format, `watchdogd.runtime.metrics.exposition`)."""
+        self._metrics.job_processes = _top_jobs(self._table.jobs(), Counters.JOB_LABELS)
+        return self._render_metrics(
+            self._metrics,
+            {
+                "timers_armed": ("Timers armed now.", len(self._table)),
+                "processes_watched": (
+                    "Processes with timers armed now.",
+                    self._table.process_count,
+                ),
+                "connections_open": ("Connections open now.", self._arming.connections),
+                "events_kept": ("Events kept in memory now.", len(self._events)),
+                "state_write_failures": (
+                    "Writes of the state file that failed since start.",
+                    self._journal.errors,
+                ),
+                "state_degraded": (
+                    "1 while the state cannot be written: timers are kept in memory only.",
+                    int(self._journal.degraded),
+                ),
+                "expiries_in_progress": (
+                    "Expired timers whose policy is still being carried out.",
+                    len(self._firing),
+                ),
+                "dumps_running": ("Dump steps running now.", self._metrics.dumps_running),
+                "dumps_waiting": (
+                    "Dump steps waiting for a turn now: at most max_dumps run at once.",
+                    self._metrics.dumps_waiting,
+                ),
+                "dumps_max": (
+                    "Dump steps run at once at most (max_dumps).",
+                    self._rules.daemon.max_dumps,
+                ),
+                **self._fleet.gauges(),
+            },
+        )
+
+
+def _top_jobs(jobs: dict[tuple[int, str], int], labels: int) -> dict[tuple[int, str], int]:
+    """The ``labels`` jobs with the most processes, and the rest summed as job
+    ``(other)`` of uid 0."""
+    ranked = sorted(jobs.items(), key=lambda item: (-item[1], item[0]))
+    top = dict(ranked[:labels])
+    rest = sum(count for _, count in ranked[labels:])
+    if rest:
+        top[(ROOT, "(other)")] = rest
+    return top
+
+
+def _why_notes(watch: Watch | None) -> list[str]:
+    """What `Why` says of a timer beyond its fields: its job, and any extension."""
+    if watch is None:
+        return []
+    notes = []
+    if watch.job:
+        rank = "" if watch.rank is None else f" as rank {watch.rank}"
+        notes.append(f"of job {watch.job}{rank}")
+    if watch.baseline is not None and not watch.extended:
+        notes.append("its policy judges starvation at its deadline (measured when armed)")
+    if watch.extended:
+        notes.append(f"given {watch.extended:g}s more as starved (its extended event says why)")
+    return notes
+
+
+def _without_output(event: EventInfo) -> EventInfo:
+    """``event`` as a non-root caller sees it: its steps without their output."""
+    if not any(step.output for step in event.steps):
+        return event
+    steps = [StepResult(step=step.step, result=step.result) for step in event.steps]
+    return msgspec.structs.replace(event, steps=steps)
+
+
+class _CommandLines(Generic[P]):
+    """The command lines status pages show, each kept `_COMMAND_SECONDS` after it
+    was read, by process (pid and start time), cut to `MAX_COMMAND_BYTES`.
+
+    Reading /proc/PID/cmdline costs some 10 µs (the kernel copies it out of the
+    process's memory): a page of 1,000 timers on 1,000 processes spent most of
+    its time there, and a walk of every page (``watchdogctl status``) meets the
+    same processes page after page. A process that changes its command line
+    (setproctitle, exec) shows the new one within that time."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self) -> None:
+        self._lines: dict[tuple[int, int], tuple[float, str]] = {}
+
+    def get(self, process: P, now: float, read: Callable[[P], str]) -> str:
+        key = (process.pid, process.start_time)
+        held = self._lines.get(key)
+        if held is not None and now - held[0] < _COMMAND_SECONDS:
+            return held[1]
+        line = _clip(read(process), MAX_COMMAND_BYTES)
+        self._lines[key] = (now, line)
+        return line
+
+    def forget_old(self, now: float, keep: int) -> None:
+        """Drop the lines past their time once there are more than ``keep`` (the
+        processes in the table) and a margin: bounded, and rarely a pass."""
+        if len(self._lines) > 2 * keep + 1024:
+            self._lines = {
+                key: held for key, held in self._lines.items() if now - held[0] < _COMMAND_SECONDS
+            }
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes, ending in `_CLIPPED` if it was cut."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - len(_CLIPPED.encode())].decode(errors="ignore") + _CLIPPED
+
+
+def _parse_cursor(cursor: str | None) -> tuple[float, int] | None:
+    """The position ``deadline/seq`` a status page ends at, or None for the first.
+    Only what `Pages.status` writes is one: a finite deadline and a sequence
+    number within 64 bits."""
+    if cursor is None:
+        return None
+    found = _CURSOR.fullmatch(cursor)
+    position = None
+    if found is not None:
+        with contextlib.suppress(ValueError):  # "1.2.3", "1e-" and the like
+            position = (float(found["deadline"]), int(found["seq"]))
+    if position is None or not math.isfinite(position[0]) or position[1] > _MAX_SEQ:
+        raise Refusal(
+            ErrorCode.INVALID_REQUEST,
+            f"not a status cursor: {cursor!r}; pass the cursor of the page before "
+            "(none for the first page)",
+        )
+    return position

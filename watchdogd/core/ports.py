@@ -1,0 +1,117 @@
+"""The ports through which the core asks the runtime for what it cannot do itself.
+
+A process port opens, watches and reads processes (`ProcessPort`, on a real host
+`watchdogd.runtime.daemon.HostProcesses`), a journal makes the timers' changes durable
+(`Journal`, `watchdogd.storage.store.Store`). The core holds handles only through
+`TargetProcess`, so its rules run the same on a fake host in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+from .identity import Peer
+from .starvation import Sample
+from .timers import Timer
+
+
+class TargetProcess(Protocol):
+    """What the service needs of a process handle."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def saved_uid(self) -> int: ...
+    @property
+    def start_time(self) -> int: ...
+    def retain(self) -> TargetProcess: ...
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=TargetProcess)
+
+
+class Journal(Protocol):
+    """Where the service reports each change of the timers it must keep (the
+    state store, `watchdogd.storage.store.Store`)."""
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every change."""
+
+    @property
+    def degraded(self) -> bool:
+        """Whether changes are currently not made durable (a failing disk)."""
+
+    @property
+    def errors(self) -> int:
+        """Writes that failed."""
+
+    def put(self, timer: Timer) -> None:
+        """``timer`` is armed (new or re-armed), or its policy moved on a step."""
+
+    def drop(self, timer: Timer) -> None:
+        """``timer`` is gone: released, its process exited, or its policy ended."""
+
+    def commit(self, generation: int) -> bool:
+        """Write what is pending; whether every change up to ``generation`` is in."""
+
+    def commit_soon(self) -> None:
+        """Have what is pending written soon, though no reply waits for it."""
+
+
+class NullJournal:
+    """The journal of a daemon without state (``--no-state``): remembers nothing,
+    and so is never degraded."""
+
+    generation = 0
+    errors = 0
+    degraded = False
+
+    def put(self, timer: Timer) -> None:
+        pass
+
+    def drop(self, timer: Timer) -> None:
+        pass
+
+    def commit(self, generation: int) -> bool:
+        return True
+
+    def commit_soon(self) -> None:
+        pass
+
+
+class ProcessPort(Protocol[P]):
+    """The system calls request handling needs, behind one interface."""
+
+    def open(self, pid: int, peer: Peer) -> P:
+        """Open a handle on ``pid``; raise `Refusal` (no_such_process) if it is gone."""
+
+    def alive(self, process: P) -> bool:
+        """Whether the process still holds its pid."""
+
+    def refresh(self, process: P) -> bool:
+        """Read its real and saved uid again, into the handle; False when it has
+        exited (the handle then keeps the old ones)."""
+
+    def command(self, process: P) -> str:
+        """Its command line, for status."""
+
+    def executable(self, process: P) -> str:
+        """The path of the executable it runs, for its history."""
+
+    def track(self, process: P) -> None:
+        """Watch it for its exit (it entered the table); idempotent."""
+
+    def untrack(self, process: P) -> None:
+        """Drop the table's reference (it left the table)."""
+
+    def user_name(self, uid: int) -> str:
+        """The fleet name of user ``uid`` (`watchdogd.host.users`) if known at once, else
+        ``#UID``; never a lookup that waits (it is asked for, for next time)."""
+
+    def sample(self, process: P) -> Sample | None:
+        """What the kernel says of it now: its CPU time and the pressure on its
+        cgroup and on the host; None once it has exited."""
