@@ -35,9 +35,9 @@ import msgspec
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
 from ..logs import Throttle, logfmt
+from .identity import ROOT
 from .shares import Shares
 
-ROOT: Final = 0
 #: Room left in a reply for what surrounds the events (type, id, last).
 _ENVELOPE_BYTES: Final = 4096
 #: The most one event may take: a page of one event always fits in a reply.

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+#: The superuser's uid: kill(2) lets it signal any process, and every per-uid limit
+#: and view of the daemon leaves it out.
+ROOT: Final = 0
 
 
 @dataclass(slots=True, frozen=True)

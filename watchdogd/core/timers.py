@@ -34,11 +34,12 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final, Generic, NamedTuple, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
 from .heap import Deadlines
+from .identity import ROOT
 from .starvation import Sample
 
 
@@ -56,8 +57,6 @@ Key = tuple[int, str]
 #: Where the state keeps a timer: its key, and 0 while it is armed or its firing
 #: number once it fell due (so a firing record and a re-arm of the same key coexist).
 StoreKey = tuple[int, str, int]
-#: Root sees every timer, in the table's own order: its timers need no index.
-ROOT_UID: Final = 0
 
 
 class Timer(
@@ -530,11 +529,11 @@ class TimerTable(Generic[P]):
             by_owner[owner] = remaining
         else:
             del by_owner[owner]
-        if uid == owner == ROOT_UID:
+        if uid == owner == ROOT:
             return  # root's own timers: root sees them through the order
         visible, pid = self._visible, timer.pid
         for viewer in (uid,) if uid == owner else (uid, owner):
-            if viewer == ROOT_UID:
+            if viewer == ROOT:
                 continue
             pids = visible.get(viewer)
             if pids is None:
@@ -582,5 +581,5 @@ def _viewers(timers: list[Timer]) -> Counter[int]:
     own = map(operator.eq, map(_uid_of, timers), map(_owner_of, timers))
     for uid, twice in Counter(itertools.compress(map(_uid_of, timers), own)).items():
         seen[uid] -= twice
-    del seen[ROOT_UID]
+    del seen[ROOT]
     return +seen

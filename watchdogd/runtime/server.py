@@ -45,7 +45,8 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
-from ..core.service import ROOT, Service
+from ..core.identity import ROOT
+from ..core.service import Service
 from ..core.session import Session
 from ..errors import ListenError, Refusal
 from ..host.process import peer_of
