@@ -15,9 +15,11 @@ import threading
 
 import pytest
 
+from watchdogd.core.identity import ROOT
 from watchdogd.errors import Refusal
 from watchdogd.host import process as process_module
 from watchdogd.host.process import (
+    kill_permits,
     open_process,
     peer_of,
     ptrace_reader,
@@ -58,6 +60,29 @@ def test_a_reaped_process_is_never_signalled_again() -> None:
     with pytest.raises(ProcessLookupError):
         process.send_signal(signal.SIGKILL)
     process.close()
+
+
+def test_kill_permits_root_anything_and_a_user_its_real_or_saved_uid() -> None:
+    assert kill_permits(ROOT, (1000, 1000))
+    assert kill_permits(1000, (1000, 0))  # its real uid
+    assert kill_permits(1000, (0, 1000))  # its saved uid: a setuid program run by 1000
+    assert not kill_permits(1001, (1000, 1000))
+    assert not kill_permits(1000, (0, 0))
+
+
+def test_signallable_by_follows_kill_permits_until_the_process_is_gone() -> None:
+    child = sleeper()
+    other = 65534 if os.getuid() != 65534 else 65533
+    process = open_process(child.pid)
+    try:
+        assert process.signallable_by(os.getuid())
+        assert process.signallable_by(ROOT)
+        assert not process.signallable_by(other)
+        reap(child)
+        assert not process.signallable_by(os.getuid())
+    finally:
+        process.close()
+        reap(child)
 
 
 def test_a_zombie_still_holds_its_pid() -> None:

@@ -24,7 +24,7 @@ from typing import Final
 
 from watchdogd_client.protocol import ErrorCode
 
-from ..core.identity import Peer
+from ..core.identity import ROOT, Peer
 from ..errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
@@ -143,10 +143,9 @@ class Process:
         return True
 
     def signallable_by(self, uid: int) -> bool:
-        """Whether ``uid`` may signal the process now, as kill(2) would judge a
-        user's signal: it is still the process's real or saved uid (read again,
-        `refresh`). False once the process has exited."""
-        return self.refresh() and uid in (self.uid, self.saved_uid)
+        """Whether ``uid`` may signal the process now, by `kill_permits` on its uids
+        read again (`refresh`). False once the process has exited."""
+        return self.refresh() and kill_permits(uid, (self.uid, self.saved_uid))
 
     def command(self) -> str:
         """The process's command line, or ``[comm]`` when it has none (a zombie)."""
@@ -167,6 +166,15 @@ class Process:
         """Keep its command line as it is now (it entered the timer table)."""
         if not self.armed_command:
             self.armed_command = command_of(self.pid)[:_REMEMBERED_COMMAND]
+
+
+def kill_permits(sender: int, uids: tuple[int, int]) -> bool:
+    """kill(2)'s rule, the one every signal of the daemon's follows: root may signal
+    any process, another uid a process whose real or saved uid (``uids``, as
+    `uids_of` reads them) is that uid. It judges ``sender``, not the daemon: a
+    timer armed by a user acts only where that user could, though the daemon
+    itself may hold CAP_KILL."""
+    return sender == ROOT or sender in uids
 
 
 def holds_pid(pidfd: int) -> bool:
@@ -322,7 +330,7 @@ def ptrace_reader(pid: int) -> tuple[int, int] | None:
     if len(uids) != 1 or len(gids) != 1:
         return None
     uid, gid = uids.pop(), gids.pop()
-    if uid == 0 or (owner.st_uid, owner.st_gid) != (uid, gid):
+    if uid == ROOT or (owner.st_uid, owner.st_gid) != (uid, gid):
         return None
     return uid, gid
 
