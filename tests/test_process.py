@@ -44,7 +44,7 @@ def test_open_reads_identity_and_signals_exactly_that_process() -> None:
         # arguments a moment later (until then /proc shows "[sleep]").
         wait_until(lambda: process.command() == "sleep 300", what="the command line")
         assert process.alive()
-        process.send_signal(signal.SIGKILL)
+        signal.pidfd_send_signal(process.fd, signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
         process.close()
     finally:
@@ -58,7 +58,7 @@ def test_a_reaped_process_is_never_signalled_again() -> None:
     assert not process.alive()
     # Whatever process may hold the pid now, the pidfd refers to the old one.
     with pytest.raises(ProcessLookupError):
-        process.send_signal(signal.SIGKILL)
+        signal.pidfd_send_signal(process.fd, signal.SIGKILL)
     process.close()
 
 

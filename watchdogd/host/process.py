@@ -1,8 +1,9 @@
 """Processes as the daemon sees them: pidfds, peer credentials and /proc.
 
-Every signal the daemon sends goes through a pidfd (`Process.send_signal`), opened
-when the process's first timer was armed, so a pid that was recycled in the meantime is
-never signalled: the old pidfd only ever refers to the old process.
+Every signal the daemon sends goes through a pidfd: a `Process`'s own, opened when
+the process's first timer was armed, or one that `watchdogd.host.targets` pins a
+target's member by. So a pid that was recycled in the meantime is never signalled:
+the old pidfd only ever refers to the old process.
 
 Identity comes from the kernel only: `peer_of` reads SO_PEERCRED (pid, uid, gid) and,
 where the kernel has it (Linux >= 6.5), SO_PEERPIDFD, a pidfd for the exact process
@@ -117,10 +118,6 @@ class Process:
                 self.on_last_close = None
             os.close(self.fd)
             self.fd = -1
-
-    def send_signal(self, signum: int) -> None:
-        """Signal exactly this process. Raises ProcessLookupError once it is reaped."""
-        signal.pidfd_send_signal(self.fd, signum)
 
     def alive(self) -> bool:
         """Whether the process still holds its pid (running, stopped or a zombie)."""
