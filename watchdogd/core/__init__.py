@@ -6,10 +6,10 @@ rule some of them apply first (`starvation`), the events ring (`events`) and
 the incident log (`incidents`) with the per-uid shares they keep (`shares`), the
 counters (`counters`) and the config model (`config`). Nothing here
 imports trio, sqlite3, socket, subprocess or prometheus_client, or reads a clock:
-the caller passes ``now``. The core tells the runtime modules beside it (server,
-scheduler, actions, store, systemd) what must happen through a few narrow ports: a
-process port to open and watch processes, a journal to persist and forget timers,
-a callback to wake the scheduler at a deadline, and the expiries it returns for
-their policies to run. A test imports this package in a fresh interpreter and
-checks that none of those modules was loaded.
+the caller passes ``now``. A test imports this package in a fresh interpreter and
+checks that none of those modules was loaded. The core tells the packages around
+it (`watchdogd.runtime`, `watchdogd.storage`, `watchdogd.host`) what must happen
+through a few narrow ports: a process port to open and watch processes, a journal
+to persist and forget timers, a callback to wake the scheduler at a deadline, and
+the expiries it returns for their policies to run.
 """

@@ -6,13 +6,13 @@ cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 
 Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
 created is removed, no timer fires on the way out, and a policy in progress is
-abandoned); SIGHUP reloads the config file, keeping the old config when the new one
-is invalid, and never changes a log level given on the command line. The
-``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
-unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads
-its config, binds its socket or loads its state is a reload once it is up, not a
-hang-up that kills it. (Before the command's code runs at all, while the interpreter
-imports its modules, SIGHUP still has its default action.)
+abandoned); SIGHUP reloads the config file, keeping the old config when the new one is
+invalid, and never changes a log level given on the command line. The ``watchdogd``
+command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
+unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads its
+config, binds its socket or loads its state is a reload once it is up, not a hang-up
+that kills it. (Before the command's code runs at all, while the interpreter imports
+its modules, SIGHUP still has its default action.)
 
 A daemon that cannot start (its state file is held by another daemon, say) removes
 the socket file it created.
