@@ -9,16 +9,16 @@ each chunk's last entry: the layout of sortedcontainers' ``SortedList``. Adding 
 removing an entry is a binary search over the chunks' last entries, then one in a
 chunk, then a move of at most a chunk of pointers, all in C; an entry with the
 latest deadline (a timer armed with the usual timeout) is appended without a
-search. Against the binary heap this module held before, with ``(deadline, seq,
-key)`` tuples and a dict of the live keys:
+search. Against a binary heap of ``(deadline, seq, key)`` tuples beside a dict of
+the live keys (trio's ``Deadlines``):
 
 - the order is total, so a status page starts at its cursor in O(log n) and reads
   on from there, where a heap must be walked whole;
 - a removal removes: no stale entries to skip, and no rebuild of the whole heap
   (a pass over every timer in one go) when they pile up;
 - the entries are the caller's own records (the timer table holds its `Timer`
-  records, which order themselves by their first two fields): 8 bytes of pointer
-  an entry, no tuple, no key, no second dict.
+  records, which order themselves by their first two fields): one pointer an
+  entry, no tuple, no key, no second dict.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Deadlines(Generic[E]):
         """Sort ``entries`` in place into the order `Deadlines` keeps.
 
         Sorts on one plain number at a time, which CPython runs without calling
-        back into Python: several times faster than comparing the entries. The
+        back into Python, as a comparison of the entries would for each pair. The
         deadline first; only if some share one (rare: timers armed by requests
         have distinct deadlines) by ``seq`` and then the deadline again, and only
         if some tie on both (records of a schema that had no ``seq``) by comparing
