@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from watchdogd.core.events import MAX_EVENT_BYTES, EventLog
+from watchdogd.core.identity import ROOT
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
     EventInfo,
@@ -16,9 +17,6 @@ from watchdogd_client.protocol import (
 
 def event(pid: int, uid: int = 0, kind: str = "expired") -> EventInfo:
     return EventInfo(seq=0, kind=kind, time=1.0, pid=pid, uid=uid, scope="s", policy="kill")
-
-
-ROOT = 0
 
 
 def test_events_are_numbered_and_paged() -> None:

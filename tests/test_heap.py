@@ -1,5 +1,6 @@
-"""The ordered deadlines and the keyed heap on them, by example and against plain
-models (hypothesis), with chunks small enough that every split and merge happens."""
+"""The ordered deadlines, and deadlines by key on them (`KeyedDeadlines`), by example
+and against plain models (hypothesis), with chunks small enough that every split and
+merge happens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.core.heap import DeadlineHeap, Deadlines
+from watchdogd.core.heap import Deadlines
+
+from keyed_deadlines import KeyedDeadlines
 
 
 class Entry(msgspec.Struct, frozen=True, order=True):
@@ -21,7 +24,7 @@ class Entry(msgspec.Struct, frozen=True, order=True):
 
 
 def test_earliest_first_and_replacement() -> None:
-    heap: DeadlineHeap[str] = DeadlineHeap()
+    heap: KeyedDeadlines[str] = KeyedDeadlines()
     heap.set("a", 3.0)
     heap.set("b", 1.0)
     heap.set("c", 2.0)
@@ -32,17 +35,17 @@ def test_earliest_first_and_replacement() -> None:
 
 
 def test_equal_deadlines_come_out_in_the_order_they_were_set() -> None:
-    heap: DeadlineHeap[int] = DeadlineHeap()
+    heap: KeyedDeadlines[int] = KeyedDeadlines()
     for key in (3, 1, 2):
         heap.set(key, 1.0)
     assert [key for key, _ in heap.pop_due(1.0)] == [3, 1, 2]
 
 
 def test_pop_due_takes_at_most_its_limit_earliest_first() -> None:
-    heap: DeadlineHeap[int] = DeadlineHeap()
+    heap: KeyedDeadlines[int] = KeyedDeadlines()
     for key in range(10):
         heap.set(key, float(key))
-    heap.remove(1)  # a stale entry does not count against the limit
+    heap.remove(1)  # a removed key does not count against the limit
     assert heap.pop_due(5.0, limit=3) == [(0, 0.0), (2, 2.0), (3, 3.0)]
     assert heap.pop_due(5.0, limit=0) == []
     assert heap.pop_due(5.0, limit=10) == [(4, 4.0), (5, 5.0)]
@@ -50,7 +53,7 @@ def test_pop_due_takes_at_most_its_limit_earliest_first() -> None:
 
 
 def test_remove_and_absent_keys() -> None:
-    heap: DeadlineHeap[str] = DeadlineHeap()
+    heap: KeyedDeadlines[str] = KeyedDeadlines()
     heap.set("a", 1.0)
     assert heap.remove("a") is True
     assert heap.remove("a") is False
@@ -60,7 +63,7 @@ def test_remove_and_absent_keys() -> None:
 
 
 def test_a_renewed_key_leaves_nothing_behind() -> None:
-    heap: DeadlineHeap[str] = DeadlineHeap()
+    heap: KeyedDeadlines[str] = KeyedDeadlines()
     for i in range(100_000):
         heap.set("renewed", float(i))  # a worker kicking its timer in a loop
     assert len(heap) == 1
@@ -118,7 +121,7 @@ class HeapAgainstDict(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.heap: DeadlineHeap[int] = DeadlineHeap()
+        self.heap: KeyedDeadlines[int] = KeyedDeadlines()
         self.model: dict[int, float] = {}
 
     @rule(key=keys, deadline=times)

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from watchdogd.core.identity import ROOT, may_signal
 from watchdogd.errors import Refusal
 from watchdogd.host import process as process_module
 from watchdogd.host.process import (
@@ -42,7 +43,7 @@ def test_open_reads_identity_and_signals_exactly_that_process() -> None:
         # arguments a moment later (until then /proc shows "[sleep]").
         wait_until(lambda: process.command() == "sleep 300", what="the command line")
         assert process.alive()
-        process.send_signal(signal.SIGKILL)
+        signal.pidfd_send_signal(process.fd, signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
         process.close()
     finally:
@@ -56,8 +57,31 @@ def test_a_reaped_process_is_never_signalled_again() -> None:
     assert not process.alive()
     # Whatever process may hold the pid now, the pidfd refers to the old one.
     with pytest.raises(ProcessLookupError):
-        process.send_signal(signal.SIGKILL)
+        signal.pidfd_send_signal(process.fd, signal.SIGKILL)
     process.close()
+
+
+def test_may_signal_root_anything_and_a_user_its_real_or_saved_uid() -> None:
+    assert may_signal(ROOT, 1000, 1000)
+    assert may_signal(1000, 1000, 0)  # its real uid
+    assert may_signal(1000, 0, 1000)  # its saved uid: a setuid program run by 1000
+    assert not may_signal(1001, 1000, 1000)
+    assert not may_signal(1000, 0, 0)
+
+
+def test_signallable_by_follows_may_signal_until_the_process_is_gone() -> None:
+    child = sleeper()
+    other = 65534 if os.getuid() != 65534 else 65533
+    process = open_process(child.pid)
+    try:
+        assert process.signallable_by(os.getuid())
+        assert process.signallable_by(ROOT)
+        assert not process.signallable_by(other)
+        reap(child)
+        assert not process.signallable_by(os.getuid())
+    finally:
+        process.close()
+        reap(child)
 
 
 def test_a_zombie_still_holds_its_pid() -> None:

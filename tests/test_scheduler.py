@@ -5,15 +5,16 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from watchdogd.core.heap import DeadlineHeap
 from watchdogd.runtime.scheduler import Scheduler
+
+from keyed_deadlines import KeyedDeadlines
 
 
 class Harness:
     """A heap of deadlines on trio's clock and a record of every wake-up."""
 
     def __init__(self) -> None:
-        self.heap: DeadlineHeap[str] = DeadlineHeap()
+        self.heap: KeyedDeadlines[str] = KeyedDeadlines()
         self.fired: list[tuple[str, float]] = []
         self.wakeups = 0
         self.scheduler = Scheduler(
@@ -89,7 +90,7 @@ class Batched:
     one a pass, logging the order of everything it does."""
 
     def __init__(self, batch: int) -> None:
-        self.heap: DeadlineHeap[str] = DeadlineHeap()
+        self.heap: KeyedDeadlines[str] = KeyedDeadlines()
         self.batch = batch
         self.unsettled: list[str] = []
         self.log: list[str] = []

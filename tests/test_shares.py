@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdogd.core.shares import ROOT, Shares
+from watchdogd.core.identity import ROOT
+from watchdogd.core.shares import Shares
 
 UIDS = st.sampled_from([ROOT, 1000, 1001, 1002, 1003, 65534])
 

@@ -109,8 +109,8 @@ async def test_no_daemon(tmp_path: Path) -> None:
 
 async def test_a_frame_over_the_bound_is_refused_not_unreachable(daemon: RunningDaemon) -> None:
     # The daemon refuses while the client is still sending the frame. Were it to
-    # close with the rest unread, the client could see the reset before the
-    # refusal (2 % of the time here): 200 tries show it.
+    # close with the rest unread, the client could now and then see the reset
+    # before the refusal: 200 tries show it.
     for _ in range(200):
         async with open_client(str(daemon.socket_path)) as client:
             await client.ping()

@@ -5,7 +5,7 @@ the key and what was expected. Each setting has a default, so the daemon runs wi
 file at all. Precedence for the socket: ``--socket``, then ``$WATCHDOGD_SOCKET``, then
 the file's ``[daemon] socket``, then the default of `watchdogd_client.paths`.
 
-Policies are ``[policies.NAME]`` tables; see `watchdogd.policies` for what they mean::
+Policies are ``[policies.NAME]`` tables; see `watchdogd.core.policies` for what they mean::
 
     [policies.graceful]
     target = "tree"                     # or "process" (default), "group", "cgroup"
@@ -21,7 +21,7 @@ A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``e
 (an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
 take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
 stand anywhere after the program and ``{scope}`` only after a ``--`` argument
-(`watchdogd.policies.check_argv`); a file that breaks this is refused.
+(`watchdogd.core.policies.check_argv`); a file that breaks this is refused.
 
 Whether the host can serve a policy (``target = "cgroup"`` needs a cgroup v2
 hierarchy mounted) is a fact of the host, not of the file: `watchdogd.runtime.daemon`

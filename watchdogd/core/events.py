@@ -34,10 +34,10 @@ import msgspec
 
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
+from .identity import ROOT
 from .logline import Level, RateLimitedLog, logfmt
 from .shares import Shares
 
-ROOT: Final = 0
 #: Room left in a reply for what surrounds the events (type, id, last).
 _ENVELOPE_BYTES: Final = 4096
 #: The most one event may take: a page of one event always fits in a reply.

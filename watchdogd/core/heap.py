@@ -9,19 +9,16 @@ each chunk's last entry: the layout of sortedcontainers' ``SortedList``. Adding 
 removing an entry is a binary search over the chunks' last entries, then one in a
 chunk, then a move of at most a chunk of pointers, all in C; an entry with the
 latest deadline (a timer armed with the usual timeout) is appended without a
-search. Against the binary heap this module held before, with ``(deadline, seq,
-key)`` tuples and a dict of the live keys:
+search. Against a binary heap of ``(deadline, seq, key)`` tuples beside a dict of
+the live keys (trio's ``Deadlines``):
 
 - the order is total, so a status page starts at its cursor in O(log n) and reads
   on from there, where a heap must be walked whole;
 - a removal removes: no stale entries to skip, and no rebuild of the whole heap
   (a pass over every timer in one go) when they pile up;
 - the entries are the caller's own records (the timer table holds its `Timer`
-  records, which order themselves by their first two fields): 8 bytes of pointer
-  an entry, no tuple, no key, no second dict.
-
-`DeadlineHeap` is the same order keyed by any hashable key, for callers that have
-no record of their own (the scheduler's tests).
+  records, which order themselves by their first two fields): one pointer an
+  entry, no tuple, no key, no second dict.
 """
 
 from __future__ import annotations
@@ -29,10 +26,8 @@ from __future__ import annotations
 import itertools
 import operator
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, Generic, Protocol, TypeVar
-
-import msgspec
 
 #: Entries per chunk after a split; a chunk splits past twice this, and one that
 #: falls under a quarter of it merges with a neighbour. At a million entries the
@@ -89,7 +84,7 @@ class Deadlines(Generic[E]):
         """Sort ``entries`` in place into the order `Deadlines` keeps.
 
         Sorts on one plain number at a time, which CPython runs without calling
-        back into Python: several times faster than comparing the entries. The
+        back into Python, as a comparison of the entries would for each pair. The
         deadline first; only if some share one (rare: timers armed by requests
         have distinct deadlines) by ``seq`` and then the deadline again, and only
         if some tie on both (records of a schema that had no ``seq``) by comparing
@@ -229,74 +224,3 @@ class Deadlines(Generic[E]):
     def chunk_sizes(self) -> list[int]:
         """The length of each chunk (for tests of the layout's bounds)."""
         return [len(chunk) for chunk in self._chunks]
-
-
-K = TypeVar("K", bound=Hashable)
-
-
-class _Keyed(msgspec.Struct, Generic[K], frozen=True, order=True):
-    """A `DeadlineHeap` entry; ``seq`` is unique among entries at one deadline, so
-    keys are never compared."""
-
-    deadline: float
-    seq: int
-    key: K
-
-
-class DeadlineHeap(Generic[K]):
-    """Deadlines by key; the earliest one is found in O(1), set or removed in
-    O(log n). Setting a key again replaces its deadline; equal deadlines come out
-    in the order they were set. (The name is older than the sorted layout.)"""
-
-    __slots__ = ("_live", "_order")
-
-    def __init__(self) -> None:
-        self._order: Deadlines[_Keyed[K]] = Deadlines()
-        self._live: dict[K, _Keyed[K]] = {}
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._live
-
-    def __iter__(self) -> Iterator[tuple[K, float]]:
-        """Every ``(key, deadline)``, earliest first."""
-        for entry in self._order:
-            yield entry.key, entry.deadline
-
-    def get(self, key: K) -> float | None:
-        """The deadline of ``key``, or None."""
-        entry = self._live.get(key)
-        return None if entry is None else entry.deadline
-
-    def set(self, key: K, deadline: float) -> None:
-        """Set (or replace) the deadline of ``key``."""
-        self.remove(key)
-        self._live[key] = self._order.insert(deadline, lambda seq: _Keyed(deadline, seq, key))
-
-    def remove(self, key: K) -> bool:
-        """Remove ``key``; returns whether it was present."""
-        entry = self._live.pop(key, None)
-        if entry is None:
-            return False
-        self._order.remove(entry)
-        return True
-
-    def peek(self) -> tuple[K, float] | None:
-        """The key with the earliest deadline and that deadline, or None when empty."""
-        entry = self._order.first()
-        return None if entry is None else (entry.key, entry.deadline)
-
-    def next_deadline(self) -> float | None:
-        """The earliest deadline, or None when empty."""
-        entry = self._order.first()
-        return None if entry is None else entry.deadline
-
-    def pop_due(self, now: float, limit: int | None = None) -> list[tuple[K, float]]:
-        """Remove and return every ``(key, deadline)`` with ``deadline <= now``
-        (the earliest ``limit`` of them, when given), earliest first."""
-        due = self._order.pop_due(now, limit)
-        for entry in due:
-            del self._live[entry.key]
-        return [(entry.key, entry.deadline) for entry in due]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-#: The uid of root: bounded only by the global caps, and sees everything.
+#: The superuser's uid: kill(2) lets it signal any process, and every per-uid limit
+#: and view of the daemon leaves it out.
 ROOT: Final = 0
 
 
@@ -29,5 +30,7 @@ class Peer:
 def may_signal(sender: int, real_uid: int, saved_uid: int) -> bool:
     """Whether uid ``sender`` may signal a process of ``real_uid`` and ``saved_uid``
     (as they are now), as kill(2) judges it: root always, anyone else while it is
-    still the process's real or saved uid."""
+    still the process's real or saved uid. The one rule every signal of the daemon
+    follows; it judges ``sender``, not the daemon, so a timer armed by a user acts
+    only where that user could, though the daemon itself may hold CAP_KILL."""
     return sender == ROOT or sender in (real_uid, saved_uid)

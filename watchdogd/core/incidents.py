@@ -45,9 +45,9 @@ import msgspec
 
 from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, IncidentInfo, RankInfo
 
+from .identity import ROOT
 from .shares import Shares
 
-ROOT: Final = 0
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
 #: The most of one stack an incident keeps.

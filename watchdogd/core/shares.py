@@ -19,9 +19,7 @@ keeps the items and drops the oldest of the uid it is told.
 
 from __future__ import annotations
 
-from typing import Final
-
-ROOT: Final = 0
+from .identity import ROOT
 
 
 class Shares:

@@ -15,15 +15,15 @@ processes are opaque handles. Invariants:
   (root sees every timer, through the order itself). So a user's status walks
   that user's processes, never the host's timers.
 
-Memory is the point of this layout. A timer costs its `Timer` (128 bytes), its
-scope (64 for a dozen characters), its deadline and arming time (a float each, 32
-bytes as Python's allocator rounds them) and two pointers, one in its process's
-list and one in the order: some 275 bytes, which is most of what the daemon holds
-per timer with a million armed (bench/scale.py). Values that repeat from timer to
-timer are shared rather than copied: the pid and start time are the process
-handle's, the policy name and the timeout come from small tables of the values
-seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a
-deadline (Python keeps small ints as one object; a counter cost an int a timer).
+Memory is the point of this layout. A timer costs its `Timer`, its scope, its
+deadline and arming time (a float each) and two pointers, one in its process's list
+and one in the order: most of what the daemon holds per timer with a million armed
+(bench/scale.py measures it; the README's benchmarks give the figures). Values that
+repeat from timer to timer are shared rather than copied: the pid and start time are
+the process handle's, the policy name and the timeout come from small tables of the
+values seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a
+deadline (Python keeps small ints as one object; a counter would cost an int a
+timer).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final, Generic, NamedTuple, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
 from .heap import Deadlines
+from .identity import ROOT
 from .starvation import Sample
 
 
@@ -56,8 +57,6 @@ Key = tuple[int, str]
 #: Where the state keeps a timer: its key, and 0 while it is armed or its firing
 #: number once it fell due (so a firing record and a re-arm of the same key coexist).
 StoreKey = tuple[int, str, int]
-#: Root sees every timer, in the table's own order: its timers need no index.
-ROOT_UID: Final = 0
 
 
 class Timer(
@@ -85,8 +84,9 @@ class Timer(
     (A Struct without GC tracking: one is made per acquire, and it holds only
     scalars and Structs of scalars. 14 fields make 128 bytes, a size class of
     Python's allocator: a 15th would cost 16 bytes a timer. Stored as the array of
-    its fields in this order, schema 4 of `watchdogd.storage.schema`: a change of
-    the fields or of their order is a new schema, with its migration from this one.)
+    its fields in this order, the schema `watchdogd.storage.schema.SCHEMA`: a change
+    of the fields or of their order is a new schema, with its migration from this
+    one.)
     """
 
     deadline: float
@@ -228,8 +228,8 @@ class Shared(dict[V, V]):
 class _Tracked(Generic[P]):
     """A process in the table and its timers, sorted by scope.
 
-    A list searched by bisection (in C, keyed by scope): 8 bytes a timer, where a
-    dict of scopes costs 19 to 38 bytes an entry, and 184 for a process with a
+    A list searched by bisection (in C, keyed by scope): one pointer a timer, where
+    a dict of scopes costs several an entry, and a whole table for a process with a
     single timer. A restart hands the timers of a process over already sorted
     (the database's key is ``(pid, scope, firing)``), so sorting them is a pass."""
 
@@ -530,11 +530,11 @@ class TimerTable(Generic[P]):
             by_owner[owner] = remaining
         else:
             del by_owner[owner]
-        if uid == owner == ROOT_UID:
+        if uid == owner == ROOT:
             return  # root's own timers: root sees them through the order
         visible, pid = self._visible, timer.pid
         for viewer in (uid,) if uid == owner else (uid, owner):
-            if viewer == ROOT_UID:
+            if viewer == ROOT:
                 continue
             pids = visible.get(viewer)
             if pids is None:
@@ -582,5 +582,5 @@ def _viewers(timers: list[Timer]) -> Counter[int]:
     own = map(operator.eq, map(_uid_of, timers), map(_owner_of, timers))
     for uid, twice in Counter(itertools.compress(map(_uid_of, timers), own)).items():
         seen[uid] -= twice
-    del seen[ROOT_UID]
+    del seen[ROOT]
     return +seen

@@ -1,8 +1,9 @@
 """Processes as the daemon sees them: pidfds, peer credentials and /proc.
 
-Every signal the daemon sends goes through a pidfd (`Process.send_signal`), opened
-when the process's first timer was armed, so a pid that was recycled in the meantime is
-never signalled: the old pidfd only ever refers to the old process.
+Every signal the daemon sends goes through a pidfd: a `Process`'s own, opened when
+the process's first timer was armed, or one that `watchdogd.host.targets` pins a
+target's member by. So a pid that was recycled in the meantime is never signalled:
+the old pidfd only ever refers to the old process.
 
 Identity comes from the kernel only: `peer_of` reads SO_PEERCRED (pid, uid, gid) and,
 where the kernel has it (Linux >= 6.5), SO_PEERPIDFD, a pidfd for the exact process
@@ -24,7 +25,7 @@ from typing import Final
 
 from watchdogd_client.protocol import ErrorCode
 
-from ..core.identity import Peer, may_signal
+from ..core.identity import ROOT, Peer, may_signal
 from ..errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.
@@ -117,10 +118,6 @@ class Process:
                 self.on_last_close = None
             os.close(self.fd)
             self.fd = -1
-
-    def send_signal(self, signum: int) -> None:
-        """Signal exactly this process. Raises ProcessLookupError once it is reaped."""
-        signal.pidfd_send_signal(self.fd, signum)
 
     def alive(self) -> bool:
         """Whether the process still holds its pid (running, stopped or a zombie)."""
@@ -267,8 +264,9 @@ def thread_group_of(pid: int) -> int | None:
 
 def uids_of(pidfd: int, pid: int) -> tuple[int, int]:
     """The real and saved uid of the process of ``pidfd`` (whose pid is ``pid``):
-    from the pidfd itself, one ioctl(2) of about 1 µs here, where the kernel has
-    PIDFD_GET_INFO; else `read_uids` (some 14 µs). Raises ProcessLookupError once
+    from the pidfd itself, one ioctl(2), where the kernel has PIDFD_GET_INFO; else
+    `read_uids`, which opens and parses /proc/PID/status (the README's benchmarks
+    say what each costs). Raises ProcessLookupError once
     the process has been reaped (a zombie still has its uids)."""
     info = bytearray(_PIDFD_INFO.size)
     info[0] = _PIDFD_INFO_CREDS
@@ -323,7 +321,7 @@ def ptrace_reader(pid: int) -> tuple[int, int] | None:
     if len(uids) != 1 or len(gids) != 1:
         return None
     uid, gid = uids.pop(), gids.pop()
-    if uid == 0 or (owner.st_uid, owner.st_gid) != (uid, gid):
+    if uid == ROOT or (owner.st_uid, owner.st_gid) != (uid, gid):
         return None
     return uid, gid
 

@@ -29,20 +29,20 @@ process never share a descriptor.
   listed there whose /proc/PID/cgroup, read after its pidfd was opened, is the
   cgroup or one below it.
 
-kill(2)'s rule holds for every member: for a timer armed by a non-root caller, only
-processes whose real or saved uid is the caller's are members, and its group is
-signalled member by member rather than with killpg(2), its cgroup member by member
-rather than with ``cgroup.kill`` (which would reach every process in it, whoever's:
-even a cgroup found to hold the caller's processes only at expiry may take in
-another's by the time of the write, a setuid program run there, say). A cgroup's
-processes that are not the caller's are left alone, and each step says how many.
-The uids are read when the target is opened, at expiry (and for a tree or a cgroup,
-of each member found later, when it is found), not taken from when the timer was
-armed: a timer's own process that no longer has the caller's uid as its real or
-saved uid (it called setuid(2) since) is ``denied``, and no step acts on it. (A
-timer armed by root acts on its process whatever its uids became, as root's kill(2)
-would.) Whatever is read from /proc about a member is trusted only once its pidfd
-shows it still alive afterwards.
+kill(2)'s rule (`watchdogd.core.identity.may_signal`) holds for every member: for a
+timer armed by a non-root caller, only processes whose real or saved uid is the
+caller's are members, and its group is signalled member by member rather than with
+killpg(2), its cgroup member by member rather than with ``cgroup.kill`` (which would
+reach every process in it, whoever's: even a cgroup found to hold the caller's
+processes only at expiry may take in another's by the time of the write, a setuid
+program run there, say). A cgroup's processes that are not the caller's are left
+alone, and each step says how many. The uids are read when the target is opened, at
+expiry (and for a tree or a cgroup, of each member found later, when it is found),
+not taken from when the timer was armed: a timer's own process that no longer has
+the caller's uid as its real or saved uid (it called setuid(2) since) is ``denied``,
+and no step acts on it. (A timer armed by root acts on its process whatever its uids
+became, as root's kill(2) would.) Whatever is read from /proc about a member is
+trusted only once its pidfd shows it still alive afterwards.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from typing import Final
 
 import trio
 
+from ..core.identity import ROOT, may_signal
 from ..core.policies import TargetKind
 from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
 from .process import (
@@ -110,7 +111,7 @@ def _pin(
     ppid: int | None = None,
     pgrp: int | None = None,
     cgroup: str | None = None,
-    owner: int = 0,
+    owner: int = ROOT,
 ) -> Member | None:
     """A pidfd for ``pid``, if it is still the process /proc showed (same parent,
     group or cgroup, read after the pidfd was opened), alive, and one ``owner`` may
@@ -122,7 +123,7 @@ def _pin(
     member = Member(pid, fd)
     try:
         stat = read_stat(pid)
-        allowed = owner == 0 or owner in uids_of(fd, pid)
+        allowed = may_signal(owner, *uids_of(fd, pid))
     except OSError:
         _close(fd)
         return None
@@ -154,7 +155,7 @@ class Target:
         kind: TargetKind,
         members: list[Member],
         *,
-        owner: int = 0,
+        owner: int = ROOT,
         pgid: int = 0,
         cgroup: Cgroup | None = None,
         note: str = "",
@@ -194,7 +195,7 @@ class Target:
         name = _NAMES.get(signum) or signal.Signals(signum).name
         if self.cgroup is not None:
             return self._signal_cgroup(signum, name)
-        if self.kind == "group" and self.owner == 0:
+        if self.kind == "group" and self.owner == ROOT:
             return self._signal_group(signum, name)
         if self.kind == "tree":
             self._collect_descendants()
@@ -237,7 +238,7 @@ class Target:
             return "gone"
         where = f"cgroup {self.cgroup.path}"
         why = ""
-        if signum == signal.SIGKILL and self.owner == 0:
+        if signum == signal.SIGKILL and self.owner == ROOT:
             why = self.cgroup.kill()
             if not why:
                 return f"sent SIGKILL to {_processes(len(living))} of {where} through cgroup.kill"
@@ -273,7 +274,7 @@ class Target:
             if member is not None:
                 known.add(pid)
                 self.members.append(member)
-            elif self.owner and _belongs_to_another(pid, self.owner):
+            elif self.owner != ROOT and _belongs_to_another(pid, self.owner):
                 others += 1
         return others
 
@@ -323,7 +324,7 @@ def open_target(
     kind: TargetKind,
     process: Process,
     daemon_pgid: int,
-    owner: int = 0,
+    owner: int = ROOT,
     *,
     daemon_pid: int | None = None,
 ) -> Target:
@@ -332,7 +333,8 @@ def open_target(
     ``daemon_pgid`` and the cgroup of ``daemon_pid`` (by default this process) are
     never a target."""
     root = Member(process.pid, os.dup(process.fd))
-    denied = "" if owner == 0 else _denied(process, owner)
+    # Root needs no second look: whatever the uids became, kill(2) lets it signal.
+    denied = "" if owner == ROOT else _denied(process, owner)
     if denied:
         return Target("process", [root], owner=owner, denied=denied)
     if kind == "process":
@@ -368,7 +370,7 @@ def _open_cgroup(root: Member, owner: int, daemon_pid: int) -> Target:
         alone = f"cgroup target refused ({why}); acting on the process alone" if why else ""
         return Target("process", [root], owner=owner, note=alone)
     note = ""
-    if owner:
+    if owner != ROOT:
         note = (
             f"cgroup {cgroup.path} signalled process by process, only those uid {owner} "
             "may signal (cgroup.kill is for timers armed by root)"
@@ -419,7 +421,7 @@ def _processes(count: int) -> str:
 def _belongs_to_another(pid: int, owner: int) -> bool:
     """Whether ``pid`` is alive and ``owner`` may not signal it (for a count only)."""
     try:
-        return owner not in read_uids(pid)
+        return not may_signal(owner, *read_uids(pid))
     except OSError:
         return False
 

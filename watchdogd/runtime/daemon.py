@@ -6,13 +6,13 @@ cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 
 Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
 created is removed, no timer fires on the way out, and a policy in progress is
-abandoned); SIGHUP reloads the config file, keeping the old config when the new one
-is invalid, and never changes a log level given on the command line. The
-``watchdogd`` command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
-unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads
-its config, binds its socket or loads its state is a reload once it is up, not a
-hang-up that kills it. (Before the command's code runs at all, while the interpreter
-imports its modules, SIGHUP still has its default action.)
+abandoned); SIGHUP reloads the config file, keeping the old config when the new one is
+invalid, and never changes a log level given on the command line. The ``watchdogd``
+command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
+unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads its
+config, binds its socket or loads its state is a reload once it is up, not a hang-up
+that kills it. (Before the command's code runs at all, while the interpreter imports
+its modules, SIGHUP still has its default action.)
 
 A daemon that cannot start (its state file is held by another daemon, say) removes
 the socket file it created.
@@ -98,10 +98,11 @@ class HostProcesses:
         return self._pressure.sample(process)
 
 
-#: Seconds a thread may run before Python offers the GIL to another (default 5 ms).
-#: With a fold of 100,000 timers running beside 8 churning clients, 0.5 ms still
-#: left the firing of timers 3 ms late at p99; 0.1 ms, 0.1 ms late, at no cost in
-#: request throughput.
+#: Seconds a thread may run before Python offers the GIL to another (Python's
+#: default is 5 ms). A fold of the state in a worker thread holds the GIL that long
+#: at a time while the event loop waits to fire a timer: the interval bounds how
+#: late a fold can make a timer, and a short one costs requests nothing measurable
+#: (bench/run.py's lateness under churn is measured with it).
 _SWITCH_INTERVAL: Final = 0.0001
 #: The longest the cyclic garbage collector is held off by one burst of expiries.
 _HOLD_COLLECTOR: Final = 1.0
@@ -109,8 +110,8 @@ _HOLD_COLLECTOR: Final = 1.0
 
 class Collector:
     """Holds Python's cyclic garbage collector off while a burst of expiries is
-    fired and settled: a full collection walks every object the daemon holds (tens
-    of milliseconds at 100,000 timers), and no signal should wait for one. What a
+    fired and settled: a full collection walks every object the daemon holds, which
+    takes long with many timers armed, and no signal should wait for one. What a
     burst allocates is collected once it is over; a burst longer than
     `_HOLD_COLLECTOR` seconds gets the collector back before its end, so memory
     stays bounded whatever the load."""
@@ -408,8 +409,8 @@ class Daemon:
 
 #: The longest a clean stop waits to say to the fleet that this host leaves.
 _LEAVE_TIMEOUT: Final = 1.0
-#: Loading cost per timer when too few were loaded to measure it (this project's
-#: 2-core machines: 1,000,000 timers in about 2.9 s, from start to READY).
+#: Loading cost per timer when too few were loaded to measure it: a round figure
+#: on the slow side of what bench/run.py's restart with a million timers measures.
 _LOAD_PER_TIMER: Final = 3e-6
 #: Time to start before loading anything: the interpreter, imports, the socket.
 _START: Final = 0.5

@@ -5,7 +5,7 @@ a shell, in a session of its own (so that a timeout kills everything it started)
 with a small fixed environment. ``{pid}`` and ``{scope}`` are substituted only where
 they are a whole argument, so a scope can never inject arguments or a command; and
 every step's argv has ``{scope}`` only after a ``--`` argument
-(`watchdogd.policies.check_argv`), so a scope is never read as an option either.
+(`watchdogd.core.policies.check_argv`), so a scope is never read as an option either.
 The output is kept in the event for root: `watchdogd.core.pages` hides it from
 everyone else.
 Its stdout and stderr are captured together, keeping at most `OUTPUT_LIMIT` bytes;
