@@ -24,6 +24,7 @@ from watchdogd_client import Client
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
+    EventInfo,
     FrameReader,
     Hello,
     ReplyMessage,
@@ -508,7 +509,16 @@ def test_dumps_run_a_few_at_once_and_delay_no_kill(socket_path: Path, tmp_path: 
                     return record.exists() and record.read_text().count("end ") == 10
 
                 wait_until(every_dump_ran, what="every dump", timeout=PATIENCE * 2)
-                events = {e.pid: e for e in client.events(limit=100).events if e.kind == "expired"}
+
+                def expired() -> dict[int, EventInfo]:
+                    return {
+                        e.pid: e for e in client.events(limit=100).events if e.kind == "expired"
+                    }
+
+                # A dumper wrote its last line just before it exited: the daemon
+                # sees the exit, and records the expiry, a moment later.
+                wait_until(lambda: len(expired()) == 12, what="every expiry recorded")
+                events = expired()
                 after = gauges(client)
         finally:
             for victim in [*dumped, killed, dump_killed]:
