@@ -387,9 +387,13 @@ def test_term_resumes_after_a_crash_at_each_step(crash_at: int) -> None:
     assert driven.outcome == "exited"
 
 
-def test_a_run_resumed_after_a_sigkill_watches_a_target_still_alive() -> None:
-    stored = firing(TERM, step=3)  # every step done: killed before the crash
-    driven = drive(start(TERM, stored), FakeTarget(unkillable=True))
+def test_a_run_resumed_after_its_sigkill_still_watches_a_target_alive() -> None:
+    policy = Policy(name="kill_then_note", steps=(Signal(signal.SIGKILL), HOOK.steps[0]))
+    stored = firing(policy, step=1)  # killed before the crash, in its hook then
+    target = FakeTarget(unkillable=True)
+    driven = drive(start(policy, stored), target)
+    assert target.sent == []
+    assert driven.steps[0] == ("SIGKILL", "done before a restart")
     assert driven.of(WatchExit) == [WatchExit()]
     assert driven.outcome == "unkillable"
 
