@@ -445,7 +445,7 @@ def test_over_the_connection_limit_the_refusal_always_arrives(daemon: RunningDae
 def test_timers_of_root_and_of_nobody_falling_due_together_each_kill_once(
     daemon: RunningDaemon,
 ) -> None:
-    """Root's timers take the short way to their first signal (`Actions._send_first`),
+    """Root's timers take the short way to their first signal (`Executor._send_first`),
     nobody's the way that checks first that nobody may still signal its process:
     falling due within the same few milliseconds, each victim dies once, with
     one event each."""

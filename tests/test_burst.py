@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdogd.runtime.actions import BATCH
+from watchdogd.runtime.executor import BATCH
 from watchdogd_client import Client
 from watchdogd_client.protocol import (
     Acquire,

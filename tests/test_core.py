@@ -20,7 +20,7 @@ FORBIDDEN = (*LOADED, "threading", "time", "logging", "os")
 #: The modules of watchdogd outside the core that the core may import.
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
-CORE = ("arming", "bridge", "config", "counters", "events", "firing", "heap", "history",
+CORE = ("arming", "bridge", "config", "counters", "events", "expiry", "firing", "heap", "history",
         "identity", "incidents", "lifecycle", "logline", "pages", "policies", "ports", "rules",
         "service", "session", "shares", "starvation", "timers")  # fmt: skip
 

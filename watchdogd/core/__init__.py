@@ -4,9 +4,10 @@ The timer table and its deadline heap (`timers`, `heap`); the service
 (`service`), a thin front over its parts: connections, arming and authorization
 (`arming`), the pages that only read (`pages`), expiry with the starvation rule
 and incident peers (`firing`), restore and exits (`lifecycle`) and the fleet
-bridge (`bridge`), on the config in force (`rules`); one connection's protocol
-state (`session`); policies (`policies`) and the starvation rule (`starvation`),
-the events ring (`events`) and the incident log (`incidents`) with the per-uid
+bridge (`bridge`), on the config in force (`rules`); the state machine of a
+policy run (`expiry`), whose effects the runtime's executor carries out; one
+connection's protocol state (`session`); policies (`policies`) and the
+starvation rule (`starvation`), the events ring (`events`) and the incident log (`incidents`) with the per-uid
 shares they keep (`shares`), the history of timeouts (`history`), the counters
 (`counters`), the config model (`config`), who calls and whom it may signal
 (`identity`), and what it wants logged (`logline`).

@@ -1,4 +1,4 @@
-"""The daemon: listener, exit watcher, scheduler, actions and requests, wired together.
+"""The daemon: listener, exit watcher, scheduler, executor and requests, wired together.
 
 `run` is the whole daemon and is callable in-process (tests start it in a nursery and
 cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
@@ -54,7 +54,7 @@ from ..host.users import UserNames
 from ..logs import LoggingSink, log, logfmt, set_level
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.store import Store
-from .actions import BATCH, Actions
+from .executor import BATCH, Executor
 from .metrics import exposition, write_textfile
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
@@ -246,7 +246,7 @@ class Daemon:
         self.names = UserNames()
         self.news = trio.lowlevel.ParkingLot()
         self.notifier = Notifier()
-        self.actions: Actions | None = None
+        self.executor: Executor | None = None
         interval = watchdog_interval()
         self.scheduler = Scheduler(
             clock=clock,
@@ -305,10 +305,10 @@ class Daemon:
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
-        self.actions = Actions(
+        self.executor = Executor(
             self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake
         )
-        await nursery.start(self.actions.run)
+        await nursery.start(self.executor.run)
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
@@ -320,7 +320,7 @@ class Daemon:
         await nursery.start(self.scheduler.run)
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
         await nursery.start(serve, self.listener, self.service, context)
-        self.actions.carry_out(self.restored.resumed)
+        self.executor.carry_out(self.restored.resumed)
         self.restored.resumed = []
         if metrics_textfile is not None:
             nursery.start_soon(_write_metrics, self.service, metrics_textfile)
@@ -340,10 +340,10 @@ class Daemon:
         """Start the fleet member. A fleet that cannot be joined (a TLS file that
         cannot be read, say) is reported, never a reason to leave the host
         unprotected: the daemon runs on without it."""
-        assert self.actions is not None
+        assert self.executor is not None
         try:
             self.fleet = FleetMember(
-                self.config.fleet, self.service.fleet, self.actions.carry_out, self.names
+                self.config.fleet, self.service.fleet, self.executor.carry_out, self.names
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))
@@ -363,8 +363,8 @@ class Daemon:
             expired = self.service.expire_due(now, BATCH)
             if expired:
                 self.collector.hold(now)
-                assert self.actions is not None
-                self.actions.carry_out(expired)
+                assert self.executor is not None
+                self.executor.carry_out(expired)
         except Exception:
             # A bug here must not stop the scheduler (or the request that ran it).
             log.exception("firing the timers due at %r failed", now)
@@ -374,7 +374,7 @@ class Daemon:
     def _settle(self, until: float) -> bool:
         """Settle expiries until ``until``; whether more wait."""
         try:
-            more = self.actions is not None and self.actions.settle(until)
+            more = self.executor is not None and self.executor.settle(until)
         except Exception:
             log.exception("settling expiries failed")
             more = False

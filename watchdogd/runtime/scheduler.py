@@ -10,7 +10,7 @@ while a flood of requests keeps the event loop busy.
 Work comes in bounded passes, so that a burst of expiries never holds the event
 loop for long: ``fire(now)`` fires one batch of what is due and says whether more
 may be; ``settle(until)`` does the follow-up work of expiries (see
-`watchdogd.runtime.actions`) until the next deadline, or for a slice of at most
+`watchdogd.runtime.executor`) until the next deadline, or for a slice of at most
 `SLICE`, and says whether more remains. Firing always comes first: follow-up work runs only
 when nothing is due, and the task lets every other task run between passes.
 

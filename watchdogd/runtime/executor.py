@@ -1,0 +1,524 @@
+"""The executor: carries out the effects of policy runs, in batches.
+
+What to do is decided by the policy run, a state machine in the core
+(`watchdogd.core.expiry.Run`); this module only carries its effects out, in one
+`match` (`Executor._advance`), and hands back what it observed. The scheduler
+hands over what fell due in one pass (at most `BATCH` timers), and each expiry
+goes through three stages:
+
+1. **First signal, in the pass** (`Executor.carry_out`). A run whose next step is
+   a signal to the timer's own process (``target = "process"``: ``kill``, ``term``,
+   ``abort``, ``signal:NAME``) has that signal sent at once, in a tight loop over
+   the batch: no task and no event yet; in a large batch, no command line read
+   first (the event shows the one the process had when its first timer was armed).
+   A run that starts afresh with one (`watchdogd.core.expiry.first_signal`) takes
+   the short way (`Executor._send_first`): the signal goes through the pidfd the
+   daemon holds already, before any object of the expiry is made, and the run
+   made when it settles is handed its result. For a timer armed by a uid other
+   than root, the uids of its process are read from the pidfd first
+   (`watchdogd.host.process.Process.signallable_by`), and a uid that may no longer
+   signal it is left to the usual way, which records why. Everything else waits
+   for settling, so a burst of expiries due at once costs about what a bare Python
+   loop popping a heap and sending each SIGKILL costs (`make bench`).
+2. **Settling, right after** (`Executor.settle`, called by the scheduler in
+   batches whenever nothing more is due, so that firing always comes first): the
+   target is opened in full (a group's or a tree's members are read from /proc, a
+   cgroup's from its ``cgroup.procs``) and the run's effects are carried out up to
+   one that waits (``wait``, ``exec``, ``dump``): the rest gets a task of its own.
+   A run that only signals gets none.
+3. **The outcome.** A target sent SIGKILL is watched, with every other one, by one
+   task (`Executor.run`) on one epoll set of pidfds, up to ``unkillable_after``
+   seconds: it ends as ``exited``, or is reported ``unkillable`` with its /proc
+   state and wait channel. Every expiry ends in one event; the events of a batch
+   are recorded together.
+
+Invariants:
+
+- Nothing here raises into the scheduler. A process that is already gone, a signal
+  the kernel refuses, a hook that fails or hangs: each becomes the recorded result
+  of its step. A bug is logged and costs only that expiry's record.
+- A run whose task is cancelled (the daemon stops), or that is still watched or
+  settling then, leaves its timer firing at the step it had reached, for the next
+  start to resume.
+- Dump steps share one `watchdogd.runtime.hooks.DumpPool` (``max_dumps`` at once);
+  every other step runs at once, so a queue of dumps delays no signal but the one
+  after a dump of its own policy, and that one no longer than the dump step's
+  timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+import os
+import select
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final, NamedTuple, assert_never
+
+import trio
+
+from watchdogd_client.protocol import EventInfo
+
+from ..core.expiry import (
+    SENT,
+    CheckAlive,
+    Finish,
+    ObserveLateness,
+    RecordStep,
+    Run,
+    RunHook,
+    SendSignal,
+    TakeDump,
+    WaitUntil,
+    WatchExit,
+    first_signal,
+)
+from ..core.policies import Policy
+from ..core.service import Service
+from ..core.timers import Expired, Timer
+from ..host.process import Process, ptrace_reader
+from ..host.targets import Target, open_target
+from ..logs import log
+from .hooks import DumpPool, run_hook, substitute
+
+#: The most expiries one pass fires, and the most one call of `Executor.settle`
+#: settles: a pass stays short, so a request waits no longer.
+BATCH: Final = 256
+#: Exited targets taken from the epoll set at a time.
+_REAPED_AT_ONCE: Final = 64
+#: A pass that fires more than this does not read command lines before the first
+#: signal: its events show the command line each process had when it entered the
+#: timer table. Signals come first in a burst.
+_COMMANDS_FIRST: Final = 8
+
+
+@dataclass(slots=True, eq=False)
+class _Expiry:
+    """One expiry being carried out: its run, and what it acts on."""
+
+    run: Run
+    #: The timer's process, retained until the target is opened.
+    process: Process | None
+    target: Target | None = None
+
+
+class _Sent(NamedTuple):
+    """An expiry whose first signal `Executor.carry_out` sent the short way."""
+
+    item: Expired[Process]
+    policy: Policy
+    command: str
+    #: When the signal was sent (the daemon's clock), and its step's result.
+    at: float
+    result: str
+
+
+@dataclass(slots=True, eq=False)
+class _Dying:
+    """A target sent SIGKILL, watched until every member exits."""
+
+    expiry: _Expiry
+    fds: set[int]
+    until: float
+
+
+#: An effect that waits, bound to its expiry, for the expiry's task to await.
+_Waiting = Callable[[], Awaitable[None]]
+
+
+class Executor:
+    """Carries out the policy runs of expired timers (see the module's docstring)."""
+
+    def __init__(
+        self,
+        service: Service[Process],
+        nursery: trio.Nursery,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+        on_settle: Callable[[], object] = lambda: None,
+    ) -> None:
+        """``on_settle`` is called when expiries are waiting for `settle`."""
+        self._service = service
+        self._nursery = nursery
+        self._clock = clock
+        self._wall = wall
+        self._on_settle = on_settle
+        self._daemon_pgid = os.getpgrp()
+        self._settling: deque[_Expiry | _Sent] = deque()
+        self._epoll = select.epoll()
+        self._dying: dict[int, _Dying] = {}
+        self._deadlines: list[tuple[float, int, _Dying]] = []
+        self._order = itertools.count()
+        self._watching = trio.Event()
+        #: The run task's wait, and until when it waits (the daemon's clock).
+        self._sleeping: trio.CancelScope | None = None
+        self._waiting_until = math.inf
+        self._events: list[EventInfo] = []
+        #: Targets sent SIGKILL have exited (or outlived ``unkillable_after``):
+        #: `settle` finishes them and sets ``_reaped``.
+        self._reap_due = False
+        self._reaped = trio.Event()
+        self._dumps = DumpPool(service.config.max_dumps, service.metrics)
+
+    @property
+    def settling(self) -> int:
+        """Expiries waiting for `settle`."""
+        return len(self._settling)
+
+    def carry_out(self, expired: list[Expired[Process]]) -> None:
+        """Start carrying out each expiry (or resuming it, from the step its timer
+        records): send first signals now, leave the rest to `settle`."""
+        commands_first = len(expired) <= _COMMANDS_FIRST
+        for item in expired:
+            try:
+                if self._send_first(item, commands_first):
+                    continue
+            except Exception:
+                # Before its signal (nothing after it can raise): the usual way
+                # carries the expiry out, or records why it could not.
+                log.exception("the short way failed for %r", item.timer)
+            expiry = self._begin(item.timer, item.process, item.note)
+            if expiry is None:
+                continue
+            try:
+                if expiry.run.policy.target == "process" and expiry.run.signals_next:
+                    self._open(expiry, read_command=commands_first, check=False)
+                    self._advance(expiry, first_only=True)
+            except Exception:
+                self._failed(expiry, "could not start the policy")
+                continue
+            self._settling.append(expiry)
+        if self._settling:
+            self._on_settle()
+
+    def _send_first(self, item: Expired[Process], read_command: bool) -> bool:
+        """The short way for a run that starts afresh with a signal to its process
+        (`watchdogd.core.expiry.first_signal`): send it through the process's own
+        pidfd, before anything else is made of the expiry (`settle` makes the
+        rest, `_Sent`). A timer armed by a uid other than root goes this way only
+        if that uid may still signal the process (the check `open_target` makes,
+        on uids read from the pidfd). Returns False, having done nothing, for any
+        other expiry: the usual way then says why."""
+        timer, process = item.timer, item.process
+        policy, note = self._service.policy_for(timer.policy)
+        step = first_signal(timer, policy, note)
+        if step is None:
+            return False
+        owner = timer.owner
+        if owner and not process.signallable_by(owner):
+            return False
+        command = process.command() if read_command else process.armed_command
+        at = self._clock()
+        try:
+            signal.pidfd_send_signal(process.fd, step.signum)
+            result = SENT.get(step.signum) or f"sent {step.describe()}"
+        except ProcessLookupError:
+            result = "gone"
+        except PermissionError:
+            result = f"not permitted to send {step.describe()}"
+        except OSError:
+            return False  # not sent: the usual way says why
+        self._settling.append(_Sent(item, policy, command, at, result))
+        return True
+
+    def settle(self, until: float) -> bool:
+        """Carry expiries on past their first signal, and finish those whose
+        targets exited, until the daemon's clock reads ``until`` (the next
+        deadline, or the end of a slice) or a batch is done, whichever is first;
+        at least one thing is done. Returns whether more work is waiting."""
+        for count in range(min(BATCH, len(self._settling))):
+            if count and self._clock() >= until:
+                break
+            self._settle_one(self._settling.popleft())
+        reap = self._reap_due and (not self._settling or self._clock() < until)
+        if reap and self._reap(until):
+            self._reap_due = False
+            self._reaped.set()
+        self._flush_events()
+        return bool(self._settling) or self._reap_due
+
+    def _settle_one(self, entry: _Expiry | _Sent) -> None:
+        if isinstance(entry, _Sent):
+            sent = self._sent_expiry(entry)
+            if sent is None:
+                return
+            entry = sent
+        expiry = entry
+        try:
+            if expiry.target is None:
+                self._open(expiry, read_command=True)
+            elif not expiry.run.command:
+                expiry.run.command = expiry.target.command()
+            waiting = self._advance(expiry)
+            if waiting is not None:
+                self._nursery.start_soon(self._carry_on, expiry, waiting)
+        except Exception:
+            self._failed(expiry, "the policy failed")
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch the targets sent SIGKILL for their exit, all in one task: when one
+        exits or outlives ``unkillable_after``, have `settle` finish it (so that
+        firing still comes first), and wait until it has."""
+        task_status.started()
+        try:
+            while True:
+                if not self._deadlines:
+                    await self._watching.wait()
+                    self._watching = trio.Event()
+                    continue
+                self._waiting_until = self._deadlines[0][0]
+                with trio.move_on_at(self._trio_time(self._waiting_until)) as self._sleeping:
+                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                self._sleeping, self._waiting_until = None, math.inf
+                self._reaped = trio.Event()
+                self._reap_due = True
+                self._on_settle()
+                await self._reaped.wait()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let go of every expiry not finished (the daemon is stopping: they stay
+        firing in the state, for the next start to resume)."""
+        for dying in list(self._dying.values()):
+            self._forget(dying)
+        for _, _, dying in self._deadlines:
+            self._let_go(dying.expiry)
+        self._deadlines.clear()
+        while self._settling:
+            entry = self._settling.popleft()
+            if isinstance(entry, _Sent):
+                entry.item.process.close()
+            else:
+                self._let_go(entry)
+        self._epoll.close()
+
+    @staticmethod
+    def _let_go(expiry: _Expiry) -> None:
+        if expiry.process is not None:
+            expiry.process.close()
+            expiry.process = None
+        if expiry.target is not None:
+            expiry.target.close()
+            expiry.target = None
+
+    # Carrying out a run's effects.
+
+    def _advance(self, expiry: _Expiry, *, first_only: bool = False) -> _Waiting | None:
+        """Carry out the effects of the expiry's run up to one that waits, and
+        return that one, bound, for the expiry's task to await. None once the run
+        has finished or its target is watched; with ``first_only`` (the pass),
+        once its first signal was sent or it needs anything but a signal."""
+        run, target = expiry.run, expiry.target
+        assert target is not None
+        while True:
+            now = self._clock()
+            effect = run.next(now, self._wall())
+            if first_only and not isinstance(effect, RecordStep | SendSignal):
+                return None
+            match effect:
+                case CheckAlive():
+                    run.seen(target.alive())
+                case RecordStep(step=step, step_end=step_end):
+                    self._service.step_started(run.timer, step, step_end)
+                    run.recorded()
+                case SendSignal(signum=signum, alive=alive):
+                    run.signalled(target.signal(signum, alive=alive), self._clock())
+                    if first_only:
+                        return None
+                case ObserveLateness(seconds=seconds):
+                    self._service.observe_lateness(seconds)
+                    run.observed()
+                case WaitUntil(end=end):
+                    return functools.partial(self._wait, run, target, end)
+                case RunHook() | TakeDump():
+                    return functools.partial(self._hook, run, effect)
+                case WatchExit():
+                    self._watch(expiry, now + self._service.config.unkillable_after)
+                    return None
+                case Finish():
+                    self._finish(expiry, effect)
+                    return None
+                case _:
+                    assert_never(effect)
+
+    async def _carry_on(self, expiry: _Expiry, waiting: _Waiting | None) -> None:
+        """The rest of a run that has a step that waits, in a task of its own.
+        Cancelled (the daemon stops), the timer stays firing at the step it had
+        reached."""
+        try:
+            while waiting is not None:
+                await waiting()
+                waiting = self._advance(expiry)
+        except Exception:
+            self._failed(expiry, "the policy failed")
+        finally:
+            if waiting is not None:
+                self._let_go(expiry)  # cancelled, or failed: never resumed here
+        self._flush_events()
+
+    async def _wait(self, run: Run, target: Target, end: float) -> None:
+        """A wait that ends at ``end`` on the daemon's clock (its original end, when
+        it resumes after a restart), or once the target has exited."""
+        run.waited(await target.wait_exit(max(0.0, end - self._clock())))
+
+    async def _hook(self, run: Run, effect: RunHook | TakeDump) -> None:
+        """An ``exec`` hook, or a dump of the timer's process and who besides root
+        may read it: the one user ptrace's read rule let read the process both
+        just before and just after it was dumped
+        (`watchdogd.host.process.ptrace_reader`), stored with the stack, since the
+        process may be gone when someone looks."""
+        argv = substitute(effect.step.argv, effect.values)
+        if isinstance(effect, RunHook):
+            hook = await run_hook(argv, effect.env, effect.step.timeout)
+        else:
+            pid = run.timer.pid
+            before = ptrace_reader(pid)
+            self._dumps.resize(self._service.config.max_dumps)  # a reload may have changed it
+            hook = await self._dumps.run(argv, effect.env, effect.step.timeout)
+            after = ptrace_reader(pid)
+            self._service.dump_taken(run.timer, before if before == after else None)
+        run.hooked(hook.result, hook.output)
+
+    # The stages of one expiry.
+
+    def _begin(
+        self, timer: Timer, process: Process, judged: str = "", policy: Policy | None = None
+    ) -> _Expiry | None:
+        """``judged``: what the service found of its starvation, if anything;
+        ``policy``: the one a first signal was sent by already."""
+        try:
+            note = ""
+            if policy is None:
+                policy, note = self._service.policy_for(timer.policy)
+            run = Run(timer, policy, note, judged, daemon_started=self._service.started)
+        except Exception:
+            log.exception("could not start the policy of %r", timer)
+            process.close()
+            self._service.expiry_finished(timer)
+            return None
+        return _Expiry(run, process)
+
+    def _sent_expiry(self, sent: _Sent) -> _Expiry | None:
+        """The expiry whose first signal `_send_first` sent, its run handed the
+        signal's result as if it had sent it."""
+        item = sent.item
+        expiry = self._begin(item.timer, item.process, item.note, sent.policy)
+        if expiry is None:
+            return None
+        try:
+            self._open(expiry, read_command=False, check=False)
+            expiry.run.command = sent.command
+            expiry.run.signalled(sent.result, sent.at)
+        except Exception:
+            self._failed(expiry, "could not start the policy")
+            return None
+        return expiry
+
+    def _open(self, expiry: _Expiry, *, read_command: bool, check: bool = True) -> None:
+        """Pin the target (it holds pidfds of its own) and let the process go.
+        ``check``: see whether it is gone already; without, the first signal
+        tells (polling a pidfd takes a lock that a storm of exits holds, and a
+        burst of expiries is such a storm)."""
+        process = expiry.process
+        assert process is not None
+        run = expiry.run
+        try:
+            command = process.command() if read_command else process.armed_command
+            run.command = command
+            target = expiry.target = open_target(
+                run.policy.target, process, self._daemon_pgid, run.timer.owner
+            )
+        finally:
+            process.close()
+            expiry.process = None
+        alive = target.alive() if check else None
+        run.opened(command, denied=target.denied, note=target.note, alive=alive)
+
+    def _finish(self, expiry: _Expiry, finish: Finish) -> None:
+        """Record the expiry's event; it leaves the state."""
+        run, target = expiry.run, expiry.target
+        assert target is not None
+        self._events.append(finish.event)
+        self._service.expiry_finished(run.timer)
+        if finish.unkillable:
+            pid, state, wchan = target.survivor()
+            after = self._service.config.unkillable_after
+            event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
+            self._service.record_unkillable(event)
+        target.close()
+
+    def _failed(self, expiry: _Expiry, what: str) -> None:
+        log.exception("%s of %r", what, expiry.run.timer)
+        self._let_go(expiry)
+        self._service.expiry_finished(expiry.run.timer)
+
+    def _flush_events(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self._service.record_expiries(events)
+
+    # Watching targets sent SIGKILL for their exit.
+
+    def _watch(self, expiry: _Expiry, until: float) -> None:
+        target = expiry.target
+        assert target is not None
+        dying = _Dying(expiry, {member.fd for member in target.members}, until)
+        for fd in dying.fds:
+            self._epoll.register(fd, select.EPOLLIN)
+            self._dying[fd] = dying
+        heapq.heappush(self._deadlines, (until, next(self._order), dying))
+        self._watching.set()
+        if until < self._waiting_until and self._sleeping is not None:
+            self._sleeping.cancel()  # a reload shortened unkillable_after
+
+    def _reap(self, until: float) -> bool:
+        """Finish the watched expiries whose targets exited and those past
+        ``unkillable_after``, until ``until``; returns whether none is left."""
+        while True:
+            ready = self._epoll.poll(0, _REAPED_AT_ONCE)
+            for fd, _ in ready:
+                dying = self._dying.pop(fd, None)
+                if dying is None:
+                    continue
+                self._epoll.unregister(fd)
+                dying.fds.discard(fd)
+                if not dying.fds:
+                    self._watched(dying.expiry, alive=False)
+            if len(ready) < _REAPED_AT_ONCE:
+                break
+            if self._clock() >= until:
+                return False
+        now = self._clock()
+        while self._deadlines and (not self._deadlines[0][2].fds or self._deadlines[0][0] <= now):
+            _, _, dying = heapq.heappop(self._deadlines)
+            if dying.fds:
+                self._forget(dying)
+                target = dying.expiry.target
+                assert target is not None
+                self._watched(dying.expiry, alive=target.alive())
+        return True
+
+    def _watched(self, expiry: _Expiry, *, alive: bool) -> None:
+        """The watch of ``expiry``'s target ended: its run finishes."""
+        expiry.run.watched(alive)
+        try:
+            self._advance(expiry)
+        except Exception:
+            self._failed(expiry, "the policy failed")
+
+    def _forget(self, dying: _Dying) -> None:
+        for fd in dying.fds:
+            self._epoll.unregister(fd)
+            del self._dying[fd]
+        dying.fds.clear()
+
+    def _trio_time(self, monotonic: float) -> float:
+        return trio.current_time() + (monotonic - self._clock())
