@@ -7,10 +7,10 @@ and incident peers (`firing`), restore and exits (`lifecycle`) and the fleet
 bridge (`bridge`), on the config in force (`rules`); the state machine of a
 policy run (`expiry`), whose effects the runtime's executor carries out; one
 connection's protocol state (`session`); policies (`policies`) and the
-starvation rule (`starvation`), the events ring (`events`) and the incident log (`incidents`) with the per-uid
-shares they keep (`shares`), the history of timeouts (`history`), the counters
-(`counters`), the config model (`config`), who calls and whom it may signal
-(`identity`), and what it wants logged (`logline`).
+starvation rule (`starvation`), the events ring (`events`) and the incident log
+(`incidents`) with the per-uid shares they keep (`shares`), the history of
+timeouts (`history`), the counters (`counters`), the config model (`config`), who
+calls and whom it may signal (`identity`), and what it wants logged (`logline`).
 
 Nothing here imports trio, sqlite3, socket, subprocess, prometheus_client,
 select, threading, time, logging, secrets, random or os, or a module of watchdogd
