@@ -185,40 +185,41 @@ class IncidentLog:
     def dumped(self, incident_id: str, pid: int, role: str, reader: tuple[int, int] | None) -> None:
         """The dump of this host's process ``pid`` (its ``role`` in the incident) was
         taken: ``reader`` is who besides root may read it (`get`)."""
-        incident = self._incidents.get(incident_id)
-        if incident is None:
-            return
-        uid, gid = (None, None) if reader is None else reader
-        for index, rank in enumerate(incident.ranks):
-            if (rank.host, rank.pid, rank.role) == (self.host, pid, role) and (
-                rank.state == "pending"
-            ):
-                incident.ranks[index] = msgspec.structs.replace(
-                    rank, reader_uid=uid, reader_gid=gid
-                )
-                return
+        found = self._pending(incident_id, pid, role)
+        if found is not None:
+            incident, index = found
+            uid, gid = (None, None) if reader is None else reader
+            rank = incident.ranks[index]
+            incident.ranks[index] = msgspec.structs.replace(rank, reader_uid=uid, reader_gid=gid)
 
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
         ``peer`` event says how, and holds its stack if it dumped one."""
-        incident = self._incidents.get(event.incident)
-        if incident is None:
-            return
         role = "peer" if event.kind == "peer" else "hung"
+        found = self._pending(event.incident, event.pid, role)
+        if found is None:
+            return
+        incident, index = found
+        stack = _stack_of(event)
+        incident.ranks[index] = msgspec.structs.replace(
+            incident.ranks[index],
+            state=_state_of(event),
+            stack=stack,
+            frame=first_frame(stack),
+            note=event.note,
+        )
+        self._listener(self._whole(incident))
+
+    def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
+        """The kept incident and the index of this host's rank ``pid`` in ``role``
+        whose policy has not run yet, if there is one."""
+        incident = self._incidents.get(incident_id)
+        if incident is None:
+            return None
         for index, rank in enumerate(incident.ranks):
-            if (rank.host, rank.pid, rank.role) == (self.host, event.pid, role) and (
-                rank.state == "pending"
-            ):
-                stack = _stack_of(event)
-                incident.ranks[index] = msgspec.structs.replace(
-                    rank,
-                    state=_state_of(event),
-                    stack=stack,
-                    frame=first_frame(stack),
-                    note=event.note,
-                )
-                self._listener(self._whole(incident))
-                return
+            if (rank.host, rank.pid, rank.role, rank.state) == (self.host, pid, role, "pending"):
+                return incident, index
+        return None
 
     def __contains__(self, incident_id: object) -> bool:
         return incident_id in self._incidents

@@ -131,6 +131,8 @@ class FleetRank(Struct, frozen=True, kw_only=True, omit_defaults=True):
     reader: Annotated[str, Meta(max_length=64)] = ""
 
 
+#: The fields a rank has both here and in the fleet: the one list both ways go by.
+_SHARED_FIELDS: Final = tuple(name for name in FleetRank.__struct_fields__ if name != "reader")
 _encoder: Final = msgspec.json.Encoder()
 _host_decoder: Final = msgspec.json.Decoder(HostRecord)
 _head_decoder: Final = msgspec.json.Decoder(_Head)
@@ -217,22 +219,7 @@ def decode_ranks(host: str, value: bytes) -> list[tuple[RankInfo, str]]:
         _check_text(rank.scope, rank.policy, rank.reason, rank.frame, rank.note)
         if len(rank.stack.encode()) > MAX_STACK_BYTES:
             raise Rejected("size", f"a stack over {MAX_STACK_BYTES} bytes")
-        info = RankInfo(
-            host=rank.host,
-            pid=rank.pid,
-            uid=rank.uid,
-            role=rank.role,
-            scope=rank.scope,
-            state=rank.state,
-            rank=rank.rank,
-            local_rank=rank.local_rank,
-            group_rank=rank.group_rank,
-            policy=rank.policy,
-            reason=rank.reason,
-            frame=rank.frame,
-            stack=rank.stack,
-            note=rank.note,
-        )
+        info = RankInfo(**{name: getattr(rank, name) for name in _SHARED_FIELDS})
         decoded.append((info, rank.reader))
     return decoded
 
@@ -241,23 +228,7 @@ def encode_ranks(ranks: list[tuple[RankInfo, str]], limit: int) -> bytes:
     """``ranks``, each with its reader's fleet name, as the fleet holds them; their
     stacks cut, evenly, so that they encode to at most about ``limit`` bytes."""
     shaped = [
-        FleetRank(
-            host=rank.host,
-            pid=rank.pid,
-            uid=rank.uid,
-            role=rank.role,  # type: ignore[arg-type]
-            scope=rank.scope,
-            state=rank.state,  # type: ignore[arg-type]
-            rank=rank.rank,
-            local_rank=rank.local_rank,
-            group_rank=rank.group_rank,
-            policy=rank.policy,
-            reason=rank.reason,
-            frame=rank.frame,
-            stack=rank.stack,
-            note=rank.note,
-            reader=reader,
-        )
+        FleetRank(**{name: getattr(rank, name) for name in _SHARED_FIELDS}, reader=reader)
         for rank, reader in ranks[:MAX_RANKS]
     ]
     value = _encoder.encode(shaped)
