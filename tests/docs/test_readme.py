@@ -1,0 +1,346 @@
+"""The READMEs run: every shell command and Python example in README.md and
+client/README.md runs here against a live daemon, so they cannot drift from what the
+code does.
+
+A fenced ```sh or ```console block is run one command at a time with bash (console:
+the lines after ``$ ``; the sample output after them is not compared), with the
+suite's venv first on PATH, ``WATCHDOGD_SOCKET`` naming a daemon on a temporary
+socket and HOME a scratch directory. A ```python block runs in a fresh interpreter
+after a prelude that defines what the examples call (``train_one_epoch`` and the
+like), and must leave no timer armed. A ```toml block must be a config the daemon
+accepts. Commands that cannot run here are listed in `SKIPPED`, and commands that
+run changed in `ADAPTED`, each with its reason; an entry that no longer matches a
+README line fails the suite, so neither list goes stale. The Installing section's
+commands build the wheels and have pip check every install command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from watchdogd.runtime.daemon import load_config
+from watchdogd_client import Client
+
+from helpers.daemon import RunningDaemon
+from helpers.processes import reap, sleeper
+from helpers.waiting import PATIENCE
+
+ROOT = Path(__file__).resolve().parents[2]
+READMES = [ROOT / "README.md", ROOT / "client" / "README.md"]
+VENV_BIN = str(Path(sys.executable).parent)
+PYTHON = sys.executable
+
+_SERVICE = "installs into /opt, /usr/local/bin and /etc/systemd and starts a unit: a host's set-up, not a test's (test_systemd.py verifies the units)"  # noqa: E501
+
+#: Commands not run, by how they start, and why.
+SKIPPED = {
+    "make run": "runs the daemon in the foreground until stopped; the suite's daemon "
+    "fixture starts the same `watchdogd`",
+    "make test": "is this suite",
+    "python3 -m venv .venv": "makes a venv; the suite runs in the one `make` made",
+    "/usr/bin/python3 -m venv /opt/watchdogd": _SERVICE,
+    "/opt/watchdogd/bin/pip install": _SERVICE,
+    "ln -s /opt/watchdogd/bin/watchdogd": _SERVICE,
+    "cp systemd/watchdogd.service": _SERVICE,
+    "systemctl daemon-reload": _SERVICE,
+    "systemctl enable --now watchdogd.socket": _SERVICE,
+}
+
+#: Rewrites of commands that run, as (pattern, replacement, reason).
+ADAPTED = [
+    (
+        r"^\.venv/bin/pip install ",
+        f"{PYTHON} -m pip install --dry-run --no-deps --no-index --no-build-isolation ",
+        "installs nothing into the suite's venv: pip checks that it takes the paths, "
+        "wheels and extras as written",
+    ),
+    (
+        r"^python3 -m pip ",
+        f"{PYTHON} -m pip ",
+        "the suite's python, which has pip",
+    ),
+    (r"(-w |\b)dist\b", r"\1{scratch}/dist", "the wheels go to a scratch directory"),
+    (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
+]
+
+#: Commands that follow until interrupted: they must start and keep running.
+FOLLOWING = {"watchdogctl events --follow --json"}
+
+#: What the Python examples call, defined before each runs.
+PRELUDE = """
+import atexit as _atexit, os as _os
+
+def train_one_epoch():
+    pass
+
+def checkpoint_to_slow_storage():
+    pass
+
+loader = iter(range(10))
+steps = range(3)
+
+def run(step):
+    pass
+
+class _Loss:
+    def backward(self):
+        return None
+
+def model(batch):
+    return _Loss()
+
+batch = [0]
+
+async def fetch_batch():
+    pass
+
+def _left_armed():
+    from watchdogd_client import Client
+    with Client() as client:
+        mine = [t.scope for t in client.status().timers if t.pid == _os.getpid()]
+    if mine:
+        print("LEFT ARMED:", mine)
+
+_atexit.register(_left_armed)
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block: its file, the line its fence is on, language, text."""
+
+    path: Path
+    line: int
+    lang: str
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    found = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    index = 0
+    while index < len(lines):
+        fence = re.match(r"^```(\w+)\s*$", lines[index])
+        index += 1
+        if fence is None:
+            continue
+        start = index
+        while not lines[index].startswith("```"):
+            index += 1
+        found.append(Block(path, start, fence.group(1), "\n".join(lines[start:index]) + "\n"))
+        index += 1
+    return found
+
+
+ALL = [block for readme in READMES for block in blocks(readme)]
+
+
+def commands(block: Block) -> list[str]:
+    """The commands of a sh or console block, continuation lines joined."""
+    if block.lang == "console":
+        return [line[2:] for line in block.text.splitlines() if line.startswith("$ ")]
+    joined = block.text.replace("\\\n", " ")
+    return [line for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def skipped(command: str) -> str | None:
+    return next((why for start, why in SKIPPED.items() if command.startswith(start)), None)
+
+
+def adapt(command: str, **values: str) -> str:
+    """``command`` with every `ADAPTED` rewrite; ``{name}`` in a replacement is
+    ``values[name]``."""
+    for pattern, template, _ in ADAPTED:
+        replacement = template
+        for name, value in values.items():
+            replacement = replacement.replace(f"{{{name}}}", value)
+        command = re.sub(pattern, replacement, command)
+    return command
+
+
+def bare(command: str) -> str:
+    """``command`` without its trailing comment."""
+    return re.split(r"\s+#\s", command, maxsplit=1)[0].strip()
+
+
+def by_lang(*langs: str) -> list[Block]:
+    return [block for block in ALL if block.lang in langs]
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    job = tmp_path / "nightly-job.sh"
+    job.write_text("#!/bin/sh\nexit 0\n")
+    job.chmod(0o755)
+    return tmp_path
+
+
+def environment(daemon: RunningDaemon, scratch: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "WATCHDOGD_SOCKET": str(daemon.socket_path),
+        "HOME": str(scratch),
+    }
+
+
+@pytest.fixture
+def live_pid() -> Iterator[str]:
+    victim = sleeper()
+    yield str(victim.pid)
+    reap(victim)
+
+
+@pytest.mark.parametrize("block", by_lang("sh", "console"), ids=lambda b: b.name)
+def test_shell_commands_run(
+    block: Block, daemon: RunningDaemon, scratch: Path, live_pid: str
+) -> None:
+    env = environment(daemon, scratch)
+    # sh blocks use paths in the checkout (./client, systemd/); console blocks are an
+    # operator's, anywhere.
+    cwd = ROOT if block.lang == "sh" else scratch
+    for command in commands(block):
+        if skipped(command):
+            continue
+        line = adapt(command, scratch=str(scratch), pid=live_pid)
+        if bare(command) in FOLLOWING:
+            follower = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env)
+            try:
+                with pytest.raises(subprocess.TimeoutExpired):
+                    follower.wait(timeout=1.0)
+            finally:
+                reap(follower)
+            continue
+        result = subprocess.run(
+            ["bash", "-c", line],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.returncode == 0, f"{block.name}: {command}\n{result.stdout}{result.stderr}"
+        assert "does not provide the extra" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("block", by_lang("python"), ids=lambda b: b.name)
+def test_python_examples_run(block: Block, daemon: RunningDaemon, scratch: Path) -> None:
+    result = subprocess.run(
+        [PYTHON, "-c", PRELUDE + block.text],
+        cwd=scratch,
+        env=environment(daemon, scratch),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE * 6,
+    )
+    assert result.returncode == 0, f"{block.name}\n{result.stderr}"
+    assert "LEFT ARMED" not in result.stdout, f"{block.name} leaves a timer armed"
+
+
+@pytest.mark.parametrize("block", by_lang("toml"), ids=lambda b: b.name)
+def test_config_examples_are_accepted(block: Block, tmp_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    # The reference lists every key with a placeholder policy table.
+    config.write_text(block.text.replace("[policies.NAME]", "[policies.name]\nsteps = []"))
+    load_config(str(config))
+
+
+def test_every_skip_and_adaptation_still_matches_a_readme_line() -> None:
+    lines = [command for block in by_lang("sh", "console") for command in commands(block)]
+    for start in SKIPPED:
+        assert any(line.startswith(start) for line in lines), f"stale SKIPPED entry {start!r}"
+    for pattern, _, _ in ADAPTED:
+        assert any(re.search(pattern, line) for line in lines), f"stale ADAPTED {pattern!r}"
+    for command in FOLLOWING:
+        assert command in map(bare, lines), f"stale FOLLOWING entry {command!r}"
+
+
+def test_every_block_is_of_a_kind_this_suite_knows() -> None:
+    # ini blocks are systemd drop-ins, shown, not run.
+    assert {block.lang for block in ALL} <= {"sh", "console", "python", "toml", "ini"}
+
+
+def _installing() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Installing", 1)[1].split("\n## ", 1)[0]
+    return [
+        command
+        for block in blocks_of_text(section)
+        for command in commands(block)
+        if block.lang == "sh"
+    ]
+
+
+def blocks_of_text(text: str) -> list[Block]:
+    return [
+        Block(ROOT / "README.md", 0, match.group(1), match.group(2))
+        for match in re.finditer(r"^```(\w+)\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    ]
+
+
+def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -> None:
+    [build] = [command for command in _installing() if " wheel " in command]
+    subprocess.run(
+        ["bash", "-c", adapt(build, scratch=str(tmp_path))],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    packages = [("watchdogd", ROOT), ("watchdogd_client", ROOT / "client")]
+    for package, parent in packages:
+        folder = parent / package
+        [wheel] = (tmp_path / "dist").glob(f"{package}-0.1.0-py3-none-any.whl")
+        names = set(zipfile.ZipFile(wheel).namelist())
+        sources = {
+            str(path.relative_to(folder.parent))
+            for path in folder.rglob("*")
+            if path.suffix in (".py", ".typed") and "__pycache__" not in path.parts
+        }
+        assert sources <= names, f"{wheel.name} lacks {sorted(sources - names)}"
+    # Installed from the wheel alone, the daemon starts (its imports are all there).
+    target = tmp_path / "site"
+    subprocess.run(
+        [PYTHON, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
+         *map(str, sorted((tmp_path / "dist").glob("*.whl")))],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    shown = subprocess.run(
+        [
+            PYTHON,
+            "-c",
+            "import watchdogd.cli.watchdogd, watchdogd.cli.watchdogctl; print(watchdogd.__file__)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(target)},
+        cwd=tmp_path,  # not the checkout, whose watchdogd/ would come first
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout.startswith(str(target))
+    # The wheel install lines of the README are the ones test_shell_commands_run
+    # dry-runs; they name the files this build made.
+    for command in _installing():
+        for wheel_name in re.findall(r"dist/([\w.-]+\.whl)", command):
+            assert (tmp_path / "dist" / wheel_name).exists(), wheel_name
+
+
+def test_a_client_from_the_readme_example_finds_the_daemon(daemon: RunningDaemon) -> None:
+    # The examples rely on $WATCHDOGD_SOCKET; this is the daemon they talk to.
+    with Client(daemon.socket_path) as client:
+        assert client.ping() >= 0

@@ -1,0 +1,293 @@
+"""The watchdogd command: start-up errors, clean stops, the default socket, signals
+while it starts, and the command line's log level across reloads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from watchdogd_client import Client, DaemonUnavailable
+
+from helpers.daemon import RunningDaemon
+from helpers.processes import reap, sleeper
+from helpers.waiting import PATIENCE, wait_until
+
+WATCHDOGD = [sys.executable, "-m", "watchdogd"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stops_cleanly_and_fires_nothing(daemon: RunningDaemon, signum: int) -> None:
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire("s", 0.5, pid=victim.pid)
+        assert daemon.stop(signum) == 0
+        assert not daemon.socket_path.exists()
+        with pytest.raises(subprocess.TimeoutExpired):
+            victim.wait(timeout=1.0)  # its timer did not fire on the way out
+        assert "event=stopped timers=1" in daemon.log()
+    finally:
+        reap(victim)
+
+
+def test_says_where_it_listens(daemon: RunningDaemon) -> None:
+    assert f"event=listening socket={daemon.socket_path}" in daemon.log()
+
+
+def test_bad_config_stops_it_at_start_naming_file_and_key(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[daemon]\nmax_timers_per_user = 5\n")
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert str(config) in result.stderr
+    assert "max_timers_per_user" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_refuses_a_socket_path_another_daemon_answers_on(daemon: RunningDaemon) -> None:
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(daemon.socket_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert "another daemon is listening" in result.stderr
+    with daemon.client() as client:
+        client.ping()  # the first one is untouched
+
+
+def test_config_file_sets_limits(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text('[daemon]\nmax_scope_bytes = 4\nlog_level = "warning"\n')
+    running = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    running.start()
+    try:
+        with running.client() as client:
+            client.acquire("four", 5)
+            with pytest.raises(Exception, match="5 bytes long; the limit is 4"):
+                client.acquire("fives", 5)
+            client.release("four")
+    finally:
+        assert running.stop() == 0
+    assert "event=listening" not in running.log()  # log_level = warning
+
+
+def test_environment_names_the_socket(tmp_path: Path, socket_path: Path) -> None:
+    process = subprocess.Popen(
+        WATCHDOGD,
+        env={"WATCHDOGD_SOCKET": str(socket_path), "PATH": "/usr/bin:/bin"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        seen = [process.stderr.readline() for _ in range(1)]
+        while "event=listening" not in seen[-1] and len(seen) < 10:
+            seen.append(process.stderr.readline())
+        assert f"socket={socket_path}" in seen[-1], seen
+    finally:
+        process.terminate()
+        assert process.wait(timeout=PATIENCE) == 0
+        process.stderr.close()  # type: ignore[union-attr]
+
+
+def test_version() -> None:
+    result = subprocess.run([*WATCHDOGD, "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "watchdogd, version 0.1.0"
+
+
+def _reloaded(client: Client) -> bool:
+    return any(event.kind == "reloaded" for event in client.events().events)
+
+
+def test_a_reload_keeps_the_command_lines_log_level(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text('[daemon]\nlog_level = "info"\n')
+    running = RunningDaemon(
+        socket_path, tmp_path / "log", ["--config", str(config), "--log-level", "warning"]
+    )
+    running.start()
+    try:
+        os.kill(running.pid, signal.SIGHUP)
+        with running.client() as client:
+            wait_until(lambda: _reloaded(client), what="the reload")
+    finally:
+        assert running.stop() == 0
+    log = running.log()
+    # Both are info lines: the file's level did not replace the command line's.
+    assert "event=reloaded" not in log
+    assert "event=stopped" not in log
+
+
+def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(
+    daemon: RunningDaemon,
+) -> None:
+    second = daemon.socket_path.parent / "second.sock"
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(second), "--state", daemon.state_path],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,
+    )
+    assert result.returncode == 1
+    assert "is in use by another watchdogd" in result.stderr
+    assert not second.exists()
+    with daemon.client() as client:
+        client.ping()  # the first one is untouched
+
+
+def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    # The config is a FIFO, so the daemon waits inside its start-up, reading it,
+    # for as long as the test likes.
+    config = tmp_path / "watchdogd.toml"
+    os.mkfifo(config)
+    log = tmp_path / "log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        writer = os.open(config, os.O_WRONLY)  # returns once the daemon opened it
+        os.kill(process.pid, signal.SIGHUP)
+        # The reload reads the path again: make it a plain file by then (the
+        # daemon's open FIFO is unaffected).
+        plain = tmp_path / "plain.toml"
+        plain.write_text("[daemon]\nevents = 50\n")
+        os.replace(plain, config)
+        os.write(writer, b"[daemon]\nevents = 50\n")
+        os.close(writer)
+
+        def answers() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                with Client(socket_path, timeout=1.0) as client:
+                    return _reloaded(client)
+            except DaemonUnavailable:
+                return False
+
+        wait_until(answers, what="the daemon to start and reload")
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        assert process.wait(timeout=PATIENCE) == 0, log.read_text()
+
+
+def test_without_xdg_runtime_dir_a_user_daemon_listens_under_tmp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from watchdogd.cli.watchdogd import daemon_socket_path
+    from watchdogd.core.config import Config
+    from watchdogd_client.paths import client_socket_path
+
+    monkeypatch.delenv("WATCHDOGD_SOCKET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr("os.getuid", lambda: 4242)
+    assert daemon_socket_path(None, Config()) == "/tmp/watchdogd-4242/watchdogd.sock"
+    # The same user's clients look there first (the README's fallback paragraph).
+    assert client_socket_path() == "/run/watchdogd/watchdogd.sock"  # nothing listens yet
+    directory = Path("/tmp/watchdogd-4242")
+    directory.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(directory / "watchdogd.sock"))
+        assert client_socket_path() == "/tmp/watchdogd-4242/watchdogd.sock"
+    finally:
+        listener.close()
+        (directory / "watchdogd.sock").unlink(missing_ok=True)
+        directory.rmdir()
+
+
+def _start_fails(*args: str) -> str:
+    result = subprocess.run(
+        [*WATCHDOGD, *args], capture_output=True, text=True, check=False, timeout=PATIENCE
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        (
+            '[daemon]\nsocket_mode = 0o660\nlog_level = "everything"\n',
+            "line 3: daemon.log_level: Invalid enum value 'everything'; valid: 'debug', "
+            "'info', 'warning', 'error'",
+        ),
+        (
+            '[daemon]\nsocket_group = "no-such-group-here"\n',
+            "daemon.socket_group: no group named 'no-such-group-here'",
+        ),
+        ("[daemon]\nevents = 0\n", "line 2: daemon.events: Expected `int` >= 1"),
+        (
+            '[policies.x]\ntarget = "everything"\n',
+            "policies.x.target: Invalid enum value 'everything'; valid: 'process', 'group'",
+        ),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_file_the_key_the_line_and_the_choices(
+    tmp_path: Path, socket_path: Path, document: str, expected: str
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(document)
+    stderr = _start_fails("--socket", str(socket_path), "--config", str(config))
+    assert f"{config}" in stderr
+    assert expected in " ".join(stderr.split())
+
+
+def test_a_config_that_locks_non_root_users_out_is_warned_of(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[daemon]\ndefault_policy = "graceful"\n\n'
+        '[policies.graceful]\nsteps = [{ signal = "SIGTERM" }]\nroot_only = true\n'
+    )
+    daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    daemon.start()
+    try:
+        assert "WARNING event=config_warning" in daemon.log()
+        assert "every timer a non-root user arms without naming a policy is refused" in (
+            daemon.log()
+        )
+    finally:
+        daemon.stop()
+
+
+def test_a_socket_path_under_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    stderr = _start_fails("--socket", str(missing / "wd.sock"), "--no-state")
+    assert f"{missing.parent} does not exist" in stderr
+    assert not missing.parent.exists()
+
+
+def test_a_metrics_textfile_that_cannot_be_written_stops_the_start(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    stderr = _start_fails(
+        "--socket", str(socket_path), "--metrics-textfile", str(tmp_path / "no" / "m.prom")
+    )
+    assert "--metrics-textfile" in stderr
+    assert "No such file or directory" in stderr

@@ -1,0 +1,266 @@
+"""The daemon killed at bad instants: no kill lost, no release forgotten.
+
+Real daemons are SIGKILLed and restarted; the victims are real processes. The
+counts here keep `make test` short; `make soak` runs the same tests at full scale
+(``WATCHDOGD_SOAK=1``: 100 random kills).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from watchdogd.runtime.daemon import restart_estimate
+from watchdogd_client import DaemonUnavailable
+
+from helpers.daemon import RunningDaemon, expired_event
+from helpers.processes import reap
+from helpers.waiting import PATIENCE, wait_until
+
+SOAK = os.environ.get("WATCHDOGD_SOAK", "") == "1"
+
+
+@pytest.fixture
+def restartable(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    running = RunningDaemon(socket_path, tmp_path / "watchdogd.log", [])
+    running.start()
+    yield running
+    running.stop(signal.SIGKILL)
+
+
+def hung_workers(count: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen(["sleep", "600"]) for _ in range(count)]
+
+
+@pytest.mark.parametrize("after_ms", [0, 2, 5, 10, 20])
+def test_a_daemon_killed_right_after_a_deadline_still_kills_every_worker(
+    restartable: RunningDaemon, after_ms: int
+) -> None:
+    """500 workers share one deadline; the daemon dies ``after_ms`` after it, in
+    the middle of carrying out their policies, and is started again."""
+    workers = hung_workers(500)
+    try:
+        timeout = 1.5
+        with restartable.client(timeout=PATIENCE) as client:
+            start = time.monotonic()
+            deadline = start + timeout
+            for worker in workers:
+                client.acquire("step", deadline - time.monotonic(), pid=worker.pid)
+        assert time.monotonic() < deadline, "arming took longer than the timeout"
+        time.sleep(max(0.0, deadline + after_ms / 1000 - time.monotonic()))
+        restartable.stop(signal.SIGKILL)
+        restartable.start()
+        for worker in workers:
+            assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        for worker in workers:
+            reap(worker)
+
+
+def test_a_sigterm_during_a_term_policy_leaves_it_for_the_next_start(
+    restartable: RunningDaemon,
+) -> None:
+    """SIGTERM while the ``term`` policy waits: the next start resumes the wait
+    where it stood and sends SIGKILL at its original end."""
+    ignores_term = subprocess.Popen(
+        ["python3", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "print('ready', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert ignores_term.stdout is not None
+        assert ignores_term.stdout.readline() == b"ready\n"
+        with restartable.client() as client:
+            client.acquire("epoch", 0.2, policy="term", pid=ignores_term.pid)
+        time.sleep(1.0)  # SIGTERM sent and ignored; the 10 s wait has begun
+        assert restartable.stop(signal.SIGTERM) == 0
+        assert ignores_term.poll() is None
+        restartable.start()
+        with restartable.client() as client:
+            assert client.status().daemon.timers == 0  # firing, not armed again
+        status = ignores_term.wait(timeout=PATIENCE + 10)
+        assert status == -signal.SIGKILL
+        with restartable.client() as client:
+            event = expired_event(client, ignores_term.pid)
+        assert event.outcome == "exited"
+        assert "resumed at step 2" in event.note
+        # The wait kept its end: SIGKILL came about 10 s after the SIGTERM.
+        assert event.fired_at is not None
+        assert event.time - event.fired_at == pytest.approx(10.0, abs=1.5)
+    finally:
+        reap(ignores_term)
+
+
+def test_random_kills_under_churn_lose_no_acknowledged_change(
+    restartable: RunningDaemon,
+) -> None:
+    """Timers armed and released as fast as one client can while the daemon is
+    SIGKILLed at random instants: every acknowledged arm still fires, and no
+    worker dies after its release was acknowledged."""
+    kills = 100 if SOAK else 12
+    rng = random.Random(9)
+    workers = hung_workers(24)
+    #: pid -> (acknowledged op, its deadline); None: the outcome is not known.
+    model: dict[int, tuple[str, float] | None] = {w.pid: ("released", 0.0) for w in workers}
+    by_pid = {w.pid: w for w in workers}
+    violations: list[str] = []
+    armed_and_fired = 0
+    client = restartable.client(timeout=PATIENCE)
+
+    def settle() -> None:
+        """Check every worker against what the daemon acknowledged."""
+        nonlocal armed_and_fired
+        now = time.monotonic()
+        for pid, worker in list(by_pid.items()):
+            state = model[pid]
+            dead = worker.poll() is not None
+            if state is not None and state[0] == "released" and dead:
+                violations.append(f"pid {pid} was killed after its release was acknowledged")
+            if state is not None and state[0] == "armed" and not dead and now > state[1] + 3:
+                violations.append(f"pid {pid}: an acknowledged timer did not fire")
+            if dead:
+                if state is not None and state[0] == "armed":
+                    armed_and_fired += 1
+                worker.wait()
+                del by_pid[pid]
+                replacement = subprocess.Popen(["sleep", "600"])
+                by_pid[replacement.pid] = replacement
+                model[replacement.pid] = ("released", 0.0)
+
+    try:
+        for _ in range(kills):
+            kill_at = time.monotonic() + rng.uniform(0.05, 0.4)
+            while time.monotonic() < kill_at:
+                pid = rng.choice(list(by_pid))
+                state = model[pid]
+                try:
+                    if state is not None and state[0] == "armed":
+                        if state[1] - time.monotonic() < 0.25:
+                            continue  # about to fire: leave it to the daemon
+                        found = client.release("churn", pid=pid)
+                        model[pid] = ("released", 0.0) if found else None
+                    else:
+                        timeout = rng.uniform(0.3, 1.2)
+                        sent = time.monotonic()
+                        client.acquire("churn", timeout, pid=pid)
+                        model[pid] = ("armed", sent + timeout)
+                except DaemonUnavailable:
+                    model[pid] = None
+            restartable.stop(signal.SIGKILL)
+            restartable.start()
+            settle()
+        time.sleep(2.0)
+        settle()
+        time.sleep(2.0)
+        settle()
+    finally:
+        client.close()
+        for worker in by_pid.values():
+            reap(worker)
+    assert violations == []
+    assert armed_and_fired > 0  # the check above had something to check
+
+
+def test_a_restart_keeps_timers_armed_while_the_daemon_is_loaded(
+    restartable: RunningDaemon,
+) -> None:
+    """Every acknowledged timer is in the state the moment its reply arrives."""
+    worker = subprocess.Popen(["sleep", "600"])
+    try:
+        with restartable.client() as client:
+            for index in range(200):
+                client.acquire(f"scope-{index}", 300, pid=worker.pid)
+        restartable.stop(signal.SIGKILL)
+        restartable.start()
+        with restartable.client() as client:
+            assert client.status().daemon.timers == 200
+        wait_until(lambda: worker.poll() is None, what="the worker to stay alive")
+    finally:
+        reap(worker)
+
+
+def test_the_daemon_says_how_long_a_restart_of_it_may_take(restartable: RunningDaemon) -> None:
+    """Clients wait out at least that long when their connection breaks."""
+    with restartable.client() as client:
+        client.ping()
+        window = client._engine.restart
+    # The default cap of 1,000,000 timers loads in a few seconds on these machines.
+    assert 2.0 <= window <= 60.0
+    assert restart_estimate(2.9, 1_000_000, 1_000_000) == pytest.approx(6.8)
+    assert restart_estimate(0.01, 10, 1_000_000) == pytest.approx(7.0)
+
+
+@pytest.mark.skipif(not SOAK, reason="a million timers: make soak")
+def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> None:
+    """A state of 1,000,000 timers on 100 processes; the daemon is killed with the
+    first 100 about to fall due, and restarted: those 100 die on time."""
+    from watchdogd.core.timers import Timer
+    from watchdogd.host.process import read_start_time
+    from watchdogd.storage.store import Store
+
+    state = tmp_path / "state.db"
+    holders = hung_workers(100)
+    daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", ["--state", str(state)])
+    try:
+        starts = [read_start_time(holder.pid) for holder in holders]
+        store, _ = Store.open(str(state))
+        now = time.monotonic()
+        due = now + 15.0
+        for index in range(1_000_000):
+            slot = index % 100
+            deadline = due if index < 100 else now + 3600
+            store.put(
+                Timer(pid=holders[slot].pid, scope=f"s{index}", policy="kill", uid=0, owner=0,
+                      timeout=deadline - now, armed_at=now, deadline=deadline,
+                      start_time=starts[slot], seq=index)
+            )  # fmt: skip
+        store.write_now()
+        store.close()
+        daemon.start()
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        with daemon.client() as client:
+            assert client.status_page(limit=1).daemon.timers == 1_000_000
+        for holder in holders:
+            assert holder.wait(timeout=due - time.monotonic() + PATIENCE) == -signal.SIGKILL
+        assert time.monotonic() - due < 2.0
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for holder in holders:
+            reap(holder)
+
+
+def test_a_policy_removed_across_a_restart_starts_the_default_from_its_first_step(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[policies.slow]\nsteps = [{ signal = "SIGCONT" }, { wait = 30 }, { signal = "SIGKILL" }]\n'
+    )
+    daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+    worker = subprocess.Popen(["sleep", "600"])
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            client.acquire("slow", 0.1, policy="slow", pid=worker.pid)
+        time.sleep(0.5)  # its wait has begun
+        daemon.stop(signal.SIGTERM)
+        config.write_text("")
+        started = time.monotonic()
+        daemon.start()
+        assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
+        assert time.monotonic() - started < PATIENCE  # not after the old 30 s wait
+        with daemon.client() as client:
+            event = expired_event(client, worker.pid)
+        assert event.policy == "kill"
+        assert "started again from its first step" in event.note
+    finally:
+        daemon.stop(signal.SIGKILL)
+        reap(worker)

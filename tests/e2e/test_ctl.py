@@ -1,0 +1,512 @@
+"""watchdogctl, run as an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from watchdogd.cli.watchdogctl import _summary, format_duration, main, shown_scope
+from watchdogd_client import Client
+from watchdogd_client.protocol import DaemonInfo
+
+from helpers.daemon import WATCHDOGCTL, RunningDaemon, configured_daemon, ctl, ctl_command
+from helpers.processes import reap, sleeper, where_is
+from helpers.users import NOBODY
+from helpers.waiting import PATIENCE, wait_until
+
+
+def test_arm_status_release(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        pid = str(victim.pid)
+        armed = ctl(daemon.socket_path, "arm", "--pid", pid, "--scope", "later", "--timeout", "300")
+        assert armed.returncode == 0, armed.stderr
+        assert "armed pid" in armed.stdout
+        ctl(daemon.socket_path, "arm", "--pid", pid, "--scope", "sooner", "--timeout", "100")
+
+        table = ctl(daemon.socket_path, "status")
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        assert lines[0].startswith("watchdogd 0.1.0  pid ")
+        assert "timers 2  processes 1" in lines[1]
+        header = lines[3].split()
+        assert header == ["PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID"]
+        # Soonest first; the command is "sleep 300".
+        rows = [row.split() for row in lines[4:]]
+        assert [row[:4] for row in rows] == [
+            [pid, "sleep", "300", "sooner"],
+            [pid, "sleep", "300", "later"],
+        ]
+        uid = str(os.getuid())
+        assert [row[5:] for row in rows] == [["kill", uid], ["kill", uid]]
+
+        released = ctl(daemon.socket_path, "release", "--pid", pid, "--scope", "later")
+        assert released.stdout.startswith("released")
+        again = ctl(daemon.socket_path, "release", "--pid", pid, "--scope", "later")
+        assert again.returncode == 0
+        assert again.stdout.startswith("no timer was armed")
+    finally:
+        reap(victim)
+
+
+def test_status_json(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        ctl(daemon.socket_path, "arm", "--pid", str(victim.pid), "--scope", "s", "--timeout", "60")
+        result = ctl(daemon.socket_path, "status", "--json")
+        report = json.loads(result.stdout)
+        assert report["daemon"]["pid"] == daemon.pid
+        assert report["daemon"]["timers"] == 1
+        [timer] = report["timers"]
+        assert timer["pid"] == victim.pid
+        assert timer["scope"] == "s"
+        assert timer["policy"] == "kill"
+        assert 50 < timer["remaining"] <= 60
+        assert timer["command"] == "sleep 300"
+    finally:
+        reap(victim)
+
+
+def test_status_entry_goes_when_its_process_exits(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    ctl(daemon.socket_path, "arm", "--pid", str(victim.pid), "--scope", "s", "--timeout", "60")
+    assert len(json.loads(ctl(daemon.socket_path, "status", "--json").stdout)["timers"]) == 1
+    reap(victim)
+    exited = time.monotonic()
+    with daemon.client() as client:
+        wait_until(lambda: not client.status().timers, what="the timer to be dropped")
+    # "A fraction of a second": the exit is noticed through the pidfd, not a poll.
+    assert time.monotonic() - exited < 1.0
+
+
+def test_events_lists_expiries_and_exits(daemon: RunningDaemon) -> None:
+    victim, bystander = sleeper(), sleeper()
+    try:
+        ctl(
+            daemon.socket_path,
+            "arm",
+            "--pid",
+            str(victim.pid),
+            "--scope",
+            "hung",
+            "--timeout",
+            "0.1",
+        )
+        ctl(
+            daemon.socket_path,
+            "arm",
+            "--pid",
+            str(bystander.pid),
+            "--scope",
+            "a",
+            "--timeout",
+            "60",
+        )
+        assert victim.wait(timeout=PATIENCE) == -9
+        bystander.kill()
+        bystander.wait()
+        with daemon.client() as client:
+            wait_until(lambda: len(client.events().events) >= 2, what="the events")
+    finally:
+        reap(victim)
+        reap(bystander)
+    lines = ctl(daemon.socket_path, "events").stdout.splitlines()
+    expired = next(line for line in lines if " expired " in line)
+    assert f"pid={victim.pid}" in expired
+    assert "scope=hung  policy=kill" in expired
+    assert "[SIGKILL: sent SIGKILL]" in expired
+    assert "outcome=exited" in expired
+    exited = next(line for line in lines if " exited " in line and f"pid={bystander.pid}" in line)
+    assert "exited with 1 timer(s) armed: a" in exited
+    as_json = [
+        json.loads(line) for line in ctl(daemon.socket_path, "events", "--json").stdout.splitlines()
+    ]
+    assert [event["seq"] for event in as_json] == sorted(event["seq"] for event in as_json)
+    assert {"kind", "time", "pid", "scope", "policy"} <= set(as_json[-1])
+    assert len(ctl(daemon.socket_path, "events", "--limit", "1").stdout.splitlines()) == 1
+
+
+def test_ping(daemon: RunningDaemon) -> None:
+    result = ctl(daemon.socket_path, "ping")
+    assert result.returncode == 0
+    assert f"watchdogd at {daemon.socket_path} answered in" in result.stdout
+    assert json.loads(ctl(daemon.socket_path, "ping", "--json").stdout)["round_trip"] > 0
+
+
+class TestRun:
+    def test_a_hung_command_is_killed_and_exits_137(self, daemon: RunningDaemon) -> None:
+        started = time.monotonic()
+        result = ctl(daemon.socket_path, "run", "--timeout", "1", "--", "sleep", "30")
+        elapsed = time.monotonic() - started
+        assert result.returncode == 137
+        assert 0.9 < elapsed < PATIENCE
+
+    def test_says_what_the_daemon_did_to_the_command(self, daemon: RunningDaemon) -> None:
+        result = ctl(daemon.socket_path, "run", "--timeout", "0.5", "--json", "--", "sleep", "30")
+        assert result.returncode == 137
+        report = json.loads(result.stdout)
+        pid = report["pid"]
+        assert result.stderr == (
+            f"watchdogctl: the daemon killed sleep 30 (pid {pid}) with SIGKILL after 0.5 s "
+            "(policy kill)\n"
+        )
+        assert report["status"] == 137
+        assert report["expired"]["kind"] == "expired"
+        assert report["expired"]["scope"] == "run:sleep"
+        assert [step["result"] for step in report["expired"]["steps"]] == ["sent SIGKILL"]
+
+    def test_a_policy_the_command_survives_is_reported_too(self, daemon: RunningDaemon) -> None:
+        result = ctl(
+            daemon.socket_path, "run", "--timeout", "0.2", "--policy", "log", "--",
+            "sh", "-c", "sleep 0.6; exit 4",
+        )  # fmt: skip
+        assert result.returncode == 4
+        assert "the daemon's timer on sh -c 'sleep 0.6; exit 4' (pid " in result.stderr
+        assert "expired after 0.2 s (policy log, alive); the command exited with status 4" in (
+            result.stderr
+        )
+
+    def test_a_command_that_is_not_killed_runs_quietly(self, daemon: RunningDaemon) -> None:
+        result = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "sh", "-c", "kill -9 $$")
+        assert result.returncode == 137  # killed, but not by the daemon
+        assert result.stderr == ""
+        clean = ctl(daemon.socket_path, "run", "--json", "--timeout", "5", "--", "true")
+        assert (clean.returncode, clean.stderr) == (0, "")
+        assert json.loads(clean.stdout)["expired"] is None
+        # Its exit released the timer: no "exited with 1 timer(s) armed" record.
+        with daemon.client() as client:
+            assert [e.kind for e in client.events().events if e.kind == "exited"] == []
+            assert client.status().daemon.timers == 0
+
+    def test_a_command_that_finishes_exits_with_its_status(self, daemon: RunningDaemon) -> None:
+        assert ctl(daemon.socket_path, "run", "--timeout", "5", "--", "true").returncode == 0
+        code = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "sh", "-c", "exit 3")
+        assert code.returncode == 3
+        killed = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "sh", "-c", "kill -TERM $$")
+        assert killed.returncode == 128 + signal.SIGTERM
+        with daemon.client() as client:
+            assert client.status().timers == []
+
+    def test_options_of_the_command_are_its_own(self, daemon: RunningDaemon) -> None:
+        result = ctl(
+            daemon.socket_path,
+            "run",
+            "--timeout",
+            "5",
+            "--",
+            "sh",
+            "-c",
+            "echo $0 $1",
+            "x",
+            "--timeout",
+        )
+        assert result.stdout.strip() == "x --timeout"
+
+    def test_signals_are_forwarded(self, daemon: RunningDaemon) -> None:
+        handler = (
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n"
+        )
+        run = subprocess.Popen(
+            ctl_command(
+                daemon.socket_path,
+                "run",
+                "--timeout",
+                "60",
+                "--",
+                sys.executable,
+                "-c",
+                handler,
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert run.stdout is not None
+        assert run.stdout.readline().strip() == "ready"
+        run.send_signal(signal.SIGTERM)
+        try:
+            assert run.wait(timeout=PATIENCE) == 7
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"watchdogctl run did not end: {where_is(run.pid)}") from None
+        finally:
+            reap(run)
+
+    def test_the_timer_is_on_the_child(self, daemon: RunningDaemon) -> None:
+        run = subprocess.Popen(
+            ctl_command(
+                daemon.socket_path,
+                "run",
+                "--timeout",
+                "60",
+                "--scope",
+                "job",
+                "--",
+                "sleep",
+                "30",
+            )
+        )
+        try:
+            with daemon.client() as client:
+                wait_until(
+                    lambda: [t.command for t in client.status().timers] == ["sleep 30"],
+                    what="the timer, with its command line",
+                )
+                [timer] = client.status().timers
+            assert timer.scope == "job"
+            assert timer.pid != run.pid
+        finally:
+            run.terminate()
+            run.wait()
+
+    def test_a_refused_timer_does_not_leave_the_command_running(
+        self, daemon: RunningDaemon, tmp_path: Path
+    ) -> None:
+        marker = tmp_path / "ran-on"
+        result = ctl(
+            daemon.socket_path, "run", "--timeout", "5", "--policy", "nope", "--",
+            "sh", "-c", f"sleep 1; touch {marker}",
+        )  # fmt: skip
+        assert result.returncode == 125
+        assert "no policy 'nope'" in result.stderr
+        time.sleep(1.5)
+        assert not marker.exists()
+
+    def test_a_command_that_cannot_start(self, daemon: RunningDaemon) -> None:
+        result = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "/nonexistent/program")
+        assert result.returncode == 125
+        assert "/nonexistent/program" in result.stderr
+
+
+#: Every command, with the options it needs; --socket and --json go around them.
+COMMANDS = [
+    ["status"],
+    ["ping"],
+    ["events"],
+    ["policies"],
+    ["metrics"],
+    ["arm", "--pid", "2", "--scope", "s", "--timeout", "1"],
+    ["release", "--pid", "2", "--scope", "s"],
+    ["run", "--timeout", "5"],
+]
+
+
+def _placed(socket: Path, command: list[str], *, before: bool) -> list[str]:
+    """``command`` with --socket and --json before or after its name (for `run`,
+    after its options and before the ``--`` of the command it runs)."""
+    options = ["--socket", str(socket), "--json"]
+    line = [*options, *command] if before else [command[0], *options, *command[1:]]
+    return line + (["--", "true"] if command[0] == "run" else [])
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_socket_and_json_go_before_or_after_every_command(
+    daemon: RunningDaemon, command: list[str], before: bool
+) -> None:
+    victim = sleeper()
+    try:
+        command = [str(victim.pid) if arg == "2" else arg for arg in command]
+        result = subprocess.run(
+            [WATCHDOGCTL, *_placed(daemon.socket_path, command, before=before)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+            env={**os.environ, "WATCHDOGD_SOCKET": "/nonexistent/watchdogd.sock"},
+        )
+        assert result.returncode == 0, result.stderr
+        for line in result.stdout.splitlines():
+            json.loads(line)  # events print one object per line
+    finally:
+        reap(victim)
+
+
+def test_the_socket_after_the_command_name_wins(daemon: RunningDaemon, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [WATCHDOGCTL, "--socket", str(tmp_path / "absent.sock"), "ping",
+         "--socket", str(daemon.socket_path)],
+        capture_output=True, text=True, check=False, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert str(daemon.socket_path) in result.stdout
+
+
+def test_metrics_json_is_the_parsed_families(daemon: RunningDaemon) -> None:
+    families = json.loads(ctl(daemon.socket_path, "metrics", "--json").stdout)
+    by_name = {family["name"]: family for family in families}
+    armed = by_name["watchdogd_timers_armed"]
+    assert armed["type"] == "gauge"
+    assert armed["help"]
+    assert armed["samples"] == [{"name": "watchdogd_timers_armed", "labels": {}, "value": 0.0}]
+    requests = by_name["watchdogd_requests"]
+    assert all({"op", "result"} <= set(sample["labels"]) for sample in requests["samples"])
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_no_daemon_means_one_clear_line(tmp_path: Path, command: list[str], before: bool) -> None:
+    absent = tmp_path / "absent.sock"
+    result = subprocess.run(
+        [WATCHDOGCTL, *_placed(absent, command, before=before)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    args = command
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "watchdogd is not reachable" in lines[0]
+    assert str(tmp_path / "absent.sock") in lines[0]
+    assert result.returncode == (125 if args[0] == "run" else 1)
+
+
+class TestScopesForPeople:
+    def test_under_the_working_directory_relative(self) -> None:
+        shown = shown_scope("/srv/job/train.py:88", cwd="/srv/job", home="/home/me")
+        assert shown == "train.py:88"
+        assert shown_scope("/srv/job/sub/x.py:3@worker", cwd="/srv/job/", home="/") == (
+            "sub/x.py:3@worker"
+        )
+
+    def test_under_home_with_a_tilde(self) -> None:
+        assert shown_scope("/home/me/t.py:1", cwd="/srv", home="/home/me") == "~/t.py:1"
+
+    def test_anything_else_as_it_is(self) -> None:
+        for scope in ("load", "run:sleep", "/srv/jobs/t.py:1", "/srv/job", "...b/t.py:1"):
+            assert shown_scope(scope, cwd="/srv/job", home="/home/me") == scope
+        # A working directory of / (or a home of /) shortens nothing.
+        assert shown_scope("/srv/t.py:1", cwd="/", home="/") == "/srv/t.py:1"
+
+    def test_status_shows_them_and_json_keeps_them_whole(
+        self, daemon: RunningDaemon, tmp_path: Path
+    ) -> None:
+        full = f"{tmp_path}/train.py:88"
+        with Client(daemon.socket_path) as client:
+            victim = sleeper()
+            try:
+                client.acquire(full, 60, pid=victim.pid)
+                table = subprocess.run(
+                    ctl_command(daemon.socket_path, "status"),
+                    capture_output=True, text=True, check=True, cwd=tmp_path,
+                )  # fmt: skip
+                [row] = table.stdout.splitlines()[4:]
+                assert row.split()[3] == "train.py:88"
+                whole = subprocess.run(
+                    ctl_command(daemon.socket_path, "status", "--json"),
+                    capture_output=True, text=True, check=True, cwd=tmp_path,
+                )  # fmt: skip
+                assert json.loads(whole.stdout)["timers"][0]["scope"] == full
+            finally:
+                reap(victim)
+
+
+def _info(timers: int) -> DaemonInfo:
+    return DaemonInfo(
+        version="0.1.0", pid=10, uptime=5.0, timers=timers, processes=1, connections=1,
+        requests=9, expired=0, exited=0,
+    )  # fmt: skip
+
+
+def test_the_header_counts_what_the_table_shows() -> None:
+    assert "\ntimers 3  processes 1" in _summary(_info(3), visible=3)
+    assert "\ntimers 0 of yours, 1 on the host  processes 1" in _summary(_info(1), visible=0)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run watchdogctl as uid 65534")
+def test_a_non_root_status_does_not_count_timers_it_cannot_show(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    with configured_daemon(socket_path, tmp_path, "", for_everyone=True) as daemon:
+        victim = sleeper()  # root's
+        try:
+            with daemon.client() as client:
+                client.acquire("roots", 60, pid=victim.pid)
+            output = _status_as_nobody(socket_path)
+        finally:
+            reap(victim)
+    lines = output.splitlines()
+    assert lines[1].startswith("timers 0 of yours, 1 on the host  ")
+    assert lines[3] == "No timers armed."
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0.25, "0.25s"),
+        (42.04, "42.0s"),
+        (302, "5m02s"),
+        (3 * 3600 + 420, "3h07m"),
+        (52 * 3600, "2d04h"),
+    ],
+)
+def test_durations_read_like_durations(seconds: float, shown: str) -> None:
+    assert format_duration(seconds) == shown
+
+
+def _status_as_nobody(socket: Path) -> str:
+    """``watchdogctl status`` run by uid 65534, in a fork of this process (which
+    has the interpreter loaded: uid 65534 may not read it from where it lives)."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            result = CliRunner().invoke(main, ["--socket", str(socket), "status"])
+            output = result.output if result.exit_code == 0 else f"failed: {result.output}"
+        except BaseException as exc:
+            output = f"failed: {exc!r}"
+        os.write(write_end, output.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        output = pipe.read()
+    os.waitpid(child, 0)
+    assert not output.startswith("failed"), output
+    return output
+
+
+def test_shell_completion_comes_from_click(tmp_path: Path) -> None:
+    env = {**os.environ, "_WATCHDOGCTL_COMPLETE": "bash_source"}
+    script = subprocess.run(
+        [WATCHDOGCTL], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    assert "_watchdogctl_completion()" in script
+    assert "complete -o nosort -F _watchdogctl_completion watchdogctl" in script
+    # What the script asks for when the user presses tab after "watchdogctl st":
+    completion = subprocess.run(
+        [WATCHDOGCTL],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            **os.environ,
+            "_WATCHDOGCTL_COMPLETE": "bash_complete",
+            "COMP_WORDS": "watchdogctl st",
+            "COMP_CWORD": "1",
+        },
+    ).stdout
+    assert completion.split() == ["plain,status"]
+    # bash itself accepts the script.
+    if (bash := shutil.which("bash")) is not None:
+        loaded = subprocess.run(
+            [bash, "-c", f'eval "$({WATCHDOGCTL} )" && complete -p watchdogctl'],
+            capture_output=True, text=True, check=True, env=env,
+        )  # fmt: skip
+        assert "_watchdogctl_completion" in loaded.stdout

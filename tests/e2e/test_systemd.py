@@ -1,0 +1,173 @@
+"""systemd: the units checked by systemd's own tools, sd_notify to a fake manager, and
+socket activation by systemd-socket-activate."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from watchdogd_client import Client
+
+from helpers.daemon import RunningDaemon
+from helpers.waiting import PATIENCE
+
+UNITS = Path(__file__).parents[2] / "systemd"
+INSTALLED = "/usr/local/bin/watchdogd"
+WATCHDOGD = str(Path(sys.executable).parent / "watchdogd")
+
+needs_systemd_tools = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None or shutil.which("systemd-socket-activate") is None,
+    reason="systemd's tools are not installed",
+)
+
+
+@pytest.fixture
+def units(tmp_path: Path) -> Path:
+    """The units, pointed at this install instead of the documented path."""
+    for unit in ("watchdogd.service", "watchdogd.socket"):
+        text = (UNITS / unit).read_text()
+        (tmp_path / unit).write_text(text.replace(INSTALLED, WATCHDOGD))
+    assert f"ExecStart={INSTALLED} " in (UNITS / "watchdogd.service").read_text()
+    return tmp_path
+
+
+@needs_systemd_tools
+def test_the_units_verify_clean(units: Path) -> None:
+    result = subprocess.run(
+        [
+            "systemd-analyze",
+            "verify",
+            str(units / "watchdogd.socket"),
+            str(units / "watchdogd.service"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+@needs_systemd_tools
+def test_the_service_is_hardened(units: Path) -> None:
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(units / "watchdogd.service")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    match = re.search(r"Overall exposure level for watchdogd.service: ([0-9.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= 2.0, result.stdout
+
+
+def test_nothing_hides_the_hosts_processes_or_users() -> None:
+    text = (UNITS / "watchdogd.service").read_text()
+    settings = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert not [line for line in settings if line.startswith(("PrivatePIDs=", "PrivateUsers="))]
+    assert "ProtectProc=default" in settings
+    for required in ("Type=notify", "Restart=always", "RuntimeDirectoryPreserve=yes"):
+        assert required in settings
+    assert any(line.startswith("WatchdogSec=") for line in settings)
+    assert any(line.startswith("LimitNOFILE=") for line in settings)
+    assert "CapabilityBoundingSet=CAP_KILL CAP_SYS_PTRACE" in settings
+    # Every setting of [Service] says why: a comment opens the group of lines it is in.
+    service = text.split("[Service]", 1)[1].split("[Install]", 1)[0].splitlines()
+    group_commented = False
+    for line in service:
+        if not line:
+            group_commented = False
+        elif line.startswith("#"):
+            group_commented = True
+        else:
+            assert group_commented, f"no comment says why: {line}"
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[socket.socket]:
+    """A fake service manager: a datagram socket to receive sd_notify messages."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    listener.settimeout(PATIENCE)
+    yield listener
+    listener.close()
+
+
+def messages(manager: socket.socket, until: str) -> list[dict[str, str]]:
+    received = []
+    while True:
+        fields = dict(line.split("=", 1) for line in manager.recv(4096).decode().splitlines())
+        received.append(fields)
+        if until in fields:
+            return received
+
+
+def test_readiness_watchdog_pings_and_stopping(
+    manager: socket.socket, socket_path: Path, tmp_path: Path
+) -> None:
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "200000"}
+    daemon = RunningDaemon(socket_path, tmp_path / "log", [], env=env)
+    daemon.start()
+    try:
+        [ready] = [m for m in messages(manager, "READY") if "READY" in m]
+        assert ready["READY"] == "1"
+        assert ready["STATUS"] == "0 timers on 0 processes, 0 connections"
+        with Client(socket_path) as client:
+            client.ping()  # it answers once READY=1 was sent
+        started = time.monotonic()
+        pings = 0
+        while pings < 5:
+            if "WATCHDOG" in messages(manager, "WATCHDOG")[-1]:
+                pings += 1
+        # WatchdogSec=0.2 s: a ping every 0.1 s, from the scheduler's loop.
+        assert time.monotonic() - started < 2.0
+    finally:
+        daemon.stop(signal.SIGTERM)
+    assert any(m.get("STOPPING") == "1" for m in messages(manager, "STOPPING"))
+
+
+def test_an_abstract_notify_socket(socket_path: Path, tmp_path: Path) -> None:
+    name = f"watchdogd-test-{tmp_path.name}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as manager:
+        manager.bind("\0" + name)
+        manager.settimeout(PATIENCE)
+        daemon = RunningDaemon(socket_path, tmp_path / "log", [], env={"NOTIFY_SOCKET": "@" + name})
+        daemon.start()
+        try:
+            assert "READY=1" in manager.recv(4096).decode()
+        finally:
+            assert daemon.stop() == 0
+
+
+@needs_systemd_tools
+def test_socket_activation_serves_the_passed_socket(socket_path: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    daemon = RunningDaemon(
+        socket_path,
+        tmp_path / "log",
+        ["--state", str(state)],
+        command=["systemd-socket-activate", "-l", str(socket_path), "--", WATCHDOGD],
+    )
+    daemon.start()
+    try:
+        bound_by_the_activator = socket_path.stat().st_ino
+        with Client(socket_path) as client:
+            client.acquire("activated", 60)
+            [timer] = client.status().timers
+            assert timer.scope == "activated"
+    finally:
+        daemon.stop(signal.SIGTERM)
+    log = daemon.log()
+    assert f"socket={socket_path}" in log
+    assert "event=stopped" in log
+    # The socket is systemd's: the daemon served it as passed and never unlinked it.
+    assert socket_path.stat().st_ino == bound_by_the_activator

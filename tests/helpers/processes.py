@@ -1,0 +1,125 @@
+"""Real processes for tests: victims, Python workers, and what /proc says of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from helpers.waiting import PATIENCE, wait_until
+
+
+def python_worker(
+    source: str,
+    *args: str,
+    socket: Path,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+) -> subprocess.Popen[str]:
+    """Start a Python process running ``source`` with WATCHDOGD_SOCKET set.
+
+    The worker prints "ready" on stdout once its set-up is done; its stdin, stdout
+    and stderr are pipes.
+    """
+    full_env = {**os.environ, "WATCHDOGD_SOCKET": str(socket), **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        env=full_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
+def wait_ready(worker: subprocess.Popen[str]) -> None:
+    """Block until the worker printed its "ready" line."""
+    assert worker.stdout is not None
+    line = worker.stdout.readline()
+    if line.strip() != "ready":
+        _, err = worker.communicate(timeout=PATIENCE)
+        raise AssertionError(f"worker failed before ready: {line!r}\n{err}")
+
+
+def sleeper() -> subprocess.Popen[bytes]:
+    """A victim that sleeps and dies by whatever signal reaches it. Returned once
+    its command line shows in /proc: Popen returns when exec began, and the kernel
+    fills in the new program's arguments a moment later."""
+    process = subprocess.Popen(["sleep", "300"])
+    wait_until(lambda: _has_arguments(process.pid), what="the sleeper's command line")
+    return process
+
+
+def _has_arguments(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return bool(cmdline.read(1))
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it will never run again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def where_is(pid: int) -> str:
+    """What a process that should have ended is doing: state, wait channel, kernel stack."""
+    parts = []
+    for name in ("status", "wchan", "stack"):
+        try:
+            text = Path(f"/proc/{pid}/{name}").read_text()
+        except OSError as exc:
+            text = f"({exc.strerror})"
+        if name == "status":
+            text = next((line for line in text.splitlines() if line.startswith("State")), text)
+        parts.append(f"{name}: {text.strip()}")
+    return "; ".join(parts)
+
+
+def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+    """Kill (if need be) and reap a child, and close its pipes."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+#: Python source of ``daemonize()``: start a daemon the classic way (fork, setsid,
+#: fork again, stdio on /dev/null) and return its pid once it runs. It is then in no
+#: tree and no process group of its caller's, but in its caller's cgroup.
+DAEMONIZE = """
+import os
+def daemonize():
+    told, tell = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(tell, str(os.getpid()).encode())
+            os.close(tell)
+            import time
+            time.sleep(300)
+        os._exit(0)
+    os.close(tell)
+    os.waitpid(child, 0)
+    with os.fdopen(told) as pipe:
+        return int(pipe.read())
+"""
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of ``pid``, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

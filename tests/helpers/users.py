@@ -1,0 +1,45 @@
+"""Acting as uid 65534 (nobody), a real other user, from a root test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from watchdogd_client import Client, RequestRefused
+
+#: The uid and gid of nobody, a user with no rights over root's processes.
+NOBODY = 65534
+
+
+def as_nobody(action: Callable[[Client], Any], socket: Path) -> dict[str, Any]:
+    """Run ``action`` with a client in a child running as uid/gid 65534; returns
+    ``{"ok": result}``, ``{"refused": code}`` or ``{"error": text}``."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            with Client(socket) as client:
+                outcome: dict[str, Any] = {"ok": action(client)}
+        except RequestRefused as exc:
+            outcome = {"refused": exc.code, "message": exc.message}
+        except BaseException as exc:
+            outcome = {"error": repr(exc)}
+        os.write(write_end, json.dumps(outcome).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        outcome = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    return outcome
+
+
+def nobody_sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "300"], user=NOBODY, group=NOBODY, extra_groups=[])

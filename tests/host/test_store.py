@@ -1,0 +1,598 @@
+"""The state files: writes, group commits, folds, and files that cannot be used.
+
+Faults of a real disk (full, out of inodes, read-only) are in test_storage_faults.py,
+on real tmpfs mounts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import stat
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from watchdogd.core.timers import Run, Timer
+from watchdogd.storage import database, schema
+from watchdogd.storage import store as store_module
+from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
+from watchdogd.storage.store import StateError, Store, default_state_path
+
+from helpers.state_files import PIDS, SCHEMAS, WRITTEN, make_own
+
+
+def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
+    """A timer; ``step``, ``step_end``, ``fired_at`` and ``plan`` make its `Run`."""
+    run = {name: fields.pop(name) for name in Run.__struct_fields__ if name in fields}
+    if run:
+        fields["run"] = Run(**run)  # type: ignore[arg-type]
+    return Timer(
+        pid=pid,
+        scope=scope,
+        policy="kill",
+        uid=1000,
+        owner=1000,
+        timeout=10.0,
+        armed_at=deadline - 10,
+        deadline=deadline,
+        start_time=555,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def journals(directory: Path) -> list[str]:
+    return sorted(
+        (name for name in os.listdir(directory) if name.split(".")[-1].isdigit()),
+        key=lambda name: int(name.rsplit(".", 1)[1]),
+    )
+
+
+def append(path: str, number: int, record: Record, tail: bytes = b"") -> None:
+    """Write one journal record as the daemon does, then ``tail``."""
+    changes: dict[tuple[int, str, int], Timer | None] = {t.store_key: t for t in record.puts}
+    changes.update(dict.fromkeys(record.drops))
+    with open(f"{path}.journal.{number}", "ab") as journal:
+        journal.write(encode(record, changes) + tail)
+
+
+def test_default_path_is_beside_the_socket() -> None:
+    assert (
+        default_state_path("/run/watchdogd/watchdogd.sock") == "/run/watchdogd/watchdogd.state.db"
+    )
+
+
+def test_a_new_state_is_private_and_empty(tmp_path: Path) -> None:
+    store, loaded = Store.open(str(tmp_path / "state.db"))
+    store.close()
+    assert loaded.timers == []
+    assert not store.degraded
+    for name in ("state.db", "state.db.journal.1"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
+
+
+def test_a_record_of_changes_is_made_as_a_record_would_be() -> None:
+    """A journal record is encoded without building a `Record` (`encode`): the
+    bytes must stay those of the `Record` they stand for."""
+    armed = timer(10, "a")
+    firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
+    changes = {armed.store_key: armed, (11, "gone", 0): None, firing.store_key: firing}
+    for header in (Record(), Record(reset=True, boot="a-boot")):
+        made = encode(header, changes)
+        record = msgspec.structs.replace(header, puts=[armed, firing], drops=[(11, "gone", 0)])
+        payload = msgspec.msgpack.encode(record)
+        assert made == RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        assert list(records(made, newest=True)) == [record]
+
+
+def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the daemon that dies
+        store, _ = Store.open(path)
+        store.put(timer(10, "a"))
+        store.put(timer(10, "b"))
+        store.put(timer(10, "a", deadline=200.0))  # re-armed: only the last counts
+        store.put(timer(11, "gone"))
+        store.drop(timer(11, "gone"))
+        firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
+        store.put(firing)
+        assert store.commit(store.generation)
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no fold: a crash
+    os.waitpid(child, 0)
+    _, loaded = Store.open(path)
+    assert sorted(loaded.timers, key=lambda t: t.scope) == [
+        timer(10, "a", deadline=200.0),
+        timer(10, "b"),
+        timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5),
+    ]
+
+
+def test_an_armed_timer_and_its_firing_record_are_kept_apart(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store.put(timer(10, "a", firing=3, step=1))  # its policy is in progress...
+    store.put(timer(10, "a", deadline=300.0))  # ...and the worker armed it again
+    store.write_now()
+    store.close()
+    _, loaded = Store.open(path)
+    assert sorted(t.firing for t in loaded.timers) == [0, 3]
+
+
+async def test_one_write_serves_every_change_of_a_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = Store.open(str(tmp_path / "state.db"))
+    writes: list[int] = []
+
+    def counting(fd: int | None, data: bytes) -> None:
+        writes.append(len(data))
+        write_all(fd, data)
+
+    monkeypatch.setattr(store_module, "write_all", counting)
+    acknowledged: list[int] = []
+
+    async def acknowledge(pid: int) -> None:
+        store.put(timer(pid, "s"))
+        changed = store.generation
+        await trio.lowlevel.checkpoint()  # as the server does before committing
+        assert store.commit(changed)
+        acknowledged.append(pid)
+
+    async with trio.open_nursery() as nursery:
+        for pid in range(5):
+            nursery.start_soon(acknowledge, pid)
+    assert sorted(acknowledged) == list(range(5))
+    assert len(writes) == 1
+    store.close()
+    assert len(Store.open(str(tmp_path / "state.db"))[1].timers) == 5
+
+
+async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None:
+    store, _ = Store.open(str(tmp_path / "state.db"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        store.put(timer(1, "expired-later"))
+        store.commit_soon()
+        with trio.fail_after(5):
+            while not store.commit(store.generation) or store._pending:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    assert len(Store.open(str(tmp_path / "state.db"))[1].timers) == 1
+
+
+async def test_full_journals_are_folded_and_few_files_exist(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path, journal_bytes=2000)
+    most = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        for i in range(200):
+            store.put(timer(i, "s"))
+            if i % 3 == 0:
+                store.drop(timer(i, "s"))
+            assert store.commit(store.generation)
+            await trio.sleep(0)
+            most = max(most, len(journals(tmp_path)))
+        with trio.fail_after(5):
+            while store._folding or store._fold_wanted or store._written >= 2000:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert most <= 3
+    assert len(journals(tmp_path)) == 1  # the folded ones are gone
+    store.close()
+    raw = sqlite3.connect(path)
+    in_database = raw.execute("SELECT count(*) FROM timers").fetchone()[0]
+    raw.close()
+    assert 0 < in_database <= 133
+    _, loaded = Store.open(path)
+    assert sorted(t.pid for t in loaded.timers) == [i for i in range(200) if i % 3]
+
+
+def test_a_record_cut_short_at_the_end_is_a_write_the_daemon_died_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 5, Record(puts=[timer(1, "older")]))
+    append(path, 6, Record(puts=[timer(2, "whole")]), tail=b"\x00\x00\x01\x00cut")
+    _, loaded = Store.open(path)
+    assert sorted(t.scope for t in loaded.timers) == ["older", "whole"]
+    assert "state_damaged" not in caplog.text  # never acknowledged: no damage
+
+
+def test_a_damaged_journal_is_moved_aside_and_its_good_prefix_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 5, Record(puts=[timer(1, "before")]))
+    with open(f"{path}.journal.5", "ab") as journal:  # overwritten with garbage
+        journal.write(os.urandom(64) + b"\x00" * 64)
+    append(path, 5, Record(puts=[timer(2, "after-the-damage")]))
+    append(path, 6, Record(puts=[timer(3, "next")]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == ["before", "next"]
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.journal.5.damaged-")
+    assert os.path.getsize(aside) > 128  # moved, never deleted
+    assert "ERROR" in caplog.text
+    assert f"moved_to={aside}" in caplog.text
+
+
+def test_a_state_held_by_another_daemon_is_refused_not_moved(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    holder, _ = Store.open(path)
+    try:
+        with pytest.raises(StateError, match="in use by another watchdogd"):
+            Store.open(path)
+        assert not [name for name in os.listdir(tmp_path) if "damaged" in name]
+    finally:
+        holder.close()
+
+
+def test_a_corrupt_database_is_moved_aside_and_the_journals_still_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db"
+    path.write_bytes(b"this is not a database" * 100)
+    append(str(path), 3, Record(puts=[timer(1, "since-the-last-fold")]))
+    store, loaded = Store.open(str(path))
+    store.close()
+    assert [t.scope for t in loaded.timers] == ["since-the-last-fold"]
+    [aside] = loaded.moved_aside
+    assert Path(aside).read_bytes().startswith(b"this is not a database")
+    assert "event=state_damaged" in caplog.text
+    assert not store.degraded
+
+
+def database_of_schema(path: str, named: str) -> None:
+    """A database holding one timer, whose ``meta`` names schema ``named``."""
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "a").store_key: timer(1, "a")}, reset=True)
+    store.close()
+    for journal in journals(Path(path).parent):
+        os.unlink(Path(path).parent / journal)
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (named,))
+    raw.commit()
+    raw.close()
+
+
+def test_a_newer_schema_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "99")
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-99-")
+    assert any(".schema-99-" in name for name in os.listdir(tmp_path))
+    # Moved whole, never decoded: what it held is still there.
+    raw = sqlite3.connect(aside)
+    assert raw.execute("SELECT count(*) FROM timers").fetchone() == (1,)
+    raw.close()
+    [line] = [r for r in caplog.records if "event=state_schema_unreadable" in r.getMessage()]
+    assert line.levelname == "ERROR"
+    assert "newer than this daemon's 4" in line.getMessage()
+    assert "none of its timers are restored" in line.getMessage()
+    assert f"moved_to={aside}" in line.getMessage()
+    assert not store.degraded
+    _, again = Store.open(path)  # a new, empty state in its place
+    assert again.timers == []
+    assert again.moved_aside == []
+
+
+def test_a_schema_older_than_any_release_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    database_of_schema(path, "3")
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.schema-3-")
+    assert "older than any this daemon reads (from 4 on)" in caplog.text
+
+
+def test_a_journal_of_a_newer_schema_is_moved_aside_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its first record names its schema: the journal is moved aside whole, not
+    replayed even in part."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    payload = msgspec.msgpack.encode((False, [timer(1, "of-schema-99")], [], schema.boot_id(), 99))
+    newer = RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+    Path(f"{path}.journal.7").write_bytes(newer)
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    [aside] = loaded.moved_aside
+    assert aside.startswith(f"{path}.journal.7.schema-99-")
+    assert Path(aside).read_bytes() == newer
+    assert "event=state_schema_unreadable" in caplog.text
+    assert not store.degraded
+
+
+def test_a_journal_that_names_no_schema_is_of_schema_4(tmp_path: Path) -> None:
+    """The first journals of schema 4 named none: their first record has four
+    elements, the boot last."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    append(path, 1, Record(puts=[timer(1, "named-no-schema")], boot=schema.boot_id()))
+    store, loaded = Store.open(path)
+    store.close()
+    assert [t.scope for t in loaded.timers] == ["named-no-schema"]
+    assert loaded.moved_aside == []
+
+
+def test_the_first_record_of_a_journal_names_this_schema(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    [first] = journals(tmp_path)
+    data = (tmp_path / first).read_bytes()
+    length, _ = RECORD.unpack_from(data)
+    fields = msgspec.msgpack.decode(data[RECORD.size : RECORD.size + length])
+    assert fields == [False, [], [], schema.boot_id(), schema.SCHEMA]
+
+
+def test_state_from_another_boot_is_discarded(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(10, "a").store_key: timer(10, "a")}, reset=True)
+    store.close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE meta SET value = 'another-boot' WHERE key = 'boot_id'")
+    raw.commit()
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    _, again = Store.open(path)  # and it stays discarded
+    assert again.timers == []
+
+
+def own_timers(pids: list[int], starts: list[int]) -> dict[str, Timer]:
+    """`WRITTEN` as `make_own` makes it, for processes ``pids``."""
+    values = dict(zip(PIDS, zip(pids, starts, strict=True), strict=True))
+    return {
+        scope: msgspec.structs.replace(
+            written,
+            pid=values[written.pid][0],
+            start_time=values[written.pid][1],
+            uid=os.getuid(),
+            owner=os.getuid(),
+        )
+        for scope, written in WRITTEN.items()
+    }
+
+
+@pytest.mark.parametrize("stored", SCHEMAS)
+def test_the_state_of_every_released_schema_loads_as_it_was_written(
+    stored: int, tmp_path: Path
+) -> None:
+    """tests/data/schemaN/ was written by the store of schema N (`write_state`): a
+    database with armed timers of every built-in policy, one of a job with its
+    progress watched and a firing one folded in, and a journal that arms one more,
+    re-arms one and releases one. Every attribute comes back as it was written,
+    through the migrations from N to this schema, and again once rewritten."""
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(stored, tmp_path, pids, starts))
+    for _ in range(2):
+        store, loaded = Store.open(path)
+        store.close()
+        assert {t.scope: t for t in loaded.timers} == own_timers(pids, starts)
+        assert loaded.moved_aside == []
+        assert not store.degraded
+
+
+def test_every_schema_since_the_first_release_has_its_migration_and_its_state() -> None:
+    """Schema 4 is that of the first release: each one since migrates from the one
+    before it, and tests/data/ holds a state of each, written by its own store."""
+    assert set(schema.MIGRATIONS) == set(range(4, schema.SCHEMA))
+    assert set(range(4, schema.SCHEMA)) | {4} <= set(SCHEMAS)
+
+
+def upgraded_policy(fields: list[object]) -> list[object]:
+    """A migration to a hypothetical schema 5, whose stored policy names say so."""
+    return [*fields[:4], f"{fields[4]}@5", *fields[5:]]
+
+
+async def test_the_loader_walks_the_migrations_to_this_schema_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon of a hypothetical schema 5 starts on tests/data/schema4/: the
+    database and the journal are read through the migration from 4, the first
+    journal of the run holds the whole state in schema 5, and once folded the
+    database is of schema 5; neither is migrated again."""
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: upgraded_policy})
+    pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
+    path = str(make_own(4, tmp_path, pids, starts))
+    expected = {
+        scope: msgspec.structs.replace(t, policy=f"{t.policy}@5")
+        for scope, t in own_timers(pids, starts).items()
+    }
+    store, loaded = Store.open(path)
+    store.close()  # killed before its first fold
+    assert {t.scope: t for t in loaded.timers} == expected
+    [first] = journals(tmp_path)
+    assert first == "state.db.journal.3"  # the older journals it supersedes are gone
+    store, loaded = Store.open(path)
+    assert {t.scope: t for t in loaded.timers} == expected
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        with trio.fail_after(5):
+            while store._fold_wanted or store._folding:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert {t.scope: t for t in loaded.timers} == expected
+
+
+def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 6)
+    monkeypatch.setattr(
+        schema,
+        "MIGRATIONS",
+        {4: upgraded_policy, 5: lambda fields: [*fields[:4], f"{fields[4]}@6", *fields[5:]]},
+    )
+    array = msgspec.msgpack.encode([timer(1, "a")])
+    assert [t.policy for t in schema.decode_timers(array, 4)] == ["kill@5@6"]
+    assert [t.policy for t in schema.decode_timers(array, 5)] == ["kill@6"]
+    schema.check(4)
+    with pytest.raises(schema.SchemaError, match="schema 3, older than any this daemon reads"):
+        schema.check(3)
+    with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
+        schema.check(7)
+
+
+def test_a_timer_that_does_not_migrate_is_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(schema, "SCHEMA", 5)
+    monkeypatch.setattr(schema, "MIGRATIONS", {4: lambda fields: fields[99]})
+    path = str(make_own(4, tmp_path, [101, 102, 103, 104], [11, 12, 13, 14]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+    assert sorted(Path(aside).name.split("-")[0] for aside in loaded.moved_aside) == [
+        "state.db.damaged",
+        "state.db.journal.2.damaged",
+    ]
+
+
+def test_loaded_timers_share_their_repeated_values(tmp_path: Path) -> None:
+    """A decoded record would hold its own copy of every value; loaded timers hold
+    one object per distinct pid, start time, policy, uid and timeout, from
+    the database and the journals alike (a million of them would otherwise cost
+    some 200 bytes each more than when armed)."""
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    folded = [timer(4000 + i % 3, f"s{i}", deadline=100.0 + i) for i in range(200)]
+    raw = sqlite3.connect(path, isolation_level=None)
+    database.replace_all(raw, {t.store_key: t for t in folded}, schema.boot_id())
+    raw.close()
+    append(path, 1, Record(puts=[timer(4000, "from-the-journal", deadline=50.0)]))
+    store, loaded = Store.open(path)
+    store.close()
+    assert len(loaded.timers) == 201
+    for name in ("policy", "uid", "owner", "timeout", "start_time"):
+        assert len({id(getattr(t, name)) for t in loaded.timers}) == 1, name
+    assert len({id(t.pid) for t in loaded.timers}) == 3
+
+
+def test_a_record_is_one_timer_shape() -> None:
+    """What the journal holds is the in-memory Timer itself."""
+    armed = timer(1, "x", firing=2, step=1, step_end=5.0, fired_at=4.0)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(armed), type=Timer)
+    assert decoded == armed
+
+
+async def test_a_reset_record_is_folded_as_a_reset(tmp_path: Path) -> None:
+    """A timer released while degraded must not come back from the database once
+    the whole state was written after the disk returned (the reset record)."""
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "released").store_key: timer(1, "released")}, reset=True)
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    store.close()
+    store, loaded = Store.open(path)
+    assert [t.scope for t in loaded.timers] == ["released"]
+    store.snapshot = lambda: [timer(2, "kept")]  # the state in memory: released since
+    store.degraded = True
+    assert store.recover()
+    store.close()  # killed before the fold
+    store, loaded = Store.open(path)
+    assert [t.scope for t in loaded.timers] == ["kept"]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        with trio.fail_after(5):
+            while store._fold_wanted or store._folding:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    assert [t.scope for t in Store.open(path)[1].timers] == ["kept"]
+
+
+def test_a_journal_of_another_boot_is_not_replayed(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 7, Record(puts=[timer(1, "before-the-reboot")], boot="another-boot"))
+    store, loaded = Store.open(path)
+    store.close()
+    assert loaded.timers == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE meta SET value = '2x' WHERE key = 'schema'",
+        "UPDATE timers SET record = 'text, not a record'",
+    ],
+)
+def test_unreadable_database_content_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "a").store_key: timer(1, "a")}, reset=True)
+    store.close()
+    raw = sqlite3.connect(path)
+    raw.execute(damage)
+    raw.commit()
+    raw.close()
+    store, loaded = Store.open(path)
+    store.close()
+    assert len(loaded.moved_aside) == 1
+    assert not store.degraded
+
+
+async def test_a_database_that_refuses_folds_keeps_memory_and_journals_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path, journal_bytes=4096)
+    live: dict[tuple[int, str, int], Timer] = {}
+    store.snapshot = lambda: list(live.values())
+
+    def refuse(changes: object, reset: bool) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_write_database", refuse)
+    journal_most = memory_most = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        for index in range(10_000):
+            armed = timer(10_000 + index, "churn")
+            store.put(armed)
+            store.drop(armed)  # released: nothing stays live
+            assert store.commit(store.generation)
+            await trio.sleep(0)
+            journal_most = max(journal_most, store._written)
+            memory_most = max(memory_most, len(store._unfolded))
+        nursery.cancel_scope.cancel()
+    store.close()
+    assert len(journals(tmp_path)) <= 3
+    # Nothing is kept for the database once a fold failed, and the journal is
+    # replaced once past four times its bound; only what arrives while a fold is in
+    # flight comes on top. Unbounded, both would grow with all 10,000 changes
+    # (10,000 entries, about 380 KiB).
+    assert memory_most <= 3000
+    assert journal_most <= 16 * 4096

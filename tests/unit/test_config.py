@@ -1,0 +1,159 @@
+"""Config files: defaults, bounds, and errors that name the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from watchdogd.cli.watchdogd import daemon_socket_path
+from watchdogd.core.config import Config, parse_config
+from watchdogd.errors import ConfigError
+from watchdogd.runtime.daemon import load_config
+
+from helpers.cgroups import HYBRID, V1_ONLY
+
+
+def test_no_file_means_every_default() -> None:
+    config = parse_config(b"", "empty.toml")
+    assert config == Config()
+    assert config.daemon.max_frame_bytes == 64 * 1024
+    assert config.daemon.max_scope_bytes == 256
+    assert config.daemon.max_timeout == 30 * 86400
+    assert config.daemon.socket_mode == 0o666
+
+
+def test_a_full_daemon_table(tmp_path: Path) -> None:
+    path = tmp_path / "watchdogd.toml"
+    path.write_text(
+        """
+        [daemon]
+        socket = "/run/custom.sock"
+        socket_mode = 0o660
+        log_level = "debug"
+        max_timers_per_uid = 50
+        max_timeout = 3600
+        """
+    )
+    daemon = load_config(str(path)).daemon
+    assert (daemon.socket, daemon.socket_mode, daemon.log_level) == (
+        "/run/custom.sock",
+        0o660,
+        "debug",
+    )
+    assert (daemon.max_timers_per_uid, daemon.max_timeout) == (50, 3600.0)
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ("[daemon]\nmax_timerz = 5\n", "unknown field `max_timerz`"),
+        ("[daemon]\nmax_timers = 0\n", "daemon.max_timers: Expected `int` >= 1"),
+        ('[daemon]\nlog_level = "loud"\n', "daemon.log_level"),
+        ("[deamon]\n", "unknown field `deamon`"),
+        ("[daemon\n", "not valid TOML"),
+        ("[daemon]\nsocket_mode = 0o1777\n", "daemon.socket_mode"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(document, "/etc/watchdogd.toml")
+    message = str(caught.value)
+    assert message.startswith(("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: "))
+    assert expected in message
+
+
+def test_starvation_settings_of_a_policy() -> None:
+    policies = parse_config(
+        """
+        [policies.patient]
+        steps = [ { signal = "SIGKILL" } ]
+        starvation_grace = 30
+
+        [policies.tuned]
+        starvation_grace = 2.5
+        starvation_pressure = 80
+        starvation_cpu = 150
+        """,
+        "x.toml",
+    ).policy_set()
+    patient, tuned, kill = policies["patient"], policies["tuned"], policies["kill"]
+    assert (patient.starvation_grace, patient.starvation_pressure, patient.starvation_cpu) == (
+        30.0,
+        50.0,
+        25.0,
+    )
+    assert (tuned.starvation_grace, tuned.starvation_pressure, tuned.starvation_cpu) == (
+        2.5,
+        80.0,
+        150.0,
+    )
+    assert kill.starvation_grace == 0.0
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ("starvation_pressure = 60", "policies.p.starvation_pressure: applies only with"),
+        ("starvation_cpu = 10", "policies.p.starvation_cpu: applies only with starvation_grace"),
+        ("starvation_grace = 0", "policies.p.starvation_grace: Expected `float` > 0"),
+        ("starvation_grace = 1\nstarvation_pressure = 0", "starvation_pressure: Expected"),
+        ("starvation_grace = 1\nstarvation_pressure = 101", "starvation_pressure: Expected"),
+        ("starvation_grace = 1\nstarvation_cpu = -1", "starvation_cpu: Expected `float` >= 0"),
+    ],
+)
+def test_starvation_settings_are_checked(table: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"[policies.p]\n{table}\n", "x.toml")
+    assert expected in str(caught.value)
+    assert str(caught.value).startswith("x.toml")
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(str(tmp_path / "missing.toml"))
+
+
+def test_socket_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    from_file = parse_config('[daemon]\nsocket = "/from/file.sock"\n', "x")
+    monkeypatch.setenv("WATCHDOGD_SOCKET", "/from/env.sock")
+    assert daemon_socket_path("/from/option.sock", from_file) == "/from/option.sock"
+    assert daemon_socket_path(None, from_file) == "/from/env.sock"
+    monkeypatch.delenv("WATCHDOGD_SOCKET")
+    assert daemon_socket_path(None, from_file) == "/from/file.sock"
+    assert daemon_socket_path(None, Config()).endswith("watchdogd.sock")
+
+
+CGROUP_POLICIES = """
+[policies.job]
+target = "cgroup"
+steps = [ { signal = "SIGKILL" } ]
+
+[policies.plain]
+steps = [ { signal = "SIGKILL" } ]
+"""
+
+
+def test_a_cgroup_target_needs_cgroup_v2_on_the_host(tmp_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(CGROUP_POLICIES)
+    hybrid = tmp_path / "hybrid-mountinfo"
+    hybrid.write_text(HYBRID)
+    v1_only = tmp_path / "v1-mountinfo"
+    v1_only.write_text(V1_ONLY)
+    assert load_config(str(config), mountinfo=str(hybrid)).policies["job"].target == "cgroup"
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(config), mountinfo=str(v1_only))
+    assert str(caught.value).startswith(
+        f"{config}: policies.job.target: 'cgroup' needs the cgroup v2 hierarchy, and this "
+        "host has none mounted"
+    )
+    # A file without cgroup targets loads on such a host.
+    config.write_text(CGROUP_POLICIES.replace('target = "cgroup"', 'target = "tree"'))
+    assert load_config(str(config), mountinfo=str(v1_only)).policies["job"].target == "tree"
+
+
+def test_the_targets_are_named_when_one_is_wrong() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config('[policies.x]\ntarget = "slice"\n', "w.toml")
+    assert "valid: 'process', 'group', 'tree', 'cgroup'" in str(caught.value)
