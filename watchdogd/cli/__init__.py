@@ -1,3 +1,3 @@
-"""The commands: `watchdogd` (the daemon's), `watchdogctl` (the control tool's) and
-the man pages made from their help (`manpage`).
+"""The commands: `watchdogd` (the daemon's), `watchdogctl` (the control tool's; its
+replies in words are `render`) and the man pages made from their help (`manpage`).
 """
