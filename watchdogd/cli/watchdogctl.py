@@ -7,24 +7,21 @@ is for people (scopes relative to the working directory or ``~``); ``--json`` ou
 is for programs and keeps every value as the daemon sent it.
 
 This module holds the commands: their options, the one client each uses, and how
-errors become exit statuses. The text is made by `watchdogd.cli.render`.
+errors become exit statuses. The text is made by `watchdogd.cli.render`; the child of
+``watchdogctl run`` and its timer are `watchdogd.cli.run`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import click
 import msgspec
 
-from watchdogd_client import Client, ErrorCode, RequestRefused, WatchdogdError
+from watchdogd_client import Client, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import EventInfo
 
@@ -41,23 +38,13 @@ from .render import (
     suggestions_text,
     why_lines,
 )
+from .run import run_under_timer
 
-#: Exit status of `run` when watchdogctl itself fails (as GNU timeout does).
-RUN_FAILED: Final = 125
-_FORWARDED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds each follow request waits for news before asking again.
 _FOLLOW_WAIT: Final = 30.0
-#: How long `run` waits for the event of an expiry whose policy is still finishing.
-_EXPIRY_PATIENCE: Final = 5.0
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _RunFailed(click.ClickException):
-    """watchdogctl run could not run its command under a timer."""
-
-    exit_code = RUN_FAILED
 
 
 class _Settings:
@@ -345,130 +332,11 @@ def run(timeout: float, scope: str | None, policy: str | None, command: Sequence
     """
     client = _client()
     scope = scope or f"run:{os.path.basename(command[0])}"
-    try:
-        # Also the proof that a daemon answers, before anything is started.
-        seen = client.events(limit=1).last
-    except WatchdogdError as exc:
-        raise _RunFailed(str(exc)) from None
-    with _Forwarder() as forwarder:
-        try:
-            child = subprocess.Popen(command)
-        except OSError as exc:
-            raise _RunFailed(str(exc)) from None
-        forwarder.attach(child.pid)
-        armed = time.monotonic()
-        _arm_child(client, child, scope, timeout, policy)
-        # Wait without reaping, so the pid still names the child when its timer
-        # is released; then reap.
-        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-        # The daemon's deadline is later than armed + timeout: a child that ended
-        # before that was not touched by the daemon, and no event is waited for.
-        due = time.monotonic() >= armed + timeout
-        found = _release_child(client, child, scope)
-        returncode = child.wait()
-        fired = due and found is not True
-        expiry = _expiry_of(client, child.pid, scope, seen) if fired else None
-    status = returncode if returncode >= 0 else 128 - returncode
-    if expiry is not None:
-        click.echo(
-            f"watchdogctl: {expiry_report(command, child.pid, returncode, timeout, expiry)}",
-            err=True,
-        )
+    ran = run_under_timer(client, command, scope=scope, timeout=timeout, policy=policy)
+    status = ran.returncode if ran.returncode >= 0 else 128 - ran.returncode
+    if ran.expiry is not None:
+        report = expiry_report(command, ran.pid, ran.returncode, timeout, ran.expiry)
+        click.echo(f"watchdogctl: {report}", err=True)
     if _settings().as_json:
-        _print_json({"pid": child.pid, "scope": scope, "status": status, "expired": expiry})
+        _print_json({"pid": ran.pid, "scope": scope, "status": status, "expired": ran.expiry})
     sys.exit(status)
-
-
-def _expiry_of(client: Client, pid: int, scope: str, seen: int) -> EventInfo | None:
-    """The daemon's ``expired`` event for the timer ``(pid, scope)``, or None when it
-    did not fire. It is recorded once the policy has finished, a moment after the
-    process died: wait for it, for at most `_EXPIRY_PATIENCE` seconds. An ``exited``
-    event for the pid first means the exit found the timer still armed: no expiry."""
-    deadline = time.monotonic() + _EXPIRY_PATIENCE
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            page = client.events(after=seen, limit=1000, wait=max(left, 0.0))
-        except WatchdogdError:
-            return None  # the run's result does not depend on this report
-        for event in page.events:
-            if event.pid != pid:
-                continue
-            if event.kind == "expired" and event.scope == scope:
-                return event
-            if event.kind == "exited":
-                return None
-        seen = page.last
-        if left <= 0:
-            return None
-
-
-class _Forwarder:
-    """Passes SIGINT, SIGTERM and SIGHUP on to the child, through its pidfd.
-
-    The handlers are in place before the child starts; a signal that arrives before
-    the child exists is passed on as soon as it does. A pidfd (rather than
-    Popen.send_signal, which may reap) keeps the child unreaped until `run` reaps it.
-    """
-
-    def __init__(self) -> None:
-        self._pidfd: int | None = None
-        self._pending: list[int] = []
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Forwarder:
-        self._previous = {signum: signal.signal(signum, self._forward) for signum in _FORWARDED}
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-
-    def attach(self, pid: int) -> None:
-        self._pidfd = os.pidfd_open(pid)
-        for signum in self._pending:
-            self._send(signum)
-
-    def _forward(self, signum: int, frame: object) -> None:
-        if self._pidfd is None:
-            self._pending.append(signum)
-        else:
-            self._send(signum)
-
-    def _send(self, signum: int) -> None:
-        assert self._pidfd is not None
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self._pidfd, signum)
-
-
-def _arm_child(
-    client: Client, child: subprocess.Popen[bytes], scope: str, timeout: float, policy: str | None
-) -> None:
-    try:
-        client.acquire(scope, timeout, policy=policy, pid=child.pid, exit_releases=True)
-    except RequestRefused as exc:
-        if exc.code == ErrorCode.NO_SUCH_PROCESS:
-            return  # it has exited already; nothing to watch
-        _abandon(child)
-        raise _RunFailed(str(exc)) from None
-    except WatchdogdError as exc:
-        _abandon(child)
-        raise _RunFailed(str(exc)) from None
-
-
-def _release_child(client: Client, child: subprocess.Popen[bytes], scope: str) -> bool | None:
-    """Whether the release found the timer armed; None if it failed."""
-    try:
-        return client.release(scope, pid=child.pid)
-    except WatchdogdError as exc:
-        # The child has exited, so the daemon drops its timer on its own.
-        click.echo(f"watchdogctl: could not release the timer: {exc}", err=True)
-        return None
-
-
-def _abandon(child: subprocess.Popen[bytes]) -> None:
-    """The child must not run unprotected when its timer could not be armed."""
-    child.kill()
-    child.wait()
