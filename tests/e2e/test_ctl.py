@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from watchdogd.cli.watchdogctl import _summary, format_duration, main, shown_scope
+from watchdogd.cli.render import _summary, format_duration, shown_scope
+from watchdogd.cli.watchdogctl import main
 from watchdogd_client import Client
 from watchdogd_client.protocol import DaemonInfo
 

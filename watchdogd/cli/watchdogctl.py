@@ -5,57 +5,46 @@ Every command takes ``--socket`` and ``--json``, before or after the command nam
 prints one line on stderr and exits non-zero; it never shows a traceback. Text output
 is for people (scopes relative to the working directory or ``~``); ``--json`` output
 is for programs and keeps every value as the daemon sent it.
+
+This module holds the commands: their options, the one client each uses, and how
+errors become exit statuses. The text is made by `watchdogd.cli.render`; the child of
+``watchdogctl run`` and its timer are `watchdogd.cli.run`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
-import shlex
-import signal
-import subprocess
 import sys
-import textwrap
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import click
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
-from watchdogd_client import Client, DaemonStatus, ErrorCode, RequestRefused, WatchdogdError
+from watchdogd_client import Client, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
-from watchdogd_client.protocol import (
-    DaemonInfo,
-    EventInfo,
-    IncidentInfo,
-    TimerInfo,
-    WhyReply,
-    WhyTimer,
-)
+from watchdogd_client.protocol import EventInfo
 
 from .._version import __version__
+from .render import (
+    event_text,
+    expiry_report,
+    format_duration,
+    incident_lines,
+    incidents_text,
+    parse_metrics,
+    policies_text,
+    status_text,
+    suggestions_text,
+    why_lines,
+)
+from .run import run_under_timer
 
-#: Exit status of `run` when watchdogctl itself fails (as GNU timeout does).
-RUN_FAILED: Final = 125
-_FORWARDED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_COMMAND_WIDTH: Final = 40
 #: Seconds each follow request waits for news before asking again.
 _FOLLOW_WAIT: Final = 30.0
-#: How long `run` waits for the event of an expiry whose policy is still finishing.
-_EXPIRY_PATIENCE: Final = 5.0
-_SCOPE_WIDTH: Final = 40
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _RunFailed(click.ClickException):
-    """watchdogctl run could not run its command under a timer."""
-
-    exit_code = RUN_FAILED
 
 
 class _Settings:
@@ -179,111 +168,7 @@ def status() -> None:
     if _settings().as_json:
         _print_json({"daemon": report.daemon, "timers": report.timers})
         return
-    click.echo(_summary(report.daemon, visible=len(report.timers)))
-    click.echo()
-    click.echo(_table(report) if report.timers else "No timers armed.")
-
-
-def _summary(info: DaemonInfo, *, visible: int) -> str:
-    """The status header. ``visible`` is how many timers the table lists: fewer than
-    the daemon holds when the caller may not see them all."""
-    timers = (
-        f"timers {info.timers}"
-        if visible == info.timers
-        else f"timers {visible} of yours, {info.timers} on the host"
-    )
-    summary = (
-        f"watchdogd {info.version}  pid {info.pid}  up {format_duration(info.uptime)}\n"
-        f"{timers}  processes {info.processes}  connections {info.connections}  "
-        f"requests {info.requests}  expired {info.expired}  exited {info.exited}"
-    )
-    if info.state_degraded:
-        summary += (
-            "\nstate degraded: the state cannot be written; timers are protected from "
-            "memory only (see the daemon's log)"
-        )
-    if info.fleet:
-        summary += f"\nfleet {info.fleet}"
-    return summary
-
-
-def _table(report: DaemonStatus) -> str:
-    rows: list[tuple[str, ...]] = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
-    # Read once for the table, not once a row (status may list 100,000 timers).
-    cwd, home = _cwd(), os.path.expanduser("~")
-    rows += [_row(timer, cwd, home) for timer in report.timers]
-    if any(timer.job for timer in report.timers):
-        rows[0] += ("JOB",)
-        rows[1:] = [(*row, _job(timer)) for row, timer in zip(rows[1:], report.timers, strict=True)]
-    return _columns(rows)
-
-
-def _job(timer: TimerInfo) -> str:
-    """A timer's job and rank, as the status table shows them."""
-    if not timer.job:
-        return ""
-    return timer.job if timer.rank is None else f"{timer.job}:{timer.rank}"
-
-
-def _columns(rows: Sequence[Sequence[str]]) -> str:
-    """Rows as left-aligned columns two spaces apart."""
-    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
-def _row(timer: TimerInfo, cwd: str, home: str) -> tuple[str, str, str, str, str, str]:
-    return (
-        str(timer.pid),
-        _clip(timer.command, _COMMAND_WIDTH),
-        _clip(shown_scope(timer.scope, cwd=cwd, home=home), _SCOPE_WIDTH),
-        format_duration(timer.remaining),
-        timer.policy,
-        str(timer.uid),
-    )
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) -> str:
-    """A scope as people read it. Default scopes are absolute ``file:line`` paths:
-    one under ``cwd`` (default: the working directory) is shown relative to it, one
-    under ``home`` (default: ``~``) starts with ``~/``; any other scope is unchanged."""
-    cwd = _cwd() if cwd is None else cwd
-    home = os.path.expanduser("~") if home is None else home
-    for directory, shown in ((cwd, ""), (home, "~/")):
-        prefix = directory.rstrip("/") + "/"
-        # "/" (a root working directory, nobody's home) would shorten every path.
-        if prefix != "/" and scope.startswith(prefix) and len(scope) > len(prefix):
-            return shown + scope[len(prefix) :]
-    return scope
-
-
-def _cwd() -> str:
-    try:
-        return os.getcwd()
-    except OSError:  # the working directory was removed
-        return ""
-
-
-def format_duration(seconds: float) -> str:
-    """Seconds as people read them: 0.25s, 42.0s, 5m02s, 3h07m, 2d04h."""
-    if seconds < 10:
-        return f"{seconds:.2f}s"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
+    click.echo(status_text(report))
 
 
 @main.command()
@@ -324,36 +209,8 @@ def events(follow: bool, limit: int) -> None:
 
 def _print_events(items: Sequence[EventInfo], as_json: bool) -> None:
     for event in items:
-        if as_json:
-            _print_json(event)
-        else:
-            click.echo(_event_line(event))
-            for step in event.steps:
-                if step.output:
-                    click.echo(textwrap.indent(step.output.rstrip("\n"), "    | "))
+        _print_json(event) if as_json else click.echo(event_text(event))
     sys.stdout.flush()
-
-
-def _event_line(event: EventInfo) -> str:
-    parts = [_when(event.time), event.kind, f"pid={event.pid}"]
-    if event.scope:
-        parts.append(f"scope={shown_scope(event.scope)}")
-    if event.policy:
-        parts.append(f"policy={event.policy}")
-    if event.late is not None:
-        parts.append(f"late={event.late * 1000:.2f}ms")
-    if event.outcome:
-        parts.append(f"outcome={event.outcome}")
-    if event.job:
-        parts.append(f"job={event.job}" + ("" if event.rank is None else f" rank={event.rank}"))
-    if event.incident:
-        parts.append(f"incident={event.incident}")
-    if event.state:
-        parts.append(f"state={event.state!r} wchan={event.wchan}")
-    parts += [f"[{step.step}: {step.result}]" for step in event.steps]
-    if event.note:
-        parts.append(f"({event.note})")
-    return "  ".join(parts)
 
 
 @main.command()
@@ -364,17 +221,7 @@ def policies() -> None:
     if _settings().as_json:
         _print_json({"default": reply.default, "policies": reply.policies})
         return
-    rows = [("NAME", "TARGET", "STEPS", "")]
-    for policy in reply.policies:
-        marks = [
-            mark
-            for mark, on in (("root only", policy.root_only), ("built in", policy.builtin))
-            if on
-        ]
-        name = f"{policy.name}*" if policy.name == reply.default else policy.name
-        steps = ", ".join(policy.steps) or "(record only)"
-        rows.append((name, policy.target, steps, ", ".join(marks)))
-    click.echo(_columns(rows))
+    click.echo(policies_text(reply))
 
 
 @main.command()
@@ -385,28 +232,7 @@ def suggest() -> None:
     executable and scope. A scope needs some releases before it gets a suggestion;
     expires(after="auto", ceiling=...) arms it."""
     rows = _client().suggest()
-    if _settings().as_json:
-        _print_json(rows)
-        return
-    if not rows:
-        click.echo("Nothing learned yet: no timer has been released.")
-        return
-    table = [("UID", "EXECUTABLE", "SCOPE", "COUNT", "P50", "P99", "MAX", "SUGGESTED")]
-    for row in rows:
-        suggested = "-" if row.suggested is None else format_duration(row.suggested)
-        table.append(
-            (
-                str(row.uid),
-                row.executable,
-                shown_scope(row.scope),
-                str(row.count),
-                format_duration(row.p50),
-                format_duration(row.p99),
-                format_duration(row.max),
-                suggested,
-            )
-        )
-    click.echo(_columns(table))
+    _print_json(rows) if _settings().as_json else click.echo(suggestions_text(rows))
 
 
 @main.command()
@@ -416,28 +242,7 @@ def incidents(limit: int) -> None:
     """Incidents: a timer of a job expired, and the stacks of every rank of the
     job were gathered, host by host. Your jobs' (root: all); newest last."""
     rows = _client().incidents(limit=limit)
-    if _settings().as_json:
-        _print_json(rows)
-        return
-    if not rows:
-        click.echo("No incidents.")
-        return
-    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS")]
-    for row in rows:
-        table.append(
-            (
-                row.id,
-                _when(row.time),
-                row.user,
-                row.job,
-                row.host,
-                "-" if row.rank is None else str(row.rank),
-                shown_scope(row.scope),
-                row.reason if row.kind == "expired" else f"{row.kind}: {row.reason}",
-                str(row.count),
-            )
-        )
-    click.echo(_columns(table))
+    _print_json(rows) if _settings().as_json else click.echo(incidents_text(rows))
 
 
 @main.command()
@@ -450,38 +255,6 @@ def incident(incident: str) -> None:
     _print_json(found) if _settings().as_json else click.echo("\n".join(incident_lines(found)))
 
 
-def incident_lines(incident: IncidentInfo) -> list[str]:
-    """``watchdogctl incident`` in words."""
-    rank = "" if incident.rank is None else f" rank {incident.rank}"
-    lines = [
-        f"incident {incident.id}: job {incident.job} of {incident.user}, {incident.kind} "
-        f"on {incident.host}{rank} at {_when(incident.time)}"
-        + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
-        + f" ({incident.reason})",
-    ]
-    host = None
-    for member in incident.ranks:
-        if member.host != host:
-            host = member.host
-            lines += ["", f"host {host}"]
-        name = "rank ?" if member.rank is None else f"rank {member.rank}"
-        lines.append(
-            f"  {name} pid {member.pid} {member.role} ({member.state}), "
-            f"scope {shown_scope(member.scope)}"
-        )
-        if member.frame:
-            lines.append(f"    waiting in {member.frame}")
-        if member.note:
-            lines.append(f"    ({member.note})")
-        if member.stack:
-            lines.append(textwrap.indent(member.stack.rstrip("\n"), "    | "))
-    return lines
-
-
-def _when(time: float) -> str:
-    return datetime.datetime.fromtimestamp(time).strftime("%Y-%m-%d %H:%M:%S")
-
-
 @main.command()
 @click.argument("pid", type=click.IntRange(min=1))
 @_common_options()
@@ -492,60 +265,6 @@ def why(pid: int) -> None:
     what history suggests for its scopes."""
     reply = _client().why(pid)
     _print_json(reply) if _settings().as_json else click.echo("\n".join(why_lines(reply)))
-
-
-def why_lines(reply: WhyReply) -> list[str]:
-    """``watchdogctl why`` in words."""
-    lines = [f"pid {reply.pid}" + (f": {reply.command}" if reply.command else "")]
-    if reply.executable:
-        lines.append(f"  executable {reply.executable}, uid {reply.uid}")
-    if not reply.timers:
-        lines.append("  no timer armed that you may see")
-    for timer in reply.timers:
-        lines.append(f"  timer {shown_scope(timer.scope)} (policy {timer.policy})")
-        lines += [f"    {line}" for line in _timer_lines(timer)]
-    if reply.more:
-        lines.append(f"  and {reply.more} more timers")
-    for row in reply.suggestions:
-        suggested = "none yet" if row.suggested is None else format_duration(row.suggested)
-        lines.append(
-            f"  history of {shown_scope(row.scope)}: {row.count} releases, "
-            f"p50 {format_duration(row.p50)}, p99 {format_duration(row.p99)}, "
-            f"max {format_duration(row.max)}; suggested timeout {suggested}"
-        )
-    for incident in reply.incidents:
-        lines.append(
-            f"  incident {incident.id}: job {incident.job}, {incident.kind} on {incident.host}"
-            f" ({incident.reason}); watchdogctl incident {incident.id}"
-        )
-    if reply.events:
-        lines.append("  events:")
-        lines += [f"    {_event_line(event)}" for event in reply.events]
-    return lines
-
-
-def _timer_lines(timer: WhyTimer) -> list[str]:
-    if timer.firing:
-        lines = [f"fell due; its policy is at {timer.firing}"]
-    elif timer.due == "stalled":
-        lines = [f"expires in {format_duration(timer.remaining)}: stalled"]
-    else:
-        lines = [f"expires in {format_duration(timer.remaining)}"]
-    source = timer.timeout_from or "given by the request"
-    lines.append(
-        f"timeout {format_duration(timer.timeout)} ({source}), "
-        f"armed {format_duration(timer.armed)} ago"
-        + ("" if timer.owner == 0 else f" by uid {timer.owner}")
-    )
-    if timer.stall:
-        progress = "no progress counter" if timer.progress is None else f"at {timer.progress}"
-        if timer.progressed is not None:
-            progress += f", last grew {format_duration(timer.progressed)} ago"
-        allowed = format_duration(timer.stall)
-        lines.append(f"progress {progress}; its policy allows {allowed} without growth")
-    elif timer.progress is not None:
-        lines.append(f"progress at {timer.progress} (its policy has no stall time)")
-    return lines + timer.notes
 
 
 @main.command()
@@ -561,23 +280,6 @@ def metrics() -> None:
         _print_json(parse_metrics(text))
     else:
         click.echo(text, nl=False)
-
-
-def parse_metrics(text: str) -> list[dict[str, object]]:
-    """Prometheus text as JSON-ready families: ``{"name", "type", "help",
-    "samples": [{"name", "labels", "value"}]}``, in the order the text has them."""
-    return [
-        {
-            "name": family.name,
-            "type": family.type,
-            "help": family.documentation,
-            "samples": [
-                {"name": sample.name, "labels": sample.labels, "value": sample.value}
-                for sample in family.samples
-            ],
-        }
-        for family in text_string_to_metric_families(text)
-    ]
 
 
 @main.command()
@@ -630,149 +332,11 @@ def run(timeout: float, scope: str | None, policy: str | None, command: Sequence
     """
     client = _client()
     scope = scope or f"run:{os.path.basename(command[0])}"
-    try:
-        # Also the proof that a daemon answers, before anything is started.
-        seen = client.events(limit=1).last
-    except WatchdogdError as exc:
-        raise _RunFailed(str(exc)) from None
-    with _Forwarder() as forwarder:
-        try:
-            child = subprocess.Popen(command)
-        except OSError as exc:
-            raise _RunFailed(str(exc)) from None
-        forwarder.attach(child.pid)
-        armed = time.monotonic()
-        _arm_child(client, child, scope, timeout, policy)
-        # Wait without reaping, so the pid still names the child when its timer
-        # is released; then reap.
-        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-        # The daemon's deadline is later than armed + timeout: a child that ended
-        # before that was not touched by the daemon, and no event is waited for.
-        due = time.monotonic() >= armed + timeout
-        found = _release_child(client, child, scope)
-        returncode = child.wait()
-        fired = due and found is not True
-        expiry = _expiry_of(client, child.pid, scope, seen) if fired else None
-    status = returncode if returncode >= 0 else 128 - returncode
-    if expiry is not None:
-        click.echo(
-            f"watchdogctl: {_expiry_report(command, child.pid, returncode, timeout, expiry)}",
-            err=True,
-        )
+    ran = run_under_timer(client, command, scope=scope, timeout=timeout, policy=policy)
+    status = ran.returncode if ran.returncode >= 0 else 128 - ran.returncode
+    if ran.expiry is not None:
+        report = expiry_report(command, ran.pid, ran.returncode, timeout, ran.expiry)
+        click.echo(f"watchdogctl: {report}", err=True)
     if _settings().as_json:
-        _print_json({"pid": child.pid, "scope": scope, "status": status, "expired": expiry})
+        _print_json({"pid": ran.pid, "scope": scope, "status": status, "expired": ran.expiry})
     sys.exit(status)
-
-
-def _expiry_of(client: Client, pid: int, scope: str, seen: int) -> EventInfo | None:
-    """The daemon's ``expired`` event for the timer ``(pid, scope)``, or None when it
-    did not fire. It is recorded once the policy has finished, a moment after the
-    process died: wait for it, for at most `_EXPIRY_PATIENCE` seconds. An ``exited``
-    event for the pid first means the exit found the timer still armed: no expiry."""
-    deadline = time.monotonic() + _EXPIRY_PATIENCE
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            page = client.events(after=seen, limit=1000, wait=max(left, 0.0))
-        except WatchdogdError:
-            return None  # the run's result does not depend on this report
-        for event in page.events:
-            if event.pid != pid:
-                continue
-            if event.kind == "expired" and event.scope == scope:
-                return event
-            if event.kind == "exited":
-                return None
-        seen = page.last
-        if left <= 0:
-            return None
-
-
-def _expiry_report(
-    command: Sequence[str], pid: int, returncode: int, timeout: float, event: EventInfo
-) -> str:
-    """What the daemon did to the command, as one line: e.g. "the daemon killed sleep
-    30 (pid 4021) with SIGKILL after 3 s (policy kill)"."""
-    shown = _clip(shlex.join(command), _COMMAND_WIDTH)
-    policy = f"policy {event.policy}" + (f", {event.outcome}" if event.outcome != "exited" else "")
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"the daemon killed {shown} (pid {pid}) with {name} after {timeout:g} s ({policy})"
-    return (
-        f"the daemon's timer on {shown} (pid {pid}) expired after {timeout:g} s ({policy}); "
-        f"the command exited with status {returncode}"
-    )
-
-
-class _Forwarder:
-    """Passes SIGINT, SIGTERM and SIGHUP on to the child, through its pidfd.
-
-    The handlers are in place before the child starts; a signal that arrives before
-    the child exists is passed on as soon as it does. A pidfd (rather than
-    Popen.send_signal, which may reap) keeps the child unreaped until `run` reaps it.
-    """
-
-    def __init__(self) -> None:
-        self._pidfd: int | None = None
-        self._pending: list[int] = []
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Forwarder:
-        self._previous = {signum: signal.signal(signum, self._forward) for signum in _FORWARDED}
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-
-    def attach(self, pid: int) -> None:
-        self._pidfd = os.pidfd_open(pid)
-        for signum in self._pending:
-            self._send(signum)
-
-    def _forward(self, signum: int, frame: object) -> None:
-        if self._pidfd is None:
-            self._pending.append(signum)
-        else:
-            self._send(signum)
-
-    def _send(self, signum: int) -> None:
-        assert self._pidfd is not None
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self._pidfd, signum)
-
-
-def _arm_child(
-    client: Client, child: subprocess.Popen[bytes], scope: str, timeout: float, policy: str | None
-) -> None:
-    try:
-        client.acquire(scope, timeout, policy=policy, pid=child.pid, exit_releases=True)
-    except RequestRefused as exc:
-        if exc.code == ErrorCode.NO_SUCH_PROCESS:
-            return  # it has exited already; nothing to watch
-        _abandon(child)
-        raise _RunFailed(str(exc)) from None
-    except WatchdogdError as exc:
-        _abandon(child)
-        raise _RunFailed(str(exc)) from None
-
-
-def _release_child(client: Client, child: subprocess.Popen[bytes], scope: str) -> bool | None:
-    """Whether the release found the timer armed; None if it failed."""
-    try:
-        return client.release(scope, pid=child.pid)
-    except WatchdogdError as exc:
-        # The child has exited, so the daemon drops its timer on its own.
-        click.echo(f"watchdogctl: could not release the timer: {exc}", err=True)
-        return None
-
-
-def _abandon(child: subprocess.Popen[bytes]) -> None:
-    """The child must not run unprotected when its timer could not be armed."""
-    child.kill()
-    child.wait()

@@ -1,0 +1,356 @@
+"""The daemon's replies in words, as ``watchdogctl`` prints them for people.
+
+Every function returns text and prints nothing: the commands of
+`watchdogd.cli.watchdogctl` print it, or with ``--json`` the reply itself (the
+metrics as `parse_metrics` reads them). What a function returns depends only on its
+arguments, the working directory and the home directory (a scope under either is
+shortened), and the local time zone (times are shown local).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import signal
+import textwrap
+from collections.abc import Sequence
+from typing import Final
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from watchdogd_client import DaemonStatus
+from watchdogd_client.protocol import (
+    DaemonInfo,
+    EventInfo,
+    IncidentInfo,
+    PoliciesReply,
+    SuggestionInfo,
+    TimerInfo,
+    WhyReply,
+    WhyTimer,
+)
+
+_COMMAND_WIDTH: Final = 40
+_SCOPE_WIDTH: Final = 40
+
+
+def status_text(report: DaemonStatus) -> str:
+    """``watchdogctl status``: the daemon's summary, then its timers as a table."""
+    table = _table(report) if report.timers else "No timers armed."
+    return f"{_summary(report.daemon, visible=len(report.timers))}\n\n{table}"
+
+
+def _summary(info: DaemonInfo, *, visible: int) -> str:
+    """The status header. ``visible`` is how many timers the table lists: fewer than
+    the daemon holds when the caller may not see them all."""
+    timers = (
+        f"timers {info.timers}"
+        if visible == info.timers
+        else f"timers {visible} of yours, {info.timers} on the host"
+    )
+    summary = (
+        f"watchdogd {info.version}  pid {info.pid}  up {format_duration(info.uptime)}\n"
+        f"{timers}  processes {info.processes}  connections {info.connections}  "
+        f"requests {info.requests}  expired {info.expired}  exited {info.exited}"
+    )
+    if info.state_degraded:
+        summary += (
+            "\nstate degraded: the state cannot be written; timers are protected from "
+            "memory only (see the daemon's log)"
+        )
+    if info.fleet:
+        summary += f"\nfleet {info.fleet}"
+    return summary
+
+
+def _table(report: DaemonStatus) -> str:
+    rows: list[tuple[str, ...]] = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
+    # Read once for the table, not once a row (status may list 100,000 timers).
+    cwd, home = _cwd(), os.path.expanduser("~")
+    rows += [_row(timer, cwd, home) for timer in report.timers]
+    if any(timer.job for timer in report.timers):
+        rows[0] += ("JOB",)
+        rows[1:] = [(*row, _job(timer)) for row, timer in zip(rows[1:], report.timers, strict=True)]
+    return _columns(rows)
+
+
+def _job(timer: TimerInfo) -> str:
+    """A timer's job and rank, as the status table shows them."""
+    if not timer.job:
+        return ""
+    return timer.job if timer.rank is None else f"{timer.job}:{timer.rank}"
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as left-aligned columns two spaces apart."""
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _row(timer: TimerInfo, cwd: str, home: str) -> tuple[str, str, str, str, str, str]:
+    return (
+        str(timer.pid),
+        _clip(timer.command, _COMMAND_WIDTH),
+        _clip(shown_scope(timer.scope, cwd=cwd, home=home), _SCOPE_WIDTH),
+        format_duration(timer.remaining),
+        timer.policy,
+        str(timer.uid),
+    )
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) -> str:
+    """A scope as people read it. Default scopes are absolute ``file:line`` paths:
+    one under ``cwd`` (default: the working directory) is shown relative to it, one
+    under ``home`` (default: ``~``) starts with ``~/``; any other scope is unchanged."""
+    cwd = _cwd() if cwd is None else cwd
+    home = os.path.expanduser("~") if home is None else home
+    for directory, shown in ((cwd, ""), (home, "~/")):
+        prefix = directory.rstrip("/") + "/"
+        # "/" (a root working directory, nobody's home) would shorten every path.
+        if prefix != "/" and scope.startswith(prefix) and len(scope) > len(prefix):
+            return shown + scope[len(prefix) :]
+    return scope
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory was removed
+        return ""
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as people read them: 0.25s, 42.0s, 5m02s, 3h07m, 2d04h."""
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def event_text(event: EventInfo) -> str:
+    """An event as ``watchdogctl events`` prints it: its line, then the output of each
+    step that had some, indented."""
+    lines = [_event_line(event)]
+    for step in event.steps:
+        if step.output:
+            lines.append(textwrap.indent(step.output.rstrip("\n"), "    | "))
+    return "\n".join(lines)
+
+
+def _event_line(event: EventInfo) -> str:
+    parts = [_when(event.time), event.kind, f"pid={event.pid}"]
+    if event.scope:
+        parts.append(f"scope={shown_scope(event.scope)}")
+    if event.policy:
+        parts.append(f"policy={event.policy}")
+    if event.late is not None:
+        parts.append(f"late={event.late * 1000:.2f}ms")
+    if event.outcome:
+        parts.append(f"outcome={event.outcome}")
+    if event.job:
+        parts.append(f"job={event.job}" + ("" if event.rank is None else f" rank={event.rank}"))
+    if event.incident:
+        parts.append(f"incident={event.incident}")
+    if event.state:
+        parts.append(f"state={event.state!r} wchan={event.wchan}")
+    parts += [f"[{step.step}: {step.result}]" for step in event.steps]
+    if event.note:
+        parts.append(f"({event.note})")
+    return "  ".join(parts)
+
+
+def policies_text(reply: PoliciesReply) -> str:
+    """``watchdogctl policies``: one row a policy, the default marked with ``*``."""
+    rows = [("NAME", "TARGET", "STEPS", "")]
+    for policy in reply.policies:
+        marks = [
+            mark
+            for mark, on in (("root only", policy.root_only), ("built in", policy.builtin))
+            if on
+        ]
+        name = f"{policy.name}*" if policy.name == reply.default else policy.name
+        steps = ", ".join(policy.steps) or "(record only)"
+        rows.append((name, policy.target, steps, ", ".join(marks)))
+    return _columns(rows)
+
+
+def suggestions_text(rows: Sequence[SuggestionInfo]) -> str:
+    """``watchdogctl suggest``: one row an executable's scope."""
+    if not rows:
+        return "Nothing learned yet: no timer has been released."
+    table = [("UID", "EXECUTABLE", "SCOPE", "COUNT", "P50", "P99", "MAX", "SUGGESTED")]
+    for row in rows:
+        suggested = "-" if row.suggested is None else format_duration(row.suggested)
+        table.append(
+            (
+                str(row.uid),
+                row.executable,
+                shown_scope(row.scope),
+                str(row.count),
+                format_duration(row.p50),
+                format_duration(row.p99),
+                format_duration(row.max),
+                suggested,
+            )
+        )
+    return _columns(table)
+
+
+def incidents_text(rows: Sequence[IncidentInfo]) -> str:
+    """``watchdogctl incidents``: one row an incident."""
+    if not rows:
+        return "No incidents."
+    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS")]
+    for row in rows:
+        table.append(
+            (
+                row.id,
+                _when(row.time),
+                row.user,
+                row.job,
+                row.host,
+                "-" if row.rank is None else str(row.rank),
+                shown_scope(row.scope),
+                row.reason if row.kind == "expired" else f"{row.kind}: {row.reason}",
+                str(row.count),
+            )
+        )
+    return _columns(table)
+
+
+def incident_lines(incident: IncidentInfo) -> list[str]:
+    """``watchdogctl incident`` in words."""
+    rank = "" if incident.rank is None else f" rank {incident.rank}"
+    lines = [
+        f"incident {incident.id}: job {incident.job} of {incident.user}, {incident.kind} "
+        f"on {incident.host}{rank} at {_when(incident.time)}"
+        + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
+        + f" ({incident.reason})",
+    ]
+    host = None
+    for member in incident.ranks:
+        if member.host != host:
+            host = member.host
+            lines += ["", f"host {host}"]
+        name = "rank ?" if member.rank is None else f"rank {member.rank}"
+        lines.append(
+            f"  {name} pid {member.pid} {member.role} ({member.state}), "
+            f"scope {shown_scope(member.scope)}"
+        )
+        if member.frame:
+            lines.append(f"    waiting in {member.frame}")
+        if member.note:
+            lines.append(f"    ({member.note})")
+        if member.stack:
+            lines.append(textwrap.indent(member.stack.rstrip("\n"), "    | "))
+    return lines
+
+
+def _when(time: float) -> str:
+    return datetime.datetime.fromtimestamp(time).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def why_lines(reply: WhyReply) -> list[str]:
+    """``watchdogctl why`` in words."""
+    lines = [f"pid {reply.pid}" + (f": {reply.command}" if reply.command else "")]
+    if reply.executable:
+        lines.append(f"  executable {reply.executable}, uid {reply.uid}")
+    if not reply.timers:
+        lines.append("  no timer armed that you may see")
+    for timer in reply.timers:
+        lines.append(f"  timer {shown_scope(timer.scope)} (policy {timer.policy})")
+        lines += [f"    {line}" for line in _timer_lines(timer)]
+    if reply.more:
+        lines.append(f"  and {reply.more} more timers")
+    for row in reply.suggestions:
+        suggested = "none yet" if row.suggested is None else format_duration(row.suggested)
+        lines.append(
+            f"  history of {shown_scope(row.scope)}: {row.count} releases, "
+            f"p50 {format_duration(row.p50)}, p99 {format_duration(row.p99)}, "
+            f"max {format_duration(row.max)}; suggested timeout {suggested}"
+        )
+    for incident in reply.incidents:
+        lines.append(
+            f"  incident {incident.id}: job {incident.job}, {incident.kind} on {incident.host}"
+            f" ({incident.reason}); watchdogctl incident {incident.id}"
+        )
+    if reply.events:
+        lines.append("  events:")
+        lines += [f"    {_event_line(event)}" for event in reply.events]
+    return lines
+
+
+def _timer_lines(timer: WhyTimer) -> list[str]:
+    if timer.firing:
+        lines = [f"fell due; its policy is at {timer.firing}"]
+    elif timer.due == "stalled":
+        lines = [f"expires in {format_duration(timer.remaining)}: stalled"]
+    else:
+        lines = [f"expires in {format_duration(timer.remaining)}"]
+    source = timer.timeout_from or "given by the request"
+    lines.append(
+        f"timeout {format_duration(timer.timeout)} ({source}), "
+        f"armed {format_duration(timer.armed)} ago"
+        + ("" if timer.owner == 0 else f" by uid {timer.owner}")
+    )
+    if timer.stall:
+        progress = "no progress counter" if timer.progress is None else f"at {timer.progress}"
+        if timer.progressed is not None:
+            progress += f", last grew {format_duration(timer.progressed)} ago"
+        allowed = format_duration(timer.stall)
+        lines.append(f"progress {progress}; its policy allows {allowed} without growth")
+    elif timer.progress is not None:
+        lines.append(f"progress at {timer.progress} (its policy has no stall time)")
+    return lines + timer.notes
+
+
+def parse_metrics(text: str) -> list[dict[str, object]]:
+    """Prometheus text as JSON-ready families: ``{"name", "type", "help",
+    "samples": [{"name", "labels", "value"}]}``, in the order the text has them."""
+    return [
+        {
+            "name": family.name,
+            "type": family.type,
+            "help": family.documentation,
+            "samples": [
+                {"name": sample.name, "labels": sample.labels, "value": sample.value}
+                for sample in family.samples
+            ],
+        }
+        for family in text_string_to_metric_families(text)
+    ]
+
+
+def expiry_report(
+    command: Sequence[str], pid: int, returncode: int, timeout: float, event: EventInfo
+) -> str:
+    """What the daemon did to the command ``watchdogctl run`` ran, as one line: e.g.
+    "the daemon killed sleep 30 (pid 4021) with SIGKILL after 3 s (policy kill)"."""
+    shown = _clip(shlex.join(command), _COMMAND_WIDTH)
+    policy = f"policy {event.policy}" + (f", {event.outcome}" if event.outcome != "exited" else "")
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"the daemon killed {shown} (pid {pid}) with {name} after {timeout:g} s ({policy})"
+    return (
+        f"the daemon's timer on {shown} (pid {pid}) expired after {timeout:g} s ({policy}); "
+        f"the command exited with status {returncode}"
+    )
