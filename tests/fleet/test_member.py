@@ -20,7 +20,8 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.timers import Expired
 from watchdogd.fleet.etcd import Data, EtcdClient, Watch
-from watchdogd.fleet.member import MAX_PENDING, PENDING_PER_UID, FleetMember, _Queue
+from watchdogd.fleet.member import FleetMember
+from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
 from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import (
     Acquire,

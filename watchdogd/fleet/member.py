@@ -1,18 +1,10 @@
 """This daemon as a member of a fleet: hosts whose jobs span each other, joined
 through etcd.
 
-What it keeps in etcd, under ``prefix`` (the layout of this release):
-
-- ``PREFIX/hosts/HOST``: this host, under its lease: the jobs it holds timers of,
-  as (user name, job) pairs, and its state (``up``; ``stopped`` just before a clean
-  stop revokes the lease).
-- ``PREFIX/jobs/USER/JOB/HOST``: one key per job it holds, under its lease, so a
-  job's hosts are one range read away.
-- ``PREFIX/incidents/ID``: an incident this host opened (`IncidentInfo` without
-  its ranks), put once, and ``PREFIX/ranks/USER/JOB/ID/HOST``: each host's ranks of
-  it, stacks included, put as they change. Each is put under a lease of its own of
-  `INCIDENT_TTL`, never kept alive: etcd forgets incidents a day after they
-  happened. (Each part of a key is URL-quoted.)
+What it keeps in etcd is `watchdogd.fleet.publish`'s to write: this host's key
+and its jobs' keys, under the lease this member keeps alive, and the incidents this
+host opened, with its ranks of each, under leases of their own of `head_ttl`
+seconds.
 
 What it watches: every key from ``hosts/`` through ``incidents/`` (the host keys and
 the incidents' heads, a fraction of a KiB each; the layout keeps nothing else
@@ -41,9 +33,8 @@ out by the daemon alone; this task only publishes what happened and acts on what
 others published. Every etcd call is bounded (`watchdogd.fleet.etcd`); a failure
 marks the fleet unreachable (status, a ``fleet_degraded`` event, the
 ``fleet_connected`` metric) and each loop tries again with backoff until it heals.
-What waits to be published is bounded (`MAX_PENDING` incidents, the latest state
-of each; past it the oldest is dropped and counted), and so are the jobs a host
-registers (`MAX_JOBS`).
+What waits to be published is bounded (`watchdogd.fleet.publish`), and so are the
+jobs a host registers (`MAX_JOBS`).
 """
 
 from __future__ import annotations
@@ -51,11 +42,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
-from urllib.parse import quote
 
 import msgspec
 import trio
@@ -68,19 +58,10 @@ from ..core.ports import TargetProcess
 from ..core.timers import Expired
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
-from .etcd import (
-    Backoff,
-    EtcdClient,
-    EtcdCompacted,
-    EtcdError,
-    EtcdFailure,
-    EtcdTooLarge,
-    Event,
-    LeaseNotFound,
-)
+from .etcd import Backoff, EtcdClient, EtcdCompacted, EtcdFailure, EtcdTooLarge, Event
+from .publish import MAX_PENDING, Publisher
 from .records import (
     MAX_JOBS,
-    MAX_RANKS_BYTES,
     MAX_USERS,
     FleetRank,
     HostRecord,
@@ -88,7 +69,7 @@ from .records import (
     decode_head,
     decode_host,
     decode_ranks,
-    encode_ranks,
+    make_key,
     read_key,
 )
 
@@ -96,14 +77,6 @@ log = logging.getLogger("watchdogd")
 
 #: Jobs of one uid (root's aside) among those a host registers, at most.
 MAX_JOBS_PER_UID: Final = 100
-#: Incident changes waiting to be published, at most: `PENDING_PER_UID` of one
-#: uid (past it, that uid's oldest goes), `MAX_PENDING` in all.
-MAX_PENDING: Final = 256
-PENDING_PER_UID: Final = 32
-#: What one uid publishes: `PUBLISH_BURST` puts at once, then `PUBLISH_RATE` a
-#: second; the others' turns are never spent on it.
-PUBLISH_BURST: Final = 20
-PUBLISH_RATE: Final = 2.0
 #: Other hosts kept, at most, and their jobs in all.
 MAX_HOSTS: Final = 1024
 MAX_FLEET_JOBS: Final = 65_536
@@ -163,72 +136,6 @@ class _Following:
     rewind: int = _NEVER
 
 
-class _Queue:
-    """What waits to be published: the latest state of each incident, by the uid
-    it belongs to, taken a uid at a time in turn. A uid holds at most
-    `PENDING_PER_UID`, all at most `MAX_PENDING`: past either, the oldest of the
-    uid with the most goes, so one user's flood drops only its own."""
-
-    def __init__(self) -> None:
-        self._by_uid: dict[int, OrderedDict[str, IncidentInfo]] = {}
-        self._turns: deque[int] = deque()
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def put(self, incident: IncidentInfo) -> int:
-        """Queue ``incident`` (in place of an older state of it); how many were
-        dropped for it."""
-        held = self._by_uid.get(incident.uid)
-        if held is None:
-            held = self._by_uid[incident.uid] = OrderedDict()
-            self._turns.append(incident.uid)
-        if held.pop(incident.id, None) is None:
-            self._count += 1
-        held[incident.id] = incident
-        dropped = 0
-        while len(held) > PENDING_PER_UID or self._count > MAX_PENDING:
-            fullest = held if len(held) > PENDING_PER_UID else max(self._by_uid.values(), key=len)
-            fullest.popitem(last=False)
-            self._count -= 1
-            dropped += 1
-        return dropped
-
-    def put_back(self, incident: IncidentInfo) -> None:
-        """``incident`` could not be published: it waits again, unless a later state
-        of it came meanwhile."""
-        held = self._by_uid.get(incident.uid)
-        if held is not None and incident.id in held:
-            return
-        self.put(incident)
-
-    def take(self, admit: Callable[[int], bool]) -> IncidentInfo | None:
-        """The oldest change of the next uid in turn that ``admit`` lets publish;
-        None when none may."""
-        for _ in range(len(self._turns)):
-            uid = self._turns[0]
-            self._turns.rotate(-1)
-            held = self._by_uid[uid]
-            if not held:
-                self._forget(uid)
-                continue
-            if not admit(uid):
-                continue
-            _, incident = held.popitem(last=False)
-            self._count -= 1
-            if not held:
-                self._forget(uid)
-            return incident
-        return None
-
-    def _forget(self, uid: int) -> None:
-        del self._by_uid[uid]
-        self._turns.remove(uid)
-
-
-_json = msgspec.json.Encoder()
-
 P = TypeVar("P", bound=TargetProcess)
 
 
@@ -256,18 +163,21 @@ class FleetMember(Generic[P]):
         self.host = core.host
         self.prefix = config.prefix.rstrip("/")
         self.ttl = config.lease
-        self.head_ttl = head_ttl(core.incident_window)
         self._carry_out = carry_out
         self._clock = clock
         self._wall = wall
         self._lease: int | None = None
-        self._queue = _Queue()
-        self._news = trio.Event()
-        self._rate = Throttle(PUBLISH_BURST, PUBLISH_RATE, clock=clock)
+        self._publisher = Publisher(
+            self.client,
+            core,
+            names,
+            prefix=self.prefix,
+            ttl=head_ttl(core.incident_window),
+            clock=clock,
+        )
         self._heads = Throttle(
             HEADS_BURST, HEADS_BURST / max(core.incident_window, 1.0), clock=clock
         )
-        self._incident_leases: OrderedDict[str, int] = OrderedDict()
         #: The incidents whose ranks this host follows or followed, the latest.
         self._followed: OrderedDict[str, None] = OrderedDict()
         #: The jobs whose incidents' ranks are followed, as (user name, job).
@@ -287,20 +197,12 @@ class FleetMember(Generic[P]):
         self._health: dict[str, str | None] = {}
         self._connected: bool | None = None
         self._log = Throttle(5, 0.2, clock=clock)
-        core.attach(self)
+        core.attach(self._publisher)
 
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
         return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
-
-    # What the core tells the fleet.
-
-    def incident_changed(self, incident: IncidentInfo) -> None:
-        """An incident this host opened or added to: queued to be published."""
-        for _ in range(self._queue.put(incident)):
-            self.core.fleet_dropped()
-        self._news.set()
 
     # The tasks.
 
@@ -335,8 +237,7 @@ class FleetMember(Generic[P]):
         if self._lease is None:
             return
         try:
-            value = _json.encode(HostRecord(self.host, "stopped"))
-            await self.client.put(self._key("hosts", self.host), value, lease=self._lease)
+            await self._publisher.put_stopped(self._lease)
             await self.client.revoke(self._lease)
         except EtcdFailure as exc:
             log.warning(logfmt("fleet_leave_failed", error=str(exc)))
@@ -356,7 +257,7 @@ class FleetMember(Generic[P]):
                 if changed != seen or registered is None:
                     jobs = sorted(await self.held())
                     if jobs != registered:
-                        await self._put_jobs(jobs, registered or [])
+                        await self._publisher.put_host(self._lease, jobs, registered or [])
                         registered = jobs
                     seen = changed
                 if self._clock() - kept_alive >= self.ttl / 3:
@@ -393,77 +294,19 @@ class FleetMember(Generic[P]):
             jobs.add((users[uid], job))
         return sorted(jobs)
 
-    async def _put_jobs(self, jobs: list[tuple[str, str]], before: list[tuple[str, str]]) -> None:
-        lease = self._lease
-        value = _json.encode(HostRecord(self.host, "up", jobs))
-        await self.client.put(self._key("hosts", self.host), value, lease=lease)
-        for user, job in sorted(set(jobs) - set(before)):
-            await self.client.put(self._key("jobs", user, job, self.host), b"", lease=lease)
-        for user, job in sorted(set(before) - set(jobs)):
-            await self.client.delete(self._key("jobs", user, job, self.host))
-
     async def _publish(self) -> None:
-        """Put each incident that changed: its head (when this host opened it) and
-        this host's ranks of it; a uid at a time in turn, each within its rate."""
+        """Publish each incident that changed (`Publisher.publish_next`), and follow
+        the ranks of each expiry whose head this host put."""
         backoff = Backoff()
         while True:
-            incident = self._queue.take(self._admit)
-            if incident is None:
-                if self._queue:
-                    # Every uid with changes waiting is over its rate for now.
-                    await trio.sleep(1 / PUBLISH_RATE)
-                else:
-                    await self._news.wait()
-                    self._news = trio.Event()
-                continue
             try:
-                await self._put_incident(incident)
-            except LeaseNotFound:
-                self._incident_leases.pop(incident.id, None)  # etcd lost it: anew
-                self._queue.put_back(incident)
-                continue
-            except EtcdError as exc:
-                # etcd refused it (too large, say): trying again changes nothing.
-                log.warning(logfmt("fleet_incident_refused", incident=incident.id, error=str(exc)))
-                self.core.fleet_dropped()
+                await self._publisher.publish_next(self._follow)
             except EtcdFailure as exc:
                 self._down("publish", str(exc))
-                self._queue.put_back(incident)
                 await backoff.wait()
                 continue
             self._ok("publish")
             backoff.reset()
-
-    def _admit(self, uid: int) -> bool:
-        return self._rate.admit(uid) is not None
-
-    async def _put_incident(self, incident: IncidentInfo) -> None:
-        """Its head once (when this host opened it: the head never changes), and
-        this host's ranks of it as they are now."""
-        if incident.host == self.host:
-            # The name the fleet knows the user by, looked up now if it was not
-            # known when the incident opened.
-            user = await self.names.resolve_name(incident.uid)
-            incident = msgspec.structs.replace(incident, user=user)
-        lease = self._incident_leases.get(incident.id)
-        if lease is None:
-            lease = await self.client.grant(self.head_ttl)
-            if incident.host == self.host:
-                head = _json.encode(msgspec.structs.replace(incident, ranks=[], count=0))
-                key = self._key("incidents", incident.id)
-                revision = await self.client.put(key, head, lease=lease)
-                if incident.kind == "expired":  # the only kind other hosts act on
-                    self._follow(incident, revision)
-            self._incident_leases[incident.id] = lease
-            while len(self._incident_leases) > MAX_PENDING:
-                self._incident_leases.popitem(last=False)
-        ranks = [(rank, await self._reader_name(rank)) for rank in self.core.own_ranks(incident)]
-        key = self._key("ranks", incident.user, incident.job, incident.id, self.host)
-        await self.client.put(key, encode_ranks(ranks, MAX_RANKS_BYTES), lease=lease)
-
-    async def _reader_name(self, rank: RankInfo) -> str:
-        uid = rank.reader_uid
-        return "" if uid is None else await self.names.resolve_name(uid)
 
     async def _watch(self) -> None:
         """Follow the host keys and the incidents' heads."""
@@ -729,9 +572,7 @@ class FleetMember(Generic[P]):
     # Helpers.
 
     def _key(self, *parts: str) -> str:
-        """A key of the prefix; each part quoted, so a job or user with a ``/`` in
-        its name is still one part."""
-        return "/".join((self.prefix, *(quote(part, safe="") for part in parts)))
+        return make_key(self.prefix, *parts)
 
     def _ok(self, part: str) -> None:
         if self._health.get(part, "") is not None:
