@@ -33,8 +33,9 @@ out by the daemon alone; this task only publishes what happened and acts on what
 others published. Every etcd call is bounded (`watchdogd.fleet.etcd`); a failure
 marks the fleet unreachable (status, a ``fleet_degraded`` event, the
 ``fleet_connected`` metric) and each loop tries again with backoff until it heals.
-What waits to be published is bounded (`watchdogd.fleet.publish`), and so are the
-jobs a host registers (`MAX_JOBS`).
+What waits to be published is bounded (`watchdogd.fleet.publish`), and so are what
+it keeps of other hosts (`watchdogd.fleet.view`) and the jobs a host registers
+(`MAX_JOBS`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ from .records import (
     MAX_JOBS,
     MAX_USERS,
     FleetRank,
-    HostRecord,
     Rejected,
     decode_head,
     decode_host,
@@ -72,17 +72,12 @@ from .records import (
     make_key,
     read_key,
 )
+from .view import FleetView
 
 log = logging.getLogger("watchdogd")
 
 #: Jobs of one uid (root's aside) among those a host registers, at most.
 MAX_JOBS_PER_UID: Final = 100
-#: Other hosts kept, at most, and their jobs in all.
-MAX_HOSTS: Final = 1024
-MAX_FLEET_JOBS: Final = 65_536
-#: What other hosts' ranks may hold, in bytes: of one incident, and in all.
-MAX_INCIDENT_BYTES: Final = 8 * 1024 * 1024
-MAX_FLEET_RANK_BYTES: Final = 64 * 1024 * 1024
 #: Another host's incidents acted on, per job: `HEADS_BURST` at once, then one
 #: every `window` / `HEADS_BURST` seconds (each starts the job's peer policy here).
 HEADS_BURST: Final = 4
@@ -184,11 +179,7 @@ class FleetMember(Generic[P]):
         self._following: dict[tuple[str, str], _Following] = {}
         self._limiter = trio.CapacityLimiter(MAX_FOLLOWED)
         self._nursery: trio.Nursery | None = None
-        #: Every other host as last seen, with its jobs; how many jobs in all.
-        self._hosts: dict[str, tuple[str, frozenset[tuple[str, str]]]] = {}
-        self._host_jobs = 0
-        #: The bytes of other hosts' ranks taken, by (incident, host).
-        self._rank_bytes: dict[tuple[str, str], int] = {}
+        self._view = FleetView()
         #: The jobs this host holds, as the fleet names them (`held`), as of the
         #: count of changes `_held_at`.
         self._held: frozenset[tuple[str, str]] = frozenset()
@@ -202,7 +193,7 @@ class FleetMember(Generic[P]):
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
-        return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
+        return self._view.holders(user, job)
 
     # The tasks.
 
@@ -466,7 +457,7 @@ class FleetMember(Generic[P]):
             match read_key(self.prefix, key):
                 case ("hosts", host):
                     if host != self.host:
-                        self._host_seen(host, decode_host(host, value))
+                        self._view.host_seen(host, decode_host(host, value))
                 case ("incidents", incident_id):
                     head = decode_head(incident_id, value, self._wall())
                     await self._head_seen(head, revision, initial=initial)
@@ -490,24 +481,9 @@ class FleetMember(Generic[P]):
             if self._log.admit("unexpected") is not None:
                 log.exception(logfmt("fleet_key_failed", key=key[:200].decode(errors="replace")))
 
-    def _host_seen(self, host: str, record: HostRecord) -> None:
-        before = self._hosts.get(host)
-        jobs = frozenset(record.jobs)
-        kept = self._host_jobs - (0 if before is None else len(before[1]))
-        if before is None and len(self._hosts) >= MAX_HOSTS:
-            raise Rejected("budget", f"more than {MAX_HOSTS} hosts")
-        if kept + len(jobs) > MAX_FLEET_JOBS:
-            raise Rejected("budget", f"more than {MAX_FLEET_JOBS} jobs of other hosts")
-        self._hosts[host] = (record.state, jobs)
-        self._host_jobs = kept + len(jobs)
-
     async def _host_gone(self, host: str) -> None:
-        gone = self._hosts.pop(host, None)
-        if gone is None:
-            return
-        state, jobs = gone
-        self._host_jobs -= len(jobs)
-        if state == "stopped":
+        jobs = self._view.host_gone(host)
+        if jobs is None:
             return
         log.warning(logfmt("fleet_host_lost", host=host))
         # Only the jobs this host holds too matter: no name of the others is
@@ -544,7 +520,7 @@ class FleetMember(Generic[P]):
     async def _ranks_seen(self, incident_id: str, host: str, value: bytes) -> None:
         if host == self.host or not self.core.knows(incident_id):
             return
-        self._take_rank_bytes(incident_id, host, len(value))
+        self._view.take_ranks(incident_id, host, len(value), self.core.knows)
         ranks: list[RankInfo] = []
         for rank, reader in decode_ranks(host, value):
             # Who may read its stack here: the local user of the reader's name.
@@ -553,21 +529,6 @@ class FleetMember(Generic[P]):
         runs = self.core.fleet_ranks(incident_id, host, ranks, self._clock())
         if runs:
             self._carry_out(runs)
-
-    def _take_rank_bytes(self, incident_id: str, host: str, size: int) -> None:
-        """Count ``size`` bytes of ``host``'s ranks of an incident against the
-        bounds, or raise `Rejected`."""
-        taken = self._rank_bytes
-        taken.pop((incident_id, host), None)
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            for key in [key for key in taken if not self.core.knows(key[0])]:
-                del taken[key]
-        of_incident = sum(n for (other, _), n in taken.items() if other == incident_id)
-        if of_incident + size > MAX_INCIDENT_BYTES:
-            raise Rejected("budget", f"ranks of one incident over {MAX_INCIDENT_BYTES} bytes")
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            raise Rejected("budget", f"ranks of other hosts over {MAX_FLEET_RANK_BYTES} bytes")
-        taken[(incident_id, host)] = size
 
     # Helpers.
 
