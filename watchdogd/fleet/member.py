@@ -35,7 +35,7 @@ marks the fleet unreachable (status, a ``fleet_degraded`` event, the
 ``fleet_connected`` metric) and each loop tries again with backoff until it heals.
 What waits to be published is bounded (`watchdogd.fleet.publish`), and so are what
 it keeps of other hosts (`watchdogd.fleet.view`) and the jobs a host registers
-(`MAX_JOBS`).
+(`MAX_JOBS`); which parts work is `watchdogd.fleet.health`'s to say.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from ..core.timers import Expired
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
 from .etcd import Backoff, EtcdClient, EtcdCompacted, EtcdFailure, EtcdTooLarge, Event
+from .health import Health
 from .publish import MAX_PENDING, Publisher
 from .records import (
     MAX_JOBS,
@@ -97,8 +98,6 @@ _CHECK_EVERY: Final = 0.5
 #: An incident older than this when first seen (after a partition, say) is kept
 #: but no longer acted on: its ranks have long moved on.
 _STALE: Final = 60.0
-#: The parts of the member whose health makes it "connected".
-_NEEDED: Final = ("register", "watch")
 
 
 def head_ttl(window: float) -> int:
@@ -184,9 +183,7 @@ class FleetMember(Generic[P]):
         #: count of changes `_held_at`.
         self._held: frozenset[tuple[str, str]] = frozenset()
         self._held_at = -1
-        #: What is wrong with each part of the member (None: nothing).
-        self._health: dict[str, str | None] = {}
-        self._connected: bool | None = None
+        self._health = Health(core, self.client)
         self._log = Throttle(5, 0.2, clock=clock)
         core.attach(self._publisher)
 
@@ -217,7 +214,7 @@ class FleetMember(Generic[P]):
                 self.core.fleet_failed(unexpected=True)
                 if self._log.admit(("unexpected", part)) is not None:
                     log.exception(logfmt("fleet_task_failed", part=part))
-                self._down(part, f"its task failed ({exc!r}) and starts again")
+                self._health.down(part, f"its task failed ({exc!r}) and starts again")
             else:
                 return
             await backoff.wait()
@@ -256,11 +253,11 @@ class FleetMember(Generic[P]):
                         self._lease = None  # lapsed (this host was frozen): anew
                         continue
                     kept_alive = self._clock()
-                self._ok("register")
+                self._health.ok("register")
                 backoff.reset()
                 await trio.sleep(_CHECK_EVERY)
             except EtcdFailure as exc:
-                self._down("register", str(exc))
+                self._health.down("register", str(exc))
                 await backoff.wait()
 
     async def held(self) -> frozenset[tuple[str, str]]:
@@ -293,10 +290,10 @@ class FleetMember(Generic[P]):
             try:
                 await self._publisher.publish_next(self._follow)
             except EtcdFailure as exc:
-                self._down("publish", str(exc))
+                self._health.down("publish", str(exc))
                 await backoff.wait()
                 continue
-            self._ok("publish")
+            self._health.ok("publish")
             backoff.reset()
 
     async def _watch(self) -> None:
@@ -363,8 +360,7 @@ class FleetMember(Generic[P]):
         finally:
             del self._following[job]
             if not self._following:
-                self._health.pop("ranks", None)
-                self._report()
+                self._health.forget("ranks")
 
     async def _follow_turn(
         self,
@@ -415,7 +411,7 @@ class FleetMember(Generic[P]):
                 async with self.client.open_watch(
                     prefix, through=through, start_revision=at.revision
                 ) as watch:
-                    self._ok(part)
+                    self._health.ok(part)
                     backoff.reset()
                     async for event in watch:
                         await self._event(event)
@@ -428,10 +424,10 @@ class FleetMember(Generic[P]):
                 # What etcd holds there is over the bounds: read the present state
                 # again (a page at a time), after a while.
                 at.revision = 0
-                self._down(part, str(exc))
+                self._health.down(part, str(exc))
                 await backoff.wait()
             except EtcdFailure as exc:
-                self._down(part, str(exc))
+                self._health.down(part, str(exc))
                 await backoff.wait()
 
     # What the fleet says.
@@ -534,32 +530,6 @@ class FleetMember(Generic[P]):
 
     def _key(self, *parts: str) -> str:
         return make_key(self.prefix, *parts)
-
-    def _ok(self, part: str) -> None:
-        if self._health.get(part, "") is not None:
-            self._health[part] = None
-            self._report()
-
-    def _down(self, part: str, error: str) -> None:
-        self.core.fleet_failed()
-        if self._health.get(part) != error:
-            self._health[part] = error
-            self._report()
-
-    def _report(self) -> None:
-        """Say whether the fleet is connected: every part that needs etcd works now
-        (registering and watching at least), or which does not, and why."""
-        failing = [(part, error) for part, error in self._health.items() if error is not None]
-        connected = not failing and all(part in self._health for part in _NEEDED)
-        if connected and self._connected is not True:
-            self._connected = True
-            log.info(logfmt("fleet_connected", endpoint=self.client.endpoint))
-            self.core.fleet_changed(True, f"connected to {self.client.endpoint}")
-        elif failing and self._connected is not False:
-            self._connected = False
-            part, error = failing[0]
-            log.warning(logfmt("fleet_unreachable", part=part, error=error))
-            self.core.fleet_changed(False, f"{part}: {error}")
 
 
 __all__ = ["FleetMember", "FleetRank", "head_ttl"]
