@@ -50,6 +50,9 @@ Failures:
 - The client heals on its own: a pooled connection that its server closed (etcd
   restarted, say) is dropped before use, and each call dials again what it needs.
   The client never sleeps between tries; a caller that retries waits with `Backoff`.
+
+What the gateway takes and answers, and the errors above, are
+`watchdogd.fleet.gateway`'s; a watch's stream is `watchdogd.fleet.watch`'s.
 """
 
 from __future__ import annotations
@@ -57,14 +60,41 @@ from __future__ import annotations
 import contextlib
 import random
 import ssl
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Final, Generic, Literal, TypeVar
+from typing import Final, TypeVar
 
 import msgspec
 import trio
 
-from ..errors import ConfigError, DaemonError
+from ..errors import ConfigError
+from .gateway import (
+    OUT_OF_RANGE,
+    UNKNOWN,
+    Ambiguous,
+    Compare,
+    DeleteRangeReply,
+    EtcdCompacted,
+    EtcdError,
+    EtcdTooLarge,
+    EtcdUnavailable,
+    KeyValue,
+    LeaseGrantRequest,
+    LeaseNotFound,
+    LeaseReply,
+    LeaseRequest,
+    Message,
+    PutRequest,
+    RangeReply,
+    RangeRequest,
+    Reply,
+    RequestOp,
+    TxnReply,
+    TxnRequest,
+    WatchBroken,
+    WatchCreate,
+    WatchRequest,
+    answered_error,
+)
 from .http1 import (
     ConnectFailed,
     Connection,
@@ -74,33 +104,18 @@ from .http1 import (
     TooLarge,
     open_connection,
 )
+from .watch import Watch
 
 __all__ = [
+    "MAX_PAGE",
     "Backoff",
     "Data",
     "EtcdClient",
-    "EtcdCompacted",
-    "EtcdError",
-    "EtcdFailure",
-    "EtcdTooLarge",
-    "EtcdUnavailable",
-    "Event",
-    "KeyValue",
-    "LeaseNotFound",
     "Limits",
     "Range",
-    "Watch",
-    "WatchBroken",
-    "WatchTooLarge",
     "prefix_end",
     "tls_context",
 ]
-
-#: gRPC status codes etcd answers with that the client tells apart.
-UNKNOWN: Final = 2
-NOT_FOUND: Final = 5
-OUT_OF_RANGE: Final = 11
-UNAVAILABLE: Final = 14
 
 #: The most keys one page of a range read asks for.
 MAX_PAGE: Final = 256
@@ -109,87 +124,12 @@ MAX_PAGE: Final = 256
 Data = bytes | str
 
 
-class EtcdFailure(DaemonError):
-    """Base class of everything an etcd call raises."""
-
-
-class EtcdUnavailable(EtcdFailure):
-    """Raised when no endpoint answered within the call's timeout: none could be
-    reached, a connection broke, or etcd said it is unavailable. The message names
-    the endpoint and the last error."""
-
-
-class EtcdError(EtcdFailure):
-    """Raised when etcd answered with an error: ``code`` is its gRPC status code,
-    ``message`` its text."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"etcd error {code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class LeaseNotFound(EtcdError):
-    """Raised by `EtcdClient.put` (and `put_if_absent`) when their lease has
-    expired or been revoked."""
-
-
-class EtcdCompacted(EtcdError):
-    """Raised by a watch whose start revision etcd has compacted away:
-    ``compact_revision`` is the oldest revision it still has. What happened before
-    it is lost; a caller reads the present state (`EtcdClient.range`) and watches
-    from that range's revision + 1."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(OUT_OF_RANGE, f"revisions before {compact_revision} were compacted")
-        self.compact_revision = compact_revision
-
-
-class WatchBroken(EtcdUnavailable):
-    """Raised by a watch whose stream ended: its connection broke, or etcd closed
-    it. The caller watches again from `Watch.revision` + 1."""
-
-
-class EtcdTooLarge(EtcdUnavailable):
-    """Raised when etcd's answer was over this client's bound (`Limits`): a range
-    of keys whose values are too large together. Asking for the same again gets
-    the same; `EtcdClient.range` asks for fewer keys a page instead."""
-
-
-class WatchTooLarge(WatchBroken, EtcdTooLarge):
-    """Raised by a watch whose next message was over the client's bound: watching
-    again from the same revision meets it again, so the caller reads the present
-    state instead (`EtcdClient.range_pages`) and watches from after it."""
-
-
-class KeyValue(msgspec.Struct, frozen=True):
-    """A key as etcd holds it: ``mod_revision`` is the revision of its last change,
-    ``create_revision`` that of its creation, ``lease`` its lease (0 for none)."""
-
-    key: bytes = b""
-    value: bytes = b""
-    create_revision: int = 0
-    mod_revision: int = 0
-    version: int = 0
-    lease: int = 0
-
-
 class Range(msgspec.Struct, frozen=True):
     """The keys under a prefix, sorted, and the store's ``revision`` when they were
     read: a watch from ``revision + 1`` sees every change after them."""
 
     revision: int
     kvs: list[KeyValue]
-
-
-class Event(msgspec.Struct, frozen=True):
-    """A change a watch saw: ``key`` was put (with ``value``) or deleted (``value``
-    is then empty) at ``revision``."""
-
-    kind: Literal["put", "delete"]
-    key: bytes
-    value: bytes
-    revision: int
 
 
 class Backoff:
@@ -244,125 +184,8 @@ def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCon
     return context
 
 
-# What the gateway takes and answers. Every field has a default: proto3 JSON leaves
-# out a field at its default value (a false "succeeded", a zero "TTL").
-
-
-class _Header(msgspec.Struct):
-    revision: int = 0
-
-
-class _Status(msgspec.Struct):
-    """An error answer of a unary call."""
-
-    code: int = 0
-    message: str = ""
-    error: str = ""
-
-
-class _StreamStatus(msgspec.Struct):
-    """An error inside a stream."""
-
-    grpc_code: int = 0
-    message: str = ""
-
-
-_T = TypeVar("_T")
-
-
-class _Message(msgspec.Struct, Generic[_T]):
-    """One message of a stream: a result or an error."""
-
-    result: _T | None = None
-    error: _StreamStatus | None = None
-
-
-class _PutRequest(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-
-class _RangeRequest(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    range_end: bytes = b""
-    limit: int = 0
-    revision: int = 0
-
-
-class _Compare(msgspec.Struct):
-    key: bytes
-    target: Literal["CREATE"] = "CREATE"
-    result: Literal["EQUAL"] = "EQUAL"
-    create_revision: int = 0
-
-
-class _RequestOp(msgspec.Struct):
-    request_put: _PutRequest
-
-
-class _TxnRequest(msgspec.Struct):
-    compare: list[_Compare]
-    success: list[_RequestOp]
-
-
-class _LeaseGrantRequest(msgspec.Struct):
-    TTL: int
-
-
-class _LeaseRequest(msgspec.Struct):
-    ID: int
-
-
-class _WatchCreate(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    range_end: bytes = b""
-    start_revision: int = 0
-    #: etcd splits a large response into fragments (each within its request
-    #: bound), so that no watch message outgrows the client's line bound.
-    fragment: bool = True
-
-
-class _WatchRequest(msgspec.Struct):
-    create_request: _WatchCreate
-
-
-class _Reply(msgspec.Struct):
-    header: _Header = msgspec.field(default_factory=_Header)
-
-
-class _RangeReply(_Reply):
-    kvs: list[KeyValue] = []
-    more: bool = False
-
-
-class _DeleteRangeReply(_Reply):
-    deleted: int = 0
-
-
-class _TxnReply(_Reply):
-    succeeded: bool = False
-
-
-class _LeaseReply(_Reply):
-    ID: int = 0
-    TTL: int = 0
-
-
-class _WireEvent(msgspec.Struct):
-    kv: KeyValue
-    type: Literal["PUT", "DELETE"] = "PUT"
-
-
-class _WatchReply(_Reply):
-    created: bool = False
-    canceled: bool = False
-    compact_revision: int = 0
-    cancel_reason: str = ""
-    events: list[_WireEvent] = []
-
-
 _encoder: Final = msgspec.json.Encoder()
+_T = TypeVar("_T")
 _R = TypeVar("_R", bound=msgspec.Struct)
 
 
@@ -382,10 +205,6 @@ def prefix_end(prefix: bytes) -> bytes:
 
 class _Unreached(Exception):
     """An endpoint failed before the request could have been applied."""
-
-
-class _Ambiguous(Exception):
-    """An endpoint failed after the request went out: it may have been applied."""
 
 
 class EtcdClient:
@@ -449,7 +268,7 @@ class EtcdClient:
     async def grant(self, ttl: int) -> int:
         """A new lease that lives ``ttl`` seconds unless kept alive; its id."""
         reply = await self._call(
-            "/v3/lease/grant", _LeaseGrantRequest(ttl), _LeaseReply, repeatable=False
+            "/v3/lease/grant", LeaseGrantRequest(ttl), LeaseReply, repeatable=False
         )
         if reply.ID == 0 or reply.TTL <= 0:
             raise EtcdError(UNKNOWN, f"a lease grant answered without a lease: {reply}")
@@ -459,7 +278,7 @@ class EtcdClient:
         """Renew ``lease`` once; the seconds it now has left, 0 when it is gone
         (expired or revoked: its keys are deleted)."""
         message = await self._call(
-            "/v3/lease/keepalive", _LeaseRequest(lease), _Message[_LeaseReply], repeatable=True
+            "/v3/lease/keepalive", LeaseRequest(lease), Message[LeaseReply], repeatable=True
         )
         if message.error is not None:
             raise EtcdError(message.error.grpc_code, message.error.message)
@@ -468,30 +287,30 @@ class EtcdClient:
     async def revoke(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys. A lease already gone is no error."""
         with contextlib.suppress(LeaseNotFound):
-            await self._call("/v3/lease/revoke", _LeaseRequest(lease), _Reply, repeatable=True)
+            await self._call("/v3/lease/revoke", LeaseRequest(lease), Reply, repeatable=True)
 
     async def put(self, key: Data, value: Data, *, lease: int | None = None) -> int:
         """Set ``key`` to ``value``, attached to ``lease`` if given; the revision of
         the change. Raises `LeaseNotFound` for a lease that is gone."""
-        request = _PutRequest(_bytes(key), _bytes(value), lease or 0)
-        reply = await self._call("/v3/kv/put", request, _Reply, repeatable=False)
+        request = PutRequest(_bytes(key), _bytes(value), lease or 0)
+        reply = await self._call("/v3/kv/put", request, Reply, repeatable=False)
         return reply.header.revision
 
     async def put_if_absent(self, key: Data, value: Data, *, lease: int | None = None) -> bool:
         """Create ``key`` with ``value`` unless it exists; whether it was created.
         (A call that ends in `EtcdUnavailable` may have created it.)"""
         raw = _bytes(key)
-        request = _TxnRequest(
-            compare=[_Compare(raw)],
-            success=[_RequestOp(_PutRequest(raw, _bytes(value), lease or 0))],
+        request = TxnRequest(
+            compare=[Compare(raw)],
+            success=[RequestOp(PutRequest(raw, _bytes(value), lease or 0))],
         )
-        reply = await self._call("/v3/kv/txn", request, _TxnReply, repeatable=False)
+        reply = await self._call("/v3/kv/txn", request, TxnReply, repeatable=False)
         return reply.succeeded
 
     async def get(self, key: Data) -> KeyValue | None:
         """``key`` as etcd holds it, or None when it does not exist."""
         reply = await self._call(
-            "/v3/kv/range", _RangeRequest(_bytes(key)), _RangeReply, repeatable=True
+            "/v3/kv/range", RangeRequest(_bytes(key)), RangeReply, repeatable=True
         )
         return reply.kvs[0] if reply.kvs else None
 
@@ -519,9 +338,9 @@ class EtcdClient:
         end = prefix_end(_bytes(raw if through is None else through))
         start, revision, size = raw, 0, page
         while True:
-            request = _RangeRequest(start, end, limit=size, revision=revision)
+            request = RangeRequest(start, end, limit=size, revision=revision)
             try:
-                reply = await self._call("/v3/kv/range", request, _RangeReply, repeatable=True)
+                reply = await self._call("/v3/kv/range", request, RangeReply, repeatable=True)
             except EtcdTooLarge:
                 if size == 1:
                     raise
@@ -542,8 +361,8 @@ class EtcdClient:
         """Delete ``key`` (every key that starts with it, with ``prefix``); how many
         keys were deleted."""
         raw = _bytes(key)
-        request = _RangeRequest(raw, prefix_end(raw) if prefix else b"")
-        reply = await self._call("/v3/kv/deleterange", request, _DeleteRangeReply, repeatable=False)
+        request = RangeRequest(raw, prefix_end(raw) if prefix else b"")
+        reply = await self._call("/v3/kv/deleterange", request, DeleteRangeReply, repeatable=False)
         return reply.deleted
 
     @contextlib.asynccontextmanager
@@ -557,7 +376,7 @@ class EtcdClient:
         quietly."""
         raw = _bytes(prefix)
         end = prefix_end(_bytes(raw if through is None else through))
-        body = _encoder.encode(_WatchRequest(_WatchCreate(raw, end, max(start_revision, 0))))
+        body = _encoder.encode(WatchRequest(WatchCreate(raw, end, max(start_revision, 0))))
 
         async def start(endpoint: Endpoint) -> Watch:
             return await self._start_watch(endpoint, body, start_revision)
@@ -609,7 +428,7 @@ class EtcdClient:
                     return await attempt(endpoint)
                 except _Unreached as exc:
                     failure = str(exc)
-                except _Ambiguous as exc:
+                except Ambiguous as exc:
                     if not repeatable:
                         self._failed(endpoint)
                         raise EtcdUnavailable(
@@ -632,13 +451,13 @@ class EtcdClient:
             raise EtcdTooLarge(str(exc)) from None
         except ConnectionBroken as exc:
             await connection.aclose()
-            raise _Ambiguous(str(exc)) from None
+            raise Ambiguous(str(exc)) from None
         except BaseException:
             await connection.aclose()
             raise
         await self._checkin(connection)
         if head.status != 200:
-            raise _answered_error(endpoint, head.status, data)
+            raise answered_error(endpoint, head.status, data)
         try:
             return msgspec.json.decode(data, type=reply, strict=False)
         except msgspec.DecodeError as exc:
@@ -650,7 +469,7 @@ class EtcdClient:
             await watch.begin(body)
         except (ConnectionBroken, WatchBroken) as exc:
             await watch.aclose()
-            raise _Ambiguous(str(exc)) from None
+            raise Ambiguous(str(exc)) from None
         except BaseException:
             await watch.aclose()
             raise
@@ -697,101 +516,3 @@ class EtcdClient:
             self._idle.append(connection)
         else:
             await connection.aclose()
-
-
-class Watch:
-    """An open watch: ``async for event in watch`` yields its `Event`s in revision
-    order, the events of one revision together. `revision` is that of the last
-    event yielded: after a `WatchBroken`, watching again from ``revision + 1`` misses
-    nothing and repeats nothing."""
-
-    def __init__(self, connection: Connection, start_revision: int) -> None:
-        self._connection = connection
-        self._lines = connection.read_lines()
-        self._events: deque[Event] = deque()
-        self._start = start_revision
-        #: The revision of the last event yielded (before the first: the one before
-        #: the start, or the store's revision when the watch began "from now").
-        self.revision = max(start_revision - 1, 0)
-
-    async def begin(self, body: bytes) -> None:
-        """Send the watch request ``body`` and wait for etcd to confirm the watch."""
-        endpoint = self._connection.endpoint
-        await self._connection.send("/v3/watch", body)
-        head = await self._connection.receive_head()
-        if head.status != 200:
-            raise _answered_error(endpoint, head.status, await self._connection.read_body())
-        reply = await self._next_reply()
-        if not reply.created:
-            raise EtcdError(UNKNOWN, f"{endpoint} began a watch without creating it")
-        if self._start <= 0:
-            self.revision = reply.header.revision
-        self._queue(reply)
-
-    async def aclose(self) -> None:
-        """End the watch: its connection is closed (HTTP/1.1 has no other way)."""
-        await self._lines.aclose()
-        await self._connection.aclose()
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> Event:
-        while not self._events:
-            self._queue(await self._next_reply())
-        event = self._events.popleft()
-        self.revision = event.revision
-        return event
-
-    def _queue(self, reply: _WatchReply) -> None:
-        if reply.canceled:
-            if reply.compact_revision > 0:
-                raise EtcdCompacted(reply.compact_revision)
-            reason = reply.cancel_reason or "no reason given"
-            raise EtcdError(UNKNOWN, f"etcd ended the watch: {reason}")
-        for wire in reply.events:
-            kind: Literal["put", "delete"] = "delete" if wire.type == "DELETE" else "put"
-            kv = wire.kv
-            self._events.append(Event(kind, kv.key, kv.value, kv.mod_revision))
-
-    async def _next_reply(self) -> _WatchReply:
-        endpoint = self._connection.endpoint
-        while True:
-            try:
-                line = await anext(self._lines)
-            except StopAsyncIteration:
-                raise WatchBroken(f"{endpoint} ended the watch stream") from None
-            except TooLarge as exc:
-                raise WatchTooLarge(f"a watch message over the bound: {exc}") from None
-            except ConnectionBroken as exc:
-                raise WatchBroken(f"the watch stream broke: {exc}") from None
-            if not line.strip():
-                continue
-            try:
-                message = _watch_message.decode(line)
-            except msgspec.DecodeError as exc:
-                raise WatchBroken(f"{endpoint} sent what is not a watch message: {exc}") from None
-            if message.error is not None:
-                raise EtcdError(message.error.grpc_code, message.error.message)
-            if message.result is not None:
-                return message.result
-
-
-_watch_message: Final = msgspec.json.Decoder(_Message[_WatchReply], strict=False)
-
-
-def _answered_error(endpoint: Endpoint, status: int, body: bytes) -> Exception:
-    """The error an HTTP ``status`` other than 200 stands for, from the gateway's
-    JSON body where it has one: an `EtcdError`, or `_Ambiguous` when etcd says it
-    is unavailable (a member without a leader, a request that timed out inside)."""
-    try:
-        answer = msgspec.json.decode(body, type=_Status, strict=False)
-    except msgspec.DecodeError:
-        text = body[:200].decode(errors="replace")
-        return EtcdError(UNKNOWN, f"{endpoint} answered HTTP {status}: {text}")
-    message = answer.message or answer.error or f"HTTP {status}"
-    if answer.code == UNAVAILABLE:
-        return _Ambiguous(f"{endpoint}: {message}")
-    if answer.code == NOT_FOUND and "lease not found" in message:
-        return LeaseNotFound(answer.code, message)
-    return EtcdError(answer.code, message)

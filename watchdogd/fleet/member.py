@@ -59,7 +59,8 @@ from ..core.ports import TargetProcess
 from ..core.timers import Expired
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
-from .etcd import Backoff, EtcdClient, EtcdCompacted, EtcdFailure, EtcdTooLarge, Event
+from .etcd import Backoff, EtcdClient
+from .gateway import EtcdCompacted, EtcdFailure, EtcdTooLarge
 from .health import Health
 from .publish import MAX_PENDING, Publisher
 from .records import (
@@ -74,6 +75,7 @@ from .records import (
     read_key,
 )
 from .view import FleetView
+from .watch import Event
 
 log = logging.getLogger("watchdogd")
 

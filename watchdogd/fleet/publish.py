@@ -43,7 +43,8 @@ from ..core.bridge import FleetBridge
 from ..core.ports import P
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
-from .etcd import EtcdClient, EtcdError, EtcdFailure, LeaseNotFound
+from .etcd import EtcdClient
+from .gateway import EtcdError, EtcdFailure, LeaseNotFound
 from .records import MAX_RANKS_BYTES, HostRecord, encode_ranks, make_key
 
 log = logging.getLogger("watchdogd")
