@@ -15,20 +15,16 @@ numbers travel as JSON strings and are read as ints.
 Bounds:
 
 - Every call ends within ``timeout`` seconds (default 2), waiting for a connection
-  included; opening a connection, its TLS handshake included, within
-  ``connect_timeout`` (default 1), so an endpoint that drops packets leaves time to
-  try the next.
-- At most ``max_connections`` (default 8) connections are open, idle ones, those of
-  calls in progress and those of watches together; a call that finds them all busy
-  waits for one within its timeout.
+  included, and at most ``max_connections`` (default 8) connections are open, those
+  of watches included (`watchdogd.fleet.transport`).
 - A reply is at most ``Limits.max_body`` bytes, a watch message at most
   ``Limits.max_line``, a response head ``Limits.max_head`` in ``max_headers`` lines;
   past a bound a call raises `EtcdTooLarge`. So that any number of keys can be read
   whatever their size, a range is read in pages (`EtcdClient.range_pages`: at most
   `MAX_PAGE` keys, fewer when their values are large), and a watch asks etcd to
   split large responses into fragments.
-- A watch waits for events without a timeout, since waiting is what it is for; its
-  connection's TCP keepalive ends it about 11 s after its host vanished.
+- A watch waits for events without a timeout, since waiting is what it is for
+  (`watchdogd.fleet.watch`).
 
 Failures:
 
@@ -36,47 +32,38 @@ Failures:
   `EtcdUnavailable` when no endpoint answered in time, with the last error;
   `EtcdError` when etcd answered with an error, with its gRPC code and message. A
   caller catches the one class, reports it and goes on.
-- Endpoints are tried in turn, from the current one. An endpoint that fails (no
-  connection, a connection that broke, no answer in time, or etcd answering that it
-  is unavailable, as a member without a leader does) makes the next one current, for
-  this call and those after it. A call goes on to the next endpoint when its request
-  cannot have been applied (no connection was made) or applying it twice changes
-  nothing (range, keepalive, revoke); otherwise it raises `EtcdUnavailable` saying
-  that the request may have been applied.
-- A watch never ends quietly: `WatchBroken` when its stream ends or breaks (the
-  caller watches again from `Watch.revision` + 1), `EtcdCompacted` when etcd no
-  longer has its start revision (the caller reads the range, and watches from that
-  range's revision + 1).
-- The client heals on its own: a pooled connection that its server closed (etcd
-  restarted, say) is dropped before use, and each call dials again what it needs.
-  The client never sleeps between tries; a caller that retries waits with `Backoff`.
+- Endpoints are tried in turn, from the current one; a call goes on to the next
+  when its request cannot have been applied or applying it twice changes nothing
+  (range, keepalive, revoke), otherwise it raises `EtcdUnavailable` saying that the
+  request may have been applied (`watchdogd.fleet.transport`).
+- A watch never ends quietly: `WatchBroken` when its stream ends or breaks,
+  `EtcdCompacted` when etcd no longer has its start revision
+  (`watchdogd.fleet.watch` says what the caller does then).
+- The client heals on its own: each call dials again what it needs. It never
+  sleeps between tries; a caller that retries waits with `Backoff`.
 
 What the gateway takes and answers, and the errors above, are
-`watchdogd.fleet.gateway`'s; a watch's stream is `watchdogd.fleet.watch`'s.
+`watchdogd.fleet.gateway`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Final, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Final
 
 import msgspec
 import trio
 
-from ..errors import ConfigError
 from .gateway import (
     OUT_OF_RANGE,
     UNKNOWN,
-    Ambiguous,
     Compare,
     DeleteRangeReply,
     EtcdCompacted,
     EtcdError,
     EtcdTooLarge,
-    EtcdUnavailable,
     KeyValue,
     LeaseGrantRequest,
     LeaseNotFound,
@@ -90,32 +77,14 @@ from .gateway import (
     RequestOp,
     TxnReply,
     TxnRequest,
-    WatchBroken,
     WatchCreate,
     WatchRequest,
-    answered_error,
 )
-from .http1 import (
-    ConnectFailed,
-    Connection,
-    ConnectionBroken,
-    Endpoint,
-    Limits,
-    TooLarge,
-    open_connection,
-)
+from .http1 import Limits
+from .transport import Transport
 from .watch import Watch
 
-__all__ = [
-    "MAX_PAGE",
-    "Backoff",
-    "Data",
-    "EtcdClient",
-    "Limits",
-    "Range",
-    "prefix_end",
-    "tls_context",
-]
+__all__ = ["MAX_PAGE", "Backoff", "Data", "EtcdClient", "Limits", "Range", "prefix_end"]
 
 #: The most keys one page of a range read asks for.
 MAX_PAGE: Final = 256
@@ -164,31 +133,6 @@ class Backoff:
         self._next = self._first
 
 
-def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
-    """A TLS client context that trusts ``ca`` (the system's authorities without it)
-    and, given ``cert``, presents it with ``key`` (a key inside the certificate file
-    when None). Raises `ConfigError` naming the file that cannot be used."""
-    if key is not None and cert is None:
-        raise ConfigError("etcd TLS: a client key needs its certificate (cert)")
-    try:
-        context = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"etcd TLS: cannot use the CA file {ca}: {exc}") from exc
-    if cert is not None:
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"etcd TLS: cannot use the client certificate {cert} and key {key}: {exc}"
-            ) from exc
-    return context
-
-
-_encoder: Final = msgspec.json.Encoder()
-_T = TypeVar("_T")
-_R = TypeVar("_R", bound=msgspec.Struct)
-
-
 def _bytes(data: Data) -> bytes:
     return data.encode() if isinstance(data, str) else data
 
@@ -203,16 +147,12 @@ def prefix_end(prefix: bytes) -> bytes:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-class _Unreached(Exception):
-    """An endpoint failed before the request could have been applied."""
-
-
 class EtcdClient:
     """A client of one etcd cluster through ``endpoints`` (``http://host:port`` or
     ``https://host:port`` URLs). ``ca``, ``cert`` and ``key`` are paths of PEM files
-    for https endpoints (`tls_context`). Raises `ConfigError` for an endpoint or a
-    file it cannot use. Use it in ``async with`` (or call `aclose`) to close its
-    idle connections at the end."""
+    for https endpoints (`watchdogd.fleet.transport.tls_context`). Raises
+    `ConfigError` for an endpoint or a file it cannot use. Use it in ``async with``
+    (or call `aclose`) to close its idle connections at the end."""
 
     def __init__(
         self,
@@ -226,29 +166,21 @@ class EtcdClient:
         max_connections: int = 8,
         limits: Limits | None = None,
     ) -> None:
-        if not endpoints:
-            raise ConfigError("etcd: name at least one endpoint")
-        try:
-            self._endpoints = [Endpoint.parse(url) for url in endpoints]
-        except ValueError as exc:
-            raise ConfigError(f"etcd endpoint {exc}") from exc
-        assert timeout > 0
-        assert connect_timeout > 0
-        assert max_connections > 0
-        needs_tls = any(e.scheme == "https" for e in self._endpoints)
-        self._tls = tls_context(ca, cert, key) if needs_tls else None
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._limits = limits or Limits()
-        self._max_connections = max_connections
-        self._limiter = trio.CapacityLimiter(max_connections)
-        self._idle: list[Connection] = []
-        self._current = 0
+        self._transport = Transport(
+            endpoints,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            ca=ca,
+            cert=cert,
+            key=key,
+            max_connections=max_connections,
+            limits=limits or Limits(),
+        )
 
     @property
     def endpoint(self) -> str:
         """The endpoint the next call tries first."""
-        return str(self._endpoints[self._current])
+        return self._transport.endpoint
 
     async def __aenter__(self) -> EtcdClient:
         return self
@@ -258,16 +190,11 @@ class EtcdClient:
 
     async def aclose(self) -> None:
         """Close the idle connections (a later call opens new ones)."""
-        idle, self._idle = self._idle, []
-        # Shielded: in a cancelled scope (a member's tasks ending), the first close's
-        # Cancelled would leave the others open. A forceful close never waits.
-        with trio.CancelScope(shield=True):
-            for connection in idle:
-                await connection.aclose()
+        await self._transport.aclose()
 
     async def grant(self, ttl: int) -> int:
         """A new lease that lives ``ttl`` seconds unless kept alive; its id."""
-        reply = await self._call(
+        reply = await self._transport.call(
             "/v3/lease/grant", LeaseGrantRequest(ttl), LeaseReply, repeatable=False
         )
         if reply.ID == 0 or reply.TTL <= 0:
@@ -277,7 +204,7 @@ class EtcdClient:
     async def keepalive_once(self, lease: int) -> int:
         """Renew ``lease`` once; the seconds it now has left, 0 when it is gone
         (expired or revoked: its keys are deleted)."""
-        message = await self._call(
+        message = await self._transport.call(
             "/v3/lease/keepalive", LeaseRequest(lease), Message[LeaseReply], repeatable=True
         )
         if message.error is not None:
@@ -287,13 +214,15 @@ class EtcdClient:
     async def revoke(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys. A lease already gone is no error."""
         with contextlib.suppress(LeaseNotFound):
-            await self._call("/v3/lease/revoke", LeaseRequest(lease), Reply, repeatable=True)
+            await self._transport.call(
+                "/v3/lease/revoke", LeaseRequest(lease), Reply, repeatable=True
+            )
 
     async def put(self, key: Data, value: Data, *, lease: int | None = None) -> int:
         """Set ``key`` to ``value``, attached to ``lease`` if given; the revision of
         the change. Raises `LeaseNotFound` for a lease that is gone."""
         request = PutRequest(_bytes(key), _bytes(value), lease or 0)
-        reply = await self._call("/v3/kv/put", request, Reply, repeatable=False)
+        reply = await self._transport.call("/v3/kv/put", request, Reply, repeatable=False)
         return reply.header.revision
 
     async def put_if_absent(self, key: Data, value: Data, *, lease: int | None = None) -> bool:
@@ -304,12 +233,12 @@ class EtcdClient:
             compare=[Compare(raw)],
             success=[RequestOp(PutRequest(raw, _bytes(value), lease or 0))],
         )
-        reply = await self._call("/v3/kv/txn", request, TxnReply, repeatable=False)
+        reply = await self._transport.call("/v3/kv/txn", request, TxnReply, repeatable=False)
         return reply.succeeded
 
     async def get(self, key: Data) -> KeyValue | None:
         """``key`` as etcd holds it, or None when it does not exist."""
-        reply = await self._call(
+        reply = await self._transport.call(
             "/v3/kv/range", RangeRequest(_bytes(key)), RangeReply, repeatable=True
         )
         return reply.kvs[0] if reply.kvs else None
@@ -340,7 +269,9 @@ class EtcdClient:
         while True:
             request = RangeRequest(start, end, limit=size, revision=revision)
             try:
-                reply = await self._call("/v3/kv/range", request, RangeReply, repeatable=True)
+                reply = await self._transport.call(
+                    "/v3/kv/range", request, RangeReply, repeatable=True
+                )
             except EtcdTooLarge:
                 if size == 1:
                     raise
@@ -362,7 +293,9 @@ class EtcdClient:
         keys were deleted."""
         raw = _bytes(key)
         request = RangeRequest(raw, prefix_end(raw) if prefix else b"")
-        reply = await self._call("/v3/kv/deleterange", request, DeleteRangeReply, repeatable=False)
+        reply = await self._transport.call(
+            "/v3/kv/deleterange", request, DeleteRangeReply, repeatable=False
+        )
         return reply.deleted
 
     @contextlib.asynccontextmanager
@@ -376,143 +309,6 @@ class EtcdClient:
         quietly."""
         raw = _bytes(prefix)
         end = prefix_end(_bytes(raw if through is None else through))
-        body = _encoder.encode(WatchRequest(WatchCreate(raw, end, max(start_revision, 0))))
-
-        async def start(endpoint: Endpoint) -> Watch:
-            return await self._start_watch(endpoint, body, start_revision)
-
-        deadline = trio.current_time() + self._timeout
-        async with self._token(deadline):
-            watch = await self._first_answer(deadline, start, repeatable=True)
-            try:
-                yield watch
-            finally:
-                await watch.aclose()
-
-    async def _call(
-        self, path: str, request: msgspec.Struct, reply: type[_R], *, repeatable: bool
-    ) -> _R:
-        """Send ``request`` to ``path``; etcd's answer."""
-        body = _encoder.encode(request)
-
-        async def exchange(endpoint: Endpoint) -> _R:
-            return await self._exchange(endpoint, path, body, reply)
-
-        deadline = trio.current_time() + self._timeout
-        async with self._token(deadline):
-            return await self._first_answer(deadline, exchange, repeatable=repeatable)
-
-    @contextlib.asynccontextmanager
-    async def _token(self, deadline: float) -> AsyncIterator[None]:
-        """Hold one of the ``max_connections`` tokens, if one is free by ``deadline``."""
-        # A borrower of its own: one task may hold a watch's token and call too.
-        borrower = object()
-        with trio.move_on_at(deadline) as scope:
-            await self._limiter.acquire_on_behalf_of(borrower)
-        if scope.cancelled_caught:
-            raise EtcdUnavailable(f"no etcd connection was free within {self._timeout} s")
-        try:
-            yield
-        finally:
-            self._limiter.release_on_behalf_of(borrower)
-
-    async def _first_answer(
-        self, deadline: float, attempt: Callable[[Endpoint], Awaitable[_T]], *, repeatable: bool
-    ) -> _T:
-        """``attempt`` on the endpoints in turn, from the current one, until one
-        answers or ``deadline`` passes."""
-        failure = "no endpoint was tried"
-        for endpoint in self._in_turn():
-            with trio.move_on_at(deadline) as scope:
-                try:
-                    return await attempt(endpoint)
-                except _Unreached as exc:
-                    failure = str(exc)
-                except Ambiguous as exc:
-                    if not repeatable:
-                        self._failed(endpoint)
-                        raise EtcdUnavailable(
-                            f"{exc} (the request may have been applied)"
-                        ) from None
-                    failure = str(exc)
-            self._failed(endpoint)
-            if scope.cancelled_caught:
-                raise EtcdUnavailable(f"no answer from {endpoint} within {self._timeout} s")
-        raise EtcdUnavailable(f"no etcd endpoint answered: {failure}")
-
-    async def _exchange(self, endpoint: Endpoint, path: str, body: bytes, reply: type[_R]) -> _R:
-        connection = await self._checkout(endpoint)
-        try:
-            await connection.send(path, body)
-            head = await connection.receive_head()
-            data = await connection.read_body()
-        except TooLarge as exc:
-            await connection.aclose()
-            raise EtcdTooLarge(str(exc)) from None
-        except ConnectionBroken as exc:
-            await connection.aclose()
-            raise Ambiguous(str(exc)) from None
-        except BaseException:
-            await connection.aclose()
-            raise
-        await self._checkin(connection)
-        if head.status != 200:
-            raise answered_error(endpoint, head.status, data)
-        try:
-            return msgspec.json.decode(data, type=reply, strict=False)
-        except msgspec.DecodeError as exc:
-            raise EtcdError(UNKNOWN, f"{endpoint} answered {path} with no reply: {exc}") from None
-
-    async def _start_watch(self, endpoint: Endpoint, body: bytes, start_revision: int) -> Watch:
-        watch = Watch(await self._checkout(endpoint), start_revision)
-        try:
-            await watch.begin(body)
-        except (ConnectionBroken, WatchBroken) as exc:
-            await watch.aclose()
-            raise Ambiguous(str(exc)) from None
-        except BaseException:
-            await watch.aclose()
-            raise
-        return watch
-
-    def _in_turn(self) -> list[Endpoint]:
-        count = len(self._endpoints)
-        return [self._endpoints[(self._current + i) % count] for i in range(count)]
-
-    def _failed(self, endpoint: Endpoint) -> None:
-        """``endpoint`` failed: the next one is tried first from now on (unless
-        another call moved on already)."""
-        if self._endpoints[self._current] == endpoint:
-            self._current = (self._current + 1) % len(self._endpoints)
-
-    async def _checkout(self, endpoint: Endpoint) -> Connection:
-        """An idle connection to ``endpoint`` that its server has not closed, or a
-        new one. The caller holds a token of the limiter."""
-        for index in range(len(self._idle) - 1, -1, -1):
-            connection = self._idle[index]
-            if connection.endpoint != endpoint:
-                continue
-            del self._idle[index]
-            if not connection.closed_by_peer():
-                return connection
-            await connection.aclose()
-        # Every open connection is idle or held with a token, this call's among them.
-        while (
-            self._idle and len(self._idle) + self._limiter.borrowed_tokens > self._max_connections
-        ):
-            await self._idle.pop(0).aclose()
-        opened: Connection | None = None
-        with trio.move_on_after(self._connect_timeout):
-            try:
-                opened = await open_connection(endpoint, self._tls, self._limits)
-            except ConnectFailed as exc:
-                raise _Unreached(str(exc)) from None
-        if opened is None:
-            raise _Unreached(f"no connection to {endpoint} within {self._connect_timeout} s")
-        return opened
-
-    async def _checkin(self, connection: Connection) -> None:
-        if connection.reusable:
-            self._idle.append(connection)
-        else:
-            await connection.aclose()
+        request = WatchRequest(WatchCreate(raw, end, max(start_revision, 0)))
+        async with self._transport.open_watch(request, start_revision) as watch:
+            yield watch
