@@ -62,7 +62,8 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.starvation import Sample
 from watchdogd.core.timers import Expired
-from watchdogd.fleet.etcd import Data, EtcdClient, EtcdFailure, Limits
+from watchdogd.fleet.etcd import Data, EtcdClient, Limits
+from watchdogd.fleet.gateway import EtcdFailure
 from watchdogd.fleet.member import FleetMember
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition

@@ -32,7 +32,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from watchdogd.core.config import Config, parse_config
-from watchdogd.fleet.etcd import EtcdClient, EtcdUnavailable
+from watchdogd.fleet.etcd import EtcdClient
+from watchdogd.fleet.gateway import EtcdUnavailable
 
 from helpers.etcd import TlsFiles, etcd_binary, running_etcd
 

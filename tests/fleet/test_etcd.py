@@ -12,18 +12,9 @@ import pytest
 import trio
 
 from watchdogd.errors import ConfigError
-from watchdogd.fleet.etcd import (
-    Backoff,
-    EtcdClient,
-    EtcdCompacted,
-    EtcdUnavailable,
-    Event,
-    LeaseNotFound,
-    Limits,
-    Watch,
-    WatchBroken,
-    prefix_end,
-)
+from watchdogd.fleet.etcd import Backoff, EtcdClient, Limits, prefix_end
+from watchdogd.fleet.gateway import EtcdCompacted, EtcdUnavailable, LeaseNotFound, WatchBroken
+from watchdogd.fleet.watch import Event, Watch
 
 from helpers.etcd import EtcdServer, TlsFiles, free_ports, running_cluster, running_etcd, urls
 from helpers.waiting import PATIENCE

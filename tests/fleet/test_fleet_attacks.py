@@ -45,7 +45,8 @@ from watchdogd.cli.watchdogctl import main as ctl_main
 from watchdogd.core.config import parse_config
 from watchdogd.errors import ConfigError
 from watchdogd.fleet.etcd import EtcdClient
-from watchdogd.fleet.member import MAX_JOBS_PER_UID, PUBLISH_BURST, PUBLISH_RATE, head_ttl
+from watchdogd.fleet.member import MAX_JOBS_PER_UID, head_ttl
+from watchdogd.fleet.publish import PUBLISH_BURST, PUBLISH_RATE
 from watchdogd.fleet.records import MAX_HOST_BYTES
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo, IncidentInfo

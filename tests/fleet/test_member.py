@@ -19,8 +19,10 @@ from watchdogd.core.config import Config, DaemonConfig, FleetConfig
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.timers import Expired
-from watchdogd.fleet.etcd import Data, EtcdClient, Watch
-from watchdogd.fleet.member import MAX_PENDING, PENDING_PER_UID, FleetMember, _Queue
+from watchdogd.fleet.etcd import Data, EtcdClient
+from watchdogd.fleet.member import FleetMember
+from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
+from watchdogd.fleet.watch import Watch
 from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import (
     Acquire,

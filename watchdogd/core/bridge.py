@@ -3,9 +3,10 @@ tells it, as named calls.
 
 The fleet never reaches into the core's state: it learns this host's name and the
 incident window here, the jobs this host holds (`held_jobs`, `jobs_changed`), and
-the incidents to publish through the publisher it attaches (`attach`); it hands in
-what other hosts said (`fleet_incident`, `fleet_ranks`, `host_lost`) and its own
-health (`fleet_changed`, `fleet_failed`, `fleet_rejected`, `fleet_dropped`).
+the incidents to publish through the publisher it attaches (`attach`,
+`watchdogd.fleet.publish.Publisher`); it hands in what other hosts said
+(`fleet_incident`, `fleet_ranks`, `host_lost`) and its own health
+(`fleet_changed`, `fleet_failed`, `fleet_rejected`, `fleet_dropped`).
 Invariants:
 
 - An incident from another host is kept here only when this host holds timers of

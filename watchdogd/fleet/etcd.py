@@ -15,20 +15,16 @@ numbers travel as JSON strings and are read as ints.
 Bounds:
 
 - Every call ends within ``timeout`` seconds (default 2), waiting for a connection
-  included; opening a connection, its TLS handshake included, within
-  ``connect_timeout`` (default 1), so an endpoint that drops packets leaves time to
-  try the next.
-- At most ``max_connections`` (default 8) connections are open, idle ones, those of
-  calls in progress and those of watches together; a call that finds them all busy
-  waits for one within its timeout.
+  included, and at most ``max_connections`` (default 8) connections are open, those
+  of watches included (`watchdogd.fleet.transport`).
 - A reply is at most ``Limits.max_body`` bytes, a watch message at most
   ``Limits.max_line``, a response head ``Limits.max_head`` in ``max_headers`` lines;
   past a bound a call raises `EtcdTooLarge`. So that any number of keys can be read
   whatever their size, a range is read in pages (`EtcdClient.range_pages`: at most
   `MAX_PAGE` keys, fewer when their values are large), and a watch asks etcd to
   split large responses into fragments.
-- A watch waits for events without a timeout, since waiting is what it is for; its
-  connection's TCP keepalive ends it about 11 s after its host vanished.
+- A watch waits for events without a timeout, since waiting is what it is for
+  (`watchdogd.fleet.watch`).
 
 Failures:
 
@@ -36,71 +32,59 @@ Failures:
   `EtcdUnavailable` when no endpoint answered in time, with the last error;
   `EtcdError` when etcd answered with an error, with its gRPC code and message. A
   caller catches the one class, reports it and goes on.
-- Endpoints are tried in turn, from the current one. An endpoint that fails (no
-  connection, a connection that broke, no answer in time, or etcd answering that it
-  is unavailable, as a member without a leader does) makes the next one current, for
-  this call and those after it. A call goes on to the next endpoint when its request
-  cannot have been applied (no connection was made) or applying it twice changes
-  nothing (range, keepalive, revoke); otherwise it raises `EtcdUnavailable` saying
-  that the request may have been applied.
-- A watch never ends quietly: `WatchBroken` when its stream ends or breaks (the
-  caller watches again from `Watch.revision` + 1), `EtcdCompacted` when etcd no
-  longer has its start revision (the caller reads the range, and watches from that
-  range's revision + 1).
-- The client heals on its own: a pooled connection that its server closed (etcd
-  restarted, say) is dropped before use, and each call dials again what it needs.
-  The client never sleeps between tries; a caller that retries waits with `Backoff`.
+- Endpoints are tried in turn, from the current one; a call goes on to the next
+  when its request cannot have been applied or applying it twice changes nothing
+  (range, keepalive, revoke), otherwise it raises `EtcdUnavailable` saying that the
+  request may have been applied (`watchdogd.fleet.transport`).
+- A watch never ends quietly: `WatchBroken` when its stream ends or breaks,
+  `EtcdCompacted` when etcd no longer has its start revision
+  (`watchdogd.fleet.watch` says what the caller does then).
+- The client heals on its own: each call dials again what it needs. It never
+  sleeps between tries; a caller that retries waits with `Backoff`.
+
+What the gateway takes and answers, and the errors above, are
+`watchdogd.fleet.gateway`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-import ssl
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Final, Generic, Literal, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Final
 
 import msgspec
 import trio
 
-from ..errors import ConfigError, DaemonError
-from .http1 import (
-    ConnectFailed,
-    Connection,
-    ConnectionBroken,
-    Endpoint,
-    Limits,
-    TooLarge,
-    open_connection,
+from .gateway import (
+    OUT_OF_RANGE,
+    UNKNOWN,
+    Compare,
+    DeleteRangeReply,
+    EtcdCompacted,
+    EtcdError,
+    EtcdTooLarge,
+    KeyValue,
+    LeaseGrantRequest,
+    LeaseNotFound,
+    LeaseReply,
+    LeaseRequest,
+    Message,
+    PutRequest,
+    RangeReply,
+    RangeRequest,
+    Reply,
+    RequestOp,
+    TxnReply,
+    TxnRequest,
+    WatchCreate,
+    WatchRequest,
 )
+from .http1 import Limits
+from .transport import Transport
+from .watch import Watch
 
-__all__ = [
-    "Backoff",
-    "Data",
-    "EtcdClient",
-    "EtcdCompacted",
-    "EtcdError",
-    "EtcdFailure",
-    "EtcdTooLarge",
-    "EtcdUnavailable",
-    "Event",
-    "KeyValue",
-    "LeaseNotFound",
-    "Limits",
-    "Range",
-    "Watch",
-    "WatchBroken",
-    "WatchTooLarge",
-    "prefix_end",
-    "tls_context",
-]
-
-#: gRPC status codes etcd answers with that the client tells apart.
-UNKNOWN: Final = 2
-NOT_FOUND: Final = 5
-OUT_OF_RANGE: Final = 11
-UNAVAILABLE: Final = 14
+__all__ = ["MAX_PAGE", "Backoff", "Data", "EtcdClient", "Limits", "Range", "prefix_end"]
 
 #: The most keys one page of a range read asks for.
 MAX_PAGE: Final = 256
@@ -109,87 +93,12 @@ MAX_PAGE: Final = 256
 Data = bytes | str
 
 
-class EtcdFailure(DaemonError):
-    """Base class of everything an etcd call raises."""
-
-
-class EtcdUnavailable(EtcdFailure):
-    """Raised when no endpoint answered within the call's timeout: none could be
-    reached, a connection broke, or etcd said it is unavailable. The message names
-    the endpoint and the last error."""
-
-
-class EtcdError(EtcdFailure):
-    """Raised when etcd answered with an error: ``code`` is its gRPC status code,
-    ``message`` its text."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"etcd error {code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class LeaseNotFound(EtcdError):
-    """Raised by `EtcdClient.put` (and `put_if_absent`) when their lease has
-    expired or been revoked."""
-
-
-class EtcdCompacted(EtcdError):
-    """Raised by a watch whose start revision etcd has compacted away:
-    ``compact_revision`` is the oldest revision it still has. What happened before
-    it is lost; a caller reads the present state (`EtcdClient.range`) and watches
-    from that range's revision + 1."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(OUT_OF_RANGE, f"revisions before {compact_revision} were compacted")
-        self.compact_revision = compact_revision
-
-
-class WatchBroken(EtcdUnavailable):
-    """Raised by a watch whose stream ended: its connection broke, or etcd closed
-    it. The caller watches again from `Watch.revision` + 1."""
-
-
-class EtcdTooLarge(EtcdUnavailable):
-    """Raised when etcd's answer was over this client's bound (`Limits`): a range
-    of keys whose values are too large together. Asking for the same again gets
-    the same; `EtcdClient.range` asks for fewer keys a page instead."""
-
-
-class WatchTooLarge(WatchBroken, EtcdTooLarge):
-    """Raised by a watch whose next message was over the client's bound: watching
-    again from the same revision meets it again, so the caller reads the present
-    state instead (`EtcdClient.range_pages`) and watches from after it."""
-
-
-class KeyValue(msgspec.Struct, frozen=True):
-    """A key as etcd holds it: ``mod_revision`` is the revision of its last change,
-    ``create_revision`` that of its creation, ``lease`` its lease (0 for none)."""
-
-    key: bytes = b""
-    value: bytes = b""
-    create_revision: int = 0
-    mod_revision: int = 0
-    version: int = 0
-    lease: int = 0
-
-
 class Range(msgspec.Struct, frozen=True):
     """The keys under a prefix, sorted, and the store's ``revision`` when they were
     read: a watch from ``revision + 1`` sees every change after them."""
 
     revision: int
     kvs: list[KeyValue]
-
-
-class Event(msgspec.Struct, frozen=True):
-    """A change a watch saw: ``key`` was put (with ``value``) or deleted (``value``
-    is then empty) at ``revision``."""
-
-    kind: Literal["put", "delete"]
-    key: bytes
-    value: bytes
-    revision: int
 
 
 class Backoff:
@@ -224,148 +133,6 @@ class Backoff:
         self._next = self._first
 
 
-def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
-    """A TLS client context that trusts ``ca`` (the system's authorities without it)
-    and, given ``cert``, presents it with ``key`` (a key inside the certificate file
-    when None). Raises `ConfigError` naming the file that cannot be used."""
-    if key is not None and cert is None:
-        raise ConfigError("etcd TLS: a client key needs its certificate (cert)")
-    try:
-        context = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"etcd TLS: cannot use the CA file {ca}: {exc}") from exc
-    if cert is not None:
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"etcd TLS: cannot use the client certificate {cert} and key {key}: {exc}"
-            ) from exc
-    return context
-
-
-# What the gateway takes and answers. Every field has a default: proto3 JSON leaves
-# out a field at its default value (a false "succeeded", a zero "TTL").
-
-
-class _Header(msgspec.Struct):
-    revision: int = 0
-
-
-class _Status(msgspec.Struct):
-    """An error answer of a unary call."""
-
-    code: int = 0
-    message: str = ""
-    error: str = ""
-
-
-class _StreamStatus(msgspec.Struct):
-    """An error inside a stream."""
-
-    grpc_code: int = 0
-    message: str = ""
-
-
-_T = TypeVar("_T")
-
-
-class _Message(msgspec.Struct, Generic[_T]):
-    """One message of a stream: a result or an error."""
-
-    result: _T | None = None
-    error: _StreamStatus | None = None
-
-
-class _PutRequest(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-
-class _RangeRequest(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    range_end: bytes = b""
-    limit: int = 0
-    revision: int = 0
-
-
-class _Compare(msgspec.Struct):
-    key: bytes
-    target: Literal["CREATE"] = "CREATE"
-    result: Literal["EQUAL"] = "EQUAL"
-    create_revision: int = 0
-
-
-class _RequestOp(msgspec.Struct):
-    request_put: _PutRequest
-
-
-class _TxnRequest(msgspec.Struct):
-    compare: list[_Compare]
-    success: list[_RequestOp]
-
-
-class _LeaseGrantRequest(msgspec.Struct):
-    TTL: int
-
-
-class _LeaseRequest(msgspec.Struct):
-    ID: int
-
-
-class _WatchCreate(msgspec.Struct, omit_defaults=True):
-    key: bytes
-    range_end: bytes = b""
-    start_revision: int = 0
-    #: etcd splits a large response into fragments (each within its request
-    #: bound), so that no watch message outgrows the client's line bound.
-    fragment: bool = True
-
-
-class _WatchRequest(msgspec.Struct):
-    create_request: _WatchCreate
-
-
-class _Reply(msgspec.Struct):
-    header: _Header = msgspec.field(default_factory=_Header)
-
-
-class _RangeReply(_Reply):
-    kvs: list[KeyValue] = []
-    more: bool = False
-
-
-class _DeleteRangeReply(_Reply):
-    deleted: int = 0
-
-
-class _TxnReply(_Reply):
-    succeeded: bool = False
-
-
-class _LeaseReply(_Reply):
-    ID: int = 0
-    TTL: int = 0
-
-
-class _WireEvent(msgspec.Struct):
-    kv: KeyValue
-    type: Literal["PUT", "DELETE"] = "PUT"
-
-
-class _WatchReply(_Reply):
-    created: bool = False
-    canceled: bool = False
-    compact_revision: int = 0
-    cancel_reason: str = ""
-    events: list[_WireEvent] = []
-
-
-_encoder: Final = msgspec.json.Encoder()
-_R = TypeVar("_R", bound=msgspec.Struct)
-
-
 def _bytes(data: Data) -> bytes:
     return data.encode() if isinstance(data, str) else data
 
@@ -380,20 +147,12 @@ def prefix_end(prefix: bytes) -> bytes:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-class _Unreached(Exception):
-    """An endpoint failed before the request could have been applied."""
-
-
-class _Ambiguous(Exception):
-    """An endpoint failed after the request went out: it may have been applied."""
-
-
 class EtcdClient:
     """A client of one etcd cluster through ``endpoints`` (``http://host:port`` or
     ``https://host:port`` URLs). ``ca``, ``cert`` and ``key`` are paths of PEM files
-    for https endpoints (`tls_context`). Raises `ConfigError` for an endpoint or a
-    file it cannot use. Use it in ``async with`` (or call `aclose`) to close its
-    idle connections at the end."""
+    for https endpoints (`watchdogd.fleet.transport.tls_context`). Raises
+    `ConfigError` for an endpoint or a file it cannot use. Use it in ``async with``
+    (or call `aclose`) to close its idle connections at the end."""
 
     def __init__(
         self,
@@ -407,29 +166,21 @@ class EtcdClient:
         max_connections: int = 8,
         limits: Limits | None = None,
     ) -> None:
-        if not endpoints:
-            raise ConfigError("etcd: name at least one endpoint")
-        try:
-            self._endpoints = [Endpoint.parse(url) for url in endpoints]
-        except ValueError as exc:
-            raise ConfigError(f"etcd endpoint {exc}") from exc
-        assert timeout > 0
-        assert connect_timeout > 0
-        assert max_connections > 0
-        needs_tls = any(e.scheme == "https" for e in self._endpoints)
-        self._tls = tls_context(ca, cert, key) if needs_tls else None
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._limits = limits or Limits()
-        self._max_connections = max_connections
-        self._limiter = trio.CapacityLimiter(max_connections)
-        self._idle: list[Connection] = []
-        self._current = 0
+        self._transport = Transport(
+            endpoints,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            ca=ca,
+            cert=cert,
+            key=key,
+            max_connections=max_connections,
+            limits=limits or Limits(),
+        )
 
     @property
     def endpoint(self) -> str:
         """The endpoint the next call tries first."""
-        return str(self._endpoints[self._current])
+        return self._transport.endpoint
 
     async def __aenter__(self) -> EtcdClient:
         return self
@@ -439,17 +190,12 @@ class EtcdClient:
 
     async def aclose(self) -> None:
         """Close the idle connections (a later call opens new ones)."""
-        idle, self._idle = self._idle, []
-        # Shielded: in a cancelled scope (a member's tasks ending), the first close's
-        # Cancelled would leave the others open. A forceful close never waits.
-        with trio.CancelScope(shield=True):
-            for connection in idle:
-                await connection.aclose()
+        await self._transport.aclose()
 
     async def grant(self, ttl: int) -> int:
         """A new lease that lives ``ttl`` seconds unless kept alive; its id."""
-        reply = await self._call(
-            "/v3/lease/grant", _LeaseGrantRequest(ttl), _LeaseReply, repeatable=False
+        reply = await self._transport.call(
+            "/v3/lease/grant", LeaseGrantRequest(ttl), LeaseReply, repeatable=False
         )
         if reply.ID == 0 or reply.TTL <= 0:
             raise EtcdError(UNKNOWN, f"a lease grant answered without a lease: {reply}")
@@ -458,8 +204,8 @@ class EtcdClient:
     async def keepalive_once(self, lease: int) -> int:
         """Renew ``lease`` once; the seconds it now has left, 0 when it is gone
         (expired or revoked: its keys are deleted)."""
-        message = await self._call(
-            "/v3/lease/keepalive", _LeaseRequest(lease), _Message[_LeaseReply], repeatable=True
+        message = await self._transport.call(
+            "/v3/lease/keepalive", LeaseRequest(lease), Message[LeaseReply], repeatable=True
         )
         if message.error is not None:
             raise EtcdError(message.error.grpc_code, message.error.message)
@@ -468,30 +214,32 @@ class EtcdClient:
     async def revoke(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys. A lease already gone is no error."""
         with contextlib.suppress(LeaseNotFound):
-            await self._call("/v3/lease/revoke", _LeaseRequest(lease), _Reply, repeatable=True)
+            await self._transport.call(
+                "/v3/lease/revoke", LeaseRequest(lease), Reply, repeatable=True
+            )
 
     async def put(self, key: Data, value: Data, *, lease: int | None = None) -> int:
         """Set ``key`` to ``value``, attached to ``lease`` if given; the revision of
         the change. Raises `LeaseNotFound` for a lease that is gone."""
-        request = _PutRequest(_bytes(key), _bytes(value), lease or 0)
-        reply = await self._call("/v3/kv/put", request, _Reply, repeatable=False)
+        request = PutRequest(_bytes(key), _bytes(value), lease or 0)
+        reply = await self._transport.call("/v3/kv/put", request, Reply, repeatable=False)
         return reply.header.revision
 
     async def put_if_absent(self, key: Data, value: Data, *, lease: int | None = None) -> bool:
         """Create ``key`` with ``value`` unless it exists; whether it was created.
         (A call that ends in `EtcdUnavailable` may have created it.)"""
         raw = _bytes(key)
-        request = _TxnRequest(
-            compare=[_Compare(raw)],
-            success=[_RequestOp(_PutRequest(raw, _bytes(value), lease or 0))],
+        request = TxnRequest(
+            compare=[Compare(raw)],
+            success=[RequestOp(PutRequest(raw, _bytes(value), lease or 0))],
         )
-        reply = await self._call("/v3/kv/txn", request, _TxnReply, repeatable=False)
+        reply = await self._transport.call("/v3/kv/txn", request, TxnReply, repeatable=False)
         return reply.succeeded
 
     async def get(self, key: Data) -> KeyValue | None:
         """``key`` as etcd holds it, or None when it does not exist."""
-        reply = await self._call(
-            "/v3/kv/range", _RangeRequest(_bytes(key)), _RangeReply, repeatable=True
+        reply = await self._transport.call(
+            "/v3/kv/range", RangeRequest(_bytes(key)), RangeReply, repeatable=True
         )
         return reply.kvs[0] if reply.kvs else None
 
@@ -519,9 +267,11 @@ class EtcdClient:
         end = prefix_end(_bytes(raw if through is None else through))
         start, revision, size = raw, 0, page
         while True:
-            request = _RangeRequest(start, end, limit=size, revision=revision)
+            request = RangeRequest(start, end, limit=size, revision=revision)
             try:
-                reply = await self._call("/v3/kv/range", request, _RangeReply, repeatable=True)
+                reply = await self._transport.call(
+                    "/v3/kv/range", request, RangeReply, repeatable=True
+                )
             except EtcdTooLarge:
                 if size == 1:
                     raise
@@ -542,8 +292,10 @@ class EtcdClient:
         """Delete ``key`` (every key that starts with it, with ``prefix``); how many
         keys were deleted."""
         raw = _bytes(key)
-        request = _RangeRequest(raw, prefix_end(raw) if prefix else b"")
-        reply = await self._call("/v3/kv/deleterange", request, _DeleteRangeReply, repeatable=False)
+        request = RangeRequest(raw, prefix_end(raw) if prefix else b"")
+        reply = await self._transport.call(
+            "/v3/kv/deleterange", request, DeleteRangeReply, repeatable=False
+        )
         return reply.deleted
 
     @contextlib.asynccontextmanager
@@ -557,241 +309,6 @@ class EtcdClient:
         quietly."""
         raw = _bytes(prefix)
         end = prefix_end(_bytes(raw if through is None else through))
-        body = _encoder.encode(_WatchRequest(_WatchCreate(raw, end, max(start_revision, 0))))
-
-        async def start(endpoint: Endpoint) -> Watch:
-            return await self._start_watch(endpoint, body, start_revision)
-
-        deadline = trio.current_time() + self._timeout
-        async with self._token(deadline):
-            watch = await self._first_answer(deadline, start, repeatable=True)
-            try:
-                yield watch
-            finally:
-                await watch.aclose()
-
-    async def _call(
-        self, path: str, request: msgspec.Struct, reply: type[_R], *, repeatable: bool
-    ) -> _R:
-        """Send ``request`` to ``path``; etcd's answer."""
-        body = _encoder.encode(request)
-
-        async def exchange(endpoint: Endpoint) -> _R:
-            return await self._exchange(endpoint, path, body, reply)
-
-        deadline = trio.current_time() + self._timeout
-        async with self._token(deadline):
-            return await self._first_answer(deadline, exchange, repeatable=repeatable)
-
-    @contextlib.asynccontextmanager
-    async def _token(self, deadline: float) -> AsyncIterator[None]:
-        """Hold one of the ``max_connections`` tokens, if one is free by ``deadline``."""
-        # A borrower of its own: one task may hold a watch's token and call too.
-        borrower = object()
-        with trio.move_on_at(deadline) as scope:
-            await self._limiter.acquire_on_behalf_of(borrower)
-        if scope.cancelled_caught:
-            raise EtcdUnavailable(f"no etcd connection was free within {self._timeout} s")
-        try:
-            yield
-        finally:
-            self._limiter.release_on_behalf_of(borrower)
-
-    async def _first_answer(
-        self, deadline: float, attempt: Callable[[Endpoint], Awaitable[_T]], *, repeatable: bool
-    ) -> _T:
-        """``attempt`` on the endpoints in turn, from the current one, until one
-        answers or ``deadline`` passes."""
-        failure = "no endpoint was tried"
-        for endpoint in self._in_turn():
-            with trio.move_on_at(deadline) as scope:
-                try:
-                    return await attempt(endpoint)
-                except _Unreached as exc:
-                    failure = str(exc)
-                except _Ambiguous as exc:
-                    if not repeatable:
-                        self._failed(endpoint)
-                        raise EtcdUnavailable(
-                            f"{exc} (the request may have been applied)"
-                        ) from None
-                    failure = str(exc)
-            self._failed(endpoint)
-            if scope.cancelled_caught:
-                raise EtcdUnavailable(f"no answer from {endpoint} within {self._timeout} s")
-        raise EtcdUnavailable(f"no etcd endpoint answered: {failure}")
-
-    async def _exchange(self, endpoint: Endpoint, path: str, body: bytes, reply: type[_R]) -> _R:
-        connection = await self._checkout(endpoint)
-        try:
-            await connection.send(path, body)
-            head = await connection.receive_head()
-            data = await connection.read_body()
-        except TooLarge as exc:
-            await connection.aclose()
-            raise EtcdTooLarge(str(exc)) from None
-        except ConnectionBroken as exc:
-            await connection.aclose()
-            raise _Ambiguous(str(exc)) from None
-        except BaseException:
-            await connection.aclose()
-            raise
-        await self._checkin(connection)
-        if head.status != 200:
-            raise _answered_error(endpoint, head.status, data)
-        try:
-            return msgspec.json.decode(data, type=reply, strict=False)
-        except msgspec.DecodeError as exc:
-            raise EtcdError(UNKNOWN, f"{endpoint} answered {path} with no reply: {exc}") from None
-
-    async def _start_watch(self, endpoint: Endpoint, body: bytes, start_revision: int) -> Watch:
-        watch = Watch(await self._checkout(endpoint), start_revision)
-        try:
-            await watch.begin(body)
-        except (ConnectionBroken, WatchBroken) as exc:
-            await watch.aclose()
-            raise _Ambiguous(str(exc)) from None
-        except BaseException:
-            await watch.aclose()
-            raise
-        return watch
-
-    def _in_turn(self) -> list[Endpoint]:
-        count = len(self._endpoints)
-        return [self._endpoints[(self._current + i) % count] for i in range(count)]
-
-    def _failed(self, endpoint: Endpoint) -> None:
-        """``endpoint`` failed: the next one is tried first from now on (unless
-        another call moved on already)."""
-        if self._endpoints[self._current] == endpoint:
-            self._current = (self._current + 1) % len(self._endpoints)
-
-    async def _checkout(self, endpoint: Endpoint) -> Connection:
-        """An idle connection to ``endpoint`` that its server has not closed, or a
-        new one. The caller holds a token of the limiter."""
-        for index in range(len(self._idle) - 1, -1, -1):
-            connection = self._idle[index]
-            if connection.endpoint != endpoint:
-                continue
-            del self._idle[index]
-            if not connection.closed_by_peer():
-                return connection
-            await connection.aclose()
-        # Every open connection is idle or held with a token, this call's among them.
-        while (
-            self._idle and len(self._idle) + self._limiter.borrowed_tokens > self._max_connections
-        ):
-            await self._idle.pop(0).aclose()
-        opened: Connection | None = None
-        with trio.move_on_after(self._connect_timeout):
-            try:
-                opened = await open_connection(endpoint, self._tls, self._limits)
-            except ConnectFailed as exc:
-                raise _Unreached(str(exc)) from None
-        if opened is None:
-            raise _Unreached(f"no connection to {endpoint} within {self._connect_timeout} s")
-        return opened
-
-    async def _checkin(self, connection: Connection) -> None:
-        if connection.reusable:
-            self._idle.append(connection)
-        else:
-            await connection.aclose()
-
-
-class Watch:
-    """An open watch: ``async for event in watch`` yields its `Event`s in revision
-    order, the events of one revision together. `revision` is that of the last
-    event yielded: after a `WatchBroken`, watching again from ``revision + 1`` misses
-    nothing and repeats nothing."""
-
-    def __init__(self, connection: Connection, start_revision: int) -> None:
-        self._connection = connection
-        self._lines = connection.read_lines()
-        self._events: deque[Event] = deque()
-        self._start = start_revision
-        #: The revision of the last event yielded (before the first: the one before
-        #: the start, or the store's revision when the watch began "from now").
-        self.revision = max(start_revision - 1, 0)
-
-    async def begin(self, body: bytes) -> None:
-        """Send the watch request ``body`` and wait for etcd to confirm the watch."""
-        endpoint = self._connection.endpoint
-        await self._connection.send("/v3/watch", body)
-        head = await self._connection.receive_head()
-        if head.status != 200:
-            raise _answered_error(endpoint, head.status, await self._connection.read_body())
-        reply = await self._next_reply()
-        if not reply.created:
-            raise EtcdError(UNKNOWN, f"{endpoint} began a watch without creating it")
-        if self._start <= 0:
-            self.revision = reply.header.revision
-        self._queue(reply)
-
-    async def aclose(self) -> None:
-        """End the watch: its connection is closed (HTTP/1.1 has no other way)."""
-        await self._lines.aclose()
-        await self._connection.aclose()
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> Event:
-        while not self._events:
-            self._queue(await self._next_reply())
-        event = self._events.popleft()
-        self.revision = event.revision
-        return event
-
-    def _queue(self, reply: _WatchReply) -> None:
-        if reply.canceled:
-            if reply.compact_revision > 0:
-                raise EtcdCompacted(reply.compact_revision)
-            reason = reply.cancel_reason or "no reason given"
-            raise EtcdError(UNKNOWN, f"etcd ended the watch: {reason}")
-        for wire in reply.events:
-            kind: Literal["put", "delete"] = "delete" if wire.type == "DELETE" else "put"
-            kv = wire.kv
-            self._events.append(Event(kind, kv.key, kv.value, kv.mod_revision))
-
-    async def _next_reply(self) -> _WatchReply:
-        endpoint = self._connection.endpoint
-        while True:
-            try:
-                line = await anext(self._lines)
-            except StopAsyncIteration:
-                raise WatchBroken(f"{endpoint} ended the watch stream") from None
-            except TooLarge as exc:
-                raise WatchTooLarge(f"a watch message over the bound: {exc}") from None
-            except ConnectionBroken as exc:
-                raise WatchBroken(f"the watch stream broke: {exc}") from None
-            if not line.strip():
-                continue
-            try:
-                message = _watch_message.decode(line)
-            except msgspec.DecodeError as exc:
-                raise WatchBroken(f"{endpoint} sent what is not a watch message: {exc}") from None
-            if message.error is not None:
-                raise EtcdError(message.error.grpc_code, message.error.message)
-            if message.result is not None:
-                return message.result
-
-
-_watch_message: Final = msgspec.json.Decoder(_Message[_WatchReply], strict=False)
-
-
-def _answered_error(endpoint: Endpoint, status: int, body: bytes) -> Exception:
-    """The error an HTTP ``status`` other than 200 stands for, from the gateway's
-    JSON body where it has one: an `EtcdError`, or `_Ambiguous` when etcd says it
-    is unavailable (a member without a leader, a request that timed out inside)."""
-    try:
-        answer = msgspec.json.decode(body, type=_Status, strict=False)
-    except msgspec.DecodeError:
-        text = body[:200].decode(errors="replace")
-        return EtcdError(UNKNOWN, f"{endpoint} answered HTTP {status}: {text}")
-    message = answer.message or answer.error or f"HTTP {status}"
-    if answer.code == UNAVAILABLE:
-        return _Ambiguous(f"{endpoint}: {message}")
-    if answer.code == NOT_FOUND and "lease not found" in message:
-        return LeaseNotFound(answer.code, message)
-    return EtcdError(answer.code, message)
+        request = WatchRequest(WatchCreate(raw, end, max(start_revision, 0)))
+        async with self._transport.open_watch(request, start_revision) as watch:
+            yield watch

@@ -1,18 +1,10 @@
 """This daemon as a member of a fleet: hosts whose jobs span each other, joined
 through etcd.
 
-What it keeps in etcd, under ``prefix`` (the layout of this release):
-
-- ``PREFIX/hosts/HOST``: this host, under its lease: the jobs it holds timers of,
-  as (user name, job) pairs, and its state (``up``; ``stopped`` just before a clean
-  stop revokes the lease).
-- ``PREFIX/jobs/USER/JOB/HOST``: one key per job it holds, under its lease, so a
-  job's hosts are one range read away.
-- ``PREFIX/incidents/ID``: an incident this host opened (`IncidentInfo` without
-  its ranks), put once, and ``PREFIX/ranks/USER/JOB/ID/HOST``: each host's ranks of
-  it, stacks included, put as they change. Each is put under a lease of its own of
-  `INCIDENT_TTL`, never kept alive: etcd forgets incidents a day after they
-  happened. (Each part of a key is URL-quoted.)
+What it keeps in etcd is `watchdogd.fleet.publish`'s to write: this host's key
+and its jobs' keys, under the lease this member keeps alive, and the incidents this
+host opened, with its ranks of each, under leases of their own of `head_ttl`
+seconds.
 
 What it watches: every key from ``hosts/`` through ``incidents/`` (the host keys and
 the incidents' heads, a fraction of a KiB each; the layout keeps nothing else
@@ -41,9 +33,9 @@ out by the daemon alone; this task only publishes what happened and acts on what
 others published. Every etcd call is bounded (`watchdogd.fleet.etcd`); a failure
 marks the fleet unreachable (status, a ``fleet_degraded`` event, the
 ``fleet_connected`` metric) and each loop tries again with backoff until it heals.
-What waits to be published is bounded (`MAX_PENDING` incidents, the latest state
-of each; past it the oldest is dropped and counted), and so are the jobs a host
-registers (`MAX_JOBS`).
+What waits to be published is bounded (`watchdogd.fleet.publish`), and so are what
+it keeps of other hosts (`watchdogd.fleet.view`) and the jobs a host registers
+(`MAX_JOBS`); which parts work is `watchdogd.fleet.health`'s to say.
 """
 
 from __future__ import annotations
@@ -51,11 +43,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
-from urllib.parse import quote
 
 import msgspec
 import trio
@@ -68,48 +59,28 @@ from ..core.ports import TargetProcess
 from ..core.timers import Expired
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
-from .etcd import (
-    Backoff,
-    EtcdClient,
-    EtcdCompacted,
-    EtcdError,
-    EtcdFailure,
-    EtcdTooLarge,
-    Event,
-    LeaseNotFound,
-)
+from .etcd import Backoff, EtcdClient
+from .gateway import EtcdCompacted, EtcdFailure, EtcdTooLarge
+from .health import Health
+from .publish import MAX_PENDING, Publisher
 from .records import (
     MAX_JOBS,
-    MAX_RANKS_BYTES,
     MAX_USERS,
     FleetRank,
-    HostRecord,
     Rejected,
     decode_head,
     decode_host,
     decode_ranks,
-    encode_ranks,
+    make_key,
     read_key,
 )
+from .view import FleetView
+from .watch import Event
 
 log = logging.getLogger("watchdogd")
 
 #: Jobs of one uid (root's aside) among those a host registers, at most.
 MAX_JOBS_PER_UID: Final = 100
-#: Incident changes waiting to be published, at most: `PENDING_PER_UID` of one
-#: uid (past it, that uid's oldest goes), `MAX_PENDING` in all.
-MAX_PENDING: Final = 256
-PENDING_PER_UID: Final = 32
-#: What one uid publishes: `PUBLISH_BURST` puts at once, then `PUBLISH_RATE` a
-#: second; the others' turns are never spent on it.
-PUBLISH_BURST: Final = 20
-PUBLISH_RATE: Final = 2.0
-#: Other hosts kept, at most, and their jobs in all.
-MAX_HOSTS: Final = 1024
-MAX_FLEET_JOBS: Final = 65_536
-#: What other hosts' ranks may hold, in bytes: of one incident, and in all.
-MAX_INCIDENT_BYTES: Final = 8 * 1024 * 1024
-MAX_FLEET_RANK_BYTES: Final = 64 * 1024 * 1024
 #: Another host's incidents acted on, per job: `HEADS_BURST` at once, then one
 #: every `window` / `HEADS_BURST` seconds (each starts the job's peer policy here).
 HEADS_BURST: Final = 4
@@ -129,8 +100,6 @@ _CHECK_EVERY: Final = 0.5
 #: An incident older than this when first seen (after a partition, say) is kept
 #: but no longer acted on: its ranks have long moved on.
 _STALE: Final = 60.0
-#: The parts of the member whose health makes it "connected".
-_NEEDED: Final = ("register", "watch")
 
 
 def head_ttl(window: float) -> int:
@@ -163,72 +132,6 @@ class _Following:
     rewind: int = _NEVER
 
 
-class _Queue:
-    """What waits to be published: the latest state of each incident, by the uid
-    it belongs to, taken a uid at a time in turn. A uid holds at most
-    `PENDING_PER_UID`, all at most `MAX_PENDING`: past either, the oldest of the
-    uid with the most goes, so one user's flood drops only its own."""
-
-    def __init__(self) -> None:
-        self._by_uid: dict[int, OrderedDict[str, IncidentInfo]] = {}
-        self._turns: deque[int] = deque()
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def put(self, incident: IncidentInfo) -> int:
-        """Queue ``incident`` (in place of an older state of it); how many were
-        dropped for it."""
-        held = self._by_uid.get(incident.uid)
-        if held is None:
-            held = self._by_uid[incident.uid] = OrderedDict()
-            self._turns.append(incident.uid)
-        if held.pop(incident.id, None) is None:
-            self._count += 1
-        held[incident.id] = incident
-        dropped = 0
-        while len(held) > PENDING_PER_UID or self._count > MAX_PENDING:
-            fullest = held if len(held) > PENDING_PER_UID else max(self._by_uid.values(), key=len)
-            fullest.popitem(last=False)
-            self._count -= 1
-            dropped += 1
-        return dropped
-
-    def put_back(self, incident: IncidentInfo) -> None:
-        """``incident`` could not be published: it waits again, unless a later state
-        of it came meanwhile."""
-        held = self._by_uid.get(incident.uid)
-        if held is not None and incident.id in held:
-            return
-        self.put(incident)
-
-    def take(self, admit: Callable[[int], bool]) -> IncidentInfo | None:
-        """The oldest change of the next uid in turn that ``admit`` lets publish;
-        None when none may."""
-        for _ in range(len(self._turns)):
-            uid = self._turns[0]
-            self._turns.rotate(-1)
-            held = self._by_uid[uid]
-            if not held:
-                self._forget(uid)
-                continue
-            if not admit(uid):
-                continue
-            _, incident = held.popitem(last=False)
-            self._count -= 1
-            if not held:
-                self._forget(uid)
-            return incident
-        return None
-
-    def _forget(self, uid: int) -> None:
-        del self._by_uid[uid]
-        self._turns.remove(uid)
-
-
-_json = msgspec.json.Encoder()
-
 P = TypeVar("P", bound=TargetProcess)
 
 
@@ -256,51 +159,40 @@ class FleetMember(Generic[P]):
         self.host = core.host
         self.prefix = config.prefix.rstrip("/")
         self.ttl = config.lease
-        self.head_ttl = head_ttl(core.incident_window)
         self._carry_out = carry_out
         self._clock = clock
         self._wall = wall
         self._lease: int | None = None
-        self._queue = _Queue()
-        self._news = trio.Event()
-        self._rate = Throttle(PUBLISH_BURST, PUBLISH_RATE, clock=clock)
+        self._publisher = Publisher(
+            self.client,
+            core,
+            names,
+            prefix=self.prefix,
+            ttl=head_ttl(core.incident_window),
+            clock=clock,
+        )
         self._heads = Throttle(
             HEADS_BURST, HEADS_BURST / max(core.incident_window, 1.0), clock=clock
         )
-        self._incident_leases: OrderedDict[str, int] = OrderedDict()
         #: The incidents whose ranks this host follows or followed, the latest.
         self._followed: OrderedDict[str, None] = OrderedDict()
         #: The jobs whose incidents' ranks are followed, as (user name, job).
         self._following: dict[tuple[str, str], _Following] = {}
         self._limiter = trio.CapacityLimiter(MAX_FOLLOWED)
         self._nursery: trio.Nursery | None = None
-        #: Every other host as last seen, with its jobs; how many jobs in all.
-        self._hosts: dict[str, tuple[str, frozenset[tuple[str, str]]]] = {}
-        self._host_jobs = 0
-        #: The bytes of other hosts' ranks taken, by (incident, host).
-        self._rank_bytes: dict[tuple[str, str], int] = {}
+        self._view = FleetView()
         #: The jobs this host holds, as the fleet names them (`held`), as of the
         #: count of changes `_held_at`.
         self._held: frozenset[tuple[str, str]] = frozenset()
         self._held_at = -1
-        #: What is wrong with each part of the member (None: nothing).
-        self._health: dict[str, str | None] = {}
-        self._connected: bool | None = None
+        self._health = Health(core, self.client)
         self._log = Throttle(5, 0.2, clock=clock)
-        core.attach(self)
+        core.attach(self._publisher)
 
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
-        return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
-
-    # What the core tells the fleet.
-
-    def incident_changed(self, incident: IncidentInfo) -> None:
-        """An incident this host opened or added to: queued to be published."""
-        for _ in range(self._queue.put(incident)):
-            self.core.fleet_dropped()
-        self._news.set()
+        return self._view.holders(user, job)
 
     # The tasks.
 
@@ -324,7 +216,7 @@ class FleetMember(Generic[P]):
                 self.core.fleet_failed(unexpected=True)
                 if self._log.admit(("unexpected", part)) is not None:
                     log.exception(logfmt("fleet_task_failed", part=part))
-                self._down(part, f"its task failed ({exc!r}) and starts again")
+                self._health.down(part, f"its task failed ({exc!r}) and starts again")
             else:
                 return
             await backoff.wait()
@@ -335,8 +227,7 @@ class FleetMember(Generic[P]):
         if self._lease is None:
             return
         try:
-            value = _json.encode(HostRecord(self.host, "stopped"))
-            await self.client.put(self._key("hosts", self.host), value, lease=self._lease)
+            await self._publisher.put_stopped(self._lease)
             await self.client.revoke(self._lease)
         except EtcdFailure as exc:
             log.warning(logfmt("fleet_leave_failed", error=str(exc)))
@@ -356,7 +247,7 @@ class FleetMember(Generic[P]):
                 if changed != seen or registered is None:
                     jobs = sorted(await self.held())
                     if jobs != registered:
-                        await self._put_jobs(jobs, registered or [])
+                        await self._publisher.put_host(self._lease, jobs, registered or [])
                         registered = jobs
                     seen = changed
                 if self._clock() - kept_alive >= self.ttl / 3:
@@ -364,11 +255,11 @@ class FleetMember(Generic[P]):
                         self._lease = None  # lapsed (this host was frozen): anew
                         continue
                     kept_alive = self._clock()
-                self._ok("register")
+                self._health.ok("register")
                 backoff.reset()
                 await trio.sleep(_CHECK_EVERY)
             except EtcdFailure as exc:
-                self._down("register", str(exc))
+                self._health.down("register", str(exc))
                 await backoff.wait()
 
     async def held(self) -> frozenset[tuple[str, str]]:
@@ -393,77 +284,19 @@ class FleetMember(Generic[P]):
             jobs.add((users[uid], job))
         return sorted(jobs)
 
-    async def _put_jobs(self, jobs: list[tuple[str, str]], before: list[tuple[str, str]]) -> None:
-        lease = self._lease
-        value = _json.encode(HostRecord(self.host, "up", jobs))
-        await self.client.put(self._key("hosts", self.host), value, lease=lease)
-        for user, job in sorted(set(jobs) - set(before)):
-            await self.client.put(self._key("jobs", user, job, self.host), b"", lease=lease)
-        for user, job in sorted(set(before) - set(jobs)):
-            await self.client.delete(self._key("jobs", user, job, self.host))
-
     async def _publish(self) -> None:
-        """Put each incident that changed: its head (when this host opened it) and
-        this host's ranks of it; a uid at a time in turn, each within its rate."""
+        """Publish each incident that changed (`Publisher.publish_next`), and follow
+        the ranks of each expiry whose head this host put."""
         backoff = Backoff()
         while True:
-            incident = self._queue.take(self._admit)
-            if incident is None:
-                if self._queue:
-                    # Every uid with changes waiting is over its rate for now.
-                    await trio.sleep(1 / PUBLISH_RATE)
-                else:
-                    await self._news.wait()
-                    self._news = trio.Event()
-                continue
             try:
-                await self._put_incident(incident)
-            except LeaseNotFound:
-                self._incident_leases.pop(incident.id, None)  # etcd lost it: anew
-                self._queue.put_back(incident)
-                continue
-            except EtcdError as exc:
-                # etcd refused it (too large, say): trying again changes nothing.
-                log.warning(logfmt("fleet_incident_refused", incident=incident.id, error=str(exc)))
-                self.core.fleet_dropped()
+                await self._publisher.publish_next(self._follow)
             except EtcdFailure as exc:
-                self._down("publish", str(exc))
-                self._queue.put_back(incident)
+                self._health.down("publish", str(exc))
                 await backoff.wait()
                 continue
-            self._ok("publish")
+            self._health.ok("publish")
             backoff.reset()
-
-    def _admit(self, uid: int) -> bool:
-        return self._rate.admit(uid) is not None
-
-    async def _put_incident(self, incident: IncidentInfo) -> None:
-        """Its head once (when this host opened it: the head never changes), and
-        this host's ranks of it as they are now."""
-        if incident.host == self.host:
-            # The name the fleet knows the user by, looked up now if it was not
-            # known when the incident opened.
-            user = await self.names.resolve_name(incident.uid)
-            incident = msgspec.structs.replace(incident, user=user)
-        lease = self._incident_leases.get(incident.id)
-        if lease is None:
-            lease = await self.client.grant(self.head_ttl)
-            if incident.host == self.host:
-                head = _json.encode(msgspec.structs.replace(incident, ranks=[], count=0))
-                key = self._key("incidents", incident.id)
-                revision = await self.client.put(key, head, lease=lease)
-                if incident.kind == "expired":  # the only kind other hosts act on
-                    self._follow(incident, revision)
-            self._incident_leases[incident.id] = lease
-            while len(self._incident_leases) > MAX_PENDING:
-                self._incident_leases.popitem(last=False)
-        ranks = [(rank, await self._reader_name(rank)) for rank in self.core.own_ranks(incident)]
-        key = self._key("ranks", incident.user, incident.job, incident.id, self.host)
-        await self.client.put(key, encode_ranks(ranks, MAX_RANKS_BYTES), lease=lease)
-
-    async def _reader_name(self, rank: RankInfo) -> str:
-        uid = rank.reader_uid
-        return "" if uid is None else await self.names.resolve_name(uid)
 
     async def _watch(self) -> None:
         """Follow the host keys and the incidents' heads."""
@@ -529,8 +362,7 @@ class FleetMember(Generic[P]):
         finally:
             del self._following[job]
             if not self._following:
-                self._health.pop("ranks", None)
-                self._report()
+                self._health.forget("ranks")
 
     async def _follow_turn(
         self,
@@ -581,7 +413,7 @@ class FleetMember(Generic[P]):
                 async with self.client.open_watch(
                     prefix, through=through, start_revision=at.revision
                 ) as watch:
-                    self._ok(part)
+                    self._health.ok(part)
                     backoff.reset()
                     async for event in watch:
                         await self._event(event)
@@ -594,10 +426,10 @@ class FleetMember(Generic[P]):
                 # What etcd holds there is over the bounds: read the present state
                 # again (a page at a time), after a while.
                 at.revision = 0
-                self._down(part, str(exc))
+                self._health.down(part, str(exc))
                 await backoff.wait()
             except EtcdFailure as exc:
-                self._down(part, str(exc))
+                self._health.down(part, str(exc))
                 await backoff.wait()
 
     # What the fleet says.
@@ -623,7 +455,7 @@ class FleetMember(Generic[P]):
             match read_key(self.prefix, key):
                 case ("hosts", host):
                     if host != self.host:
-                        self._host_seen(host, decode_host(host, value))
+                        self._view.host_seen(host, decode_host(host, value))
                 case ("incidents", incident_id):
                     head = decode_head(incident_id, value, self._wall())
                     await self._head_seen(head, revision, initial=initial)
@@ -647,24 +479,9 @@ class FleetMember(Generic[P]):
             if self._log.admit("unexpected") is not None:
                 log.exception(logfmt("fleet_key_failed", key=key[:200].decode(errors="replace")))
 
-    def _host_seen(self, host: str, record: HostRecord) -> None:
-        before = self._hosts.get(host)
-        jobs = frozenset(record.jobs)
-        kept = self._host_jobs - (0 if before is None else len(before[1]))
-        if before is None and len(self._hosts) >= MAX_HOSTS:
-            raise Rejected("budget", f"more than {MAX_HOSTS} hosts")
-        if kept + len(jobs) > MAX_FLEET_JOBS:
-            raise Rejected("budget", f"more than {MAX_FLEET_JOBS} jobs of other hosts")
-        self._hosts[host] = (record.state, jobs)
-        self._host_jobs = kept + len(jobs)
-
     async def _host_gone(self, host: str) -> None:
-        gone = self._hosts.pop(host, None)
-        if gone is None:
-            return
-        state, jobs = gone
-        self._host_jobs -= len(jobs)
-        if state == "stopped":
+        jobs = self._view.host_gone(host)
+        if jobs is None:
             return
         log.warning(logfmt("fleet_host_lost", host=host))
         # Only the jobs this host holds too matter: no name of the others is
@@ -701,7 +518,7 @@ class FleetMember(Generic[P]):
     async def _ranks_seen(self, incident_id: str, host: str, value: bytes) -> None:
         if host == self.host or not self.core.knows(incident_id):
             return
-        self._take_rank_bytes(incident_id, host, len(value))
+        self._view.take_ranks(incident_id, host, len(value), self.core.knows)
         ranks: list[RankInfo] = []
         for rank, reader in decode_ranks(host, value):
             # Who may read its stack here: the local user of the reader's name.
@@ -711,53 +528,10 @@ class FleetMember(Generic[P]):
         if runs:
             self._carry_out(runs)
 
-    def _take_rank_bytes(self, incident_id: str, host: str, size: int) -> None:
-        """Count ``size`` bytes of ``host``'s ranks of an incident against the
-        bounds, or raise `Rejected`."""
-        taken = self._rank_bytes
-        taken.pop((incident_id, host), None)
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            for key in [key for key in taken if not self.core.knows(key[0])]:
-                del taken[key]
-        of_incident = sum(n for (other, _), n in taken.items() if other == incident_id)
-        if of_incident + size > MAX_INCIDENT_BYTES:
-            raise Rejected("budget", f"ranks of one incident over {MAX_INCIDENT_BYTES} bytes")
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            raise Rejected("budget", f"ranks of other hosts over {MAX_FLEET_RANK_BYTES} bytes")
-        taken[(incident_id, host)] = size
-
     # Helpers.
 
     def _key(self, *parts: str) -> str:
-        """A key of the prefix; each part quoted, so a job or user with a ``/`` in
-        its name is still one part."""
-        return "/".join((self.prefix, *(quote(part, safe="") for part in parts)))
-
-    def _ok(self, part: str) -> None:
-        if self._health.get(part, "") is not None:
-            self._health[part] = None
-            self._report()
-
-    def _down(self, part: str, error: str) -> None:
-        self.core.fleet_failed()
-        if self._health.get(part) != error:
-            self._health[part] = error
-            self._report()
-
-    def _report(self) -> None:
-        """Say whether the fleet is connected: every part that needs etcd works now
-        (registering and watching at least), or which does not, and why."""
-        failing = [(part, error) for part, error in self._health.items() if error is not None]
-        connected = not failing and all(part in self._health for part in _NEEDED)
-        if connected and self._connected is not True:
-            self._connected = True
-            log.info(logfmt("fleet_connected", endpoint=self.client.endpoint))
-            self.core.fleet_changed(True, f"connected to {self.client.endpoint}")
-        elif failing and self._connected is not False:
-            self._connected = False
-            part, error = failing[0]
-            log.warning(logfmt("fleet_unreachable", part=part, error=error))
-            self.core.fleet_changed(False, f"{part}: {error}")
+        return make_key(self.prefix, *parts)
 
 
 __all__ = ["FleetMember", "FleetRank", "head_ttl"]

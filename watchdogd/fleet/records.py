@@ -24,6 +24,8 @@ The bounds (also in docs/fleet.md and SECURITY.md):
 - a key's parts agree with its value (the host key of ``h1`` says ``h1``; ranks
   under ``.../HOST`` are all of ``HOST``).
 
+`make_key` and `encode_ranks` go the other way, for what this host writes.
+
 Pure: no clock is read (``now`` is passed in) and nothing is logged.
 """
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from typing import Annotated, Final, Literal, TypeVar
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import msgspec
 from msgspec import Meta, Struct
@@ -137,6 +139,12 @@ _encoder: Final = msgspec.json.Encoder()
 _host_decoder: Final = msgspec.json.Decoder(HostRecord)
 _head_decoder: Final = msgspec.json.Decoder(_Head)
 _ranks_decoder: Final = msgspec.json.Decoder(Annotated[list[FleetRank], Meta(max_length=MAX_RANKS)])
+
+
+def make_key(prefix: str, *parts: str) -> str:
+    """A key under ``prefix``, the inverse of `read_key`: each part quoted, so a
+    job or user with a ``/`` in its name is still one part."""
+    return "/".join((prefix, *(quote(part, safe="") for part in parts)))
 
 
 def read_key(prefix: str, key: bytes) -> tuple[str, ...]:
