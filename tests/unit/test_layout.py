@@ -1,7 +1,8 @@
 """The suite is laid out as the code is: unit tests of the core with fakes, host tests
 with real processes, end-to-end tests with a daemon, fleet tests with etcd, and the
 documentation's tests, each in its directory; what two of them share is in
-``helpers``, and no test module imports another."""
+``helpers``, and no test module imports another. The code stays in parts of one
+responsibility each: no module over `MODULE_LINES` lines, no class over `CLASS_LINES`."""
 
 from __future__ import annotations
 
@@ -50,3 +51,28 @@ def test_no_test_module_imports_another_or_the_fixtures() -> None:
         for path in _modules()
     }
     assert {path: names for path, names in offending.items() if names} == {}
+
+
+#: The bounds of one responsibility: a module of the daemon or the client, and a class.
+MODULE_LINES = 700
+CLASS_LINES = 450
+
+
+def test_no_module_or_class_outgrows_one_responsibility() -> None:
+    root = TESTS.parent
+    sources = sorted((root / "watchdogd").rglob("*.py")) + sorted(
+        (root / "client" / "watchdogd_client").rglob("*.py")
+    )
+    assert len(sources) > 40
+    too_long: dict[str, int] = {}
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(root))
+        if len(text.splitlines()) > MODULE_LINES:
+            too_long[name] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > CLASS_LINES:
+                    too_long[f"{name}::{node.name}"] = lines
+    assert too_long == {}
