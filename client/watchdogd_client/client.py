@@ -28,6 +28,7 @@ from typing import Any, Final, TypeVar, Unpack
 
 import msgspec
 
+from . import blocks
 from ._version import __version__ as _version
 from .arming import After, Arming, Handle, acquire_request, arming_timeout
 from .engine import Answer, Connection, Engine
@@ -154,7 +155,9 @@ class Timer(Handle["BaseClient"]):
     `release` disarms early (the rest of the block runs unprotected; calling it again
     does nothing). `renew` re-arms with the same or a new timeout, also after
     `release`, and the block's exit then releases again; it may carry the work's
-    progress counter (see `BaseClient.acquire`).
+    progress counter (see `BaseClient.acquire`). While the block is open, it is
+    what `watchdogd_client.release` releases in its thread, unless a block entered
+    inside it is open.
     """
 
     __slots__ = ()
@@ -176,6 +179,7 @@ class Timer(Handle["BaseClient"]):
 
     def __enter__(self) -> Timer:
         self.renew()
+        blocks.entered(self)
         return self
 
     def __exit__(
@@ -184,6 +188,7 @@ class Timer(Handle["BaseClient"]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        blocks.left(self)
         if not self._armed:
             return
         if exc_type is None:
