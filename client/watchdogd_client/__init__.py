@@ -37,11 +37,19 @@ from .scope import caller_scope
 from .switches import DISABLE, env_switch
 
 if TYPE_CHECKING:
-    from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
+    from .client import (
+        BaseClient,
+        Client,
+        DaemonStatus,
+        NoOpTimer,
+        NullClient,
+        OnUnavailable,
+        Timer,
+    )
 
 #: Names of the blocking client, loaded with it on first use.
 _FROM_CLIENT = frozenset(
-    {"BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
+    {"BaseClient", "Client", "DaemonStatus", "NoOpTimer", "NullClient", "OnUnavailable", "Timer"}
 )
 
 
@@ -64,6 +72,7 @@ __all__ = [
     "DaemonUnavailable",
     "ErrorCode",
     "FrameTooLarge",
+    "NoOpTimer",
     "NullClient",
     "OnUnavailable",
     "ProtocolError",
