@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Unpack
 
+from . import blocks
 from ._version import __version__
 from .arming import After, Arming
 from .errors import (
@@ -36,11 +37,19 @@ from .scope import caller_scope
 from .switches import DISABLE, env_switch
 
 if TYPE_CHECKING:
-    from .client import BaseClient, Client, DaemonStatus, NullClient, OnUnavailable, Timer
+    from .client import (
+        BaseClient,
+        Client,
+        DaemonStatus,
+        NoOpTimer,
+        NullClient,
+        OnUnavailable,
+        Timer,
+    )
 
 #: Names of the blocking client, loaded with it on first use.
 _FROM_CLIENT = frozenset(
-    {"BaseClient", "Client", "DaemonStatus", "NullClient", "OnUnavailable", "Timer"}
+    {"BaseClient", "Client", "DaemonStatus", "NoOpTimer", "NullClient", "OnUnavailable", "Timer"}
 )
 
 
@@ -63,6 +72,7 @@ __all__ = [
     "DaemonUnavailable",
     "ErrorCode",
     "FrameTooLarge",
+    "NoOpTimer",
     "NullClient",
     "OnUnavailable",
     "ProtocolError",
@@ -73,6 +83,7 @@ __all__ = [
     "configure",
     "default_client",
     "expires",
+    "release",
 ]
 
 
@@ -128,3 +139,22 @@ def expires(
     """
     chosen = client if client is not None else default_client()
     return chosen.expires(after, caller_scope() if scope is None else scope, **arming)
+
+
+def release() -> bool:
+    """Release the innermost ``expires()`` block still open in the calling thread,
+    as its handle's `Timer.release` does: its timer is disarmed now, the rest of
+    the block runs unprotected, and the block's exit releases nothing more.
+
+    Returns whether it disarmed one. The innermost block is the one entered last
+    among those open in this thread: after an inner block ended, the block around
+    it. A block released already (by its handle or by this) is still the innermost
+    until it ends, so releasing again does nothing and returns False, as does a
+    call where no block of this thread is open. Another thread's blocks are never
+    touched, nor a timer armed with `BaseClient.acquire`.
+    """
+    block = blocks.innermost()
+    if block is None or not block.armed:
+        return False
+    block.release()
+    return True

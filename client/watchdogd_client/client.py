@@ -1,4 +1,5 @@
-"""The blocking client: `Client`, `NullClient` and the `Timer` handle of ``expires()``.
+"""The blocking client: `Client`, `NullClient`, `NoOpTimer` and the `Timer` handle of
+``expires()``.
 
 `Client` keeps one connection to the daemon, opened on first use. Requests are
 serialised by a lock, so any number of threads may share one client. A child process
@@ -28,6 +29,7 @@ from typing import Any, Final, TypeVar, Unpack
 
 import msgspec
 
+from . import blocks
 from ._version import __version__ as _version
 from .arming import After, Arming, Handle, acquire_request, arming_timeout
 from .engine import Answer, Connection, Engine
@@ -72,6 +74,7 @@ __all__ = [
     "BaseClient",
     "Client",
     "DaemonStatus",
+    "NoOpTimer",
     "NullClient",
     "OnUnavailable",
     "Timer",
@@ -145,7 +148,11 @@ class BaseClient(abc.ABC):
         job (see `Arming`).
         """
         arming_timeout(after, arming)
-        return Timer(self, after, caller_scope() if scope is None else scope, arming)
+        return self._handle(after, caller_scope() if scope is None else scope, arming)
+
+    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
+        """The handle of an ``expires()`` block of this client's."""
+        return Timer(self, after, scope, arming)
 
 
 class Timer(Handle["BaseClient"]):
@@ -154,7 +161,9 @@ class Timer(Handle["BaseClient"]):
     `release` disarms early (the rest of the block runs unprotected; calling it again
     does nothing). `renew` re-arms with the same or a new timeout, also after
     `release`, and the block's exit then releases again; it may carry the work's
-    progress counter (see `BaseClient.acquire`).
+    progress counter (see `BaseClient.acquire`). While the block is open, it is
+    what `watchdogd_client.release` releases in its thread, unless a block entered
+    inside it is open.
     """
 
     __slots__ = ()
@@ -176,6 +185,7 @@ class Timer(Handle["BaseClient"]):
 
     def __enter__(self) -> Timer:
         self.renew()
+        blocks.entered(self)
         return self
 
     def __exit__(
@@ -184,6 +194,7 @@ class Timer(Handle["BaseClient"]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        blocks.left(self)
         if not self._armed:
             return
         if exc_type is None:
@@ -230,6 +241,44 @@ class NullClient(BaseClient):
 
     def ping(self) -> float:
         return 0.0
+
+
+class NoOpTimer(NullClient):
+    """A timer that does nothing, wherever a timer block or a client is expected.
+
+    ``with NoOpTimer():`` is a block that arms nothing and yields a `Timer` whose
+    `Timer.release` and `Timer.renew` do nothing (it is never `Timer.armed`); so
+    does ``with NoOpTimer().expires(after=...):``. `acquire` and `release` take a
+    scope and a timeout as a ``TimerClient``'s do, and do nothing;
+    ``configure(NoOpTimer())`` makes the module-level `watchdogd_client.expires` arm
+    nothing. It is a `NullClient`: it never connects to the daemon. Its blocks are
+    blocks of their thread all the same, so `watchdogd_client.release` inside one
+    finds that one (and releases nothing, returning False), never a block open
+    around it.
+    """
+
+    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
+        return _NoOpBlock(self, after, scope, arming)
+
+    def __enter__(self) -> Timer:
+        return self.expires(math.inf, caller_scope()).__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        block = blocks.innermost(self)
+        if block is not None:
+            block.__exit__(*exc_info)
+
+
+class _NoOpBlock(Timer):
+    """The handle of a `NoOpTimer` block: never armed, whatever is asked of it."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        pass
+
+    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
+        pass
 
 
 class Client(BaseClient):

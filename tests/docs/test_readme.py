@@ -1,6 +1,6 @@
-"""The READMEs run: every shell command and Python example in README.md and
-client/README.md runs here against a live daemon, so they cannot drift from what the
-code does.
+"""The READMEs run: every shell command and Python example in README.md,
+client/README.md and docs/torch.md runs here against a live daemon, so they cannot
+drift from what the code does.
 
 A fenced ```sh or ```console block is run one command at a time with bash (console:
 the lines after ``$ ``; the sample output after them is not compared), with the
@@ -31,11 +31,13 @@ from watchdogd.runtime.daemon import load_config
 from watchdogd_client import Client
 
 from helpers.daemon import RunningDaemon
+from helpers.pages import anchors, links
 from helpers.processes import reap, sleeper
 from helpers.waiting import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[2]
-READMES = [ROOT / "README.md", ROOT / "client" / "README.md"]
+TORCH_PAGE = ROOT / "docs" / "torch.md"
+READMES = [ROOT / "README.md", ROOT / "client" / "README.md", TORCH_PAGE]
 VENV_BIN = str(Path(sys.executable).parent)
 PYTHON = sys.executable
 
@@ -344,3 +346,10 @@ def test_a_client_from_the_readme_example_finds_the_daemon(daemon: RunningDaemon
     # The examples rely on $WATCHDOGD_SOCKET; this is the daemon they talk to.
     with Client(daemon.socket_path) as client:
         assert client.ping() >= 0
+
+
+def test_the_torch_page_is_linked_from_the_readme_and_its_links_resolve() -> None:
+    assert (TORCH_PAGE, "") in set(links(ROOT / "README.md"))
+    for file, anchor in links(TORCH_PAGE):
+        assert file.exists(), file
+        assert not anchor or anchor in anchors(file), f"{file.name}#{anchor}"

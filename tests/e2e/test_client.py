@@ -17,11 +17,13 @@ from watchdogd_client import (
     Client,
     DaemonUnavailable,
     ErrorCode,
+    NoOpTimer,
     NullClient,
     RequestRefused,
     WatchdogdError,
     configure,
     expires,
+    release,
 )
 from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
@@ -379,6 +381,53 @@ def test_null_client_accepts_everything() -> None:
     assert null.status().timers == []
     with null.expires(0.001) as timer:
         timer.release()
+
+
+class TestNoOpTimer:
+    def test_its_block_yields_a_handle_that_does_nothing(self) -> None:
+        with NoOpTimer() as timer:
+            assert not timer.armed
+            timer.renew(after=5)
+            timer.release()
+            assert not timer.armed
+        with NoOpTimer().expires(after=5) as timer:
+            timer.renew()
+            assert not timer.armed
+
+    def test_it_takes_a_timer_clients_acquire_and_release(self) -> None:
+        noop = NoOpTimer()
+        assert isinstance(noop, NullClient)  # it never connects
+        assert noop.acquire("scope", 5) == 5
+        assert noop.release("scope") is False
+        with pytest.raises(TypeError, match="'polcy'"):
+            noop.expires(5, polcy="kill")  # type: ignore[call-arg]
+
+    def test_an_exception_leaves_its_block_unchanged(self) -> None:
+        with pytest.raises(ValueError, match="the real problem"), NoOpTimer():
+            raise ValueError("the real problem")
+
+    def test_one_may_hold_blocks_of_one_no_op_timer_inside_each_other(self) -> None:
+        noop = NoOpTimer()
+        with noop as outer:
+            with noop as inner:
+                assert inner is not outer
+            with noop:
+                pass
+        assert release() is False  # every one of them ended
+
+    def test_it_arms_nothing_and_shields_the_block_around_it(self, client: Client) -> None:
+        with client.expires(60, "around"):
+            with NoOpTimer():
+                assert release() is False  # the no-op block: nothing to release
+            with NoOpTimer().expires(after=5):
+                assert release() is False
+            assert set(my_timers(client)) == {"around"}
+        configure(NoOpTimer())
+        try:
+            with expires(after=60):
+                assert my_timers(client) == {}
+        finally:
+            configure(None)
 
 
 def test_client_rejects_nonsense_options() -> None:

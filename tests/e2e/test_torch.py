@@ -22,7 +22,7 @@ import torch.multiprocessing as torch_mp  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from torch.distributed.elastic import timer  # noqa: E402
 
-from watchdogd_client import Client, DaemonUnavailable, configure  # noqa: E402
+from watchdogd_client import Client, DaemonUnavailable, NoOpTimer, configure  # noqa: E402
 from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient  # noqa: E402
 
 from helpers import torch_workers  # noqa: E402
@@ -145,6 +145,15 @@ def test_an_explicit_client_is_used_for_acquire_and_release(env_socket: RunningD
             assert armed.scope == "test"
             assert 0.5 < armed.remaining <= 1
         assert client.status().timers == []
+
+
+def test_a_no_op_timer_stands_where_torch_takes_a_timer_client(env_socket: RunningDaemon) -> None:
+    timer.configure(NoOpTimer())
+    with env_socket.client() as client:
+        with timer.expires(after=30):
+            assert client.status().timers == []
+        with timer.expires(after=30, scope="explicit", client=NoOpTimer()):
+            assert client.status().timers == []
 
 
 def test_a_spawned_worker_that_hangs_is_killed(env_socket: RunningDaemon) -> None:

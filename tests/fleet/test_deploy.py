@@ -36,6 +36,7 @@ from watchdogd.fleet.etcd import EtcdClient
 from watchdogd.fleet.gateway import EtcdUnavailable
 
 from helpers.etcd import TlsFiles, etcd_binary, running_etcd
+from helpers.pages import anchors, links
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -552,35 +553,6 @@ async def test_the_pages_certificates_make_an_etcd_the_daemon_can_use(
         async with EtcdClient([etcd.url], ca=str(files.ca)) as stranger:
             with pytest.raises(EtcdUnavailable, match="bad certificate"):
                 await stranger.range("/watchdogd/")
-
-
-# Links.
-
-_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-
-
-def links(path: Path) -> Iterator[tuple[Path, str]]:
-    """Each relative link of the Markdown page ``path``, outside code blocks: the file
-    it names (``path`` itself for "#anchor") and its anchor ("" for none)."""
-    prose = re.sub(r"^```.*?^```$", "", path.read_text(), flags=re.M | re.S)
-    for target in _LINK.findall(prose):
-        if urlsplit(target).scheme:
-            continue
-        file, _, anchor = target.partition("#")
-        yield (path.parent / file).resolve() if file else path, anchor
-
-
-def anchors(path: Path) -> set[str]:
-    """The anchors GitHub makes of the headings of ``path``."""
-    prose = re.sub(r"^```.*?^```$", "", path.read_text(), flags=re.M | re.S)
-    seen: dict[str, int] = {}
-    for heading in re.findall(r"^#{1,6} (.+)$", prose, re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        count = seen.get(slug, 0)
-        seen[slug] = count + 1
-        if count:
-            seen[f"{slug}-{count}"] = 1
-    return set(seen)
 
 
 def test_every_link_to_the_fleet_page_resolves() -> None:
