@@ -384,13 +384,16 @@ def pinger(socket_path: Path, seconds: float) -> tuple[int, int]:
         # answer, not this process's turn.
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
         samples = []
-        with Client(socket_path) as client:
-            stop = time.monotonic() + seconds
-            while (sent := time.monotonic()) < stop:
-                client.ping()
-                samples.append(f"{sent!r} {time.monotonic() - sent!r}")
-        os.write(write_end, "\n".join(samples).encode())
-        os._exit(0)
+        try:
+            with Client(socket_path) as client:
+                stop = time.monotonic() + seconds
+                while (sent := time.monotonic()) < stop:
+                    client.ping()
+                    samples.append(f"{sent!r} {time.monotonic() - sent!r}")
+        finally:
+            # What it measured, even when a ping failed: the figure says how many.
+            os.write(write_end, "\n".join(samples).encode())
+            os._exit(0)
     os.close(write_end)
     return child, read_end
 
@@ -512,7 +515,10 @@ def burst_figures(directory: Path, victims: int, others: int, floor: float) -> l
                 pinging, pings = pinger(path, lead + 1.0)
                 events = wait_for_events(client, after, "burst", victims)
             with os.fdopen(pings) as results:
-                samples = [tuple(map(float, line.split())) for line in results.read().split("\n")]
+                read = (line.split() for line in results.read().split("\n"))
+                samples = [
+                    (float(sent), float(rtt)) for sent, rtt in (r for r in read if len(r) == 2)
+                ]
             os.waitpid(pinging, 0)
         finally:
             reap_all(children)
