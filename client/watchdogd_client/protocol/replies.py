@@ -14,6 +14,7 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
+from .evidence import GroupState
 from .requests import RequestId
 
 #: The most of a command line a status page shows, in UTF-8 bytes (marker included).
@@ -339,6 +340,46 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     note: str = ""
     reader_uid: int | None = None
     reader_gid: int | None = None
+    #: How its stack was taken: ``worker`` (its responder answered), ``py-spy``
+    #: (read from outside, with ptrace) or ``none``; empty until its policy ran.
+    evidence: str = ""
+    #: Its Flight Recorder's groups, where it has one (`GroupState`).
+    flight: list[GroupState] = []
+
+
+class Culprit(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A rank a verdict names: on ``host``, process ``pid``, rank ``rank``."""
+
+    host: str
+    pid: int
+    rank: int | None = None
+
+
+class CollectiveRef(Struct, frozen=True, kw_only=True):
+    """The collective a verdict is about: sequence ``seq`` of ``group``, ``op``."""
+
+    group: str
+    seq: int
+    op: str
+
+
+class Verdict(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Who an incident's job waits for. ``kind``: ``missing`` (``culprits`` never
+    entered the ``collective`` the others wait in), ``mismatch`` (they entered it
+    with another op, sizes or dtypes), ``odd_frame`` (by stacks: their main thread
+    waits where the others' do not) or ``undecided``. ``basis`` says on what it rests
+    (``flight_recorder``, ``stacks``), ``text`` says it in one sentence, and
+    ``settled`` that every host has reported or the incident's window has closed.
+    ``groups`` (``undecided``) lists each frame the ranks wait in with the ranks
+    there."""
+
+    kind: str
+    basis: str = ""
+    culprits: list[Culprit] = []
+    collective: CollectiveRef | None = None
+    text: str = ""
+    settled: bool = False
+    groups: list[str] = []
 
 
 class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -360,6 +401,7 @@ class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     ranks: list[RankInfo] = []
     #: How many ranks the incident has, when ``ranks`` is left out (a listing).
     count: int = 0
+    verdict: Verdict | None = None
 
 
 class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
@@ -372,6 +414,10 @@ class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
     """Answer to `Incident`."""
 
     incident: IncidentInfo
+
+
+class Responding(Reply, tag="responding", frozen=True, kw_only=True):
+    """Answer to `Respond` and to `Evidence`: taken."""
 
 
 class Error(Reply, tag="error", frozen=True, kw_only=True):
@@ -395,5 +441,6 @@ ReplyMessage = (
     | WhyReply
     | IncidentsReply
     | IncidentReply
+    | Responding
     | Error
 )
