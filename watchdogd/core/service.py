@@ -32,8 +32,10 @@ from typing import Generic, assert_never
 
 from watchdogd_client.protocol import (
     Acquire,
+    ErrorCode,
     EventInfo,
     Events,
+    Evidence,
     Hello,
     Incident,
     Incidents,
@@ -45,12 +47,15 @@ from watchdogd_client.protocol import (
     Release,
     ReplyMessage,
     RequestMessage,
+    Respond,
+    Responding,
     Status,
     Suggest,
     Welcome,
     Why,
 )
 
+from ..errors import Refusal
 from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
@@ -65,6 +70,7 @@ from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .responders import Responders
 from .rules import Rules
 from .timers import Expired, Timer, TimerTable
 
@@ -119,6 +125,8 @@ class Service(Generic[P]):
         )
         self.daemon_pid = daemon_pid
         self.started = now
+        #: The processes that answer evidence requests, by job.
+        self.responders = Responders()
         self._wall = wall
         self.expiries = Firing(
             self.rules,
@@ -239,7 +247,10 @@ class Service(Generic[P]):
         """`Arming.welcome`."""
         return self.arming.welcome(hello)
 
-    def handle(self, request: RequestMessage, caller: Caller[P], now: float) -> ReplyMessage:
+    # One branch per request type, by design: the whole dispatch reads in one place.
+    def handle(  # noqa: PLR0912
+        self, request: RequestMessage, caller: Caller[P], now: float
+    ) -> ReplyMessage:
         """Answer one validated request. Raises `Refusal` to refuse it."""
         match request:
             case Acquire():
@@ -264,8 +275,22 @@ class Service(Generic[P]):
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
                 return self.pages.incidents(request, caller.peer)
+            case Respond() | Evidence():
+                return self._responding(request, caller)
             case _:
                 assert_never(request)
+
+    def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
+        """A responder's `Respond`, or its `Evidence` (whoever asked for it takes it
+        from the connection: `watchdogd.runtime.responders`)."""
+        peer = caller.peer
+        if isinstance(request, Respond):
+            self.responders.register(peer.pid, peer.uid, request)
+        elif self.responders.get(peer.pid) is None:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST, "evidence is taken only from a responder, after respond"
+            )
+        return Responding(id=request.id)
 
     def metrics_text(self) -> str:
         """`Pages.metrics_text`."""
