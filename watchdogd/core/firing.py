@@ -23,12 +23,12 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, RankInfo
+from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
 
 from .counters import Counters
 from .events import EventLog
@@ -36,6 +36,7 @@ from .identity import ROOT
 from .incidents import IncidentLog
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy
 from .ports import Journal, P, ProcessPort
+from .responders import Responders
 from .rules import Rules
 from .starvation import UNMEASURED, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
@@ -56,8 +57,13 @@ class Firing(Generic[P]):
         metrics: Counters,
         wall: Callable[[], float],
         on_deadline: Callable[[float], None],
+        responders: Responders | None = None,
     ) -> None:
         self._rules = rules
+        self._responders = Responders() if responders is None else responders
+        #: Ranks of incidents that hold no timer but respond: (incident, pid) for
+        #: the runtime to ask for evidence (`take_asks`).
+        self._asks: list[tuple[str, int]] = []
         self._table = table
         self._processes = processes
         self._journal = journal
@@ -166,13 +172,23 @@ class Firing(Generic[P]):
                 self._incidents.finished(event)
         self._events.record_many(events)
 
-    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+    def dump_taken(
+        self,
+        timer: Timer,
+        reader: tuple[int, int] | None,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
         besides root that may read what it captured (None: root alone), as the
-        kernel judged it then. Kept with the incident's rank, if it has one."""
+        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.evidence`)
+        and ``flight`` the groups of the worker's Flight Recorder. Kept with the
+        incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:
             role = "peer" if timer.run.peer else "hung"
-            self._incidents.dumped(timer.run.incident, timer.pid, role, reader)
+            self._incidents.dumped(
+                timer.run.incident, timer.pid, role, reader, evidence=evidence, flight=flight
+            )
 
     def record_unkillable(self, event: EventInfo) -> None:
         """A target outlived SIGKILL."""
@@ -262,7 +278,54 @@ class Firing(Generic[P]):
             )
             process.retain()
             runs.append(Expired(firing, process, orphaned=False))
+        self._responding_peers(incident, job, listed)
         return runs
+
+    def _responding_peers(self, incident: str, job: tuple[int, str], listed: set[int]) -> None:
+        """The job's processes that hold no timer of it but respond (a rank stuck
+        outside any ``expires()`` block): ranks of the incident too, whose evidence
+        the runtime asks for (`take_asks`). No policy runs on them."""
+        held = set(self._table.job_pids(*job))
+        for responder in self._responders.of_job(*job):
+            if responder.pid in listed or responder.pid in held:
+                continue
+            self._incidents.add(
+                incident,
+                RankInfo(
+                    host=self._incidents.host,
+                    pid=responder.pid,
+                    uid=responder.uid,
+                    role="peer",
+                    scope="",
+                    rank=responder.rank,
+                    local_rank=responder.local_rank,
+                    group_rank=responder.group_rank,
+                    note="holds no timer of the job; its responder was asked",
+                ),
+            )
+            self._asks.append((incident, responder.pid))
+
+    def take_asks(self) -> list[tuple[str, int]]:
+        """The (incident, pid) of each rank whose evidence is wanted that no policy
+        of it dumps, since the last call."""
+        asks, self._asks = self._asks, []
+        return asks
+
+    def evidence_given(
+        self,
+        incident: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """What was taken of a rank `take_asks` named."""
+        self._incidents.given(
+            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
+        )
 
     def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
         """Whether the process of ``item``, due under ``policy``, was starved since

@@ -37,13 +37,19 @@ from __future__ import annotations
 import itertools
 import re
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, IncidentInfo, RankInfo
+from watchdogd_client.protocol import (
+    MAX_REPLY_BYTES,
+    EventInfo,
+    GroupState,
+    IncidentInfo,
+    RankInfo,
+)
 
 from .identity import ROOT
 from .shares import Shares
@@ -182,15 +188,63 @@ class IncidentLog:
             incident.ranks.append(rank)
             self._listener(self._whole(incident))
 
-    def dumped(self, incident_id: str, pid: int, role: str, reader: tuple[int, int] | None) -> None:
+    def dumped(
+        self,
+        incident_id: str,
+        pid: int,
+        role: str,
+        reader: tuple[int, int] | None,
+        *,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """The dump of this host's process ``pid`` (its ``role`` in the incident) was
-        taken: ``reader`` is who besides root may read it (`get`)."""
+        taken: ``reader`` is who besides root may read it (`get`), ``evidence`` how
+        it was taken, ``flight`` its Flight Recorder's groups."""
         found = self._pending(incident_id, pid, role)
         if found is not None:
             incident, index = found
             uid, gid = (None, None) if reader is None else reader
-            rank = incident.ranks[index]
-            incident.ranks[index] = msgspec.structs.replace(rank, reader_uid=uid, reader_gid=gid)
+            incident.ranks[index] = msgspec.structs.replace(
+                incident.ranks[index],
+                reader_uid=uid,
+                reader_gid=gid,
+                evidence=evidence,
+                flight=list(flight),
+            )
+
+    def given(
+        self,
+        incident_id: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """The evidence of this host's rank ``pid``, a peer no policy runs on (it
+        holds no timer of the job, `watchdogd.core.firing`): its stack as text, how
+        it was taken, its Flight Recorder's groups, who besides root may read it."""
+        found = self._pending(incident_id, pid, "peer")
+        if found is None:
+            return
+        incident, index = found
+        uid, gid = (None, None) if reader is None else reader
+        rank = incident.ranks[index]
+        incident.ranks[index] = msgspec.structs.replace(
+            rank,
+            state="done",
+            stack=_clip(stack, MAX_STACK_BYTES),
+            frame=first_frame(stack),
+            evidence=evidence,
+            flight=list(flight),
+            reader_uid=uid,
+            reader_gid=gid,
+            note=f"{rank.note}; {note}" if note else rank.note,
+        )
+        self._listener(self._whole(incident))
 
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or

@@ -27,7 +27,7 @@ each, and does nothing itself but dispatch and the daemon's own events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, assert_never
 
 from watchdogd_client.protocol import (
@@ -36,6 +36,7 @@ from watchdogd_client.protocol import (
     EventInfo,
     Events,
     Evidence,
+    GroupState,
     Hello,
     Incident,
     Incidents,
@@ -116,6 +117,8 @@ class Service(Generic[P]):
         self.events = EventLog(daemon.events, on_event, per_uid=daemon.events_per_uid, log=self.log)
         self.history = History()
         self._configure_history(config)
+        #: The processes that answer evidence requests, by job.
+        self.responders = Responders()
         self.incidents = IncidentLog(
             host,
             keep=daemon.incidents,
@@ -125,14 +128,13 @@ class Service(Generic[P]):
         )
         self.daemon_pid = daemon_pid
         self.started = now
-        #: The processes that answer evidence requests, by job.
-        self.responders = Responders()
         self._wall = wall
         self.expiries = Firing(
             self.rules,
             self.table,
             processes,
             self.journal,
+            responders=self.responders,
             incidents=self.incidents,
             on_deadline=on_deadline,
             events=self.events,
@@ -319,9 +321,35 @@ class Service(Generic[P]):
         """`Firing.record_expiries`."""
         self.expiries.record_expiries(events)
 
-    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+    def dump_taken(
+        self,
+        timer: Timer,
+        reader: tuple[int, int] | None,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """`Firing.dump_taken`."""
-        self.expiries.dump_taken(timer, reader)
+        self.expiries.dump_taken(timer, reader, evidence, flight)
+
+    def take_asks(self) -> list[tuple[str, int]]:
+        """`Firing.take_asks`."""
+        return self.expiries.take_asks()
+
+    def evidence_given(
+        self,
+        incident: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """`Firing.evidence_given`."""
+        self.expiries.evidence_given(
+            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
+        )
 
     def record_unkillable(self, event: EventInfo) -> None:
         """`Firing.record_unkillable`."""

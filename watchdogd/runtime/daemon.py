@@ -56,6 +56,7 @@ from ..storage.history_file import HistoryFile, history_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
 from .metrics import exposition, write_textfile
+from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 
@@ -305,8 +306,9 @@ class Daemon:
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
+        asks = Asks()
         self.executor = Executor(
-            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake
+            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake, asks=asks
         )
         await nursery.start(self.executor.run)
         await nursery.start(self.names.run)
@@ -318,7 +320,7 @@ class Daemon:
         if self.config.fleet.etcd:
             await self._join_fleet(nursery)
         await nursery.start(self.scheduler.run)
-        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
+        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
         await nursery.start(serve, self.listener, self.service, context)
         self.executor.carry_out(self.restored.resumed)
         self.restored.resumed = []
