@@ -46,7 +46,9 @@ _request_decoder = msgspec.msgpack.Decoder(RequestMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 #: What a responder's connection receives: replies, and the daemon's one message of
 #: its own (`EvidenceWanted`).
-_responder_decoder = msgspec.msgpack.Decoder(ReplyMessage | EvidenceWanted)
+_responder_decoder: msgspec.msgpack.Decoder[ReplyMessage | EvidenceWanted] = (
+    msgspec.msgpack.Decoder(ReplyMessage | EvidenceWanted)
+)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
