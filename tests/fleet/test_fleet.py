@@ -130,7 +130,7 @@ def test_a_hung_rank_gives_every_host_the_stacks_of_all_six(
             ("host-a", 0, "peer"),
             ("host-a", 1, "peer"),
             ("host-b", 2, "peer"),
-            ("host-b", 3, "hung"),
+            ("host-b", 3, "expired"),
             ("host-c", 4, "peer"),
             ("host-c", 5, "peer"),
         ]

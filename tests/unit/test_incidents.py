@@ -32,7 +32,7 @@ Thread 4242 (idle): "MainThread"
 
 
 def rank(
-    pid: int, number: int, *, role: str = "hung", host: str = "a", uid: int = 1000
+    pid: int, number: int, *, role: str = "expired", host: str = "a", uid: int = 1000
 ) -> RankInfo:
     return RankInfo(host=host, pid=pid, uid=uid, role=role, scope="step", rank=number)
 
@@ -83,7 +83,7 @@ def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
     root_view = log.get(incident, 0, 0)
     assert root_view is not None
     assert [(r.rank, r.role, r.state, bool(r.stack)) for r in root_view.ranks] == [
-        (1, "hung", "done", True),
+        (1, "expired", "done", True),
         (0, "peer", "done", True),
         (2, "peer", "pending", False),
     ]
@@ -283,8 +283,8 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
     whole = service.incidents.get(listed.id, 1000, 1000)
     assert whole is not None
     assert [(rank.pid, rank.role) for rank in whole.ranks] == [
-        (200, "hung"),
-        (210, "hung"),
+        (200, "expired"),
+        (210, "expired"),
         (201, "peer"),
         (211, "peer"),
     ]
@@ -316,8 +316,8 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     assert shown is not None
     here = service.incidents.host
     assert sorted((r.host, r.pid, r.role) for r in shown.ranks) == [
-        ("b", 900, "hung"),
-        ("b", 901, "hung"),
+        ("b", 900, "expired"),
+        ("b", 901, "expired"),
         (here, 200, "peer"),
         (here, 201, "peer"),
     ]
@@ -329,7 +329,7 @@ def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() ->
     log = IncidentLog("a")
     incident, _ = log.expired((1000, "train"), "alice", rank(10, 0, uid=1000), "timeout", 1.0)
     log.add(incident, rank(11, 1, role="peer", uid=1000))
-    log.dumped(incident, 10, "hung", (1000, 1000))
+    log.dumped(incident, 10, "expired", (1000, 1000))
     log.dumped(incident, 11, "peer", None)  # e.g. its saved uid was root's
     log.finished(finished(incident, 10))
     log.finished(finished(incident, 11, kind="peer"))

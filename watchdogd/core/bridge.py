@@ -139,7 +139,7 @@ class FleetBridge(Generic[P]):
         self, incident_id: str, host: str, ranks: list[RankInfo], now: float
     ) -> list[Expired[P]]:
         """The ranks ``host`` found of an incident kept here, their readers mapped
-        to local uids already. When a new hung rank came with them (an expiry there
+        to local uids already. When a new expired rank came with them (an expiry there
         joined the incident: a job restarted within the window hung again), the
         job's local processes the incident does not list yet get the peer policy,
         as a local expiry would give them."""

@@ -185,7 +185,7 @@ class Firing(Generic[P]):
         and ``flight`` the groups of the worker's Flight Recorder. Kept with the
         incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:
-            role = "peer" if timer.run.peer else "hung"
+            role = "peer" if timer.run.peer else "expired"
             self._incidents.dumped(
                 timer.run.incident, timer.pid, role, reader, evidence=evidence, flight=flight
             )
@@ -204,11 +204,11 @@ class Firing(Generic[P]):
         is new (`watchdogd.core.incidents`)."""
         job = (timer.owner, watch.job)
         reason = "stalled" if timer.stalled else "timeout"
-        hung = RankInfo(
+        expired = RankInfo(
             host=self._incidents.host,
             pid=timer.pid,
             uid=timer.uid,
-            role="hung",
+            role="expired",
             scope=timer.scope,
             rank=watch.rank,
             local_rank=watch.local_rank,
@@ -217,7 +217,7 @@ class Firing(Generic[P]):
             reason=reason,
         )
         user = self._processes.user_name(timer.owner)
-        incident, new = self._incidents.expired(job, user, hung, reason, self._wall())
+        incident, new = self._incidents.expired(job, user, expired, reason, self._wall())
         if new:
             self._metrics.incidents += 1
         run = msgspec.structs.replace(run, incident=incident)

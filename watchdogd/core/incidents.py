@@ -5,7 +5,7 @@ is keyed by (owner uid, job name), so a user who names another user's job gets a
 incident of their own, and an expiry never reaches another user's processes (root's
 timers aside: root's jobs are root's). The first expiry of a job's timer opens an
 incident; expiries of the same job within `IncidentLog.window` seconds join it as more
-hung ranks. When an incident opens, and when an expiry joins it, every local process
+expired ranks. When an incident opens, and when an expiry joins it, every local process
 holding a timer of the job that the incident does not list yet gets the expired
 timer's policy's ``peers`` policy (by default ``peer_dump``, which records its stack
 and touches nothing; `watchdogd.core.policies`): so the ranks of a job restarted
@@ -249,7 +249,7 @@ class IncidentLog:
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
         ``peer`` event says how, and holds its stack if it dumped one."""
-        role = "peer" if event.kind == "peer" else "hung"
+        role = "peer" if event.kind == "peer" else "expired"
         found = self._pending(event.incident, event.pid, role)
         if found is None:
             return
@@ -286,22 +286,24 @@ class IncidentLog:
 
     def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> bool:
         """The ranks another host found of a kept incident: they replace what was
-        known of that host's. Whether a hung rank came with them that was not
+        known of that host's. Whether an expired rank came with them that was not
         known before, in a later word from that host (an expiry there joined the
         incident after it opened)."""
         incident = self._incidents.get(incident_id)
         if incident is None or host == self.host:
             return False
         if not any(rank.host == host for rank in incident.ranks):
-            hung = {rank.pid for rank in ranks if rank.role == "hung"}
+            expired = {rank.pid for rank in ranks if rank.role == "expired"}
         else:
-            hung = {r.pid for r in incident.ranks if r.host == host and r.role == "hung"}
+            expired = {r.pid for r in incident.ranks if r.host == host and r.role == "expired"}
         kept = [rank for rank in incident.ranks if rank.host != host]
         incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
             :MAX_RANKS
         ]
         return any(
-            rank.role == "hung" and rank.pid not in hung for rank in ranks if rank.host == host
+            rank.role == "expired" and rank.pid not in expired
+            for rank in ranks
+            if rank.host == host
         )
 
     def head(self, incident_id: str) -> IncidentInfo | None:
@@ -350,7 +352,7 @@ class IncidentLog:
 
     def get(self, incident_id: str, viewer: int, viewer_gid: int) -> IncidentInfo | None:
         """One incident as ``viewer`` (of group ``viewer_gid``) may see it (None:
-        none it may see), hung ranks first, then by host and rank, its stacks cut
+        none it may see), expired ranks first, then by host and rank, its stacks cut
         to fit a reply. A rank's stack and frame are shown to root, and to the
         rank's reader (`may_read`); to anyone else, a note says why not."""
         incident = self._incidents.get(incident_id)
@@ -461,4 +463,4 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _shown_order(rank: RankInfo) -> tuple[int, str, int, int]:
-    return (rank.role != "hung", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)
+    return (rank.role != "expired", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)

@@ -313,10 +313,12 @@ class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
 
 
 class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One process of an incident's job: the rank that was ``hung`` (its timer
-    expired) or a ``peer`` (it held a timer of the job), on ``host``.
+    """One process of an incident's job, on ``host``: ``expired`` (its own timer
+    expired) or a ``peer`` (it held a timer of the job, or its responder said it is
+    a rank of the job). Which rank the job waits for is the incident's `Verdict`'s
+    to say, not the role.
 
-    ``state`` is ``pending`` until its policy (the hung rank's own, or the peer
+    ``state`` is ``pending`` until its policy (the expired rank's own, or the peer
     policy) has run, then ``done``, ``gone`` (it had exited) or ``denied``.
     ``stack`` is what its dump step captured; ``frame`` the innermost frame of
     its main thread, where it was waiting. Both are empty for a caller who may not
