@@ -13,8 +13,10 @@ from watchdogd.core.verdict import (
     MAX_CULPRITS,
     Library,
     decide,
+    flight_text,
     for_viewer,
     pick,
+    summary,
     threads_of,
     where,
 )
@@ -22,6 +24,7 @@ from watchdogd_client.protocol import (
     Collective,
     CollectiveRef,
     Culprit,
+    FlightRecord,
     Frame,
     GroupState,
     RankInfo,
@@ -535,3 +538,33 @@ def test_hostile_input_gives_a_verdict_never_an_exception(ranks: list[RankInfo])
         assert msgspec.json.decode(msgspec.json.encode(verdict), type=Verdict) == verdict
         assert len(verdict.text) < 4096
         for_viewer(decision, lambda culprit: False)
+
+
+# What an incident keeps of a Flight Recorder, and shows.
+
+
+def test_a_summary_keeps_the_groups_a_rank_waits_in_first_and_bounded() -> None:
+    idle = [
+        GroupState(group=str(n), ranks=[n, n + 1], entered=entered(3), completed=3)
+        for n in range(1, 12)
+    ]
+    record = FlightRecord(rank=0, groups=[*idle, *world(entered(58), 57), idle[0]])
+    kept = summary(record)
+    assert len(kept) == 8
+    assert kept[0] == GroupState(
+        group="0", desc="default_pg", size=4, entered=entered(58), completed=57
+    )
+    assert [group.group for group in kept[1:]] == [str(n) for n in range(1, 8)]
+    assert kept[1].ranks == [1, 2]
+
+
+def test_the_summary_of_a_ranks_flight_recorder_reads_a_line_per_group() -> None:
+    groups = [
+        *world(entered(58), 57),
+        GroupState(group="1", desc="undefined", ranks=[0, 2], completed=-1),
+    ]
+    assert flight_text(groups).splitlines() == [
+        "the default group, 4 ranks: last entered #58 gloo:all_reduce of [4, 3] Float, "
+        "scheduled; last completed #57",
+        "group 1, 2 ranks: entered nothing recorded; last completed none",
+    ]

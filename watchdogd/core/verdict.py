@@ -8,8 +8,8 @@ others wait for, by the Flight Recorder first, where ranks have one:
   collective of a group is the sequence number the most waiting ranks wait in (the
   newest, on a tie); the group is the one with the most ranks waiting there.
 - Its members are every rank any record of the group lists; a group whose records
-  list none but give its size has ranks 0 to size - 1 (the default group's
-  shape).
+  list none but give its size has ranks 0 to size - 1 (the default group's shape,
+  as `summary` keeps it).
 - ``missing``: members that never entered it (they entered and completed only
   older ones, have no record of the group, or are absent from the incident: a rank
   that never answered, named by its number alone). ``mismatch``: ranks that
@@ -66,6 +66,7 @@ from watchdogd_client.protocol import (
     Collective,
     CollectiveRef,
     Culprit,
+    FlightRecord,
     Frame,
     GroupState,
     RankInfo,
@@ -80,6 +81,8 @@ OUTSIDE: Final = frozenset({"torch", "watchdogd_client"})
 MAX_CULPRITS: Final = 32
 #: The most frames an ``undecided`` verdict lists.
 MAX_GROUPS: Final = 16
+#: The most groups of one rank's Flight Recorder an incident keeps (`summary`).
+SUMMARY_GROUPS: Final = 8
 #: The most ranks a sentence names one by one before saying how many more.
 _NAMED: Final = 5
 #: The most pieces (ranks or runs of ranks) a list of rank numbers shows.
@@ -253,6 +256,46 @@ def decide(
     or the incident's window has closed."""
     jury = _Jury(_distinct(ranks), library, threads or {}, settled)
     return jury.decide()
+
+
+def summary(record: FlightRecord, most: int = SUMMARY_GROUPS) -> list[GroupState]:
+    """A rank's Flight Recorder as an incident keeps it (`RankInfo.flight`): the
+    groups it waits in first, then the others in its order, at most ``most``, each
+    group once; members 0 to size - 1 are left to its ``size`` to say."""
+    seen: set[str] = set()
+    kept: list[GroupState] = []
+    for group in sorted(record.groups, key=lambda group: not _waits(group)):
+        if group.group not in seen and len(kept) < most:
+            seen.add(group.group)
+            kept.append(_compact(group))
+    return kept
+
+
+def _compact(group: GroupState) -> GroupState:
+    members = group.ranks
+    if members and group.size in (0, len(members)) and members == list(range(len(members))):
+        return msgspec.structs.replace(group, ranks=[], size=len(members))
+    return group
+
+
+def flight_text(groups: Sequence[GroupState]) -> str:
+    """A rank's Flight Recorder summary, a line per group: the last collective it
+    entered there (op, inputs, state) and the last it completed."""
+    lines = []
+    for group in groups:
+        members = len(group.ranks) or group.size
+        head = _group_name(group.group, group.desc) + (
+            f", {_int(members)} ranks" if members else ""
+        )
+        entered = group.entered
+        if entered is None:
+            went = "entered nothing recorded"
+        else:
+            state = f", {_name(entered.state)}" if entered.state else ""
+            went = f"last entered #{_int(entered.seq)} {_inputs(entered)}{state}"
+        done = "none" if group.completed < 0 else f"#{_int(group.completed)}"
+        lines.append(f"{head}: {went}; last completed {done}")
+    return "\n".join(lines)
 
 
 def _waits(group: GroupState) -> bool:
