@@ -9,16 +9,13 @@ import sys
 import msgspec
 import pytest
 
+from watchdogd.core.frames import Library, pick, threads_of, where
 from watchdogd.core.verdict import (
     MAX_CULPRITS,
-    Library,
     decide,
     flight_text,
     for_viewer,
-    pick,
     summary,
-    threads_of,
-    where,
 )
 from watchdogd_client.protocol import (
     Collective,

@@ -28,20 +28,7 @@ at most a third of the ranks with a frame (so 1 against 2, 2 against 4). Fewer
 ranks cannot outvote anyone, and a bigger minority is as likely to be right as
 the majority. Anything else is ``undecided``, with each frame and its ranks.
 
-What is not the user's frame (`Library`) is decided from the file name alone, as
-py-spy or the worker's interpreter wrote it, without reading the filesystem: the
-rank's files are on its own host, often under another Python than the daemon's,
-so the daemon's own paths say nothing about them. A full path is the standard
-library's when it is under ``lib/python3.X/`` and not under ``site-packages`` or
-``dist-packages``, and ``<frozen ...>`` is; the skipped packages are recognised as
-the first directory under ``site-packages`` or, for a checkout used in place, as
-any directory of the path. py-spy shortens a path to its package part
-(``threading.py``, ``torch/distributed/distributed_c10d.py``), which no pattern
-can place, so there the top-level name is looked up in the standard library's
-module names the runtime passes (``sys.stdlib_module_names``). What this gets
-wrong, knowingly: a user's own directory named ``torch`` is taken for torch, and a
-user's module named as one of the standard library's (``code.py``) is taken for
-it when py-spy shortened its path; the worker's own evidence has full paths.
+What is not the user's frame is `watchdogd.core.frames`'s to say (`Library`).
 
 Each rank's frame is shown only to a viewer who may see that rank's stack: a
 `Decision` keeps the sentence without any frame and each frame beside it with the
@@ -54,7 +41,6 @@ exception; a record whose numbers are out of the protocol's bounds is skipped.
 from __future__ import annotations
 
 import itertools
-import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,9 +60,8 @@ from watchdogd_client.protocol import (
     Verdict,
 )
 
-#: The packages a rank waits through on its way to the user's frame: torch's
-#: collectives, and this client library's own calls.
-OUTSIDE: Final = frozenset({"torch", "watchdogd_client"})
+from .frames import Library, frame_line, name_text, number_text, pick, where
+
 #: The most ranks a verdict names as culprits.
 MAX_CULPRITS: Final = 32
 #: The most frames an ``undecided`` verdict lists.
@@ -87,115 +72,9 @@ SUMMARY_GROUPS: Final = 8
 _NAMED: Final = 5
 #: The most pieces (ranks or runs of ranks) a list of rank numbers shows.
 _PIECES: Final = 8
-#: The most characters of a name (a group, an op) a sentence repeats.
-_NAME_CHARS: Final = 128
 #: The protocol's bounds: a number outside them did not come off the wire.
 _SEQ_MAX: Final = 2**63 - 1
 _RANK_MAX: Final = 2**31 - 1
-
-_THREAD: Final = re.compile(r'^Thread (?P<ident>\S+) \([^)]*\): "(?P<name>[^"]*)"')
-#: A Python frame in py-spy's dump; a native one (``--native``) has no line.
-_FRAME: Final = re.compile(r"^ {4}(?P<function>\S.*?) \((?P<file>.+):(?P<line>\d{1,10})\)\s*$")
-_INSTALLED: Final = re.compile(r"/(?:site|dist)-packages/")
-_STDLIB_DIR: Final = re.compile(r"/lib(?:64)?/python3(?:\.\d+)?t?/|/python3\d+\.zip/")
-
-
-@dataclass(frozen=True, slots=True)
-class Library:
-    """What is not the user's code: the standard library, whose top-level module
-    names the runtime passes (``sys.stdlib_module_names``), and the packages in
-    ``outside`` (`OUTSIDE`). A frame of any other installed package is the user's:
-    the code they chose to call."""
-
-    stdlib: frozenset[str]
-    outside: frozenset[str] = OUTSIDE
-
-    def owns(self, file: str) -> bool:
-        """Whether a frame in ``file`` (a full path, or py-spy's shortened one) is
-        the library's rather than the user's."""
-        if not file:
-            return True
-        if file.startswith("<"):
-            return file.startswith("<frozen ")
-        installed = _INSTALLED.split(file)
-        if len(installed) > 1:
-            return _top(installed[-1]) in self.outside
-        if file.startswith("/"):
-            # A checkout of torch or of this client used in place has no
-            # site-packages in its path; its package directory is all that shows.
-            if not self.outside.isdisjoint(file.split("/")[:-1]):
-                return True
-            return _STDLIB_DIR.search(file) is not None
-        top = _top(file)
-        return top in self.outside or top in self.stdlib
-
-
-def _top(path: str) -> str:
-    """The top-level module a relative path belongs to."""
-    return path.split("/", 1)[0].removesuffix(".py")
-
-
-def threads_of(dump: str) -> list[ThreadStack]:
-    """The threads of a py-spy dump (``Thread N (state): "name"``, then its frames,
-    innermost first, one ``    function (file:line)`` a line); lines that are
-    neither (the header, locals, native frames) are passed over."""
-    read: list[tuple[str, int, list[Frame]]] = []
-    for line in dump.splitlines():
-        header = _THREAD.match(line)
-        if header is not None:
-            read.append((header["name"], _ident(header["ident"]), []))
-        elif read and (frame := _frame_line(line)) is not None:
-            read[-1][2].append(frame)
-    return [
-        ThreadStack(name=name, ident=ident, main=name == "MainThread", frames=frames)
-        for name, ident, frames in read
-    ]
-
-
-def _frame_line(line: str) -> Frame | None:
-    """One frame of py-spy's dump (``    function (file:line)``), None for any
-    other line."""
-    found = _FRAME.match(line)
-    if found is None:
-        return None
-    return Frame(found["file"], int(found["line"]), found["function"])
-
-
-def _ident(text: str) -> int:
-    """A thread's id as py-spy prints it (decimal or hex), 0 when it is neither."""
-    try:
-        ident = int(text, 0) if len(text) <= 20 else 0
-    except ValueError:
-        return 0
-    return ident if 0 <= ident <= _SEQ_MAX else 0
-
-
-def pick(stack: Sequence[ThreadStack] | str, library: Library) -> Frame | None:
-    """Where a rank waits: the innermost frame of its main thread that is the
-    user's (not ``library``'s). ``stack`` is its threads, from the worker, or
-    py-spy's dump text; the main thread is the one marked so, else the one named
-    ``MainThread``, else the first."""
-    threads = threads_of(stack) if isinstance(stack, str) else stack
-    main = next((thread for thread in threads if thread.main), None)
-    if main is None:
-        main = next((t for t in threads if t.name == "MainThread"), None)
-    if main is None:
-        main = next(iter(threads), None)
-    if main is None:
-        return None
-    return next((frame for frame in main.frames if not library.owns(frame.file)), None)
-
-
-def where(frame: Frame) -> str:
-    """A frame as a sentence names it: ``loader.py:42 read_shard``. A file is named
-    as py-spy shortens it, by its path inside its package: an installed package's
-    from there, a full path elsewhere by its name alone."""
-    installed = _INSTALLED.split(frame.file)
-    if len(installed) > 1:
-        file = installed[-1]
-    else:
-        file = frame.file.rsplit("/", 1)[-1] if frame.file.startswith("/") else frame.file
-    return f"{_name(file)}:{_int(frame.line)} {_name(frame.function)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,15 +164,15 @@ def flight_text(groups: Sequence[GroupState]) -> str:
     for group in groups:
         members = len(group.ranks) or group.size
         head = _group_name(group.group, group.desc) + (
-            f", {_int(members)} ranks" if members else ""
+            f", {number_text(members)} ranks" if members else ""
         )
         entered = group.entered
         if entered is None:
             went = "entered nothing recorded"
         else:
-            state = f", {_name(entered.state)}" if entered.state else ""
-            went = f"last entered #{_int(entered.seq)} {_inputs(entered)}{state}"
-        done = "none" if group.completed < 0 else f"#{_int(group.completed)}"
+            state = f", {name_text(entered.state)}" if entered.state else ""
+            went = f"last entered #{number_text(entered.seq)} {_inputs(entered)}{state}"
+        done = "none" if group.completed < 0 else f"#{number_text(group.completed)}"
         lines.append(f"{head}: {went}; last completed {done}")
     return "\n".join(lines)
 
@@ -471,7 +350,7 @@ class _Jury:
         return listed[:MAX_CULPRITS], unheard, (len(named), len(waited) + absent_count)
 
     def _mismatch(self, found: _Collective) -> Decision:
-        coll = f"#{_int(found.ref.seq)} of {_group_name(found.ref.group, found.desc)}"
+        coll = f"#{number_text(found.ref.seq)} of {_group_name(found.ref.group, found.desc)}"
         odd = [culprit for culprit, _ in found.mismatch]
         if found.tie or found.usual is None:
             said = (
@@ -556,7 +435,7 @@ class _Jury:
         # No stack, only the frame it waited in
         # (`watchdogd.core.incidents.first_frame`): the innermost
         # of all, which is the user's or says nothing.
-        frame = _frame_line(f"    {rank.frame}")
+        frame = frame_line(f"    {rank.frame}")
         return frame if frame is not None and not self.library.owns(frame.file) else None
 
     def _by_stacks(self) -> Decision:
@@ -703,32 +582,33 @@ def _differences(usual: Collective, others: list[Collective]) -> str:
 def _inputs(entered: Collective) -> str:
     """An entered collective as a sentence names it: ``gloo:all_reduce of [4, 3] Float``."""
     sizes = ", ".join(
-        f"[{', '.join(_int(d) for d in dims[:8])}]" for dims in entered.input_sizes[:4]
+        f"[{', '.join(number_text(d) for d in dims[:8])}]" for dims in entered.input_sizes[:4]
     )
     sizes += ", …" if len(entered.input_sizes) > 4 else ""
-    dtypes = ", ".join(_name(dtype) for dtype in entered.input_dtypes[:4])
+    dtypes = ", ".join(name_text(dtype) for dtype in entered.input_dtypes[:4])
     given = " ".join(part for part in (sizes, dtypes) if part)
-    return f"{_name(entered.op)} of {given}" if given else _name(entered.op)
+    return f"{name_text(entered.op)} of {given}" if given else name_text(entered.op)
 
 
 def _collective_name(found: _Collective) -> str:
     ref = found.ref
-    return f"{_name(ref.op)} #{_int(ref.seq)} of {_group_name(ref.group, found.desc)}"
+    return f"{name_text(ref.op)} #{number_text(ref.seq)} of {_group_name(ref.group, found.desc)}"
 
 
 def _group_name(group: str, desc: str) -> str:
     if desc == "default_pg":
         return "the default group"
-    named = f"group {_name(group)}"
-    return f"{named} ({_name(desc)})" if desc not in ("", "undefined", group) else named
+    named = f"group {name_text(group)}"
+    return f"{named} ({name_text(desc)})" if desc not in ("", "undefined", group) else named
 
 
 def _identity(culprit: Culprit) -> str:
     if not culprit.host:
-        return f"rank {_int(culprit.rank or 0)} (never answered)"
+        return f"rank {number_text(culprit.rank or 0)} (never answered)"
     if culprit.rank is None:
-        return f"pid {_int(culprit.pid)} on host {_name(culprit.host)}"
-    return f"rank {_int(culprit.rank)} on host {_name(culprit.host)} (pid {_int(culprit.pid)})"
+        return f"pid {number_text(culprit.pid)} on host {name_text(culprit.host)}"
+    rank, host, pid = number_text(culprit.rank), name_text(culprit.host), number_text(culprit.pid)
+    return f"rank {rank} on host {host} (pid {pid})"
 
 
 def _identities(culprits: Sequence[Culprit], total: int) -> str:
@@ -736,7 +616,7 @@ def _identities(culprits: Sequence[Culprit], total: int) -> str:
     shown = [_identity(culprit) for culprit in culprits[:_NAMED]]
     more = max(0, total - len(shown))
     if more:
-        return f"{', '.join(shown)} and {_int(more)} more"
+        return f"{', '.join(shown)} and {number_text(more)} more"
     return _and(shown)
 
 
@@ -750,7 +630,7 @@ def _who(ranks: Sequence[Culprit], total: int = 0) -> str:
     if len(pieces) > _PIECES:
         more += sum(count for _, count in pieces[_PIECES - 1 :])
         pieces = pieces[: _PIECES - 1]
-    shown = [text for text, _ in pieces] + ([f"{_int(more)} more"] if more else [])
+    shown = [text for text, _ in pieces] + ([f"{number_text(more)} more"] if more else [])
     lead = "rank " if counted + more == 1 and numbers else "ranks " if numbers else ""
     return lead + _and(shown)
 
@@ -766,9 +646,9 @@ def _runs(numbers: list[int]) -> list[tuple[str, int]]:
     pieces: list[tuple[str, int]] = []
     for run in runs:
         if len(run) >= 3:
-            pieces.append((f"{_int(run[0])}-{_int(run[-1])}", len(run)))
+            pieces.append((f"{number_text(run[0])}-{number_text(run[-1])}", len(run)))
         else:
-            pieces.extend((_int(number), 1) for number in run)
+            pieces.extend((number_text(number), 1) for number in run)
     return pieces
 
 
@@ -785,13 +665,3 @@ def _and(pieces: Sequence[str]) -> str:
     if len(pieces) <= 1:
         return "".join(pieces)
     return f"{', '.join(pieces[:-1])} and {pieces[-1]}"
-
-
-def _int(number: int) -> str:
-    """A number as a sentence shows it; one past any real bound shows as ``?``
-    (and is not turned into thousands of digits)."""
-    return str(number) if -(2**63) <= number <= 2**64 else "?"
-
-
-def _name(text: str) -> str:
-    return text if len(text) <= _NAME_CHARS else text[: _NAME_CHARS - 1] + "…"
