@@ -45,14 +45,18 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
+    Culprit,
     EventInfo,
     GroupState,
     IncidentInfo,
     RankInfo,
+    Verdict,
 )
 
+from .frames import Library
 from .identity import ROOT
 from .shares import Shares
+from .verdict import Decision, decide, for_viewer
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -73,6 +77,13 @@ class _Incident:
     ranks: list[RankInfo] = field(default_factory=list)
     #: Wall time until which expiries of its job join it (0: none do, a remote one).
     open_until: float = 0.0
+    #: Who its job waits for, as the ranks known so far say (`watchdogd.core.verdict`).
+    decision: Decision | None = None
+    #: Every host of the job has reported, or its window has closed: the verdict
+    #: is counted and recorded once, then, and only refined after.
+    settled: bool = False
+    #: The hosts the fleet says hold the job: each reports before it settles.
+    hosts: frozenset[str] = frozenset()
 
 
 class IncidentLog:
@@ -86,9 +97,13 @@ class IncidentLog:
         per_uid: int | None = None,
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
+        library: Library | None = None,
+        on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
     ) -> None:
         self.host = host
         self.window = window
+        self._library = Library(frozenset()) if library is None else library
+        self._on_settled = on_settled
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
         # The runtime passes ids that differ from one run of the daemon to the
@@ -186,7 +201,45 @@ class IncidentLog:
     def _add(self, incident: _Incident, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
             incident.ranks.append(rank)
+            self._judge(incident)
             self._listener(self._whole(incident))
+
+    def _judge(self, incident: _Incident) -> None:
+        """The verdict on what is known of ``incident`` now; once it settles, it is
+        recorded (``on_settled``), once."""
+        settled = incident.settled or self._reported(incident)
+        incident.decision = decide(incident.ranks, library=self._library, settled=settled)
+        if settled and not incident.settled:
+            incident.settled = True
+            self._on_settled(incident.info, for_viewer(incident.decision, _nobody))
+
+    @staticmethod
+    def _reported(incident: _Incident) -> bool:
+        """Whether every rank known has reported and every host of the job too."""
+        hosts = {rank.host for rank in incident.ranks}
+        return (
+            bool(incident.ranks)
+            and incident.hosts <= hosts
+            and all(rank.state != "pending" for rank in incident.ranks)
+        )
+
+    def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
+        """The fleet says ``hosts`` hold the incident's job: its verdict settles
+        once each has reported (or its window closes)."""
+        incident = self._incidents.get(incident_id)
+        if incident is not None and not incident.settled:
+            incident.hosts = hosts
+            self._judge(incident)
+
+    def tick(self, wall: float) -> None:
+        """At ``wall``: the verdict of an incident whose window has closed settles
+        on what has come."""
+        for incident in self._incidents.values():
+            if not incident.settled and wall >= incident.info.time + self.window:
+                incident.settled = True
+                decision = decide(incident.ranks, library=self._library, settled=True)
+                incident.decision = decision
+                self._on_settled(incident.info, for_viewer(decision, _nobody))
 
     def dumped(
         self,
@@ -244,6 +297,7 @@ class IncidentLog:
             reader_gid=gid,
             note=f"{rank.note}; {note}" if note else rank.note,
         )
+        self._judge(incident)
         self._listener(self._whole(incident))
 
     def finished(self, event: EventInfo) -> None:
@@ -262,6 +316,7 @@ class IncidentLog:
             frame=first_frame(stack),
             note=event.note,
         )
+        self._judge(incident)
         self._listener(self._whole(incident))
 
     def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
@@ -300,6 +355,7 @@ class IncidentLog:
         incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
             :MAX_RANKS
         ]
+        self._judge(incident)
         return any(
             rank.role == "expired" and rank.pid not in expired
             for rank in ranks
@@ -334,11 +390,31 @@ class IncidentLog:
         """The latest ``limit`` incidents ``viewer`` may see, newest last, without
         their ranks (``count`` says how many)."""
         seen = [
-            msgspec.structs.replace(incident.info, count=len(incident.ranks))
+            msgspec.structs.replace(
+                incident.info, count=len(incident.ranks), verdict=self._verdict(incident, viewer)
+            )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
         ]
         return seen[:limit][::-1]
+
+    @staticmethod
+    def _verdict(incident: _Incident, viewer: int, viewer_gid: int | None = None) -> Verdict | None:
+        """The verdict as ``viewer`` may see it: the culprits and the collective,
+        and each frame only where ``viewer`` may see that rank's stack (a listing,
+        ``viewer_gid`` None, shows frames to root alone)."""
+        if incident.decision is None:
+            return None
+        if viewer == ROOT:
+            return incident.decision.verdict
+        if viewer_gid is None:
+            return for_viewer(incident.decision, _nobody)
+        readable = {
+            (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
+        }
+        return for_viewer(
+            incident.decision, lambda culprit: (culprit.host, culprit.pid) in readable
+        )
 
     def about(self, pid: int, viewer: int) -> list[IncidentInfo]:
         """The incidents ``viewer`` may see that process ``pid`` of this host is a
@@ -369,7 +445,12 @@ class IncidentLog:
             else msgspec.structs.replace(rank, stack=_clip(rank.stack, budget))
             for rank in ranks
         ]
-        return msgspec.structs.replace(incident.info, ranks=ranks, count=len(ranks))
+        return msgspec.structs.replace(
+            incident.info,
+            ranks=ranks,
+            count=len(ranks),
+            verdict=self._verdict(incident, viewer, viewer_gid),
+        )
 
     def _whole(self, incident: _Incident) -> IncidentInfo:
         return msgspec.structs.replace(
@@ -393,6 +474,11 @@ class IncidentLog:
         job = (info.uid, info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
+
+
+def _nobody(culprit: Culprit) -> bool:
+    """A viewer who may see no rank's stack."""
+    return False
 
 
 def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:

@@ -39,6 +39,7 @@ from watchdogd_client.protocol import (
     GroupState,
     Hello,
     Incident,
+    IncidentInfo,
     Incidents,
     Metrics,
     MetricsReply,
@@ -52,6 +53,7 @@ from watchdogd_client.protocol import (
     Responding,
     Status,
     Suggest,
+    Verdict,
     Welcome,
     Why,
 )
@@ -63,6 +65,7 @@ from .config import Config, DaemonConfig
 from .counters import Counters
 from .events import EventLog
 from .firing import Firing
+from .frames import Library
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
@@ -106,7 +109,10 @@ class Service(Generic[P]):
         log: LogSink | None = None,
         new_id: Callable[[], str] | None = None,
         host: str = "localhost",
+        stdlib: frozenset[str] = frozenset(),
     ) -> None:
+        """``stdlib``: the standard library's top-level module names
+        (``sys.stdlib_module_names``), whose frames are not where a rank waits."""
         daemon = config.daemon
         self.rules = Rules(config)
         self.table: TimerTable[P] = TimerTable()
@@ -125,6 +131,8 @@ class Service(Generic[P]):
             per_uid=daemon.incidents_per_uid,
             window=daemon.incident_window,
             new_id=new_id,
+            library=Library(stdlib),
+            on_settled=self._verdict_settled,
         )
         self.daemon_pid = daemon_pid
         self.started = now
@@ -350,6 +358,31 @@ class Service(Generic[P]):
         self.expiries.evidence_given(
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
         )
+
+    def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:
+        """An incident's verdict settled: counted by kind, and an event of its owner's."""
+        self.metrics.verdicts[verdict.kind] += 1
+        here = [c for c in verdict.culprits if c.host == self.incidents.host]
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="verdict",
+                time=self._wall(),
+                pid=here[0].pid if here else 0,
+                uid=incident.uid,
+                scope=incident.scope,
+                policy="",
+                job=incident.job,
+                rank=verdict.culprits[0].rank if verdict.culprits else None,
+                incident=incident.id,
+                note=verdict.text,
+                verdict=verdict.kind,
+            )
+        )
+
+    def settle_incidents(self) -> None:
+        """`IncidentLog.tick`, now."""
+        self.incidents.tick(self._wall())
 
     def record_unkillable(self, event: EventInfo) -> None:
         """`Firing.record_unkillable`."""

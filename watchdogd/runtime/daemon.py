@@ -107,6 +107,8 @@ class HostProcesses:
 _SWITCH_INTERVAL: Final = 0.0001
 #: The longest the cyclic garbage collector is held off by one burst of expiries.
 _HOLD_COLLECTOR: Final = 1.0
+#: How often an incident whose window has closed is looked for, to settle its verdict.
+_SETTLE_EVERY: Final = 0.5
 
 
 class Collector:
@@ -271,6 +273,7 @@ class Daemon:
             journal=self.store,
             render_metrics=exposition,
             host=host,
+            stdlib=frozenset(sys.stdlib_module_names),
         )
         self.history_file: HistoryFile | None = None
         if state_path is not None:
@@ -326,6 +329,7 @@ class Daemon:
         self.restored.resumed = []
         if metrics_textfile is not None:
             nursery.start_soon(_write_metrics, self.service, metrics_textfile)
+        nursery.start_soon(_settle_incidents, self.service)
         state = "none" if self.store is None else self.store.path
         log.info(
             logfmt(
@@ -515,6 +519,14 @@ def reload(
             ok = True
     service.record_reload(ok, note)
     return ok
+
+
+async def _settle_incidents(service: Service[Process]) -> None:
+    """Let the verdict of an incident whose window has closed settle: no host of its
+    job will add to it now."""
+    while True:
+        await trio.sleep(_SETTLE_EVERY)
+        service.settle_incidents()
 
 
 async def _write_metrics(service: Service[Process], path: str) -> None:

@@ -177,7 +177,10 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     """One recorded event. ``kind`` is ``expired``, ``peer`` (a job's peer policy
     run on a process of an incident's job), ``extended`` (a timer given
     more time because its process was starved; ``deadline`` is its new one),
-    ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
+    ``exited``, ``unkillable``, ``reloaded``, ``reload_failed`` or ``verdict`` (an
+    incident's verdict settled: ``verdict`` is its kind, ``note`` its sentence
+    without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
+    here); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
     ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
     policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
@@ -209,6 +212,7 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     #: The incident this event belongs to: an expiry of a job's timer, or a peer
     #: policy run on another process of the job (``kind`` ``peer``).
     incident: str = ""
+    verdict: str = ""
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
