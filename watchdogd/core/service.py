@@ -376,7 +376,7 @@ class Service(Generic[P]):
                 rank=verdict.culprits[0].rank if verdict.culprits else None,
                 incident=incident.id,
                 note=verdict.text,
-                verdict=verdict.kind,
+                outcome=verdict.kind,
             )
         )
 

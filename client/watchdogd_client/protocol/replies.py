@@ -178,7 +178,7 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     run on a process of an incident's job), ``extended`` (a timer given
     more time because its process was starved; ``deadline`` is its new one),
     ``exited``, ``unkillable``, ``reloaded``, ``reload_failed`` or ``verdict`` (an
-    incident's verdict settled: ``verdict`` is its kind, ``note`` its sentence
+    incident's verdict settled: ``outcome`` is its kind, ``note`` its sentence
     without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
     here); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
@@ -212,7 +212,6 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     #: The incident this event belongs to: an expiry of a job's timer, or a peer
     #: policy run on another process of the job (``kind`` ``peer``).
     incident: str = ""
-    verdict: str = ""
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
