@@ -352,3 +352,67 @@ def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() ->
     root = log.get(incident, 0, 0)
     assert root is not None
     assert all(r.stack for r in root.ranks)
+
+
+def _two_hosts() -> tuple[IncidentLog, IncidentLog]:
+    ids = {"a": iter(["a-1", "a-2"]), "b": iter(["b-1", "b-2"])}
+    return (
+        IncidentLog("a", window=30.0, new_id=lambda: next(ids["a"])),
+        IncidentLog("b", window=30.0, new_id=lambda: next(ids["b"])),
+    )
+
+
+def _head(log: IncidentLog, incident: str) -> IncidentInfo:
+    head = log.head(incident)
+    assert head is not None
+    return head
+
+
+def test_expiries_of_one_job_on_two_hosts_converge_on_the_one_opened_first() -> None:
+    """Both hosts opened an incident of the job 2.2 ms apart; each then sees the
+    other's head: both keep the one opened first, under its id, with every rank."""
+    a, b = _two_hosts()
+    job = (1000, "train")
+    on_a, _ = a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    on_b, _ = b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.0022)
+    assert (on_a, on_b) == ("a-1", "b-1")
+    # Each host's head reaches the other.
+    assert a.merge(_head(b, on_b)) == "a-1"
+    assert b.merge(_head(a, on_a)) == "a-1"
+    # The ranks each host publishes under the id it now keeps reach the other.
+    on_b_now = b.get("a-1", 0, 0)
+    assert on_b_now is not None
+    b_ranks = [r for r in on_b_now.ranks if r.host == "b"]
+    assert [r.pid for r in b_ranks] == [20]
+    a.merge_ranks("b-1", "b", b_ranks)  # under the id b opened: the same incident
+    assert a.merge_ranks("a-1", "b", b_ranks) is False  # the same ranks again
+    b.merge_ranks("a-1", "a", [rank(10, 0, host="a")])
+    for log in (a, b):
+        whole = log.get("a-1", 0, 0)
+        assert whole is not None
+        assert sorted((r.host, r.pid) for r in whole.ranks) == [("a", 10), ("b", 20)]
+        assert [info.id for info in log.listing(0, 10)] == ["a-1"]
+        # The id the other host opened still answers, as the one it joined.
+        assert log.get("b-1", 0, 0) == whole
+    # A later expiry of the job on b, within the window, joins the same incident.
+    again, new = b.expired(job, "alice", rank(21, 2, host="b"), "timeout", 101.0)
+    assert (again, new) == ("a-1", False)
+
+
+def test_a_remote_incident_opened_later_joins_this_hosts() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.5)
+    assert a.merge(_head(b, "b-1")) == "a-1"
+    assert "b-1" in a and a.resolve("b-1") == "a-1"
+    assert len(a) == 1
+
+
+def test_incidents_of_a_job_a_window_apart_stay_two() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 200.0)
+    assert a.merge(_head(b, "b-1")) == "b-1"
+    assert [info.id for info in a.listing(0, 10)] == ["a-1", "b-1"]

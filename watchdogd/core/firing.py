@@ -76,6 +76,11 @@ class Firing(Generic[P]):
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
         self._numbers = itertools.count(1)
+        #: Firing timers of each (owner, job): a job stays held while its expiry
+        #: runs, after its timer left the table.
+        self._jobs: dict[tuple[int, str], int] = {}
+        #: Grows whenever a job gains its first firing timer or loses its last.
+        self.jobs_changed = 0
 
     def __len__(self) -> int:
         return len(self._firing)
@@ -83,6 +88,27 @@ class Firing(Generic[P]):
     def timers(self) -> Iterable[Timer]:
         """Every firing timer, for the state's snapshot."""
         return self._firing.values()
+
+    def holds(self, job: tuple[int, str]) -> bool:
+        """Whether a timer of ``job`` is firing: its policy is in progress."""
+        return job in self._jobs
+
+    def jobs(self) -> list[tuple[int, str]]:
+        """The jobs with a timer firing, in the order they came."""
+        return list(self._jobs)
+
+    def _count_job(self, timer: Timer, delta: int) -> None:
+        watch = timer.watch
+        if watch is None or not watch.job:
+            return
+        key = (timer.owner, watch.job)
+        count = self._jobs.get(key, 0) + delta
+        if count > 0:
+            self._jobs[key] = count
+            self.jobs_changed += count == delta
+        else:
+            self._jobs.pop(key, None)
+            self.jobs_changed += 1
 
     def of_pid(self, pid: int) -> list[Timer]:
         """The firing timers of ``pid``, in the order they fired."""
@@ -95,6 +121,7 @@ class Firing(Generic[P]):
         highest = 0
         for timer in timers:
             self._firing[timer.store_key] = timer
+            self._count_job(timer, +1)
             highest = max(highest, timer.firing)
         self._numbers = itertools.count(highest + 1)
 
@@ -139,6 +166,7 @@ class Firing(Generic[P]):
             self._journal.drop(item.timer)
             self._journal.put(firing)
             self._firing[firing.store_key] = firing
+            self._count_job(firing, +1)
             fired.append(Expired(firing, item.process, orphaned, note))
             fired += peers
         if expired:
@@ -157,7 +185,8 @@ class Firing(Generic[P]):
 
     def finished(self, timer: Timer) -> None:
         """The policy of firing ``timer`` has ended: it leaves the state."""
-        if self._firing.pop(timer.store_key, None) is not None:
+        if (gone := self._firing.pop(timer.store_key, None)) is not None:
+            self._count_job(gone, -1)
             self._journal.drop(timer)
             self._journal.commit_soon()
 
@@ -261,6 +290,7 @@ class Firing(Generic[P]):
             )
             self._journal.put(firing)
             self._firing[firing.store_key] = firing
+            self._count_job(firing, +1)
             assert timer.watch is not None
             self._incidents.add(
                 incident,

@@ -62,6 +62,8 @@ from .verdict import Decision, decide, for_viewer
 MAX_RANKS: Final = 1024
 #: The most of one stack an incident keeps.
 MAX_STACK_BYTES: Final = 64 * 1024
+#: The most ids of incidents that joined another that are remembered.
+_MAX_ALIASES: Final = 4096
 #: Room a reply keeps for everything but the stacks.
 _ENVELOPE_BYTES: Final = 64 * 1024
 _CLIPPED: Final = "\n…(cut)\n"
@@ -114,6 +116,9 @@ class IncidentLog:
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
+        #: Incidents of a job that another of its window took in, oldest first:
+        #: the id each goes by now (`merge`).
+        self._aliases: OrderedDict[str, str] = OrderedDict()
         self._listener: Callable[[IncidentInfo], object] = lambda incident: None
 
     def __len__(self) -> int:
@@ -162,7 +167,7 @@ class IncidentLog:
 
     def pids(self, incident_id: str) -> set[int]:
         """The pids of this host's processes the incident lists."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
@@ -194,7 +199,7 @@ class IncidentLog:
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is not None:
             self._add(incident, rank)
 
@@ -207,21 +212,11 @@ class IncidentLog:
     def _judge(self, incident: _Incident) -> None:
         """The verdict on what is known of ``incident`` now; once it settles, it is
         recorded (``on_settled``), once."""
-        settled = incident.settled or self._reported(incident)
+        settled = incident.settled or _reported(incident)
         incident.decision = decide(incident.ranks, library=self._library, settled=settled)
         if settled and not incident.settled:
             incident.settled = True
             self._on_settled(incident.info, for_viewer(incident.decision, _nobody))
-
-    @staticmethod
-    def _reported(incident: _Incident) -> bool:
-        """Whether every rank known has reported and every host of the job too."""
-        hosts = {rank.host for rank in incident.ranks}
-        return (
-            bool(incident.ranks)
-            and incident.hosts <= hosts
-            and all(rank.state != "pending" for rank in incident.ranks)
-        )
 
     def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
         """The fleet says ``hosts`` hold the incident's job: its verdict settles
@@ -322,7 +317,7 @@ class IncidentLog:
     def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
         """The kept incident and the index of this host's rank ``pid`` in ``role``
         whose policy has not run yet, if there is one."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None:
             return None
         for index, rank in enumerate(incident.ranks):
@@ -331,20 +326,92 @@ class IncidentLog:
         return None
 
     def __contains__(self, incident_id: object) -> bool:
-        return incident_id in self._incidents
+        return incident_id in self._incidents or incident_id in self._aliases
 
-    def merge(self, remote: IncidentInfo) -> None:
+    def merge(self, remote: IncidentInfo) -> str:
         """An incident another host opened, as the fleet has it (its ranks come
-        host by host: `merge_ranks`)."""
-        if remote.id not in self._incidents:
-            self._keep(_Incident(msgspec.structs.replace(remote, ranks=[], count=0)))
+        host by host: `merge_ranks`); the id it is kept under here.
+
+        Expiries of one job within its window are one incident on every host: of
+        two opened within a window of each other (each host opened its own, a
+        moment apart), the one opened first (then the smaller id) is the one, on
+        every host alike. When it is the remote one, this host's ranks move into it
+        (and are published under its id); otherwise the remote id is taken for this
+        host's, and its host's ranks join this host's incident as they come."""
+        known = self.resolve(remote.id)
+        if known in self._incidents:
+            return known
+        job = (remote.uid, remote.job)
+        rival = self._rival(job, remote.time)
+        if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
+            self._alias(remote.id, rival.info.id)
+            return rival.info.id
+        head = msgspec.structs.replace(remote, ranks=[], count=0)
+        incident = _Incident(head, open_until=remote.time + self.window)
+        self._keep(incident)
+        if rival is not None:
+            incident.ranks = rival.ranks[:MAX_RANKS]
+            self._alias(rival.info.id, remote.id)
+            self._forget(rival.info.id)
+        if remote.kind == "expired":
+            # Any rival lost to it: expiries of the job here join it from now on.
+            self._open[job] = remote.id
+        self._judge(incident)
+        if rival is not None:
+            self._listener(self._whole(incident))
+        return remote.id
+
+    def _rival(self, job: JobKey, time: float) -> _Incident | None:
+        """This host's incident of ``job`` opened within a window of ``time``."""
+        for incident in reversed(self._incidents.values()):
+            info = incident.info
+            if (
+                (info.uid, info.job) == job
+                and info.kind == "expired"
+                and abs(info.time - time) < self.window
+            ):
+                return incident
+        return None
+
+    def open_for(self, job: JobKey, wall: float) -> bool:
+        """Whether an incident of ``job`` is open to more expiries at ``wall``."""
+        held = self._incidents.get(self._open.get(job, ""))
+        return held is not None and wall < held.open_until
+
+    def resolve(self, incident_id: str) -> str:
+        """The id an incident goes by here (another, once it joined another host's)."""
+        return self._aliases.get(incident_id, incident_id)
+
+    def _alias(self, old: str, new: str) -> None:
+        for key, value in self._aliases.items():
+            if value == old:
+                self._aliases[key] = new
+        self._aliases[old] = new
+        while len(self._aliases) > _MAX_ALIASES:
+            self._aliases.popitem(last=False)
+
+    def _forget(self, incident_id: str) -> None:
+        """Drop a kept incident whose ranks another took in."""
+        incident = self._incidents.pop(incident_id, None)
+        if incident is None:
+            return
+        uid = incident.info.uid
+        owned = self._owned.get(uid)
+        if owned is not None and incident_id in owned:
+            owned.remove(incident_id)
+            if not owned:
+                del self._owned[uid]
+        self._shares.remove(uid)
+        job = (uid, incident.info.job)
+        if self._open.get(job) == incident_id:
+            del self._open[job]
 
     def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> bool:
         """The ranks another host found of a kept incident: they replace what was
         known of that host's. Whether an expired rank came with them that was not
         known before, in a later word from that host (an expiry there joined the
         incident after it opened)."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None or host == self.host:
             return False
         if not any(rank.host == host for rank in incident.ranks):
@@ -364,7 +431,7 @@ class IncidentLog:
 
     def head(self, incident_id: str) -> IncidentInfo | None:
         """What an incident is, without its ranks."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         return None if incident is None else incident.info
 
     def settled_hosts(self, incident_id: str) -> set[str]:
@@ -391,30 +458,12 @@ class IncidentLog:
         their ranks (``count`` says how many)."""
         seen = [
             msgspec.structs.replace(
-                incident.info, count=len(incident.ranks), verdict=self._verdict(incident, viewer)
+                incident.info, count=len(incident.ranks), verdict=_viewed(incident, viewer)
             )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
         ]
         return seen[:limit][::-1]
-
-    @staticmethod
-    def _verdict(incident: _Incident, viewer: int, viewer_gid: int | None = None) -> Verdict | None:
-        """The verdict as ``viewer`` may see it: the culprits and the collective,
-        and each frame only where ``viewer`` may see that rank's stack (a listing,
-        ``viewer_gid`` None, shows frames to root alone)."""
-        if incident.decision is None:
-            return None
-        if viewer == ROOT:
-            return incident.decision.verdict
-        if viewer_gid is None:
-            return for_viewer(incident.decision, _nobody)
-        readable = {
-            (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
-        }
-        return for_viewer(
-            incident.decision, lambda culprit: (culprit.host, culprit.pid) in readable
-        )
 
     def about(self, pid: int, viewer: int) -> list[IncidentInfo]:
         """The incidents ``viewer`` may see that process ``pid`` of this host is a
@@ -431,7 +480,7 @@ class IncidentLog:
         none it may see), expired ranks first, then by host and rank, its stacks cut
         to fit a reply. A rank's stack and frame are shown to root, and to the
         rank's reader (`may_read`); to anyone else, a note says why not."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None or viewer not in (ROOT, incident.info.uid):
             return None
         ranks = [
@@ -449,7 +498,7 @@ class IncidentLog:
             incident.info,
             ranks=ranks,
             count=len(ranks),
-            verdict=self._verdict(incident, viewer, viewer_gid),
+            verdict=_viewed(incident, viewer, viewer_gid),
         )
 
     def _whole(self, incident: _Incident) -> IncidentInfo:
@@ -474,6 +523,32 @@ class IncidentLog:
         job = (info.uid, info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
+
+
+def _viewed(incident: _Incident, viewer: int, viewer_gid: int | None = None) -> Verdict | None:
+    """The verdict as ``viewer`` may see it: the culprits and the collective,
+    and each frame only where ``viewer`` may see that rank's stack (a listing,
+    ``viewer_gid`` None, shows frames to root alone)."""
+    if incident.decision is None:
+        return None
+    if viewer == ROOT:
+        return incident.decision.verdict
+    if viewer_gid is None:
+        return for_viewer(incident.decision, _nobody)
+    readable = {
+        (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
+    }
+    return for_viewer(incident.decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+
+
+def _reported(incident: _Incident) -> bool:
+    """Whether every rank known has reported and every host of the job too."""
+    hosts = {rank.host for rank in incident.ranks}
+    return (
+        bool(incident.ranks)
+        and incident.hosts <= hosts
+        and all(rank.state != "pending" for rank in incident.ranks)
+    )
 
 
 def _nobody(culprit: Culprit) -> bool:

@@ -48,6 +48,8 @@ class Responders:
     def __init__(self) -> None:
         self._by_pid: dict[int, Responder] = {}
         self._by_job: dict[JobKey, set[int]] = {}
+        #: Grows whenever a job gains its first responder or loses its last.
+        self.changed = 0
 
     def __len__(self) -> int:
         return len(self._by_pid)
@@ -74,7 +76,9 @@ class Responders:
         )
         self._by_pid[pid] = responder
         if job:
-            self._by_job.setdefault((uid, job), set()).add(pid)
+            pids = self._by_job.setdefault((uid, job), set())
+            self.changed += not pids
+            pids.add(pid)
         return responder
 
     def unregister(self, pid: int) -> None:
@@ -88,6 +92,7 @@ class Responders:
             pids.discard(pid)
             if not pids:
                 del self._by_job[key]
+                self.changed += 1
 
     def get(self, pid: int) -> Responder | None:
         return self._by_pid.get(pid)

@@ -174,6 +174,7 @@ class Service(Generic[P]):
             self.table,
             self.expiries,
             self.incidents,
+            responders=self.responders,
             daemon_pid=daemon_pid,
             events=self.events,
             metrics=self.metrics,
