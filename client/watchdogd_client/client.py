@@ -544,6 +544,16 @@ class Client(BaseClient):
             raise
 
     def _open(self) -> None:
+        answer = self._greet()
+        if answer.retry:
+            # A daemon older than this client refused its version and closed: the
+            # engine greets it in the oldest version now.
+            self._disconnect()
+            answer = self._greet()
+        answer.result(Welcome)
+
+    def _greet(self) -> Answer:
+        """A new connection, and the answer to its hello."""
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._set_timeouts(self.timeout)
         try:
@@ -556,8 +566,7 @@ class Client(BaseClient):
             raise self._engine.connect_failed(exc) from None
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()
-        answer = self._exchange(sock, connection, connection.hello_id, connection.hello)
-        answer.result(Welcome)
+        return self._exchange(sock, connection, connection.hello_id, connection.hello)
 
     def _reconnect(self) -> None:
         """Connect again, waiting out a daemon restart as the engine says."""

@@ -25,6 +25,10 @@ Invariants:
   before its reply (the daemon restarted) is sent once more on a new connection,
   which the driver keeps trying to open for as long as `Engine.reconnecting` says;
   a second loss is `DaemonUnavailable`.
+- The version: a hello states the newest protocol version the engine speaks. A
+  daemon older than the client refuses it (``unsupported_version``); the hello's
+  answer then says to connect again (``retry``), and from then on the engine greets
+  in the oldest version it speaks, which any daemon of this protocol welcomes.
 
 Every frame the daemon sends today answers a request. One it would send unasked
 is another kind of event among those `receive_data` returns, in arrival order, next
@@ -41,6 +45,7 @@ import msgspec
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .protocol import (
     MAX_REPLY_FRAME,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
@@ -80,7 +85,9 @@ class Answer(msgspec.Struct, frozen=True):
     `DaemonUnavailable`).
 
     ``retry`` is set when the connection ended before the reply and the request may
-    go once more on a new connection; ``error`` then says what to raise instead.
+    go once more on a new connection, and on a hello whose version the daemon
+    refused: a new connection greets in the older one; ``error`` then says what to
+    raise instead.
     (A Struct: one is made per reply, and a Struct is quicker to make than an
     instance of a plain class.)
     """
@@ -125,9 +132,19 @@ class Engine:
     ``socket_path`` names the daemon in errors; ``client`` is what the hello says
     the client is; ``max_reply`` bounds a reply frame; ``reconnect_timeout`` is how
     long a client whose connection broke waits for the daemon at the least.
+    ``version`` is the protocol version its hellos state: `PROTOCOL_VERSION` until a
+    daemon refuses it.
     """
 
-    __slots__ = ("_ids", "client", "max_reply", "reconnect_timeout", "restart", "socket_path")
+    __slots__ = (
+        "_ids",
+        "client",
+        "max_reply",
+        "reconnect_timeout",
+        "restart",
+        "socket_path",
+        "version",
+    )
 
     def __init__(
         self,
@@ -143,6 +160,7 @@ class Engine:
         self.max_reply = max_reply
         #: How long the daemon said a restart of it may take (its latest Welcome).
         self.restart = 0.0
+        self.version = PROTOCOL_VERSION
         # next() on a count is atomic under the GIL: the blocking client's threads
         # take their ids without a lock.
         self._ids = itertools.count(1)
@@ -196,7 +214,7 @@ class Connection:
         self.state: State = "greeting"
         self.hello_id = engine.next_id()
         self.hello = encode_frame(
-            Hello(id=self.hello_id, version=PROTOCOL_VERSION, client=engine.client)
+            Hello(id=self.hello_id, version=engine.version, client=engine.client)
         )
         #: Requests in flight: the reply type each expects, and whether it was resent.
         self._pending: dict[int, tuple[type[Reply], bool]] = {
@@ -311,6 +329,15 @@ class Connection:
         error: WatchdogdError
         if isinstance(reply, Error):
             error = RequestRefused(reply.code, reply.message)
+            engine = self._engine
+            if (
+                reply.code == ErrorCode.UNSUPPORTED_VERSION
+                and engine.version > MIN_PROTOCOL_VERSION
+            ):
+                # A daemon older than this client: it speaks the oldest version at
+                # least, and the daemon closes a connection it refused.
+                engine.version = MIN_PROTOCOL_VERSION
+                return Answer(self.hello_id, None, error, retry=True)
         elif isinstance(reply, Welcome):  # but the hello's send failed: nothing can follow
             error = self._engine.unavailable("the connection closed during the handshake")
         else:
