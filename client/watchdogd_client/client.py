@@ -68,6 +68,7 @@ from .protocol import (
     Why,
     WhyReply,
 )
+from .responder import settle_responder
 from .scope import caller_scope
 
 __all__ = [
@@ -294,6 +295,9 @@ class Client(BaseClient):
     When an established connection breaks (the daemon restarted), the client keeps
     trying to reconnect for up to ``reconnect_timeout`` seconds, or as long as the
     daemon said a restart of it may take if that is longer, before it gives up.
+    The first timer it arms on its own process starts the process's responder
+    (`watchdogd_client.responder`), which answers the daemon's evidence requests;
+    with ``responder=False`` its timers decline it: the process then has none.
     """
 
     def __init__(
@@ -304,6 +308,7 @@ class Client(BaseClient):
         on_unavailable: OnUnavailable = "raise",
         max_reply: int = MAX_REPLY_FRAME,
         reconnect_timeout: float = _RECONNECT_TIMEOUT,
+        responder: bool = True,
     ) -> None:
         self._outage = Outage(on_unavailable)
         if max_reply < MAX_REPLY_BYTES:
@@ -315,6 +320,7 @@ class Client(BaseClient):
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        self.responder = responder
         self._engine = Engine(
             self.socket_path,
             client=f"python/{_version}",
@@ -340,6 +346,7 @@ class Client(BaseClient):
             "on_unavailable": self.on_unavailable,
             "max_reply": self._engine.max_reply,
             "reconnect_timeout": self.reconnect_timeout,
+            "responder": self.responder,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -378,6 +385,9 @@ class Client(BaseClient):
             exit_releases=exit_releases,
             **arming,
         )
+        if pid is None or pid == os.getpid():
+            # Before the request: the responder connects on its own thread meanwhile.
+            settle_responder(self.responder, self.socket_path, request)
         try:
             return self._call(request, Acquired).remaining
         except DaemonUnavailable as exc:

@@ -30,9 +30,10 @@ Invariants:
   answer then says to connect again (``retry``), and from then on the engine greets
   in the oldest version it speaks, which any daemon of this protocol welcomes.
 
-Every frame the daemon sends today answers a request. One it would send unasked
-is another kind of event among those `receive_data` returns, in arrival order, next
-to the answers.
+Every frame the daemon sends answers a request, except `EvidenceWanted`, which it
+sends unasked, and only on a responder's connection (`Engine.connect` with
+``responder``): `receive_data` keeps each in `Connection.wanted`, in arrival order,
+for the driver to take.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ from .protocol import (
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
+    EvidenceWanted,
     FrameReader,
     Hello,
     Reply,
     ReplyMessage,
     Request,
     Welcome,
+    decode_for_responder,
     decode_reply,
     encode_frame,
 )
@@ -107,13 +110,14 @@ class Answer(msgspec.Struct, frozen=True):
 
 class Backoff:
     """The pauses between attempts to connect while the daemon restarts: from 10 ms,
-    doubling to 250 ms, for as long as the next attempt would start before
-    ``deadline`` (on the driver's monotonic clock)."""
+    doubling to ``longest`` (250 ms unless given), for as long as the next attempt
+    would start before ``deadline`` (on the driver's monotonic clock)."""
 
-    __slots__ = ("_pause", "deadline")
+    __slots__ = ("_longest", "_pause", "deadline")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, *, longest: float = _LONGEST_PAUSE) -> None:
         self.deadline = deadline
+        self._longest = longest
         self._pause = _FIRST_PAUSE
 
     def pause(self, now: float) -> float | None:
@@ -121,7 +125,7 @@ class Backoff:
         pause = self._pause
         if now + pause > self.deadline:
             return None
-        self._pause = min(pause * 2, _LONGEST_PAUSE)
+        self._pause = min(pause * 2, self._longest)
         return pause
 
 
@@ -169,9 +173,10 @@ class Engine:
         """A request id no other request of this client has."""
         return next(self._ids)
 
-    def connect(self) -> Connection:
-        """The protocol of a socket just connected to the daemon."""
-        return Connection(self)
+    def connect(self, *, responder: bool = False) -> Connection:
+        """The protocol of a socket just connected to the daemon; a ``responder``'s
+        connection also takes the daemon's `EvidenceWanted`."""
+        return Connection(self, responder=responder)
 
     def reconnecting(self, now: float) -> Backoff:
         """How to wait for the daemon after a connection broke: for
@@ -203,14 +208,28 @@ class Connection:
 
     ``hello`` is the frame to send first, and ``hello_id`` the id its answer
     carries: a `Welcome` opens the connection, anything else ends it. See the module
-    docstring for what every request is owed.
+    docstring for what every request is owed. On a ``responder``'s connection,
+    ``wanted`` holds the `EvidenceWanted` received and not yet taken by the driver.
     """
 
-    __slots__ = ("_abandoned", "_engine", "_pending", "_reader", "hello", "hello_id", "state")
+    __slots__ = (
+        "_abandoned",
+        "_decode",
+        "_engine",
+        "_pending",
+        "_reader",
+        "hello",
+        "hello_id",
+        "state",
+        "wanted",
+    )
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, responder: bool = False) -> None:
         self._engine = engine
         self._reader = FrameReader(engine.max_reply)
+        # Any other connection refuses EvidenceWanted as it refuses any unknown frame.
+        self._decode = decode_for_responder if responder else decode_reply
+        self.wanted: list[EvidenceWanted] = []
         self.state: State = "greeting"
         self.hello_id = engine.next_id()
         self.hello = encode_frame(
@@ -242,10 +261,13 @@ class Connection:
         pending = self._pending
         for frame in frames:
             try:
-                reply = decode_reply(frame)
+                reply = self._decode(frame)
             except ProtocolError as exc:
                 self._end(answers, exc)
                 break
+            if isinstance(reply, EvidenceWanted):
+                self.wanted.append(reply)
+                continue
             request_id = reply.id
             waiting = None if request_id is None else pending.pop(request_id, None)
             if (
