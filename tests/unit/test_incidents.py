@@ -405,7 +405,8 @@ def test_a_remote_incident_opened_later_joins_this_hosts() -> None:
     a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
     b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.5)
     assert a.merge(_head(b, "b-1")) == "a-1"
-    assert "b-1" in a and a.resolve("b-1") == "a-1"
+    assert "b-1" in a
+    assert a.resolve("b-1") == "a-1"
     assert len(a) == 1
 
 
@@ -416,3 +417,15 @@ def test_incidents_of_a_job_a_window_apart_stay_two() -> None:
     b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 200.0)
     assert a.merge(_head(b, "b-1")) == "b-1"
     assert [info.id for info in a.listing(0, 10)] == ["a-1", "b-1"]
+
+
+def test_a_peer_whose_own_timer_then_expires_is_listed_once_as_expired() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    kept = b.merge(_head(a, "a-1"))
+    b.add(kept, rank(20, 1, role="peer", host="b"))
+    assert b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.2) == ("a-1", False)
+    whole = b.get("a-1", 0, 0)
+    assert whole is not None
+    assert [(r.pid, r.role) for r in whole.ranks] == [(20, "expired")]

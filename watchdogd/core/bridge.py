@@ -96,6 +96,11 @@ class FleetBridge(Generic[P]):
         """The hosts whose ranks of the incident have all settled."""
         return self._incidents.settled_hosts(incident_id)
 
+    def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
+        """``hosts`` hold the incident's job: its verdict settles once each has
+        reported, or its window has closed."""
+        self._incidents.expect(self._incidents.resolve(incident_id), hosts)
+
     def held_jobs(self, limit: int, per_uid: int) -> list[tuple[int, str]]:
         """The jobs this host holds timers of, as (the uid that armed them, the
         job), at most ``limit``: root's first, then each other uid's, at most

@@ -120,6 +120,9 @@ class IncidentLog:
         #: the id each goes by now (`merge`).
         self._aliases: OrderedDict[str, str] = OrderedDict()
         self._listener: Callable[[IncidentInfo], object] = lambda incident: None
+        #: A fleet listens: an incident's verdict waits for the hosts of its job
+        #: (`expect`) or its window, not only for this host's ranks.
+        self._fleet = False
 
     def __len__(self) -> int:
         return len(self._incidents)
@@ -128,6 +131,7 @@ class IncidentLog:
         """Have ``listener`` called with each incident this host opens or adds to,
         whole, as it changes (the fleet publishes it); it replaces the one before."""
         self._listener = listener
+        self._fleet = True
 
     def kept(self, uid: int) -> int:
         """How many incidents of ``uid``'s jobs are kept."""
@@ -147,6 +151,14 @@ class IncidentLog:
         are then to be acted on)."""
         held = self._incidents.get(self._open.get(job, ""))
         if held is not None and wall < held.open_until:
+            # A process listed already (a peer, the job's incident having come from
+            # another host first) is listed once: as expired, from now on.
+            for index, listed in enumerate(held.ranks):
+                if (listed.host, listed.pid) == (rank.host, rank.pid):
+                    held.ranks[index] = rank
+                    self._judge(held)
+                    self._listener(self._whole(held))
+                    return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
         info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
@@ -212,7 +224,9 @@ class IncidentLog:
     def _judge(self, incident: _Incident) -> None:
         """The verdict on what is known of ``incident`` now; once it settles, it is
         recorded (``on_settled``), once."""
-        settled = incident.settled or _reported(incident)
+        settled = incident.settled or (
+            _reported(incident) and (bool(incident.hosts) or not self._fleet)
+        )
         incident.decision = decide(incident.ranks, library=self._library, settled=settled)
         if settled and not incident.settled:
             incident.settled = True
