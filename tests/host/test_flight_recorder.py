@@ -16,7 +16,7 @@ from watchdogd_client.protocol import Collective, Evidence, FlightRecord, GroupS
 
 from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
-from helpers.waiting import wait_until
+from helpers.waiting import PATIENCE, wait_until
 
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
 #: broadcast in a second group, all under a timer of torch's own ``expires()``; then
@@ -192,3 +192,23 @@ def test_a_rank_before_its_first_collective_and_one_with_the_recorder_off(
             rank=0, groups=[GroupState(group="0", desc="default_pg", ranks=[0], size=1)]
         )
         assert evidence.note == ""
+
+
+def test_the_adapter_may_do_without_a_responder(socket_path: Path) -> None:
+    with FakeDaemon(socket_path) as fake:
+        worker = python_worker(
+            """
+            import threading
+            from torch.distributed.elastic import timer
+            from watchdogd_client.torch import WatchdogdTimerClient
+
+            timer.configure(WatchdogdTimerClient(responder=False))
+            with timer.expires(after=600):
+                print([thread.name for thread in threading.enumerate()])
+            """,
+            socket=socket_path,
+        )
+        out, err = worker.communicate(timeout=PATIENCE)
+    assert worker.returncode == 0, err
+    assert out.strip() == "['MainThread']"
+    assert [hello.client.split("/")[0] for hello in fake.hellos] == ["python"]
