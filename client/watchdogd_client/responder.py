@@ -482,6 +482,16 @@ class _Entry(msgspec.Struct):
     input_sizes: list[list[_Dimension]] = []
     input_dtypes: list[str] = []
     is_p2p: bool = False
+    #: Its work is no longer tracked: it finished, or (NCCL's watchdog) timed out.
+    retired: bool = False
+
+    @property
+    def done(self) -> bool:
+        """Whether it completed, as far as its entry tells: gloo leaves every entry
+        ``scheduled`` and retires it when its work finishes."""
+        if self.state == "completed":
+            return True
+        return self.retired and self.profiling_name.startswith("gloo:")
 
 
 class _Status(msgspec.Struct):
@@ -512,7 +522,9 @@ def reduce_flight_record(
     dump's ``pg_status``) and the newest one it entered and did not complete, with
     its op and inputs; and the newest `protocol.evidence.MAX_ENTRIES` collectives,
     oldest first. torch leaves the ``state`` of a gloo collective ``scheduled`` even
-    once done: here one its group completed reads ``completed``. Point-to-point
+    once done (it retires the entry then), and may count a group's collectives
+    completed in ``pg_status`` out of order: here a group's last completed is the
+    later of the two, and an entry it completed reads ``completed``. Point-to-point
     operations are left out (they have no collective number). None, with a note,
     for a dump that cannot be read."""
     try:
@@ -560,15 +572,18 @@ def reduce_flight_record(
 
 
 def _completed(entries: Iterable[_Entry], status: dict[str, _Status]) -> dict[str, int]:
-    """The last collective each group (by name) completed."""
+    """The last collective each group (by name) completed: what its ``pg_status``
+    says, or a later one its entries say is done."""
     names = {entry.pg_id: entry.process_group[0] for entry in entries}
     completed: dict[str, int] = {}
     for pg_id, state in status.items():
         name = names.get(int(pg_id)) if pg_id.isdigit() else None
         if name is not None:
             completed[name] = state.last_completed_collective
+    # torch updates pg_status from each work's completion, in whatever order those
+    # run: a group's entry can be done past what its status says.
     for entry in entries:
-        if entry.state == "completed":
+        if entry.done:
             name = entry.process_group[0]
             completed[name] = max(completed.get(name, -1), entry.collective_seq_id)
     return completed

@@ -4,6 +4,7 @@ other never enters."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,20 +84,33 @@ def flight_of(line: ResponderLine, ask: int) -> tuple[Evidence, FlightRecord]:
     return evidence, evidence.flight
 
 
+def caught_up(line: ResponderLine, entered: int | None) -> FlightRecord:
+    """The rank's record once it says what the rank did: the default group in
+    collective ``entered`` (None: in none) with the second one completed, the pair's
+    broadcast completed. Rank 0's "ready" comes just before the call that makes the
+    entry, and torch counts a collective completed (its entry retired, its group's
+    status) a moment after the call that waited for it returned."""
+    asks = itertools.count(1)
+    seen: list[FlightRecord] = []
+
+    def now() -> bool:
+        seen[:] = [flight_of(line, next(asks))[1]]
+        groups = {group.desc: group for group in seen[0].groups}
+        default, pair = groups["default_pg"], groups["pair"]
+        seq = None if default.entered is None else default.entered.seq
+        return (seq, default.completed, pair.entered, pair.completed) == (entered, 2, None, 1)
+
+    try:
+        wait_until(now, what="the Flight Recorder to catch up")
+    except AssertionError:
+        raise AssertionError(f"the Flight Recorder still says {seen}") from None
+    return seen[0]
+
+
 def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
     ranks: dict[int, ResponderLine],
 ) -> None:
-    asked: dict[int, FlightRecord] = {}
-
-    def settled(rank: int, entered: bool) -> bool:
-        asked[rank] = flight_of(ranks[rank], len(asked) + 1)[1]
-        default = asked[rank].groups[0]
-        return (default.entered is not None) == entered and default.completed == 2
-
-    # Rank 0's "ready" comes just before the call, which makes the entry; and torch
-    # counts a collective completed a moment after the call that waited for it returned.
-    wait_until(lambda: settled(0, True), what="rank 0 in the third all_reduce, the second done")
-    waiting = asked[0]
+    waiting = caught_up(ranks[0], entered=3)
     assert waiting.rank == 0
     default, pair = waiting.groups
     assert (default.group, default.desc, default.ranks, default.size) == (
@@ -113,7 +127,14 @@ def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
         input_sizes=[[3, 4]],
         input_dtypes=["Float"],
     )
-    assert (pair.desc, pair.ranks, pair.entered, pair.completed) == ("pair", [0, 1], None, 1)
+    assert default.completed == 2
+    assert (pair.group, pair.desc, pair.ranks, pair.entered, pair.completed) == (
+        "1",
+        "pair",
+        [0, 1],
+        None,
+        1,
+    )
     assert [(entry.group, entry.seq, entry.op, entry.state) for entry in waiting.entries] == [
         ("0", 1, "gloo:all_reduce", "completed"),
         ("0", 2, "gloo:all_reduce", "completed"),
@@ -122,8 +143,7 @@ def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
     ]
     assert waiting.entries[1].input_dtypes == ["Long"]
 
-    wait_until(lambda: settled(1, False), what="rank 1 out of the second all_reduce")
-    missing = asked[1]
+    missing = caught_up(ranks[1], entered=None)
     assert missing.rank == 1
     default, pair = missing.groups
     assert (default.desc, default.ranks, default.size, default.entered) == (
@@ -132,7 +152,6 @@ def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
         2,
         None,
     )
-    assert (pair.desc, pair.entered, pair.completed) == ("pair", None, 1)
     assert [entry.seq for entry in missing.entries] == [1, 2, 1]
     main = ranks[1].ask(100).threads[0]
     assert main.frames[0].function == "load_batch"

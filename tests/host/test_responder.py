@@ -253,7 +253,7 @@ def test_evidence_too_large_for_a_frame_is_cut_and_says_so(
 
         event = threading.Event()
         for n in range(200):
-            threading.Thread(target=deep, args=(40, event), name=f"worker-{n}").start()
+            threading.Thread(target=deep, args=(70, event), name=f"worker-{n}").start()
         Client().acquire("step", 600)
 
         def wait_in_main():
@@ -272,6 +272,7 @@ def test_evidence_too_large_for_a_frame_is_cut_and_says_so(
     assert main.main
     assert functions(main)[0] == "wait_in_main"
     assert "64 of 201 threads taken" in evidence.note
+    assert "cut to their innermost 64 frames" in evidence.note
     assert "cut to fit" in evidence.note
     assert any(not thread.frames for thread in evidence.threads[1:])
 

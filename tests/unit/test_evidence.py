@@ -142,6 +142,34 @@ class TestFlightRecord:
         assert record is not None
         assert (record.groups[0].entered, record.groups[0].completed) == (None, 2)
 
+    def test_a_gloo_entry_retired_is_done_past_what_its_groups_status_says(self) -> None:
+        # torch updates pg_status from each work's completion in whatever order
+        # those run, and leaves gloo's entries "scheduled" but retires them.
+        entries = [
+            {"collective_seq_id": 1, "retired": True},
+            {"collective_seq_id": 2, "retired": True},
+            {"collective_seq_id": 3},
+        ]
+        record = reduce_flight_record(dump(entries, {"0": 1}), 0, GROUPS[:1], [])
+        assert record is not None
+        [default] = record.groups
+        assert default.completed == 2
+        assert default.entered is not None
+        assert default.entered.seq == 3
+        assert [entry.state for entry in record.entries] == ["completed", "completed", "scheduled"]
+
+    def test_a_nccl_entry_retired_without_completing_timed_out(self) -> None:
+        entries = [
+            {"collective_seq_id": 1, "state": "completed", "profiling_name": "nccl:all_reduce"},
+            {"collective_seq_id": 2, "retired": True, "profiling_name": "nccl:all_reduce"},
+        ]
+        record = reduce_flight_record(dump(entries), 0, GROUPS[:1], [])
+        assert record is not None
+        [default] = record.groups
+        assert default.completed == 1
+        assert default.entered is not None
+        assert default.entered.seq == 2
+
     def test_point_to_point_and_unreadable_entries_are_left_out(self) -> None:
         notes: list[str] = []
         entries: list[dict[str, Any]] = [
