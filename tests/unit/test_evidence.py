@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from watchdogd_client.evidence import fit_evidence, reduce_flight_record
 from watchdogd_client.protocol import (
     Collective,
     Evidence,
@@ -21,7 +22,6 @@ from watchdogd_client.protocol import (
     ThreadStack,
 )
 from watchdogd_client.protocol.evidence import MAX_ENTRIES, MAX_GROUPS
-from watchdogd_client.responder import fit_evidence, reduce_flight_record
 
 #: What torch 2.13's ``_dump_fr_trace_json()`` returned on rank 0 of a two-rank gloo
 #: job, while it waited in the default group's third all_reduce: two all_reduces
@@ -204,7 +204,7 @@ class TestFlightRecord:
 
     def test_a_process_without_torch_gives_no_record_and_imports_no_torch(self) -> None:
         code = (
-            "import sys; from watchdogd_client.responder import flight_record; notes = []; "
+            "import sys; from watchdogd_client.evidence import flight_record; notes = []; "
             "print(flight_record(notes), notes, 'torch' in sys.modules)"
         )
         result = subprocess.run(

@@ -429,3 +429,34 @@ def test_a_peer_whose_own_timer_then_expires_is_listed_once_as_expired() -> None
     whole = b.get("a-1", 0, 0)
     assert whole is not None
     assert [(r.pid, r.role) for r in whole.ranks] == [(20, "expired")]
+
+
+def test_a_verdicts_frame_is_shown_only_to_who_may_see_that_ranks_stack() -> None:
+    log = IncidentLog("a", window=30.0)
+    job = (1000, "train")
+    incident, _ = log.expired(job, "alice", rank(10, 0), "timeout", 100.0)
+    for pid, number in ((11, 1), (12, 2)):
+        log.add(incident, rank(pid, number, role="peer"))
+    waiting = DUMP
+    elsewhere = DUMP.replace("train_step (train.py:88)", "read_shard (loader.py:42)")
+    # Alice could read ranks 10 and 11 when they were dumped, not 12.
+    for pid in (10, 11):
+        log.dumped(incident, pid, "expired" if pid == 10 else "peer", (1000, 1000))
+    for pid, stack, kind in (
+        (10, waiting, "expired"),
+        (11, waiting, "peer"),
+        (12, elsewhere, "peer"),
+    ):
+        log.finished(finished(incident, pid, kind, stack))
+    as_root = log.get(incident, 0, 0)
+    as_alice = log.get(incident, 1000, 1000)
+    assert as_root is not None
+    assert as_alice is not None
+    assert as_root.verdict is not None
+    assert as_alice.verdict is not None
+    assert as_root.verdict.kind == as_alice.verdict.kind == "odd_frame"
+    assert [c.pid for c in as_alice.verdict.culprits] == [12]
+    assert "read_shard" in as_root.verdict.text
+    assert "read_shard" not in as_alice.verdict.text
+    assert "train_step" in as_alice.verdict.text  # the ranks she may read
+    assert "rank 2" in as_alice.verdict.text

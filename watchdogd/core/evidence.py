@@ -14,6 +14,8 @@ from typing import Final
 
 from watchdogd_client.protocol import Evidence, GroupState, ThreadStack
 
+from .verdict import summary
+
 #: How an incident's rank says its stack was taken.
 WORKER: Final = "worker"
 NONE: Final = "none"
@@ -37,6 +39,7 @@ def _thread_text(thread: ThreadStack) -> str:
 
 
 def flight_groups(evidence: Evidence) -> list[GroupState]:
-    """What an incident keeps of the Flight Recorder in ``evidence``: each group's
-    state (none, without a Flight Recorder)."""
-    return [] if evidence.flight is None else list(evidence.flight.groups)
+    """What an incident keeps of the Flight Recorder in ``evidence``, and all of it
+    that goes through the fleet: the state of the groups the rank waits in first, a
+    few (`watchdogd.core.verdict.summary`); none without a Flight Recorder."""
+    return [] if evidence.flight is None else summary(evidence.flight)
