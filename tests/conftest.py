@@ -13,10 +13,16 @@ import pytest
 
 from watchdogd.host.cgroups import host_hierarchy
 from watchdogd_client import Client
+from watchdogd_client.responder import decline_responder
 
 from helpers.cgroups import ScratchCgroup, remove_cgroup
 from helpers.daemon import SHORT_RESTART, RunningDaemon, configured_daemon
 from helpers.etcd import EtcdServer, running_etcd
+
+# The test process arms timers on itself against many daemons: a responder of its
+# own would stay bound to the first of them. Workers the tests start (processes of
+# their own) start theirs as any worker does.
+decline_responder()
 
 
 @pytest.fixture

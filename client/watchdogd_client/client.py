@@ -68,6 +68,7 @@ from .protocol import (
     Why,
     WhyReply,
 )
+from .responder import settle_responder
 from .scope import caller_scope
 
 __all__ = [
@@ -294,6 +295,9 @@ class Client(BaseClient):
     When an established connection breaks (the daemon restarted), the client keeps
     trying to reconnect for up to ``reconnect_timeout`` seconds, or as long as the
     daemon said a restart of it may take if that is longer, before it gives up.
+    The first timer it arms on its own process starts the process's responder
+    (`watchdogd_client.responder`), which answers the daemon's evidence requests;
+    with ``responder=False`` its timers decline it: the process then has none.
     """
 
     def __init__(
@@ -304,6 +308,7 @@ class Client(BaseClient):
         on_unavailable: OnUnavailable = "raise",
         max_reply: int = MAX_REPLY_FRAME,
         reconnect_timeout: float = _RECONNECT_TIMEOUT,
+        responder: bool = True,
     ) -> None:
         self._outage = Outage(on_unavailable)
         if max_reply < MAX_REPLY_BYTES:
@@ -315,6 +320,7 @@ class Client(BaseClient):
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        self.responder = responder
         self._engine = Engine(
             self.socket_path,
             client=f"python/{_version}",
@@ -340,6 +346,7 @@ class Client(BaseClient):
             "on_unavailable": self.on_unavailable,
             "max_reply": self._engine.max_reply,
             "reconnect_timeout": self.reconnect_timeout,
+            "responder": self.responder,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -378,6 +385,9 @@ class Client(BaseClient):
             exit_releases=exit_releases,
             **arming,
         )
+        if pid is None or pid == os.getpid():
+            # Before the request: the responder connects on its own thread meanwhile.
+            settle_responder(self.responder, self.socket_path, request)
         try:
             return self._call(request, Acquired).remaining
         except DaemonUnavailable as exc:
@@ -544,6 +554,16 @@ class Client(BaseClient):
             raise
 
     def _open(self) -> None:
+        answer = self._greet()
+        if answer.retry:
+            # A daemon older than this client refused its version and closed: the
+            # engine greets it in the oldest version now.
+            self._disconnect()
+            answer = self._greet()
+        answer.result(Welcome)
+
+    def _greet(self) -> Answer:
+        """A new connection, and the answer to its hello."""
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._set_timeouts(self.timeout)
         try:
@@ -556,8 +576,7 @@ class Client(BaseClient):
             raise self._engine.connect_failed(exc) from None
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()
-        answer = self._exchange(sock, connection, connection.hello_id, connection.hello)
-        answer.result(Welcome)
+        return self._exchange(sock, connection, connection.hello_id, connection.hello)
 
     def _reconnect(self) -> None:
         """Connect again, waiting out a daemon restart as the engine says."""

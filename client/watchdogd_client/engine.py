@@ -25,10 +25,15 @@ Invariants:
   before its reply (the daemon restarted) is sent once more on a new connection,
   which the driver keeps trying to open for as long as `Engine.reconnecting` says;
   a second loss is `DaemonUnavailable`.
+- The version: a hello states the newest protocol version the engine speaks. A
+  daemon older than the client refuses it (``unsupported_version``); the hello's
+  answer then says to connect again (``retry``), and from then on the engine greets
+  in the oldest version it speaks, which any daemon of this protocol welcomes.
 
-Every frame the daemon sends today answers a request. One it would send unasked
-is another kind of event among those `receive_data` returns, in arrival order, next
-to the answers.
+Every frame the daemon sends answers a request, except `EvidenceWanted`, which it
+sends unasked, and only on a responder's connection (`Engine.connect` with
+``responder``): `receive_data` keeps each in `Connection.wanted`, in arrival order,
+for the driver to take.
 """
 
 from __future__ import annotations
@@ -41,15 +46,18 @@ import msgspec
 from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
 from .protocol import (
     MAX_REPLY_FRAME,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
+    EvidenceWanted,
     FrameReader,
     Hello,
     Reply,
     ReplyMessage,
     Request,
     Welcome,
+    decode_for_responder,
     decode_reply,
     encode_frame,
 )
@@ -80,7 +88,9 @@ class Answer(msgspec.Struct, frozen=True):
     `DaemonUnavailable`).
 
     ``retry`` is set when the connection ended before the reply and the request may
-    go once more on a new connection; ``error`` then says what to raise instead.
+    go once more on a new connection, and on a hello whose version the daemon
+    refused: a new connection greets in the older one; ``error`` then says what to
+    raise instead.
     (A Struct: one is made per reply, and a Struct is quicker to make than an
     instance of a plain class.)
     """
@@ -100,13 +110,14 @@ class Answer(msgspec.Struct, frozen=True):
 
 class Backoff:
     """The pauses between attempts to connect while the daemon restarts: from 10 ms,
-    doubling to 250 ms, for as long as the next attempt would start before
-    ``deadline`` (on the driver's monotonic clock)."""
+    doubling to ``longest`` (250 ms unless given), for as long as the next attempt
+    would start before ``deadline`` (on the driver's monotonic clock)."""
 
-    __slots__ = ("_pause", "deadline")
+    __slots__ = ("_longest", "_pause", "deadline")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, *, longest: float = _LONGEST_PAUSE) -> None:
         self.deadline = deadline
+        self._longest = longest
         self._pause = _FIRST_PAUSE
 
     def pause(self, now: float) -> float | None:
@@ -114,7 +125,7 @@ class Backoff:
         pause = self._pause
         if now + pause > self.deadline:
             return None
-        self._pause = min(pause * 2, _LONGEST_PAUSE)
+        self._pause = min(pause * 2, self._longest)
         return pause
 
 
@@ -125,9 +136,19 @@ class Engine:
     ``socket_path`` names the daemon in errors; ``client`` is what the hello says
     the client is; ``max_reply`` bounds a reply frame; ``reconnect_timeout`` is how
     long a client whose connection broke waits for the daemon at the least.
+    ``version`` is the protocol version its hellos state: `PROTOCOL_VERSION` until a
+    daemon refuses it.
     """
 
-    __slots__ = ("_ids", "client", "max_reply", "reconnect_timeout", "restart", "socket_path")
+    __slots__ = (
+        "_ids",
+        "client",
+        "max_reply",
+        "reconnect_timeout",
+        "restart",
+        "socket_path",
+        "version",
+    )
 
     def __init__(
         self,
@@ -143,6 +164,7 @@ class Engine:
         self.max_reply = max_reply
         #: How long the daemon said a restart of it may take (its latest Welcome).
         self.restart = 0.0
+        self.version = PROTOCOL_VERSION
         # next() on a count is atomic under the GIL: the blocking client's threads
         # take their ids without a lock.
         self._ids = itertools.count(1)
@@ -151,9 +173,10 @@ class Engine:
         """A request id no other request of this client has."""
         return next(self._ids)
 
-    def connect(self) -> Connection:
-        """The protocol of a socket just connected to the daemon."""
-        return Connection(self)
+    def connect(self, *, responder: bool = False) -> Connection:
+        """The protocol of a socket just connected to the daemon; a ``responder``'s
+        connection also takes the daemon's `EvidenceWanted`."""
+        return Connection(self, responder=responder)
 
     def reconnecting(self, now: float) -> Backoff:
         """How to wait for the daemon after a connection broke: for
@@ -185,18 +208,32 @@ class Connection:
 
     ``hello`` is the frame to send first, and ``hello_id`` the id its answer
     carries: a `Welcome` opens the connection, anything else ends it. See the module
-    docstring for what every request is owed.
+    docstring for what every request is owed. On a ``responder``'s connection,
+    ``wanted`` holds the `EvidenceWanted` received and not yet taken by the driver.
     """
 
-    __slots__ = ("_abandoned", "_engine", "_pending", "_reader", "hello", "hello_id", "state")
+    __slots__ = (
+        "_abandoned",
+        "_decode",
+        "_engine",
+        "_pending",
+        "_reader",
+        "hello",
+        "hello_id",
+        "state",
+        "wanted",
+    )
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, responder: bool = False) -> None:
         self._engine = engine
         self._reader = FrameReader(engine.max_reply)
+        # Any other connection refuses EvidenceWanted as it refuses any unknown frame.
+        self._decode = decode_for_responder if responder else decode_reply
+        self.wanted: list[EvidenceWanted] = []
         self.state: State = "greeting"
         self.hello_id = engine.next_id()
         self.hello = encode_frame(
-            Hello(id=self.hello_id, version=PROTOCOL_VERSION, client=engine.client)
+            Hello(id=self.hello_id, version=engine.version, client=engine.client)
         )
         #: Requests in flight: the reply type each expects, and whether it was resent.
         self._pending: dict[int, tuple[type[Reply], bool]] = {
@@ -224,10 +261,13 @@ class Connection:
         pending = self._pending
         for frame in frames:
             try:
-                reply = decode_reply(frame)
+                reply = self._decode(frame)
             except ProtocolError as exc:
                 self._end(answers, exc)
                 break
+            if isinstance(reply, EvidenceWanted):
+                self.wanted.append(reply)
+                continue
             request_id = reply.id
             waiting = None if request_id is None else pending.pop(request_id, None)
             if (
@@ -311,6 +351,15 @@ class Connection:
         error: WatchdogdError
         if isinstance(reply, Error):
             error = RequestRefused(reply.code, reply.message)
+            engine = self._engine
+            if (
+                reply.code == ErrorCode.UNSUPPORTED_VERSION
+                and engine.version > MIN_PROTOCOL_VERSION
+            ):
+                # A daemon older than this client: it speaks the oldest version at
+                # least, and the daemon closes a connection it refused.
+                engine.version = MIN_PROTOCOL_VERSION
+                return Answer(self.hello_id, None, error, retry=True)
         elif isinstance(reply, Welcome):  # but the hello's send failed: nothing can follow
             error = self._engine.unavailable("the connection closed during the handshake")
         else:

@@ -13,12 +13,15 @@ import logging
 import os
 from typing import Final
 
-__all__ = ["DISABLE", "env_switch", "parse_switch"]
+__all__ = ["DISABLE", "RESPONDER", "env_switch", "parse_switch"]
 
 log = logging.getLogger("watchdogd_client")
 
 #: Makes the module-level default client a `NullClient`.
 DISABLE: Final = "WATCHDOGD_DISABLE"
+#: On unless turned off: the process's first timer starts its responder
+#: (`watchdogd_client.responder`).
+RESPONDER: Final = "WATCHDOGD_RESPONDER"
 
 _ON: Final = frozenset({"1", "true", "yes", "on"})
 _OFF: Final = frozenset({"0", "false", "no", "off", ""})

@@ -24,6 +24,11 @@ each thread keeps the names it gave, newest last, per torch scope, and a release
 takes the newest (blocks nest, so the newest open one is the one ending).
 The timers carry the job and ranks torchrun sets (`watchdogd_client.arming.job_of`).
 
+The first timer starts the process's responder (`watchdogd_client.responder`),
+through the client it arms with, so the daemon can ask a hung rank for its threads'
+stacks and its Flight Recorder without ptrace. ``WatchdogdTimerClient(responder=False)``,
+or ``WATCHDOGD_RESPONDER=0`` in the environment, turns it off.
+
 Failures look like torch's own: with no daemon, `acquire` and `release` raise
 `TimerServerUnavailable`, which is the ``BrokenPipeError`` torch's ``FileTimerClient``
 raises with no server and also a `DaemonUnavailable`. A release that fails while an
@@ -54,6 +59,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 from . import default_client
 from .client import BaseClient, log
 from .errors import DaemonUnavailable
+from .responder import decline_responder
 from .scope import frame_scope, shorten
 
 __all__ = ["TimerServerUnavailable", "WatchdogdTimerClient", "policy_for_signal"]
@@ -90,8 +96,11 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
     else the host's daemon), taken when first used. ``policy`` is the policy every
     timer is armed with (default: the daemon's); ``signal``, as torch's
     ``FileTimerClient(signal=...)`` takes it, chooses the built-in policy that sends
-    that signal (see `policy_for_signal`); give one or the other. It is picklable, so
-    it may be passed to processes started with ``torch.multiprocessing.spawn``.
+    that signal (see `policy_for_signal`); give one or the other. With
+    ``responder=False`` the process answers no evidence request: its timers decline
+    the responder its client would start (`watchdogd_client.responder`). It is
+    picklable, so it may be passed to processes started with
+    ``torch.multiprocessing.spawn``.
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         *,
         policy: str | None = None,
         signal: int | None = None,
+        responder: bool = True,
     ) -> None:
         if signal is not None:
             if policy is not None:
@@ -107,6 +117,7 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
             policy = policy_for_signal(signal)
         self._client = client
         self.policy = policy
+        self.responder = responder
 
     @property
     def client(self) -> BaseClient:
@@ -120,6 +131,8 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         if _is_torch_default(scope_id):
             scope = _user_call_site()
             _given(scope_id).append(scope)
+        if not self.responder:
+            decline_responder()
         try:
             self.client.acquire(scope, timeout, policy=self.policy)
         except DaemonUnavailable as exc:

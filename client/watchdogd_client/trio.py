@@ -299,6 +299,21 @@ class AsyncClient:
                 await trio.sleep(pause)
 
     async def _connect(self) -> _Connection:
+        connection, answer = await self._greet()
+        if answer.retry:
+            # A daemon older than this client refused its version and closed: the
+            # engine greets it in the oldest version now.
+            await connection.stream.aclose()
+            connection, answer = await self._greet()
+        try:
+            answer.result(Welcome)
+        except BaseException:
+            await connection.stream.aclose()
+            raise
+        return connection
+
+    async def _greet(self) -> tuple[_Connection, Answer]:
+        """A new connection, and the answer to its hello."""
         try:
             with trio.fail_after(self.timeout):
                 stream = await trio.open_unix_socket(self.socket_path)
@@ -311,11 +326,10 @@ class AsyncClient:
         protocol = connection.protocol
         try:
             answer = await self._exchange(connection, protocol.hello_id, protocol.hello)
-            answer.result(Welcome)
         except BaseException:
             await stream.aclose()
             raise
-        return connection
+        return connection, answer
 
 
 class AsyncTimer(Handle["AsyncClient"]):

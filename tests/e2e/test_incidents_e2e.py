@@ -52,7 +52,7 @@ def test_a_hung_rank_gathers_the_stack_of_every_rank(daemon: RunningDaemon) -> N
         )
         assert incident.user == "root"
         assert [(r.rank, r.role, r.state) for r in incident.ranks] == [
-            (1, "hung", "done"),
+            (1, "expired", "done"),
             (0, "peer", "done"),
             (2, "peer", "done"),
         ]

@@ -135,7 +135,7 @@ def test_a_hung_rank_of_torchrun_opens_an_incident_and_torchrun_restarts(
         assert listed.uid == os.getuid()
         incident = whole(socket, listed.id)
         hung, peer = incident.ranks
-        assert (hung.rank, hung.role, hung.state) == (1, "hung", "done")
+        assert (hung.rank, hung.role, hung.state) == (1, "expired", "done")
         assert hung.frame.startswith("hung_in_step ("), hung.stack
         assert (peer.rank, peer.role, peer.state) == (0, "peer", "done")
         assert peer.scope == f"{script}:{line_of('with timer.expires(after=60):')}"

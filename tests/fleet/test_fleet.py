@@ -6,13 +6,10 @@ when it is back."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from watchdogd.fleet.records import MAX_RANKS_BYTES, encode_ranks
 from watchdogd_client.protocol import IncidentInfo, RankInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl, expired_event
-from helpers.etcd import EtcdServer
+from helpers.etcd import EtcdServer, registered
 from helpers.jobs import incidents, start_rank, whole
 from helpers.processes import reap
 from helpers.waiting import PATIENCE, wait_until
@@ -130,26 +127,13 @@ def test_a_hung_rank_gives_every_host_the_stacks_of_all_six(
             ("host-a", 0, "peer"),
             ("host-a", 1, "peer"),
             ("host-b", 2, "peer"),
-            ("host-b", 3, "hung"),
+            ("host-b", 3, "expired"),
             ("host-c", 4, "peer"),
             ("host-c", 5, "peer"),
         ]
         for rank in view.ranks:
             assert rank.frame.startswith(f"waiting_in_rank_{rank.rank} ("), rank.stack
     print(f"six stacks on every host {gathered:.2f} s after the deadline")
-
-
-def registered(etcd: EtcdServer, host: str) -> list[list[str]]:
-    """The jobs ``host`` has registered in etcd, read over etcd's own gateway."""
-    key = base64.b64encode(f"/watchdogd-test/hosts/{host}".encode()).decode()
-    request = urllib.request.Request(
-        etcd.url + "/v3/kv/range", data=json.dumps({"key": key}).encode(), method="POST"
-    )
-    with urllib.request.urlopen(request, timeout=2) as reply:
-        kvs = json.load(reply).get("kvs", [])
-    if not kvs:
-        return []
-    return list(json.loads(base64.b64decode(kvs[0]["value"]))["jobs"])
 
 
 def test_a_frozen_daemon_is_a_lost_host(own_etcd: EtcdServer, tmp_path: Path) -> None:

@@ -248,7 +248,7 @@ async def test_an_incident_of_a_job_followed_past_its_windows_is_followed_too(
                                 scope="s", reason="timeout", time=long_ago)  # fmt: skip
             await x.put(f"{prefix}/incidents/{incident}", msgspec.json.encode(head))
             await wait_for(twice(a.peers, incident), f"a's peers of {incident}")
-        done = RankInfo(host="x", pid=9, uid=0, role="hung", scope="s", state="done")
+        done = RankInfo(host="x", pid=9, uid=0, role="expired", scope="s", state="done")
         for incident in ("x-1", "x-2"):
             await x.put(f"{prefix}/ranks/root/train/{incident}/x", msgspec.json.encode([done]))
         await wait_for(

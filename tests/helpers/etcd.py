@@ -8,6 +8,7 @@ member's log is ``etcd.log`` beside its data.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.resources
 import json
@@ -286,3 +287,17 @@ def running_cluster(directory: Path, size: int = 3) -> Iterator[list[EtcdServer]
 def urls(servers: Sequence[EtcdServer]) -> list[str]:
     """The client URLs of ``servers``, as `EtcdClient` takes them."""
     return [server.url for server in servers]
+
+
+def registered(etcd: EtcdServer, host: str, prefix: str = "/watchdogd-test") -> list[list[str]]:
+    """The jobs ``host`` has registered in etcd under ``prefix``, read over etcd's
+    own gateway."""
+    key = base64.b64encode(f"{prefix}/hosts/{host}".encode()).decode()
+    request = urllib.request.Request(
+        etcd.url + "/v3/kv/range", data=json.dumps({"key": key}).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=2) as reply:
+        kvs = json.load(reply).get("kvs", [])
+    if not kvs:
+        return []
+    return list(json.loads(base64.b64decode(kvs[0]["value"]))["jobs"])

@@ -11,6 +11,7 @@ from watchdogd_client.protocol import IncidentInfo
 
 from helpers.daemon import ctl
 from helpers.processes import python_worker, wait_ready
+from helpers.waiting import wait_until
 
 #: A rank of job ``argv[1]``: rank ``argv[2]`` arms a timer of ``argv[3]`` seconds
 #: under policy ``rank`` and waits in a function named after its rank, as a rank
@@ -57,3 +58,71 @@ def gathered(socket: Path) -> bool:
     return len(listed) == 1 and all(
         rank.state != "pending" for rank in whole(socket, listed[0].id).ranks
     )
+
+
+#: A rank of job ``argv[1]``: rank ``argv[2]`` waits in ``wait_in_all_reduce`` under a
+#: timer of ``argv[3]`` seconds; with ``argv[4]`` == "elsewhere" it arms a timer
+#: once (so its responder starts), then is stuck in ``read_shard`` outside any
+#: block, as a rank that never reached the collective its peers wait in; with
+#: "regex" it holds the GIL in a catastrophic regular expression instead.
+JOB_RANK = """
+    import re, sys, time
+    from watchdogd_client import expires
+    job, rank, after, how = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+
+    def wait_in_all_reduce():
+        time.sleep(300)
+
+    def read_shard():
+        time.sleep(300)
+
+    def parse_header():
+        re.match(r"(a+)+$", "a" * 64 + "b")
+
+    if how == "waits":
+        with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
+            print("ready", flush=True)
+            wait_in_all_reduce()
+    with expires(after=60, scope="warmup", job=job, rank=rank):
+        pass
+    time.sleep(0.3)  # its responder connects and responds
+    print("ready", flush=True)
+    read_shard() if how == "elsewhere" else parse_header()
+"""
+
+
+def start_job_rank(
+    socket: Path, job: str, rank: int, after: float, how: str
+) -> subprocess.Popen[str]:
+    """A `JOB_RANK` worker on the daemon at ``socket``, once it is ready."""
+    worker = python_worker(JOB_RANK, job, str(rank), str(after), how, socket=socket)
+    wait_ready(worker)
+    return worker
+
+
+def settled(socket: Path, ranks: int) -> IncidentInfo:
+    """The one incident kept, once its verdict has settled over ``ranks`` ranks."""
+    found: list[IncidentInfo] = []
+
+    def done() -> bool:
+        listed = incidents(socket)
+        if len(listed) != 1:
+            return False
+        incident = whole(socket, listed[0].id)
+        found[:] = [incident]
+        verdict = incident.verdict
+        return len(incident.ranks) == ranks and verdict is not None and verdict.settled
+
+    wait_until(done, what=f"an incident of {ranks} ranks with a settled verdict")
+    return found[0]
+
+
+def run_job(socket: Path, job: str, culprit: str) -> list[subprocess.Popen[str]]:
+    """Ranks 1 (waits, long timer) and 2 (``culprit``), then rank 0 whose timer
+    expires in a second."""
+    ranks = [
+        start_job_rank(socket, job, 1, 60, "waits"),
+        start_job_rank(socket, job, 2, 60, culprit),
+    ]
+    ranks.append(start_job_rank(socket, job, 0, 1.0, "waits"))
+    return ranks

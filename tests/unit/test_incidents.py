@@ -32,7 +32,7 @@ Thread 4242 (idle): "MainThread"
 
 
 def rank(
-    pid: int, number: int, *, role: str = "hung", host: str = "a", uid: int = 1000
+    pid: int, number: int, *, role: str = "expired", host: str = "a", uid: int = 1000
 ) -> RankInfo:
     return RankInfo(host=host, pid=pid, uid=uid, role=role, scope="step", rank=number)
 
@@ -83,7 +83,7 @@ def test_a_rank_gets_its_stack_and_each_user_sees_their_own() -> None:
     root_view = log.get(incident, 0, 0)
     assert root_view is not None
     assert [(r.rank, r.role, r.state, bool(r.stack)) for r in root_view.ranks] == [
-        (1, "hung", "done", True),
+        (1, "expired", "done", True),
         (0, "peer", "done", True),
         (2, "peer", "pending", False),
     ]
@@ -283,8 +283,8 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
     whole = service.incidents.get(listed.id, 1000, 1000)
     assert whole is not None
     assert [(rank.pid, rank.role) for rank in whole.ranks] == [
-        (200, "hung"),
-        (210, "hung"),
+        (200, "expired"),
+        (210, "expired"),
         (201, "peer"),
         (211, "peer"),
     ]
@@ -316,8 +316,8 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     assert shown is not None
     here = service.incidents.host
     assert sorted((r.host, r.pid, r.role) for r in shown.ranks) == [
-        ("b", 900, "hung"),
-        ("b", 901, "hung"),
+        ("b", 900, "expired"),
+        ("b", 901, "expired"),
         (here, 200, "peer"),
         (here, 201, "peer"),
     ]
@@ -329,7 +329,7 @@ def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() ->
     log = IncidentLog("a")
     incident, _ = log.expired((1000, "train"), "alice", rank(10, 0, uid=1000), "timeout", 1.0)
     log.add(incident, rank(11, 1, role="peer", uid=1000))
-    log.dumped(incident, 10, "hung", (1000, 1000))
+    log.dumped(incident, 10, "expired", (1000, 1000))
     log.dumped(incident, 11, "peer", None)  # e.g. its saved uid was root's
     log.finished(finished(incident, 10))
     log.finished(finished(incident, 11, kind="peer"))
@@ -352,3 +352,111 @@ def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() ->
     root = log.get(incident, 0, 0)
     assert root is not None
     assert all(r.stack for r in root.ranks)
+
+
+def _two_hosts() -> tuple[IncidentLog, IncidentLog]:
+    ids = {"a": iter(["a-1", "a-2"]), "b": iter(["b-1", "b-2"])}
+    return (
+        IncidentLog("a", window=30.0, new_id=lambda: next(ids["a"])),
+        IncidentLog("b", window=30.0, new_id=lambda: next(ids["b"])),
+    )
+
+
+def _head(log: IncidentLog, incident: str) -> IncidentInfo:
+    head = log.head(incident)
+    assert head is not None
+    return head
+
+
+def test_expiries_of_one_job_on_two_hosts_converge_on_the_one_opened_first() -> None:
+    """Both hosts opened an incident of the job 2.2 ms apart; each then sees the
+    other's head: both keep the one opened first, under its id, with every rank."""
+    a, b = _two_hosts()
+    job = (1000, "train")
+    on_a, _ = a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    on_b, _ = b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.0022)
+    assert (on_a, on_b) == ("a-1", "b-1")
+    # Each host's head reaches the other.
+    assert a.merge(_head(b, on_b)) == "a-1"
+    assert b.merge(_head(a, on_a)) == "a-1"
+    # The ranks each host publishes under the id it now keeps reach the other.
+    on_b_now = b.get("a-1", 0, 0)
+    assert on_b_now is not None
+    b_ranks = [r for r in on_b_now.ranks if r.host == "b"]
+    assert [r.pid for r in b_ranks] == [20]
+    a.merge_ranks("b-1", "b", b_ranks)  # under the id b opened: the same incident
+    assert a.merge_ranks("a-1", "b", b_ranks) is False  # the same ranks again
+    b.merge_ranks("a-1", "a", [rank(10, 0, host="a")])
+    for log in (a, b):
+        whole = log.get("a-1", 0, 0)
+        assert whole is not None
+        assert sorted((r.host, r.pid) for r in whole.ranks) == [("a", 10), ("b", 20)]
+        assert [info.id for info in log.listing(0, 10)] == ["a-1"]
+        # The id the other host opened still answers, as the one it joined.
+        assert log.get("b-1", 0, 0) == whole
+    # A later expiry of the job on b, within the window, joins the same incident.
+    again, new = b.expired(job, "alice", rank(21, 2, host="b"), "timeout", 101.0)
+    assert (again, new) == ("a-1", False)
+
+
+def test_a_remote_incident_opened_later_joins_this_hosts() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.5)
+    assert a.merge(_head(b, "b-1")) == "a-1"
+    assert "b-1" in a
+    assert a.resolve("b-1") == "a-1"
+    assert len(a) == 1
+
+
+def test_incidents_of_a_job_a_window_apart_stay_two() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 200.0)
+    assert a.merge(_head(b, "b-1")) == "b-1"
+    assert [info.id for info in a.listing(0, 10)] == ["a-1", "b-1"]
+
+
+def test_a_peer_whose_own_timer_then_expires_is_listed_once_as_expired() -> None:
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    kept = b.merge(_head(a, "a-1"))
+    b.add(kept, rank(20, 1, role="peer", host="b"))
+    assert b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.2) == ("a-1", False)
+    whole = b.get("a-1", 0, 0)
+    assert whole is not None
+    assert [(r.pid, r.role) for r in whole.ranks] == [(20, "expired")]
+
+
+def test_a_verdicts_frame_is_shown_only_to_who_may_see_that_ranks_stack() -> None:
+    log = IncidentLog("a", window=30.0)
+    job = (1000, "train")
+    incident, _ = log.expired(job, "alice", rank(10, 0), "timeout", 100.0)
+    for pid, number in ((11, 1), (12, 2)):
+        log.add(incident, rank(pid, number, role="peer"))
+    waiting = DUMP
+    elsewhere = DUMP.replace("train_step (train.py:88)", "read_shard (loader.py:42)")
+    # Alice could read ranks 10 and 11 when they were dumped, not 12.
+    for pid in (10, 11):
+        log.dumped(incident, pid, "expired" if pid == 10 else "peer", (1000, 1000))
+    for pid, stack, kind in (
+        (10, waiting, "expired"),
+        (11, waiting, "peer"),
+        (12, elsewhere, "peer"),
+    ):
+        log.finished(finished(incident, pid, kind, stack))
+    as_root = log.get(incident, 0, 0)
+    as_alice = log.get(incident, 1000, 1000)
+    assert as_root is not None
+    assert as_alice is not None
+    assert as_root.verdict is not None
+    assert as_alice.verdict is not None
+    assert as_root.verdict.kind == as_alice.verdict.kind == "odd_frame"
+    assert [c.pid for c in as_alice.verdict.culprits] == [12]
+    assert "read_shard" in as_root.verdict.text
+    assert "read_shard" not in as_alice.verdict.text
+    assert "train_step" in as_alice.verdict.text  # the ranks she may read
+    assert "rank 2" in as_alice.verdict.text

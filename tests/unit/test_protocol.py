@@ -10,16 +10,23 @@ import pytest
 
 from watchdogd_client.errors import FrameTooLarge, ProtocolError
 from watchdogd_client.protocol import (
+    MAX_EVIDENCE_BYTES,
     MAX_REQUEST_FRAME,
     Acquire,
     Acquired,
+    Collective,
     DaemonInfo,
     Error,
     ErrorCode,
     EventInfo,
     Events,
     EventsReply,
+    Evidence,
+    EvidenceWanted,
+    FlightRecord,
+    Frame,
     FrameReader,
+    GroupState,
     Hello,
     Metrics,
     MetricsReply,
@@ -32,15 +39,20 @@ from watchdogd_client.protocol import (
     Released,
     Reply,
     Request,
+    Respond,
+    Responding,
     Status,
     StatusReply,
     StepResult,
+    ThreadStack,
     TimerInfo,
     Welcome,
+    decode_for_responder,
     decode_reply,
     decode_request,
     encode_frame,
 )
+from watchdogd_client.protocol.evidence import MAX_ENTRIES, MAX_FRAMES, MAX_NAME, MAX_THREADS
 
 INFO = DaemonInfo(
     version="0.1.0",
@@ -67,6 +79,38 @@ EVENT = EventInfo(
     steps=[StepResult(step="SIGTERM", result="sent SIGTERM")],
 )
 POLICY = PolicyInfo(name="kill", target="process", steps=["SIGKILL"], root_only=False, builtin=True)
+COLLECTIVE = Collective(
+    group="0",
+    seq=58,
+    op="gloo:all_reduce",
+    state="scheduled",
+    input_sizes=[[3, 4]],
+    input_dtypes=["Float"],
+)
+EVIDENCE = Evidence(
+    id=14,
+    ask=7,
+    threads=[
+        ThreadStack(
+            name="MainThread", ident=140, main=True, frames=[Frame("loader.py", 42, "read_shard")]
+        )
+    ],
+    flight=FlightRecord(
+        rank=3,
+        groups=[
+            GroupState(
+                group="0",
+                desc="default_pg",
+                ranks=[0, 1, 2, 3],
+                size=4,
+                entered=COLLECTIVE,
+                completed=57,
+            )
+        ],
+        entries=[COLLECTIVE],
+    ),
+    note="cut",
+)
 
 GOLDEN = [
     pytest.param(
@@ -223,19 +267,74 @@ GOLDEN = [
         ("0000002783a474797065a76d657472696373a269640ca474657874af7761746368646f67645f757020310a"),
         id="MetricsReply",
     ),
+    pytest.param(
+        Respond(id=13, job="run-7", rank=3, local_rank=1, group_rank=0),
+        (
+            "0000003a86a474797065a7726573706f6e64a269640da36a6f62a572756e2d37"
+            "a472616e6b03aa6c6f63616c5f72616e6b01aa67726f75705f72616e6b00"
+        ),
+        id="Respond",
+    ),
+    pytest.param(
+        Responding(id=14),
+        ("0000001582a474797065aa726573706f6e64696e67a269640e"),
+        id="Responding",
+    ),
+    pytest.param(
+        EvidenceWanted(ask=7, incident="gpu7-3fa2-1"),
+        (
+            "0000003083a474797065af65766964656e63655f77616e746564a361736b07a8"
+            "696e636964656e74ab677075372d336661322d31"
+        ),
+        id="EvidenceWanted",
+    ),
+    pytest.param(
+        EVIDENCE,
+        (
+            "0000016e86a474797065a865766964656e6365a269640ea361736b07a7746872"
+            "656164739184a46e616d65aa4d61696e546872656164a56964656e74cc8ca46d"
+            "61696ec3a66672616d65739193a96c6f616465722e70792aaa726561645f7368"
+            "617264a6666c6967687483a472616e6b03a667726f7570739186a567726f7570"
+            "a130a464657363aa64656661756c745f7067a572616e6b739400010203a47369"
+            "7a6504a7656e746572656486a567726f7570a130a37365713aa26f70af676c6f"
+            "6f3a616c6c5f726564756365a57374617465a97363686564756c6564ab696e70"
+            "75745f73697a657391920304ac696e7075745f64747970657391a5466c6f6174"
+            "a9636f6d706c6574656439a7656e74726965739186a567726f7570a130a37365"
+            "713aa26f70af676c6f6f3a616c6c5f726564756365a57374617465a973636865"
+            "64756c6564ab696e7075745f73697a657391920304ac696e7075745f64747970"
+            "657391a5466c6f6174a46e6f7465a3637574"
+        ),
+        id="Evidence",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("message", "golden"), GOLDEN)
-def test_encoding_is_pinned(message: Request | Reply, golden: str) -> None:
+def test_encoding_is_pinned(message: Request | Reply | EvidenceWanted, golden: str) -> None:
     assert encode_frame(message).hex() == golden
 
 
 @pytest.mark.parametrize(("message", "golden"), GOLDEN)
-def test_golden_bytes_decode_to_the_message(message: Request | Reply, golden: str) -> None:
+def test_golden_bytes_decode_to_the_message(
+    message: Request | Reply | EvidenceWanted, golden: str
+) -> None:
     body = bytes.fromhex(golden)[4:]
-    decoded = decode_request(body) if isinstance(message, Request) else decode_reply(body)
+    decoded: object
+    if isinstance(message, Request):
+        decoded = decode_request(body)
+    elif isinstance(message, EvidenceWanted):
+        decoded = decode_for_responder(body)
+    else:
+        decoded = decode_reply(body)
     assert decoded == message
+
+
+def test_a_responders_connection_reads_replies_and_the_daemons_asks() -> None:
+    assert decode_for_responder(encode_frame(Responding(id=3))[4:]) == Responding(id=3)
+    wanted = encode_frame(EvidenceWanted(ask=9))[4:]
+    assert decode_for_responder(wanted) == EvidenceWanted(ask=9)
+    with pytest.raises(ProtocolError):
+        decode_reply(wanted)  # any other connection refuses it
 
 
 def test_every_message_type_has_golden_bytes() -> None:
@@ -243,7 +342,7 @@ def test_every_message_type_has_golden_bytes() -> None:
     assert pinned == {
         Hello, Acquire, Release, Status, Ping, Events, Policies, Metrics,
         Welcome, Acquired, Released, StatusReply, Pong, EventsReply, PoliciesReply, MetricsReply,
-        Error,
+        Error, Respond, Responding, EvidenceWanted, Evidence,
     }  # fmt: skip
 
 
@@ -345,6 +444,44 @@ class TestValidation:
     def test_an_unreadable_reply_is_a_protocol_error(self) -> None:
         with pytest.raises(ProtocolError):
             decode_reply(msgspec.msgpack.encode({"type": "welcome", "id": 1}))
+
+
+class TestEvidenceBounds:
+    """Every list and name of an `Evidence` is bounded where it is decoded."""
+
+    def _refused(self, evidence: Evidence) -> ProtocolError:
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(msgspec.msgpack.encode(evidence))
+        assert caught.value.code == ErrorCode.INVALID_REQUEST
+        assert caught.value.request_id == evidence.id
+        return caught.value
+
+    def test_at_the_bounds_it_decodes(self) -> None:
+        frames = [Frame("f" * MAX_NAME, 1, "g")] * MAX_FRAMES
+        threads = [ThreadStack(name=f"t{n}", frames=frames[:1]) for n in range(MAX_THREADS)]
+        threads[0] = ThreadStack(name="MainThread", main=True, frames=frames)
+        flight = FlightRecord(rank=0, entries=[COLLECTIVE] * MAX_ENTRIES)
+        evidence = Evidence(id=1, ask=1, threads=threads, flight=flight)
+        assert decode_request(msgspec.msgpack.encode(evidence)) == evidence
+
+    def test_one_thread_too_many(self) -> None:
+        threads = [ThreadStack(name="t")] * (MAX_THREADS + 1)
+        assert "threads" in self._refused(Evidence(id=2, ask=1, threads=threads)).message
+
+    def test_one_frame_too_many(self) -> None:
+        stack = ThreadStack(name="t", frames=[Frame("f", 1, "g")] * (MAX_FRAMES + 1))
+        assert "frames" in self._refused(Evidence(id=3, ask=1, threads=[stack])).message
+
+    def test_one_entry_too_many(self) -> None:
+        flight = FlightRecord(rank=0, entries=[COLLECTIVE] * (MAX_ENTRIES + 1))
+        assert "entries" in self._refused(Evidence(id=4, ask=1, flight=flight)).message
+
+    def test_a_name_too_long(self) -> None:
+        stack = ThreadStack(name="t", frames=[Frame("f" * (MAX_NAME + 1), 1, "g")])
+        self._refused(Evidence(id=5, ask=1, threads=[stack]))
+
+    def test_a_whole_evidence_fits_in_a_request_frame(self) -> None:
+        assert MAX_EVIDENCE_BYTES < MAX_REQUEST_FRAME
 
 
 class TestFrameReader:

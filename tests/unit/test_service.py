@@ -14,6 +14,7 @@ from watchdogd.errors import Refusal
 from watchdogd_client.protocol import (
     MAX_COMMAND_BYTES,
     MAX_REPLY_BYTES,
+    PROTOCOL_VERSION,
     Acquire,
     Acquired,
     ErrorCode,
@@ -502,10 +503,16 @@ def test_ping_and_hello() -> None:
     w = make_world()
     service = w.service
     assert service.handle(Ping(id=5), w.alice, 0.0) == Pong(id=5)
-    welcome = service.handle(Hello(id=6, version=1), w.alice, 0.0)
+    welcome = service.handle(Hello(id=6, version=PROTOCOL_VERSION), w.alice, 0.0)
     assert isinstance(welcome, Welcome)
     assert welcome.pid == DAEMON_PID
-    assert refusal(service, Hello(id=7, version=2), w.alice).code == ErrorCode.UNSUPPORTED_VERSION
+    assert welcome.version == PROTOCOL_VERSION
+    # A client of protocol 1, which has no responder, is answered as before.
+    older = service.handle(Hello(id=7, version=1), w.alice, 0.0)
+    assert isinstance(older, Welcome)
+    for unknown in (0, PROTOCOL_VERSION + 1):
+        refused = refusal(service, Hello(id=8, version=unknown), w.alice)
+        assert refused.code == ErrorCode.UNSUPPORTED_VERSION
 
 
 def test_restore_judges_each_timer_by_its_own_process() -> None:

@@ -27,9 +27,12 @@ from watchdogd_client.protocol import (
     PoliciesReply,
     SuggestionInfo,
     TimerInfo,
+    Verdict,
     WhyReply,
     WhyTimer,
 )
+
+from ..core.verdict import flight_text
 
 _COMMAND_WIDTH: Final = 40
 _SCOPE_WIDTH: Final = 40
@@ -216,7 +219,7 @@ def incidents_text(rows: Sequence[IncidentInfo]) -> str:
     """``watchdogctl incidents``: one row an incident."""
     if not rows:
         return "No incidents."
-    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS")]
+    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS", "VERDICT")]
     for row in rows:
         table.append(
             (
@@ -229,20 +232,38 @@ def incidents_text(rows: Sequence[IncidentInfo]) -> str:
                 shown_scope(row.scope),
                 row.reason if row.kind == "expired" else f"{row.kind}: {row.reason}",
                 str(row.count),
+                "-" if row.verdict is None else row.verdict.kind,
             )
         )
     return _columns(table)
 
 
 def incident_lines(incident: IncidentInfo) -> list[str]:
-    """``watchdogctl incident`` in words."""
+    """``watchdogctl incident`` in words: its verdict first, then a row a rank, then
+    each rank's notes, Flight Recorder and stack."""
     rank = "" if incident.rank is None else f" rank {incident.rank}"
-    lines = [
+    lines = [verdict_line(incident.verdict)] if incident.verdict is not None else []
+    lines.append(
         f"incident {incident.id}: job {incident.job} of {incident.user}, {incident.kind} "
         f"on {incident.host}{rank} at {_when(incident.time)}"
         + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
-        + f" ({incident.reason})",
-    ]
+        + f" ({incident.reason})"
+    )
+    if incident.ranks:
+        table = [("HOST", "RANK", "PID", "ROLE", "STATE", "EVIDENCE", "WAITING IN")]
+        for member in incident.ranks:
+            table.append(
+                (
+                    member.host,
+                    "?" if member.rank is None else str(member.rank),
+                    str(member.pid),
+                    member.role,
+                    member.state,
+                    member.evidence or "-",
+                    member.frame or "-",
+                )
+            )
+        lines += ["", _columns(table)]
     host = None
     for member in incident.ranks:
         if member.host != host:
@@ -257,9 +278,21 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
             lines.append(f"    waiting in {member.frame}")
         if member.note:
             lines.append(f"    ({member.note})")
+        if member.flight:
+            lines.append("    flight recorder:")
+            lines += [f"      {line}" for line in flight_text(member.flight).splitlines()]
         if member.stack:
             lines.append(textwrap.indent(member.stack.rstrip("\n"), "    | "))
     return lines
+
+
+def verdict_line(verdict: Verdict) -> str:
+    """A verdict as its first line says it: what it is, on what, and its sentence."""
+    basis = {"flight_recorder": "by the Flight Recorder", "stacks": "by the stacks"}.get(
+        verdict.basis, verdict.basis
+    )
+    settled = "" if verdict.settled else ", not every host has reported yet"
+    return f"verdict: {verdict.kind} ({basis}{settled}): {verdict.text}"
 
 
 def _when(time: float) -> str:

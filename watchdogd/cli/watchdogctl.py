@@ -249,7 +249,7 @@ def incidents(limit: int) -> None:
 @click.argument("incident")
 @_common_options()
 def incident(incident: str) -> None:
-    """One incident: every rank of the job, host by host, hung ranks first, each
+    """One incident: every rank of the job, host by host, the ranks whose timer expired first, each
     with the frame it was waiting in, then its stack."""
     found = _client().incident(incident)
     _print_json(found) if _settings().as_json else click.echo("\n".join(incident_lines(found)))

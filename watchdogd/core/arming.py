@@ -34,6 +34,7 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_JOB_BYTES,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
@@ -133,12 +134,15 @@ class Arming(Generic[P]):
             caller.process = None
 
     def welcome(self, hello: Hello) -> Welcome:
-        """Answer a handshake; refuses a major version this daemon does not speak."""
-        if hello.version != PROTOCOL_VERSION:
+        """Answer a handshake; refuses a version this daemon does not speak. A client
+        of an older version it still speaks is answered as before: it never sends
+        what it does not know."""
+        if not MIN_PROTOCOL_VERSION <= hello.version <= PROTOCOL_VERSION:
             raise Refusal(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"this daemon speaks protocol version {PROTOCOL_VERSION}, "
-                f"the client speaks {hello.version}; upgrade the older of the two",
+                f"this daemon speaks protocol versions {MIN_PROTOCOL_VERSION} to "
+                f"{PROTOCOL_VERSION}, the client speaks {hello.version}; "
+                "upgrade the older of the two",
             )
         return Welcome(
             id=hello.id,

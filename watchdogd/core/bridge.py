@@ -32,6 +32,7 @@ from .firing import Firing
 from .identity import ROOT
 from .incidents import IncidentLog
 from .ports import P
+from .responders import Responders
 from .timers import Expired, TimerTable
 
 
@@ -54,8 +55,10 @@ class FleetBridge(Generic[P]):
         metrics: Counters,
         wall: Callable[[], float],
         daemon_pid: int,
+        responders: Responders | None = None,
     ) -> None:
         self._table = table
+        self._responders = Responders() if responders is None else responders
         self._firing = firing
         self._incidents = incidents
         self._events = events
@@ -93,6 +96,11 @@ class FleetBridge(Generic[P]):
         """The hosts whose ranks of the incident have all settled."""
         return self._incidents.settled_hosts(incident_id)
 
+    def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
+        """``hosts`` hold the incident's job: its verdict settles once each has
+        reported, or its window has closed."""
+        self._incidents.expect(self._incidents.resolve(incident_id), hosts)
+
     def held_jobs(self, limit: int, per_uid: int) -> list[tuple[int, str]]:
         """The jobs this host holds timers of, as (the uid that armed them, the
         job), at most ``limit``: root's first, then each other uid's, at most
@@ -100,7 +108,10 @@ class FleetBridge(Generic[P]):
         that one user's many jobs never crowd out another's."""
         root: list[tuple[int, str]] = []
         others: dict[int, list[tuple[int, str]]] = {}
-        for key in self._table.job_keys():
+        keys = dict.fromkeys(self._table.job_keys())
+        keys.update(dict.fromkeys(sorted(self._responders.jobs())))
+        keys.update(dict.fromkeys(self._firing.jobs()))
+        for key in keys:
             if key[0] == ROOT:
                 if len(root) < limit:
                     root.append(key)
@@ -116,7 +127,7 @@ class FleetBridge(Generic[P]):
 
     def jobs_changed(self) -> int:
         """A number that changes whenever a job came or went."""
-        return self._table.jobs_changed
+        return self._table.jobs_changed + self._responders.changed + self._firing.jobs_changed
 
     # What the fleet tells.
 
@@ -130,26 +141,37 @@ class FleetBridge(Generic[P]):
         if incident.id in self._incidents:
             return []
         job = (uid, incident.job)
-        if not self._table.job_pids(*job):
+        if not self.holds(job):
             return []
-        self._incidents.merge(msgspec.structs.replace(incident, uid=uid))
-        return self._firing.peers(incident.id, job, None, set(), now)
+        kept = self._incidents.merge(msgspec.structs.replace(incident, uid=uid))
+        return self._firing.peers(kept, job, None, self._incidents.pids(kept), now)
+
+    def holds(self, job: tuple[int, str]) -> bool:
+        """Whether this host holds ``job``: a process of it holds a timer, one's
+        expiry is still in progress, one responds, or an incident of it is open."""
+        return (
+            bool(self._table.job_pids(*job))
+            or self._firing.holds(job)
+            or bool(self._responders.of_job(*job))
+            or self._incidents.open_for(job, self._wall())
+        )
 
     def fleet_ranks(
         self, incident_id: str, host: str, ranks: list[RankInfo], now: float
     ) -> list[Expired[P]]:
         """The ranks ``host`` found of an incident kept here, their readers mapped
-        to local uids already. When a new hung rank came with them (an expiry there
+        to local uids already. When a new expired rank came with them (an expiry there
         joined the incident: a job restarted within the window hung again), the
         job's local processes the incident does not list yet get the peer policy,
         as a local expiry would give them."""
         if not self._incidents.merge_ranks(incident_id, host, ranks):
             return []
-        head = self._incidents.head(incident_id)
+        kept = self._incidents.resolve(incident_id)
+        head = self._incidents.head(kept)
         if head is None:
             return []
-        listed = self._incidents.pids(incident_id)
-        return self._firing.peers(incident_id, (head.uid, head.job), None, listed, now)
+        listed = self._incidents.pids(kept)
+        return self._firing.peers(kept, (head.uid, head.job), None, listed, now)
 
     def host_lost(self, host: str, user: str, jobs: Iterable[tuple[int, str]]) -> None:
         """``host`` left the fleet without stopping (its lease lapsed): an incident

@@ -120,6 +120,11 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: Dump steps (py-spy) run at once; more wait their turn in order, each for no
     #: longer than its step's timeout, which bounds its wait and its run together.
     max_dumps: Annotated[int, Meta(ge=1, le=1024)] = 4
+    #: How long a dump step waits for the worker's own responder before it falls
+    #: back to its dumper (py-spy): long enough for a busy interpreter to switch to
+    #: the responder's thread, short enough that a thread holding the GIL in C code
+    #: costs the incident little.
+    evidence_timeout: Annotated[float, Meta(gt=0, le=30)] = 1.0
     #: A target still alive this long after SIGKILL is reported as unkillable.
     unkillable_after: Seconds = 5.0
     #: How often ``--metrics-textfile`` is rewritten.

@@ -29,6 +29,8 @@ class Counters:
         self.connections_total = 0
         #: Incidents this host opened (the first expiry of a job's timer).
         self.incidents = 0
+        #: Verdicts of incidents, by kind, counted once each when it settles.
+        self.verdicts: Counter[str] = Counter()
         #: Calls to the fleet's store that failed; incidents it could not keep up with.
         self.fleet_errors = 0
         self.fleet_dropped = 0

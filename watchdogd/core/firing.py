@@ -23,12 +23,12 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, RankInfo
+from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
 
 from .counters import Counters
 from .events import EventLog
@@ -36,6 +36,7 @@ from .identity import ROOT
 from .incidents import IncidentLog
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy
 from .ports import Journal, P, ProcessPort
+from .responders import Responders
 from .rules import Rules
 from .starvation import UNMEASURED, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
@@ -56,8 +57,13 @@ class Firing(Generic[P]):
         metrics: Counters,
         wall: Callable[[], float],
         on_deadline: Callable[[float], None],
+        responders: Responders | None = None,
     ) -> None:
         self._rules = rules
+        self._responders = Responders() if responders is None else responders
+        #: Ranks of incidents that hold no timer but respond: (incident, pid) for
+        #: the runtime to ask for evidence (`take_asks`).
+        self._asks: list[tuple[str, int]] = []
         self._table = table
         self._processes = processes
         self._journal = journal
@@ -70,6 +76,11 @@ class Firing(Generic[P]):
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
         self._numbers = itertools.count(1)
+        #: Firing timers of each (owner, job): a job stays held while its expiry
+        #: runs, after its timer left the table.
+        self._jobs: dict[tuple[int, str], int] = {}
+        #: Grows whenever a job gains its first firing timer or loses its last.
+        self.jobs_changed = 0
 
     def __len__(self) -> int:
         return len(self._firing)
@@ -77,6 +88,27 @@ class Firing(Generic[P]):
     def timers(self) -> Iterable[Timer]:
         """Every firing timer, for the state's snapshot."""
         return self._firing.values()
+
+    def holds(self, job: tuple[int, str]) -> bool:
+        """Whether a timer of ``job`` is firing: its policy is in progress."""
+        return job in self._jobs
+
+    def jobs(self) -> list[tuple[int, str]]:
+        """The jobs with a timer firing, in the order they came."""
+        return list(self._jobs)
+
+    def _count_job(self, timer: Timer, delta: int) -> None:
+        watch = timer.watch
+        if watch is None or not watch.job:
+            return
+        key = (timer.owner, watch.job)
+        count = self._jobs.get(key, 0) + delta
+        if count > 0:
+            self._jobs[key] = count
+            self.jobs_changed += count == delta
+        else:
+            self._jobs.pop(key, None)
+            self.jobs_changed += 1
 
     def of_pid(self, pid: int) -> list[Timer]:
         """The firing timers of ``pid``, in the order they fired."""
@@ -89,6 +121,7 @@ class Firing(Generic[P]):
         highest = 0
         for timer in timers:
             self._firing[timer.store_key] = timer
+            self._count_job(timer, +1)
             highest = max(highest, timer.firing)
         self._numbers = itertools.count(highest + 1)
 
@@ -133,6 +166,7 @@ class Firing(Generic[P]):
             self._journal.drop(item.timer)
             self._journal.put(firing)
             self._firing[firing.store_key] = firing
+            self._count_job(firing, +1)
             fired.append(Expired(firing, item.process, orphaned, note))
             fired += peers
         if expired:
@@ -151,7 +185,8 @@ class Firing(Generic[P]):
 
     def finished(self, timer: Timer) -> None:
         """The policy of firing ``timer`` has ended: it leaves the state."""
-        if self._firing.pop(timer.store_key, None) is not None:
+        if (gone := self._firing.pop(timer.store_key, None)) is not None:
+            self._count_job(gone, -1)
             self._journal.drop(timer)
             self._journal.commit_soon()
 
@@ -166,13 +201,23 @@ class Firing(Generic[P]):
                 self._incidents.finished(event)
         self._events.record_many(events)
 
-    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+    def dump_taken(
+        self,
+        timer: Timer,
+        reader: tuple[int, int] | None,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
         besides root that may read what it captured (None: root alone), as the
-        kernel judged it then. Kept with the incident's rank, if it has one."""
+        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.evidence`)
+        and ``flight`` the groups of the worker's Flight Recorder. Kept with the
+        incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:
-            role = "peer" if timer.run.peer else "hung"
-            self._incidents.dumped(timer.run.incident, timer.pid, role, reader)
+            role = "peer" if timer.run.peer else "expired"
+            self._incidents.dumped(
+                timer.run.incident, timer.pid, role, reader, evidence=evidence, flight=flight
+            )
 
     def record_unkillable(self, event: EventInfo) -> None:
         """A target outlived SIGKILL."""
@@ -188,11 +233,11 @@ class Firing(Generic[P]):
         is new (`watchdogd.core.incidents`)."""
         job = (timer.owner, watch.job)
         reason = "stalled" if timer.stalled else "timeout"
-        hung = RankInfo(
+        expired = RankInfo(
             host=self._incidents.host,
             pid=timer.pid,
             uid=timer.uid,
-            role="hung",
+            role="expired",
             scope=timer.scope,
             rank=watch.rank,
             local_rank=watch.local_rank,
@@ -201,7 +246,7 @@ class Firing(Generic[P]):
             reason=reason,
         )
         user = self._processes.user_name(timer.owner)
-        incident, new = self._incidents.expired(job, user, hung, reason, self._wall())
+        incident, new = self._incidents.expired(job, user, expired, reason, self._wall())
         if new:
             self._metrics.incidents += 1
         run = msgspec.structs.replace(run, incident=incident)
@@ -245,6 +290,7 @@ class Firing(Generic[P]):
             )
             self._journal.put(firing)
             self._firing[firing.store_key] = firing
+            self._count_job(firing, +1)
             assert timer.watch is not None
             self._incidents.add(
                 incident,
@@ -262,7 +308,54 @@ class Firing(Generic[P]):
             )
             process.retain()
             runs.append(Expired(firing, process, orphaned=False))
+        self._responding_peers(incident, job, listed)
         return runs
+
+    def _responding_peers(self, incident: str, job: tuple[int, str], listed: set[int]) -> None:
+        """The job's processes that hold no timer of it but respond (a rank stuck
+        outside any ``expires()`` block): ranks of the incident too, whose evidence
+        the runtime asks for (`take_asks`). No policy runs on them."""
+        held = set(self._table.job_pids(*job))
+        for responder in self._responders.of_job(*job):
+            if responder.pid in listed or responder.pid in held:
+                continue
+            self._incidents.add(
+                incident,
+                RankInfo(
+                    host=self._incidents.host,
+                    pid=responder.pid,
+                    uid=responder.uid,
+                    role="peer",
+                    scope="",
+                    rank=responder.rank,
+                    local_rank=responder.local_rank,
+                    group_rank=responder.group_rank,
+                    note="holds no timer of the job; its responder was asked",
+                ),
+            )
+            self._asks.append((incident, responder.pid))
+
+    def take_asks(self) -> list[tuple[str, int]]:
+        """The (incident, pid) of each rank whose evidence is wanted that no policy
+        of it dumps, since the last call."""
+        asks, self._asks = self._asks, []
+        return asks
+
+    def evidence_given(
+        self,
+        incident: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """What was taken of a rank `take_asks` named."""
+        self._incidents.given(
+            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
+        )
 
     def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
         """Whether the process of ``item``, due under ``policy``, was starved since

@@ -5,7 +5,7 @@ is keyed by (owner uid, job name), so a user who names another user's job gets a
 incident of their own, and an expiry never reaches another user's processes (root's
 timers aside: root's jobs are root's). The first expiry of a job's timer opens an
 incident; expiries of the same job within `IncidentLog.window` seconds join it as more
-hung ranks. When an incident opens, and when an expiry joins it, every local process
+expired ranks. When an incident opens, and when an expiry joins it, every local process
 holding a timer of the job that the incident does not list yet gets the expired
 timer's policy's ``peers`` policy (by default ``peer_dump``, which records its stack
 and touches nothing; `watchdogd.core.policies`): so the ranks of a job restarted
@@ -37,21 +37,33 @@ from __future__ import annotations
 import itertools
 import re
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, IncidentInfo, RankInfo
+from watchdogd_client.protocol import (
+    MAX_REPLY_BYTES,
+    Culprit,
+    EventInfo,
+    GroupState,
+    IncidentInfo,
+    RankInfo,
+    Verdict,
+)
 
+from .frames import Library
 from .identity import ROOT
 from .shares import Shares
+from .verdict import Decision, decide, for_viewer
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
 #: The most of one stack an incident keeps.
 MAX_STACK_BYTES: Final = 64 * 1024
+#: The most ids of incidents that joined another that are remembered.
+_MAX_ALIASES: Final = 4096
 #: Room a reply keeps for everything but the stacks.
 _ENVELOPE_BYTES: Final = 64 * 1024
 _CLIPPED: Final = "\n…(cut)\n"
@@ -67,6 +79,13 @@ class _Incident:
     ranks: list[RankInfo] = field(default_factory=list)
     #: Wall time until which expiries of its job join it (0: none do, a remote one).
     open_until: float = 0.0
+    #: Who its job waits for, as the ranks known so far say (`watchdogd.core.verdict`).
+    decision: Decision | None = None
+    #: Every host of the job has reported, or its window has closed: the verdict
+    #: is counted and recorded once, then, and only refined after.
+    settled: bool = False
+    #: The hosts the fleet says hold the job: each reports before it settles.
+    hosts: frozenset[str] = frozenset()
 
 
 class IncidentLog:
@@ -80,9 +99,13 @@ class IncidentLog:
         per_uid: int | None = None,
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
+        library: Library | None = None,
+        on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
     ) -> None:
         self.host = host
         self.window = window
+        self._library = Library(frozenset()) if library is None else library
+        self._on_settled = on_settled
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
         # The runtime passes ids that differ from one run of the daemon to the
@@ -93,7 +116,13 @@ class IncidentLog:
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
+        #: Incidents of a job that another of its window took in, oldest first:
+        #: the id each goes by now (`merge`).
+        self._aliases: OrderedDict[str, str] = OrderedDict()
         self._listener: Callable[[IncidentInfo], object] = lambda incident: None
+        #: A fleet listens: an incident's verdict waits for the hosts of its job
+        #: (`expect`) or its window, not only for this host's ranks.
+        self._fleet = False
 
     def __len__(self) -> int:
         return len(self._incidents)
@@ -102,6 +131,7 @@ class IncidentLog:
         """Have ``listener`` called with each incident this host opens or adds to,
         whole, as it changes (the fleet publishes it); it replaces the one before."""
         self._listener = listener
+        self._fleet = True
 
     def kept(self, uid: int) -> int:
         """How many incidents of ``uid``'s jobs are kept."""
@@ -121,6 +151,14 @@ class IncidentLog:
         are then to be acted on)."""
         held = self._incidents.get(self._open.get(job, ""))
         if held is not None and wall < held.open_until:
+            # A process listed already (a peer, the job's incident having come from
+            # another host first) is listed once: as expired, from now on.
+            for index, listed in enumerate(held.ranks):
+                if (listed.host, listed.pid) == (rank.host, rank.pid):
+                    held.ranks[index] = rank
+                    self._judge(held)
+                    self._listener(self._whole(held))
+                    return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
         info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
@@ -141,7 +179,7 @@ class IncidentLog:
 
     def pids(self, incident_id: str) -> set[int]:
         """The pids of this host's processes the incident lists."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
@@ -173,29 +211,108 @@ class IncidentLog:
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is not None:
             self._add(incident, rank)
 
     def _add(self, incident: _Incident, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
             incident.ranks.append(rank)
+            self._judge(incident)
             self._listener(self._whole(incident))
 
-    def dumped(self, incident_id: str, pid: int, role: str, reader: tuple[int, int] | None) -> None:
+    def _judge(self, incident: _Incident) -> None:
+        """The verdict on what is known of ``incident`` now; once it settles, it is
+        recorded (``on_settled``), once."""
+        settled = incident.settled or (
+            _reported(incident) and (bool(incident.hosts) or not self._fleet)
+        )
+        incident.decision = decide(incident.ranks, library=self._library, settled=settled)
+        if settled and not incident.settled:
+            incident.settled = True
+            self._on_settled(incident.info, for_viewer(incident.decision, _nobody))
+
+    def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
+        """The fleet says ``hosts`` hold the incident's job: its verdict settles
+        once each has reported (or its window closes)."""
+        incident = self._incidents.get(incident_id)
+        if incident is not None and not incident.settled:
+            incident.hosts = hosts
+            self._judge(incident)
+
+    def tick(self, wall: float) -> None:
+        """At ``wall``: the verdict of an incident whose window has closed settles
+        on what has come."""
+        for incident in self._incidents.values():
+            if not incident.settled and wall >= incident.info.time + self.window:
+                incident.settled = True
+                decision = decide(incident.ranks, library=self._library, settled=True)
+                incident.decision = decision
+                self._on_settled(incident.info, for_viewer(decision, _nobody))
+
+    def dumped(
+        self,
+        incident_id: str,
+        pid: int,
+        role: str,
+        reader: tuple[int, int] | None,
+        *,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """The dump of this host's process ``pid`` (its ``role`` in the incident) was
-        taken: ``reader`` is who besides root may read it (`get`)."""
+        taken: ``reader`` is who besides root may read it (`get`), ``evidence`` how
+        it was taken, ``flight`` its Flight Recorder's groups."""
         found = self._pending(incident_id, pid, role)
         if found is not None:
             incident, index = found
             uid, gid = (None, None) if reader is None else reader
-            rank = incident.ranks[index]
-            incident.ranks[index] = msgspec.structs.replace(rank, reader_uid=uid, reader_gid=gid)
+            incident.ranks[index] = msgspec.structs.replace(
+                incident.ranks[index],
+                reader_uid=uid,
+                reader_gid=gid,
+                evidence=evidence,
+                flight=list(flight),
+            )
+
+    def given(
+        self,
+        incident_id: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """The evidence of this host's rank ``pid``, a peer no policy runs on (it
+        holds no timer of the job, `watchdogd.core.firing`): its stack as text, how
+        it was taken, its Flight Recorder's groups, who besides root may read it."""
+        found = self._pending(incident_id, pid, "peer")
+        if found is None:
+            return
+        incident, index = found
+        uid, gid = (None, None) if reader is None else reader
+        rank = incident.ranks[index]
+        incident.ranks[index] = msgspec.structs.replace(
+            rank,
+            state="done",
+            stack=_clip(stack, MAX_STACK_BYTES),
+            frame=first_frame(stack),
+            evidence=evidence,
+            flight=list(flight),
+            reader_uid=uid,
+            reader_gid=gid,
+            note=f"{rank.note}; {note}" if note else rank.note,
+        )
+        self._judge(incident)
+        self._listener(self._whole(incident))
 
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
         ``peer`` event says how, and holds its stack if it dumped one."""
-        role = "peer" if event.kind == "peer" else "hung"
+        role = "peer" if event.kind == "peer" else "expired"
         found = self._pending(event.incident, event.pid, role)
         if found is None:
             return
@@ -208,12 +325,13 @@ class IncidentLog:
             frame=first_frame(stack),
             note=event.note,
         )
+        self._judge(incident)
         self._listener(self._whole(incident))
 
     def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
         """The kept incident and the index of this host's rank ``pid`` in ``role``
         whose policy has not run yet, if there is one."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None:
             return None
         for index, rank in enumerate(incident.ranks):
@@ -222,37 +340,112 @@ class IncidentLog:
         return None
 
     def __contains__(self, incident_id: object) -> bool:
-        return incident_id in self._incidents
+        return incident_id in self._incidents or incident_id in self._aliases
 
-    def merge(self, remote: IncidentInfo) -> None:
+    def merge(self, remote: IncidentInfo) -> str:
         """An incident another host opened, as the fleet has it (its ranks come
-        host by host: `merge_ranks`)."""
-        if remote.id not in self._incidents:
-            self._keep(_Incident(msgspec.structs.replace(remote, ranks=[], count=0)))
+        host by host: `merge_ranks`); the id it is kept under here.
+
+        Expiries of one job within its window are one incident on every host: of
+        two opened within a window of each other (each host opened its own, a
+        moment apart), the one opened first (then the smaller id) is the one, on
+        every host alike. When it is the remote one, this host's ranks move into it
+        (and are published under its id); otherwise the remote id is taken for this
+        host's, and its host's ranks join this host's incident as they come."""
+        known = self.resolve(remote.id)
+        if known in self._incidents:
+            return known
+        job = (remote.uid, remote.job)
+        rival = self._rival(job, remote.time)
+        if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
+            self._alias(remote.id, rival.info.id)
+            return rival.info.id
+        head = msgspec.structs.replace(remote, ranks=[], count=0)
+        incident = _Incident(head, open_until=remote.time + self.window)
+        self._keep(incident)
+        if rival is not None:
+            incident.ranks = rival.ranks[:MAX_RANKS]
+            self._alias(rival.info.id, remote.id)
+            self._forget(rival.info.id)
+        if remote.kind == "expired":
+            # Any rival lost to it: expiries of the job here join it from now on.
+            self._open[job] = remote.id
+        self._judge(incident)
+        if rival is not None:
+            self._listener(self._whole(incident))
+        return remote.id
+
+    def _rival(self, job: JobKey, time: float) -> _Incident | None:
+        """This host's incident of ``job`` opened within a window of ``time``."""
+        for incident in reversed(self._incidents.values()):
+            info = incident.info
+            if (
+                (info.uid, info.job) == job
+                and info.kind == "expired"
+                and abs(info.time - time) < self.window
+            ):
+                return incident
+        return None
+
+    def open_for(self, job: JobKey, wall: float) -> bool:
+        """Whether an incident of ``job`` is open to more expiries at ``wall``."""
+        held = self._incidents.get(self._open.get(job, ""))
+        return held is not None and wall < held.open_until
+
+    def resolve(self, incident_id: str) -> str:
+        """The id an incident goes by here (another, once it joined another host's)."""
+        return self._aliases.get(incident_id, incident_id)
+
+    def _alias(self, old: str, new: str) -> None:
+        for key, value in self._aliases.items():
+            if value == old:
+                self._aliases[key] = new
+        self._aliases[old] = new
+        while len(self._aliases) > _MAX_ALIASES:
+            self._aliases.popitem(last=False)
+
+    def _forget(self, incident_id: str) -> None:
+        """Drop a kept incident whose ranks another took in."""
+        incident = self._incidents.pop(incident_id, None)
+        if incident is None:
+            return
+        uid = incident.info.uid
+        owned = self._owned.get(uid)
+        if owned is not None and incident_id in owned:
+            owned.remove(incident_id)
+            if not owned:
+                del self._owned[uid]
+        self._shares.remove(uid)
+        job = (uid, incident.info.job)
+        if self._open.get(job) == incident_id:
+            del self._open[job]
 
     def merge_ranks(self, incident_id: str, host: str, ranks: list[RankInfo]) -> bool:
         """The ranks another host found of a kept incident: they replace what was
-        known of that host's. Whether a hung rank came with them that was not
+        known of that host's. Whether an expired rank came with them that was not
         known before, in a later word from that host (an expiry there joined the
         incident after it opened)."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None or host == self.host:
             return False
         if not any(rank.host == host for rank in incident.ranks):
-            hung = {rank.pid for rank in ranks if rank.role == "hung"}
+            expired = {rank.pid for rank in ranks if rank.role == "expired"}
         else:
-            hung = {r.pid for r in incident.ranks if r.host == host and r.role == "hung"}
+            expired = {r.pid for r in incident.ranks if r.host == host and r.role == "expired"}
         kept = [rank for rank in incident.ranks if rank.host != host]
         incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
             :MAX_RANKS
         ]
+        self._judge(incident)
         return any(
-            rank.role == "hung" and rank.pid not in hung for rank in ranks if rank.host == host
+            rank.role == "expired" and rank.pid not in expired
+            for rank in ranks
+            if rank.host == host
         )
 
     def head(self, incident_id: str) -> IncidentInfo | None:
         """What an incident is, without its ranks."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         return None if incident is None else incident.info
 
     def settled_hosts(self, incident_id: str) -> set[str]:
@@ -278,7 +471,9 @@ class IncidentLog:
         """The latest ``limit`` incidents ``viewer`` may see, newest last, without
         their ranks (``count`` says how many)."""
         seen = [
-            msgspec.structs.replace(incident.info, count=len(incident.ranks))
+            msgspec.structs.replace(
+                incident.info, count=len(incident.ranks), verdict=_viewed(incident, viewer)
+            )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
         ]
@@ -296,10 +491,10 @@ class IncidentLog:
 
     def get(self, incident_id: str, viewer: int, viewer_gid: int) -> IncidentInfo | None:
         """One incident as ``viewer`` (of group ``viewer_gid``) may see it (None:
-        none it may see), hung ranks first, then by host and rank, its stacks cut
+        none it may see), expired ranks first, then by host and rank, its stacks cut
         to fit a reply. A rank's stack and frame are shown to root, and to the
         rank's reader (`may_read`); to anyone else, a note says why not."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None or viewer not in (ROOT, incident.info.uid):
             return None
         ranks = [
@@ -313,7 +508,12 @@ class IncidentLog:
             else msgspec.structs.replace(rank, stack=_clip(rank.stack, budget))
             for rank in ranks
         ]
-        return msgspec.structs.replace(incident.info, ranks=ranks, count=len(ranks))
+        return msgspec.structs.replace(
+            incident.info,
+            ranks=ranks,
+            count=len(ranks),
+            verdict=_viewed(incident, viewer, viewer_gid),
+        )
 
     def _whole(self, incident: _Incident) -> IncidentInfo:
         return msgspec.structs.replace(
@@ -337,6 +537,37 @@ class IncidentLog:
         job = (info.uid, info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
+
+
+def _viewed(incident: _Incident, viewer: int, viewer_gid: int | None = None) -> Verdict | None:
+    """The verdict as ``viewer`` may see it: the culprits and the collective,
+    and each frame only where ``viewer`` may see that rank's stack (a listing,
+    ``viewer_gid`` None, shows frames to root alone)."""
+    if incident.decision is None:
+        return None
+    if viewer == ROOT:
+        return incident.decision.verdict
+    if viewer_gid is None:
+        return for_viewer(incident.decision, _nobody)
+    readable = {
+        (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
+    }
+    return for_viewer(incident.decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+
+
+def _reported(incident: _Incident) -> bool:
+    """Whether every rank known has reported and every host of the job too."""
+    hosts = {rank.host for rank in incident.ranks}
+    return (
+        bool(incident.ranks)
+        and incident.hosts <= hosts
+        and all(rank.state != "pending" for rank in incident.ranks)
+    )
+
+
+def _nobody(culprit: Culprit) -> bool:
+    """A viewer who may see no rank's stack."""
+    return False
 
 
 def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
@@ -407,4 +638,4 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _shown_order(rank: RankInfo) -> tuple[int, str, int, int]:
-    return (rank.role != "hung", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)
+    return (rank.role != "expired", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)

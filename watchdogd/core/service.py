@@ -27,15 +27,19 @@ each, and does nothing itself but dispatch and the daemon's own events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, assert_never
 
 from watchdogd_client.protocol import (
     Acquire,
+    ErrorCode,
     EventInfo,
     Events,
+    Evidence,
+    GroupState,
     Hello,
     Incident,
+    IncidentInfo,
     Incidents,
     Metrics,
     MetricsReply,
@@ -45,18 +49,23 @@ from watchdogd_client.protocol import (
     Release,
     ReplyMessage,
     RequestMessage,
+    Respond,
+    Responding,
     Status,
     Suggest,
+    Verdict,
     Welcome,
     Why,
 )
 
+from ..errors import Refusal
 from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
 from .counters import Counters
 from .events import EventLog
 from .firing import Firing
+from .frames import Library
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
@@ -65,6 +74,7 @@ from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .responders import Responders
 from .rules import Rules
 from .timers import Expired, Timer, TimerTable
 
@@ -99,7 +109,10 @@ class Service(Generic[P]):
         log: LogSink | None = None,
         new_id: Callable[[], str] | None = None,
         host: str = "localhost",
+        stdlib: frozenset[str] = frozenset(),
     ) -> None:
+        """``stdlib``: the standard library's top-level module names
+        (``sys.stdlib_module_names``), whose frames are not where a rank waits."""
         daemon = config.daemon
         self.rules = Rules(config)
         self.table: TimerTable[P] = TimerTable()
@@ -110,12 +123,16 @@ class Service(Generic[P]):
         self.events = EventLog(daemon.events, on_event, per_uid=daemon.events_per_uid, log=self.log)
         self.history = History()
         self._configure_history(config)
+        #: The processes that answer evidence requests, by job.
+        self.responders = Responders()
         self.incidents = IncidentLog(
             host,
             keep=daemon.incidents,
             per_uid=daemon.incidents_per_uid,
             window=daemon.incident_window,
             new_id=new_id,
+            library=Library(stdlib),
+            on_settled=self._verdict_settled,
         )
         self.daemon_pid = daemon_pid
         self.started = now
@@ -125,6 +142,7 @@ class Service(Generic[P]):
             self.table,
             processes,
             self.journal,
+            responders=self.responders,
             incidents=self.incidents,
             on_deadline=on_deadline,
             events=self.events,
@@ -156,6 +174,7 @@ class Service(Generic[P]):
             self.table,
             self.expiries,
             self.incidents,
+            responders=self.responders,
             daemon_pid=daemon_pid,
             events=self.events,
             metrics=self.metrics,
@@ -239,7 +258,10 @@ class Service(Generic[P]):
         """`Arming.welcome`."""
         return self.arming.welcome(hello)
 
-    def handle(self, request: RequestMessage, caller: Caller[P], now: float) -> ReplyMessage:
+    # One branch per request type, by design: the whole dispatch reads in one place.
+    def handle(  # noqa: PLR0912
+        self, request: RequestMessage, caller: Caller[P], now: float
+    ) -> ReplyMessage:
         """Answer one validated request. Raises `Refusal` to refuse it."""
         match request:
             case Acquire():
@@ -264,8 +286,22 @@ class Service(Generic[P]):
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
                 return self.pages.incidents(request, caller.peer)
+            case Respond() | Evidence():
+                return self._responding(request, caller)
             case _:
                 assert_never(request)
+
+    def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
+        """A responder's `Respond`, or its `Evidence` (whoever asked for it takes it
+        from the connection: `watchdogd.runtime.responders`)."""
+        peer = caller.peer
+        if isinstance(request, Respond):
+            self.responders.register(peer.pid, peer.uid, request)
+        elif self.responders.get(peer.pid) is None:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST, "evidence is taken only from a responder, after respond"
+            )
+        return Responding(id=request.id)
 
     def metrics_text(self) -> str:
         """`Pages.metrics_text`."""
@@ -294,9 +330,60 @@ class Service(Generic[P]):
         """`Firing.record_expiries`."""
         self.expiries.record_expiries(events)
 
-    def dump_taken(self, timer: Timer, reader: tuple[int, int] | None) -> None:
+    def dump_taken(
+        self,
+        timer: Timer,
+        reader: tuple[int, int] | None,
+        evidence: str = "",
+        flight: Sequence[GroupState] = (),
+    ) -> None:
         """`Firing.dump_taken`."""
-        self.expiries.dump_taken(timer, reader)
+        self.expiries.dump_taken(timer, reader, evidence, flight)
+
+    def take_asks(self) -> list[tuple[str, int]]:
+        """`Firing.take_asks`."""
+        return self.expiries.take_asks()
+
+    def evidence_given(
+        self,
+        incident: str,
+        pid: int,
+        stack: str,
+        *,
+        evidence: str,
+        flight: Sequence[GroupState],
+        reader: tuple[int, int] | None,
+        note: str = "",
+    ) -> None:
+        """`Firing.evidence_given`."""
+        self.expiries.evidence_given(
+            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
+        )
+
+    def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:
+        """An incident's verdict settled: counted by kind, and an event of its owner's."""
+        self.metrics.verdicts[verdict.kind] += 1
+        here = [c for c in verdict.culprits if c.host == self.incidents.host]
+        self.events.record(
+            EventInfo(
+                seq=0,
+                kind="verdict",
+                time=self._wall(),
+                pid=here[0].pid if here else 0,
+                uid=incident.uid,
+                scope=incident.scope,
+                policy="",
+                job=incident.job,
+                rank=verdict.culprits[0].rank if verdict.culprits else None,
+                incident=incident.id,
+                note=verdict.text,
+                outcome=verdict.kind,
+            )
+        )
+
+    def settle_incidents(self) -> None:
+        """`IncidentLog.tick`, now."""
+        self.incidents.tick(self._wall())
 
     def record_unkillable(self, event: EventInfo) -> None:
         """`Firing.record_unkillable`."""

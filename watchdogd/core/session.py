@@ -11,6 +11,9 @@ buffer, and says when the connection must close. Invariants:
   handed to the log (rate-limited per uid) and answered with ``internal``. Nothing a request can
   cause other than a bug is logged with a traceback.
 - Every request is counted once, by op and result, when it is answered.
+- A connection whose `Respond` was taken is a responder's (``responder``): an
+  `Evidence` it sends is answered and handed back to the connection, which gives it
+  to whoever asked on it (`watchdogd.runtime.responders`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from watchdogd_client.protocol import (
     ErrorCode,
     Events,
     EventsReply,
+    Evidence,
     Hello,
     ReplyMessage,
     RequestMessage,
+    Respond,
+    Responding,
     decode_request,
     encode_frame_into,
 )
@@ -38,20 +44,22 @@ from .service import Caller, Service
 class Session:
     """The protocol state of one connection from ``caller``."""
 
-    __slots__ = ("caller", "greeted", "service")
+    __slots__ = ("caller", "greeted", "responder", "service")
 
     def __init__(self, service: Service[Any], caller: Caller[Any]) -> None:
         self.service = service
         self.caller = caller
         self.greeted = False
+        #: Its `Respond` was taken: the process answers evidence requests on it.
+        self.responder = False
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
-    ) -> bool | Events:
+    ) -> bool | Events | Evidence:
         """Handle one frame body, appending the reply to ``out``. Returns False when
-        the connection must close after ``out`` is sent, or (when ``may_wait``) the
+        the connection must close after ``out`` is sent, (when ``may_wait``) the
         `Events` request to answer with `answer` once an event happens or its wait
-        runs out."""
+        runs out, or the `Evidence` a responder sent, answered already."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -84,7 +92,7 @@ class Session:
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
-    ) -> bool | Events:
+    ) -> bool | Events | Evidence:
         """Handle a decoded request, appending its reply to ``out``."""
         result = "ok"
         reply: ReplyMessage
@@ -120,6 +128,11 @@ class Session:
             return request
         self.service.metrics.count_request(_OPS[type(request)], result)
         encode_frame_into(reply, out)
+        if isinstance(reply, Responding):
+            if isinstance(request, Respond):
+                self.responder = True
+            elif isinstance(request, Evidence):
+                return request
         return True
 
 

@@ -58,6 +58,11 @@ class Shares:
         self._count(uid, +1)
         return victim
 
+    def remove(self, uid: int) -> None:
+        """Count one item of ``uid`` fewer: the store dropped it itself."""
+        if self.held(uid):
+            self._count(uid, -1)
+
     def resize(self, size: int, per_uid: int | None = None) -> list[int]:
         """Bound the store anew: the uids whose oldest items must go to fit, a uid
         for each item, in order (so the newest stay)."""

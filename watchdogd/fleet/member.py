@@ -313,6 +313,8 @@ class FleetMember(Generic[P]):
         while len(self._followed) > MAX_PENDING:
             self._followed.popitem(last=False)
         job = (incident.user, incident.job)
+        # Its verdict settles once every host of the job has reported.
+        self.core.expect(incident.id, frozenset(self.holders(*job) | {self.host, incident.host}))
         open_until = incident.time + self.core.incident_window
         following = self._following.get(job)
         if following is not None:

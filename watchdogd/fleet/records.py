@@ -39,7 +39,8 @@ from urllib.parse import quote, unquote
 import msgspec
 from msgspec import Meta, Struct
 
-from watchdogd_client.protocol import MAX_JOB_BYTES, IncidentInfo, RankInfo
+from watchdogd_client.protocol import MAX_JOB_BYTES, GroupState, IncidentInfo, RankInfo
+from watchdogd_client.protocol.evidence import MAX_GROUPS
 
 from ..host.users import fleet_user
 
@@ -118,7 +119,8 @@ class FleetRank(Struct, frozen=True, kw_only=True, omit_defaults=True):
     host: Annotated[str, Meta(max_length=64)]
     pid: _Pid
     uid: _Uid
-    role: Literal["hung", "peer", "expired"]
+    #: ``hung`` is how a daemon of before named ``expired`` (`fleet_rank`).
+    role: Literal["expired", "peer", "hung"]
     scope: Annotated[str, Meta(max_length=MAX_SCOPE_BYTES)]
     state: Literal["pending", "done", "gone", "denied"] = "pending"
     rank: _Count | None = None
@@ -129,6 +131,10 @@ class FleetRank(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frame: _Text = ""
     stack: Annotated[str, Meta(max_length=MAX_STACK_BYTES)] = ""
     note: _Text = ""
+    #: How its stack was taken (``worker``, ``py-spy``, a dumper's name, ``none``).
+    evidence: _Short = ""
+    #: Its Flight Recorder's groups: what a verdict needs, no more.
+    flight: Annotated[list[GroupState], Meta(max_length=MAX_GROUPS)] = []
     #: The fleet name of the one user besides root who may read the stack.
     reader: Annotated[str, Meta(max_length=64)] = ""
 
@@ -224,10 +230,12 @@ def decode_ranks(host: str, value: bytes) -> list[tuple[RankInfo, str]]:
             raise Rejected("mismatch", f"a rank of host {rank.host!r} under host {host}")
         if rank.reader and not fleet_user(rank.reader):
             raise Rejected("name", "a rank whose reader is not a valid name")
-        _check_text(rank.scope, rank.policy, rank.reason, rank.frame, rank.note)
+        _check_text(rank.scope, rank.policy, rank.reason, rank.frame, rank.note, rank.evidence)
         if len(rank.stack.encode()) > MAX_STACK_BYTES:
             raise Rejected("size", f"a stack over {MAX_STACK_BYTES} bytes")
         info = RankInfo(**{name: getattr(rank, name) for name in _SHARED_FIELDS})
+        if info.role == "hung":
+            info = msgspec.structs.replace(info, role="expired")
         decoded.append((info, rank.reader))
     return decoded
 

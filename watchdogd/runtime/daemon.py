@@ -56,6 +56,7 @@ from ..storage.history_file import HistoryFile, history_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
 from .metrics import exposition, write_textfile
+from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 
@@ -106,6 +107,8 @@ class HostProcesses:
 _SWITCH_INTERVAL: Final = 0.0001
 #: The longest the cyclic garbage collector is held off by one burst of expiries.
 _HOLD_COLLECTOR: Final = 1.0
+#: How often an incident whose window has closed is looked for, to settle its verdict.
+_SETTLE_EVERY: Final = 0.5
 
 
 class Collector:
@@ -270,6 +273,7 @@ class Daemon:
             journal=self.store,
             render_metrics=exposition,
             host=host,
+            stdlib=frozenset(sys.stdlib_module_names),
         )
         self.history_file: HistoryFile | None = None
         if state_path is not None:
@@ -305,8 +309,9 @@ class Daemon:
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
+        asks = Asks()
         self.executor = Executor(
-            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake
+            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake, asks=asks
         )
         await nursery.start(self.executor.run)
         await nursery.start(self.names.run)
@@ -318,12 +323,13 @@ class Daemon:
         if self.config.fleet.etcd:
             await self._join_fleet(nursery)
         await nursery.start(self.scheduler.run)
-        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll)
+        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
         await nursery.start(serve, self.listener, self.service, context)
         self.executor.carry_out(self.restored.resumed)
         self.restored.resumed = []
         if metrics_textfile is not None:
             nursery.start_soon(_write_metrics, self.service, metrics_textfile)
+        nursery.start_soon(_settle_incidents, self.service)
         state = "none" if self.store is None else self.store.path
         log.info(
             logfmt(
@@ -513,6 +519,14 @@ def reload(
             ok = True
     service.record_reload(ok, note)
     return ok
+
+
+async def _settle_incidents(service: Service[Process]) -> None:
+    """Let the verdict of an incident whose window has closed settle: no host of its
+    job will add to it now."""
+    while True:
+        await trio.sleep(_SETTLE_EVERY)
+        service.settle_incidents()
 
 
 async def _write_metrics(service: Service[Process], path: str) -> None:

@@ -65,6 +65,7 @@ import trio
 
 from watchdogd_client.protocol import EventInfo
 
+from ..core.evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.expiry import (
     SENT,
     CheckAlive,
@@ -79,13 +80,14 @@ from ..core.expiry import (
     WatchExit,
     first_signal,
 )
-from ..core.policies import Policy
+from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, Policy
 from ..core.service import Service
 from ..core.timers import Expired, Timer
 from ..host.process import Process, ptrace_reader
 from ..host.targets import Target, open_target
 from ..logs import log
 from .hooks import DumpPool, run_hook, substitute
+from .responders import Asks
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
 #: settles: a pass stays short, so a request waits no longer.
@@ -143,9 +145,12 @@ class Executor:
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
         on_settle: Callable[[], object] = lambda: None,
+        asks: Asks | None = None,
     ) -> None:
-        """``on_settle`` is called when expiries are waiting for `settle`."""
+        """``on_settle`` is called when expiries are waiting for `settle`; ``asks``
+        reach the workers' responders."""
         self._service = service
+        self._asks = Asks() if asks is None else asks
         self._nursery = nursery
         self._clock = clock
         self._wall = wall
@@ -197,6 +202,33 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
+        for incident, pid in self._service.take_asks():
+            self._nursery.start_soon(self._ask_rank, incident, pid)
+
+    async def _ask_rank(self, incident: str, pid: int) -> None:
+        """The evidence of a rank of ``incident`` that holds no timer of its job:
+        from its responder, or, when it does not answer, from py-spy."""
+        before = ptrace_reader(pid)
+        given = await self._asks.ask(pid, incident, self._service.config.evidence_timeout)
+        if given is not None:
+            stack, taken, flight, note = stack_text(given), WORKER, flight_groups(given), ""
+        else:
+            argv = substitute(DEFAULT_DUMPER, {"pid": str(pid), "scope": ""})
+            hook = await self._dumps.run(argv, {}, DEFAULT_STEP_TIMEOUT)
+            stack, flight, note = hook.output, [], ""
+            taken = os.path.basename(argv[0]) if hook.status == 0 else NONE
+            if hook.status != 0:
+                note = f"its responder did not answer, and {argv[0]}: {hook.result}"
+        after = ptrace_reader(pid)
+        self._service.evidence_given(
+            incident,
+            pid,
+            stack,
+            evidence=taken,
+            flight=flight,
+            reader=before if before == after else None,
+            note=note,
+        )
 
     def _send_first(self, item: Expired[Process], read_command: bool) -> bool:
         """The short way for a run that starts afresh with a signal to its process
@@ -370,22 +402,48 @@ class Executor:
         run.waited(await target.wait_exit(max(0.0, end - self._clock())))
 
     async def _hook(self, run: Run, effect: RunHook | TakeDump) -> None:
-        """An ``exec`` hook, or a dump of the timer's process and who besides root
-        may read it: the one user ptrace's read rule let read the process both
-        just before and just after it was dumped
-        (`watchdogd.host.process.ptrace_reader`), stored with the stack, since the
-        process may be gone when someone looks."""
-        argv = substitute(effect.step.argv, effect.values)
-        if isinstance(effect, RunHook):
-            hook = await run_hook(argv, effect.env, effect.step.timeout)
-        else:
-            pid = run.timer.pid
-            before = ptrace_reader(pid)
-            self._dumps.resize(self._service.config.max_dumps)  # a reload may have changed it
-            hook = await self._dumps.run(argv, effect.env, effect.step.timeout)
-            after = ptrace_reader(pid)
-            self._service.dump_taken(run.timer, before if before == after else None)
+        """An ``exec`` hook, or a dump of the timer's process (`_dump`)."""
+        if isinstance(effect, TakeDump):
+            await self._dump(run, effect)
+            return
+        hook = await run_hook(
+            substitute(effect.step.argv, effect.values), effect.env, effect.step.timeout
+        )
         run.hooked(hook.result, hook.output)
+
+    async def _dump(self, run: Run, effect: TakeDump) -> None:
+        """A dump of the timer's process, and who besides root may read it: the one
+        user ptrace's read rule let read the process both just before and just after
+        it was dumped (`watchdogd.host.process.ptrace_reader`), stored with the stack,
+        since the process may be gone when someone looks.
+
+        Its responder is asked first: a worker that answers within
+        ``evidence_timeout`` gives its stacks (and its Flight Recorder) from inside,
+        and the default dumper, py-spy, is not run. One that does not answer, or a
+        dump step that names a dumper of its own, runs the dumper as before."""
+        pid = run.timer.pid
+        config = self._service.config
+        before = ptrace_reader(pid)
+        incident = "" if run.timer.run is None else run.timer.run.incident
+        given = await self._asks.ask(pid, incident, config.evidence_timeout)
+        if given is not None and effect.step.argv == DEFAULT_DUMPER:
+            after = ptrace_reader(pid)
+            reader = before if before == after else None
+            self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
+            run.hooked("ok: from the worker's responder", stack_text(given))
+            return
+        argv = substitute(effect.step.argv, effect.values)
+        self._dumps.resize(config.max_dumps)  # a reload may have changed it
+        hook = await self._dumps.run(argv, effect.env, effect.step.timeout)
+        after = ptrace_reader(pid)
+        taken = os.path.basename(argv[0]) if hook.status == 0 else NONE
+        output = hook.output
+        if given is not None:
+            output = stack_text(given) + output
+            taken = WORKER
+        flight = [] if given is None else flight_groups(given)
+        self._service.dump_taken(run.timer, before if before == after else None, taken, flight)
+        run.hooked(hook.result, output)
 
     # The stages of one expiry.
 

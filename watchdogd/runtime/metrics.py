@@ -66,6 +66,15 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "watchdogd_incidents", "Incidents this host opened for a job.", value=m.incidents
         )
+        verdicts = CounterMetricFamily(
+            "watchdogd_incident_verdicts",
+            "Verdicts of incidents kept here, by kind, counted once each when it settles "
+            "(every host of the job reported, or the incident's window closed).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(m.verdicts.items()):
+            verdicts.add_metric([kind], count)
+        yield verdicts
         jobs = GaugeMetricFamily(
             "watchdogd_job_processes",
             "Processes holding timers of a job, by its owner's uid and job: the "

@@ -38,6 +38,7 @@ from watchdogd_client.protocol import (
     Acquired,
     Error,
     Events,
+    Evidence,
     FrameReader,
     Released,
     decode_reply,
@@ -51,6 +52,7 @@ from ..core.session import Session
 from ..errors import ListenError, Refusal
 from ..host.process import peer_of
 from ..logs import log, logfmt
+from .responders import Asks
 
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024
@@ -237,6 +239,8 @@ class Context:
     tick: Callable[[float], None]
     #: What each uid's connections hold in replies.
     replies: ReplyBudget = field(default_factory=ReplyBudget)
+    #: The responders' connections, and the asks waiting on them.
+    asks: Asks = field(default_factory=Asks)
 
 
 async def serve(
@@ -277,9 +281,12 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         except Refusal as refusal:
             await _refuse(conn, refusal, service.config.max_frame_bytes)
             return
+        connection = _Connection(conn, Session(service, caller), context)
         try:
-            await _Connection(conn, Session(service, caller), context).converse()
+            await connection.converse()
         finally:
+            if connection.session.responder and context.asks.detach(peer.pid, connection):
+                service.responders.unregister(peer.pid)
             service.close_connection(caller)
     except (ConnectionResetError, BrokenPipeError):
         pass
@@ -356,6 +363,9 @@ class _Connection:
         self.uid = session.caller.peer.uid
         #: Bytes of this connection's replies counted in ``context.replies``.
         self.held = 0
+        #: A send is under way: nothing else may write to the socket until it ends.
+        self.sending = False
+        self.attached = False
 
     async def converse(self) -> None:
         try:
@@ -437,7 +447,12 @@ class _Connection:
             if outcome is False:
                 await self.flush(out)
                 return False
-            if outcome is not True:
+            if self.session.responder and not self.attached:
+                self.attached = True
+                self.context.asks.attach(self.session.caller.peer.pid, self)
+            if isinstance(outcome, Evidence):
+                self.context.asks.answered(self, outcome)
+            elif outcome is not True:
                 # A follower waiting for news: answer what came before it first.
                 if not await self.flush(out):
                     return False
@@ -478,7 +493,12 @@ class _Connection:
                 self.durable = changed
             else:
                 out = _not_durable(out)
-        if await _send_all(self.conn, out, self.config.send_timeout):
+        self.sending = True
+        try:
+            sent = await _send_all(self.conn, out, self.config.send_timeout)
+        finally:
+            self.sending = False
+        if sent:
             return True
         peer = self.session.caller.peer
         self.session.service.log.log(
@@ -486,6 +506,24 @@ class _Connection:
             logging.INFO,
             logfmt("unread_replies", pid=peer.pid, uid=peer.uid),
         )
+        return False
+
+    def send_now(self, frame: bytes) -> bool:
+        """Send ``frame`` (a message of the daemon's own to a responder) whole, now,
+        or not at all: never into the middle of a reply being sent, and never
+        waiting on a responder that does not read."""
+        if self.sending:
+            return False
+        try:
+            sent = self.conn.send(frame)
+        except OSError:
+            return False
+        if sent == len(frame):
+            return True
+        # A part went: the stream is out of step with its frames, and the
+        # responder's side reads garbage from here on. Close it.
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
         return False
 
     async def wait_for_news(self, request: Events) -> None:

@@ -18,19 +18,30 @@ Invariants the daemon and the client both rely on:
   peer can read a newer peer's messages (msgspec's schema-evolution rules).
 
 Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
-daemon answers, and the codes of its refusals) and `protocol.frames` (framing, the
+daemon answers, and the codes of its refusals), `protocol.evidence` (what a
+worker's responder answers from inside it) and `protocol.frames` (framing, the
 bounds on a frame, one decoder per direction). Every name is imported from here, by
 the daemon and the clients alike.
 """
 
 from __future__ import annotations
 
+from .evidence import (
+    MAX_EVIDENCE_BYTES,
+    Collective,
+    EvidenceWanted,
+    FlightRecord,
+    Frame,
+    GroupState,
+    ThreadStack,
+)
 from .frames import (
     HEADER_SIZE,
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     MAX_REQUEST_FRAME,
     FrameReader,
+    decode_for_responder,
     decode_reply,
     decode_request,
     encode_frame,
@@ -39,6 +50,8 @@ from .frames import (
 from .replies import (
     MAX_COMMAND_BYTES,
     Acquired,
+    CollectiveRef,
+    Culprit,
     DaemonInfo,
     Error,
     ErrorCode,
@@ -55,21 +68,25 @@ from .replies import (
     Released,
     Reply,
     ReplyMessage,
+    Responding,
     StatusReply,
     StepResult,
     SuggestionInfo,
     SuggestReply,
     TimerInfo,
+    Verdict,
     Welcome,
     WhyReply,
     WhyTimer,
 )
 from .requests import (
     MAX_JOB_BYTES,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Acquire,
     Auto,
     Events,
+    Evidence,
     Hello,
     Incident,
     Incidents,
@@ -86,6 +103,7 @@ from .requests import (
     Request,
     RequestId,
     RequestMessage,
+    Respond,
     Scope,
     Status,
     Suggest,
@@ -96,21 +114,31 @@ from .requests import (
 __all__ = [
     "HEADER_SIZE",
     "MAX_COMMAND_BYTES",
+    "MAX_EVIDENCE_BYTES",
     "MAX_JOB_BYTES",
     "MAX_REPLY_BYTES",
     "MAX_REPLY_FRAME",
     "MAX_REQUEST_FRAME",
+    "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "Acquire",
     "Acquired",
     "Auto",
+    "Collective",
+    "CollectiveRef",
+    "Culprit",
     "DaemonInfo",
     "Error",
     "ErrorCode",
     "EventInfo",
     "Events",
     "EventsReply",
+    "Evidence",
+    "EvidenceWanted",
+    "FlightRecord",
+    "Frame",
     "FrameReader",
+    "GroupState",
     "Hello",
     "Incident",
     "IncidentInfo",
@@ -138,6 +166,8 @@ __all__ = [
     "Request",
     "RequestId",
     "RequestMessage",
+    "Respond",
+    "Responding",
     "Scope",
     "Status",
     "StatusReply",
@@ -145,12 +175,15 @@ __all__ = [
     "Suggest",
     "SuggestReply",
     "SuggestionInfo",
+    "ThreadStack",
     "Timeout",
     "TimerInfo",
+    "Verdict",
     "Welcome",
     "Why",
     "WhyReply",
     "WhyTimer",
+    "decode_for_responder",
     "decode_reply",
     "decode_request",
     "encode_frame",

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import FrameTooLarge, ProtocolError
+from .evidence import EvidenceWanted
 from .replies import ErrorCode, Reply, ReplyMessage
 from .requests import Request, RequestId, RequestMessage
 
@@ -43,10 +44,15 @@ class _Envelope(Struct):
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(RequestMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+#: What a responder's connection receives: replies, and the daemon's one message of
+#: its own (`EvidenceWanted`).
+_responder_decoder: msgspec.msgpack.Decoder[ReplyMessage | EvidenceWanted] = (
+    msgspec.msgpack.Decoder(ReplyMessage | EvidenceWanted)
+)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
-def encode_frame(message: Request | Reply) -> bytes:
+def encode_frame(message: Request | Reply | EvidenceWanted) -> bytes:
     """Return one complete frame carrying ``message``."""
     # Encoding first and prepending the header is the quickest of the ways to make
     # one frame; `encode_frame_into` is for several frames in one buffer.
@@ -54,7 +60,7 @@ def encode_frame(message: Request | Reply) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def encode_frame_into(message: Request | Reply, out: bytearray) -> None:
+def encode_frame_into(message: Request | Reply | EvidenceWanted, out: bytearray) -> None:
     """Append one complete frame carrying ``message`` to ``out``.
 
     Several replies appended to one buffer go out in one send.
@@ -100,6 +106,15 @@ def decode_reply(frame: bytes) -> ReplyMessage:
         return _reply_decoder.decode(frame)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"unreadable reply from daemon: {exc}") from None
+
+
+def decode_for_responder(frame: bytes) -> ReplyMessage | EvidenceWanted:
+    """Decode one frame a responder's connection received: a reply, or the daemon's
+    `EvidenceWanted`; raises `ProtocolError` if it is neither."""
+    try:
+        return _responder_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unreadable message from daemon: {exc}") from None
 
 
 class FrameReader:

@@ -14,6 +14,7 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
+from .evidence import GroupState
 from .requests import RequestId
 
 #: The most of a command line a status page shows, in UTF-8 bytes (marker included).
@@ -176,7 +177,10 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     """One recorded event. ``kind`` is ``expired``, ``peer`` (a job's peer policy
     run on a process of an incident's job), ``extended`` (a timer given
     more time because its process was starved; ``deadline`` is its new one),
-    ``exited``, ``unkillable``, ``reloaded`` or ``reload_failed``; times are Unix
+    ``exited``, ``unkillable``, ``reloaded``, ``reload_failed`` or ``verdict`` (an
+    incident's verdict settled: ``outcome`` is its kind, ``note`` its sentence
+    without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
+    here); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
     ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
     policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
@@ -312,10 +316,12 @@ class WhyReply(Reply, tag="why", frozen=True, kw_only=True):
 
 
 class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One process of an incident's job: the rank that was ``hung`` (its timer
-    expired) or a ``peer`` (it held a timer of the job), on ``host``.
+    """One process of an incident's job, on ``host``: ``expired`` (its own timer
+    expired) or a ``peer`` (it held a timer of the job, or its responder said it is
+    a rank of the job). Which rank the job waits for is the incident's `Verdict`'s
+    to say, not the role.
 
-    ``state`` is ``pending`` until its policy (the hung rank's own, or the peer
+    ``state`` is ``pending`` until its policy (the expired rank's own, or the peer
     policy) has run, then ``done``, ``gone`` (it had exited) or ``denied``.
     ``stack`` is what its dump step captured; ``frame`` the innermost frame of
     its main thread, where it was waiting. Both are empty for a caller who may not
@@ -339,6 +345,46 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     note: str = ""
     reader_uid: int | None = None
     reader_gid: int | None = None
+    #: How its stack was taken: ``worker`` (its responder answered), ``py-spy``
+    #: (read from outside, with ptrace) or ``none``; empty until its policy ran.
+    evidence: str = ""
+    #: Its Flight Recorder's groups, where it has one (`GroupState`).
+    flight: list[GroupState] = []
+
+
+class Culprit(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A rank a verdict names: on ``host``, process ``pid``, rank ``rank``."""
+
+    host: str
+    pid: int
+    rank: int | None = None
+
+
+class CollectiveRef(Struct, frozen=True, kw_only=True):
+    """The collective a verdict is about: sequence ``seq`` of ``group``, ``op``."""
+
+    group: str
+    seq: int
+    op: str
+
+
+class Verdict(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Who an incident's job waits for. ``kind``: ``missing`` (``culprits`` never
+    entered the ``collective`` the others wait in), ``mismatch`` (they entered it
+    with another op, sizes or dtypes), ``odd_frame`` (by stacks: their main thread
+    waits where the others' do not) or ``undecided``. ``basis`` says on what it rests
+    (``flight_recorder``, ``stacks``), ``text`` says it in one sentence, and
+    ``settled`` that every host has reported or the incident's window has closed.
+    ``groups`` (``undecided``) lists each frame the ranks wait in with the ranks
+    there."""
+
+    kind: str
+    basis: str = ""
+    culprits: list[Culprit] = []
+    collective: CollectiveRef | None = None
+    text: str = ""
+    settled: bool = False
+    groups: list[str] = []
 
 
 class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -360,6 +406,7 @@ class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     ranks: list[RankInfo] = []
     #: How many ranks the incident has, when ``ranks`` is left out (a listing).
     count: int = 0
+    verdict: Verdict | None = None
 
 
 class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
@@ -372,6 +419,10 @@ class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
     """Answer to `Incident`."""
 
     incident: IncidentInfo
+
+
+class Responding(Reply, tag="responding", frozen=True, kw_only=True):
+    """Answer to `Respond` and to `Evidence`: taken."""
 
 
 class Error(Reply, tag="error", frozen=True, kw_only=True):
@@ -395,5 +446,6 @@ ReplyMessage = (
     | WhyReply
     | IncidentsReply
     | IncidentReply
+    | Responding
     | Error
 )

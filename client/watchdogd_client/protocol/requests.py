@@ -12,8 +12,13 @@ from typing import Annotated, Final
 
 from msgspec import Meta, Struct
 
-#: Major protocol version. A peer with another major version is refused at handshake.
-PROTOCOL_VERSION: Final = 1
+from .evidence import MAX_THREADS, AskId, FlightRecord, ThreadStack
+
+#: Protocol version. A daemon answers a client of any version from
+#: `MIN_PROTOCOL_VERSION` up to its own, and refuses one outside that range.
+PROTOCOL_VERSION: Final = 2
+#: The oldest version this side still speaks: 1 has no responder (`Respond`).
+MIN_PROTOCOL_VERSION: Final = 1
 #: The longest job name, in UTF-8 bytes.
 MAX_JOB_BYTES: Final = 128
 
@@ -167,6 +172,26 @@ class Incident(Request, tag="incident", frozen=True, kw_only=True):
     incident: Annotated[str, Meta(min_length=1, max_length=128)]
 
 
+class Respond(Request, tag="respond", frozen=True, kw_only=True):
+    """On a responder's connection, after `Hello`: this process (the kernel says
+    which) answers `EvidenceWanted`, and is a rank of ``job`` (None: of none)."""
+
+    job: Job | None = None
+    rank: Rank | None = None
+    local_rank: Rank | None = None
+    group_rank: Rank | None = None
+
+
+class Evidence(Request, tag="evidence", frozen=True, kw_only=True):
+    """A responder's answer to `EvidenceWanted` ``ask``. ``note`` says what could not
+    be taken (no Flight Recorder, what was cut)."""
+
+    ask: AskId
+    threads: Annotated[list[ThreadStack], Meta(max_length=MAX_THREADS)] = []
+    flight: FlightRecord | None = None
+    note: Annotated[str, Meta(max_length=1024)] = ""
+
+
 RequestMessage = (
     Hello
     | Acquire
@@ -180,4 +205,6 @@ RequestMessage = (
     | Why
     | Incidents
     | Incident
+    | Respond
+    | Evidence
 )

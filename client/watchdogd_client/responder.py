@@ -1,0 +1,331 @@
+"""This process's responder: the one background connection a client has, on which
+the daemon asks for evidence from inside the worker and gets it without ptrace.
+
+A process gets one responder, started by its first timer: the first ``acquire()``
+or ``expires()`` of a `watchdogd_client.Client` on the process itself (the torch
+adapter's timers are such), through `settle_responder`. It is a daemon thread with a
+connection of its own, which it opens on its own: arming never waits for it. On
+each connection it
+
+1. checks who listens on the socket (SO_PEERCRED): a daemon that runs neither as
+   root nor as this process's effective uid is sent nothing, not even a hello;
+2. sends `Hello` with the protocol's version, then `Respond` with the job and ranks
+   of the timer that started it (by default from the environment,
+   `watchdogd_client.arming.job_of`), and reads `Responding`;
+3. answers every `EvidenceWanted` with `Evidence` for the same ``ask``
+   (`take_evidence`), for as long as the connection lasts, reading the daemon's
+   `Responding` to each without waiting for it.
+
+Invariants:
+
+- One responder per process, and only one ever connected: after ``fork()`` the
+  child has none (its copy of the parent's socket is closed, which sends nothing
+  on it), and its own first timer starts its own, which answers for the child.
+- A connection that ends (the daemon restarted) is opened again, with `Respond`
+  sent again, after pauses from 10 ms doubling to 2 s; the pauses start again from
+  10 ms once the daemon has taken a `Respond`.
+- It stops for good, quietly, when the daemon refuses its version (a daemon older
+  than protocol 2, which has no responders) or refuses `Respond` for a reason that
+  asking again would not change; the client's own connections are unaffected.
+- An `Evidence` always encodes within `protocol.MAX_EVIDENCE_BYTES`
+  (`fit_evidence`), so the daemon never refuses one for its size.
+- torch is never imported here: the Flight Recorder is read only when the program
+  imported ``torch.distributed`` and initialised it.
+- ``WATCHDOGD_RESPONDER=0`` (`watchdogd_client.switches.RESPONDER`), or a timer armed
+  by a client made with ``responder=False``, means the process has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Final
+
+from ._version import __version__
+from .arming import JobLabels, job_of
+from .engine import Answer, Backoff, Connection, Engine
+from .errors import RequestRefused, WatchdogdError
+from .evidence import MAX_NOTE, take_evidence
+from .protocol import (
+    Acquire,
+    ErrorCode,
+    Evidence,
+    EvidenceWanted,
+    Respond,
+    Responding,
+    Welcome,
+)
+from .switches import RESPONDER, env_switch
+
+__all__ = [
+    "Responder",
+    "decline_responder",
+    "process_responder",
+    "settle_responder",
+    "start_responder",
+]
+
+log = logging.getLogger("watchdogd_client")
+
+#: The longest pause between attempts to reach the daemon: a responder waits as long
+#: as its process lives, so it may wait longer than a request does, but a daemon
+#: back from a restart should find its ranks again within moments.
+_LONGEST_PAUSE: Final = 2.0
+#: How long the hello and `Respond` wait for their replies. Once registered, the
+#: connection waits for the daemon's asks without a bound.
+_HANDSHAKE_TIMEOUT: Final = 10.0
+_RECV_SIZE: Final = 64 * 1024
+#: struct ucred: pid, uid, gid.
+_UCRED: Final = struct.Struct("3i")
+#: Refusals that may pass (a limit, a resource short for now): the responder tries
+#: again later. Any other refusal of its hello or `Respond` stops it.
+_PASSING: Final = frozenset({ErrorCode.LIMIT_EXCEEDED, ErrorCode.UNAVAILABLE})
+
+
+class _Stop(Exception):
+    """The daemon refused what asking again would not change: the responder ends."""
+
+
+class Responder:
+    """This process's responder (see the module docstring): it answers the daemon at
+    ``socket_path`` as the process of ``pid``, a rank of ``labels``. Get it from
+    `start_responder`; `stop` ends it."""
+
+    def __init__(self, socket_path: str, labels: JobLabels) -> None:
+        self.socket_path = socket_path
+        self.labels = labels
+        self.pid = os.getpid()
+        # An engine of its own: its ids and its version are this connection's alone.
+        self._engine = Engine(
+            socket_path, client=f"python-responder/{__version__}", reconnect_timeout=0.0
+        )
+        self._sock: socket.socket | None = None
+        self._stopping = False
+        #: Whether the daemon took `Respond` on the current connection.
+        self._registered = False
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="watchdogd-responder", daemon=True)
+
+    def __repr__(self) -> str:
+        return f"Responder({self.socket_path!r}, pid={self.pid})"
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread still runs (it ends only when stopped or refused)."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start its thread, which connects on its own."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering: its connection closes, and no other opens."""
+        self._stopping = True
+        sock = self._sock
+        if sock is not None:
+            # Wakes the thread from its recv; close() alone would not.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _run(self) -> None:
+        backoff = _backoff()
+        while not self._stopping:
+            self._registered = False
+            try:
+                self._converse()
+            except _Stop as refused:
+                log.debug("the responder stops: %s", refused)
+                return
+            except (OSError, WatchdogdError) as exc:
+                log.debug("the responder lost the daemon at %s: %s", self.socket_path, exc)
+            except Exception:
+                # A fault of its own must not print into the worker's output as a
+                # thread's uncaught exception; the process runs on without it.
+                log.warning("the responder stopped on a fault of its own", exc_info=True)
+                return
+            finally:
+                self._close()
+            if self._registered:
+                backoff = _backoff()
+            pause = backoff.pause(time.monotonic())
+            assert pause is not None  # an endless deadline never gives up
+            time.sleep(pause)
+
+    def _converse(self) -> None:
+        """One connection, from its connect to its end."""
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(_HANDSHAKE_TIMEOUT)
+        sock.connect(self.socket_path)
+        if self._stopping or not self._trusted(sock):
+            return
+        connection = self._engine.connect(responder=True)
+        labels = self.labels
+        respond = Respond(
+            id=self._engine.next_id(),
+            job=labels.job,
+            rank=labels.rank,
+            local_rank=labels.local_rank,
+            group_rank=labels.group_rank,
+        )
+        try:
+            self._exchange(sock, connection, connection.hello_id, connection.hello).result(Welcome)
+            frame = connection.send(respond, Responding)
+            self._exchange(sock, connection, respond.id, frame).result(Responding)
+        except RequestRefused as refused:
+            if refused.code in _PASSING:
+                raise
+            raise _Stop(f"the daemon at {self.socket_path} refused it: {refused}") from None
+        self._registered = True
+        sock.settimeout(None)
+        while connection.state != "closed":
+            for answer in self._receive(sock, connection):
+                if answer.error is not None:
+                    log.debug("the daemon did not take the evidence: %s", answer.error)
+
+    def _trusted(self, sock: socket.socket) -> bool:
+        """Whether the daemon may have this process's evidence: it runs as root or as
+        this process's own (effective) uid."""
+        _, uid, _ = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+        if uid in (0, os.geteuid()):
+            return True
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "the responder does not answer on %s: the process listening there runs "
+                "as uid %d, neither root nor this process's uid %d",
+                self.socket_path,
+                uid,
+                os.geteuid(),
+            )
+        return False
+
+    def _exchange(
+        self, sock: socket.socket, connection: Connection, request_id: int, frame: bytes
+    ) -> Answer:
+        """Send ``frame`` and read until the answer to ``request_id``."""
+        sock.sendall(frame)
+        while True:
+            for answer in self._receive(sock, connection):
+                if answer.id == request_id:
+                    return answer
+
+    def _receive(self, sock: socket.socket, connection: Connection) -> list[Answer]:
+        """Read once; answer what the daemon asked in it; the answers it completes."""
+        try:
+            data = sock.recv(_RECV_SIZE)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            return connection.connection_lost(exc.strerror)
+        if not data:
+            return connection.connection_lost("the daemon closed it")
+        answers = connection.receive_data(data)
+        wanted, connection.wanted = connection.wanted, []
+        for ask in wanted:
+            self._answer(sock, connection, ask)
+        return answers
+
+    def _answer(self, sock: socket.socket, connection: Connection, wanted: EvidenceWanted) -> None:
+        if connection.state != "open":
+            return
+        request_id = self._engine.next_id()
+        try:
+            evidence = take_evidence(request_id, wanted.ask)
+        except Exception as exc:
+            # A fault in taking it must not end the responder (nor print in the
+            # worker's output): the daemon hears what went wrong instead.
+            note = f"no evidence: {exc!r}"[:MAX_NOTE]
+            evidence = Evidence(id=request_id, ask=wanted.ask, note=note)
+        sock.sendall(connection.send(evidence, Responding))
+
+    def _close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _forget_in_child(self) -> None:
+        # The parent's connection is the parent's: the child drops its copy of the
+        # descriptor, which sends nothing on the socket.
+        self._stopping = True
+        self._close()
+
+
+def _backoff() -> Backoff:
+    return Backoff(math.inf, longest=_LONGEST_PAUSE)
+
+
+class _ThisProcess:
+    """Whether this process's responder is settled (started or declined), and which
+    it is."""
+
+    responder: Responder | None = None
+    settled = False
+    declined = False
+    lock = threading.Lock()
+
+
+def settle_responder(wanted: bool, socket_path: str, timer: Acquire) -> None:
+    """What arming ``timer`` on this process means for its responder: the first timer
+    of a client that ``wanted`` one starts it (`start_responder`) with the timer's
+    job and ranks; a timer of a client that did not declines it
+    (`decline_responder`). Once settled, this is a check and nothing more."""
+    if wanted:
+        if not _ThisProcess.settled:
+            labels = JobLabels(timer.job, timer.rank, timer.local_rank, timer.group_rank)
+            start_responder(socket_path, labels)
+    elif not _ThisProcess.declined:
+        decline_responder()
+
+
+def start_responder(socket_path: str, labels: JobLabels | None = None) -> Responder | None:
+    """Start this process's responder, to answer the daemon at ``socket_path`` as a
+    rank of ``labels`` (default: `watchdogd_client.arming.job_of`), unless the process
+    has one already or declined one (`decline_responder`, or the
+    ``WATCHDOGD_RESPONDER`` switch off). Returns the process's responder, if it has
+    one. Never waits for the daemon: the responder connects on its own thread."""
+    with _ThisProcess.lock:
+        if not _ThisProcess.settled:
+            _ThisProcess.settled = True
+            if not env_switch(RESPONDER, default=True):
+                _ThisProcess.declined = True
+            else:
+                responder = Responder(socket_path, job_of() if labels is None else labels)
+                _ThisProcess.responder = responder
+                responder.start()
+        return _ThisProcess.responder
+
+
+def decline_responder() -> None:
+    """This process answers no evidence request: its responder, if one runs, stops
+    (its connection closes), and no later timer starts one."""
+    if _ThisProcess.declined:
+        return  # nothing runs once declined: a client that declines checks only this
+    with _ThisProcess.lock:
+        _ThisProcess.settled = _ThisProcess.declined = True
+        responder, _ThisProcess.responder = _ThisProcess.responder, None
+    if responder is not None:
+        responder.stop()
+
+
+def process_responder() -> Responder | None:
+    """This process's responder, if one was started (and not declined since)."""
+    return _ThisProcess.responder
+
+
+def _reset_in_child() -> None:
+    responder = _ThisProcess.responder
+    if responder is not None:
+        responder._forget_in_child()
+    _ThisProcess.responder = None
+    # A lock held at fork time by a thread the child does not have would stay held.
+    _ThisProcess.lock = threading.Lock()
+    _ThisProcess.settled = _ThisProcess.declined
+
+
+os.register_at_fork(after_in_child=_reset_in_child)

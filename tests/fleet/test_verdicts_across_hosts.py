@@ -1,0 +1,117 @@
+"""One job, one incident, one verdict across hosts, against a real etcd: two daemons
+on this machine stand in for two hosts. A plain-Python job of three ranks, ranks 0
+and 2 on host-a, rank 1 on host-b; ranks 0 and 1 wait under timers that expire
+together, so each host opens an incident of its own a moment apart; rank 2 is stuck
+elsewhere, outside any block. Both hosts keep the same one incident, with every
+rank once, and the same verdict naming rank 2."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from watchdogd_client.protocol import IncidentInfo
+
+from helpers.daemon import RunningDaemon
+from helpers.etcd import EtcdServer, registered
+from helpers.jobs import incidents, start_job_rank, whole
+from helpers.processes import reap
+from helpers.waiting import wait_until
+
+HOSTS = ("host-a", "host-b")
+
+CONFIG = """
+[daemon]
+incident_window = 30
+
+[policies.rank]
+steps = [ {{ dump = true }}, {{ signal = "SIGKILL" }} ]
+
+[fleet]
+etcd = ["{etcd}"]
+host = "{host}"
+prefix = "/watchdogd-test"
+lease = 2
+"""
+
+
+@contextlib.contextmanager
+def two_hosts(etcd: EtcdServer, root: Path) -> Iterator[list[RunningDaemon]]:
+    daemons: list[RunningDaemon] = []
+    try:
+        for host in HOSTS:
+            directory = root / host
+            directory.mkdir()
+            config = directory / "watchdogd.toml"
+            config.write_text(CONFIG.format(etcd=etcd.url, host=host))
+            daemon = RunningDaemon(
+                directory / "watchdogd.sock", directory / "log", ["--config", str(config)]
+            )
+            daemon.start()
+            daemons.append(daemon)
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+def verdict_on(daemon: RunningDaemon) -> IncidentInfo | None:
+    """The one incident ``daemon`` keeps, once it has all three ranks and a settled
+    verdict; None before."""
+    listed = incidents(daemon.socket_path)
+    if len(listed) != 1:
+        return None
+    incident = whole(daemon.socket_path, listed[0].id)
+    settled = incident.verdict is not None and incident.verdict.settled
+    return incident if len(incident.ranks) == 3 and settled else None
+
+
+def test_two_hosts_converge_on_one_incident_and_one_verdict(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    with two_hosts(own_etcd, tmp_path) as (a, b):
+        job = "run-3"
+        ranks = [
+            start_job_rank(a.socket_path, job, 2, 60, "elsewhere"),
+            start_job_rank(a.socket_path, job, 0, 4, "waits"),
+            start_job_rank(b.socket_path, job, 1, 4, "waits"),
+        ]
+        try:
+            wait_until(
+                lambda: all(["root", job] in registered(own_etcd, host) for host in HOSTS),
+                what="both hosts' jobs in etcd",
+            )
+            seen: dict[str, IncidentInfo] = {}
+
+            def both() -> bool:
+                for daemon, host in ((a, "host-a"), (b, "host-b")):
+                    if (incident := verdict_on(daemon)) is not None:
+                        seen[host] = incident
+                return len(seen) == 2
+
+            wait_until(both, what="one incident with a settled verdict on each host", timeout=30)
+            on_a, on_b = seen["host-a"], seen["host-b"]
+            assert on_a.id == on_b.id
+            for incident in (on_a, on_b):
+                pids = [(rank.host, rank.pid) for rank in incident.ranks]
+                assert len(pids) == len(set(pids)) == 3, pids
+                roles = {rank.rank: rank.role for rank in incident.ranks}
+                assert roles == {0: "expired", 1: "expired", 2: "peer"}
+                verdict = incident.verdict
+                assert verdict is not None
+                assert verdict.kind == "odd_frame", verdict
+                assert [(c.host, c.rank, c.pid) for c in verdict.culprits] == [
+                    ("host-a", 2, ranks[0].pid)
+                ]
+            assert on_a.verdict is not None
+            assert on_b.verdict is not None
+            assert on_a.verdict.text == on_b.verdict.text
+            assert "read_shard" in on_a.verdict.text
+            # The id the other host opened answers on both, as the one incident.
+            for daemon in (a, b):
+                other = whole(daemon.socket_path, on_a.id)
+                assert other.id == on_a.id
+        finally:
+            for rank in ranks:
+                reap(rank)

@@ -1,0 +1,267 @@
+"""A daemon played by the test on a real Unix socket: it speaks the protocol as far
+as a client and a responder need (hello, acquire, release, ping, respond, evidence),
+and lets the test do what the daemon decides: ask a responder for evidence, close
+its connection, refuse a protocol version, or listen as another user."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from watchdogd_client.protocol import (
+    MAX_REQUEST_FRAME,
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    Error,
+    ErrorCode,
+    Evidence,
+    EvidenceWanted,
+    FrameReader,
+    Hello,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    Reply,
+    RequestMessage,
+    Respond,
+    Responding,
+    Welcome,
+    decode_request,
+    encode_frame,
+)
+
+from helpers.users import NOBODY
+from helpers.waiting import PATIENCE, wait_until
+
+_UCRED = struct.Struct("3i")
+
+
+class ResponderLine:
+    """A responder's connection, as the fake daemon holds it once `Respond` came:
+    the worker's ``hello`` and ``respond``, and its ``pid`` as the kernel says."""
+
+    def __init__(self, conn: _Served, hello: Hello, respond: Respond) -> None:
+        self._conn = conn
+        self.hello = hello
+        self.respond = respond
+        self.pid = conn.pid
+        self.evidence: queue.Queue[Evidence] = queue.Queue()
+        #: Set when the connection ended, from either side.
+        self.ended = threading.Event()
+
+    def ask(self, ask: int, incident: str = "", timeout: float = PATIENCE) -> Evidence:
+        """Send `EvidenceWanted` and wait for the `Evidence` that answers it."""
+        self._conn.send(EvidenceWanted(ask=ask, incident=incident))
+        evidence = self.evidence.get(timeout=timeout)
+        assert evidence.ask == ask
+        return evidence
+
+    def close(self) -> None:
+        """End the connection, as a daemon that stops does."""
+        self._conn.close()
+
+
+class _Served:
+    """One accepted connection and its thread."""
+
+    def __init__(self, daemon: FakeDaemon, sock: socket.socket) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.pid, self.uid, _ = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+        self.received = 0
+        self.line: ResponderLine | None = None
+        self._send_lock = threading.Lock()
+        self._hello: Hello | None = None
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+
+    def send(self, message: Reply | EvidenceWanted) -> None:
+        with self._send_lock, contextlib.suppress(OSError):
+            self.sock.sendall(encode_frame(message))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def serve(self) -> None:
+        reader = FrameReader(MAX_REQUEST_FRAME)
+        try:
+            while data := self.sock.recv(65536):
+                self.received += len(data)
+                for frame in reader.feed(data):
+                    if not self.handle(decode_request(frame)):
+                        return
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+            self.daemon.ended(self)
+            if self.line is not None:
+                self.line.ended.set()
+
+    def handle(self, request: RequestMessage) -> bool:
+        """Answer ``request``; False: the connection is to close."""
+        daemon = self.daemon
+        match request:
+            case Hello():
+                daemon.hellos.append(request)
+                low, high = daemon.versions
+                if not low <= request.version <= high:
+                    message = f"this daemon speaks {low} to {high}"
+                    self.send(
+                        Error(id=request.id, code=ErrorCode.UNSUPPORTED_VERSION, message=message)
+                    )
+                    return False
+                if daemon.stall_responders and request.client.startswith("python-responder"):
+                    return True  # never welcomed
+                self._hello = request
+                self.send(Welcome(id=request.id, version=high, server="fake", pid=os.getpid()))
+            case Acquire():
+                self.send(Acquired(id=request.id, remaining=request.timeout, rearmed=False))
+            case Release():
+                self.send(Released(id=request.id, found=True))
+            case Ping():
+                self.send(Pong(id=request.id))
+            case Respond():
+                assert self._hello is not None
+                daemon.respond_count += 1
+                self.send(Responding(id=request.id))
+                self.line = ResponderLine(self, self._hello, request)
+                daemon.responders.put(self.line)
+            case Evidence():
+                self.send(Responding(id=request.id))
+                assert self.line is not None, "evidence from a connection that never sent Respond"
+                self.line.evidence.put(request)
+            case _:
+                self.send(Error(id=request.id, code=ErrorCode.UNKNOWN_OP, message="not here"))
+        return True
+
+
+class FakeDaemon:
+    """The fake daemon on ``path``, speaking protocol ``versions`` (lowest,
+    highest); ``stall_responders`` leaves a responder's hello unanswered. A context
+    manager: it listens from entry to exit."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        versions: tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION),
+        stall_responders: bool = False,
+    ) -> None:
+        self.path = path
+        self.versions = versions
+        self.stall_responders = stall_responders
+        self.hellos: list[Hello] = []
+        self.responders: queue.Queue[ResponderLine] = queue.Queue()
+        #: Connections that ended before they sent a byte.
+        self.silent = 0
+        #: `Respond` requests received.
+        self.respond_count = 0
+        self._served: list[_Served] = []
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> FakeDaemon:
+        self._listener.bind(str(self.path))
+        self._listener.listen(64)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self._listener.close()
+        self._thread.join(PATIENCE)
+        with self._lock:
+            served = list(self._served)
+        for conn in served:
+            conn.close()
+            conn.thread.join(PATIENCE)
+
+    def next_responder(self, timeout: float = PATIENCE) -> ResponderLine:
+        """The next responder whose `Respond` came."""
+        return self.responders.get(timeout=timeout)
+
+    def ended(self, conn: _Served) -> None:
+        with self._lock:
+            self.silent += conn.received == 0
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            conn = _Served(self, sock)
+            with self._lock:
+                self._served.append(conn)
+            conn.thread.start()
+
+
+@contextlib.contextmanager
+def fake_daemon_of_nobody(
+    path: Path, until: Callable[[FakeDaemon], bool]
+) -> Iterator[Callable[[], dict[str, Any]]]:
+    """A `FakeDaemon` on ``path`` run by a forked child as uid 65534 (needs root).
+    Yields a function that waits for ``until(daemon)`` to hold in the child (or for
+    the patience to run out) and returns what it saw: ``silent`` connections (ended
+    before a byte), ``responds``, ``hellos``."""
+    os.chown(path.parent, NOBODY, NOBODY)
+    ready_read, ready_write = os.pipe()
+    report_read, report_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(ready_read)
+            os.close(report_read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            with FakeDaemon(path) as daemon:
+                os.write(ready_write, b"ready")
+                with contextlib.suppress(AssertionError):
+                    wait_until(lambda: until(daemon), what="the test's condition")
+                seen = {
+                    "silent": daemon.silent,
+                    "responds": daemon.respond_count,
+                    "hellos": [hello.client for hello in daemon.hellos],
+                }
+            os.write(report_write, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(report_write)
+    try:
+        assert os.read(ready_read, 5) == b"ready", "the fake daemon of nobody did not start"
+
+        def report() -> dict[str, Any]:
+            with os.fdopen(os.dup(report_read)) as pipe:
+                return dict(json.loads(pipe.read()))
+
+        yield report
+    finally:
+        os.close(ready_read)
+        os.close(report_read)
+        with contextlib.suppress(OSError):
+            os.kill(child, 9)
+        os.waitpid(child, 0)
