@@ -36,7 +36,8 @@ class RunningDaemon:
         self.command = command or [sys.executable, "-m", "watchdogd", "--socket", str(socket_path)]
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, timeout: float = PATIENCE) -> None:
+        """Start it and wait, up to ``timeout`` seconds, until it answers."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*self.command, *self.args],
@@ -44,7 +45,9 @@ class RunningDaemon:
                 stderr=subprocess.STDOUT,
                 env=None if self.env is None else {**os.environ, **self.env},
             )
-        wait_until(self._answers, what=f"the daemon to answer on {self.socket_path}")
+        wait_until(
+            self._answers, what=f"the daemon to answer on {self.socket_path}", timeout=timeout
+        )
 
     def _answers(self) -> bool:
         assert self.process is not None
