@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import weakref
 from collections.abc import AsyncIterator
@@ -64,6 +65,7 @@ from .protocol import (
     TimerInfo,
     Welcome,
 )
+from .responder import settle_responder
 from .scope import shorten
 
 __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
@@ -80,6 +82,7 @@ async def open_client(
     timeout: float = 10.0,
     on_unavailable: OnUnavailable = "raise",
     reconnect_timeout: float = 5.0,
+    responder: bool = True,
 ) -> AsyncIterator[AsyncClient]:
     """An `AsyncClient` for the block; its connection closes with it."""
     async with trio.open_nursery() as nursery:
@@ -89,6 +92,7 @@ async def open_client(
             timeout=timeout,
             on_unavailable=on_unavailable,
             reconnect_timeout=reconnect_timeout,
+            responder=responder,
         )
         try:
             yield client
@@ -131,8 +135,9 @@ class _Connection:
 
 class AsyncClient:
     """The async counterpart of `watchdogd_client.Client`; get one from
-    `open_client`. ``socket_path``, ``timeout``, ``on_unavailable`` and
-    ``reconnect_timeout`` mean what they mean there."""
+    `open_client`. ``socket_path``, ``timeout``, ``on_unavailable``,
+    ``reconnect_timeout`` and ``responder`` mean what they mean there: the process's
+    responder is a thread of its own, whichever client starts it."""
 
     def __init__(
         self,
@@ -142,7 +147,9 @@ class AsyncClient:
         timeout: float = 10.0,
         on_unavailable: OnUnavailable = "raise",
         reconnect_timeout: float = 5.0,
+        responder: bool = True,
     ) -> None:
+        self.responder = responder
         self._outage = Outage(on_unavailable)
         self.on_unavailable: OnUnavailable = on_unavailable
         self.socket_path = client_socket_path(socket_path)
@@ -174,6 +181,9 @@ class AsyncClient:
         request = acquire_request(
             self._engine.next_id(), scope, timeout, pid=pid, progress=progress, **arming
         )
+        if pid is None or pid == os.getpid():
+            # A thread starts, and connects on its own: the loop does not wait.
+            settle_responder(self.responder, self.socket_path, request)
         try:
             return (await self._call(request, Acquired)).remaining
         except DaemonUnavailable as exc:

@@ -17,8 +17,9 @@ import watchdogd
 import watchdogd_client
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
-from helpers.jobs import run_job, settled
-from helpers.processes import reap
+from helpers.jobs import incidents, run_job, settled
+from helpers.processes import python_worker, reap, wait_ready
+from helpers.waiting import wait_until
 
 CONFIG = """
 [policies.rank]
@@ -118,3 +119,35 @@ def test_a_rank_holding_the_gil_in_c_code_is_dumped_by_py_spy(daemon: RunningDae
     finally:
         for rank in ranks:
             reap(rank)
+
+
+TRIO_RANK = """
+    import trio
+    from watchdogd_client.trio import open_client
+
+    async def wait_in_all_reduce():
+        await trio.sleep(300)
+
+    async def main():
+        async with open_client() as client:
+            async with client.expires(after=1.0, scope="step", policy="rank", job="trio-1", rank=0):
+                print("ready", flush=True)
+                await wait_in_all_reduce()
+
+    trio.run(main)
+"""
+
+
+def test_a_trio_workers_stack_comes_from_inside_it(daemon: RunningDaemon) -> None:
+    worker = python_worker(TRIO_RANK, socket=daemon.socket_path)
+    try:
+        wait_ready(worker)
+        wait_until(lambda: len(incidents(daemon.socket_path)) == 1, what="the trio rank's incident")
+        incident = settled(daemon.socket_path, 1)
+        [rank] = incident.ranks
+        assert rank.evidence == "worker", rank
+        # A thread's stack, as py-spy's would be: the loop waits for events; the
+        # tasks' own stacks are not threads'.
+        assert "trio/_core/_run.py" in rank.stack
+    finally:
+        reap(worker)
