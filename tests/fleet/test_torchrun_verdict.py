@@ -20,6 +20,7 @@ from watchdogd_client.protocol import IncidentInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import EtcdServer
+from helpers.fleet import daemons_of
 from helpers.jobs import incidents, whole
 from helpers.waiting import PATIENCE, wait_until
 
@@ -75,24 +76,10 @@ for step in range(3):
 """
 
 
-@contextlib.contextmanager
-def two_hosts(etcd: EtcdServer, root: Path) -> Iterator[list[RunningDaemon]]:
-    daemons: list[RunningDaemon] = []
-    try:
-        for host in HOSTS:
-            directory = root / host
-            directory.mkdir()
-            config = directory / "watchdogd.toml"
-            config.write_text(CONFIG.format(etcd=etcd.url, host=host))
-            daemon = RunningDaemon(
-                directory / "watchdogd.sock", directory / "log", ["--config", str(config)]
-            )
-            daemon.start()
-            daemons.append(daemon)
-        yield daemons
-    finally:
-        for daemon in daemons:
-            daemon.stop()
+def two_hosts(
+    etcd: EtcdServer, root: Path
+) -> contextlib.AbstractContextManager[list[RunningDaemon]]:
+    return daemons_of(etcd, root, CONFIG, HOSTS)
 
 
 def free_port() -> int:

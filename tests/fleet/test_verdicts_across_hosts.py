@@ -8,13 +8,13 @@ rank once, and the same verdict naming rank 2."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 from watchdogd_client.protocol import IncidentInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import EtcdServer, registered
+from helpers.fleet import daemons_of
 from helpers.jobs import incidents, start_job_rank, whole
 from helpers.processes import reap
 from helpers.waiting import wait_until
@@ -36,24 +36,10 @@ lease = 2
 """
 
 
-@contextlib.contextmanager
-def two_hosts(etcd: EtcdServer, root: Path) -> Iterator[list[RunningDaemon]]:
-    daemons: list[RunningDaemon] = []
-    try:
-        for host in HOSTS:
-            directory = root / host
-            directory.mkdir()
-            config = directory / "watchdogd.toml"
-            config.write_text(CONFIG.format(etcd=etcd.url, host=host))
-            daemon = RunningDaemon(
-                directory / "watchdogd.sock", directory / "log", ["--config", str(config)]
-            )
-            daemon.start()
-            daemons.append(daemon)
-        yield daemons
-    finally:
-        for daemon in daemons:
-            daemon.stop()
+def two_hosts(
+    etcd: EtcdServer, root: Path
+) -> contextlib.AbstractContextManager[list[RunningDaemon]]:
+    return daemons_of(etcd, root, CONFIG, HOSTS)
 
 
 def verdict_on(daemon: RunningDaemon) -> IncidentInfo | None:
