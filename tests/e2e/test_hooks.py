@@ -157,7 +157,9 @@ async def test_a_dumps_timeout_bounds_its_wait_and_its_run(tmp_path: Path) -> No
     started = trio.current_time()
     with trio.fail_after(PATIENCE):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(dump, "long", "2", 30.0)
+            # Long enough that the patient one, run once the pool grows, ends first
+            # even on a loaded machine.
+            nursery.start_soon(dump, "long", "5", 30.0)
             await trio.sleep(0.1)
             nursery.start_soon(dump, "hasty", "0", 0.5)  # no turn within its timeout
             await trio.sleep(0.1)

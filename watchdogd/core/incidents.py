@@ -356,7 +356,7 @@ class IncidentLog:
         if known in self._incidents:
             return known
         job = (remote.uid, remote.job)
-        rival = self._rival(job, remote.time)
+        rival = self._rival(job, remote.time, remote.host)
         if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
             self._alias(remote.id, rival.info.id)
             return rival.info.id
@@ -375,13 +375,16 @@ class IncidentLog:
             self._listener(self._whole(incident))
         return remote.id
 
-    def _rival(self, job: JobKey, time: float) -> _Incident | None:
-        """This host's incident of ``job`` opened within a window of ``time``."""
+    def _rival(self, job: JobKey, time: float, host: str) -> _Incident | None:
+        """An incident of ``job`` kept here that another host than ``host`` opened
+        within a window of ``time``: two hosts' takes on one expiry. Two incidents
+        of one host are two: that host's window kept them apart."""
         for incident in reversed(self._incidents.values()):
             info = incident.info
             if (
                 (info.uid, info.job) == job
                 and info.kind == "expired"
+                and info.host != host
                 and abs(info.time - time) < self.window
             ):
                 return incident
@@ -451,7 +454,7 @@ class IncidentLog:
     def settled_hosts(self, incident_id: str) -> set[str]:
         """The hosts whose ranks of a kept incident are known, none of them still
         ``pending`` (none, for an incident not kept)."""
-        incident = self._incidents.get(incident_id)
+        incident = self._incidents.get(self.resolve(incident_id))
         if incident is None:
             return set()
         hosts = {rank.host for rank in incident.ranks}
