@@ -88,6 +88,48 @@ class _Incident:
     hosts: frozenset[str] = frozenset()
 
 
+class _Judge:
+    """Judges incidents' verdicts (`watchdogd.core.verdict`), and says once when
+    each settles."""
+
+    def __init__(
+        self, library: Library, on_settled: Callable[[IncidentInfo, Verdict], object]
+    ) -> None:
+        self.library = library
+        self.on_settled = on_settled
+        #: A fleet listens: an incident's verdict waits for the hosts of its job
+        #: (`IncidentLog.expect`) or its window, not only for this host's ranks.
+        self.fleet = False
+
+    def judge(self, incident: _Incident) -> None:
+        """What is known of ``incident`` changed: its verdict is judged anew when it
+        is next read (judging it at every rank's word would cost an incident of many
+        ranks time squared, on the loop); once it settles, it is recorded
+        (``on_settled``), once."""
+        incident.decision = None
+        if (
+            not incident.settled
+            and _reported(incident)
+            and (bool(incident.hosts) or not self.fleet)
+        ):
+            self.settle(incident)
+
+    def settle(self, incident: _Incident) -> None:
+        incident.settled = True
+        incident.decision = None
+        decision = self.decided(incident)
+        if decision is not None:
+            self.on_settled(incident.info, for_viewer(decision, _nobody))
+
+    def decided(self, incident: _Incident) -> Decision | None:
+        """The verdict on ``incident`` as its ranks say now (None: it has none)."""
+        if incident.decision is None and incident.ranks:
+            incident.decision = decide(
+                incident.ranks, library=self.library, settled=incident.settled
+            )
+        return incident.decision
+
+
 class IncidentLog:
     """The latest incidents, this host's and the fleet's, newest last."""
 
@@ -104,8 +146,7 @@ class IncidentLog:
     ) -> None:
         self.host = host
         self.window = window
-        self._library = Library(frozenset()) if library is None else library
-        self._on_settled = on_settled
+        self._judges = _Judge(Library(frozenset()) if library is None else library, on_settled)
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
         # The runtime passes ids that differ from one run of the daemon to the
@@ -120,9 +161,6 @@ class IncidentLog:
         #: the id each goes by now (`merge`).
         self._aliases: OrderedDict[str, str] = OrderedDict()
         self._listener: Callable[[IncidentInfo], object] = lambda incident: None
-        #: A fleet listens: an incident's verdict waits for the hosts of its job
-        #: (`expect`) or its window, not only for this host's ranks.
-        self._fleet = False
 
     def __len__(self) -> int:
         return len(self._incidents)
@@ -131,7 +169,7 @@ class IncidentLog:
         """Have ``listener`` called with each incident this host opens or adds to,
         whole, as it changes (the fleet publishes it); it replaces the one before."""
         self._listener = listener
-        self._fleet = True
+        self._judges.fleet = True
 
     def kept(self, uid: int) -> int:
         """How many incidents of ``uid``'s jobs are kept."""
@@ -156,7 +194,7 @@ class IncidentLog:
             for index, listed in enumerate(held.ranks):
                 if (listed.host, listed.pid) == (rank.host, rank.pid):
                     held.ranks[index] = rank
-                    self._judge(held)
+                    self._judges.judge(held)
                     self._listener(self._whole(held))
                     return held.info.id, False
             self._add(held, rank)
@@ -218,19 +256,8 @@ class IncidentLog:
     def _add(self, incident: _Incident, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
             incident.ranks.append(rank)
-            self._judge(incident)
+            self._judges.judge(incident)
             self._listener(self._whole(incident))
-
-    def _judge(self, incident: _Incident) -> None:
-        """The verdict on what is known of ``incident`` now; once it settles, it is
-        recorded (``on_settled``), once."""
-        settled = incident.settled or (
-            _reported(incident) and (bool(incident.hosts) or not self._fleet)
-        )
-        incident.decision = decide(incident.ranks, library=self._library, settled=settled)
-        if settled and not incident.settled:
-            incident.settled = True
-            self._on_settled(incident.info, for_viewer(incident.decision, _nobody))
 
     def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
         """The fleet says ``hosts`` hold the incident's job: its verdict settles
@@ -238,17 +265,14 @@ class IncidentLog:
         incident = self._incidents.get(incident_id)
         if incident is not None and not incident.settled:
             incident.hosts = hosts
-            self._judge(incident)
+            self._judges.judge(incident)
 
     def tick(self, wall: float) -> None:
         """At ``wall``: the verdict of an incident whose window has closed settles
         on what has come."""
         for incident in self._incidents.values():
             if not incident.settled and wall >= incident.info.time + self.window:
-                incident.settled = True
-                decision = decide(incident.ranks, library=self._library, settled=True)
-                incident.decision = decision
-                self._on_settled(incident.info, for_viewer(decision, _nobody))
+                self._judges.settle(incident)
 
     def dumped(
         self,
@@ -306,7 +330,7 @@ class IncidentLog:
             reader_gid=gid,
             note=f"{rank.note}; {note}" if note else rank.note,
         )
-        self._judge(incident)
+        self._judges.judge(incident)
         self._listener(self._whole(incident))
 
     def finished(self, event: EventInfo) -> None:
@@ -325,7 +349,7 @@ class IncidentLog:
             frame=first_frame(stack),
             note=event.note,
         )
-        self._judge(incident)
+        self._judges.judge(incident)
         self._listener(self._whole(incident))
 
     def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
@@ -370,7 +394,7 @@ class IncidentLog:
         if remote.kind == "expired":
             # Any rival lost to it: expiries of the job here join it from now on.
             self._open[job] = remote.id
-        self._judge(incident)
+        self._judges.judge(incident)
         if rival is not None:
             self._listener(self._whole(incident))
         return remote.id
@@ -439,7 +463,7 @@ class IncidentLog:
         incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
             :MAX_RANKS
         ]
-        self._judge(incident)
+        self._judges.judge(incident)
         return any(
             rank.role == "expired" and rank.pid not in expired
             for rank in ranks
@@ -475,7 +499,9 @@ class IncidentLog:
         their ranks (``count`` says how many)."""
         seen = [
             msgspec.structs.replace(
-                incident.info, count=len(incident.ranks), verdict=_viewed(incident, viewer)
+                incident.info,
+                count=len(incident.ranks),
+                verdict=_viewed(incident, self._judges.decided(incident), viewer),
             )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
@@ -515,7 +541,7 @@ class IncidentLog:
             incident.info,
             ranks=ranks,
             count=len(ranks),
-            verdict=_viewed(incident, viewer, viewer_gid),
+            verdict=_viewed(incident, self._judges.decided(incident), viewer, viewer_gid),
         )
 
     def _whole(self, incident: _Incident) -> IncidentInfo:
@@ -542,20 +568,22 @@ class IncidentLog:
             del self._open[job]
 
 
-def _viewed(incident: _Incident, viewer: int, viewer_gid: int | None = None) -> Verdict | None:
-    """The verdict as ``viewer`` may see it: the culprits and the collective,
-    and each frame only where ``viewer`` may see that rank's stack (a listing,
-    ``viewer_gid`` None, shows frames to root alone)."""
-    if incident.decision is None:
+def _viewed(
+    incident: _Incident, decision: Decision | None, viewer: int, viewer_gid: int | None = None
+) -> Verdict | None:
+    """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
+    collective, and each frame only where ``viewer`` may see that rank's stack (a
+    listing, ``viewer_gid`` None, shows frames to root alone)."""
+    if decision is None:
         return None
     if viewer == ROOT:
-        return incident.decision.verdict
+        return decision.verdict
     if viewer_gid is None:
-        return for_viewer(incident.decision, _nobody)
+        return for_viewer(decision, _nobody)
     readable = {
         (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
     }
-    return for_viewer(incident.decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
 
 
 def _reported(incident: _Incident) -> bool:
