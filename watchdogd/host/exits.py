@@ -53,11 +53,17 @@ class ExitWatcher:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Call ``on_exit`` once for every watched process that exits."""
+        """Call ``on_exit`` once for every watched process that exits.
+
+        One exit a turn of the loop (each `wait_readable` is one): forgetting a
+        process of ten thousand timers takes tens of milliseconds, and a hundred
+        such exits at once must not hold back the deadlines due meanwhile. Each
+        turn asks epoll afresh, since a pidfd reported before the turn may have
+        closed and its number gone to another process during it."""
         task_status.started()
         while True:
             await trio.lowlevel.wait_readable(self._epoll.fileno())
-            for fd, _events in self._epoll.poll(0):
+            for fd, _events in self._epoll.poll(0, 1):
                 process = self._watched.get(fd)
                 if process is not None:
                     self.forget(process)
