@@ -28,7 +28,7 @@ import pytest
 from watchdogd.core.history import History
 from watchdogd.core.timers import Timer
 from watchdogd.storage.history_file import HistoryFile
-from watchdogd.storage.store import StateError, Store
+from watchdogd.storage.store import EAGER_RETRY, StateError, Store
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -197,11 +197,14 @@ def test_a_disk_filled_under_a_running_daemon(
         raw.acquire("fires-while-full", 0.5, workers[10].pid)
         death_within(workers[10], PATIENCE)
         assert time.monotonic() - started < 0.5 + 2.0
-        # Space comes back: the whole state is written and the flag clears.
+        # Space comes back: the next acknowledged change writes the whole state
+        # itself and says it is durable; the flag clears with it. A kill 0.3 s
+        # later loses nothing that was armed.
         filler.unlink()
-        wait_until(lambda: not degraded(daemon), what="the state to be written again")
         assert raw.acquire("after", 120, workers[11].pid).durable
+        assert not degraded(daemon)
         assert "event=state_restored" in daemon.log()
+        time.sleep(0.3)
         raw.close()
         daemon.stop(signal.SIGKILL)
         daemon.start()
@@ -417,3 +420,44 @@ def test_the_history_on_a_full_then_a_read_only_disk(disk: Path) -> None:
     assert list(loaded.suggestions()) == list(history.suggestions())
     [row] = loaded.suggestions()
     assert row.count == 51
+
+
+def test_a_reply_on_a_full_disk_tries_the_write_itself_at_most_every_tenth_of_a_second(
+    disk: Path,
+) -> None:
+    """Each acknowledgement waits for a commit; while the disk is full that commit
+    tries the recovery's full write, but not more than once per `EAGER_RETRY`, and
+    not on the schedule of the background task's backoff."""
+    store, _ = Store.open(str(disk / "state.db"))
+    now = time.monotonic()
+    held = [
+        Timer(pid=4242, scope=f"s{index}", policy="kill", uid=0, owner=0, timeout=60.0,
+              armed_at=now, deadline=now + 60 + index, start_time=1)
+        for index in range(200)
+    ]  # fmt: skip
+    store.snapshot = lambda: held
+    filler = fill_space(disk)
+    try:
+        for armed in held:
+            store.put(armed)
+            if not store.commit(store.generation):
+                break
+        assert store.degraded
+        backoff = store._retry_at
+        errors, began = store.errors, time.monotonic()
+        for armed in held:
+            store.put(armed)
+            assert not store.commit(store.generation)
+        attempts, took = store.errors - errors, time.monotonic() - began
+        assert 1 <= attempts <= 1 + took / EAGER_RETRY, (attempts, took)
+        assert store._retry_at == backoff
+        filler.unlink()
+        time.sleep(EAGER_RETRY)
+        store.put(held[0])
+        assert store.commit(store.generation)
+        assert not store.degraded
+    finally:
+        store.close()
+    store, loaded = Store.open(str(disk / "state.db"))
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == sorted(t.scope for t in held)
