@@ -39,6 +39,11 @@ Invariants:
   (`watchdogd.storage.faults`); the good prefix of a damaged journal still counts.
   Anything else that fails at start (a full or read-only disk) starts the daemon
   degraded with everything it could read.
+- A state deleted under the daemon (its directory removed, say) is a failing disk
+  too: writes into the journal's unlinked file would be lost at the next start.
+  Every write checks that the journal still has a name, and the background task
+  checks once a `LOST_CHECK`; a recovery makes the directory and the database
+  again, and writes the whole state there.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
@@ -86,6 +91,8 @@ RETRY_MAX: Final = 10.0
 #: state, so a large one waits ten times what its last failed attempt took: the
 #: loop spends at most a tenth of its time on them.
 EAGER_RETRY: Final = 0.1
+#: A daemon that writes nothing checks this often that its state was not deleted.
+LOST_CHECK: Final = 1.0
 
 
 class Loaded(msgspec.Struct):
@@ -249,7 +256,11 @@ class Store:
         if self._durable < generation:
             if not self.degraded:
                 self._append_pending()
-            elif (now := time.monotonic()) >= self._eager_at and not self._recover(backoff=False):
+            if (
+                self.degraded
+                and (now := time.monotonic()) >= self._eager_at
+                and not self._recover(backoff=False)
+            ):
                 self._eager_at = now + max(EAGER_RETRY, 10 * (time.monotonic() - now))
         return self._durable >= generation
 
@@ -272,7 +283,22 @@ class Store:
                 self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
+            if self._journal_lost():
+                return
         self._durable = generation
+
+    def _journal_lost(self) -> bool:
+        """Whether the journal lost its name (the state was deleted under the
+        daemon): then the store is degraded, and a recovery writes it anew."""
+        try:
+            assert self._fd is not None
+            lost = os.fstat(self._fd).st_nlink == 0
+        except OSError as exc:
+            self._enter_degraded(reason(exc))
+            return True
+        if lost:
+            self._enter_degraded(f"{path_of(self.path, self._number)} was deleted")
+        return lost
 
     # The background task.
 
@@ -288,9 +314,11 @@ class Store:
                 retry = self._fold_retry_at
             else:
                 retry = math.inf  # nothing to retry: wait for work
-            with trio.move_on_after(max(0.0, retry - time.monotonic())):
+            with trio.move_on_after(min(LOST_CHECK, max(0.0, retry - time.monotonic()))):
                 await self._wakeup.wait()
             self._wakeup = trio.Event()
+            if not self.degraded and self._fd is not None:
+                self._journal_lost()
             if self.degraded:
                 if time.monotonic() >= self._retry_at:
                     self.recover()
@@ -317,6 +345,11 @@ class Store:
             return True
         if self._database.unread:
             return self._failed(backoff)  # writing over it would lose its timers
+        if self._database.replaced():
+            # Deleted under the daemon: a new directory and database in its place.
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
+            self._database.close()
         if self._database.lock_fd is None:
             try:
                 if not self._database.lock():
