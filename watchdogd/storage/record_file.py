@@ -34,7 +34,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import BinaryIO, Final
 
 import msgspec
 import trio
@@ -126,23 +126,24 @@ class RecordFile:
     def load(self) -> None:
         """Read the file back into the rings (before anything records an event:
         numbering goes on after the last one read)."""
+        events: list[EventInfo] = []
+        incidents: dict[str, StoredIncident] = {}
         try:
             with open(self.path, "rb") as file:
-                data = file.read()
+                # Record by record: what loading holds at once is one record.
+                good, problem = _read(file, events, incidents)
+                size = os.fstat(file.fileno()).st_size
         except FileNotFoundError:
             return
         except OSError as exc:
             log.error(logfmt("record_unreadable", path=self.path, error=reason(exc)))
             return
-        events: list[EventInfo] = []
-        incidents: dict[str, StoredIncident] = {}
-        good, problem = _read(data, events, incidents)
         if problem is not None:
             aside = self.path + ".damaged"
             with contextlib.suppress(OSError):
                 os.replace(self.path, aside)
             log.error(logfmt("record_damaged", path=self.path, error=problem, moved_to=aside))
-        elif good < len(data):
+        elif good < size:
             # A write the daemon died in: appending after it would run records
             # together, so the file ends before it.
             with contextlib.suppress(OSError):
@@ -187,7 +188,9 @@ class RecordFile:
             self._fd = None
 
     def _append(self) -> None:
-        events = self._events.since(self._written)
+        # Nothing new, most turns: no walk of the rings then.
+        fresh = self._events.last != self._written
+        events = self._events.since(self._written) if fresh else []
         changed, dropped = self._incidents.changes.take()
         if not (events or changed or dropped):
             return
@@ -268,22 +271,21 @@ class RecordFile:
 
 
 def _read(
-    data: bytes, events: list[EventInfo], incidents: dict[str, StoredIncident]
+    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
 ) -> tuple[int, str | None]:
-    """Read the records of ``data`` into ``events`` and ``incidents``; how many
+    """Read the records of ``file`` into ``events`` and ``incidents``; how many
     bytes of it were good, and what was wrong after them (None: nothing, or a
     record cut short at the end)."""
     offset = 0
-    while offset < len(data):
-        if offset + RECORD.size > len(data):
+    while header := file.read(RECORD.size):
+        if len(header) < RECORD.size:
             return offset, None
-        length, checksum = RECORD.unpack_from(data, offset)
-        start = offset + RECORD.size
+        length, checksum = RECORD.unpack(header)
         if length > _MAX_RECORD:
             return offset, f"a record of {length} bytes at byte {offset}"
-        if start + length > len(data):
+        payload = file.read(length)
+        if len(payload) < length:
             return offset, None
-        payload = data[start : start + length]
         if zlib.crc32(payload) != checksum:
             return offset, f"bad checksum in the record at byte {offset}"
         try:
@@ -301,5 +303,5 @@ def _read(
                 incidents[incident.info.id] = incident
             case _Dropped(id=incident_id):
                 incidents.pop(incident_id, None)
-        offset = start + length
+        offset += RECORD.size + length
     return offset, None
