@@ -17,7 +17,10 @@ Figures:
 - a non-root status (100 timers of its own) with 1,000,000 of root's armed, against
   the same with none of root's: its cost must follow its own timers;
 - ``watchdogctl status`` (every page, printed) with 100,000 timers armed, against
-  ``watchdogctl ping``.
+  ``watchdogctl ping``;
+- the start (to READY) on the state of 1,000,000 timers with the record of what
+  happened full (1,000 events, 100 incidents of 64 ranks with 64 KiB stacks: some
+  400 MiB), against the same start with no record, and the RSS that adds.
 
 The daemon runs on CPU 0 and clients on CPU 1, as in bench/run.py. Run with
 ``make bench``; ``--quick`` loads 200,000 timers where the full run loads a million
@@ -40,10 +43,14 @@ from pathlib import Path
 
 from run import CLIENT_CPU, SERVER_CPU, Figure, pin
 
+from watchdogd.core.events import EventLog
+from watchdogd.core.incidents import IncidentLog, StoredIncident
 from watchdogd.core.timers import Timer
 from watchdogd.host.process import read_start_time
+from watchdogd.storage.record_file import RecordFile, record_path
 from watchdogd.storage.store import Store
 from watchdogd_client import Client
+from watchdogd_client.protocol import EventInfo, IncidentInfo, RankInfo, StepResult
 
 HOLDERS = 1_000
 TIMEOUT = 3600.0
@@ -160,6 +167,42 @@ def loaded_daemon(directory: Path, count: int, holders: Holders, base: float) ->
                 raise RuntimeError(f"{written} was not folded")
             time.sleep(0.1)
     return state
+
+
+def full_record(path: Path) -> None:
+    """The record of what happened with the default rings full: 1,000 events (a
+    dump's output each) and 100 incidents of 64 ranks with 64 KiB stacks."""
+    events, incidents = EventLog(1000), IncidentLog("bench", keep=100)
+    output = "    frame (file.py:1)\n" * 40
+    for index in range(1000):
+        steps = [StepResult(step="dump", result="exit 0", output=output)]
+        events.record(
+            EventInfo(seq=0, kind="expired", time=1.0, pid=1000 + index, uid=0, scope="s",
+                      policy="kill", outcome="killed", steps=steps)
+        )  # fmt: skip
+    stack = 'Thread 1 (idle): "MainThread"\n' + "    wait (x.py:1)\n" * 3800
+    stored = [
+        StoredIncident(
+            IncidentInfo(id=f"bench-{number}", job=f"job-{number}", user="root", uid=0,
+                         host="bench", scope="s", reason="timeout", time=1.0, rank=0),
+            [RankInfo(host="bench", pid=10_000 + rank, uid=0, role="peer", scope="s",
+                      rank=rank, state="done", stack=stack[: 64 * 1024], frame="wait (x.py:1)")
+             for rank in range(64)],
+            2.0, True, [],
+        )
+        for number in range(100)
+    ]  # fmt: skip
+    incidents.restore(stored, wall=3.0)
+    record = RecordFile(str(path), events, incidents)
+    record.write_now()
+    record.close()
+
+
+def started(state: Path, socket_path: Path) -> tuple[float, int]:
+    """Seconds from the daemon's start to its READY on ``state``, and its RSS then."""
+    began = time.monotonic()
+    with ready_daemon(state, socket_path) as pid:
+        return time.monotonic() - began, rss(pid)
 
 
 def armed_rss(state: Path | None, socket_path: Path, count: int, holders: Holders) -> float:
@@ -326,6 +369,30 @@ def main() -> None:
                                f"x the page with {PAGE:,} armed")
                     )  # fmt: skip
                 crowded = non_root_status(sock, 100, rounds)
+            # Interleaved, the median of three each: the record added, then taken away.
+            record = Path(record_path(str(state)))
+            full_record(Path(f"{record}.full"))
+            runs: dict[bool, list[tuple[float, int]]] = {False: [], True: []}
+            for with_record in (False, True) * 3:
+                if with_record:
+                    record.write_bytes(Path(f"{record}.full").read_bytes())
+                else:
+                    record.unlink(missing_ok=True)
+                runs[with_record].append(started(state, sock))
+            (bare, bare_rss), (full, full_rss) = (sorted(runs[key])[1] for key in (False, True))
+            figures.append(
+                Figure(f"start to READY, {large:,} timers, no record", bare, "s", 1.0,
+                       "the start baseline")
+            )  # fmt: skip
+            figures.append(
+                Figure(f"start to READY, {large:,} timers, record full", full, "s",
+                       full / bare, "x no record; 1,000 events, 100 incidents x 64 x 64 KiB")
+            )  # fmt: skip
+            figures.append(
+                Figure("RSS of the full record", (full_rss - bare_rss) / 2**20, "MiB",
+                       (full_rss - bare_rss) / max(1, os.path.getsize(f"{record}.full")),
+                       "x its file's size")
+            )  # fmt: skip
             if alone is not None and crowded is not None:
                 figures.append(
                     Figure("non-root status, 100 own timers, none of root's", alone * 1e3,

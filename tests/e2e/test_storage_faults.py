@@ -1,5 +1,6 @@
 """A failing disk, for real: tmpfs mounts limited in size or inodes, and remounted
-read-only, under a running daemon and under one that starts.
+read-only, under a daemon that starts and under its store (a disk that fails under
+a running daemon, in each of the ways it can, is in test_disk_faults).
 
 The daemon never exits for it, every armed timer still fires on time, an
 acknowledgement that is not durable says so, and once the disk is back a restart
@@ -9,211 +10,44 @@ restores every timer. Needs root (to mount), as CI runs.
 from __future__ import annotations
 
 import contextlib
-import errno
-import io
 import os
 import signal
 import socket
 import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from itertools import count
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 
 from watchdogd.core.history import History
 from watchdogd.core.timers import Timer
 from watchdogd.storage.history_file import HistoryFile
-from watchdogd.storage.store import StateError, Store
-from watchdogd_client.protocol import (
-    PROTOCOL_VERSION,
-    Acquire,
-    Acquired,
-    FrameReader,
-    Hello,
-    ReplyMessage,
-    Request,
-    decode_reply,
-    encode_frame,
-)
+from watchdogd.storage.store import EAGER_RETRY, StateError, Store
 
-from helpers.daemon import RunningDaemon, ctl_command
+from helpers.daemon import RunningDaemon
+from helpers.disks import (
+    Raw,
+    daemon_on,
+    death_within,
+    degraded,
+    fill_inodes,
+    fill_space,
+    journal_files,
+    remount,
+    tmpfs,
+)
 from helpers.processes import reap
 from helpers.waiting import PATIENCE, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
-@contextlib.contextmanager
-def tmpfs(*, size: str = "4m", inodes: int = 64) -> Iterator[Path]:
-    """A real tmpfs of ``size`` bytes and ``inodes`` inodes, unmounted after."""
-    directory = Path(tempfile.mkdtemp(prefix="wd-disk-"))
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes},mode=0755", "tmpfs",
-         str(directory)],
-        check=True,
-    )  # fmt: skip
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-        directory.rmdir()
-
-
-def fill_space(directory: Path) -> Path:
-    """Write a file until the disk refuses more; returns it (delete it to free)."""
-    filler = directory / "filler"
-    # Unbuffered: closing the file then flushes nothing, and cannot fail.
-    with (
-        open(filler, "wb", buffering=0) as out,
-        pytest.raises(OSError, match="No space left") as refused,
-    ):
-        _write_forever(out, b"\0" * 65536)
-    assert refused.value.errno == errno.ENOSPC
-    with contextlib.suppress(OSError), open(filler, "ab") as out:  # the last partial block
-        while True:
-            out.write(b"\0")
-            out.flush()
-    return filler
-
-
-def fill_inodes(directory: Path) -> list[Path]:
-    """Create empty files until no inode is left; returns them."""
-    made: list[Path] = []
-    with pytest.raises(OSError, match="No space left"):
-        _touch_forever(directory, made)
-    return made
-
-
-def _write_forever(out: BinaryIO | io.RawIOBase, block: bytes) -> None:
-    while True:
-        out.write(block)
-        out.flush()
-
-
-def _touch_forever(directory: Path, made: list[Path]) -> None:
-    for index in count():
-        path = directory / f"inode-{index}"
-        path.touch()
-        made.append(path)
-
-
-def remount(directory: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(directory)], check=True)
-
-
-class Raw:
-    """A connection speaking the protocol by hand, to read whole replies."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(PATIENCE)
-        self.sock.connect(str(path))
-        self.reader = FrameReader(16 * 1024 * 1024)
-        self.ids = count(1)
-        self.ask(Hello(id=0, version=PROTOCOL_VERSION))
-
-    def ask(self, request: Request) -> ReplyMessage:
-        self.sock.sendall(encode_frame(request))
-        while True:
-            data = self.sock.recv(65536)
-            assert data, "the daemon closed the connection"
-            frames = self.reader.feed(data)
-            if frames:
-                return decode_reply(frames[0])
-
-    def acquire(self, scope: str, timeout: float, pid: int) -> Acquired:
-        reply = self.ask(Acquire(id=next(self.ids), scope=scope, timeout=timeout, pid=pid))
-        assert isinstance(reply, Acquired), reply
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def disk() -> Iterator[Path]:
     with tmpfs() as directory:
         yield directory
-
-
-def daemon_on(disk: Path, socket_path: Path, tmp_path: Path) -> RunningDaemon:
-    return RunningDaemon(
-        socket_path, tmp_path / "watchdogd.log", ["--state", str(disk / "state.db")]
-    )
-
-
-def journal_files(directory: Path) -> list[str]:
-    return [name for name in os.listdir(directory) if ".journal." in name]
-
-
-def degraded(daemon: RunningDaemon) -> bool:
-    with daemon.client() as client:
-        return client.status().daemon.state_degraded
-
-
-def death_within(worker: subprocess.Popen[bytes], seconds: float) -> None:
-    assert worker.wait(timeout=seconds) == -signal.SIGKILL
-
-
-def test_a_disk_filled_under_a_running_daemon(
-    disk: Path, socket_path: Path, tmp_path: Path
-) -> None:
-    daemon = daemon_on(disk, socket_path, tmp_path)
-    daemon.start()
-    workers = [subprocess.Popen(["sleep", "600"]) for _ in range(12)]
-    raw = Raw(socket_path)
-    try:
-        for index, worker in enumerate(workers[:4]):
-            assert raw.acquire(f"before-{index}", 120, worker.pid).durable
-        filler = fill_space(disk)
-        # The journal's last page may still take a record or two; then no more.
-        during = []
-        for index in range(500):
-            during.append(f"during-{index}")
-            if not raw.acquire(during[-1], 120, workers[4 + index % 6].pid).durable:
-                break
-        for index, worker in enumerate(workers[4:10]):
-            during.append(f"then-{index}")
-            assert not raw.acquire(during[-1], 120, worker.pid).durable
-        assert degraded(daemon)
-        with daemon.client() as client:
-            events = [e for e in client.events().events if e.kind == "state_degraded"]
-            assert len(events) == 1
-            assert "No space left on device" in events[0].note
-            assert "watchdogd_state_degraded 1.0" in client.metrics()
-        assert daemon.log().count("event=state_degraded") == 1
-        shown = subprocess.run(
-            ctl_command(socket_path, "status"), capture_output=True, text=True, check=True
-        )
-        assert "state degraded" in shown.stdout
-        assert len(journal_files(disk)) <= 3
-        # Protection goes on from memory: a timer armed now fires on time.
-        started = time.monotonic()
-        raw.acquire("fires-while-full", 0.5, workers[10].pid)
-        death_within(workers[10], PATIENCE)
-        assert time.monotonic() - started < 0.5 + 2.0
-        # Space comes back: the whole state is written and the flag clears.
-        filler.unlink()
-        wait_until(lambda: not degraded(daemon), what="the state to be written again")
-        assert raw.acquire("after", 120, workers[11].pid).durable
-        assert "event=state_restored" in daemon.log()
-        raw.close()
-        daemon.stop(signal.SIGKILL)
-        daemon.start()
-        with daemon.client() as client:
-            scopes = sorted(timer.scope for timer in client.status().timers)
-        assert scopes == sorted([*(f"before-{i}" for i in range(4)), *during, "after"])
-        assert len(journal_files(disk)) <= 3
-    finally:
-        raw.close()
-        daemon.stop(signal.SIGKILL)
-        for worker in workers:
-            reap(worker)
 
 
 def test_a_daemon_started_on_a_full_disk_restores_what_it_can_read(
@@ -417,3 +251,45 @@ def test_the_history_on_a_full_then_a_read_only_disk(disk: Path) -> None:
     assert list(loaded.suggestions()) == list(history.suggestions())
     [row] = loaded.suggestions()
     assert row.count == 51
+
+
+def test_a_reply_on_a_full_disk_tries_the_write_itself_at_most_every_tenth_of_a_second(
+    disk: Path,
+) -> None:
+    """Each acknowledgement waits for a commit; while the disk is full that commit
+    tries the recovery's full write, but not more than once per `EAGER_RETRY`, and
+    not on the schedule of the background task's backoff."""
+    store, _ = Store.open(str(disk / "state.db"))
+    now = time.monotonic()
+    held = [
+        Timer(pid=4242, scope=f"s{index}", policy="kill", uid=0, owner=0, timeout=60.0,
+              armed_at=now, deadline=now + 60 + index, start_time=1)
+        for index in range(200)
+    ]  # fmt: skip
+    store.snapshot = lambda: held
+    filler = fill_space(disk)
+    try:
+        began = time.monotonic()
+        for armed in held:
+            store.put(armed)
+            if not store.commit(store.generation):
+                break
+        assert store.degraded
+        backoff = store._retry_at
+        for armed in held:
+            store.put(armed)
+            assert not store.commit(store.generation)
+        # The write that failed, then the attempts: the first at once.
+        attempts, took = store.errors - 1, time.monotonic() - began
+        assert 1 <= attempts <= 1 + took / EAGER_RETRY, (attempts, took)
+        assert store._retry_at == backoff
+        filler.unlink()
+        time.sleep(EAGER_RETRY)
+        store.put(held[0])
+        assert store.commit(store.generation)
+        assert not store.degraded
+    finally:
+        store.close()
+    store, loaded = Store.open(str(disk / "state.db"))
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == sorted(t.scope for t in held)

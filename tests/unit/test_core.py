@@ -22,8 +22,8 @@ ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "expiry", "firing",
         "frames", "heap", "history", "identity", "incidents", "lifecycle", "logline", "pages",
-        "policies", "ports", "responders", "rules", "service", "session", "shares", "starvation",
-        "timers", "verdict")  # fmt: skip
+        "policies", "ports", "ranks", "responders", "rules", "service", "session", "shares",
+        "starvation", "timers", "verdict")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from watchdogd.core.identity import Peer
-from watchdogd.core.incidents import MAX_STACK_BYTES, IncidentLog, first_frame
+from watchdogd.core.incidents import IncidentLog
+from watchdogd.core.ranks import MAX_STACK_BYTES, first_frame
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
     Acquire,

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import click
 import msgspec
 
-from watchdogd_client import Client, WatchdogdError
+from watchdogd_client import Client, DaemonUnavailable, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import EventInfo
 
@@ -42,6 +43,8 @@ from .run import run_under_timer
 
 #: Seconds each follow request waits for news before asking again.
 _FOLLOW_WAIT: Final = 30.0
+#: Seconds between tries of a daemon that went away while followed.
+_FOLLOW_RETRY: Final = 0.5
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -198,9 +201,23 @@ def events(follow: bool, limit: int) -> None:
     if not follow:
         return
     last = page.last
+    away = False
     try:
         while True:
-            page = client.events(after=last, limit=1000, wait=_FOLLOW_WAIT)
+            try:
+                page = client.events(after=last, limit=1000, wait=_FOLLOW_WAIT)
+            except DaemonUnavailable as exc:
+                # Restarted, or stopped for a while: its events are numbered on
+                # from where they were, so asking after the last one seen again
+                # prints each event once.
+                if not away:
+                    click.echo(f"watchdogctl: {exc}; waiting for it", err=True)
+                away = True
+                time.sleep(_FOLLOW_RETRY)
+                continue
+            if away:
+                click.echo("watchdogctl: the daemon is back", err=True)
+                away = False
             _print_events(page.events, as_json)
             last = page.last
     except KeyboardInterrupt:

@@ -20,6 +20,9 @@ Invariants:
   always holds at least one event and always fits in a reply.
 - Each kept event is handed to the log as one line, rate-limited per (uid, kind)
   (`watchdogd.core.logline`); without a log, none is.
+- Events written to the state before a restart come back with their numbers
+  (`restore`), and numbering goes on after the last of them: a follower's ``after``
+  means the same to the restarted daemon.
 """
 
 from __future__ import annotations
@@ -187,6 +190,27 @@ class EventLog:
             page.append(item.event)
         page.reverse()
         return page
+
+    def since(self, after: int) -> list[EventInfo]:
+        """Every kept event numbered above ``after``, oldest first (what is still to
+        be written to the state, or, from 0, all of it)."""
+        kept = heapq.merge(*(_newer(ring, after) for ring in self._rings.values()), key=_seq)
+        return [item.event for item in kept]
+
+    def restore(self, events: Iterable[EventInfo]) -> None:
+        """Keep ``events`` (read back from the state, oldest first, as they were
+        numbered) under the bounds, without logging them again; the next event is
+        numbered after the last."""
+        for stored in events:
+            if stored.seq <= self._last:
+                continue  # out of order: damage the reader let through
+            event, size = _bounded(stored)
+            victim = self._shares.add(event.uid)
+            if victim is not None:
+                self._drop_oldest(victim)
+            self._rings.setdefault(event.uid, deque()).append(_Kept(event, size))
+            self._last = event.seq
+        self._seq = itertools.count(self._last + 1)
 
     def _drop_oldest(self, uid: int) -> None:
         ring = self._rings[uid]

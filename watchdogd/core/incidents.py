@@ -25,8 +25,10 @@ every other uid's together, and ``per_uid`` of any one uid's. Past that the olde
 incident of the uid holding the most goes (the opening uid on a tie), so one uid's
 flood evicts only its own older incidents once it holds the most, and a uid
 holding no more than its fair share keeps all of its. At most `MAX_RANKS`
-processes an incident, each stack cut to `MAX_STACK_BYTES`. They are kept in
-memory: a restart of the daemon forgets them (the fleet keeps its own copy). Root
+processes an incident, each stack cut to `MAX_STACK_BYTES`. What changed is handed
+to the runtime as `StoredIncident` records (`changes`), which the state keeps, and a
+restarted daemon takes them back (`restore`): an incident still open goes on
+gathering, with its ranks, stacks, readers and verdict as they were. Root
 sees every incident; another uid, those of its own jobs, and of each the stacks
 only of the processes ptrace's read rule let it read when they were dumped
 (`may_read`): the decision is taken at the dump and kept with the rank.
@@ -35,9 +37,8 @@ only of the processes ptrace's read rule let it read when they were dumped
 from __future__ import annotations
 
 import itertools
-import re
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -55,22 +56,41 @@ from watchdogd_client.protocol import (
 
 from .frames import Library
 from .identity import ROOT
+from .ranks import (
+    MAX_STACK_BYTES,
+    bounded,
+    clip,
+    first_frame,
+    may_read,
+    shown_order,
+    stack_of,
+    state_of,
+    unread,
+)
 from .shares import Shares
 from .verdict import Decision, decide, for_viewer
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
-#: The most of one stack an incident keeps.
-MAX_STACK_BYTES: Final = 64 * 1024
 #: The most ids of incidents that joined another that are remembered.
 _MAX_ALIASES: Final = 4096
 #: Room a reply keeps for everything but the stacks.
 _ENVELOPE_BYTES: Final = 64 * 1024
-_CLIPPED: Final = "\n…(cut)\n"
-#: A thread's header in py-spy's dump: ``Thread 4242 (idle): "MainThread"``.
-_THREAD: Final = re.compile(r'^Thread \S+ \([^)]*\): "(?P<name>[^"]*)"')
 
 JobKey = tuple[int, str]
+
+
+class StoredIncident(msgspec.Struct, array_like=True, frozen=True):
+    """An incident as the state keeps it: its head (``info``, without ranks), its
+    ranks, and what decides how it goes on (the wall time its window closes,
+    whether its verdict settled, the hosts it waits for). Its verdict is not
+    stored: the same ranks judge to the same verdict."""
+
+    info: IncidentInfo
+    ranks: list[RankInfo]
+    open_until: float
+    settled: bool
+    hosts: list[str]
 
 
 @dataclass(slots=True, eq=False)
@@ -87,16 +107,57 @@ class _Incident:
     #: The hosts the fleet says hold the job: each reports before it settles.
     hosts: frozenset[str] = frozenset()
 
+    @classmethod
+    def of(cls, stored: StoredIncident) -> _Incident:
+        """An incident as the state kept it."""
+        ranks = [bounded(rank) for rank in stored.ranks[:MAX_RANKS]]
+        hosts = frozenset(stored.hosts)
+        return cls(stored.info, ranks, stored.open_until, None, stored.settled, hosts)
+
+    def stored(self) -> StoredIncident:
+        """This incident as the state keeps it."""
+        return StoredIncident(
+            self.info, list(self.ranks), self.open_until, self.settled, sorted(self.hosts)
+        )
+
+
+class Changes:
+    """What changed among the incidents since the state last took it (`take`):
+    the incidents changed, the ids of those dropped. Bounded: an incident is in it
+    once, and a drop only of one that was kept."""
+
+    def __init__(self) -> None:
+        self._changed: dict[str, _Incident] = {}
+        self._dropped: list[str] = []
+
+    def touch(self, incident: _Incident) -> None:
+        self._changed[incident.info.id] = incident
+
+    def gone(self, incident_id: str) -> None:
+        self._changed.pop(incident_id, None)
+        self._dropped.append(incident_id)
+
+    def take(self) -> tuple[list[StoredIncident], list[str]]:
+        """The incidents changed, as the state keeps them, and the ids dropped."""
+        changed = [incident.stored() for incident in self._changed.values()]
+        dropped, self._changed, self._dropped = self._dropped, {}, []
+        return changed, dropped
+
 
 class _Judge:
     """Judges incidents' verdicts (`watchdogd.core.verdict`), and says once when
     each settles."""
 
     def __init__(
-        self, library: Library, on_settled: Callable[[IncidentInfo, Verdict], object]
+        self,
+        library: Library,
+        on_settled: Callable[[IncidentInfo, Verdict], object],
+        touched: Callable[[_Incident], object],
     ) -> None:
         self.library = library
         self.on_settled = on_settled
+        #: Called with each incident whose ranks or standing change.
+        self.touched = touched
         #: A fleet listens: an incident's verdict waits for the hosts of its job
         #: (`IncidentLog.expect`) or its window, not only for this host's ranks.
         self.fleet = False
@@ -106,6 +167,7 @@ class _Judge:
         is next read (judging it at every rank's word would cost an incident of many
         ranks time squared, on the loop); once it settles, it is recorded
         (``on_settled``), once."""
+        self.touched(incident)
         incident.decision = None
         if (
             not incident.settled
@@ -115,6 +177,7 @@ class _Judge:
             self.settle(incident)
 
     def settle(self, incident: _Incident) -> None:
+        self.touched(incident)
         incident.settled = True
         incident.decision = None
         decision = self.decided(incident)
@@ -146,7 +209,10 @@ class IncidentLog:
     ) -> None:
         self.host = host
         self.window = window
-        self._judges = _Judge(Library(frozenset()) if library is None else library, on_settled)
+        #: What the state has still to take (`watchdogd.storage.record_file`).
+        self.changes = Changes()
+        library = Library(frozenset()) if library is None else library
+        self._judges = _Judge(library, on_settled, self.changes.touch)
         self._shares = Shares(keep, per_uid)
         numbers = itertools.count(1)
         # The runtime passes ids that differ from one run of the daemon to the
@@ -298,6 +364,7 @@ class IncidentLog:
                 evidence=evidence,
                 flight=list(flight),
             )
+            self.changes.touch(incident)
 
     def given(
         self,
@@ -322,7 +389,7 @@ class IncidentLog:
         incident.ranks[index] = msgspec.structs.replace(
             rank,
             state="done",
-            stack=_clip(stack, MAX_STACK_BYTES),
+            stack=clip(stack, MAX_STACK_BYTES),
             frame=first_frame(stack),
             evidence=evidence,
             flight=list(flight),
@@ -341,10 +408,10 @@ class IncidentLog:
         if found is None:
             return
         incident, index = found
-        stack = _stack_of(event)
+        stack = stack_of(event)
         incident.ranks[index] = msgspec.structs.replace(
             incident.ranks[index],
-            state=_state_of(event),
+            state=state_of(event),
             stack=stack,
             frame=first_frame(stack),
             note=event.note,
@@ -436,6 +503,7 @@ class IncidentLog:
         incident = self._incidents.pop(incident_id, None)
         if incident is None:
             return
+        self.changes.gone(incident_id)
         uid = incident.info.uid
         owned = self._owned.get(uid)
         if owned is not None and incident_id in owned:
@@ -460,9 +528,7 @@ class IncidentLog:
         else:
             expired = {r.pid for r in incident.ranks if r.host == host and r.role == "expired"}
         kept = [rank for rank in incident.ranks if rank.host != host]
-        incident.ranks = (kept + [_bounded(rank) for rank in ranks if rank.host == host])[
-            :MAX_RANKS
-        ]
+        incident.ranks = (kept + [bounded(rank) for rank in ranks if rank.host == host])[:MAX_RANKS]
         self._judges.judge(incident)
         return any(
             rank.role == "expired" and rank.pid not in expired
@@ -487,12 +553,6 @@ class IncidentLog:
     def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
         """The ranks of ``incident`` on this host."""
         return [rank for rank in incident.ranks if rank.host == self.host]
-
-    def of_job(self, job: JobKey) -> Iterator[IncidentInfo]:
-        """Every incident of ``job`` kept, as a whole."""
-        for incident in self._incidents.values():
-            if (incident.info.uid, incident.info.job) == job:
-                yield self._whole(incident)
 
     def listing(self, viewer: int, limit: int) -> list[IncidentInfo]:
         """The latest ``limit`` incidents ``viewer`` may see, newest last, without
@@ -527,14 +587,14 @@ class IncidentLog:
         if incident is None or viewer not in (ROOT, incident.info.uid):
             return None
         ranks = [
-            rank if may_read(rank, viewer, viewer_gid) else _unread(rank)
-            for rank in sorted(incident.ranks, key=_shown_order)
+            rank if may_read(rank, viewer, viewer_gid) else unread(rank)
+            for rank in sorted(incident.ranks, key=shown_order)
         ]
         budget = (MAX_REPLY_BYTES - _ENVELOPE_BYTES) // max(1, len(ranks))
         ranks = [
             rank
             if len(rank.stack.encode()) <= budget
-            else msgspec.structs.replace(rank, stack=_clip(rank.stack, budget))
+            else msgspec.structs.replace(rank, stack=clip(rank.stack, budget))
             for rank in ranks
         ]
         return msgspec.structs.replace(
@@ -556,6 +616,21 @@ class IncidentLog:
             self._drop_oldest(victim)
         self._incidents[incident.info.id] = incident
         self._owned.setdefault(uid, deque()).append(incident.info.id)
+        self.changes.touch(incident)
+
+    def everything(self) -> list[StoredIncident]:
+        """Every kept incident as the state keeps it, oldest first."""
+        return [incident.stored() for incident in self._incidents.values()]
+
+    def restore(self, stored: Sequence[StoredIncident], wall: float) -> None:
+        """Keep ``stored`` (read back from the state, oldest first) under the bounds;
+        one whose window is open at ``wall`` takes its job's expiries again."""
+        for record in stored:
+            if record.info.id not in self._incidents:
+                self._keep(_Incident.of(record))
+                if record.info.kind == "expired" and wall < record.open_until:
+                    self._open[(record.info.uid, record.info.job)] = record.info.id
+        self.changes.take()
 
     def _drop_oldest(self, uid: int) -> None:
         owned = self._owned[uid]
@@ -563,6 +638,7 @@ class IncidentLog:
         if not owned:
             del self._owned[uid]
         info = self._incidents.pop(oldest).info
+        self.changes.gone(oldest)
         job = (info.uid, info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
@@ -599,74 +675,3 @@ def _reported(incident: _Incident) -> bool:
 def _nobody(culprit: Culprit) -> bool:
     """A viewer who may see no rank's stack."""
     return False
-
-
-def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
-    """Whether ``viewer`` (of group ``viewer_gid``) may see the stack and frame of
-    ``rank``: root may; another user only where ptrace's read rule let them read
-    the process when it was dumped (its reader: the same real, effective and
-    saved uid, the same gids, dumpable). A remote rank's reader is the local user
-    of its name, and its gid is not compared (gids are numbers of its host)."""
-    if viewer == ROOT:
-        return True
-    if rank.reader_uid is None or rank.reader_uid != viewer:
-        return False
-    return rank.reader_gid is None or rank.reader_gid == viewer_gid
-
-
-def _unread(rank: RankInfo) -> RankInfo:
-    """``rank`` without what its viewer may not see, with a note why."""
-    if not (rank.stack or rank.frame):
-        return rank
-    why = (
-        "its stack is shown to root only: when it was dumped, ptrace's rules would not "
-        "have let you read this process (its uids or gids differed, or it was not dumpable)"
-    )
-    note = f"{rank.note}; {why}" if rank.note else why
-    return msgspec.structs.replace(rank, stack="", frame="", note=note)
-
-
-def first_frame(stack: str) -> str:
-    """The innermost frame of the main thread in a py-spy dump (of the first
-    thread, when none is named MainThread): where the process was waiting."""
-    frames: dict[str, str] = {}
-    thread = None
-    for line in stack.splitlines():
-        header = _THREAD.match(line)
-        if header is not None:
-            thread = header["name"]
-            continue
-        if thread is not None and thread not in frames and line.startswith(" ") and line.strip():
-            frames[thread] = line.strip()
-    return frames.get("MainThread") or next(iter(frames.values()), "")
-
-
-def _stack_of(event: EventInfo) -> str:
-    outputs = [step.output for step in event.steps if step.step.startswith("dump")]
-    return _clip(outputs[0], MAX_STACK_BYTES) if outputs else ""
-
-
-def _state_of(event: EventInfo) -> str:
-    if event.outcome == "gone":
-        return "gone"
-    if any(step.result.startswith("skipped: not allowed") for step in event.steps):
-        return "denied"
-    return "done"
-
-
-def _bounded(rank: RankInfo) -> RankInfo:
-    if len(rank.stack.encode()) <= MAX_STACK_BYTES:
-        return rank
-    return msgspec.structs.replace(rank, stack=_clip(rank.stack, MAX_STACK_BYTES))
-
-
-def _clip(text: str, limit: int) -> str:
-    raw = text.encode()
-    if len(raw) <= limit:
-        return text
-    keep = max(0, limit - len(_CLIPPED.encode()))
-    return raw[:keep].decode(errors="ignore") + _CLIPPED
-
-
-def _shown_order(rank: RankInfo) -> tuple[int, str, int, int]:
-    return (rank.role != "expired", rank.host, -1 if rank.rank is None else rank.rank, rank.pid)

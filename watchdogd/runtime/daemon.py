@@ -53,6 +53,7 @@ from ..host.systemd import Notifier, watchdog_interval
 from ..host.users import UserNames
 from ..logs import LoggingSink, log, logfmt, set_level
 from ..storage.history_file import HistoryFile, history_path
+from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
 from .metrics import exposition, write_textfile
@@ -276,7 +277,13 @@ class Daemon:
             stdlib=frozenset(sys.stdlib_module_names),
         )
         self.history_file: HistoryFile | None = None
+        self.record_file: RecordFile | None = None
         if state_path is not None:
+            # Before anything is recorded: event numbers go on from the last one kept.
+            self.record_file = RecordFile(
+                record_path(state_path), self.service.events, self.service.incidents
+            )
+            self.record_file.load()
             self.history_file = HistoryFile(history_path(state_path), self.service.history)
             self.history_file.load()
         self.restored: Restored[Process] = self.service.restore(timers)
@@ -320,6 +327,8 @@ class Daemon:
             await nursery.start(self.store.run)
         if self.history_file is not None:
             await nursery.start(self.history_file.run)
+        if self.record_file is not None:
+            await nursery.start(self.record_file.run)
         if self.config.fleet.etcd:
             await self._join_fleet(nursery)
         await nursery.start(self.scheduler.run)
@@ -410,6 +419,9 @@ class Daemon:
             self.store.close()
         if self.history_file is not None:
             self.history_file.write_now()
+        if self.record_file is not None:
+            self.record_file.write_now()
+            self.record_file.close()
         self.notifier.close()
 
 

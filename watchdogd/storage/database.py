@@ -144,6 +144,18 @@ class Database:
         self.lock_fd = fd
         return True
 
+    def replaced(self) -> bool:
+        """Whether the file locked is no longer the one at ``path`` (it was
+        deleted, or another took its name): the lock and the connection are then
+        of a file nobody will read."""
+        if self.lock_fd is None:
+            return False
+        try:
+            held, named = os.fstat(self.lock_fd), os.stat(self.path)
+        except OSError:
+            return True
+        return (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino)
+
     def write(self, changes: Changes, reset: bool) -> None:
         """In a worker thread: apply a fold to the database (``reset``: make it
         exactly ``changes``), opening it if the daemon started without one."""

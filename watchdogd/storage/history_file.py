@@ -23,6 +23,7 @@ import trio
 
 from ..core.history import History
 from ..logs import logfmt
+from .files import replace_file
 
 log = logging.getLogger("watchdogd")
 
@@ -91,19 +92,9 @@ class HistoryFile:
             self._written = self.history.generation
 
     def _write(self, data: bytes) -> bool:
-        partial = self.path + ".new"
         try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(partial, self.path)
+            replace_file(self.path, data)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
             if not self._failing:
                 self._failing = True
                 log.warning(

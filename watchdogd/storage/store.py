@@ -25,9 +25,12 @@ Invariants:
   Journals are started only by a fold or a recovery, so at most a few ever exist.
 - A write that fails (ENOSPC, EDQUOT, no inodes, EIO, a read-only file system) puts
   the store in the degraded state: it says so once (``on_degraded``), stops writing
-  changes one by one, and retries with backoff. A retry writes the whole current
-  state (``snapshot``) to a new journal headed by a reset record, removes the older
-  journals it supersedes, and clears the degraded state. Memory stays bounded while
+  changes one by one, and retries. A retry writes the whole current state
+  (``snapshot``) to a new journal headed by a reset record, removes the older
+  journals it supersedes, and clears the degraded state. A commit that a reply
+  waits for retries on the spot (`EAGER_RETRY`), so the first change acknowledged
+  once the disk takes writes again is durable and says so; the background task
+  retries with backoff for a daemon that nothing asks. Memory stays bounded while
   degraded: nothing is queued but the need for that one full write.
 - Loading reads the database, then replays every journal in order, each file in
   the schema it names (`watchdogd.storage.schema`, which migrates an older one's
@@ -36,6 +39,11 @@ Invariants:
   (`watchdogd.storage.faults`); the good prefix of a damaged journal still counts.
   Anything else that fails at start (a full or read-only disk) starts the daemon
   degraded with everything it could read.
+- A state deleted under the daemon (its directory removed, say) is a failing disk
+  too: writes into the journal's unlinked file would be lost at the next start.
+  Every write checks that the journal still has a name, and the background task
+  checks once a `LOST_CHECK`; a recovery makes the directory and the database
+  again, and writes the whole state there.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
@@ -77,6 +85,14 @@ JOURNAL_BYTES: Final = 8 * 1024 * 1024
 #: Retries of a failing disk wait this long at first, doubling up to the maximum.
 RETRY_FIRST: Final = 0.1
 RETRY_MAX: Final = 10.0
+#: A reply's commit on a degraded store retries itself at most this often: a
+#: tenth of a second is below what a client notices as the space coming back,
+#: and ten attempts a second cost a full disk nothing. An attempt writes the whole
+#: state, so a large one waits ten times what its last failed attempt took: the
+#: loop spends at most a tenth of its time on them.
+EAGER_RETRY: Final = 0.1
+#: A daemon that writes nothing checks this often that its state was not deleted.
+LOST_CHECK: Final = 1.0
 
 
 class Loaded(msgspec.Struct):
@@ -123,6 +139,7 @@ class Store:
         self.degraded_reason = ""
         self._retry_at = 0.0
         self._backoff = RETRY_FIRST
+        self._eager_at = 0.0
         #: One object per repeated value among the timers loaded (`share_values`),
         #: from the database and the journals alike; emptied once loaded.
         self._shared: Shared = {}
@@ -233,10 +250,18 @@ class Store:
 
     def commit(self, generation: int) -> bool:
         """Write what is pending; returns whether every change up to
-        ``generation`` is in the state (False while degraded). Synchronous: a
-        reply's commit is one write(2), with no turn of the event loop."""
-        if self._durable < generation and not self.degraded:
-            self._append_pending()
+        ``generation`` is in the state. Synchronous: a reply's commit is one
+        write(2), with no turn of the event loop. While degraded it tries the
+        recovery's full write itself, at most once per `EAGER_RETRY`."""
+        if self._durable < generation:
+            if not self.degraded:
+                self._append_pending()
+            if (
+                self.degraded
+                and (now := time.monotonic()) >= self._eager_at
+                and not self._recover(backoff=False)
+            ):
+                self._eager_at = now + max(EAGER_RETRY, 10 * (time.monotonic() - now))
         return self._durable >= generation
 
     def commit_soon(self) -> None:
@@ -258,7 +283,22 @@ class Store:
                 self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
+            if self._journal_lost():
+                return
         self._durable = generation
+
+    def _journal_lost(self) -> bool:
+        """Whether the journal lost its name (the state was deleted under the
+        daemon): then the store is degraded, and a recovery writes it anew."""
+        try:
+            assert self._fd is not None
+            lost = os.fstat(self._fd).st_nlink == 0
+        except OSError as exc:
+            self._enter_degraded(reason(exc))
+            return True
+        if lost:
+            self._enter_degraded(f"{path_of(self.path, self._number)} was deleted")
+        return lost
 
     # The background task.
 
@@ -274,9 +314,11 @@ class Store:
                 retry = self._fold_retry_at
             else:
                 retry = math.inf  # nothing to retry: wait for work
-            with trio.move_on_after(max(0.0, retry - time.monotonic())):
+            with trio.move_on_after(min(LOST_CHECK, max(0.0, retry - time.monotonic()))):
                 await self._wakeup.wait()
             self._wakeup = trio.Event()
+            if not self.degraded and self._fd is not None:
+                self._journal_lost()
             if self.degraded:
                 if time.monotonic() >= self._retry_at:
                     self.recover()
@@ -294,20 +336,30 @@ class Store:
     def recover(self) -> bool:
         """Try once to end the degraded state: write the whole current state to a
         new journal headed by a reset record. Returns whether the store is well."""
+        return self._recover(backoff=True)
+
+    def _recover(self, *, backoff: bool) -> bool:
+        """`recover`; ``backoff``: a failure puts the background retry further off
+        (a reply's own attempt leaves its schedule alone)."""
         if not self.degraded:
             return True
         if self._database.unread:
-            return self._schedule_retry()  # writing over it would lose its timers
+            return self._failed(backoff)  # writing over it would lose its timers
+        if self._database.replaced():
+            # Deleted under the daemon: a new directory and database in its place.
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
+            self._database.close()
         if self._database.lock_fd is None:
             try:
                 if not self._database.lock():
-                    return self._schedule_retry()
+                    return self._failed(backoff)
             except StateError as exc:
                 self.degraded_reason = str(exc)
-                return self._schedule_retry()
+                return self._failed(backoff)
         self._aside.move_stuck()
         if not self._rebase():
-            return self._schedule_retry()
+            return self._failed(backoff)
         self.degraded = False
         self._backoff = RETRY_FIRST
         self.on_degraded(False, "")
@@ -333,6 +385,9 @@ class Store:
         self._fold_wanted = True
         self._fold_retry_at = 0.0
         return True
+
+    def _failed(self, backoff: bool) -> bool:
+        return self._schedule_retry() if backoff else False
 
     def _schedule_retry(self) -> bool:
         self._retry_at = time.monotonic() + self._backoff
@@ -414,13 +469,15 @@ class Store:
                 0o600,
             )
         except OSError as exc:
-            if not degrade:
-                log.warning(logfmt("state_journal_not_started", path=self.path, error=reason(exc)))
-            elif self.degraded:
-                self.errors += 1
+            if self.degraded:
+                # Said once already: a retry's failure only updates the reason.
                 self.degraded_reason = reason(exc)
-            else:
+                if degrade:
+                    self.errors += 1
+            elif degrade:
                 self._enter_degraded(reason(exc))
+            else:
+                log.warning(logfmt("state_journal_not_started", path=self.path, error=reason(exc)))
             return None
 
     def _remove_journals(self, journals: Iterable[str]) -> None:

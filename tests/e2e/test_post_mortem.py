@@ -1,0 +1,160 @@
+"""What happened stays known across a restart: the events and the incidents a
+daemon recorded come back after it is SIGKILLed, a follower of its events goes on
+at the next new event, and an incident still open goes on gathering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from watchdogd.core.events import EventLog
+from watchdogd.core.incidents import IncidentLog
+from watchdogd.storage.record_file import RecordFile, record_path
+from watchdogd.storage.store import default_state_path
+
+from helpers.daemon import SHORT_RESTART, RunningDaemon, ctl, ctl_command
+from helpers.jobs import gathered, incidents, start_rank
+from helpers.processes import reap, sleeper
+from helpers.waiting import PATIENCE, wait_until
+
+CONFIG = """
+[policies.rank]
+steps = [ { dump = true, timeout = 20 }, { signal = "SIGKILL" } ]
+"""
+
+
+def daemon_with(config: str, socket_path: Path, tmp_path: Path) -> RunningDaemon:
+    path = tmp_path / "watchdogd.toml"
+    path.write_text(config)
+    return RunningDaemon(socket_path, tmp_path / "watchdogd.log", ["--config", str(path)])
+
+
+def written(socket_path: Path, incident: str, ranks: int) -> bool:
+    """Whether the record file beside the daemon's state holds ``incident`` with
+    ``ranks`` ranks that are all done: read as a restarted daemon reads it."""
+    events, kept = EventLog(1000), IncidentLog("here")
+    RecordFile(record_path(default_state_path(str(socket_path))), events, kept).load()
+    found = [i for i in kept.everything() if i.info.id == incident]
+    return bool(found) and [r.state for r in found[0].ranks] == ["done"] * ranks
+
+
+class Follower:
+    """``watchdogctl events --follow --json``, its lines read as they come."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.process = subprocess.Popen(
+            ctl_command(socket_path, "events", "--follow", "--json"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[dict[str, object]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(json.loads(line))
+
+    def stop(self) -> str:
+        self.process.terminate()
+        _, err = self.process.communicate(timeout=PATIENCE)
+        self._reader.join(timeout=PATIENCE)
+        return err
+
+
+def test_events_and_an_incident_survive_a_kill_and_a_follower_goes_on(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """The daemon stays down longer than it says a restart takes: the follower
+    says it waits, and goes on once the daemon is back."""
+    daemon = daemon_with(SHORT_RESTART + CONFIG, socket_path, tmp_path)
+    daemon.start()
+    ranks = [start_rank(socket_path, "train-9", 0, 120)]
+    follower: Follower | None = None
+    victim = sleeper()
+    try:
+        hung = start_rank(socket_path, "train-9", 1, 0.5)
+        ranks.append(hung)
+        wait_until(lambda: gathered(socket_path), what="every rank's stack", timeout=PATIENCE * 3)
+        [listed] = incidents(socket_path)
+        wait_until(lambda: written(socket_path, listed.id, 2), what="the incident written")
+        before_events = ctl(socket_path, "events", "--json").stdout
+        before_incident = ctl(socket_path, "incident", listed.id, "--json").stdout
+        follower = Follower(socket_path)
+        wait_until(lambda: len(follower.lines) >= 2, what="the follower's first events")
+        with daemon.client() as client:
+            client.ping()
+            patience = max(client.reconnect_timeout, client._engine.restart)
+
+        daemon.stop(signal.SIGKILL)
+        time.sleep(patience + 1.0)
+        daemon.start()
+        assert ctl(socket_path, "incident", listed.id, "--json").stdout == before_incident
+        after_events = ctl(socket_path, "events", "--json").stdout
+        assert after_events.startswith(before_events)
+        state = record_path(default_state_path(str(socket_path)))
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o600  # stacks may hold secrets
+
+        with daemon.client() as client:
+            client.acquire("after-the-restart", 0.2, pid=victim.pid)
+        assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+
+        watching = follower
+
+        def seen_expiry() -> bool:
+            return any(line.get("pid") == victim.pid for line in watching.lines)
+
+        wait_until(seen_expiry, what="the follower to print the new expiry")
+        numbers = [int(str(line["seq"])) for line in watching.lines]
+        assert numbers == list(range(numbers[0], numbers[-1] + 1))  # no gap, no repeat
+        follower = None
+        told = watching.stop()
+        assert "waiting for it" in told
+        assert "the daemon is back" in told
+    finally:
+        if follower is not None:
+            follower.stop()
+        daemon.stop(signal.SIGKILL)
+        reap(victim)
+        for worker in ranks:
+            reap(worker)
+
+
+def test_an_incident_open_at_a_restart_goes_on_gathering(socket_path: Path, tmp_path: Path) -> None:
+    """Rank 2 expires after the daemon came back, within the incident's window:
+    it joins the incident rank 1 opened before the kill."""
+    daemon = daemon_with(CONFIG, socket_path, tmp_path)
+    daemon.start()
+    ranks = [start_rank(socket_path, "train-10", 0, 120)]
+    try:
+        late = start_rank(socket_path, "train-10", 2, PATIENCE)
+        ranks.append(late)
+        hung = start_rank(socket_path, "train-10", 1, 0.5)
+        ranks.append(hung)
+        wait_until(lambda: gathered(socket_path), what="every rank's stack", timeout=PATIENCE * 3)
+        [listed] = incidents(socket_path)
+        wait_until(lambda: written(socket_path, listed.id, 3), what="the incident written")
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        wait_until(lambda: late.poll() is not None, what="rank 2's expiry", timeout=PATIENCE * 2)
+        wait_until(lambda: gathered(socket_path), what="rank 2's stack", timeout=PATIENCE * 3)
+        [again] = incidents(socket_path)
+        assert again.id == listed.id
+        shown = json.loads(ctl(socket_path, "incident", listed.id, "--json").stdout)
+        assert sorted((r["rank"], r["role"]) for r in shown["ranks"]) == [
+            (0, "peer"),
+            (1, "expired"),
+            (2, "expired"),
+        ]
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for worker in ranks:
+            reap(worker)

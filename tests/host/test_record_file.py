@@ -1,0 +1,196 @@
+"""The record of what happened, on a real file: what a restarted daemon reads back,
+a write the daemon died in, damage, the file's bounds, and a disk that refuses."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from watchdogd.core.events import EventLog
+from watchdogd.core.incidents import IncidentLog
+from watchdogd.storage.record_file import RecordFile
+from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
+
+from helpers.disks import fill_space, tmpfs
+
+DUMP = 'Thread 7 (idle): "MainThread"\n    all_reduce (c10d.py:2288)\n    step (train.py:8)\n'
+
+
+def event(pid: int, kind: str = "expired", incident: str = "", output: str = "") -> EventInfo:
+    steps = [StepResult(step="dump py-spy dump --pid {pid}", result="exit 0", output=output)]
+    return EventInfo(seq=0, kind=kind, time=100.0, pid=pid, uid=1000, scope="step",
+                     policy="rank", outcome="exited", steps=steps, incident=incident)  # fmt: skip
+
+
+def logs() -> tuple[EventLog, IncidentLog]:
+    return EventLog(100, per_uid=50), IncidentLog("a", window=30.0)
+
+
+def reopened(path: Path, **options: int) -> tuple[EventLog, IncidentLog, RecordFile]:
+    events, incidents = logs()
+    record = RecordFile(str(path), events, incidents, wall=lambda: 110.0, **options)
+    record.load()
+    return events, incidents, record
+
+
+#: Record files each schema wrote, one directory each (``record1``, ...): a daemon
+#: reads every one of them as it was written (`written_scenario` made them).
+DATA = Path(__file__).parent.parent / "data"
+
+
+def written_scenario(events: EventLog, incidents: IncidentLog) -> str:
+    """What the files in `DATA` hold: three events and an incident of two ranks,
+    one stack readable by its owner, one by root alone; the incident's id."""
+    for pid in (10, 11, 12):
+        events.record(event(pid, output=f"output of {pid}"))
+    opened, _ = incidents.expired(
+        (1000, "train"), "alice", RankInfo(host="a", pid=41, uid=1000, role="expired",
+                                           scope="step", rank=1), "timeout", 100.0
+    )  # fmt: skip
+    incidents.add(opened, RankInfo(host="a", pid=40, uid=1000, role="peer", scope="step", rank=0))
+    incidents.dumped(opened, 41, "expired", (1000, 1000))
+    incidents.finished(event(41, incident=opened, output=DUMP))
+    incidents.dumped(opened, 40, "peer", None)
+    incidents.finished(event(40, kind="peer", incident=opened, output=DUMP))
+    return opened
+
+
+def test_the_record_of_every_schema_loads_as_it_was_written(tmp_path: Path) -> None:
+    """(A new schema's file is what a `RecordFile` writes of `written_scenario`;
+    the files of the schemas before it stay as they were written.)"""
+    expected_events, expected = logs()
+    opened = written_scenario(expected_events, expected)
+    found = sorted(DATA.glob("record*/state.db.record"))
+    assert found
+    for path in found:
+        copy = tmp_path / path.parent.name / path.name
+        copy.parent.mkdir()
+        copy.write_bytes(path.read_bytes())
+        events, incidents, record = reopened(copy)
+        record.close()
+        assert events.page(None, 100, 0) == expected_events.page(None, 100, 0), path
+        assert incidents.get(opened, 0, 0) == expected.get(opened, 0, 0), path
+        assert incidents.get(opened, 1000, 1000) == expected.get(opened, 1000, 1000), path
+
+
+def test_events_come_back_numbered_as_they_were_and_numbering_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    for pid in range(10, 15):
+        events.record(event(pid))
+    record.write_now()
+    record.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again, _, record = reopened(path)
+    assert again.page(None, 100, 0) == events.page(None, 100, 0)
+    assert again.record(event(99)).seq == 6
+    record.write_now()
+    record.close()
+    assert [e.seq for e in reopened(path)[0].page(None, 100, 0)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_incident_keeps_its_ranks_readers_and_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    _, incidents, record = reopened(path)
+    opened, _ = incidents.expired(
+        (1000, "train"), "alice", RankInfo(host="a", pid=41, uid=1000, role="expired",
+                                           scope="step", rank=1), "timeout", 100.0
+    )  # fmt: skip
+    incidents.add(opened, RankInfo(host="a", pid=40, uid=1000, role="peer", scope="step", rank=0))
+    incidents.dumped(opened, 41, "expired", (1000, 1000))
+    incidents.finished(event(41, incident=opened, output=DUMP))
+    incidents.dumped(opened, 40, "peer", None)  # a stack root alone may read
+    incidents.finished(event(40, kind="peer", incident=opened, output=DUMP))
+    record.write_now()
+    record.close()
+    _, restored, _ = reopened(path)
+    for viewer, gid in ((0, 0), (1000, 1000), (1001, 1001)):
+        assert restored.get(opened, viewer, gid) == incidents.get(opened, viewer, gid)
+    shown = restored.get(opened, 1000, 1000)
+    assert shown is not None
+    assert shown.verdict is not None
+    assert [r.stack != "" for r in shown.ranks] == [True, False]  # decided at the dump
+    # Its window is still open at 110: the job's next expiry joins it.
+    joined, new = restored.expired(
+        (1000, "train"), "alice", RankInfo(host="a", pid=42, uid=1000, role="expired",
+                                           scope="step", rank=2), "timeout", 110.0
+    )  # fmt: skip
+    assert (joined, new) == (opened, False)
+
+
+def test_a_write_the_daemon_died_in_is_cut_off(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    events.record(event(10))
+    record.write_now()
+    record.close()
+    whole = path.read_bytes()
+    with open(path, "ab") as out:
+        out.write(b"\x00\x00\x10\x00half a record")
+    again, _, record = reopened(path)
+    assert path.read_bytes() == whole
+    again.record(event(11))
+    record.write_now()
+    record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
+    assert not (tmp_path / "state.db.record.damaged").exists()
+
+
+def test_a_damaged_record_keeps_what_came_before_and_moves_the_file_aside(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    for pid in (10, 11, 12):
+        events.record(event(pid))
+        record.write_now()
+    record.close()
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # inside the last record
+    path.write_bytes(bytes(data))
+    again, _, record = reopened(path)
+    assert [e.pid for e in again.page(None, 100, 0)] == [10, 11]
+    assert (tmp_path / "state.db.record.damaged").read_bytes() == bytes(data)
+    record.write_now()  # written whole from what was read
+    record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
+
+
+def test_the_file_is_written_whole_again_before_it_outgrows_its_bounds(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path, slack=0)
+    largest = 0
+    for pid in range(3000):
+        events.record(event(pid, output="x" * 200))
+        record.write_now()
+        largest = max(largest, path.stat().st_size)
+    record.close()
+    kept = len(events)
+    assert kept == 50  # one uid's share
+    # The file never holds more than about twice the ring, however many came and
+    # went: a record is an event's encoding and its header.
+    each = len(msgspec.msgpack.encode(events.page(None, 1, 0)[0])) + 16
+    assert largest < (2 * kept + 2) * each
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == list(range(2950, 3000))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_keeps_everything_in_memory_and_writes_it_whole_after() -> None:
+    with tmpfs() as disk:
+        path = disk / "state.db.record"
+        events, _, record = reopened(path)
+        events.record(event(10))
+        record.write_now()
+        filler = fill_space(disk)
+        for pid in range(11, 40):
+            events.record(event(pid, output="y" * 4000))
+            record.write_now()
+        assert [e.pid for e in events.page(None, 100, 0)] == list(range(10, 40))
+        filler.unlink()
+        record.write_now()
+        record.close()
+        assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == list(range(10, 40))

@@ -1,0 +1,307 @@
+"""What happened, kept beside the state (``STATE.record``): the events
+(`watchdogd.core.events`) and the incidents (`watchdogd.core.incidents`), so that
+``watchdogctl events`` and ``watchdogctl incident ID`` still explain a kill after the
+daemon restarted, and ``events --follow`` goes on from the number it saw.
+
+Invariants:
+
+- An append-only file of checksummed records, framed as the journal's are
+  (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
+  then events, incidents as they now are (the last record of an incident is what
+  it is) and incidents dropped. What changed is written within `WRITE_INTERVAL`
+  of the change, in one ``write(2)``; nothing is fsynced: the page cache survives
+  a kill of the daemon, as the journal's records do.
+- Bounded as the rings are: the file holds the kept events and incidents, and
+  the changes since it was last written whole. When it outgrows twice what it
+  held then (and `_SLACK`), it is written whole again, to a new file renamed over
+  it: a crash leaves the old or the new.
+- Read at start, in order, each record typed and bounded as a reply is. A record
+  cut short at the end is a write the daemon died in: the file is cut back to
+  before it. A damaged record (bad checksum, content that does not decode) ends
+  the reading: what came before it counts, the file is moved aside
+  (``.damaged``) with an ERROR, and written whole from what was read.
+- Readable by root alone (0600): stacks may hold secrets. Who else may read each
+  stack was decided when it was dumped, and is kept with it.
+- A write that fails (a full, read-only or failing disk) is logged once per run
+  of failures; the records stay in memory, bounded as ever, and the next write,
+  tried every `RETRY` seconds, writes the file whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from typing import BinaryIO, Final
+
+import msgspec
+import trio
+
+from watchdogd_client.protocol import EventInfo
+
+from ..core.events import EventLog
+from ..core.incidents import IncidentLog, StoredIncident
+from ..logs import log, logfmt
+from .faults import reason
+from .files import replace_file
+from .journal import RECORD, close, write_all
+
+#: Seconds between a change and its write, at most (changes of one interval share
+#: one write: an incident whose ranks report one by one is not written per rank).
+WRITE_INTERVAL: Final = 0.1
+#: Seconds between tries of a disk that refused a write.
+RETRY: Final = 1.0
+#: The schema of the records; a file of another is moved aside, unread.
+SCHEMA: Final = 1
+#: Growth allowed past twice the size of the last whole write.
+_SLACK: Final = 4 * 1024 * 1024
+#: No record is larger: an incident of 1,024 ranks with 64 KiB stacks is 64 MiB.
+_MAX_RECORD: Final = 128 * 1024 * 1024
+
+
+class _Header(msgspec.Struct, tag="header", array_like=True):
+    schema: int
+
+
+class _Event(msgspec.Struct, tag="event", array_like=True):
+    event: EventInfo
+
+
+class _Incident(msgspec.Struct, tag="incident", array_like=True):
+    incident: StoredIncident
+
+
+class _Dropped(msgspec.Struct, tag="dropped", array_like=True):
+    id: str
+
+
+_Entry = _Header | _Event | _Incident | _Dropped
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Entry)
+
+
+def record_path(state_path: str) -> str:
+    return state_path + ".record"
+
+
+def _frame(entry: _Entry) -> bytes:
+    payload = _encoder.encode(entry)
+    return RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class RecordFile:
+    """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
+    keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
+    ``slack``, the growth allowed past twice the last whole write."""
+
+    def __init__(
+        self,
+        path: str,
+        events: EventLog,
+        incidents: IncidentLog,
+        *,
+        wall: Callable[[], float] = time.time,
+        slack: int = _SLACK,
+    ) -> None:
+        self.path = path
+        self._slack = slack
+        self._events = events
+        self._incidents = incidents
+        self._wall = wall
+        self._fd: int | None = None
+        #: The number of the last event written.
+        self._written = 0
+        self._size = 0
+        #: The size of the last whole write: the file is written whole again at
+        #: twice it (and `_SLACK`).
+        self._base = 0
+        #: The next write writes the file whole (a write failed, or it was damaged).
+        self._whole = True
+        self._failing = False
+
+    # Loading.
+
+    def load(self) -> None:
+        """Read the file back into the rings (before anything records an event:
+        numbering goes on after the last one read)."""
+        events: list[EventInfo] = []
+        incidents: dict[str, StoredIncident] = {}
+        try:
+            with open(self.path, "rb") as file:
+                # Record by record: what loading holds at once is one record.
+                good, problem = _read(file, events, incidents)
+                size = os.fstat(file.fileno()).st_size
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error(logfmt("record_unreadable", path=self.path, error=reason(exc)))
+            return
+        if problem is not None:
+            aside = self.path + ".damaged"
+            with contextlib.suppress(OSError):
+                os.replace(self.path, aside)
+            log.error(logfmt("record_damaged", path=self.path, error=problem, moved_to=aside))
+        elif good < size:
+            # A write the daemon died in: appending after it would run records
+            # together, so the file ends before it.
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, good)
+            self._whole = False
+        else:
+            self._whole = False
+        self._size = self._base = good
+        self._events.restore(events)
+        self._incidents.restore(list(incidents.values()), self._wall())
+        self._written = self._events.last
+        log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
+
+    # Writing.
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(WRITE_INTERVAL if not self._failing else RETRY)
+            if self._whole or self._outgrown():
+                data, written = self._everything()
+                if await trio.to_thread.run_sync(self._replace, data):
+                    self._wrote_whole(len(data), written)
+            else:
+                self._append()
+
+    def write_now(self) -> None:
+        """Write what changed, on the spot (the daemon stops)."""
+        if self._whole or self._outgrown():
+            data, written = self._everything()
+            if self._replace(data):
+                self._wrote_whole(len(data), written)
+        else:
+            self._append()
+
+    def _outgrown(self) -> bool:
+        return self._size > 2 * self._base + self._slack
+
+    def close(self) -> None:
+        if self._fd is not None:
+            close(self._fd)
+            self._fd = None
+
+    def _append(self) -> None:
+        # Nothing new, most turns: no walk of the rings then.
+        fresh = self._events.last != self._written
+        events = self._events.since(self._written) if fresh else []
+        changed, dropped = self._incidents.changes.take()
+        if not (events or changed or dropped):
+            return
+        entries: Iterable[_Entry] = (
+            *(_Event(event) for event in events),
+            *(_Incident(incident) for incident in changed),
+            *(_Dropped(incident_id) for incident_id in dropped),
+        )
+        data = b"".join(map(_frame, entries))
+        try:
+            if self._fd is None:
+                self._fd = self._open_append()
+            write_all(self._fd, data)
+        except OSError as exc:
+            self._failed(exc)
+            return
+        if events:
+            self._written = events[-1].seq
+        self._size += len(data)
+        self._recovered()
+
+    def _everything(self) -> tuple[bytes, int]:
+        """The whole file as it would be written now, and the last event in it."""
+        self._incidents.changes.take()  # all of them are in it
+        events = self._events.since(0)
+        entries: Iterable[_Entry] = (
+            _Header(SCHEMA),
+            *(_Event(event) for event in events),
+            *(_Incident(incident) for incident in self._incidents.everything()),
+        )
+        return b"".join(map(_frame, entries)), self._events.last
+
+    def _replace(self, data: bytes) -> bool:
+        """Write ``data`` as the whole file (possibly in a worker thread)."""
+        try:
+            replace_file(self.path, data)
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        return True
+
+    def _wrote_whole(self, size: int, written: int) -> None:
+        if self._fd is not None:
+            close(self._fd)  # of the file replaced
+            self._fd = None
+        self._written = written
+        self._size = self._base = size
+        self._whole = False
+        self._recovered()
+
+    def _open_append(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_size == 0:
+            try:
+                write_all(fd, _frame(_Header(SCHEMA)))
+            except OSError:
+                close(fd)
+                raise
+        return fd
+
+    def _failed(self, exc: OSError) -> None:
+        self._whole = True  # what this write held is written with the rest
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                logfmt(
+                    "record_write_failed",
+                    path=self.path,
+                    error=reason(exc),
+                    note=f"kept in memory; tried again every {RETRY:g} s",
+                )
+            )
+
+    def _recovered(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.info(logfmt("record_written", path=self.path))
+
+
+def _read(
+    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
+) -> tuple[int, str | None]:
+    """Read the records of ``file`` into ``events`` and ``incidents``; how many
+    bytes of it were good, and what was wrong after them (None: nothing, or a
+    record cut short at the end)."""
+    offset = 0
+    while header := file.read(RECORD.size):
+        if len(header) < RECORD.size:
+            return offset, None
+        length, checksum = RECORD.unpack(header)
+        if length > _MAX_RECORD:
+            return offset, f"a record of {length} bytes at byte {offset}"
+        payload = file.read(length)
+        if len(payload) < length:
+            return offset, None
+        if zlib.crc32(payload) != checksum:
+            return offset, f"bad checksum in the record at byte {offset}"
+        try:
+            entry = _decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return offset, f"unreadable record at byte {offset}: {exc}"
+        match entry:
+            case _Header(schema=schema) if schema != SCHEMA:
+                return offset, f"schema {schema}, this daemon reads {SCHEMA}"
+            case _Header():
+                pass
+            case _Event(event=event):
+                events.append(event)
+            case _Incident(incident=incident):
+                incidents[incident.info.id] = incident
+            case _Dropped(id=incident_id):
+                incidents.pop(incident_id, None)
+        offset += RECORD.size + length
+    return offset, None
