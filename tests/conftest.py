@@ -3,8 +3,10 @@ cgroup. What tests share besides fixtures is in the ``helpers`` package."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,11 +20,25 @@ from watchdogd_client.responder import decline_responder
 from helpers.cgroups import ScratchCgroup, remove_cgroup
 from helpers.daemon import SHORT_RESTART, RunningDaemon, configured_daemon
 from helpers.etcd import EtcdServer, running_etcd
+from helpers.processes import left_behind
 
 # The test process arms timers on itself against many daemons: a responder of its
 # own would stay bound to the first of them. Workers the tests start (processes of
 # their own) start theirs as any worker does.
 decline_responder()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A process a test left running in the suite's process group fails the run,
+    and is killed: the suite ends with none of its own still running."""
+    leftovers = left_behind()
+    for pid, _ in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if leftovers:
+        shown = "\n".join(f"  {pid}: {command[:200]}" for pid, command in leftovers)
+        print(f"\nprocesses the tests left running (killed now):\n{shown}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -123,3 +123,44 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def left_behind() -> list[tuple[int, str]]:
+    """What the tests forgot to end: the processes still running that descend from
+    this one, or that were orphaned (their parent gone, now init's) in its process
+    group after it started; (pid, command line) each. One of them that runs on
+    into its parent's code after a fork would call kill(0) on the whole group."""
+    mine = _stat_fields(os.getpid())
+    group, started = int(mine[2]), int(mine[19])
+    parents: dict[int, int] = {}
+    orphans: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = _stat_fields(int(entry))
+        except (OSError, IndexError):
+            continue
+        if fields[0] in "ZX":
+            continue
+        parents[int(entry)] = int(fields[1])
+        if int(fields[1]) == 1 and int(fields[2]) == group and int(fields[19]) >= started:
+            orphans.add(int(entry))
+    found = []
+    for pid, parent in parents.items():
+        ancestor = parent
+        while ancestor not in (0, 1, os.getpid()):
+            ancestor = parents.get(ancestor, 0)
+        if ancestor == os.getpid() or pid in orphans:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            found.append((pid, " ".join(command.decode(errors="replace").split())))
+    return found
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state first."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()

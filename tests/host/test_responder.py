@@ -5,8 +5,10 @@ process too large for one frame."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +57,13 @@ def fake(socket_path: Path) -> Iterator[FakeDaemon]:
 
 @pytest.fixture
 def workers() -> Iterator[list[subprocess.Popen[str]]]:
-    """The test's workers, reaped at its end."""
+    """The test's workers, each in a session of its own: at the test's end its
+    whole group is killed (what it forked too), then it is reaped."""
     started: list[subprocess.Popen[str]] = []
     yield started
     for worker in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
         reap(worker)
 
 
@@ -68,7 +73,7 @@ def start(
     socket: Path,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    worker = python_worker(source, socket=socket, env=env)
+    worker = python_worker(source, socket=socket, env=env, new_session=True)
     workers.append(worker)
     wait_ready(worker)
     return worker
@@ -201,14 +206,19 @@ def test_a_forked_child_answers_for_itself_on_a_connection_of_its_own(
         sys.stdin.readline()  # the test saw the parent's responder
         child = os.fork()
         if child == 0:
-            threads = [thread.name for thread in threading.enumerate()]
-            client.acquire("child", 600)
+            # The child never runs on into the parent's code: there its kill of
+            # "child", 0 here, would be kill(0), every process of the group.
+            try:
+                threads = [thread.name for thread in threading.enumerate()]
+                client.acquire("child", 600)
 
-            def child_waits():
-                print(json.dumps({"child": os.getpid(), "threads": threads}), flush=True)
-                time.sleep(600)
+                def child_waits():
+                    print(json.dumps({"child": os.getpid(), "threads": threads}), flush=True)
+                    time.sleep(600)
 
-            child_waits()
+                child_waits()
+            finally:
+                os._exit(0)
 
         def parent_waits():
             print(json.dumps({"forked": child}), flush=True)
