@@ -156,8 +156,15 @@ def left_behind() -> list[tuple[int, str]]:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            found.append((pid, " ".join(command.decode(errors="replace").split())))
+            shown = " ".join(command.decode(errors="replace").split())
+            if not any(helper in shown for helper in _OWN_HELPERS):
+                found.append((pid, shown))
     return found
+
+
+#: Helpers of the test process itself, which end with it: multiprocessing's (torch
+#: starts its resource tracker in the test process).
+_OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def _stat_fields(pid: int) -> list[str]:
