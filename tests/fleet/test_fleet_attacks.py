@@ -1073,6 +1073,13 @@ def test_users_are_matched_across_hosts_by_name_not_number(
             # bob (no user of h1), and the nameless uid 1001 of h3 (neither h1's
             # alice nor h2's bob).
             ranks = [forged_rank(77, "alice"), forged_rank(78, "bob"), forged_rank(79, "#1001")]
+            # After the head is in etcd: each host follows an incident's ranks from
+            # its head on (a host's ranks come after the head it answers), so ranks
+            # forged before it are never read, and a busy h1 may publish it late.
+            wait_until(
+                lambda: opened.id in [h["id"] for h, _ in heads_in_etcd(fleet)],
+                what="the incident's head in etcd",
+            )
             key = fleet.key("ranks", "alice", "train", opened.id, "h3")
             forge(etcd, {key: json.dumps(ranks).encode()})
             for daemon, uid in ((h1, ALICE_H1), (h2, ALICE_H2)):
