@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from watchdogd.core.events import EventLog
+from watchdogd.core.incidents import IncidentLog
+from watchdogd.storage.record_file import RecordFile, record_path
+
 from helpers.daemon import RunningDaemon, ctl_command
 from helpers.disks import (
     Raw,
@@ -214,6 +218,16 @@ def state_in(directory: Path, socket_path: Path, tmp_path: Path) -> RunningDaemo
     )
 
 
+def deletions(directory: Path) -> list[str]:
+    """The notes of the ``state_degraded`` events the record in ``directory`` holds
+    that say the state was deleted, read as a restarted daemon reads them."""
+    events = EventLog(1000)
+    RecordFile(record_path(str(directory / "state.db")), events, IncidentLog("here")).load()
+    return [
+        e.note for e in events.since(0) if e.kind == "state_degraded" and "was deleted" in e.note
+    ]
+
+
 def test_the_state_directory_deleted_under_a_running_daemon(
     socket_path: Path, tmp_path: Path
 ) -> None:
@@ -241,11 +255,16 @@ def test_the_state_directory_deleted_under_a_running_daemon(
         wait_until((directory / "state.db").exists, what="the state to be made again")
         wait_until(lambda: not degraded(daemon), what="the state to be written again")
         assert raw.acquire("last", 120, workers[2].pid).durable
+        # The record of what happened is written anew there too, within its turn
+        # (a second when a write of it met the directory gone).
+        wait_until(lambda: len(deletions(directory)) == 2, what="the record written again")
         raw.close()
         daemon.stop(signal.SIGKILL)
         daemon.start()
         with daemon.client() as client:
             assert sorted(t.scope for t in client.status().timers) == ["after", "before", "last"]
+            said = [e.note for e in client.events().events if e.kind == "state_degraded"]
+        assert said == deletions(directory)
     finally:
         raw.close()
         daemon.stop(signal.SIGKILL)

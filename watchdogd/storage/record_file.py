@@ -24,7 +24,8 @@ Invariants:
   stack was decided when it was dumped, and is kept with it.
 - A write that fails (a full, read-only or failing disk) is logged once per run
   of failures; the records stay in memory, bounded as ever, and the next write,
-  tried every `RETRY` seconds, writes the file whole.
+  tried every `RETRY` seconds, writes the file whole. So does the next write after
+  the file was deleted under the daemon (its directory removed).
 """
 
 from __future__ import annotations
@@ -204,12 +205,20 @@ class RecordFile:
             if self._fd is None:
                 self._fd = self._open_append()
             write_all(self._fd, data)
+            lost = os.fstat(self._fd).st_nlink == 0
         except OSError as exc:
             self._failed(exc)
             return
         if events:
             self._written = events[-1].seq
         self._size += len(data)
+        if lost:
+            # Deleted under the daemon (its directory removed): what it holds is
+            # written whole again, where the store makes the directory anew.
+            self._whole = True
+            close(self._fd)
+            self._fd = None
+            return
         self._recovered()
 
     def _everything(self) -> tuple[bytes, int]:

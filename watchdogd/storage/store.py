@@ -346,6 +346,8 @@ class Store:
         if self._database.unread:
             return self._failed(backoff)  # writing over it would lose its timers
         if self._database.replaced():
+            if self._folding:
+                return self._failed(backoff)  # its connection is the fold's until it ends
             # Deleted under the daemon: a new directory and database in its place.
             with contextlib.suppress(OSError):
                 os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
