@@ -334,3 +334,24 @@ def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> N
     assert service.fleet.jobs_changed() == before  # no job came or went: nothing to register
     service.handle(Acquire(id=10, scope="new", timeout=30.0, job="new"), flooder, 0.0)
     assert service.fleet.jobs_changed() != before
+
+
+def test_a_job_whose_processes_are_gone_is_held_while_its_incident_is_open() -> None:
+    """Its ranks expired and were killed: no timer, firing or responder of the job
+    is left, but its incident is open to more expiries, so the job stays
+    registered and another host's incident of it is taken in (the one that may be
+    the first of the job's expiry)."""
+    wall = [100.0]
+    service = Service(Config(), FakeHost({}), daemon_pid=50, now=0.0, wall=lambda: wall[0],
+                      clock=lambda: 0.0, render_metrics=exposition, host="a")  # fmt: skip
+    before = service.fleet.jobs_changed()
+    rank = RankInfo(host="a", pid=4242, uid=1001, role="expired", scope="step", rank=0)
+    service.incidents.expired((1001, "train"), "alice", rank, "timeout", wall[0])
+    assert service.fleet.jobs_changed() != before
+    assert service.fleet.held_jobs(10, 10) == [(1001, "train")]
+    remote = IncidentInfo(id="b-1", job="train", user="alice", uid=1001, host="b",
+                          scope="step", reason="timeout", time=wall[0] - 0.01, rank=1)  # fmt: skip
+    service.fleet.fleet_incident(remote, 1001, 0.0)
+    assert service.fleet.knows("b-1")
+    wall[0] += 31  # the window closed: the job is no longer held
+    assert service.fleet.held_jobs(10, 10) == []

@@ -102,15 +102,17 @@ class FleetBridge(Generic[P]):
         self._incidents.expect(self._incidents.resolve(incident_id), hosts)
 
     def held_jobs(self, limit: int, per_uid: int) -> list[tuple[int, str]]:
-        """The jobs this host holds timers of, as (the uid that armed them, the
-        job), at most ``limit``: root's first, then each other uid's, at most
-        ``per_uid`` of each, in the order they came, a uid at a time in turn; so
-        that one user's many jobs never crowd out another's."""
+        """The jobs this host holds (`holds`: timers, firing, responders, an open
+        incident), as (the uid that armed them, the job), at most ``limit``:
+        root's first, then each other uid's, at most ``per_uid`` of each, in the
+        order they came, a uid at a time in turn; so that one user's many jobs
+        never crowd out another's."""
         root: list[tuple[int, str]] = []
         others: dict[int, list[tuple[int, str]]] = {}
         keys = dict.fromkeys(self._table.job_keys())
         keys.update(dict.fromkeys(sorted(self._responders.jobs())))
         keys.update(dict.fromkeys(self._firing.jobs()))
+        keys.update(dict.fromkeys(self._incidents.open_jobs(self._wall())))
         for key in keys:
             if key[0] == ROOT:
                 if len(root) < limit:
@@ -126,8 +128,15 @@ class FleetBridge(Generic[P]):
         return root + list(itertools.islice(rest, max(0, limit - len(root))))
 
     def jobs_changed(self) -> int:
-        """A number that changes whenever a job came or went."""
-        return self._table.jobs_changed + self._responders.changed + self._firing.jobs_changed
+        """A number that changes whenever a job came or went (an incident's window
+        closing aside: a job held a while longer is one whose incidents
+        `fleet_incident` still checks with `holds`)."""
+        return (
+            self._table.jobs_changed
+            + self._responders.changed
+            + self._firing.jobs_changed
+            + self._incidents.windows_opened
+        )
 
     # What the fleet tells.
 

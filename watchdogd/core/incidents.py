@@ -121,6 +121,19 @@ class _Incident:
         )
 
 
+class _Aliases(OrderedDict[str, str]):
+    """Incidents of a job that another of its window took in, oldest first: the
+    id each goes by now (`IncidentLog.merge`). At most `_MAX_ALIASES`."""
+
+    def add(self, old: str, new: str) -> None:
+        for key, value in self.items():
+            if value == old:
+                self[key] = new
+        self[old] = new
+        while len(self) > _MAX_ALIASES:
+            self.popitem(last=False)
+
+
 class Changes:
     """What changed among the incidents since the state last took it (`take`):
     the incidents changed, the ids of those dropped. Bounded: an incident is in it
@@ -223,9 +236,9 @@ class IncidentLog:
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
         self._open: dict[JobKey, str] = {}
-        #: Incidents of a job that another of its window took in, oldest first:
-        #: the id each goes by now (`merge`).
-        self._aliases: OrderedDict[str, str] = OrderedDict()
+        self._aliases = _Aliases()
+        #: Counts the incidents opened to expiries: the jobs this host holds change.
+        self.windows_opened = 0
         self._listener: Callable[[IncidentInfo], object] = lambda incident: None
 
     def __len__(self) -> int:
@@ -269,6 +282,7 @@ class IncidentLog:
         incident = _Incident(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
+        self.windows_opened += 1
         self._add(incident, rank)
         return info.id, True
 
@@ -449,18 +463,19 @@ class IncidentLog:
         job = (remote.uid, remote.job)
         rival = self._rival(job, remote.time, remote.host)
         if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
-            self._alias(remote.id, rival.info.id)
+            self._aliases.add(remote.id, rival.info.id)
             return rival.info.id
         head = msgspec.structs.replace(remote, ranks=[], count=0)
         incident = _Incident(head, open_until=remote.time + self.window)
         self._keep(incident)
         if rival is not None:
             incident.ranks = rival.ranks[:MAX_RANKS]
-            self._alias(rival.info.id, remote.id)
+            self._aliases.add(rival.info.id, remote.id)
             self._forget(rival.info.id)
         if remote.kind == "expired":
             # Any rival lost to it: expiries of the job here join it from now on.
             self._open[job] = remote.id
+            self.windows_opened += 1
         self._judges.judge(incident)
         if rival is not None:
             self._listener(self._whole(incident))
@@ -486,17 +501,13 @@ class IncidentLog:
         held = self._incidents.get(self._open.get(job, ""))
         return held is not None and wall < held.open_until
 
+    def open_jobs(self, wall: float) -> list[JobKey]:
+        """The jobs with an incident open to more expiries at ``wall``."""
+        return [job for job in self._open if self.open_for(job, wall)]
+
     def resolve(self, incident_id: str) -> str:
         """The id an incident goes by here (another, once it joined another host's)."""
         return self._aliases.get(incident_id, incident_id)
-
-    def _alias(self, old: str, new: str) -> None:
-        for key, value in self._aliases.items():
-            if value == old:
-                self._aliases[key] = new
-        self._aliases[old] = new
-        while len(self._aliases) > _MAX_ALIASES:
-            self._aliases.popitem(last=False)
 
     def _forget(self, incident_id: str) -> None:
         """Drop a kept incident whose ranks another took in."""
@@ -630,6 +641,7 @@ class IncidentLog:
                 self._keep(_Incident.of(record))
                 if record.info.kind == "expired" and wall < record.open_until:
                     self._open[(record.info.uid, record.info.job)] = record.info.id
+                    self.windows_opened += 1
         self.changes.take()
 
     def _drop_oldest(self, uid: int) -> None:
