@@ -157,31 +157,22 @@ def test_a_quota_reached_under_a_running_daemon(socket_path: Path, tmp_path: Pat
         )
 
 
-def test_writes_that_fail_with_eio(
-    fuse_disk: FailingDisk, socket_path: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [(errno.EIO, "Input/output error"), (errno.EROFS, "Read-only file system")],
+    ids=["EIO", "EROFS"],
+)
+def test_a_file_system_whose_writes_fail(
+    fuse_disk: FailingDisk, socket_path: Path, tmp_path: Path, code: int, says: str
 ) -> None:
-    def fault() -> Callable[[], None]:
-        fuse_disk.fail(errno.EIO)
-        return fuse_disk.heal
-
-    a_fault_under_a_running_daemon(
-        fuse_disk.path, socket_path, tmp_path, fault, says="Input/output error"
-    )
-
-
-def test_a_file_system_turned_read_only_under_the_daemon(
-    fuse_disk: FailingDisk, socket_path: Path, tmp_path: Path
-) -> None:
-    """What a file system's own errors do (ext4's ``errors=remount-ro``): the
-    daemon's open journal refuses writes with EROFS."""
+    """EIO: a device that refuses writes. EROFS: what a file system's own errors
+    do (ext4's ``errors=remount-ro``) to the daemon's open journal."""
 
     def fault() -> Callable[[], None]:
-        fuse_disk.fail(errno.EROFS)
+        fuse_disk.fail(code)
         return fuse_disk.heal
 
-    a_fault_under_a_running_daemon(
-        fuse_disk.path, socket_path, tmp_path, fault, says="Read-only file system"
-    )
+    a_fault_under_a_running_daemon(fuse_disk.path, socket_path, tmp_path, fault, says=says)
 
 
 def test_a_read_only_remount_is_refused_while_the_daemon_writes(

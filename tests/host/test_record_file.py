@@ -95,16 +95,8 @@ def test_events_come_back_numbered_as_they_were_and_numbering_goes_on(tmp_path: 
 
 def test_an_incident_keeps_its_ranks_readers_and_verdict(tmp_path: Path) -> None:
     path = tmp_path / "state.db.record"
-    _, incidents, record = reopened(path)
-    opened, _ = incidents.expired(
-        (1000, "train"), "alice", RankInfo(host="a", pid=41, uid=1000, role="expired",
-                                           scope="step", rank=1), "timeout", 100.0
-    )  # fmt: skip
-    incidents.add(opened, RankInfo(host="a", pid=40, uid=1000, role="peer", scope="step", rank=0))
-    incidents.dumped(opened, 41, "expired", (1000, 1000))
-    incidents.finished(event(41, incident=opened, output=DUMP))
-    incidents.dumped(opened, 40, "peer", None)  # a stack root alone may read
-    incidents.finished(event(40, kind="peer", incident=opened, output=DUMP))
+    events, incidents, record = reopened(path)
+    opened = written_scenario(events, incidents)  # rank 0's stack for root alone
     record.write_now()
     record.close()
     _, restored, _ = reopened(path)
