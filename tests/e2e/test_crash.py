@@ -256,6 +256,53 @@ def test_a_million_timers_survive_a_kill(socket_path: Path, tmp_path: Path) -> N
             reap(holder)
 
 
+def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """A state of 200,000 timers due in an hour, folded into the database, and
+    one that fell due while the daemon was down: its worker is killed while the
+    daemon still loads the others (the ``event=expired`` line comes before the
+    ``event=state`` one, which says the load is whole), and then every timer is
+    armed."""
+    from watchdogd.core.timers import Timer
+    from watchdogd.host.process import read_start_time
+    from watchdogd.storage.store import Store
+
+    state = tmp_path / "state.db"
+    holders = hung_workers(10)
+    [victim] = hung_workers(1)
+    daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", ["--state", str(state)])
+    try:
+        store, _ = Store.open(str(state))
+        now = time.monotonic()
+
+        def stored(holder: subprocess.Popen[bytes], scope: str, deadline: float) -> Timer:
+            return Timer(
+                pid=holder.pid, scope=scope, policy="kill", uid=0, owner=0, timeout=3600.0,
+                armed_at=now, deadline=deadline, start_time=read_start_time(holder.pid),
+            )  # fmt: skip
+
+        timers = [stored(holders[i % 10], f"s{i}", now + 3600 + i / 1000) for i in range(200_000)]
+        timers.append(stored(victim, "due-while-down", now - 1))
+        store._write_database({timer.store_key: timer for timer in timers}, reset=True)
+        store.close()
+        for name in os.listdir(tmp_path):
+            if ".journal." in name:
+                os.unlink(tmp_path / name)
+        daemon.start(timeout=PATIENCE * 4)
+        assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+        log = daemon.log()
+        expired = log.index(f"event=expired pid={victim.pid}")
+        assert log.index("event=state_first") < expired < log.index("event=state path=")
+        assert "restored=200001 dropped=0 resumed=0" in log
+        with daemon.client() as client:
+            assert client.status_page(limit=1).daemon.timers == 200_000
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for holder in [*holders, victim]:
+            reap(holder)
+
+
 def restart_window(socket_path: Path) -> float:
     """How long the daemon at ``socket_path`` says a restart of it may take (its
     ``Welcome``)."""

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from watchdogd.host.process import read_start_time
+from watchdogd.storage.schema import SCHEMA
 from watchdogd.storage.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
@@ -277,7 +278,7 @@ def test_a_state_of_a_newer_schema_is_moved_aside_and_the_daemon_starts_empty(
         log = daemon.log()
         [line] = [line for line in log.splitlines() if "event=state_schema_unreadable" in line]
         assert " ERROR " in line
-        assert "newer than this daemon's 4: none of its timers are restored" in line
+        assert f"newer than this daemon's {SCHEMA}: none of its timers are restored" in line
         [aside] = Path(daemon.state_path).parent.glob("*.state.db.schema-99-*")
         assert f"moved_to={aside}" in line
         raw = sqlite3.connect(aside)  # moved whole: its timer is still in it

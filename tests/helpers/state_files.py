@@ -128,13 +128,20 @@ def make_own(schema: int, into: Path, pids: list[int], starts: list[int]) -> Pat
     values[UID] = os.getuid()
     database = into / "state.db"
     db = sqlite3.connect(database, isolation_level=None)
-    rows = db.execute("SELECT pid, scope, firing, record FROM timers").fetchall()
+    # Every column as it is but the pid and the record: a schema's columns are
+    # its own (schema 5 added ``due``).
+    cursor = db.execute("SELECT * FROM timers")
+    columns = [column for column, *_ in cursor.description]
+    rows = [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
     db.execute("DELETE FROM timers")
-    for pid, scope, firing, record in rows:
-        fields = _replaced(msgspec.msgpack.decode(record), values)
+    for row in rows:
+        row["pid"] = values.get(row["pid"], row["pid"])
+        row["record"] = msgspec.msgpack.encode(
+            _replaced(msgspec.msgpack.decode(row["record"]), values)
+        )
         db.execute(
-            "INSERT INTO timers VALUES (?, ?, ?, ?)",
-            (values.get(pid, pid), scope, firing, msgspec.msgpack.encode(fields)),
+            f"INSERT INTO timers ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+            [row[column] for column in columns],
         )
     db.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (values[BOOT],))
     db.close()

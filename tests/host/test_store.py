@@ -6,10 +6,12 @@ on real tmpfs mounts.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sqlite3
 import stat
+import time
 import zlib
 from pathlib import Path
 
@@ -280,7 +282,7 @@ def test_a_newer_schema_is_moved_aside(tmp_path: Path, caplog: pytest.LogCapture
     raw.close()
     [line] = [r for r in caplog.records if "event=state_schema_unreadable" in r.getMessage()]
     assert line.levelname == "ERROR"
-    assert "newer than this daemon's 4" in line.getMessage()
+    assert f"newer than this daemon's {schema.SCHEMA}" in line.getMessage()
     assert "none of its timers are restored" in line.getMessage()
     assert f"moved_to={aside}" in line.getMessage()
     assert not store.degraded
@@ -392,8 +394,9 @@ def test_the_state_of_every_released_schema_loads_as_it_was_written(
     path = str(make_own(stored, tmp_path, pids, starts))
     for _ in range(2):
         store, loaded = Store.open(path)
+        timers = loaded.timers + (store.load_later() if store.loading else [])
         store.close()
-        assert {t.scope: t for t in loaded.timers} == own_timers(pids, starts)
+        assert {t.scope: t for t in timers} == own_timers(pids, starts)
         assert loaded.moved_aside == []
         assert not store.degraded
 
@@ -406,23 +409,25 @@ def test_every_schema_since_the_first_release_has_its_migration_and_its_state() 
 
 
 def upgraded_policy(fields: list[object]) -> list[object]:
-    """A migration to a hypothetical schema 5, whose stored policy names say so."""
-    return [*fields[:4], f"{fields[4]}@5", *fields[5:]]
+    """A migration to a hypothetical next schema, whose stored policy names say so."""
+    return [*fields[:4], f"{fields[4]}@next", *fields[5:]]
 
 
 async def test_the_loader_walks_the_migrations_to_this_schema_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A daemon of a hypothetical schema 5 starts on tests/data/schema4/: the
-    database and the journal are read through the migration from 4, the first
-    journal of the run holds the whole state in schema 5, and once folded the
-    database is of schema 5; neither is migrated again."""
-    monkeypatch.setattr(schema, "SCHEMA", 5)
-    monkeypatch.setattr(schema, "MIGRATIONS", {4: upgraded_policy})
+    """A daemon of a hypothetical schema after this one starts on
+    tests/data/schema4/: the database and the journal are read through every
+    migration from 4, the first journal of the run holds the whole state in the
+    new schema, and once folded the database is of the new schema; neither is
+    migrated again."""
+    following = schema.SCHEMA + 1
+    monkeypatch.setattr(schema, "SCHEMA", following)
+    monkeypatch.setattr(schema, "MIGRATIONS", {**schema.MIGRATIONS, following - 1: upgraded_policy})
     pids, starts = [101, 102, 103, 104], [11, 12, 13, 14]
     path = str(make_own(4, tmp_path, pids, starts))
     expected = {
-        scope: msgspec.structs.replace(t, policy=f"{t.policy}@5")
+        scope: msgspec.structs.replace(t, policy=f"{t.policy}@next")
         for scope, t in own_timers(pids, starts).items()
     }
     store, loaded = Store.open(path)
@@ -440,9 +445,11 @@ async def test_the_loader_walks_the_migrations_to_this_schema_once(
         nursery.cancel_scope.cancel()
     store.close()
     raw = sqlite3.connect(path)
-    assert raw.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (
+        str(following),
+    )
     raw.close()
-    store, loaded = Store.open(path)
+    store, loaded = Store.open(path, load_ahead=math.inf)
     store.close()
     assert {t.scope: t for t in loaded.timers} == expected
 
@@ -455,7 +462,7 @@ def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.Monke
         {4: upgraded_policy, 5: lambda fields: [*fields[:4], f"{fields[4]}@6", *fields[5:]]},
     )
     array = msgspec.msgpack.encode([timer(1, "a")])
-    assert [t.policy for t in schema.decode_timers(array, 4)] == ["kill@5@6"]
+    assert [t.policy for t in schema.decode_timers(array, 4)] == ["kill@next@6"]
     assert [t.policy for t in schema.decode_timers(array, 5)] == ["kill@6"]
     schema.check(4)
     with pytest.raises(schema.SchemaError, match="schema 3, older than any this daemon reads"):
@@ -596,3 +603,110 @@ async def test_a_database_that_refuses_folds_keeps_memory_and_journals_bounded(
     # (10,000 entries, about 380 KiB).
     assert memory_most <= 3000
     assert journal_most <= 16 * 4096
+
+
+def test_a_start_loads_the_timers_due_soon_first_and_the_rest_later(tmp_path: Path) -> None:
+    """The database's timers due within the load-ahead and the firing ones come
+    from `Store.open`; the later ones from `Store.load_later`, the journals'
+    changes winning over the database in both (a key released or re-armed
+    since the fold is never loaded from it)."""
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    now = time.monotonic()
+    folded = [
+        timer(1, "soon", deadline=now + 5),
+        timer(1, "later", deadline=now + 300),
+        timer(2, "released-since", deadline=now + 400),
+        timer(2, "re-armed-later", deadline=now + 5),
+        timer(3, "firing", deadline=now - 1, firing=1, fired_at=now - 1),
+    ]
+    store._write_database({t.store_key: t for t in folded}, reset=True)
+    store.close()
+    for journal in journals(tmp_path):
+        os.unlink(tmp_path / journal)
+    re_armed = timer(2, "re-armed-later", deadline=now + 500)
+    append(
+        path,
+        1,
+        Record(
+            puts=[timer(4, "journaled-soon", deadline=now + 1), re_armed],
+            drops=[(2, "released-since", 0)],
+        ),
+    )
+    store, loaded = Store.open(path, load_ahead=60.0)
+    try:
+        assert store.loading
+        assert sorted(t.scope for t in loaded.timers) == ["firing", "journaled-soon", "soon"]
+        later = store.load_later()
+        assert sorted(t.scope for t in later) == ["later", "re-armed-later"]
+        assert [t for t in later if t.scope == "re-armed-later"] == [re_armed]
+        store.loaded()
+        assert not store.loading
+        assert not store.degraded
+    finally:
+        store.close()
+    # Nothing due later: nothing is left for later.
+    store, loaded = Store.open(path, load_ahead=math.inf)
+    store.close()
+    assert not store.loading
+    assert len(loaded.timers) == 5
+
+
+def test_no_fold_and_no_full_write_before_the_load_is_whole(tmp_path: Path) -> None:
+    """While the later timers are being read, the state in memory is not whole: a
+    recovery that wrote it would lose them. It waits for `Store.loaded`."""
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    now = time.monotonic()
+    folded = [timer(1, "soon", deadline=now + 1), timer(1, "later", deadline=now + 300)]
+    store._write_database({t.store_key: t for t in folded}, reset=True)
+    store.close()
+    store, loaded = Store.open(path, load_ahead=60.0)
+    try:
+        store.snapshot = lambda: loaded.timers  # what a daemon holds so far
+        store.degraded = True
+        assert not store.recover()
+        assert not store.commit(store.generation + 1)
+        store.load_later()
+        store.loaded()
+        store._retry_at = 0.0
+        store.snapshot = lambda: folded
+        assert store.recover()
+    finally:
+        store.close()
+    store, loaded = Store.open(path, load_ahead=math.inf)
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == ["later", "soon"]
+
+
+def test_damage_found_by_the_later_load_moves_the_database_aside_and_writes_it_anew(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record due later that does not decode: the start went on with the first
+    timers; the later read moves the database aside (ERROR, where to), and what
+    is in memory is written anew, so the next start has it."""
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    now = time.monotonic()
+    store._write_database(
+        {timer(1, "soon", deadline=now + 1).store_key: timer(1, "soon", deadline=now + 1)},
+        reset=True,
+    )
+    store.close()
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("INSERT INTO timers VALUES (1, 'garbled', 0, ?, ?)", (now + 300, b"\xc1"))
+    raw.close()
+    store, loaded = Store.open(path, load_ahead=60.0)
+    try:
+        assert [t.scope for t in loaded.timers] == ["soon"]
+        store.snapshot = lambda: loaded.timers
+        assert store.load_later() == []
+        store.loaded()
+        assert not store.degraded
+    finally:
+        store.close()
+    assert any(".damaged-" in name for name in os.listdir(tmp_path))
+    assert "event=state_damaged" in caplog.text
+    store, again = Store.open(path, load_ahead=math.inf)
+    store.close()
+    assert [t.scope for t in again.timers] == ["soon"]

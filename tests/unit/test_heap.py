@@ -261,3 +261,33 @@ def test_chunks_split_and_merge_within_their_bounds() -> None:
     assert sum(sizes) == len(order) == 100
     assert all(CHUNK // 4 <= size <= 2 * CHUNK for size in sizes[1:-1])
     assert list(order) == sorted(order)
+
+
+@pytest.mark.parametrize("held", [0, 1, 3, 10, 57])
+@pytest.mark.parametrize("added", [0, 1, 5, 40])
+def test_extend_takes_over_later_entries_and_keeps_the_bounds(held: int, added: int) -> None:
+    """A restart's later timers: all after those held, a move of chunks; the short
+    last chunk of those held does not stay in the middle."""
+    order: Deadlines[Entry] = Deadlines([Entry(float(d), 0) for d in range(held)], chunk=CHUNK)
+    later: Deadlines[Entry] = Deadlines(
+        [Entry(float(1000 + d), 0) for d in range(added)], chunk=CHUNK
+    )
+    order.extend(later)
+    assert list(order) == [Entry(float(d), 0) for d in range(held)] + [
+        Entry(float(1000 + d), 0) for d in range(added)
+    ]
+    assert len(order) == held + added
+    assert len(later) == 0
+    assert list(later) == []
+    sizes = order.chunk_sizes()
+    assert all(CHUNK // 4 <= size <= 2 * CHUNK for size in sizes[1:-1])
+    assert order.first() == (Entry(0.0, 0) if held else Entry(1000.0, 0) if added else None)
+    add(order, 5000.0)  # and it goes on working
+    assert list(order)[-1].deadline == 5000.0
+
+
+def test_extend_with_entries_among_those_held_sorts_them_in() -> None:
+    order: Deadlines[Entry] = Deadlines([Entry(1.0, 0), Entry(5.0, 0)], chunk=CHUNK)
+    order.extend(Deadlines([Entry(3.0, 0), Entry(7.0, 0)], chunk=CHUNK))
+    assert [entry.deadline for entry in order] == [1.0, 3.0, 5.0, 7.0]
+    assert len(order) == 4

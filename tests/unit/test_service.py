@@ -546,3 +546,74 @@ def test_an_exit_releases_quietly_what_was_armed_so() -> None:
     assert len(world.service.process_exited(process)) == 1
     assert world.service.events.page(None, 10, 0) == []
     assert world.service.metrics.exited == 0
+
+
+def test_a_restart_loads_its_later_timers_into_the_table_with_their_processes() -> None:
+    """The timers due later come in off the event loop (`prepare_later`) and join
+    the table whole (`restore_later`): beside a process's first timers, on new
+    processes (tracked then), or dropped when their process is gone."""
+    from watchdogd.core.timers import Timer
+
+    def stored(pid: int, scope: str, deadline: float, start_time: int) -> Timer:
+        return Timer(
+            pid=pid, scope=scope, policy="kill", uid=1000, owner=1000, timeout=1.0,
+            armed_at=0.0, deadline=deadline, start_time=start_time,
+        )  # fmt: skip
+
+    service, host, notified = make_service()
+    first = service.restore([stored(200, "soon", 5.0, 1000)])
+    assert first.armed == 1
+    assert host.tracked == {200}
+    later = service.prepare_later(
+        [
+            stored(200, "later", 100.0, 1000),  # the same process: its handle is reused
+            stored(201, "other", 200.0, 1002),  # the fake host's third handle
+            stored(300, "reused-pid", 150.0, 5),
+        ]
+    )
+    assert len(service.table) == 1  # nothing changed until merged
+    restored = service.restore_later(later)
+    assert (restored.armed, restored.dropped) == (2, 1)
+    assert host.tracked == {200, 201}
+    assert [t.scope for t in service.table.timers_of(200)] == ["soon", "later"]
+    assert service.table.get(200, "later") is not None
+    assert service.table.owned_by(1000) == 3
+    assert sorted(t.scope for t in service.table.visible_to(1000)) == ["later", "other", "soon"]
+    assert [p.refs for p in host.opened if p.pid in (200, 300)] == [1, 0, 0]
+    assert notified[-1] == 5.0
+    due = service.expire_due(1000.0, 10)
+    assert [e.timer.scope for e in due] == ["soon", "later", "other"]
+
+
+def test_later_timers_of_a_pid_now_held_by_another_process_are_dropped() -> None:
+    from watchdogd.core.timers import Timer
+
+    def stored(scope: str, deadline: float, start_time: int) -> Timer:
+        return Timer(
+            pid=201, scope=scope, policy="kill", uid=1000, owner=1000, timeout=1.0,
+            armed_at=0.0, deadline=deadline, start_time=start_time,
+        )  # fmt: skip
+
+    service, host, _ = make_service()
+    service.restore([stored("first", 5.0, 1000)])
+    host.opened[0].exited = True  # its process exits; another takes the pid
+    later = service.prepare_later([stored("of-the-new-one", 100.0, 1001)])
+    restored = service.restore_later(later)
+    assert (restored.armed, restored.dropped) == (0, 1)
+    assert [t.scope for t in service.table.timers_of(201)] == ["first"]
+    assert service.table.owned_by(1000) == 1
+    assert host.opened[1].refs == 0
+
+
+def test_the_stop_drops_every_timer_and_handle_in_one_pass_over_the_processes() -> None:
+    w = make_world()
+    for scope in ("a", "b"):
+        w.service.handle(Acquire(id=1, scope=scope, timeout=5), w.alice, 0.0)
+    w.service.handle(Acquire(id=2, scope="c", timeout=5), w.bob, 0.0)
+    held = [w.service.table.process(pid) for pid in (ALICE.pid, BOB.pid)]
+    w.service.close()
+    assert len(w.service.table) == 0
+    assert w.service.table.owned_by(ALICE.uid) == 0
+    assert list(w.service.table.visible_to(ALICE.uid)) == []
+    assert w.host.tracked == set()
+    assert [process.refs for process in held if process is not None] == [1, 1]  # the connections'

@@ -73,9 +73,12 @@ class Deadlines(Generic[E]):
         """Hold ``entries``, which must be in order already (a restart sorts them
         once, with `sort`, rather than inserting a million one by one). ``chunk``
         is for tests, which exercise splits and merges with small chunks."""
-        ordered = list(entries)
         self._chunk = chunk
-        self._chunks = [ordered[i : i + chunk] for i in range(0, len(ordered), chunk)]
+        self._fill(list(entries))
+
+    def _fill(self, ordered: list[E]) -> None:
+        size = self._chunk
+        self._chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
         self._lasts = [chunk[-1] for chunk in self._chunks]
         self._len = len(ordered)
 
@@ -100,6 +103,39 @@ class Deadlines(Generic[E]):
 
     def __len__(self) -> int:
         return self._len
+
+    def extend(self, later: Deadlines[E]) -> None:
+        """Take over every entry of ``later`` (which is left empty): the timers a
+        restart loads after the first ones. When they all come after every entry
+        held, as a restart's do, it is a move of chunks, whatever their number;
+        otherwise both are sorted together."""
+        if not later._chunks:
+            return
+        if self._chunks and not self._lasts[-1] < later._chunks[0][0]:
+            merged = [*self, *later]
+            Deadlines.sort(merged)
+            self._fill(merged)
+            later._fill([])
+            return
+        chunks, lasts = later._chunks, later._lasts
+        if self._chunks and len(self._chunks[-1]) < self._chunk // 4 and len(self._chunks) > 1:
+            # A short last chunk would sit in the middle: it joins the next one.
+            merged = self._chunks.pop() + chunks[0]
+            self._lasts.pop()
+            halves = (
+                [merged]
+                if len(merged) <= 2 * self._chunk
+                else [
+                    merged[: len(merged) // 2],
+                    merged[len(merged) // 2 :],
+                ]
+            )
+            chunks = halves + chunks[1:]
+            lasts = [half[-1] for half in halves] + lasts[1:]
+        self._chunks += chunks
+        self._lasts += lasts
+        self._len += later._len
+        later._fill([])
 
     def __iter__(self) -> Iterator[E]:
         """Every entry, earliest first."""

@@ -44,6 +44,17 @@ class Restored(Generic[P]):
     resumed: list[Expired[P]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Later(Generic[P]):
+    """The timers a restart loads after the first ones, made ready off the event
+    loop (`Lifecycle.prepare_later`): a table of their own, the timers dropped
+    (their process is gone), and every handle opened."""
+
+    table: TimerTable[P]
+    dropped: list[Timer] = field(default_factory=list)
+    handles: list[P] = field(default_factory=list)
+
+
 class Lifecycle(Generic[P]):
     """Restore from the state, exits, and the stop."""
 
@@ -73,25 +84,14 @@ class Lifecycle(Generic[P]):
         ones in the table, firing ones (with a retained handle) in ``resumed``
         for their policy to go on."""
         restored = Restored[P]()
-        by_pid: dict[int, list[Timer]] = {}
-        for timer in timers:
-            by_pid.setdefault(timer.pid, []).append(timer)
-        handles: dict[int, P] = {}
-        groups: list[tuple[P, list[Timer]]] = []
         firing: list[tuple[Timer, P | None]] = []
-        for pid, held in by_pid.items():
-            process = self._reopen(pid)
-            if process is not None:
-                handles[pid] = process
-            armed = self._sort_restored(process, held, firing, restored)
-            if process is not None and armed:
-                groups.append((process, armed))
+        dropped: list[Timer] = []
+        groups, handles = self._reopen_all(timers, firing, dropped)
         self._table.restore(groups)
         for process, _ in groups:
             self._processes.track(process)
-        earliest = self._table.next_deadline()
-        if earliest is not None:
-            self._on_deadline(earliest)
+        restored.armed = sum(len(armed) for _, armed in groups)
+        self._drop(dropped, restored)
         self._firing.resume(timer for timer, _ in firing)
         for timer, target in firing:
             if target is None:
@@ -100,11 +100,70 @@ class Lifecycle(Generic[P]):
                 continue
             target.retain()
             restored.resumed.append(Expired(timer, target, orphaned=False))
-        self._journal.commit_soon()
-        for process in handles.values():
+        for process in handles:
             if self._table.process(process.pid) is not process:
                 process.close()
         return restored
+
+    def prepare_later(self, timers: Iterable[Timer]) -> Later[P]:
+        """In a worker thread, while the daemon fires what `restore` put back:
+        the armed timers a restart loads after the first ones (every one due
+        after them), checked against their processes and ordered in a table of
+        their own, which `restore_later` merges. Touches nothing of the running
+        service: it opens handles and reads /proc, and that is all."""
+        firing: list[tuple[Timer, P | None]] = []
+        later = Later[P](table=TimerTable())
+        groups, later.handles = self._reopen_all(timers, firing, later.dropped)
+        if firing:
+            raise ValueError("a firing timer is restored first, never later")
+        later.table.restore(groups)
+        return later
+
+    def restore_later(self, later: Later[P]) -> Restored[P]:
+        """Merge what `prepare_later` made ready into the table: the restart's
+        load is complete."""
+        restored = Restored[P](armed=len(later.table))
+        taken, dropped = self._table.merge(later.table)
+        restored.armed -= len(dropped)
+        for process in taken:
+            self._processes.track(process)
+        self._drop([*later.dropped, *dropped], restored)
+        for process in later.handles:
+            if self._table.process(process.pid) is not process:
+                process.close()
+        return restored
+
+    def _reopen_all(
+        self,
+        timers: Iterable[Timer],
+        firing: list[tuple[Timer, P | None]],
+        dropped: list[Timer],
+    ) -> tuple[list[tuple[P, list[Timer]]], list[P]]:
+        """The armed ``timers`` whose process is still there, by process (a new
+        handle on each), and every handle opened; firing ones go to ``firing``
+        and the rest to ``dropped``."""
+        by_pid: dict[int, list[Timer]] = {}
+        for timer in timers:
+            by_pid.setdefault(timer.pid, []).append(timer)
+        handles: list[P] = []
+        groups: list[tuple[P, list[Timer]]] = []
+        for pid, held in by_pid.items():
+            process = self._reopen(pid)
+            if process is not None:
+                handles.append(process)
+            armed = self._sort_restored(process, held, firing, dropped)
+            if process is not None and armed:
+                groups.append((process, armed))
+        return groups, handles
+
+    def _drop(self, dropped: list[Timer], restored: Restored[P]) -> None:
+        for timer in dropped:
+            self._journal.drop(timer)
+        restored.dropped += len(dropped)
+        earliest = self._table.next_deadline()
+        if earliest is not None:
+            self._on_deadline(earliest)
+        self._journal.commit_soon()
 
     def _record_gone_while_down(self, timer: Timer) -> None:
         self._metrics.expiries[(timer.policy, "gone")] += 1
@@ -128,11 +187,11 @@ class Lifecycle(Generic[P]):
         process: P | None,
         held: list[Timer],
         firing: list[tuple[Timer, P | None]],
-        restored: Restored[P],
+        dropped: list[Timer],
     ) -> list[Timer]:
         """The armed timers of ``held`` that belong to ``process``; firing ones go
-        to ``firing`` with the process, or None when theirs is gone; the rest are
-        dropped."""
+        to ``firing`` with the process, or None when theirs is gone; the rest to
+        ``dropped``."""
         armed = []
         for timer in held:
             same = process is not None and process.start_time == timer.start_time
@@ -141,9 +200,7 @@ class Lifecycle(Generic[P]):
             elif same:
                 armed.append(timer)
             else:
-                self._journal.drop(timer)
-                restored.dropped += 1
-        restored.armed += len(armed)
+                dropped.append(timer)
         return armed
 
     def _reopen(self, pid: int) -> P | None:
@@ -156,10 +213,8 @@ class Lifecycle(Generic[P]):
     def close(self) -> None:
         """Drop every timer and the table's handles (the daemon is stopping). The
         journal is not told: the timers stay in the store for the next start."""
-        for timer in list(self._table.timers()):
-            _, gone = self._table.disarm(timer.pid, timer.scope)
-            if gone is not None:
-                self._processes.untrack(gone)
+        for process in self._table.clear():
+            self._processes.untrack(process)
 
     def process_exited(self, process: P) -> list[Timer]:
         """Drop every timer of a process that exited; returns them, and records the

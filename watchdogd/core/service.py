@@ -69,7 +69,7 @@ from .frames import Library
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
-from .lifecycle import Lifecycle, Restored
+from .lifecycle import Later, Lifecycle, Restored
 from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .pages import Pages
 from .policies import Policy
@@ -82,6 +82,7 @@ __all__ = [
     "ROOT",
     "Caller",
     "Journal",
+    "Later",
     "NullJournal",
     "ProcessPort",
     "Restored",
@@ -402,6 +403,14 @@ class Service(Generic[P]):
     def restore(self, timers: Iterable[Timer]) -> Restored[P]:
         """`Lifecycle.restore`."""
         return self.lifecycle.restore(timers)
+
+    def prepare_later(self, timers: Iterable[Timer]) -> Later[P]:
+        """`Lifecycle.prepare_later` (in a worker thread)."""
+        return self.lifecycle.prepare_later(timers)
+
+    def restore_later(self, later: Later[P]) -> Restored[P]:
+        """`Lifecycle.restore_later`."""
+        return self.lifecycle.restore_later(later)
 
     def process_exited(self, process: P) -> list[Timer]:
         """`Lifecycle.process_exited`."""

@@ -40,7 +40,7 @@ import trio
 from .._version import __version__
 from ..core.config import Config, lockouts, parse_config
 from ..core.identity import Peer
-from ..core.service import Restored, Service
+from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
 from ..core.timers import Timer
 from ..errors import ConfigError
@@ -239,7 +239,7 @@ class Daemon:
         self.clock = clock
         self.config = config
         self.fleet: FleetMember[Process] | None = None
-        began = time.monotonic()
+        self._began = time.monotonic()
         self.store: Store | None = None
         timers: list[Timer] = []
         moved_aside = 0
@@ -287,32 +287,44 @@ class Daemon:
             self.history_file = HistoryFile(history_path(state_path), self.service.history)
             self.history_file.load()
         self.restored: Restored[Process] = self.service.restore(timers)
-        self.service.restart_estimate = restart_estimate(
-            time.monotonic() - began, len(timers), config.daemon.max_timers
-        )
         del timers
-        # What was loaded lives long: the collector need not walk it again. The
-        # memory that loading it used and freed goes back to the system.
-        gc.freeze()
-        _trim_heap()
         self.collector = Collector()
         if self.store is not None:
             self.store.snapshot = self.service.snapshot
             self.store.on_degraded = self._storage_changed
             if self.store.degraded:
                 self._storage_changed(True, self.store.degraded_reason)
-            log.info(
-                logfmt(
-                    "state",
-                    path=self.store.path,
-                    restored=self.restored.armed,
-                    dropped=self.restored.dropped,
-                    resumed=len(self.restored.resumed),
-                    # Files it could not read, each named by an ERROR line: what
-                    # they held is not among the timers restored.
-                    moved_aside=moved_aside,
+            self._moved_aside = moved_aside
+            self._resumed = len(self.restored.resumed)
+            if self.store.loading:
+                # The rest is loaded while these fire (`_load_later`); the
+                # ``state`` line follows once the load is whole.
+                log.info(
+                    logfmt(
+                        "state_first",
+                        path=self.store.path,
+                        restored=self.restored.armed,
+                        resumed=self._resumed,
+                        seconds=round(time.monotonic() - self._began, 3),
+                    )
                 )
+            else:
+                self._log_state(self.store)
+
+    def _log_state(self, store: Store) -> None:
+        log.info(
+            logfmt(
+                "state",
+                path=store.path,
+                restored=self.restored.armed,
+                dropped=self.restored.dropped,
+                resumed=self._resumed,
+                # Files it could not read, each named by an ERROR line: what they
+                # held is not among the timers restored.
+                moved_aside=self._moved_aside,
+                seconds=round(time.monotonic() - self._began, 3),
             )
+        )
 
     async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
@@ -332,10 +344,19 @@ class Daemon:
         if self.config.fleet.etcd:
             await self._join_fleet(nursery)
         await nursery.start(self.scheduler.run)
-        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
-        await nursery.start(serve, self.listener, self.service, context)
         self.executor.carry_out(self.restored.resumed)
         self.restored.resumed = []
+        if self.store is not None and self.store.loading:
+            await self._load_later(self.store)
+        self.service.restart_estimate = restart_estimate(
+            time.monotonic() - self._began, len(self.service.table), self.config.daemon.max_timers
+        )
+        # What was loaded lives long: the collector need not walk it again. The
+        # memory that loading it used and freed goes back to the system.
+        gc.freeze()
+        _trim_heap()
+        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
+        await nursery.start(serve, self.listener, self.service, context)
         if metrics_textfile is not None:
             nursery.start_soon(_write_metrics, self.service, metrics_textfile)
         nursery.start_soon(_settle_incidents, self.service)
@@ -350,6 +371,21 @@ class Daemon:
             )
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
+
+    async def _load_later(self, store: Store) -> None:
+        """Load the timers due after those restored at once, in a worker thread,
+        while the scheduler fires those; requests wait for it (the socket is
+        served after), so none sees a state half loaded."""
+
+        def prepare() -> Later[Process]:
+            return self.service.prepare_later(store.load_later())
+
+        later = await trio.to_thread.run_sync(prepare)
+        restored = self.service.restore_later(later)
+        store.loaded()
+        self.restored.armed += restored.armed
+        self.restored.dropped += restored.dropped
+        self._log_state(store)
 
     async def _join_fleet(self, nursery: trio.Nursery) -> None:
         """Start the fleet member. A fleet that cannot be joined (a TLS file that

@@ -10,6 +10,9 @@ Invariants:
   table names the schema and the boot it was written in. A database of an older
   schema is read through the migrations (`watchdogd.storage.schema`) and
   rewritten whole, in this schema, by the first fold.
+- Each row says by when a start must have loaded it (``due``, indexed: a timer's
+  deadline, zero for a firing one), so a start reads the timers due soon first
+  (`Database.read`) and the rest (`Database.read_later`) while those fire.
 - A database SQLite calls corrupt (SQLITE_CORRUPT, SQLITE_NOTADB), with content
   that does not decode, or of a schema this daemon cannot read is moved aside,
   with SQLite's own files beside it. One that cannot be read and is not damaged
@@ -24,7 +27,7 @@ import fcntl
 import os
 import sqlite3
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final, Literal
 
 import msgspec
@@ -35,7 +38,7 @@ from . import schema
 from .faults import Aside, Damaged, StateError, Unreadable, reason
 from .schema import Changes, Shared, boot_id, decode_timers, share_values
 
-_INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?)"
+_INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?, ?)"
 _DELETE: Final = "DELETE FROM timers WHERE pid = ? AND scope = ? AND firing = ?"
 #: SQLite's primary result codes that mean the file itself is damaged.
 _CORRUPT_CODES: Final = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
@@ -67,9 +70,13 @@ class Database:
         #: The database exists but could not be read at start: never written over.
         self.unread = False
 
-    def read(self, shared: Shared) -> tuple[list[Timer], DatabaseKind]:
+    def read(self, shared: Shared, until: float) -> tuple[list[Timer], DatabaseKind, bool]:
         """The timers in the database (none when there is none, or it was moved
-        aside), and what the database is. Keeps the connection.
+        aside) that a start loads first, what the database is, and whether more
+        are left for `read_later`. Keeps the connection.
+
+        Loaded first: in a database of this schema, the timers due by ``until``
+        and every firing one; in any other, all of them.
 
         A database SQLite cannot open for writing (a read-only disk) is read
         through an immutable connection; one that cannot be read at all, and is
@@ -78,36 +85,75 @@ class Database:
         existed = os.path.exists(self.path)
         if not self.lock():
             self.unread = existed
-            return [], "none"
+            return [], "none", False
+        later = False
         try:
             db = _connect(self.path)
             try:
-                stored, stored_schema, boot = _read_timers(db, shared)
+                stored, stored_schema, boot = _read_timers(db, shared, until)
+                later = (
+                    stored_schema == schema.SCHEMA
+                    and boot is not None
+                    and _any_due_after(db, until)
+                )
             except BaseException:
                 db.close()
                 raise
         except (sqlite3.Error, Unreadable) as exc:
             if isinstance(exc, Unreadable):
                 self._move_aside(exc)
-                return [], "none"
+                return [], "none", False
             if _code(exc) in _CORRUPT_CODES:
                 self._move_aside(Damaged(str(exc)))
-                return [], "none"
+                return [], "none", False
             self._degrade(reason(exc))
             try:
                 stored, stored_schema, boot = _read_immutable(self.path, shared)
             except (sqlite3.Error, Unreadable) as again:
                 log.error(logfmt("state_unread", path=self.path, error=reason(again)))
                 self.unread = True
-                return [], "none"
+                return [], "none", False
         else:
             self._db = db
         if boot is None:
-            return stored, "none"
+            return stored, "none", False
         if boot != boot_id():
             log.info(logfmt("state_from_another_boot", path=self.path, discarded=len(stored)))
-            return [], "other_boot"
-        return stored, "current" if stored_schema == schema.SCHEMA else "older_schema"
+            return [], "other_boot", False
+        if stored_schema != schema.SCHEMA:
+            return stored, "older_schema", False
+        return stored, "current", later
+
+    def read_later(self, shared: Shared, until: float) -> list[Timer]:
+        """In a worker thread: the timers `read` left, every one due after
+        ``until``. Damage found now moves the database aside, as at start, and
+        raises `watchdogd.storage.faults.Damaged`: the timers read before are
+        the store's to write anew. A file that fails to read raises its
+        `sqlite3.Error`, and is never written over (``unread``)."""
+        assert self._db is not None
+        try:
+            rows = self._db.execute(
+                # A scan of the table (the unary + keeps SQLite off the index):
+                # an index walk would fetch most rows one b-tree search each,
+                # several times slower.
+                "SELECT record FROM timers WHERE +due > ?",
+                (until,),
+            )
+            return _decode_rows(rows, schema.SCHEMA, shared)
+        except Damaged as exc:
+            problem = exc
+        except (ValueError, TypeError, KeyError) as exc:
+            problem = Damaged(f"unreadable content: {exc}")
+        except sqlite3.Error as exc:
+            if _code(exc) not in _CORRUPT_CODES:
+                log.error(logfmt("state_unread", path=self.path, error=reason(exc)))
+                self.unread = True
+                raise
+            problem = Damaged(str(exc))
+        self._db.close()
+        self._db = None
+        self._move_aside(problem)
+        raise problem
 
     def _move_aside(self, problem: Unreadable) -> None:
         # SQLite's own files go with it: a rollback journal left beside a new,
@@ -206,20 +252,23 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 def _read_timers(
-    db: sqlite3.Connection, shared: Shared | None = None
+    db: sqlite3.Connection, shared: Shared | None = None, until: float | None = None
 ) -> tuple[list[Timer], int, str | None]:
-    """The timers of a database, its schema and the boot it was written in (None
+    """The timers of a database (of this schema and with ``until``: those due by
+    then, and the firing ones), its schema and the boot it was written in (None
     for a new database); raises `Damaged` for content that does not decode and
     `watchdogd.storage.schema.SchemaError` for a schema this daemon cannot read.
     The timers share their repeated values with each other and with what else was
     loaded with ``shared``."""
     try:
-        return _parse_timers(db, {} if shared is None else shared)
+        return _parse_timers(db, {} if shared is None else shared, until)
     except (ValueError, TypeError, KeyError) as exc:
         raise Damaged(f"unreadable content: {exc}") from None
 
 
-def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], int, str | None]:
+def _parse_timers(
+    db: sqlite3.Connection, shared: Shared, until: float | None
+) -> tuple[list[Timer], int, str | None]:
     meta = _meta(db)
     tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master")}
     if "timers" not in tables:
@@ -229,10 +278,23 @@ def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], 
         raise Damaged(f"schema version {named!r}")
     stored = int(named)
     schema.check(stored)
+    if stored == schema.SCHEMA and until is not None:
+        rows = db.execute("SELECT record FROM timers WHERE due <= ?", (until,))
+    else:
+        rows = db.execute("SELECT record FROM timers")
+    return _decode_rows(rows, stored, shared), stored, meta.get("boot_id")
+
+
+def _any_due_after(db: sqlite3.Connection, until: float) -> bool:
+    """Whether a database of this schema holds a timer due after ``until``."""
+    return db.execute("SELECT 1 FROM timers WHERE due > ? LIMIT 1", (until,)).fetchone() is not None
+
+
+def _decode_rows(rows: sqlite3.Cursor, stored: int, shared: Shared) -> list[Timer]:
+    """The timers of ``rows`` of records of schema ``stored``."""
     timers: list[Timer] = []
     # A batch of records as one msgpack array, decoded in one call: a start with a
     # million timers spends its time here.
-    rows = db.execute("SELECT record FROM timers")
     while blobs := [blob for (blob,) in rows.fetchmany(_LOAD_BATCH)]:
         array = b"\xdd" + len(blobs).to_bytes(4, "big") + b"".join(blobs)
         del blobs
@@ -242,7 +304,7 @@ def _parse_timers(db: sqlite3.Connection, shared: Shared) -> tuple[list[Timer], 
             raise Damaged(f"unreadable timer record: {exc}") from None
         share_values(batch, shared)
         timers += batch
-    return timers, stored, meta.get("boot_id")
+    return timers
 
 
 def _read_immutable(path: str, shared: Shared) -> tuple[list[Timer], int, str | None]:
@@ -272,18 +334,12 @@ def replace_all(db: sqlite3.Connection, timers: Mapping[StoreKey, Timer | None],
         db.execute("DROP TABLE IF EXISTS timers")
         db.execute(
             "CREATE TABLE timers (pid INTEGER NOT NULL, scope TEXT NOT NULL,"
-            " firing INTEGER NOT NULL, record BLOB NOT NULL,"
+            " firing INTEGER NOT NULL, due REAL NOT NULL, record BLOB NOT NULL,"
             " PRIMARY KEY (pid, scope, firing)) WITHOUT ROWID"
         )
+        db.execute("CREATE INDEX timers_due ON timers (due)")
         db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        db.executemany(
-            _INSERT,
-            (
-                (timer.pid, timer.scope, timer.firing, _encoder.encode(timer))
-                for timer in timers.values()
-                if timer is not None
-            ),
-        )
+        db.executemany(_INSERT, _rows(timers))
         db.executemany(
             "INSERT OR REPLACE INTO meta VALUES (?, ?)",
             [("schema", str(schema.SCHEMA)), ("boot_id", boot)],
@@ -295,20 +351,22 @@ def replace_all(db: sqlite3.Connection, timers: Mapping[StoreKey, Timer | None],
         raise
 
 
+def _rows(timers: Mapping[StoreKey, Timer | None]) -> Iterator[tuple[object, ...]]:
+    """The rows of ``timers``: a timer's ``due`` says how soon a start must load
+    it (its deadline; a firing one at once)."""
+    for timer in timers.values():
+        if timer is not None:
+            due = 0.0 if timer.firing else timer.deadline
+            yield timer.pid, timer.scope, timer.firing, due, _encoder.encode(timer)
+
+
 def _apply(db: sqlite3.Connection, changes: Changes) -> None:
     """Apply ``changes`` to the database in one transaction."""
     if not changes:
         return
     db.execute("BEGIN")
     try:
-        db.executemany(
-            _INSERT,
-            (
-                (timer.pid, timer.scope, timer.firing, _encoder.encode(timer))
-                for timer in changes.values()
-                if timer is not None
-            ),
-        )
+        db.executemany(_INSERT, _rows(changes))
         db.executemany(_DELETE, (key for key, timer in changes.items() if timer is None))
         db.execute("COMMIT")
     except BaseException:

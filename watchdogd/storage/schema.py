@@ -5,7 +5,10 @@ timer in memory, in the journal and in the database) or the removal of one, unde
 its store key ``(pid, scope, firing)``: an armed timer, and one whose policy is in
 progress. Schema 4 stores a `Timer` as the array of its fields, ``deadline`` and
 ``seq`` first, a firing timer's progress through its policy (`Run`) and what only
-some timers keep (`Watch`) each an array of their own in the last two.
+some timers keep (`Watch`) each an array of their own in the last two. Schema 5
+stores the same records, and its database says by when a start must load each
+(`watchdogd.storage.database`): its migration from 4 leaves a timer as it is, and
+the first fold writes the new column.
 
 Invariants:
 
@@ -39,7 +42,7 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 4
+SCHEMA: Final = 5
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -50,9 +53,9 @@ Fields = list[Any]
 #: store key is the same in every schema. A schema that stores more (events,
 #: incidents), or keys timers otherwise, widens what a migration is given.
 Migration = Callable[[Fields], Fields]
-#: The forward migrations, keyed by the schema each one migrates from. Empty:
-#: schema 4 is that of the first release, and no migration leads to it.
-MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType({})
+#: The forward migrations, keyed by the schema each one migrates from. Schema 4
+#: is that of the first release: no migration leads to it.
+MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType({4: lambda fields: fields})
 
 #: Changes to the state, or the state itself: the latest timer of each store key,
 #: None for one that is gone.

@@ -32,7 +32,12 @@ Invariants:
   once the disk takes writes again is durable and says so; the background task
   retries with backoff for a daemon that nothing asks. Memory stays bounded while
   degraded: nothing is queued but the need for that one full write.
-- Loading reads the database, then replays every journal in order, each file in
+- Loading reads the journals and the timers of the database due within
+  `LOAD_AHEAD` (every firing one too): the daemon fires those while the rest is
+  read in a worker thread (`Store.load_later`), so no deadline waits for a whole
+  load of a million timers. Until that load is over (`Store.loaded`), nothing is
+  folded and no full write is tried: the state in memory is not whole yet.
+- Loading replays every journal in order over the database, each file in
   the schema it names (`watchdogd.storage.schema`, which migrates an older one's
   timers). A file that cannot be read (damaged, or of a schema this daemon does
   not read) is moved aside, never deleted, with an ERROR naming where
@@ -78,7 +83,15 @@ from .journal import (
 )
 from .schema import Changes, Shared, boot_id
 
-__all__ = ["JOURNAL_BYTES", "Loaded", "StateError", "Store", "default_state_path"]
+__all__ = [
+    "JOURNAL_BYTES",
+    "LOAD_AHEAD",
+    "Loaded",
+    "Rest",
+    "StateError",
+    "Store",
+    "default_state_path",
+]
 
 #: A journal this large is folded into the database and a new one started.
 JOURNAL_BYTES: Final = 8 * 1024 * 1024
@@ -93,10 +106,14 @@ RETRY_MAX: Final = 10.0
 EAGER_RETRY: Final = 0.1
 #: A daemon that writes nothing checks this often that its state was not deleted.
 LOST_CHECK: Final = 1.0
+#: A start loads the timers due within this long first, and fires them while it
+#: loads the rest: many times what a million take to load on a slow machine.
+LOAD_AHEAD: Final = 30.0
 
 
 class Loaded(msgspec.Struct):
-    """What `Store.open` read: every timer it found, and what it moved aside."""
+    """What `Store.open` read: the timers a start loads first (all of them,
+    unless `Store.loading`), and what it moved aside."""
 
     timers: list[Timer]
     moved_aside: list[str]
@@ -143,14 +160,20 @@ class Store:
         #: One object per repeated value among the timers loaded (`share_values`),
         #: from the database and the journals alike; emptied once loaded.
         self._shared: Shared = {}
+        #: What a start left for `load_later`, until `loaded`.
+        self._rest: Rest | None = None
         self.snapshot: Callable[[], Iterable[Timer]] = list
         self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
 
     # Opening and loading.
 
     @classmethod
-    def open(cls, path: str, journal_bytes: int = JOURNAL_BYTES) -> tuple[Store, Loaded]:
-        """Open (or create) the state and read its timers.
+    def open(
+        cls, path: str, journal_bytes: int = JOURNAL_BYTES, *, load_ahead: float = LOAD_AHEAD
+    ) -> tuple[Store, Loaded]:
+        """Open (or create) the state and read the timers a start loads first:
+        those due within ``load_ahead`` seconds and the firing ones; the rest,
+        if any (`loading`), come from `load_later`.
 
         Raises `StateError` only when another daemon holds the file. A damaged file
         is moved aside (logged at ERROR with where it went); a file system that
@@ -160,7 +183,8 @@ class Store:
         store = cls(path, journal_bytes)
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-        stored, kind = store._database.read(store._shared)
+        until = time.monotonic() + load_ahead
+        stored, kind, later = store._database.read(store._shared, until)
         changes, reset, store._number = replay(
             path, store._shared, store._aside, store._enter_degraded
         )
@@ -170,10 +194,14 @@ class Store:
             # without a dictionary of a million of them.
             if changes:
                 stored = [t for t in stored if (t.pid, t.scope, t.firing) not in changes]
+            if later:
+                store._rest = Rest(until, changes)
+                stored += store._rest.soon
+            else:
                 stored += [timer for timer in changes.values() if timer is not None]
+                store._shared = {}
             store._unfolded = changes
             store._start_journal(None)
-            store._shared = {}
             return store, Loaded(timers=stored, moved_aside=moved)
         state: Changes = {} if reset else {timer.store_key: timer for timer in stored}
         state.update(changes)
@@ -187,6 +215,31 @@ class Store:
         store._start_journal(timers if kind in ("other_boot", "older_schema") else None)
         store._shared = {}
         return store, Loaded(timers=list(timers.values()), moved_aside=moved)
+
+    @property
+    def loading(self) -> bool:
+        """Whether timers are left for `load_later`."""
+        return self._rest is not None
+
+    def load_later(self) -> list[Timer]:
+        """In a worker thread, while the daemon runs on the timers `open` read:
+        the rest of the state, every timer due after those (`Rest.read`)."""
+        assert self._rest is not None
+        timers = self._rest.read(self._database, self._shared)
+        self._shared = {}
+        return timers
+
+    def loaded(self) -> None:
+        """The timers of `load_later` are in memory with the rest: folds and
+        full writes may go on. A database that failed to read later leaves the
+        store degraded; one found damaged has its timers written anew."""
+        rest, self._rest = self._rest, None
+        self._retry_at = 0.0  # a store degraded meanwhile retries now
+        if rest is not None and rest.unread:
+            self._enter_degraded(rest.unread)
+        elif rest is not None and rest.damaged and not self.degraded and not self._rebase():
+            self._enter_degraded(f"{self.path} was damaged and cannot be written anew")
+        self._wakeup.set()
 
     def _start_journal(self, full_state: Mapping[StoreKey, Timer | None] | None) -> None:
         """Open the first journal of this run, after any left by an earlier one.
@@ -258,6 +311,7 @@ class Store:
                 self._append_pending()
             if (
                 self.degraded
+                and not self.loading
                 and (now := time.monotonic()) >= self._eager_at
                 and not self._recover(backoff=False)
             ):
@@ -308,7 +362,9 @@ class Store:
         next retry, never in a sleep that a commit cannot cut short."""
         task_status.started()
         while True:
-            if self.degraded:
+            if self.loading:
+                retry = math.inf  # nothing folded nor retried until `loaded`
+            elif self.degraded:
                 retry = self._retry_at
             elif self._fold_wanted:
                 retry = self._fold_retry_at
@@ -320,10 +376,12 @@ class Store:
             if not self.degraded and self._fd is not None:
                 self._journal_lost()
             if self.degraded:
-                if time.monotonic() >= self._retry_at:
+                if not self.loading and time.monotonic() >= self._retry_at:
                     self.recover()
                 continue
             self._append_pending()
+            if self.loading:
+                continue
             if self._rebuild and self._written >= 4 * self._journal_bytes:
                 self._rebase()  # the database refuses folds: keep the journals bounded
             if (
@@ -343,8 +401,9 @@ class Store:
         (a reply's own attempt leaves its schedule alone)."""
         if not self.degraded:
             return True
-        if self._database.unread:
-            return self._failed(backoff)  # writing over it would lose its timers
+        if self._database.unread or self.loading:
+            # Writing over it would lose its timers, or those not loaded yet.
+            return self._failed(backoff)
         if self._database.replaced():
             if self._folding:
                 return self._failed(backoff)  # its connection is the fold's until it ends
@@ -508,6 +567,44 @@ class Store:
             close(self._fd)
             self._fd = None
         self._database.close()
+
+
+class Rest:
+    """What a start left to load: the database's timers due after ``until``
+    (but those of the keys the journals ``changes``), and the journals' own
+    timers due after it."""
+
+    def __init__(self, until: float, changes: Changes) -> None:
+        self.until = until
+        self.journal_keys = frozenset(changes)
+        #: The journals' timers a start loads first (due by ``until``, or firing).
+        self.soon: list[Timer] = []
+        self.in_journals: list[Timer] = []
+        for timer in changes.values():
+            if timer is not None:
+                later = not timer.firing and timer.deadline > until
+                (self.in_journals if later else self.soon).append(timer)
+        #: Reading found the database damaged (moved aside: what was read of it
+        #: is written anew), or failing (the reason: the store is degraded).
+        self.damaged = False
+        self.unread = ""
+
+    def read(self, database: Database, shared: Shared) -> list[Timer]:
+        """In a worker thread: every timer left. Touches nothing but the
+        database, which no fold uses until the store is `Store.loaded`."""
+        timers: list[Timer] = []
+        try:
+            timers = database.read_later(shared, self.until)
+        except Unreadable:
+            self.damaged = True
+        except sqlite3.Error as exc:
+            self.unread = reason(exc)
+        if self.journal_keys:
+            keys = self.journal_keys
+            timers = [t for t in timers if (t.pid, t.scope, t.firing) not in keys]
+        timers += self.in_journals
+        self.journal_keys, self.soon, self.in_journals = frozenset(), [], []
+        return timers
 
 
 def default_state_path(socket_path: str) -> str:
