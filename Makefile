@@ -24,7 +24,10 @@ $(TEST_STAMP): $(STAMP)
 run: $(STAMP)
 	$(BIN)/watchdogd $(ARGS)
 
-test: lint typecheck pytest
+# The checks and the suite at once: the suite mostly waits on real processes and
+# real time, the checks on the CPU. Each one's output is shown whole as it ends.
+test: $(TEST_STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck pytest
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
@@ -33,8 +36,12 @@ lint: $(TEST_STAMP)
 typecheck: $(TEST_STAMP)
 	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench
 
+# Four workers on two cores: most tests wait on real processes and real time, not
+# on the CPU. `make pytest WORKERS=0` runs the suite in one process.
+WORKERS ?= 4
+
 pytest: $(TEST_STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(WORKERS) --dist worksteal
 
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/run.py

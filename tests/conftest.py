@@ -31,7 +31,7 @@ decline_responder()
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A process a test left running in the suite's process group fails the run,
     and is killed: the suite ends with none of its own still running."""
-    leftovers = left_behind()
+    leftovers = left_behind(orphans_too="PYTEST_XDIST_WORKER" not in os.environ)
     for pid, _ in leftovers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

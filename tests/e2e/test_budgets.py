@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import struct
 import subprocess
 import threading
@@ -49,14 +50,27 @@ def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
 
 
 def nobody_workers(count: int) -> list[subprocess.Popen[bytes]]:
-    """Processes of uid 65534 with 4 KiB command lines."""
+    """Processes of uid 65534 with 4 KiB command lines, each the leader of a
+    process group of its own, which `end_workers` kills whole (the shell's
+    ``sleep`` too)."""
     padding = ["x" * 63] * 64
     return [
         subprocess.Popen(
-            ["sh", "-c", "sleep 300; :", *padding], user=NOBODY, group=NOBODY, extra_groups=[]
+            ["sh", "-c", "sleep 300; :", *padding],
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            process_group=0,
         )
         for _ in range(count)
     ]
+
+
+def end_workers(workers: list[subprocess.Popen[bytes]]) -> None:
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        reap(worker)
 
 
 async def _pollers(path: str, seconds: float) -> list[int]:
@@ -156,8 +170,9 @@ def test_many_connections_asking_for_big_pages_hold_little_and_delay_nothing(
             ]
             status = client.status()
     finally:
-        for child in workers + victims:
-            reap(child)
+        end_workers(workers)
+        for victim in victims:
+            reap(victim)
     assert len(late) == len(victims) >= 3
     assert max(late) < 0.1, f"a root timer fired {max(late) * 1000:.1f} ms late"
     assert peak < 256, f"daemon RSS peaked at {peak:.0f} MiB"

@@ -874,7 +874,7 @@ def test_one_users_flood_of_incidents_spends_only_its_own_share(
     with two_hosts(etcd, prefix, tmp_path) as fleet:
         h1, h2 = fleet.hosts
         with (
-            forked_as(NOBODY, incident_flood(h1.socket_path, seconds)) as flooder,
+            forked_as(NOBODY, incident_flood(h1.socket_path, seconds, at_least=1001)) as flooder,
             canaries(h1) as canary,
         ):
             assert flooder.line() == "ready"

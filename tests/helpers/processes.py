@@ -125,11 +125,13 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def left_behind() -> list[tuple[int, str]]:
+def left_behind(orphans_too: bool = True) -> list[tuple[int, str]]:
     """What the tests forgot to end: the processes still running that descend from
-    this one, or that were orphaned (their parent gone, now init's) in its process
-    group after it started; (pid, command line) each. One of them that runs on
-    into its parent's code after a fork would call kill(0) on the whole group."""
+    this one, or (``orphans_too``) that were orphaned (their parent gone, now
+    init's) in its process group after it started; (pid, command line) each. One
+    of them that runs on into its parent's code after a fork would call kill(0) on
+    the whole group. (A worker of pytest-xdist looks at its descendants alone: the
+    group is shared with the other workers, whose tests still run.)"""
     mine = _stat_fields(os.getpid())
     group, started = int(mine[2]), int(mine[19])
     parents: dict[int, int] = {}
@@ -144,7 +146,12 @@ def left_behind() -> list[tuple[int, str]]:
         if fields[0] in "ZX":
             continue
         parents[int(entry)] = int(fields[1])
-        if int(fields[1]) == 1 and int(fields[2]) == group and int(fields[19]) >= started:
+        if (
+            orphans_too
+            and int(fields[1]) == 1
+            and int(fields[2]) == group
+            and int(fields[19]) >= started
+        ):
             orphans.add(int(entry))
     found = []
     for pid, parent in parents.items():
@@ -163,8 +170,13 @@ def left_behind() -> list[tuple[int, str]]:
 
 
 #: Helpers of the test process itself, which end with it: multiprocessing's (torch
-#: starts its resource tracker in the test process).
-_OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+#: starts its resource tracker in the test process), and pytest-xdist's workers
+#: (execnet's bootstrap), which may still be exiting when the run ends.
+_OWN_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "import sys;exec(eval(sys.stdin.readline()))",
+)
 
 
 def _stat_fields(pid: int) -> list[str]:
