@@ -36,9 +36,9 @@ lint: $(TEST_STAMP)
 typecheck: $(TEST_STAMP)
 	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench
 
-# Six workers on two cores: most tests wait on real processes and real time, not
+# Four workers on two cores: most tests wait on real processes and real time, not
 # on the CPU. `make pytest WORKERS=0` runs the suite in one process.
-WORKERS ?= 6
+WORKERS ?= 4
 
 pytest: $(TEST_STAMP)
 	$(BIN)/pytest -n $(WORKERS) --dist worksteal
