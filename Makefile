@@ -41,7 +41,7 @@ typecheck: $(TEST_STAMP)
 WORKERS ?= 4
 
 pytest: $(TEST_STAMP)
-	$(BIN)/pytest -n $(WORKERS) --dist worksteal
+	$(BIN)/pytest -n $(WORKERS) --dist loadgroup
 
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/run.py

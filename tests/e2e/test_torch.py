@@ -30,6 +30,10 @@ from helpers.daemon import RunningDaemon  # noqa: E402
 from helpers.processes import reap, sleeper  # noqa: E402
 from helpers.waiting import PATIENCE, wait_until  # noqa: E402
 
+#: Jobs of several torch processes: one worker runs them in turn (``make test``'s
+#: workers would otherwise run two or three at once, and starve their ranks).
+pytestmark = pytest.mark.xdist_group("torch")
+
 
 @pytest.fixture
 def env_socket(daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningDaemon]:
