@@ -8,6 +8,7 @@ rank once, and the same verdict naming rank 2."""
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 from watchdogd_client.protocol import IncidentInfo
@@ -58,10 +59,14 @@ def test_two_hosts_converge_on_one_incident_and_one_verdict(
 ) -> None:
     with two_hosts(own_etcd, tmp_path) as (a, b):
         job = "run-3"
+        # One deadline for ranks 0 and 1, however long starting them takes: a
+        # rank whose timer expired later would first be dumped as a peer of the
+        # other host's incident, and the verdict could settle before it expired.
+        until = time.time() + 6
         ranks = [
             start_job_rank(a.socket_path, job, 2, 60, "elsewhere"),
-            start_job_rank(a.socket_path, job, 0, 4, "waits"),
-            start_job_rank(b.socket_path, job, 1, 4, "waits"),
+            start_job_rank(a.socket_path, job, 0, 0, "waits", until=until),
+            start_job_rank(b.socket_path, job, 1, 0, "waits", until=until),
         ]
         try:
             wait_until(

@@ -69,6 +69,8 @@ JOB_RANK = """
     import re, sys, time
     from watchdogd_client import expires
     job, rank, after, how = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    if len(sys.argv) > 5:  # a deadline on the wall clock, shared with other ranks
+        after = float(sys.argv[5]) - time.time()
 
     def wait_in_all_reduce():
         time.sleep(300)
@@ -92,10 +94,13 @@ JOB_RANK = """
 
 
 def start_job_rank(
-    socket: Path, job: str, rank: int, after: float, how: str
+    socket: Path, job: str, rank: int, after: float, how: str, *, until: float | None = None
 ) -> subprocess.Popen[str]:
-    """A `JOB_RANK` worker on the daemon at ``socket``, once it is ready."""
-    worker = python_worker(JOB_RANK, job, str(rank), str(after), how, socket=socket)
+    """A `JOB_RANK` worker on the daemon at ``socket``, once it is ready; ``until``
+    (a `time.time` instant) in place of ``after`` gives ranks started one after the
+    other the same deadline."""
+    deadline = () if until is None else (str(until),)
+    worker = python_worker(JOB_RANK, job, str(rank), str(after), how, *deadline, socket=socket)
     wait_ready(worker)
     return worker
 
