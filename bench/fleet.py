@@ -57,7 +57,7 @@ from typing import Final
 import trio
 from run import Figure, cpu_seconds, percentile
 
-from watchdogd.core.config import Config, FleetConfig
+from watchdogd.core.config import Config, DaemonConfig, FleetConfig
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.starvation import Sample
@@ -79,6 +79,10 @@ LEASE: Final = 10
 #: How often a member checks its registration (`watchdogd.fleet.member`): a
 #: keepalive goes out on the first check a third of the lease after the last.
 CHECK_EVERY: Final = 0.5
+#: The members' ``incident_window``: shorter than the time between two hangs of one
+#: job, so that each hang opens an incident of its own (within a window, a job's
+#: expiry joins its open incident, and nothing new fans out).
+WINDOW: Final = 3.0
 #: Seconds a peer policy's dump takes (py-spy on a live process: a few tenths).
 DUMP: Final = 0.3
 ROOT_PEER: Final = Peer(pid=1000, uid=0, gid=0, pidfd=None)
@@ -302,7 +306,10 @@ def build_hosts(
     hosts = []
     for index in range(count):
         name = f"host-{index:05}"
-        config = Config(fleet=FleetConfig(etcd=[endpoint], host=name, prefix=PREFIX, lease=LEASE))
+        config = Config(
+            daemon=DaemonConfig(incident_window=WINDOW),
+            fleet=FleetConfig(etcd=[endpoint], host=name, prefix=PREFIX, lease=LEASE),
+        )
         service = Service(config, FakePort(), daemon_pid=1, now=time.monotonic(),
                           wall=time.time, clock=time.monotonic, render_metrics=exposition,
                           host=name)  # fmt: skip
@@ -530,6 +537,7 @@ async def incidents(
         host = hosts[span[origin(number) % len(span)]]
         expired = time.perf_counter()
         incident = host.hang(f"job-{job:03}", number)
+        assert incident not in clocks.expired, f"{incident}: a hang joined an open incident"
         clocks.expired[incident] = expired
         opened[incident] = [hosts[i].name for i in span if hosts[i] is not host]
         await trio.sleep(spacing)
@@ -618,6 +626,7 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
         await trio.sleep(DUMP + 1.0)
         await settled(meter, quiet=0.5)
         during = meter.since(start, await meter.snapshot())
+        await trio.sleep(WINDOW)  # the windows close: the burst's incidents are new
         whole, queued = fan_out_times(clocks, spaced)
         figures += fan_out_figures(
             f"{count} incidents {options.spacing:g} s apart", whole, floor, bare, queued
