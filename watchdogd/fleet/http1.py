@@ -38,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import select
 import socket
 import ssl
@@ -51,6 +52,8 @@ import trio
 
 #: Bytes asked of the stream at a time.
 _RECEIVE: Final = 65536
+#: Request heads kept made (`_request`): a few paths, a few body lengths each.
+_REQUESTS: Final = 512
 #: Bytes of a refused head quoted in the error, so that it shows what answered.
 _QUOTED: Final = 80
 #: TCP keepalive on every connection: an idle connection (a watch with nothing to
@@ -187,12 +190,7 @@ class Connection:
         self._stream = stream
         self._fd = tcp.socket.fileno()
         self._limits = limits
-        # In bytes, made once: h11 would encode str headers again for each request.
-        self._headers = [
-            (b"Host", endpoint.authority.encode("ascii")),
-            (b"Content-Type", b"application/json"),
-            (b"Accept", b"application/json"),
-        ]
+        self._host = endpoint.authority.encode("ascii")
         # h11 refuses an incomplete event past this; a head cannot get there (its
         # reads stop at the bound, `_receive`), so it bounds chunk-size lines and
         # trailers.
@@ -232,8 +230,7 @@ class Connection:
         """Send ``POST path`` with the JSON ``body``."""
         assert self._state == "idle", f"a request on a connection that is {self._state}"
         self._state = "broken"  # until the request went out whole
-        headers = [*self._headers, (b"Content-Length", b"%d" % len(body))]
-        request = h11.Request(method=b"POST", target=path.encode("ascii"), headers=headers)
+        request = _request(self._host, path, len(body))
         data = self._h11.send(request) + self._h11.send(h11.Data(data=body))
         data += self._h11.send(h11.EndOfMessage())
         try:
@@ -370,6 +367,19 @@ class Connection:
     ) -> ConnectionBroken:
         self._state = "broken"
         return kind(f"{self.endpoint}: {what}")
+
+
+@functools.lru_cache(maxsize=_REQUESTS)
+def _request(host: bytes, path: str, length: int) -> h11.Request:
+    """The head of a ``POST`` of a JSON body of ``length`` bytes to ``path``: one
+    object for every request alike, since h11 checks every header of a new one."""
+    headers = [
+        (b"Host", host),
+        (b"Content-Type", b"application/json"),
+        (b"Accept", b"application/json"),
+        (b"Content-Length", b"%d" % length),
+    ]
+    return h11.Request(method=b"POST", target=path.encode("ascii"), headers=headers)
 
 
 def _joined(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
