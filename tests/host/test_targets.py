@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -145,12 +146,21 @@ async def test_a_cancelled_wait_never_wakes_a_later_target_early() -> None:
     first, second = sleeper(), sleeper()
     handles = [open_process(child.pid) for child in (first, second)]
     try:
-        earlier = open_target("process", handles[0], os.getpgrp())
-        assert await earlier.wait_exit(0.1) is False  # a wait step that ran out
-        number = earlier.members[0].fd
-        earlier.close()
-        later = open_target("process", handles[1], os.getpgrp())
-        assert later.members[0].fd == number  # the descriptor number is reused
+        # What the test is about needs the later target on the earlier one's
+        # descriptor number: a lower one that came free meanwhile (another test's
+        # file, collected now) would take it, so that is tried again.
+        gc.collect()
+        for _ in range(3):
+            earlier = open_target("process", handles[0], os.getpgrp())
+            assert await earlier.wait_exit(0.1) is False  # a wait step that ran out
+            number = earlier.members[0].fd
+            earlier.close()
+            later = open_target("process", handles[1], os.getpgrp())
+            if later.members[0].fd == number:  # the descriptor number is reused
+                break
+            later.close()
+        else:
+            pytest.fail("the kernel never gave the later target the earlier's descriptor")
 
         async def first_dies_meanwhile() -> None:
             await trio.sleep(0.2)
