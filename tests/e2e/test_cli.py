@@ -241,6 +241,16 @@ def _start_fails(*args: str) -> str:
         ),
         ("[daemon]\nevents = 0\n", "line 2: daemon.events: Expected `int` >= 1"),
         (
+            '[daemon]\nsocket_mode = 0o660\nlog_level = "debgu"\n',
+            "watchdogd.toml, line 3: daemon.log_level: Invalid enum value 'debgu'; valid: "
+            "'debug', 'info', 'warning', 'error'; did you mean `debug`?",
+        ),
+        (
+            "[daemon]\nsocket_mode = 666\n",
+            "line 2: daemon.socket_mode: 666 is a decimal number; a file mode is octal in "
+            "TOML: write socket_mode = 0o666",
+        ),
+        (
             '[policies.x]\ntarget = "everything"\n',
             "policies.x.target: Invalid enum value 'everything'; valid: 'process', 'group'",
         ),

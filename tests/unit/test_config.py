@@ -50,7 +50,7 @@ def test_a_full_daemon_table(tmp_path: Path) -> None:
         ("[daemon]\nmax_timerz = 5\n", "unknown field `max_timerz`"),
         ("[daemon]\nmax_timers = 0\n", "daemon.max_timers: Expected `int` >= 1"),
         ('[daemon]\nlog_level = "loud"\n', "daemon.log_level"),
-        ("[deamon]\n", "unknown field `deamon`"),
+        ("\n[deamon]\n", "unknown field `deamon`"),
         ("[daemon\n", "not valid TOML"),
         ("[daemon]\nsocket_mode = 0o1777\n", "daemon.socket_mode"),
     ],
@@ -61,6 +61,69 @@ def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
     message = str(caught.value)
     assert message.startswith(("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: "))
     assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        (
+            '[daemon]\nlog_levle = "debug"\n',
+            "x.toml, line 2: daemon.log_levle: Object contains unknown field `log_levle`; "
+            "did you mean `log_level`?",
+        ),
+        (
+            "\n[deamon]\n",
+            "x.toml, line 2: deamon: Object contains unknown field `deamon`; "
+            "did you mean `daemon`?",
+        ),
+        (
+            '[daemon]\nlog_level = "debgu"\n',
+            "x.toml, line 2: daemon.log_level: Invalid enum value 'debgu'; valid: 'debug', "
+            "'info', 'warning', 'error'; did you mean `debug`?",
+        ),
+        (
+            "[daemon]\nsocket_mode = 666  # rw for all\n",
+            "x.toml, line 2: daemon.socket_mode: 666 is a decimal number; a file mode is "
+            "octal in TOML: write socket_mode = 0o666",
+        ),
+        (
+            "daemon.socket_mode = 660\n",
+            "x.toml, line 1: daemon.socket_mode: 660 is a decimal number; a file mode is "
+            "octal in TOML: write socket_mode = 0o660",
+        ),
+        # The same key in two tables: the line is the one in the table at fault.
+        (
+            '[policies.a]\nstall = 3\nsteps = [ { signal = "SIGKILL" } ]\n\n'
+            "[policies.b]\nstall = -1\n",
+            "x.toml, line 6: policies.b.stall: Expected `float` > 0.0",
+        ),
+        (
+            '[policies.a]\nsteps = [ { signal = "SIGKILL" } ]\n\n'
+            '[policies.b]\nsteps = [\n  { signal = "SIGKILL", timeot = 3 },\n]\n',
+            "x.toml, line 5: policies.b.steps[0].timeot: Object contains unknown field "
+            "`timeot`; did you mean `timeout`?",
+        ),
+        (
+            '[policies.a]\nsteps = [ { signal = "SIGKILL" } ]\n'
+            '[policies.b]\nsteps = [ { signal = "SIGKIL" } ]\n',
+            "x.toml, line 4: policies.b.steps[0].signal: no signal named 'SIGKIL'",
+        ),
+        (
+            '[policies.p]\ntarget = "grup"\n',
+            "x.toml, line 2: policies.p.target: Invalid enum value 'grup'; valid: 'process', "
+            "'group', 'tree', 'cgroup'; did you mean `group`?",
+        ),
+    ],
+)
+def test_errors_give_the_line_and_the_nearest_valid_key(document: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(document, "x.toml")
+    assert str(caught.value) == expected
+
+
+def test_a_mode_written_in_octal_or_as_zero_is_taken() -> None:
+    assert parse_config("[daemon]\nsocket_mode = 0o600\n", "x").daemon.socket_mode == 0o600
+    assert parse_config("[daemon]\nsocket_mode = 0\n", "x").daemon.socket_mode == 0
 
 
 def test_starvation_settings_of_a_policy() -> None:

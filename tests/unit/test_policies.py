@@ -89,7 +89,7 @@ def test_config_adds_and_overrides_policies() -> None:
         ("[policies.x]\nsteps = [{ wait = 1, timeout = 2 }]", "timeout applies to exec and dump"),
         (
             "[policies.x]\nsteps = [{ wiat = 1 }]",
-            "policies.x.steps[0]: Object contains unknown field `wiat`",
+            "policies.x.steps[0].wiat: Object contains unknown field `wiat`",
         ),
         ("[policies.x]\ntarget = 'world'", "policies.x.target"),
         ("[policies.x]\nsteps = [{ exec = [] }]", "policies.x.steps[0].exec"),

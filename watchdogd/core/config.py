@@ -35,6 +35,7 @@ and are refused in a policy without a grace.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Final, Literal, get_args
 
@@ -59,6 +60,7 @@ from .policies import (
     signal_number,
 )
 from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
+from .tomlkeys import line_of, split_path, value_of
 
 DAY: Final = 86_400.0
 
@@ -304,16 +306,23 @@ _AT_PATH: Final = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def parse_config(data: bytes | str, source: str) -> Config:
-    """Decode and check a config document; ``source`` names it in error messages."""
+    """Decode and check a config document; ``source`` names it in error messages,
+    with the line of the key that is wrong and, for a misspelt key or choice, the
+    nearest valid one."""
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    _check_modes(text, source)
     try:
         config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
         explained = _locate_in_policies(data) or _explain(str(exc))
-        raise ConfigError(f"{source}{_line_of(data, explained)}: {explained}") from None
+        raise ConfigError(_placed(text, source, explained)) from None
     except msgspec.DecodeError as exc:
         # tomllib's own message ends with "(at line N, column M)".
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    config.policy_set(source)
+    try:
+        config.policy_set(source)
+    except ConfigError as exc:
+        raise ConfigError(_placed(text, source, str(exc).removeprefix(f"{source}: "))) from None
     return config
 
 
@@ -331,18 +340,30 @@ def lockouts(config: Config) -> list[str]:
     ]
 
 
-def _line_of(data: bytes | str, explained: str) -> str:
-    """ ", line N" for the key an error names (``daemon.max_timers: ...``): the first
-    line of the file that sets that key, if one does."""
-    key = explained.split(":", 1)[0].rsplit(".", 1)[-1].split("[", 1)[0]
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", key):
-        return ""
-    text = data.decode(errors="replace") if isinstance(data, bytes) else data
-    pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
-    for number, line in enumerate(text.splitlines(), 1):
-        if pattern.match(line):
-            return f", line {number}"
-    return ""
+def _placed(text: str, source: str, explained: str) -> str:
+    """``explained`` (``daemon.max_timers: ...``) after the file and the line that
+    sets the key it names, when the text sets it."""
+    number = line_of(text, split_path(explained.split(":", 1)[0]))
+    return f"{source}{'' if number is None else f', line {number}'}: {explained}"
+
+
+def _check_modes(text: str, source: str) -> None:
+    """A file mode written in decimal (``socket_mode = 666``) is not the mode it
+    looks like: refused, with how to write it."""
+    for name in msgspec.structs.fields(DaemonConfig):
+        if not name.name.endswith("_mode"):
+            continue
+        path = ["daemon", name.name]
+        value = value_of(text, path)
+        if value is not None and re.fullmatch(r"[+]?[0-9_]+", value) and value.strip("+0_"):
+            explained = f"daemon.{name.name}: {_octal_hint(name.name, value)}"
+            raise ConfigError(_placed(text, source, explained))
+
+
+def _octal_hint(key: str, value: str) -> str:
+    digits = value.lstrip("+").replace("_", "")
+    written = f"0o{digits}" if set(digits) <= set("01234567") else "0o660"
+    return f"{value} is a decimal number; a file mode is octal in TOML: write {key} = {written}"
 
 
 def _locate_in_policies(data: bytes | str) -> str | None:
@@ -359,19 +380,55 @@ def _locate_in_policies(data: bytes | str) -> str | None:
         try:
             msgspec.convert(table, PolicyConfig)
         except msgspec.ValidationError as exc:
-            return _explain(str(exc).replace("`$", f"`$.policies.{name}", 1))
+            # msgspec names no path for an error at the table's own level.
+            message = str(exc) if " - at `$" in str(exc) else f"{exc} - at `$`"
+            return _explain(message.replace("`$", f"`$.policies.{name}", 1))
     return None
 
 
 def _explain(message: str) -> str:
     # msgspec says "Expected `int` >= 1 - at `$.daemon.max_timers`"; name the key
     # the way the file spells it.
-    match = _AT_PATH.search(message)
-    if match is None:
-        return message
+    match = _AT_PATH.search(message) or _AT_PATH.search(f"{message} - at `$`")
+    assert match is not None
     where = match.group(1) or "the top level"
     text = message[: match.start()]
-    choices = _CHOICES.get(re.sub(r"^policies\.[^.]+\.", "policies.NAME.", where))
+    table = re.sub(r"^policies\.[^.\[]+", "policies.NAME", match.group(1))
+    table = re.sub(r"\[\d+\]", "", table)
+    if unknown := _UNKNOWN.match(text):
+        # The path is the table's: name the key in it, and the key meant.
+        key = unknown.group(1)
+        where = f"{match.group(1)}.{key}" if match.group(1) else key
+        return f"{where}: {text}{_nearest(key, _keys_of(table))}"
+    choices = _CHOICES.get(table)
     if choices and text.startswith("Invalid enum value"):
+        given = re.search(r"'([^']*)'", text)
         text += "; valid: " + ", ".join(repr(choice) for choice in choices)
+        if given is not None:
+            text += _nearest(given.group(1), choices)
     return f"{where}: {text}"
+
+
+_UNKNOWN: Final = re.compile(r"Object contains unknown field `([^`]*)`")
+
+#: The table each path of a config names, by its path with a policy's name as NAME.
+_TABLES: Final[dict[str, type[Struct]]] = {
+    "": Config,
+    "daemon": DaemonConfig,
+    "policies.NAME": PolicyConfig,
+    "policies.NAME.steps": StepConfig,
+    "history": HistoryConfig,
+    "fleet": FleetConfig,
+}
+
+
+def _keys_of(table: str) -> tuple[str, ...]:
+    kind = _TABLES.get(table)
+    return () if kind is None else tuple(field.name for field in msgspec.structs.fields(kind))
+
+
+def _nearest(given: str, valid: tuple[str, ...]) -> str:
+    """ "; did you mean `x`?" for the valid key or choice nearest ``given``, if one
+    is near enough."""
+    close = difflib.get_close_matches(given, valid, n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
