@@ -18,7 +18,17 @@ import msgspec
 
 from .protocol import Acquire, Auto
 
-__all__ = ["JOB_VARIABLES", "RANK_VARIABLES", "After", "Arming", "Handle", "JobLabels", "job_of"]
+__all__ = [
+    "GROUP_RANK_VARIABLES",
+    "JOB_VARIABLES",
+    "LOCAL_RANK_VARIABLES",
+    "RANK_VARIABLES",
+    "After",
+    "Arming",
+    "Handle",
+    "JobLabels",
+    "job_of",
+]
 
 _C = TypeVar("_C")
 
@@ -130,25 +140,44 @@ class JobLabels(msgspec.Struct, frozen=True):
 
 
 #: Where a job and its ranks are read from, first match first: this project's own
-#: variables, then what torchrun (torch.distributed.elastic) sets for each worker.
-JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID")
-RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK")
+#: variables, then what torchrun (torch.distributed.elastic) sets for each worker,
+#: then Slurm's (`_slurm_job`).
+JOB_VARIABLES: Final = ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+RANK_VARIABLES: Final = ("WATCHDOGD_RANK", "RANK", "SLURM_PROCID")
+LOCAL_RANK_VARIABLES: Final = ("LOCAL_RANK", "SLURM_LOCALID")
+GROUP_RANK_VARIABLES: Final = ("GROUP_RANK", "SLURM_NODEID")
 #: torchrun's run id when none was given: no job to group ranks by.
 _NO_RUN_ID: Final = "none"
 
 
 def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
     """``job`` and ``rank`` as given, else from the environment: ``$WATCHDOGD_JOB``,
-    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, unless it is ``none``), and
-    ``$WATCHDOGD_RANK``, else ``$RANK``; ``$LOCAL_RANK`` and ``$GROUP_RANK`` are
-    kept as well. An empty ``job`` means none; a variable that is no rank is
-    ignored."""
+    else ``$TORCHELASTIC_RUN_ID`` (torchrun's, but ``none``), else Slurm's
+    ``$SLURM_JOB_ID`` (``JOBID.STEPID`` within a step: each ``srun`` is a job of
+    its own ranks); ``$WATCHDOGD_RANK``, else ``$RANK``, else ``$SLURM_PROCID``;
+    the local rank from ``$LOCAL_RANK``, else ``$SLURM_LOCALID``, and the group
+    rank from ``$GROUP_RANK``, else ``$SLURM_NODEID``. An empty ``job`` means none;
+    a variable that is no rank is ignored."""
     if job is None:
-        found = next((os.environ[name] for name in JOB_VARIABLES if os.environ.get(name)), "")
-        job = "" if found == _NO_RUN_ID else found
+        job = next((found for name in JOB_VARIABLES if (found := _job(name))), "")
     if rank is None:
-        rank = next((value for name in RANK_VARIABLES if (value := _rank(name)) is not None), None)
-    return JobLabels(job or None, rank, _rank("LOCAL_RANK"), _rank("GROUP_RANK"))
+        rank = _first_rank(RANK_VARIABLES)
+    return JobLabels(
+        job or None, rank, _first_rank(LOCAL_RANK_VARIABLES), _first_rank(GROUP_RANK_VARIABLES)
+    )
+
+
+def _job(variable: str) -> str:
+    value = os.environ.get(variable, "")
+    if variable == "TORCHELASTIC_RUN_ID" and value == _NO_RUN_ID:
+        return ""
+    if variable == "SLURM_JOB_ID" and value and (step := os.environ.get("SLURM_STEP_ID")):
+        return f"{value}.{step}"
+    return value
+
+
+def _first_rank(variables: tuple[str, ...]) -> int | None:
+    return next((value for name in variables if (value := _rank(name)) is not None), None)
 
 
 def _rank(variable: str) -> int | None:

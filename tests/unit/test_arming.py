@@ -10,7 +10,13 @@ import trio
 
 import watchdogd_client
 from watchdogd_client import Client, NullClient
-from watchdogd_client.arming import Arming, acquire_request, arming_timeout
+from watchdogd_client.arming import (
+    JOB_VARIABLES,
+    RANK_VARIABLES,
+    Arming,
+    acquire_request,
+    arming_timeout,
+)
 from watchdogd_client.protocol import Acquire, Auto
 from watchdogd_client.trio import open_client
 
@@ -41,7 +47,7 @@ def test_auto_needs_a_ceiling_and_arms_it() -> None:
 
 
 def test_one_function_builds_the_acquire(monkeypatch: pytest.MonkeyPatch) -> None:
-    for variable in ("WATCHDOGD_JOB", "TORCHELASTIC_RUN_ID", "WATCHDOGD_RANK", "RANK"):
+    for variable in (*JOB_VARIABLES, *RANK_VARIABLES, "SLURM_STEP_ID"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "2")
     arming: Arming = {"policy": "term", "floor": 2.0, "ceiling": 90.0, "job": "run-7", "rank": 3}

@@ -12,11 +12,19 @@ from watchdogd_client.protocol import Acquire, ErrorCode, Status, StatusReply
 from helpers.fakes import make_world
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "run-7", "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1"}
+#: What Slurm sets for each task of ``srun`` within job 4242's step 3.
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "3",
+    "SLURM_PROCID": "6",
+    "SLURM_LOCALID": "2",
+    "SLURM_NODEID": "1",
+}
 
 
 @pytest.fixture(autouse=True)
 def _no_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("WATCHDOGD_JOB", "WATCHDOGD_RANK", *TORCHRUN):
+    for name in ("WATCHDOGD_JOB", "WATCHDOGD_RANK", *TORCHRUN, *SLURM):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -30,6 +38,24 @@ def test_the_job_comes_from_torchrun_unless_ours_is_set(monkeypatch: pytest.Monk
     assert job_of() == JobLabels("nightly", 5, 1, 1)
     assert job_of("given", 0) == JobLabels("given", 0, 1, 1)
     assert job_of("", None).job is None  # an empty job: none
+
+
+def test_under_slurm_the_job_is_its_step_and_the_rank_its_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert job_of() == JobLabels("4242.3", 6, 2, 1)
+    monkeypatch.delenv("SLURM_STEP_ID")  # a batch script's own processes
+    assert job_of() == JobLabels("4242", 6, 2, 1)
+    # torchrun inside an srun step names its own job and ranks; ours come first.
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    assert job_of() == JobLabels("run-7", 3, 1, 1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without a run id
+    assert job_of().job == "4242"
+    monkeypatch.setenv("WATCHDOGD_JOB", "nightly")
+    assert job_of().job == "nightly"
 
 
 def test_torchruns_run_id_none_is_no_job_and_odd_ranks_are_ignored(
