@@ -196,7 +196,7 @@ def test_a_daemon_refuses_at_start_a_hook_that_could_take_a_scope_as_an_option(
         timeout=PATIENCE,
     )
     assert result.returncode == 1
-    assert f"{config}: policies.listing.steps[1].exec: {{scope}} may stand only after" in (
+    assert f"{config}, line 2: policies.listing.steps[1].exec: {{scope}} may stand only" in (
         result.stderr
     )
     assert not socket_path.exists()

@@ -7,6 +7,8 @@ import time
 #: Generous bound for things that should take milliseconds, so a loaded CI machine
 #: does not turn a working feature into a failure.
 PATIENCE = 10.0
+#: For a process that imports torch, which alone takes seconds on an idle machine.
+TORCH_PATIENCE = 60.0
 
 
 def wait_until(condition: object, *, what: str, timeout: float = PATIENCE) -> None:

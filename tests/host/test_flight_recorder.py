@@ -17,7 +17,7 @@ from watchdogd_client.protocol import Collective, Evidence, FlightRecord, GroupS
 
 from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
-from helpers.waiting import PATIENCE, wait_until
+from helpers.waiting import TORCH_PATIENCE, wait_until
 
 #: Jobs of several torch processes: one worker runs them in turn (``make test``'s
 #: workers would otherwise run two or three at once, and starve their ranks).
@@ -231,7 +231,7 @@ def test_the_adapter_may_do_without_a_responder(socket_path: Path) -> None:
             """,
             socket=socket_path,
         )
-        out, err = worker.communicate(timeout=PATIENCE)
+        out, err = worker.communicate(timeout=TORCH_PATIENCE)
     assert worker.returncode == 0, err
     assert out.strip() == "['MainThread']"
     assert [hello.client.split("/")[0] for hello in fake.hellos] == ["python"]
