@@ -28,7 +28,7 @@ from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient 
 from helpers import torch_workers  # noqa: E402
 from helpers.daemon import RunningDaemon  # noqa: E402
 from helpers.processes import reap, sleeper  # noqa: E402
-from helpers.waiting import PATIENCE, wait_until  # noqa: E402
+from helpers.waiting import PATIENCE, TORCH_PATIENCE, wait_until  # noqa: E402
 
 #: Jobs of several torch processes: one worker runs them in turn (``make test``'s
 #: workers would otherwise run two or three at once, and starve their ranks).
@@ -164,7 +164,7 @@ def test_a_spawned_worker_that_hangs_is_killed(env_socket: RunningDaemon) -> Non
     process = multiprocessing.get_context("spawn").Process(target=torch_workers.hang)
     started = time.monotonic()
     process.start()
-    process.join(PATIENCE * 2)
+    process.join(TORCH_PATIENCE)  # a new interpreter imports torch
     assert process.exitcode == -signal.SIGKILL
     assert time.monotonic() - started > 1  # not before its timer
 
@@ -272,7 +272,7 @@ def _two_scopes_then_hang() -> None:
 def test_six_torch_processes_even_ranks_hang(env_socket: RunningDaemon) -> None:
     context = torch_mp.spawn(torch_workers.hang_on_even_ranks, nprocs=6, join=False)
     for process in context.processes:
-        process.join(PATIENCE * 3)
+        process.join(TORCH_PATIENCE)
     assert [process.exitcode for process in context.processes] == [-9, 0, -9, 0, -9, 0]
 
 
