@@ -511,3 +511,28 @@ def test_shell_completion_comes_from_click(tmp_path: Path) -> None:
             capture_output=True, text=True, check=True, env=env,
         )  # fmt: skip
         assert "_watchdogctl_completion" in loaded.stdout
+
+
+def test_policy_completion_asks_the_daemon(daemon: RunningDaemon, tmp_path: Path) -> None:
+    def completed(words: str, **env: str) -> list[str]:
+        return subprocess.run(
+            [WATCHDOGCTL],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={
+                **os.environ,
+                **env,
+                "_WATCHDOGCTL_COMPLETE": "bash_complete",
+                "COMP_WORDS": words,
+                "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
+            },
+            timeout=PATIENCE,
+        ).stdout.split()
+
+    socket = str(daemon.socket_path)
+    assert "plain,peer_dump" in completed(f"watchdogctl --socket {socket} run --policy ")
+    assert completed("watchdogctl arm --policy t", WATCHDOGD_SOCKET=socket) == ["plain,term"]
+    # No daemon: nothing to offer, and no error in the shell.
+    nowhere = str(tmp_path / "none.sock")
+    assert completed(f"watchdogctl --socket {nowhere} run --policy ") == []

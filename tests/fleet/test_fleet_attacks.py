@@ -1206,7 +1206,7 @@ def test_a_stack_reaches_only_a_user_ptrace_would_let_read_it(
         # Nor in its words, nor in the dump step of its event.
         code, text, err = ctl_as(uid, h1, "incident", opened.id)
         assert code == 0, err
-        assert f"pid {dropped.pid} expired (done)" in text
+        assert f"pid {dropped.pid}: expired, its policy done" in text
         assert "holding_a_secret" not in text
         assert "waiting_openly" in text
         code, events, err = ctl_as(uid, h1, "events", "--json")

@@ -13,7 +13,6 @@ import datetime
 import os
 import shlex
 import signal
-import textwrap
 from collections.abc import Sequence
 from typing import Final
 
@@ -152,8 +151,14 @@ def event_text(event: EventInfo) -> str:
     lines = [_event_line(event)]
     for step in event.steps:
         if step.output:
-            lines.append(textwrap.indent(step.output.rstrip("\n"), "    | "))
+            lines += quoted(step.output)
     return "\n".join(lines)
+
+
+def quoted(text: str) -> list[str]:
+    """A stack or a step's output as its lines, each marked ``    | ``, blank ones
+    too, so that where it ends shows."""
+    return [f"    | {line}".rstrip() for line in text.rstrip("\n").split("\n")]
 
 
 def _event_line(event: EventInfo) -> str:
@@ -180,7 +185,7 @@ def _event_line(event: EventInfo) -> str:
 
 def policies_text(reply: PoliciesReply) -> str:
     """``watchdogctl policies``: one row a policy, the default marked with ``*``."""
-    rows = [("NAME", "TARGET", "STEPS", "")]
+    rows = [("NAME", "TARGET", "STEPS", "STALL", "PEERS", "")]
     for policy in reply.policies:
         marks = [
             mark
@@ -189,7 +194,8 @@ def policies_text(reply: PoliciesReply) -> str:
         ]
         name = f"{policy.name}*" if policy.name == reply.default else policy.name
         steps = ", ".join(policy.steps) or "(record only)"
-        rows.append((name, policy.target, steps, ", ".join(marks)))
+        stall = format_duration(policy.stall) if policy.stall else "-"
+        rows.append((name, policy.target, steps, stall, policy.peers or "-", ", ".join(marks)))
     return _columns(rows)
 
 
@@ -244,8 +250,8 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
     rank = "" if incident.rank is None else f" rank {incident.rank}"
     lines = [verdict_line(incident.verdict)] if incident.verdict is not None else []
     lines.append(
-        f"incident {incident.id}: job {incident.job} of {incident.user}, {incident.kind} "
-        f"on {incident.host}{rank} at {_when(incident.time)}"
+        f"incident {incident.id}: job {incident.job} of {incident.user}, "
+        f"{_kind_where(incident.kind, incident.host)}{rank} at {_when(incident.time)}"
         + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
         + f" ({incident.reason})"
     )
@@ -271,8 +277,8 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
             lines += ["", f"host {host}"]
         name = "rank ?" if member.rank is None else f"rank {member.rank}"
         lines.append(
-            f"  {name} pid {member.pid} {member.role} ({member.state}), "
-            f"scope {shown_scope(member.scope)}"
+            f"  {name} pid {member.pid}: {member.role}, "
+            f"{_STATES.get(member.state, member.state)}, scope {shown_scope(member.scope)}"
         )
         if member.frame:
             lines.append(f"    waiting in {member.frame}")
@@ -282,8 +288,23 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
             lines.append("    flight recorder:")
             lines += [f"      {line}" for line in flight_text(member.flight).splitlines()]
         if member.stack:
-            lines.append(textwrap.indent(member.stack.rstrip("\n"), "    | "))
+            lines += quoted(member.stack)
     return lines
+
+
+#: A rank's state in an incident, in words.
+_STATES: Final = {
+    "pending": "its policy running",
+    "done": "its policy done",
+    "gone": "gone before its policy ended",
+    "denied": "its dump not allowed",
+}
+
+
+def _kind_where(kind: str, host: str) -> str:
+    """What an incident is and where: an expiry happened on its host; a lost host
+    was seen lost from it (the reason names the host lost)."""
+    return f"{kind} on {host}" if kind == "expired" else f"{kind}, seen from {host}"
 
 
 def verdict_line(verdict: Verdict) -> str:
@@ -320,8 +341,9 @@ def why_lines(reply: WhyReply) -> list[str]:
         )
     for incident in reply.incidents:
         lines.append(
-            f"  incident {incident.id}: job {incident.job}, {incident.kind} on {incident.host}"
-            f" ({incident.reason}); watchdogctl incident {incident.id}"
+            f"  incident {incident.id}: job {incident.job}, "
+            f"{_kind_where(incident.kind, incident.host)} ({incident.reason}); "
+            f"watchdogctl incident {incident.id}"
         )
     if reply.events:
         lines.append("  events:")

@@ -21,6 +21,7 @@ from typing import Any, Final, TypeVar
 
 import click
 import msgspec
+from click.shell_completion import CompletionItem
 
 from watchdogd_client import Client, DaemonUnavailable, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
@@ -67,6 +68,20 @@ class _Settings:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+def _complete_policy(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """The daemon's policies, for the shell's completion of ``--policy``; none when
+    no daemon answers within a second (completion must not hang a shell)."""
+    settings = ctx.find_object(_Settings)
+    try:
+        with Client(None if settings is None else settings.socket_path, timeout=1.0) as client:
+            names = [policy.name for policy in client.policies().policies]
+    except (WatchdogdError, OSError):
+        return []
+    return [CompletionItem(name) for name in names if name.startswith(incomplete)]
 
 
 def _settings() -> _Settings:
@@ -305,7 +320,11 @@ def metrics() -> None:
 @click.option(
     "--timeout", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds."
 )
-@click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
+@click.option(
+    "--policy",
+    shell_complete=_complete_policy,
+    help="What to do at expiry (default: the daemon's default policy).",
+)
 @_common_options()
 def arm(pid: int, scope: str, timeout: float, policy: str | None) -> None:
     """Arm (or re-arm) the timer (PID, SCOPE)."""
@@ -335,7 +354,11 @@ def release(pid: int, scope: str) -> None:
     "--timeout", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds."
 )
 @click.option("--scope", help="The timer's scope (default: run:<command name>).")
-@click.option("--policy", help="What to do at expiry (default: the daemon's default policy).")
+@click.option(
+    "--policy",
+    shell_complete=_complete_policy,
+    help="What to do at expiry (default: the daemon's default policy).",
+)
 @_common_options()
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(timeout: float, scope: str | None, policy: str | None, command: Sequence[str]) -> None:

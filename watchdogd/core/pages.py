@@ -328,6 +328,7 @@ class Pages(Generic[P]):
                 root_only=policy.root_only,
                 builtin=policy.builtin,
                 stall=policy.stall,
+                peers=policy.peers,
             )
             for policy in sorted(self._rules.policies.values(), key=lambda policy: policy.name)
         ]

@@ -231,6 +231,9 @@ class PolicyInfo(Struct, frozen=True, kw_only=True):
     builtin: bool
     #: Seconds a timer may go without its progress growing (0: no such rule).
     stall: float = 0.0
+    #: The policy run on a job's other processes when a timer of a job expires
+    #: under this one (``none``: none).
+    peers: str = ""
 
 
 class PoliciesReply(Reply, tag="policies", frozen=True, kw_only=True):
