@@ -491,19 +491,7 @@ def test_shell_completion_comes_from_click(tmp_path: Path) -> None:
     assert "_watchdogctl_completion()" in script
     assert "complete -o nosort -F _watchdogctl_completion watchdogctl" in script
     # What the script asks for when the user presses tab after "watchdogctl st":
-    completion = subprocess.run(
-        [WATCHDOGCTL],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={
-            **os.environ,
-            "_WATCHDOGCTL_COMPLETE": "bash_complete",
-            "COMP_WORDS": "watchdogctl st",
-            "COMP_CWORD": "1",
-        },
-    ).stdout
-    assert completion.split() == ["plain,status"]
+    assert _completed("watchdogctl st") == ["plain,status"]
     # bash itself accepts the script.
     if (bash := shutil.which("bash")) is not None:
         loaded = subprocess.run(
@@ -513,26 +501,28 @@ def test_shell_completion_comes_from_click(tmp_path: Path) -> None:
         assert "_watchdogctl_completion" in loaded.stdout
 
 
-def test_policy_completion_asks_the_daemon(daemon: RunningDaemon, tmp_path: Path) -> None:
-    def completed(words: str, **env: str) -> list[str]:
-        return subprocess.run(
-            [WATCHDOGCTL],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={
-                **os.environ,
-                **env,
-                "_WATCHDOGCTL_COMPLETE": "bash_complete",
-                "COMP_WORDS": words,
-                "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
-            },
-            timeout=PATIENCE,
-        ).stdout.split()
+def _completed(words: str, **env: str) -> list[str]:
+    """What bash's completion gets when the user presses tab after ``words``."""
+    return subprocess.run(
+        [WATCHDOGCTL],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            **os.environ,
+            **env,
+            "_WATCHDOGCTL_COMPLETE": "bash_complete",
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
+        },
+        timeout=PATIENCE,
+    ).stdout.split()
 
+
+def test_policy_completion_asks_the_daemon(daemon: RunningDaemon, tmp_path: Path) -> None:
     socket = str(daemon.socket_path)
-    assert "plain,peer_dump" in completed(f"watchdogctl --socket {socket} run --policy ")
-    assert completed("watchdogctl arm --policy t", WATCHDOGD_SOCKET=socket) == ["plain,term"]
+    assert "plain,peer_dump" in _completed(f"watchdogctl --socket {socket} run --policy ")
+    assert _completed("watchdogctl arm --policy t", WATCHDOGD_SOCKET=socket) == ["plain,term"]
     # No daemon: nothing to offer, and no error in the shell.
     nowhere = str(tmp_path / "none.sock")
-    assert completed(f"watchdogctl --socket {nowhere} run --policy ") == []
+    assert _completed(f"watchdogctl --socket {nowhere} run --policy ") == []
