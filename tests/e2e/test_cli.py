@@ -36,6 +36,24 @@ def test_stops_cleanly_and_fires_nothing(daemon: RunningDaemon, signum: int) -> 
         reap(victim)
 
 
+def test_the_state_stays_beside_the_socket_and_its_glob_removes_it(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    # The README's `make run ARGS="--socket /tmp/wd.sock"`, and its `rm` after.
+    running = RunningDaemon(socket_path, tmp_path / "watchdogd.log", [])
+    running.start()
+    with running.client() as client:
+        client.acquire("s", 60)
+    assert running.stop(signal.SIGINT) == 0
+    state = socket_path.with_name("watchdogd.state.db")
+    assert f"event=stopped timers=1 firing=0 state={state}" in running.log()
+    left = sorted(path.name for path in socket_path.parent.iterdir())
+    assert state.name in left
+    assert all(name.startswith(state.name) for name in left), left
+    subprocess.run(["bash", "-c", f"rm {state}*"], check=True)
+    assert list(socket_path.parent.iterdir()) == []
+
+
 def test_says_where_it_listens(daemon: RunningDaemon) -> None:
     assert f"event=listening socket={daemon.socket_path}" in daemon.log()
 

@@ -445,7 +445,11 @@ class Daemon:
 
     def close(self) -> None:
         self.listener.close()
-        log.info(logfmt("stopped", timers=len(self.service.table), firing=self.service.firing))
+        # Where the state stays, for the next start (or for an operator to remove).
+        kept = {} if self.store is None else {"state": self.store.path}
+        log.info(
+            logfmt("stopped", timers=len(self.service.table), firing=self.service.firing, **kept)
+        )
         if self.store is not None:
             # Before the table is emptied: a degraded store's last try writes it all.
             self.store.write_now()
