@@ -14,17 +14,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 
+# setuptools warns, for each editable package, that a folder named like it in the
+# working directory would be imported first: that folder is the package.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 # Both packages, editable, without test extras: pip's progress stays visible,
 # since a first install on a slow network takes a while.
 $(STAMP): pyproject.toml client/pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -e ./client -e .
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install -e ./client -e .
 	touch $(STAMP)
 
 # The test extras and both packages in one pip run, which builds each package once
 # and gives `run` what it needs too. Nothing is byte-compiled ahead: torch alone is
 # thousands of modules the suite never imports.
 $(TEST_STAMP): pyproject.toml client/pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --no-compile -e ./client -e '.[test]'
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install --no-compile -e ./client -e '.[test]'
 	touch $(STAMP) $(TEST_STAMP)
 
 run: $(STAMP)
