@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import zipfile
@@ -30,7 +31,7 @@ import pytest
 from watchdogd.runtime.daemon import load_config
 from watchdogd_client import Client
 
-from helpers.daemon import RunningDaemon
+from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.pages import anchors, links
 from helpers.processes import reap, sleeper
 from helpers.waiting import PATIENCE
@@ -241,8 +242,38 @@ def test_shell_commands_run(
         assert "does not provide the extra" not in result.stderr, result.stderr
 
 
+def config_before(block: Block) -> str | None:
+    """The config an example that names policies runs under: the last ```toml block
+    before it, in its page, that defines each of them (the example's own set-up,
+    as the page shows it); None for an example that names none."""
+    names = set(re.findall(r"""policy=["'](\w+)["']""", block.text))
+    if not names:
+        return None
+    defining = [
+        config
+        for config in by_lang("toml")
+        if config.path == block.path
+        and config.line < block.line
+        and all(f"[policies.{name}]" in config.text for name in names)
+    ]
+    return defining[-1].text if defining else None
+
+
+@pytest.fixture
+def example_daemon(
+    request: pytest.FixtureRequest, socket_path: Path, tmp_path: Path
+) -> Iterator[RunningDaemon]:
+    """The daemon a Python example runs against: with the config shown before it,
+    when it names a policy no daemon has built in."""
+    block: Block = request.node.callspec.params["block"]
+    config = config_before(block) or ""
+    with configured_daemon(socket_path, tmp_path, config) as running:
+        yield running
+
+
 @pytest.mark.parametrize("block", by_lang("python"), ids=lambda b: b.name)
-def test_python_examples_run(block: Block, daemon: RunningDaemon, scratch: Path) -> None:
+def test_python_examples_run(block: Block, example_daemon: RunningDaemon, scratch: Path) -> None:
+    daemon = example_daemon
     result = subprocess.run(
         [PYTHON, "-c", PRELUDE + block.text],
         cwd=scratch,
@@ -254,6 +285,33 @@ def test_python_examples_run(block: Block, daemon: RunningDaemon, scratch: Path)
     )
     assert result.returncode == 0, f"{block.name}\n{result.stderr}"
     assert "LEFT ARMED" not in result.stdout, f"{block.name} leaves a timer armed"
+
+
+def test_the_heartbeat_example_protects_as_written(
+    socket_path: Path, tmp_path: Path, scratch: Path
+) -> None:
+    """Its loop stuck while its heartbeat renews: killed as stalled, under the
+    config the README shows before it (its stall shortened to a second)."""
+    [example] = [b for b in by_lang("python") if "timer.renew(progress=done)" in b.text]
+    config = config_before(example)
+    assert config is not None
+    config = re.sub(r"(?m)^stall = \d+", "stall = 1", config)
+    # Its second step never ends; the heartbeat's thread goes on renewing.
+    stuck = PRELUDE + "import time as _t\ndef run(step):\n    _t.sleep(600 if step == 1 else 0)\n"
+    with configured_daemon(socket_path, tmp_path, config) as daemon:
+        result = subprocess.run(
+            [PYTHON, "-c", stuck + example.text],
+            cwd=scratch,
+            env=environment(daemon, scratch),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=PATIENCE * 3,
+        )
+        assert result.returncode == -signal.SIGKILL, result.stderr
+        with daemon.client() as client:
+            [expired] = [e for e in client.events().events if e.kind == "expired"]
+        assert (expired.scope, expired.policy, expired.reason) == ("train", "training", "stalled")
 
 
 @pytest.mark.parametrize("block", by_lang("toml"), ids=lambda b: b.name)
