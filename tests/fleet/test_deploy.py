@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 DAEMONSET = KUBERNETES / "watchdogd-daemonset.yaml"
 WORKER = KUBERNETES / "worker-example.yaml"
+PODMONITOR = KUBERNETES / "podmonitor.yaml"
 PAGE = ROOT / "docs" / "fleet.md"
 #: The oldest Kubernetes the manifests are written for.
 KUBERNETES_VERSION = "1.27.0"
@@ -274,7 +275,7 @@ def config_of(deployed: list[Any]) -> Config:
     return parse_config(config_map["data"]["watchdogd.toml"], f"{DAEMONSET.name}: ConfigMap")
 
 
-@pytest.mark.parametrize("path", [DAEMONSET, WORKER], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [DAEMONSET, WORKER, PODMONITOR], ids=lambda path: path.name)
 def test_the_yaml_reader_reads_as_pyyaml_does(path: Path) -> None:
     yaml = pytest.importorskip("yaml", reason="PyYAML is not installed to compare with")
     assert load_yaml(path.read_text()) == list(yaml.safe_load_all(path.read_text()))
@@ -356,6 +357,26 @@ def test_the_daemon_reads_the_configmap_and_the_secret(
     assert sorted(item["path"] for item in secret["items"]) == sorted(p.name for p in files)
     assert secret["defaultMode"] == 0o400
     assert mount["readOnly"] is True
+
+
+def test_the_daemon_serves_its_metrics_where_the_podmonitor_scrapes(
+    deployed: list[Any], daemon_pod: Any
+) -> None:
+    container = container_of(daemon_pod)
+    command = container["command"]
+    address = command[command.index("--metrics-listen") + 1]
+    assert address == "$(POD_IP):9101"
+    assert env_of(container)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    [port] = [port for port in container["ports"] if port["name"] == "metrics"]
+    assert port["containerPort"] == int(address.rsplit(":", 1)[1])
+    assert "--metrics-jobs" not in command  # the page names no job
+    monitor = of_kind(manifests(PODMONITOR), "PodMonitor")
+    daemonset = of_kind(deployed, "DaemonSet")
+    assert monitor["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
 
 
 def test_a_worker_reaches_the_daemons_socket(daemon_pod: Any) -> None:

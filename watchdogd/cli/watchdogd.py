@@ -54,6 +54,18 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     "(for node_exporter's textfile collector).",
 )
 @click.option(
+    "--metrics-listen",
+    metavar="ADDR",
+    help="Serve the Prometheus metrics at http://ADDR/metrics (HOST:PORT, or PORT on "
+    "127.0.0.1). Anyone who can reach ADDR reads them.",
+)
+@click.option(
+    "--metrics-jobs",
+    is_flag=True,
+    help="Name jobs and their owners' uids in the metrics served and written to the "
+    "textfile (watchdogctl metrics names them to root always).",
+)
+@click.option(
     "--state",
     "state_option",
     metavar="PATH",
@@ -68,6 +80,8 @@ def main(
     config_path: str | None,
     log_level: str | None,
     metrics_textfile: str | None,
+    metrics_listen: str | None,
+    metrics_jobs: bool,
     state_option: str | None,
     no_state: bool,
 ) -> None:
@@ -111,6 +125,8 @@ def main(
                 state_path=None if no_state else state or default_state_path(socket_path),
                 config_path=config_path,
                 metrics_textfile=metrics_textfile,
+                metrics_listen=metrics_listen,
+                metrics_jobs=metrics_jobs,
                 log_level=log_level,
             )
         )

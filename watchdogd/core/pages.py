@@ -334,10 +334,16 @@ class Pages(Generic[P]):
         ]
         return PoliciesReply(id=request.id, policies=infos, default=self._rules.default_policy)
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, reader: int | None = ROOT) -> str:
         """The metrics and the current gauges, as the renderer given at start
-        writes them (the Prometheus text format, `watchdogd.runtime.metrics.exposition`)."""
-        self._metrics.job_processes = _top_jobs(self._table.jobs(), Counters.JOB_LABELS)
+        writes them (the Prometheus text format, `watchdogd.runtime.metrics.exposition`).
+        The series that name jobs and their owners' uids name, for a ``reader``
+        that is root, every job; for another uid, its own jobs; for None (a page
+        anyone may read), none."""
+        jobs = self._table.jobs()
+        if reader != ROOT:
+            jobs = {key: n for key, n in jobs.items() if reader is not None and key[0] == reader}
+        self._metrics.job_processes = _top_jobs(jobs, Counters.JOB_LABELS)
         return self._render_metrics(
             self._metrics,
             {

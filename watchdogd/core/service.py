@@ -276,7 +276,7 @@ class Service(Generic[P]):
             case Policies():
                 return self.pages.policies(request)
             case Metrics():
-                return MetricsReply(id=request.id, text=self.pages.metrics_text())
+                return MetricsReply(id=request.id, text=self.pages.metrics_text(caller.peer.uid))
             case Ping():
                 return Pong(id=request.id)
             case Hello():
@@ -304,9 +304,9 @@ class Service(Generic[P]):
             )
         return Responding(id=request.id)
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, reader: int | None = ROOT) -> str:
         """`Pages.metrics_text`."""
-        return self.pages.metrics_text()
+        return self.pages.metrics_text(reader)
 
     # Expiry, as the runtime's executor of policies calls it.
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import grp
 import itertools
@@ -39,7 +40,7 @@ import trio
 
 from .._version import __version__
 from ..core.config import Config, lockouts, parse_config
-from ..core.identity import Peer
+from ..core.identity import ROOT, Peer
 from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
 from ..core.timers import Timer
@@ -59,6 +60,8 @@ from .executor import BATCH, Executor
 from .metrics import exposition, write_textfile
 from .responders import Asks
 from .scheduler import Scheduler
+from .scrape import Page, open_listeners
+from .scrape import serve as serve_scrapes
 from .server import Context, Listener, open_listener, serve
 
 
@@ -168,6 +171,8 @@ async def run(
     listener: Listener | None = None,
     config_path: str | None = None,
     metrics_textfile: str | None = None,
+    metrics_listen: str | None = None,
+    metrics_jobs: bool = False,
     clock: Callable[[], float] = time.monotonic,
     handle_signals: bool = True,
     log_level: str | None = None,
@@ -178,7 +183,9 @@ async def run(
 
     Timers are kept in ``state_path`` (None: in memory only) and restored from it at
     start. ``config_path`` is re-read on SIGHUP; ``log_level``, the command line's,
-    wins over the file's then too. ``task_status.started`` receives the service once
+    wins over the file's then too. The metrics go to ``metrics_textfile`` and are
+    served at ``metrics_listen`` (`watchdogd.runtime.scrape`), naming jobs and
+    their owners' uids only with ``metrics_jobs``. ``task_status.started`` receives the service once
     the socket accepts connections and the state is loaded.
     """
     raise_nofile_limit()
@@ -188,10 +195,12 @@ async def run(
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
     try:
+        scrape_listeners = await open_listeners(metrics_listen) if metrics_listen else []
         daemon = Daemon(config, listener, state_path=state_path, clock=clock)
     except BaseException:
         listener.close()  # the socket file this daemon created, and only that
         raise
+    daemon.metrics = Metrics(metrics_textfile, scrape_listeners, metrics_jobs)
     try:
         with contextlib.ExitStack() as stack:
             # Signals are caught before the socket is announced, so a SIGTERM sent
@@ -208,7 +217,7 @@ async def run(
                 # reload.
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
             async with trio.open_nursery() as nursery:
-                await daemon.start(nursery, metrics_textfile)
+                await daemon.start(nursery)
                 task_status.started(daemon.service)
                 if signals is not None:
                     async for signum in signals:
@@ -222,6 +231,16 @@ async def run(
                         break
     finally:
         daemon.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """Where the metrics go besides ``watchdogctl metrics``: a node_exporter
+    textfile, scrape listeners; and whether those name jobs and their uids."""
+
+    textfile: str | None = None
+    listeners: list[trio.SocketListener] = dataclasses.field(default_factory=list)
+    jobs: bool = False
 
 
 class Daemon:
@@ -241,6 +260,7 @@ class Daemon:
         self.fleet: FleetMember[Process] | None = None
         self._began = time.monotonic()
         self.store: Store | None = None
+        self.metrics = Metrics()
         timers: list[Timer] = []
         moved_aside = 0
         if state_path is not None:
@@ -326,7 +346,7 @@ class Daemon:
             )
         )
 
-    async def start(self, nursery: trio.Nursery, metrics_textfile: str | None) -> None:
+    async def start(self, nursery: trio.Nursery) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
         asks = Asks()
         self.executor = Executor(
@@ -357,8 +377,14 @@ class Daemon:
         _trim_heap()
         context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
         await nursery.start(serve, self.listener, self.service, context)
-        if metrics_textfile is not None:
-            nursery.start_soon(_write_metrics, self.service, metrics_textfile)
+        # The textfile and the scrape endpoint are anyone's to read: they name jobs
+        # only when the operator said so.
+        reader = ROOT if self.metrics.jobs else None
+        if self.metrics.textfile is not None:
+            nursery.start_soon(_write_metrics, self.service, self.metrics.textfile, reader)
+        if self.metrics.listeners:
+            page = Page(lambda: self.service.metrics_text(reader), self.clock)
+            await nursery.start(serve_scrapes, self.metrics.listeners, page)
         nursery.start_soon(_settle_incidents, self.service)
         state = "none" if self.store is None else self.store.path
         log.info(
@@ -581,10 +607,11 @@ async def _settle_incidents(service: Service[Process]) -> None:
         service.settle_incidents()
 
 
-async def _write_metrics(service: Service[Process], path: str) -> None:
-    """Rewrite the node_exporter textfile every ``metrics_interval`` seconds."""
+async def _write_metrics(service: Service[Process], path: str, reader: int | None) -> None:
+    """Rewrite the node_exporter textfile every ``metrics_interval`` seconds, with
+    the jobs that ``reader`` may see (`Service.metrics_text`)."""
     while True:
-        text = service.metrics_text()
+        text = service.metrics_text(reader)
         try:
             await trio.to_thread.run_sync(write_textfile, path, text)
         except OSError as exc:
