@@ -4,21 +4,14 @@ back through Prometheus's HTTP API from both."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import subprocess
-import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.daemon import RunningDaemon
 from helpers.disks import require
 from helpers.etcd import free_ports
 from helpers.processes import sleeper
+from helpers.prometheus import INSTALL, prometheus, query, running
 from helpers.waiting import PATIENCE, wait_until
-
-INSTALL = "Debian's prometheus and prometheus-node-exporter (.ci/run installs them)"
 
 PROMETHEUS_CONFIG = """\
 global:
@@ -30,32 +23,6 @@ scrape_configs:
   - job_name: node
     static_configs: [{{targets: ["127.0.0.1:{node}"]}}]
 """
-
-
-@contextlib.contextmanager
-def running(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=PATIENCE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def query(url: str, promql: str) -> float:
-    """The sum of what ``promql`` gives now (0 for nothing)."""
-    address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    try:
-        with urllib.request.urlopen(address, timeout=5) as reply:
-            result = json.load(reply)["data"]["result"]
-    except OSError:
-        return 0.0
-    return sum(float(series["value"][1]) for series in result)
 
 
 def test_prometheus_reads_an_expiry_from_the_endpoint_and_the_textfile(
@@ -81,18 +48,14 @@ def test_prometheus_reads_an_expiry_from_the_endpoint_and_the_textfile(
         "--collector.disable-defaults", "--collector.textfile",
         f"--collector.textfile.directory={textfiles}",
     ]  # fmt: skip
-    prometheus = [
-        "prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{prometheus_port}",
-    ]  # fmt: skip
+    server = prometheus(tmp_path / "prometheus.yml", tmp_path / "tsdb", prometheus_port)
     url = f"http://127.0.0.1:{prometheus_port}"
     daemon.start()
     victim = sleeper()
     try:
         with (
             running(node, tmp_path / "node.log"),
-            running(prometheus, tmp_path / "prometheus.log"),
+            running(server, tmp_path / "prometheus.log"),
         ):
             with daemon.client() as client:
                 client.acquire("scraped", 0.2, pid=victim.pid)

@@ -344,6 +344,11 @@ class Pages(Generic[P]):
         if reader != ROOT:
             jobs = {key: n for key, n in jobs.items() if reader is not None and key[0] == reader}
         self._metrics.job_processes = _top_jobs(jobs, Counters.JOB_LABELS)
+        # A policy that may extend a timer has its series from the start, at 0, so
+        # that a rate over it is a number before the first extension.
+        for policy in self._rules.policies.values():
+            if policy.starvation_grace:
+                self._metrics.extensions.setdefault(policy.name, 0)
         return self._render_metrics(
             self._metrics,
             {
