@@ -5,9 +5,10 @@ It runs on the daemon's trio loop, like every other reader of its state: the pag
 is rendered there (`Service.metrics_text`), never by a thread behind the loop's
 back. What a scrape costs is bounded whoever sends it: one page is rendered at
 most once a `REUSE` interval and served to every scrape meanwhile; at most
-`MAX_CONNECTIONS` connections are served at once (one more is closed unanswered);
-a request head is at most `MAX_HEAD` bytes and must come whole within `TIMEOUT`
-seconds; each connection answers one request and closes. h11 speaks the protocol.
+`MAX_CONNECTIONS` connections are served at once (one more is closed unanswered),
+and at most `MAX_ACCEPTS` are taken a second; a request head is at most `MAX_HEAD`
+bytes and must come whole within `TIMEOUT` seconds; each connection answers one
+request and closes. h11 speaks the protocol.
 
 Anyone who can reach the address reads the page: it names no job and no uid unless
 the operator turned those series on (``--metrics-jobs``), and the address is the
@@ -17,6 +18,7 @@ loopback one unless given.
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Final
@@ -28,6 +30,10 @@ from ..errors import ConfigError
 from ..logs import log, logfmt
 
 MAX_CONNECTIONS: Final = 16
+#: Connections accepted in a second, at most.
+MAX_ACCEPTS: Final = 200
+#: What accept(2) fails with for a while, not for good.
+_ACCEPT_RETRY: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 MAX_HEAD: Final = 8192
 TIMEOUT: Final = 10.0
 #: Seconds a rendered page is served again before it is rendered anew.
@@ -78,30 +84,58 @@ async def serve(
     listeners: list[trio.SocketListener],
     page: Page,
     *,
-    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer scrapes on ``listeners`` until cancelled."""
     limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
-    for listener in listeners:
-        where = listener.socket.getsockname()
-        log.info(logfmt("metrics_listening", address=f"{where[0]}:{where[1]}"))
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            where = listener.socket.getsockname()
+            log.info(logfmt("metrics_listening", address=f"{where[0]}:{where[1]}"))
+            nursery.start_soon(_accept, listener, limiter, page, nursery)
+        task_status.started()
 
-    async def connection(stream: trio.SocketStream) -> None:
-        try:
-            limiter.acquire_nowait()
-        except trio.WouldBlock:
-            await trio.aclose_forcefully(stream)
-            return
-        try:
-            with trio.move_on_after(TIMEOUT):
-                await _answer(stream, page)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass  # the scraper went away
-        finally:
-            limiter.release()
-            await trio.aclose_forcefully(stream)
 
-    await trio.serve_listeners(connection, listeners, task_status=task_status)
+async def _accept(
+    listener: trio.SocketListener,
+    limiter: trio.CapacityLimiter,
+    page: Page,
+    nursery: trio.Nursery,
+) -> None:
+    """Take connections, at most `MAX_ACCEPTS` a second: a flood of connections
+    costs the loop that fires the timers a bounded share of its time."""
+    second, accepted = trio.current_time(), 0
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_RETRY:
+                raise
+            await trio.sleep(0.1)  # out of descriptors or memory: it passes
+            continue
+        nursery.start_soon(_connection, stream, limiter, page)
+        accepted += 1
+        if trio.current_time() - second >= 1:
+            second, accepted = trio.current_time(), 0
+        elif accepted >= MAX_ACCEPTS:
+            await trio.sleep_until(second + 1)
+            second, accepted = trio.current_time(), 0
+
+
+async def _connection(stream: trio.SocketStream, limiter: trio.CapacityLimiter, page: Page) -> None:
+    try:
+        limiter.acquire_nowait()
+    except trio.WouldBlock:
+        await trio.aclose_forcefully(stream)
+        return
+    try:
+        with trio.move_on_after(TIMEOUT):
+            await _answer(stream, page)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass  # the scraper went away
+    finally:
+        limiter.release()
+        await trio.aclose_forcefully(stream)
 
 
 async def _answer(stream: trio.SocketStream, page: Page) -> None:
