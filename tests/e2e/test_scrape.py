@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +23,9 @@ from helpers.daemon import RunningDaemon
 from helpers.etcd import free_ports
 from helpers.processes import reap, sleeper
 from helpers.users import NOBODY, as_nobody, nobody_sleeper
-from helpers.waiting import wait_until
+from helpers.waiting import PATIENCE, wait_until
+
+WATCHDOGD = [sys.executable, "-m", "watchdogd"]
 
 
 @contextlib.contextmanager
@@ -131,3 +135,23 @@ def test_watchdogctl_metrics_names_to_a_user_its_own_jobs_alone(daemon: RunningD
     finally:
         reap(theirs)
         reap(mine)
+
+
+def test_an_address_it_cannot_listen_on_stops_the_start(socket_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for address, said in (
+            (str(port), f"--metrics-listen {port}: cannot listen: Address already in use"),
+            ("host:abc", "write HOST:PORT, [IPV6]:PORT or PORT (on 127.0.0.1)"),
+        ):
+            started = subprocess.run(
+                [*WATCHDOGD, "--socket", str(socket_path), "--no-state", "--metrics-listen",
+                 address],
+                capture_output=True, text=True, check=False, timeout=PATIENCE,
+            )  # fmt: skip
+            assert started.returncode == 1
+            assert said in started.stderr
+            assert "Traceback" not in started.stderr
+            assert not socket_path.exists()

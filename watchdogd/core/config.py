@@ -350,13 +350,12 @@ def _placed(text: str, source: str, explained: str) -> str:
 def _check_modes(text: str, source: str) -> None:
     """A file mode written in decimal (``socket_mode = 666``) is not the mode it
     looks like: refused, with how to write it."""
-    for name in msgspec.structs.fields(DaemonConfig):
-        if not name.name.endswith("_mode"):
+    for field in msgspec.structs.fields(DaemonConfig):
+        if not field.name.endswith("_mode"):
             continue
-        path = ["daemon", name.name]
-        value = value_of(text, path)
+        value = value_of(text, ["daemon", field.name])
         if value is not None and re.fullmatch(r"[+]?[0-9_]+", value) and value.strip("+0_"):
-            explained = f"daemon.{name.name}: {_octal_hint(name.name, value)}"
+            explained = f"daemon.{field.name}: {_octal_hint(field.name, value)}"
             raise ConfigError(_placed(text, source, explained))
 
 
