@@ -30,11 +30,12 @@ import pytest
 
 from watchdogd.runtime.daemon import load_config
 from watchdogd_client import Client
+from watchdogd_client.protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.pages import anchors, links
 from helpers.processes import reap, sleeper
-from helpers.waiting import PATIENCE
+from helpers.waiting import PATIENCE, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_PAGE = ROOT / "docs" / "torch.md"
@@ -309,9 +310,17 @@ def test_the_heartbeat_example_protects_as_written(
             timeout=PATIENCE * 3,
         )
         assert result.returncode == -signal.SIGKILL, result.stderr
-        with daemon.client() as client:
-            [expired] = [e for e in client.events().events if e.kind == "expired"]
-        assert (expired.scope, expired.policy, expired.reason) == ("train", "training", "stalled")
+        # Its event is recorded once the policy has run, a moment after the kill.
+        expired: list[EventInfo] = []
+
+        def recorded() -> bool:
+            with daemon.client() as client:
+                expired[:] = [e for e in client.events().events if e.kind == "expired"]
+            return bool(expired)
+
+        wait_until(recorded, what="the expiry's event")
+        [event] = expired
+        assert (event.scope, event.policy, event.reason) == ("train", "training", "stalled")
 
 
 @pytest.mark.parametrize("block", by_lang("toml"), ids=lambda b: b.name)
