@@ -26,7 +26,7 @@ _WATCHDOGD_SECTIONS: Final = (
     (
         "POLICY TARGETS",
         [
-            "A policy in the config file ([policies.NAME], see the README for every key) "
+            "A policy in the config file ([policies.NAME], docs/policies.md lists every key) "
             'names the processes its steps act on with target = "NAME":',
             ".TP\n.B process\nThe timer's process (the default).",
             ".TP\n.B group\nIts process group, never the daemon's own nor a pgid of 1 or "

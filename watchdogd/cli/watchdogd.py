@@ -40,7 +40,7 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     "--config",
     "config_path",
     metavar="PATH",
-    help="TOML config file; see the README for its keys.",
+    help="TOML config file; docs/configuration.md lists its keys.",
 )
 @click.option(
     "--log-level",

@@ -18,7 +18,7 @@ processes are opaque handles. Invariants:
 Memory is the point of this layout. A timer costs its `Timer`, its scope, its
 deadline and arming time (a float each) and two pointers, one in its process's list
 and one in the order: most of what the daemon holds per timer with a million armed
-(bench/scale.py measures it; the README's benchmarks give the figures). Values that
+(bench/scale.py measures it; docs/benchmarks.md gives the figures). Values that
 repeat from timer to timer are shared rather than copied: the pid and start time are
 the process handle's, the policy name and the timeout come from small tables of the
 values seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a

@@ -265,9 +265,9 @@ def thread_group_of(pid: int) -> int | None:
 def uids_of(pidfd: int, pid: int) -> tuple[int, int]:
     """The real and saved uid of the process of ``pidfd`` (whose pid is ``pid``):
     from the pidfd itself, one ioctl(2), where the kernel has PIDFD_GET_INFO; else
-    `read_uids`, which opens and parses /proc/PID/status (the README's benchmarks
-    say what each costs). Raises ProcessLookupError once
-    the process has been reaped (a zombie still has its uids)."""
+    `read_uids`, which opens and parses /proc/PID/status (docs/benchmarks.md says
+    what each costs). Raises ProcessLookupError once the process has been reaped (a
+    zombie still has its uids)."""
     info = bytearray(_PIDFD_INFO.size)
     info[0] = _PIDFD_INFO_CREDS
     try:
