@@ -166,8 +166,17 @@ def test_what_they_name_exists_and_every_panel_has_data(
                     wait_until(refused, what="the state degraded")
                 own_etcd.stop()
                 wait_until(lambda: fleet(daemon) != "connected", what="the fleet disconnected")
-                with urllib.request.urlopen(f"http://127.0.0.1:{daemon_port}/metrics") as reply:
-                    page = reply.read().decode()
+                # The expiry is counted once its policy has run, a moment after the kill.
+                pages: list[str] = []
+
+                def counted() -> bool:
+                    address = f"http://127.0.0.1:{daemon_port}/metrics"
+                    with urllib.request.urlopen(address) as reply:
+                        pages[:] = [reply.read().decode()]
+                    return "watchdogd_expiries_total{" in pages[0]
+
+                wait_until(counted, what="the expiry counted")
+                [page] = pages
                 # What the rules and the panels name is on the daemon's page.
                 for promql in [query for _, query in panel_queries()] + rule_expressions():
                     for name, labels in names_and_labels(promql):

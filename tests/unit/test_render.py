@@ -63,3 +63,18 @@ def test_policies_show_their_stall_and_peers() -> None:
     assert "built in" in kill
     assert "1m30s" in train
     assert train.split()[-1] == "none"
+
+
+def test_each_host_is_one_section_in_the_order_the_table_shows() -> None:
+    ranks = [
+        RankInfo(host="host-b", pid=3, uid=0, role="expired", scope="s", state="done", rank=3),
+        RankInfo(host="host-a", pid=1, uid=0, role="peer", scope="s", state="done", rank=0),
+        RankInfo(host="host-b", pid=2, uid=0, role="peer", scope="s", state="done", rank=2),
+    ]
+    lines = incident_lines(incident(ranks=ranks))
+    assert [line for line in lines if line.startswith("host ")] == ["host host-b", "host host-a"]
+    after_b = lines[lines.index("host host-b") + 1 : lines.index("host host-a")]
+    assert [line.split(":")[0] for line in after_b if line.startswith("  rank")] == [
+        "  rank 3 pid 3",
+        "  rank 2 pid 2",
+    ]

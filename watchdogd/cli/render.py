@@ -270,8 +270,10 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
                 )
             )
         lines += ["", _columns(table)]
+    # Host by host, each once, in the order the table first shows them.
+    hosts = list(dict.fromkeys(member.host for member in incident.ranks))
     host = None
-    for member in incident.ranks:
+    for member in sorted(incident.ranks, key=lambda member: hosts.index(member.host)):
         if member.host != host:
             host = member.host
             lines += ["", f"host {host}"]
