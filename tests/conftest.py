@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +32,13 @@ decline_responder()
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A process a test left running in the suite's process group fails the run,
     and is killed: the suite ends with none of its own still running."""
-    leftovers = left_behind(orphans_too="PYTEST_XDIST_WORKER" not in os.environ)
+    orphans_too = "PYTEST_XDIST_WORKER" not in os.environ
+    leftovers = left_behind(orphans_too=orphans_too)
+    if leftovers:
+        # One caught in the middle of its exit (its command line already gone) is
+        # a zombie a moment later: only what is still running then was left behind.
+        time.sleep(0.5)
+        leftovers = left_behind(orphans_too=orphans_too)
     for pid, _ in leftovers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
