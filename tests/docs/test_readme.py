@@ -275,11 +275,12 @@ def example_daemon(
         yield running
 
 
-@pytest.mark.parametrize("block", by_lang("python"), ids=lambda b: b.name)
-def test_python_examples_run(block: Block, example_daemon: RunningDaemon, scratch: Path) -> None:
-    daemon = example_daemon
-    result = subprocess.run(
-        [PYTHON, "-c", PRELUDE + block.text],
+def run_example(
+    source: str, daemon: RunningDaemon, scratch: Path
+) -> subprocess.CompletedProcess[str]:
+    """``source`` after the prelude, in a fresh interpreter, a client of ``daemon``."""
+    return subprocess.run(
+        [PYTHON, "-c", PRELUDE + source],
         cwd=scratch,
         env=environment(daemon, scratch),
         capture_output=True,
@@ -287,6 +288,11 @@ def test_python_examples_run(block: Block, example_daemon: RunningDaemon, scratc
         check=False,
         timeout=PATIENCE * 6,
     )
+
+
+@pytest.mark.parametrize("block", by_lang("python"), ids=lambda b: b.name)
+def test_python_examples_run(block: Block, example_daemon: RunningDaemon, scratch: Path) -> None:
+    result = run_example(block.text, example_daemon, scratch)
     assert result.returncode == 0, f"{block.name}\n{result.stderr}"
     assert "LEFT ARMED" not in result.stdout, f"{block.name} leaves a timer armed"
 
@@ -301,17 +307,9 @@ def test_the_heartbeat_example_protects_as_written(
     assert config is not None
     config = re.sub(r"(?m)^stall = \d+", "stall = 1", config)
     # Its second step never ends; the heartbeat's thread goes on renewing.
-    stuck = PRELUDE + "import time as _t\ndef run(step):\n    _t.sleep(600 if step == 1 else 0)\n"
+    stuck = "import time as _t\ndef run(step):\n    _t.sleep(600 if step == 1 else 0)\n"
     with configured_daemon(socket_path, tmp_path, config) as daemon:
-        result = subprocess.run(
-            [PYTHON, "-c", stuck + example.text],
-            cwd=scratch,
-            env=environment(daemon, scratch),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=PATIENCE * 3,
-        )
+        result = run_example(stuck + example.text, daemon, scratch)
         assert result.returncode == -signal.SIGKILL, result.stderr
         # Its event is recorded once the policy has run, a moment after the kill.
         expired: list[EventInfo] = []
