@@ -16,8 +16,6 @@ import signal
 from collections.abc import Sequence
 from typing import Final
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from watchdogd_client import DaemonStatus
 from watchdogd_client.protocol import (
     DaemonInfo,
@@ -380,6 +378,10 @@ def _timer_lines(timer: WhyTimer) -> list[str]:
 def parse_metrics(text: str) -> list[dict[str, object]]:
     """Prometheus text as JSON-ready families: ``{"name", "type", "help",
     "samples": [{"name", "labels", "value"}]}``, in the order the text has them."""
+    # Loaded here: the parser is a third of watchdogctl's start, and only
+    # `metrics --json` needs it.
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
     return [
         {
             "name": family.name,
