@@ -48,8 +48,13 @@ PYTHON = sys.executable
 
 _SERVICE = "installs into /opt, /usr/local/bin and /etc/systemd and starts a unit: a host's set-up, not a test's (test_systemd.py verifies the units)"  # noqa: E501
 
+_WHEELS = "builds the wheels and installs them: test_the_wheels_the_readme_builds_hold_both_packages_whole runs these lines in order, once, and checks what they made"  # noqa: E501
+
 #: Commands not run, by how they start, and why.
 SKIPPED = {
+    "python3 -m pip wheel ": _WHEELS,
+    ".venv/bin/pip install dist/": _WHEELS,
+    ".venv/bin/pip install 'dist/": _WHEELS,
     "make run": "runs the daemon in the foreground until stopped; the suite's daemon "
     "fixture starts the same `watchdogd`",
     "make test": "is this suite",
@@ -405,11 +410,23 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         check=True,
     )
     assert shown.stdout.startswith(str(target))
-    # The wheel install lines of the README are the ones test_shell_commands_run
-    # dry-runs; they name the files this build made.
-    for command in _installing():
+    # The README's lines that install the wheels name the files this build made, and
+    # pip takes them, extras included (a dry run, as test_shell_commands_run does).
+    installs = [command for command in _installing() if "dist/" in command and command != build]
+    assert installs
+    for command in installs:
         for wheel_name in re.findall(r"dist/([\w.-]+\.whl)", command):
             assert (tmp_path / "dist" / wheel_name).exists(), wheel_name
+        result = subprocess.run(
+            ["bash", "-c", adapt(command, scratch=str(tmp_path))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
+        assert "does not provide the extra" not in result.stderr, result.stderr
 
 
 def test_a_client_from_the_readme_example_finds_the_daemon(daemon: RunningDaemon) -> None:

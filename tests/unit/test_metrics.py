@@ -8,7 +8,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.core.counters import Counters
-from watchdogd.runtime.metrics import exposition, write_textfile
+from watchdogd.runtime.metrics import exposition
+from watchdogd.runtime.textfile import write_textfile
 
 
 def families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -17,8 +17,8 @@ from ..errors import ConfigError, DaemonError
 from ..host.systemd import inherited_listener
 from ..logs import LEVELS, set_level, setup
 from ..runtime.daemon import load_config, run
-from ..runtime.metrics import write_textfile
 from ..runtime.server import Listener
+from ..runtime.textfile import write_textfile
 from ..storage.store import default_state_path
 
 

@@ -33,8 +33,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -45,7 +45,6 @@ from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
 from ..core.timers import Timer
 from ..errors import ConfigError
-from ..fleet.member import FleetMember
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.exits import ExitWatcher
 from ..host.pressure import PressureGauge
@@ -57,12 +56,14 @@ from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
-from .metrics import exposition, write_textfile
 from .responders import Asks
 from .scheduler import Scheduler
-from .scrape import Page, open_listeners
-from .scrape import serve as serve_scrapes
 from .server import Context, Listener, open_listener, serve
+from .textfile import write_textfile
+
+if TYPE_CHECKING:
+    from ..core.counters import Counters
+    from ..fleet.member import FleetMember
 
 
 class HostProcesses:
@@ -195,7 +196,11 @@ async def run(
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
     try:
-        scrape_listeners = await open_listeners(metrics_listen) if metrics_listen else []
+        scrape_listeners = []
+        if metrics_listen:
+            from .scrape import open_listeners  # noqa: PLC0415 (see _exposition)
+
+            scrape_listeners = await open_listeners(metrics_listen)
         daemon = Daemon(config, listener, state_path=state_path, clock=clock)
     except BaseException:
         listener.close()  # the socket file this daemon created, and only that
@@ -292,7 +297,7 @@ class Daemon:
             on_deadline=self.scheduler.notify,
             on_event=self.news.unpark_all,
             journal=self.store,
-            render_metrics=exposition,
+            render_metrics=_exposition,
             host=host,
             stdlib=frozenset(sys.stdlib_module_names),
         )
@@ -383,6 +388,9 @@ class Daemon:
         if self.metrics.textfile is not None:
             nursery.start_soon(_write_metrics, self.service, self.metrics.textfile, reader)
         if self.metrics.listeners:
+            from .scrape import Page  # noqa: PLC0415 (see _exposition)
+            from .scrape import serve as serve_scrapes  # noqa: PLC0415
+
             page = Page(lambda: self.service.metrics_text(reader), self.clock)
             await nursery.start(serve_scrapes, self.metrics.listeners, page)
         nursery.start_soon(_settle_incidents, self.service)
@@ -418,6 +426,8 @@ class Daemon:
         cannot be read, say) is reported, never a reason to leave the host
         unprotected: the daemon runs on without it."""
         assert self.executor is not None
+        from ..fleet.member import FleetMember  # noqa: PLC0415 (see _exposition)
+
         try:
             self.fleet = FleetMember(
                 self.config.fleet, self.service.fleet, self.executor.carry_out, self.names
@@ -597,6 +607,15 @@ def reload(
             ok = True
     service.record_reload(ok, note)
     return ok
+
+
+def _exposition(counters: Counters, gauges: Mapping[str, tuple[str, float]]) -> str:
+    """`watchdogd.runtime.metrics.exposition`, loaded at the first page. The daemon's
+    start is paid by every restart and every test, and prometheus_client, the fleet's
+    HTTP and the scrape endpoint are a sixth of it: each loads when first used."""
+    from .metrics import exposition  # noqa: PLC0415
+
+    return exposition(counters, gauges)
 
 
 async def _settle_incidents(service: Service[Process]) -> None:

@@ -1,5 +1,6 @@
 """The core's counters (`watchdogd.core.counters`) in the Prometheus text format,
-made only when asked (``watchdogctl metrics``, ``--metrics-textfile``).
+made only when asked (``watchdogctl metrics``, ``--metrics-textfile``,
+``--metrics-listen``).
 
 Incrementing a prometheus_client metric takes a lock and a label lookup on every
 request; the core's counters cost one dict increment, and prometheus_client's own
@@ -8,8 +9,6 @@ exposition code turns them into text at scrape time.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -119,17 +118,3 @@ class _Collector(Collector):
             buckets=m.lateness_buckets(),
             sum_value=m._lateness_sum,
         )
-
-
-def write_textfile(path: str, text: str) -> None:
-    """Replace ``path`` atomically (node_exporter never reads half a file)."""
-    directory = os.path.dirname(path) or "."
-    fd, temporary = tempfile.mkstemp(prefix=".watchdogd-", suffix=".prom", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
