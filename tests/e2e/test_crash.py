@@ -2,7 +2,7 @@
 
 Real daemons are SIGKILLed and restarted; the victims are real processes. The
 counts here keep `make test` short; `make soak` runs the same tests at full scale
-(``WATCHDOGD_SOAK=1``: 100 random kills).
+(``WATCHDOGD_SOAK=1``: 100 random kills under churn, 200 under a tight block loop).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from watchdogd.runtime.daemon import restart_estimate
@@ -31,7 +32,7 @@ from watchdogd_client.protocol import (
 )
 
 from helpers.daemon import RunningDaemon, expired_event
-from helpers.processes import reap
+from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import PATIENCE, wait_until
 
 SOAK = os.environ.get("WATCHDOGD_SOAK", "") == "1"
@@ -186,6 +187,68 @@ def test_random_kills_under_churn_lose_no_acknowledged_change(
     assert armed_and_fired > 0  # the check above had something to check
 
 
+#: A worker that runs short protected blocks in a tight loop, counting them in a
+#: file, until a file named ``hang`` appears: then it hangs inside its next block.
+TIGHT_LOOP = """
+import os, sys, time
+from watchdogd_client import expires
+count, hang = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+blocks = 0
+while True:
+    with expires(after=0.5, scope="tight"):
+        if os.path.exists(hang):
+            time.sleep(600)
+        time.sleep(0.002)
+    blocks += 1
+    if blocks % 100 == 0:
+        with open(count + ".new", "w") as out:
+            out.write(str(blocks))
+        os.replace(count + ".new", count)
+"""
+
+
+def test_kills_of_the_daemon_longer_than_a_timeout_never_fire_a_released_timer(
+    restartable: RunningDaemon, tmp_path: Path
+) -> None:
+    """Workers run 2 ms blocks under 0.5 s timers while the daemon is SIGKILLed at
+    random instants, every other time left down 0.8 s: a block that ended while
+    the daemon was down has its release sent again once the client reconnects,
+    and the restart grace holds the overdue timer until it lands. No worker is
+    killed; then each hangs in a block, and is killed: its acquires were in force."""
+    rng = random.Random(25)
+    kills = 200 if SOAK else 8
+    workers = [
+        python_worker(
+            TIGHT_LOOP,
+            str(tmp_path / f"count{i}"),
+            str(tmp_path / "hang"),
+            socket=restartable.socket_path,
+        )
+        for i in range(2)
+    ]
+    try:
+        for worker in workers:
+            wait_ready(worker)
+        for kill in range(kills):
+            time.sleep(rng.uniform(0.05, 0.4))
+            restartable.stop(signal.SIGKILL)
+            time.sleep(0.8 if kill % 2 else 0.0)
+            restartable.start()
+            for worker in workers:
+                assert worker.poll() is None, f"worker {worker.pid} died at kill {kill + 1}"
+        time.sleep(1.0)  # the last start's grace, and the blocks go on
+        for i, worker in enumerate(workers):
+            assert worker.poll() is None, f"worker {worker.pid} died after the last kill"
+            assert int((tmp_path / f"count{i}").read_text()) >= 100
+        (tmp_path / "hang").touch()
+        for worker in workers:
+            assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
+    finally:
+        for worker in workers:
+            reap(worker)
+
+
 def test_a_restart_keeps_timers_armed_while_the_daemon_is_loaded(
     restartable: RunningDaemon,
 ) -> None:
@@ -268,11 +331,12 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
     socket_path: Path, tmp_path: Path
 ) -> None:
     """A state of 200,000 timers due in an hour, folded into the database, and
-    one that fell due while the daemon was down: its worker is killed while the
-    daemon still loads the others (the ``event=expired`` line comes before the
-    ``event=state`` one, which says the load is whole), and then every timer is
-    armed."""
-    from watchdogd.core.timers import Timer
+    one whose policy was in progress when the daemon died: its worker is killed
+    while the daemon still loads the others (the ``event=expired`` line comes
+    before the ``event=state`` one, which says the load is whole), and then every
+    timer is armed. (A policy in progress resumes at once; an armed timer that fell
+    due waits out the restart grace, as test_durability shows.)"""
+    from watchdogd.core.timers import Run, Timer
     from watchdogd.host.process import read_start_time
     from watchdogd.storage.store import Store
 
@@ -291,7 +355,8 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
             )  # fmt: skip
 
         timers = [stored(holders[i % 10], f"s{i}", now + 3600 + i / 1000) for i in range(200_000)]
-        timers.append(stored(victim, "due-while-down", now - 1))
+        due = stored(victim, "due-while-down", now - 1)
+        timers.append(msgspec.structs.replace(due, firing=1, run=Run(fired_at=now - 1)))
         store._write_database({timer.store_key: timer for timer in timers}, reset=True)
         store.close()
         for name in os.listdir(tmp_path):
@@ -302,7 +367,7 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
         log = daemon.log()
         expired = log.index(f"event=expired pid={victim.pid}")
         assert log.index("event=state_first") < expired < log.index("event=state path=")
-        assert "restored=200001 dropped=0 resumed=0" in log
+        assert "restored=200000 dropped=0 resumed=1" in log
         with daemon.client() as client:
             assert client.status_page(limit=1).daemon.timers == 200_000
     finally:

@@ -18,13 +18,19 @@ Invariants:
   choose runs on a user's job as the built-in ``peer_dump``.
 - Firing records are numbered in the order they fired; the numbers go on from the
   highest restored (`Firing.resume`).
+- A timer restored at a start (armed before it) that falls due within
+  `RESTART_GRACE` of the start is held until the grace ends, back in the table on
+  that deadline in memory alone: its worker's release may be on its way, sent while
+  the daemon was down, and a client sends it again as soon as it has reconnected.
+  Its expiry, if no release comes, keeps its own deadline (its event says how late
+  and why). A policy that was in progress resumes at once, held by nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic
+from typing import Final, Generic
 
 import msgspec
 
@@ -40,6 +46,12 @@ from .responders import Responders
 from .rules import Rules
 from .starvation import UNMEASURED, Verdict, judge
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
+
+#: How long after a start a restored timer that falls due waits for a release on
+#: its way. A client tries to reconnect at least every 250 ms while the daemon
+#: restarts and sends an unanswered release first: four of its tries, time for a
+#: loaded host, and that much later for a worker that is really hung.
+RESTART_GRACE: Final = 1.0
 
 
 class Firing(Generic[P]):
@@ -58,7 +70,11 @@ class Firing(Generic[P]):
         wall: Callable[[], float],
         on_deadline: Callable[[float], None],
         responders: Responders | None = None,
+        started: float = float("-inf"),
     ) -> None:
+        """``started``: when this daemon started, on the table's clock; the timers
+        armed before then were restored, and those due before ``started +
+        RESTART_GRACE`` are held until then."""
         self._rules = rules
         self._responders = Responders() if responders is None else responders
         #: Ranks of incidents that hold no timer but respond: (incident, pid) for
@@ -81,6 +97,11 @@ class Firing(Generic[P]):
         self._jobs: dict[tuple[int, str], int] = {}
         #: Grows whenever a job gains its first firing timer or loses its last.
         self.jobs_changed = 0
+        self._started = started
+        self._held_until = started + RESTART_GRACE
+        #: The deadlines, as armed, of the restored timers held in the table until
+        #: the grace ends.
+        self._held: dict[StoreKey, float] = {}
 
     def __len__(self) -> int:
         return len(self._firing)
@@ -137,16 +158,23 @@ class Firing(Generic[P]):
         expired = self._table.pop_due(now, limit)
         fired: list[Expired[P]] = []
         extended = False
-        for item in expired:
+        for popped in expired:
+            item = popped
+            if item.timer.armed_at < self._started and (self._held or now < self._held_until):
+                if now < self._held_until:
+                    self._hold(item)
+                    extended = True
+                    continue
+                item = self._held_ended(item)
             policy, _ = self._rules.policy_for(item.timer.policy)
-            note = ""
+            note = item.note
             if policy.starvation_grace:
                 verdict = self._judge_starvation(item, policy)
                 if verdict.starved:
                     self._extend(item, policy, verdict, now)
                     extended = True
                     continue
-                note = verdict.note
+                note = "; ".join(filter(None, (note, verdict.note)))
             # A process whose last timer fell due is back in the table when
             # another of its timers was extended in this pass: it stays tracked.
             orphaned = item.orphaned and not (
@@ -171,6 +199,10 @@ class Firing(Generic[P]):
             fired += peers
         if expired:
             self._journal.commit_soon()
+        if self._held and now >= self._held_until:
+            soonest = self._table.next_deadline()
+            if soonest is None or soonest > self._held_until:
+                self._held.clear()  # every held timer fired or was released
         return fired
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
@@ -375,6 +407,24 @@ class Firing(Generic[P]):
             pressure=policy.starvation_pressure,
             cpu=policy.starvation_cpu,
         )
+
+    def _hold(self, item: Expired[P]) -> None:
+        """Put the restored timer of ``item`` back in the table until the restart
+        grace ends (in memory: the state keeps the deadline it was armed with)."""
+        timer = item.timer
+        self._held.setdefault(timer.store_key, timer.deadline)
+        self._table.put(item.process, msgspec.structs.replace(timer, deadline=self._held_until))
+        self._on_deadline(self._held_until)
+
+    def _held_ended(self, item: Expired[P]) -> Expired[P]:
+        """``item`` with the deadline its timer was armed with, and a note, when it
+        was held for the restart grace."""
+        deadline = self._held.pop(item.timer.store_key, None)
+        if deadline is None:
+            return item
+        timer = msgspec.structs.replace(item.timer, deadline=deadline)
+        note = f"held {RESTART_GRACE:g}s after the restart for a release on its way"
+        return item._replace(timer=timer, note=note)
 
     def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
         """Arm the timer of ``item`` again for its policy's grace, its process

@@ -149,6 +149,7 @@ class Service(Generic[P]):
             events=self.events,
             metrics=self.metrics,
             wall=wall,
+            started=now,
         )
         self.lifecycle = Lifecycle(
             self.table,
