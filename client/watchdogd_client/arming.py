@@ -27,6 +27,7 @@ __all__ = [
     "Arming",
     "Handle",
     "JobLabels",
+    "forget_environment",
     "job_of",
 ]
 
@@ -93,7 +94,7 @@ def acquire_request(
     """The `Acquire` that an ``acquire()``'s arguments stand for, its job and ranks
     taken from the environment where not given (`job_of`)."""
     armed = arming_timeout(timeout, arming)
-    labels = job_of(arming.get("job"), arming.get("rank"))
+    labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
         id=request_id,
         scope=scope,
@@ -165,6 +166,38 @@ def job_of(job: str | None = None, rank: int | None = None) -> JobLabels:
     return JobLabels(
         job or None, rank, _first_rank(LOCAL_RANK_VARIABLES), _first_rank(GROUP_RANK_VARIABLES)
     )
+
+
+#: What the environment says of this process's job (`job_of`), read at its first
+#: timer rather than at every one: a worker's environment names its job once, and
+#: seven lookups a request are a cost on the worker's path. A fork reads it again.
+_from_environment: JobLabels | None = None
+
+
+def _labels(job: str | None, rank: int | None) -> JobLabels:
+    """`job_of`, with what the environment says read once per process."""
+    global _from_environment  # noqa: PLW0603 (one value per process, reset at fork)
+    found = _from_environment
+    if found is None:
+        found = _from_environment = job_of()
+    if job is None and rank is None:
+        return found
+    return JobLabels(
+        (found.job if job is None else job) or None,
+        found.rank if rank is None else rank,
+        found.local_rank,
+        found.group_rank,
+    )
+
+
+def forget_environment() -> None:
+    """Read the job and ranks from the environment again at the next timer (a child
+    after a fork, or a test that changed the environment)."""
+    global _from_environment  # noqa: PLW0603
+    _from_environment = None
+
+
+os.register_at_fork(after_in_child=forget_environment)
 
 
 def _job(variable: str) -> str:

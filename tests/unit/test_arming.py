@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from watchdogd_client.arming import (
     Arming,
     acquire_request,
     arming_timeout,
+    forget_environment,
 )
 from watchdogd_client.protocol import Acquire, Auto
 from watchdogd_client.trio import open_client
@@ -50,6 +52,7 @@ def test_one_function_builds_the_acquire(monkeypatch: pytest.MonkeyPatch) -> Non
     for variable in (*JOB_VARIABLES, *RANK_VARIABLES, "SLURM_STEP_ID"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "2")
+    forget_environment()
     arming: Arming = {"policy": "term", "floor": 2.0, "ceiling": 90.0, "job": "run-7", "rank": 3}
     assert acquire_request(7, "step", "auto", pid=42, progress=5, **arming) == Acquire(
         id=7,
@@ -66,3 +69,26 @@ def test_one_function_builds_the_acquire(monkeypatch: pytest.MonkeyPatch) -> Non
     assert acquire_request(8, "plain", 30.0) == Acquire(
         id=8, scope="plain", timeout=30.0, local_rank=2
     )
+
+
+def test_the_job_is_read_at_the_first_timer_and_again_after_a_fork(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in (*JOB_VARIABLES, *RANK_VARIABLES, "SLURM_STEP_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("WATCHDOGD_JOB", "first")
+    forget_environment()
+    assert acquire_request(1, "s", 5.0).job == "first"
+    monkeypatch.setenv("WATCHDOGD_JOB", "changed")
+    assert acquire_request(2, "s", 5.0).job == "first"  # read once per process
+    assert acquire_request(3, "s", 5.0, job="given").job == "given"
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        os.write(writing, (acquire_request(4, "s", 5.0).job or "").encode())
+        os._exit(0)
+    os.close(writing)
+    assert os.read(reading, 100) == b"changed"
+    os.close(reading)
+    assert os.waitpid(child, 0)[1] == 0
+    forget_environment()
