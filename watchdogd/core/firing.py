@@ -157,13 +157,13 @@ class Firing(Generic[P]):
         the grace instead (`_extend`), and is not returned."""
         expired = self._table.pop_due(now, limit)
         fired: list[Expired[P]] = []
-        extended = False
+        put_back = False
         for popped in expired:
             item = popped
             if item.timer.armed_at < self._started and (self._held or now < self._held_until):
                 if now < self._held_until:
                     self._hold(item)
-                    extended = True
+                    put_back = True
                     continue
                 item = self._held_ended(item)
             policy, _ = self._rules.policy_for(item.timer.policy)
@@ -172,13 +172,14 @@ class Firing(Generic[P]):
                 verdict = self._judge_starvation(item, policy)
                 if verdict.starved:
                     self._extend(item, policy, verdict, now)
-                    extended = True
+                    put_back = True
                     continue
                 note = "; ".join(filter(None, (note, verdict.note)))
             # A process whose last timer fell due is back in the table when
-            # another of its timers was extended in this pass: it stays tracked.
+            # another of its timers was extended or held in this pass: it stays
+            # tracked.
             orphaned = item.orphaned and not (
-                extended and self._table.process(item.timer.pid) is item.process
+                put_back and self._table.process(item.timer.pid) is item.process
             )
             item.process.retain()
             if orphaned:
