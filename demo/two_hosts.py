@@ -53,7 +53,9 @@ lease = 2
 """
 
 #: One rank of the job: it steps under a timer; the hung one stops reading its
-#: shard inside its step.
+#: shard inside its step. A step takes seconds, as a training step does: a peer's
+#: stack is taken inside it, not in the moment between two steps when the rank is
+#: in the client's own call (which the verdict would count as a frame of its own).
 RANK: Final = """\
 import sys, time
 from watchdogd_client import expires
@@ -64,7 +66,7 @@ def read_shard():
     time.sleep(3600)  # the storage under it stopped answering
 
 def train_step():
-    time.sleep(0.2)
+    time.sleep(2)
 
 print("ready", flush=True)
 while True:

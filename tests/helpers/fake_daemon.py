@@ -131,6 +131,7 @@ class _Served:
                 self.send(Welcome(id=request.id, version=high, server="fake", pid=os.getpid()))
             case Acquire():
                 self.send(Acquired(id=request.id, remaining=request.timeout, rearmed=False))
+                daemon.acquired += 1
             case Release():
                 self.send(Released(id=request.id, found=True))
             case Ping():
@@ -171,6 +172,8 @@ class FakeDaemon:
         self.silent = 0
         #: `Respond` requests received.
         self.respond_count = 0
+        #: `Acquire` requests answered.
+        self.acquired = 0
         self._served: list[_Served] = []
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
