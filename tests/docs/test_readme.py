@@ -238,17 +238,23 @@ def test_shell_commands_run(
             finally:
                 reap(follower)
             continue
-        result = subprocess.run(
-            ["bash", "-c", line],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-        assert result.returncode == 0, f"{block.name}: {command}\n{result.stdout}{result.stderr}"
-        assert "does not provide the extra" not in result.stderr, result.stderr
+        run_line(line, cwd=cwd, env=env, what=f"{block.name}: {command}")
+
+
+def run_line(line: str, *, cwd: Path, env: dict[str, str] | None, what: str) -> None:
+    """Run a documented command line (adapted) in bash: it must succeed, and pip
+    must take every extra it names."""
+    result = subprocess.run(
+        ["bash", "-c", line],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, f"{what}\n{result.stdout}{result.stderr}"
+    assert "does not provide the extra" not in result.stderr, result.stderr
 
 
 def config_before(block: Block) -> str | None:
@@ -417,16 +423,7 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
     for command in installs:
         for wheel_name in re.findall(r"dist/([\w.-]+\.whl)", command):
             assert (tmp_path / "dist" / wheel_name).exists(), wheel_name
-        result = subprocess.run(
-            ["bash", "-c", adapt(command, scratch=str(tmp_path))],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
-        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
-        assert "does not provide the extra" not in result.stderr, result.stderr
+        run_line(adapt(command, scratch=str(tmp_path)), cwd=ROOT, env=None, what=command)
 
 
 def test_a_client_from_the_readme_example_finds_the_daemon(daemon: RunningDaemon) -> None:
