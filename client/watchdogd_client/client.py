@@ -1,5 +1,4 @@
-"""The blocking client: `Client`, `NullClient`, `NoOpTimer` and the `Timer` handle of
-``expires()``.
+"""The blocking client, `Client`.
 
 `Client` keeps one connection to the daemon, opened on first use. Requests are
 serialised by a lock, so any number of threads may share one client. A child process
@@ -15,8 +14,8 @@ carries its bytes over a blocking socket with kernel-side timeouts.
 
 from __future__ import annotations
 
-import abc
-import logging
+import atexit
+import contextlib
 import math
 import os
 import socket
@@ -24,23 +23,21 @@ import struct
 import threading
 import time
 import weakref
-from types import TracebackType
 from typing import Any, Final, TypeVar, Unpack
 
-import msgspec
-
-from . import blocks
+from . import releases
 from ._version import __version__ as _version
-from .arming import After, Arming, Handle, acquire_request, arming_timeout
+from .arming import After, Arming, acquire_request
+from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
-from .errors import DaemonUnavailable, WatchdogdError
+from .errors import DaemonUnavailable
 from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
+    Acquire,
     Acquired,
-    DaemonInfo,
     Events,
     EventsReply,
     Incident,
@@ -68,8 +65,7 @@ from .protocol import (
     Why,
     WhyReply,
 )
-from .responder import settle_responder
-from .scope import caller_scope
+from .responder import process_responder, settle_responder
 
 __all__ = [
     "BaseClient",
@@ -81,8 +77,6 @@ __all__ = [
     "Timer",
 ]
 
-log = logging.getLogger("watchdogd_client")
-
 _R = TypeVar("_R", bound=ReplyMessage)
 
 _DEFAULT_TIMEOUT: Final = 10.0
@@ -91,195 +85,6 @@ _RECV_SIZE: Final = 64 * 1024
 _STATUS_PAGE: Final = 1000
 #: How long a client whose connection broke waits for the daemon to come back.
 _RECONNECT_TIMEOUT: Final = 5.0
-
-
-class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """What `BaseClient.status` returns: the daemon's summary and every timer the
-    caller may see, soonest deadline first."""
-
-    daemon: DaemonInfo
-    timers: list[TimerInfo]
-
-
-class BaseClient(abc.ABC):
-    """What every client offers: arm, release, inspect, and the `expires` block."""
-
-    @abc.abstractmethod
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
-        """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
-        ``timeout`` seconds, the daemon carries out the ``policy`` on the process.
-
-        ``pid`` defaults to the calling process. Returns the seconds left on the timer.
-
-        ``progress`` is a counter that the protected work itself advances (steps
-        done, bytes written): under a policy with a ``stall`` time, re-arming keeps
-        the timer alive only while it grows, so a thread that re-arms in a loop
-        cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
-        the daemon learned from earlier releases of the scope. ``**arming``: the
-        policy, the bounds of ``"auto"`` and the job, as `Arming` describes them.
-        """
-
-    @abc.abstractmethod
-    def release(self, scope: str, *, pid: int | None = None) -> bool:
-        """Disarm the timer ``(pid, scope)``. Returns whether one was armed."""
-
-    @abc.abstractmethod
-    def status(self) -> DaemonStatus:
-        """The daemon's summary and the timers this caller may see."""
-
-    @abc.abstractmethod
-    def ping(self) -> float:
-        """Check the daemon answers; returns the round trip in seconds."""
-
-    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
-        """A context manager that arms a timer of ``after`` seconds on entry and
-        releases it on exit, also when an exception leaves the block.
-
-        ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
-        the main thread). The block gets a `Timer` to release early or renew.
-        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
-        job (see `Arming`).
-        """
-        arming_timeout(after, arming)
-        return self._handle(after, caller_scope() if scope is None else scope, arming)
-
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
-        """The handle of an ``expires()`` block of this client's."""
-        return Timer(self, after, scope, arming)
-
-
-class Timer(Handle["BaseClient"]):
-    """The handle of an ``expires()`` block.
-
-    `release` disarms early (the rest of the block runs unprotected; calling it again
-    does nothing). `renew` re-arms with the same or a new timeout, also after
-    `release`, and the block's exit then releases again; it may carry the work's
-    progress counter (see `BaseClient.acquire`). While the block is open, it is
-    what `watchdogd_client.release` releases in its thread, unless a block entered
-    inside it is open.
-    """
-
-    __slots__ = ()
-
-    def release(self) -> None:
-        """Disarm now; idempotent."""
-        if self._armed:
-            self._armed = False
-            self.client.release(self.scope)
-
-    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
-        """Re-arm: the timer now expires ``after`` (default: the last timeout) from
-        now; ``progress``, the work's counter, must have grown for a policy with a
-        ``stall`` time to count it as alive."""
-        if after is not None:
-            self.after = after
-        self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
-        self._armed = True
-
-    def __enter__(self) -> Timer:
-        self.renew()
-        blocks.entered(self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        blocks.left(self)
-        if not self._armed:
-            return
-        if exc_type is None:
-            self.release()
-            return
-        # The block's own exception is what the caller needs to see; a failed
-        # release must not replace it.
-        try:
-            self.release()
-        except WatchdogdError as release_error:
-            log.warning("could not release timer %r: %s", self.scope, release_error)
-
-
-class NullClient(BaseClient):
-    """A client that accepts everything and does nothing (tests, ``WATCHDOGD_DISABLE=1``)."""
-
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
-        return arming_timeout(timeout, arming)
-
-    def release(self, scope: str, *, pid: int | None = None) -> bool:
-        return False
-
-    def status(self) -> DaemonStatus:
-        info = DaemonInfo(
-            version="disabled",
-            pid=0,
-            uptime=0.0,
-            timers=0,
-            processes=0,
-            connections=0,
-            requests=0,
-            expired=0,
-            exited=0,
-        )
-        return DaemonStatus(daemon=info, timers=[])
-
-    def ping(self) -> float:
-        return 0.0
-
-
-class NoOpTimer(NullClient):
-    """A timer that does nothing, wherever a timer block or a client is expected.
-
-    ``with NoOpTimer():`` is a block that arms nothing and yields a `Timer` whose
-    `Timer.release` and `Timer.renew` do nothing (it is never `Timer.armed`); so
-    does ``with NoOpTimer().expires(after=...):``. `acquire` and `release` take a
-    scope and a timeout as a ``TimerClient``'s do, and do nothing;
-    ``configure(NoOpTimer())`` makes the module-level `watchdogd_client.expires` arm
-    nothing. It is a `NullClient`: it never connects to the daemon. Its blocks are
-    blocks of their thread all the same, so `watchdogd_client.release` inside one
-    finds that one (and releases nothing, returning False), never a block open
-    around it.
-    """
-
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
-        return _NoOpBlock(self, after, scope, arming)
-
-    def __enter__(self) -> Timer:
-        return self.expires(math.inf, caller_scope()).__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        block = blocks.innermost(self)
-        if block is not None:
-            block.__exit__(*exc_info)
-
-
-class _NoOpBlock(Timer):
-    """The handle of a `NoOpTimer` block: never armed, whatever is asked of it."""
-
-    __slots__ = ()
-
-    def release(self) -> None:
-        pass
-
-    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
-        pass
 
 
 class Client(BaseClient):
@@ -298,6 +103,16 @@ class Client(BaseClient):
     The first timer it arms on its own process starts the process's responder
     (`watchdogd_client.responder`), which answers the daemon's evidence requests;
     with ``responder=False`` its timers decline it: the process then has none.
+
+    The release at the end of an ``expires()`` block is sent, and the worker goes
+    on: its answer is read with the answer to the client's next request (or, at the
+    latest, when the interpreter exits), and checked like every other. That needs
+    a daemon that keeps armings' numbers (`Acquired.arm`) and the process's
+    responder on the same daemon, which sends a release again if its connection
+    broke before an answer was read (`watchdogd_client.releases`). A release the
+    daemon refused is logged when its answer is read, and raised
+    (`RequestRefused`) by the client's next request. Otherwise a block's release
+    waits for its answer, as `release` always does.
     """
 
     def __init__(
@@ -332,6 +147,11 @@ class Client(BaseClient):
         self._sock: socket.socket | None = None
         self._connection: Connection | None = None
         self._owner_pid = 0
+        #: The releases of its blocks sent without waiting for their answers.
+        self._releases = releases.Releasing()
+        #: Its connection broke under a request or a release: the next request
+        #: waits for the daemon to come back (`_reconnect`), as a retry does.
+        self._broken = False
         _live_clients.add(self)
 
     def __repr__(self) -> str:
@@ -385,14 +205,50 @@ class Client(BaseClient):
             exit_releases=exit_releases,
             **arming,
         )
-        if pid is None or pid == os.getpid():
+        reply = self._acquire(request)
+        return request.timeout if reply is None else reply.remaining
+
+    def _acquire(self, request: Acquire) -> Acquired | None:
+        """Send ``request``; its reply, or None when the daemon could not be
+        reached and the client carries on unprotected (``on_unavailable="warn"``)."""
+        if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
             settle_responder(self.responder, self.socket_path, request)
         try:
-            return self._call(request, Acquired).remaining
+            return self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
-            return request.timeout
+            return None
+
+    def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
+        reply = self._acquire(
+            acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
+        )
+        return 0 if reply is None else reply.arm
+
+    def _release_block(self, scope: str, arm: int) -> None:
+        responder = process_responder() if arm else None
+        if responder is not None and responder.carries(self.socket_path):
+            with self._lock:
+                connection, sock = self._connection, self._sock
+                if (
+                    connection is not None
+                    and sock is not None
+                    and connection.state == "open"
+                    and self._owner_pid == os.getpid()
+                ):
+                    request = Release(id=self._engine.next_id(), scope=scope, arm=arm)
+                    self._releases.sent(request, connection)
+                    try:
+                        sock.sendall(connection.send(request, Released))
+                    except OSError:
+                        # The daemon went: the responder sends it again once it is
+                        # back, and so does the next request.
+                        self._disconnect()
+                        self._broken = True
+                        responder.resend()
+                    return
+        self.release(scope)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         try:
@@ -473,6 +329,9 @@ class Client(BaseClient):
         return self._call(Why(id=self._engine.next_id(), pid=pid, limit=limit), WhyReply)
 
     def _call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> _R:
+        # A release of a block that ended was refused: its timer may still be
+        # armed, which the worker must hear before it goes on.
+        self._releases.raise_refused()
         with self._lock:
             answer = self._attempt(request, expected, wait)
             if answer.retry:
@@ -490,11 +349,17 @@ class Client(BaseClient):
         if self._sock is not None and self._owner_pid != os.getpid():
             self._disconnect()
         if self._sock is None:
-            self._connect()
+            if self._broken:
+                self._broken = False  # waited for once, as a retry is
+                self._reconnect()
+            else:
+                self._connect()
         sock, connection = self._sock, self._connection
         assert sock is not None
         assert connection is not None
-        frame = connection.send(request, expected, resent=resent)
+        # On a new connection, the releases still unsettled go first.
+        frame = self._releases.again(connection, self._engine)
+        frame += connection.send(request, expected, resent=resent)
         if wait:
             self._set_timeouts(self.timeout + wait)
         try:
@@ -531,9 +396,14 @@ class Client(BaseClient):
                         if data
                         else connection.connection_lost(closed)
                     )
+                found = None
                 for answer in answers:
                     if answer.id == request_id:
-                        return answer
+                        found = answer
+                    elif self._releases.in_flight:
+                        self._releases.settle(answer)
+                if found is not None:
+                    return found
                 assert connection.state != "closed", "a request left unanswered"
         except BlockingIOError:
             # SO_RCVTIMEO / SO_SNDTIMEO ran out.
@@ -544,6 +414,29 @@ class Client(BaseClient):
             # connection is out of step, so it goes.
             self._disconnect()
             raise
+
+    def settle_releases(self, timeout: float) -> None:
+        """Read the answers of the releases sent without waiting, for up to
+        ``timeout`` seconds: at exit, so that the daemon takes each before it sees
+        the process end."""
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            sock, connection = self._sock, self._connection
+            if sock is None or connection is None or not self._releases.in_flight:
+                return
+            self._set_timeouts(timeout)
+            with contextlib.suppress(OSError):
+                while self._releases.in_flight and connection.state != "closed":
+                    data = sock.recv(_RECV_SIZE)
+                    answers = (
+                        connection.receive_data(data) if data else connection.connection_lost()
+                    )
+                    for answer in answers:
+                        self._releases.settle(answer)
+            self._disconnect()
+        finally:
+            self._lock.release()
 
     def _connect(self) -> None:
         try:
@@ -605,6 +498,7 @@ class Client(BaseClient):
             self._sock.close()
             self._sock = None
         self._connection = None
+        self._releases.disconnected()
 
     def _after_fork_in_child(self) -> None:
         # The parent's connection belongs to the parent: drop our copy of the fd
@@ -612,9 +506,18 @@ class Client(BaseClient):
         # at fork time would stay held forever in the child.
         self._lock = threading.Lock()
         self._disconnect()
+        self._releases.forget()
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+#: How long an exiting process waits for the answers of its releases.
+_EXIT_WAIT: Final = 2.0
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for client in list(_live_clients):
+        client.settle_releases(_EXIT_WAIT)
 
 
 def _reset_clients_in_child() -> None:

@@ -16,6 +16,17 @@ each connection it
    (`take_evidence`), for as long as the connection lasts, reading the daemon's
    `Responding` to each without waiting for it.
 
+It also makes sure that no release of an ``expires()`` block is lost
+(`watchdogd_client.releases`): the worker's client sends one and goes on, and
+reads its answer at its next request. When the daemon restarts in between, the
+responder's connection ends too: right after the welcome of its next one, before
+anything else, it sends again every release whose answer no one has read, without
+waiting for the worker's next request; `resend` does the same on demand (a client
+whose own connection broke). While releases wait so, the pauses between its
+attempts to connect are at most `_RELEASE_PAUSE`, well within the daemon's restart
+grace (`watchdogd.core.firing.RESTART_GRACE`). A client takes that path only with
+a responder that `carries` its releases.
+
 Invariants:
 
 - One responder per process, and only one ever connected: after ``fork()`` the
@@ -41,22 +52,26 @@ import contextlib
 import logging
 import math
 import os
+import select
 import socket
 import struct
 import threading
 import time
 from typing import Final
 
+from . import releases
 from ._version import __version__
 from .arming import JobLabels, job_of
 from .engine import Answer, Backoff, Connection, Engine
-from .errors import RequestRefused, WatchdogdError
+from .errors import DaemonUnavailable, RequestRefused, WatchdogdError
 from .evidence import MAX_NOTE, take_evidence
 from .protocol import (
     Acquire,
     ErrorCode,
     Evidence,
     EvidenceWanted,
+    Release,
+    Released,
     Respond,
     Responding,
     Welcome,
@@ -86,6 +101,12 @@ _UCRED: Final = struct.Struct("3i")
 #: Refusals that may pass (a limit, a resource short for now): the responder tries
 #: again later. Any other refusal of its hello or `Respond` stops it.
 _PASSING: Final = frozenset({ErrorCode.LIMIT_EXCEEDED, ErrorCode.UNAVAILABLE})
+#: The longest pause between attempts to connect while releases wait to be sent
+#: again: the daemon holds an overdue timer of a live process for its restart
+#: grace (1 s) after it starts, for its release to arrive.
+_RELEASE_PAUSE: Final = 0.05
+#: How long sending releases again may wait for room in the socket's buffer.
+_SEND_TIMEOUT: Final = 1.0
 
 
 class _Stop(Exception):
@@ -106,10 +127,20 @@ class Responder:
             socket_path, client=f"python-responder/{__version__}", reconnect_timeout=0.0
         )
         self._sock: socket.socket | None = None
+        #: The protocol of ``_sock`` once welcomed: releases may go out on it.
+        self._connection: Connection | None = None
         self._stopping = False
         #: Whether the daemon took `Respond` on the current connection.
         self._registered = False
+        #: Whether a connection of its was ever welcomed: until then, it may not
+        #: reach the daemon at all (one of another uid, say).
+        self._welcomed = False
         self._warned = False
+        #: Serialises what goes out on the socket: this thread's frames and the
+        #: releases a worker's thread asks it to send again.
+        self._send_lock = threading.Lock()
+        #: The releases sent again on the current connection: request id, token.
+        self._resent: dict[int, int] = {}
         self._thread = threading.Thread(target=self._run, name="watchdogd-responder", daemon=True)
 
     def __repr__(self) -> str:
@@ -130,6 +161,58 @@ class Responder:
         sock = self._sock
         if sock is not None:
             # Wakes the thread from its recv; close() alone would not.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def carries(self, socket_path: str) -> bool:
+        """Whether releases to the daemon at ``socket_path`` may go without waiting
+        for their answers: this responder answers that daemon, from this process,
+        and reached it at least once."""
+        return (
+            socket_path == self.socket_path
+            and self._welcomed
+            and self.pid == os.getpid()
+            and self._thread.is_alive()
+        )
+
+    def resend(self) -> None:
+        """Send again, now, every release whose answer no one has read (a client's
+        connection broke with some on it); after the next welcome if the
+        connection is down."""
+        with self._send_lock:
+            connection, sock = self._connection, self._sock
+            if connection is not None and sock is not None and connection.state == "open":
+                self._send_releases(sock, connection)
+
+    def _send_releases(self, sock: socket.socket, connection: Connection) -> None:
+        """Send every release not settled yet, holding ``_send_lock``."""
+        frames = bytearray()
+        for token, released in releases.pending():
+            if token in self._resent.values():
+                continue  # on its way on this connection already
+            release = Release(id=self._engine.next_id(), scope=released.scope, arm=released.arm)
+            frames += connection.send(release, Released, resent=True)
+            self._resent[release.id] = token
+        if frames:
+            self._send(sock, bytes(frames))
+
+    @staticmethod
+    def _send(sock: socket.socket, frame: bytes) -> None:
+        """Send ``frame`` whole within `_SEND_TIMEOUT`, or shut the connection
+        down (this thread then connects again and sends what is unsettled)."""
+        view = memoryview(frame)
+        deadline = time.monotonic() + _SEND_TIMEOUT
+        try:
+            while view:
+                try:
+                    view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+                    continue
+                except BlockingIOError:
+                    pass
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [sock], [], left)[1]:
+                    raise TimeoutError("the daemon reads nothing of the responder's")
+        except OSError:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
@@ -155,6 +238,8 @@ class Responder:
                 backoff = _backoff()
             pause = backoff.pause(time.monotonic())
             assert pause is not None  # an endless deadline never gives up
+            if releases.waiting():
+                pause = min(pause, _RELEASE_PAUSE)
             time.sleep(pause)
 
     def _converse(self) -> None:
@@ -175,6 +260,11 @@ class Responder:
         )
         try:
             self._exchange(sock, connection, connection.hello_id, connection.hello).result(Welcome)
+            with self._send_lock:
+                # Before anything else: the daemon may be holding timers for them.
+                self._send_releases(sock, connection)
+                self._connection = connection
+                self._welcomed = True
             frame = connection.send(respond, Responding)
             self._exchange(sock, connection, respond.id, frame).result(Responding)
         except RequestRefused as refused:
@@ -211,7 +301,8 @@ class Responder:
         self, sock: socket.socket, connection: Connection, request_id: int, frame: bytes
     ) -> Answer:
         """Send ``frame`` and read until the answer to ``request_id``."""
-        sock.sendall(frame)
+        with self._send_lock:
+            sock.sendall(frame)
         while True:
             for answer in self._receive(sock, connection):
                 if answer.id == request_id:
@@ -226,10 +317,24 @@ class Responder:
         if not data:
             return connection.connection_lost("the daemon closed it")
         answers = connection.receive_data(data)
+        if self._resent:
+            answers = self._settled(answers)
         wanted, connection.wanted = connection.wanted, []
         for ask in wanted:
             self._answer(sock, connection, ask)
         return answers
+
+    def _settled(self, answers: list[Answer]) -> list[Answer]:
+        """Settle the releases that ``answers`` answer (one whose connection ended
+        first waits for the next); the other answers."""
+        rest = []
+        for answer in answers:
+            token = self._resent.pop(answer.id, None)
+            if token is None:
+                rest.append(answer)
+            elif not isinstance(answer.error, DaemonUnavailable):
+                releases.settle(token, answer.error)
+        return rest
 
     def _answer(self, sock: socket.socket, connection: Connection, wanted: EvidenceWanted) -> None:
         if connection.state != "open":
@@ -242,10 +347,14 @@ class Responder:
             # worker's output): the daemon hears what went wrong instead.
             note = f"no evidence: {exc!r}"[:MAX_NOTE]
             evidence = Evidence(id=request_id, ask=wanted.ask, note=note)
-        sock.sendall(connection.send(evidence, Responding))
+        frame = connection.send(evidence, Responding)
+        with self._send_lock:
+            sock.sendall(frame)
 
     def _close(self) -> None:
-        sock, self._sock = self._sock, None
+        with self._send_lock:
+            sock, self._sock, self._connection = self._sock, None, None
+            self._resent.clear()  # unsettled: sent again on the next connection
         if sock is not None:
             sock.close()
 

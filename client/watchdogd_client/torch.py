@@ -57,7 +57,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
     ) from missing
 
 from . import default_client
-from .client import BaseClient, log
+from .base import BaseClient, log
 from .errors import DaemonUnavailable
 from .responder import decline_responder
 from .scope import frame_scope, shorten

@@ -47,7 +47,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 
 from ._version import __version__
 from .arming import After, Arming, Handle, acquire_request, arming_timeout
-from .client import DaemonStatus, log
+from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, WatchdogdError
 from .outage import OnUnavailable, Outage

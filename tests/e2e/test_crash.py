@@ -254,6 +254,59 @@ def test_kills_of_the_daemon_longer_than_a_timeout_never_fire_a_released_timer(
             reap(worker)
 
 
+#: A worker with one block: armed, it waits for a file named ``go``, ends its
+#: block (its release sent, not waited for), says so, and then works unprotected
+#: for a long while, making no request.
+ONE_BLOCK_THEN_IDLE = """
+import os, sys, time
+from watchdogd_client import expires
+from watchdogd_client.paths import client_socket_path
+from watchdogd_client.responder import process_responder
+go = sys.argv[1]
+with expires(after=0.5, scope="once"):
+    # The responder connects on its own thread; until it has, a release waits
+    # for its answer, which is not the path under test.
+    while not process_responder().carries(client_socket_path()):
+        time.sleep(0.005)
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.005)
+print("released", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_release_the_daemon_never_read_is_sent_again_without_the_worker(
+    restartable: RunningDaemon, tmp_path: Path
+) -> None:
+    """The daemon is frozen while a worker's block ends, so the release sits unread
+    in its socket, and then killed: the release is gone with it. It stays down
+    longer than the timeout, so its restart finds the timer overdue. The worker
+    makes no request after its block; its responder sends the release again on
+    its new connection, within the restart grace, and the worker lives."""
+    go = tmp_path / "go"
+    worker = python_worker(ONE_BLOCK_THEN_IDLE, str(go), socket=restartable.socket_path)
+    try:
+        assert worker.stdout is not None
+        wait_ready(worker)
+        os.kill(restartable.pid, signal.SIGSTOP)
+        go.touch()
+        assert worker.stdout.readline().strip() == "released"
+        restartable.stop(signal.SIGKILL)
+        time.sleep(0.8)
+        restartable.start()
+        with restartable.client() as client:
+            wait_until(
+                lambda: not [t for t in client.status().timers if t.pid == worker.pid],
+                what="the release sent again",
+            )
+            time.sleep(1.5)  # past the restart grace: a timer held for it fires by then
+            assert worker.poll() is None
+            assert [e.kind for e in client.events(limit=1000).events if e.pid == worker.pid] == []
+    finally:
+        reap(worker)
+
+
 def test_a_restart_keeps_timers_armed_while_the_daemon_is_loaded(
     restartable: RunningDaemon,
 ) -> None:

@@ -98,7 +98,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
         store, _ = Store.open(path)
         store.put(timer(10, "a"))
         store.put(timer(10, "b"))
-        store.put(timer(10, "a", deadline=200.0))  # re-armed: only the last counts
+        store.put(timer(10, "a", deadline=200.0, arm=41))  # re-armed: only the last counts
         store.put(timer(11, "gone"))
         store.drop(timer(11, "gone"))
         firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
@@ -108,7 +108,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     os.waitpid(child, 0)
     _, loaded = Store.open(path)
     assert sorted(loaded.timers, key=lambda t: t.scope) == [
-        timer(10, "a", deadline=200.0),
+        timer(10, "a", deadline=200.0, arm=41),  # its arming's number with it
         timer(10, "b"),
         timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5),
     ]

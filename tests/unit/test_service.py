@@ -270,6 +270,32 @@ class TestRelease:
             w.service.handle(Release(id=i, scope="s"), w.alice, 1.0)
         assert len(w.host.opened) == 1
 
+    def test_a_release_naming_its_arming_never_disarms_a_later_one(self) -> None:
+        """A release sent late (on another connection, or again after its own
+        broke) names the arming it meant: the scope armed again since stays armed."""
+        w = make_world()
+        service = w.service
+        first = service.handle(Acquire(id=1, scope="s", timeout=5, arm=7), w.alice, 1.0)
+        assert isinstance(first, Acquired)
+        assert first.arm == 7  # kept, and so echoed
+        service.handle(Acquire(id=2, scope="s", timeout=5, arm=8), w.alice, 2.0)
+        late = service.handle(Release(id=3, scope="s", arm=7), w.alice, 2.5)
+        assert late == Released(id=3, found=False)
+        [timer] = w.service.table.timers_of(ALICE.pid)
+        assert timer.arm == 8
+        assert service.handle(Release(id=4, scope="s", arm=8), w.alice, 3.0) == Released(
+            id=4, found=True
+        )
+        # An arming of no number (an older client's, or one restored from a state
+        # that kept none) is any arming's: a release naming one disarms it.
+        service.handle(Acquire(id=5, scope="s", timeout=5), w.alice, 4.0)
+        assert service.handle(Release(id=6, scope="s", arm=9), w.alice, 4.0) == Released(
+            id=6, found=True
+        )
+        # And a release that names none disarms whatever is armed, as ever.
+        service.handle(Acquire(id=7, scope="s", timeout=5, arm=10), w.alice, 5.0)
+        assert service.handle(Release(id=8, scope="s"), w.alice, 5.0) == Released(id=8, found=True)
+
     def test_release_of_another_scope_leaves_the_process_tracked(self) -> None:
         w = make_world()
         service = w.service

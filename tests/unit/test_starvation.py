@@ -311,6 +311,6 @@ def test_a_watch_stored_before_it_had_these_fields_still_loads() -> None:
                 timeout=1.0, armed_at=0.0)  # fmt: skip
     encoded = msgspec.msgpack.encode(old)
     fields = msgspec.msgpack.decode(encoded)
-    fields[-1] = [None, 0.0, 0.0, ""]
+    fields[-2] = [None, 0.0, 0.0, ""]  # the watch: the last field but the arm
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Timer)
     assert decoded.watch == Watch()

@@ -187,6 +187,7 @@ class Arming(Generic[P]):
                 exit_releases=request.exit_releases,
                 watch=watch,
                 deadline=deadline,
+                arm=request.arm or 0,
             )
             if entering:
                 process.retain()
@@ -200,13 +201,15 @@ class Arming(Generic[P]):
         finally:
             process.close()
         self._on_deadline(timer.deadline)
+        arm = timer.arm
         if watch is None:
-            return Acquired(id=request.id, remaining=timeout, rearmed=rearmed)
+            return Acquired(id=request.id, remaining=timeout, rearmed=rearmed, arm=arm)
         return Acquired(
             id=request.id,
             remaining=timer.deadline - now,
             rearmed=rearmed,
             timeout_from=timeout_from,
+            arm=arm,
         )
 
     def _check_bounds(self, request: Acquire) -> None:
@@ -248,14 +251,15 @@ class Arming(Generic[P]):
         return self._table.put(process, msgspec.structs.replace(timer, watch=watch))
 
     def release(self, request: Release, caller: Caller[P], now: float) -> Released:
-        """Disarm the timer ``request`` names, if ``caller`` could have armed it."""
+        """Disarm the timer ``request`` names, if ``caller`` could have armed it (and,
+        when the request names an arming, if that arming is the one in force)."""
         if request.pid is None and self._table.process(caller.peer.pid) is None:
             return Released(id=request.id, found=False)
         process = self._target(request.pid, caller)
         try:
             if self._table.process(process.pid) is not process:
                 return Released(id=request.id, found=False)
-            timer, gone = self._table.disarm(process.pid, request.scope)
+            timer, gone = self._table.disarm(process.pid, request.scope, request.arm or 0)
             if timer is not None:
                 self._journal.drop(timer)
                 self._history.record(

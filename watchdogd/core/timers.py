@@ -81,12 +81,14 @@ class Timer(
     themselves. ``seq`` tells apart the armed timers that share a deadline, in the
     order they were armed; it is 0 for all others (`Deadlines.insert`).
 
+    ``arm`` is the number its client gave this arming (`Acquire.arm`; 0 for none):
+    a release that names another number is late and leaves it armed.
+
     (A Struct without GC tracking: one is made per acquire, and it holds only
-    scalars and Structs of scalars. 14 fields make 128 bytes, a size class of
-    Python's allocator: a 15th would cost 16 bytes a timer. Stored as the array of
-    its fields in this order, the schema `watchdogd.storage.schema.SCHEMA`: a change
-    of the fields or of their order is a new schema, with its migration from this
-    one.)
+    scalars and Structs of scalars; its size moves in steps of 16 bytes, Python's
+    allocator's size classes. Stored as the array of its fields in this order, the
+    schema `watchdogd.storage.schema.SCHEMA`: a change of the fields or of their
+    order is a new schema, with its migration from this one.)
     """
 
     deadline: float
@@ -104,6 +106,7 @@ class Timer(
     firing: int = 0
     run: Run | None = None
     watch: Watch | None = None
+    arm: int = 0
 
     @property
     def key(self) -> Key:
@@ -375,6 +378,7 @@ class TimerTable(Generic[P]):
         exit_releases: bool = False,
         watch: Watch | None = None,
         deadline: float | None = None,
+        arm: int = 0,
     ) -> tuple[Timer, bool]:
         """Arm or re-arm ``(process.pid, scope)`` to expire at ``deadline``
         (``now + timeout`` unless given); returns the timer and whether it
@@ -401,6 +405,7 @@ class TimerTable(Generic[P]):
                 start_time=start_time,
                 exit_releases=exit_releases,
                 watch=watch,
+                arm=arm,
             ),
         )
         previous = tracked.put(timer)
@@ -524,12 +529,18 @@ class TimerTable(Generic[P]):
         self._processes, self._by_owner, self._visible, self._jobs = {}, {}, {}, {}
         return processes
 
-    def disarm(self, pid: int, scope: str) -> tuple[Timer | None, P | None]:
-        """Disarm ``(pid, scope)``. Returns the timer (None if none was armed) and the
-        process handle if it left the table (its last timer went)."""
+    def disarm(self, pid: int, scope: str, arm: int = 0) -> tuple[Timer | None, P | None]:
+        """Disarm ``(pid, scope)``; with ``arm``, only the arming of that number (a
+        timer armed with none is any). Returns the timer (None if none was armed, or
+        another arming is) and the process handle if it left the table (its last
+        timer went)."""
         tracked = self._processes.get(pid)
         if tracked is None:
             return None, None
+        if arm:
+            armed = tracked.get(scope)
+            if armed is not None and armed.arm and armed.arm != arm:
+                return None, None
         timer = tracked.pop(scope)
         if timer is None:
             return None, None

@@ -8,7 +8,9 @@ progress. Schema 4 stores a `Timer` as the array of its fields, ``deadline`` and
 some timers keep (`Watch`) each an array of their own in the last two. Schema 5
 stores the same records, and its database says by when a start must load each
 (`watchdogd.storage.database`): its migration from 4 leaves a timer as it is, and
-the first fold writes the new column.
+the first fold writes the new column. Schema 6 adds a timer's ``arm``, the number
+its client gave the arming, as the last field: its migration from 5 gives every
+timer 0, the arming of no number, which any release disarms as before.
 
 Invariants:
 
@@ -42,7 +44,7 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 5
+SCHEMA: Final = 6
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -55,7 +57,9 @@ Fields = list[Any]
 Migration = Callable[[Fields], Fields]
 #: The forward migrations, keyed by the schema each one migrates from. Schema 4
 #: is that of the first release: no migration leads to it.
-MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType({4: lambda fields: fields})
+MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
+    {4: lambda fields: fields, 5: lambda fields: [*fields, 0]}
+)
 
 #: Changes to the state, or the state itself: the latest timer of each store key,
 #: None for one that is gone.

@@ -88,6 +88,9 @@ class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
     durable: bool = True
     #: Where the timeout in force came from, when the daemon chose it (``auto``).
     timeout_from: str = ""
+    #: The request's `Acquire.arm`, echoed by a daemon that keeps it (0: none kept,
+    #: so a release naming it would disarm whatever arming holds the scope).
+    arm: int = 0
 
 
 class Released(Reply, tag="released", frozen=True, kw_only=True):

@@ -1,0 +1,218 @@
+"""What protection costs a worker, side by side with its floors, in one run.
+
+Servers (the echo processes, the daemon, torch's FileTimerServer) are pinned to CPU 0,
+the worker to CPU 1, as in bench/run.py. Each round measures, in turn:
+
+- the raw floor: a Python AF_UNIX ping-pong with an echo process, a request's size;
+- trio's echo: the same echo answered by a trio loop reading as the daemon's
+  connections read, doing no other work;
+- watchdogd: an empty ``with expires(after=60): pass`` block, against a daemon with
+  its durable state on (the default): the worker's wall time per block, its CPU
+  per block (``getrusage`` of the whole process, so the responder's thread, which
+  carries no request of a block but shares the GIL, is counted) and the daemon's
+  CPU per block;
+- torch's ``FileTimerClient`` writing to a ``FileTimerServer`` (when torch is
+  installed): the same empty block through torch's own ``expires``, its wall time
+  and CPU per block, and the server's CPU.
+
+Then the burst with the state on: 3,000 deadlines within 10 ms with 200,000 others
+armed, the daemon's deadline -> first signal against a bare Python loop over the
+same heap and SIGKILLs (bench/run.py's floor), run before and after it.
+
+Every figure is the median of the rounds, with its min-max; ratios are taken
+within a round (the block against the trio echo of the same round), as this
+machine drifts in speed from second to second. Run with ``make bench``;
+``--quick`` shortens it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from types import ModuleType
+
+from run import (
+    CLIENT_CPU,
+    arm_burst,
+    arm_many,
+    burst_floor,
+    cpu_seconds,
+    echo_server,
+    events_config,
+    floor_round_trip,
+    percentile,
+    pin,
+    reap_all,
+    running_daemon,
+    spawn_victims,
+    wait_for_events,
+)
+from torch_side import file_timer_server, import_torch_timer
+
+from watchdogd_client import Client, expires
+
+#: The burst of the issue's measurement: deadlines due within 10 ms, others armed.
+BURST = 3_000
+OTHERS = 200_000
+#: Blocks whose torch request was dropped (its FIFO full), over the whole run.
+TORCH_DROPPED = [0]
+
+
+def process_cpu() -> float:
+    """CPU seconds of this whole process so far, every thread's."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def blocks(block: Callable[[], None], count: int, server: int) -> tuple[float, float, float]:
+    """Run ``block`` ``count`` times on the worker's CPU: wall seconds, this
+    process's CPU seconds and the server process's CPU seconds, per block."""
+    pin(CLIENT_CPU)
+    for _ in range(min(count, 300)):
+        block()
+    wall, cpu, served = time.perf_counter(), process_cpu(), cpu_seconds(server)
+    for _ in range(count):
+        block()
+    return (
+        (time.perf_counter() - wall) / count,
+        (process_cpu() - cpu) / count,
+        (cpu_seconds(server) - served) / count,
+    )
+
+
+def watchdogd_block() -> None:
+    with expires(after=60):
+        pass
+
+
+@contextmanager
+def torch_system(timer: ModuleType, directory: Path) -> Iterator[tuple[Callable[[], None], int]]:
+    """An empty block through torch's ``expires`` and ``FileTimerClient``, and the pid
+    of the FileTimerServer's process."""
+    before = set(os.listdir("/proc"))
+    with file_timer_server(timer, directory) as system:
+        children = [int(p) for p in set(os.listdir("/proc")) - before if p.isdigit()]
+        server = next(p for p in children if _parent(p) == os.getpid())
+        client = system.new_client()
+        dropped = TORCH_DROPPED
+
+        def block() -> None:
+            # torch's client drops a request when the FIFO is full, raising: a
+            # block that raised is counted (and cost what it cost), not retried.
+            try:
+                with timer.expires(after=60, client=client):
+                    pass
+            except BlockingIOError:
+                dropped[0] += 1
+
+        yield block, server
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def burst_figures(directory: Path, victims: int, others: int) -> list[str]:
+    """The burst with the state on, against the bare loop run before and after it."""
+    before = burst_floor(victims, others)
+    config = events_config(directory)
+    with running_daemon(directory, "--config", str(config)) as (path, _, _):
+        arm_many(path, others, "other")
+        children = spawn_victims(victims)
+        try:
+            with Client(path) as client:
+                after = client.events(limit=1).last
+                arm_burst(client, children, "burst")
+                events = wait_for_events(client, after, "burst", victims)
+        finally:
+            reap_all(children)
+    after_it = burst_floor(victims, others)
+    bare = min(before, after_it, key=lambda late: percentile(late, 0.99))
+    late = [event.late or 0.0 for event in events.values()]
+    rows = []
+    for tag, fraction in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
+        ours, least = percentile(late, fraction), percentile(bare, fraction)
+        rows.append(
+            f"burst, state on: deadline -> first signal {tag:<3}  {ours * 1e3:8.2f} ms"
+            f"  bare loop {least * 1e3:8.2f} ms  x {ours / least:5.2f}"
+        )
+    return rows
+
+
+def spread(values: list[float], scale: float = 1e6) -> str:
+    return (
+        f"{statistics.median(values) * scale:9.1f}"
+        f"  ({min(values) * scale:.1f}-{max(values) * scale:.1f})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
+    options = parser.parse_args()
+    rounds = 4 if options.quick else 9
+    count = 500 if options.quick else 3_000
+    timer = import_torch_timer()
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    print(f"cpus: {os.cpu_count()}, servers on CPU 0, the worker on CPU {CLIENT_CPU}")
+    with ExitStack() as stack:
+        echo = stack.enter_context(echo_server())
+        trio_echo = stack.enter_context(echo_server(on_trio=True))
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wd-bench-")))
+        (directory / "on").mkdir()
+        socket_path, _, daemon = stack.enter_context(running_daemon(directory / "on"))
+        os.environ["WATCHDOGD_SOCKET"] = str(socket_path)
+        torch_block = None
+        if timer is not None:
+            torch_dir = directory / "torch"
+            torch_dir.mkdir()
+            torch_block, torch_server = stack.enter_context(torch_system(timer, torch_dir))
+        for _ in range(rounds):
+            raw = floor_round_trip(echo, count)
+            trio = floor_round_trip(trio_echo, count)
+            wall, cpu, served = blocks(watchdogd_block, count, daemon)
+            add("raw echo round trip", raw)
+            add("trio echo round trip", trio)
+            add("watchdogd: worker wall per block", wall)
+            add("watchdogd: worker CPU per block", cpu)
+            add("watchdogd: daemon CPU per block", served)
+            add("watchdogd: block / trio echo", wall / trio)
+            if torch_block is not None:
+                wall, cpu, served = blocks(torch_block, count, torch_server)
+                add("torch FileTimer: worker wall per block", wall)
+                add("torch FileTimer: worker CPU per block", cpu)
+                add("torch FileTimer: server CPU per block", served)
+    print(f"{rounds} rounds of {count:,} each, interleaved; median (min-max)")
+    for name, values in rows.items():
+        if name.endswith("/ trio echo"):
+            print(f"{name:<42} {spread(values, 1):>9}  x")
+        else:
+            print(f"{name:<42} {spread(values)} us")
+    if timer is None:
+        print("torch FileTimer: skipped (torch is not installed)")
+    else:
+        total = rounds * (count + min(count, 300))
+        print(f"torch FileTimer: {TORCH_DROPPED[0]:,} of {total:,} blocks raised (FIFO full)")
+    victims, others = (300, 20_000) if options.quick else (BURST, OTHERS)
+    with tempfile.TemporaryDirectory(prefix="wd-bench-") as burst_dir:
+        for row in burst_figures(Path(burst_dir), victims, others):
+            print(row)
+
+
+if __name__ == "__main__":
+    main()

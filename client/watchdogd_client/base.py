@@ -1,0 +1,228 @@
+"""What every client offers, and the clients that do nothing: `BaseClient`, the
+`Timer` handle of an ``expires()`` block, `NullClient` and `NoOpTimer`.
+
+The blocking `watchdogd_client.client.Client` and the trio client build on these; a
+block's handle arms and releases through its client's `BaseClient._arm_block` and
+`BaseClient._release_block`, which a client that can release without waiting
+(`Client`) overrides.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from types import TracebackType
+from typing import Any, Unpack
+
+import msgspec
+
+from . import blocks
+from .arming import After, Arming, Handle, arming_timeout
+from .errors import WatchdogdError
+from .protocol import DaemonInfo, TimerInfo
+from .scope import caller_scope
+
+__all__ = ["BaseClient", "DaemonStatus", "NoOpTimer", "NullClient", "Timer"]
+
+log = logging.getLogger("watchdogd_client")
+
+
+class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What `BaseClient.status` returns: the daemon's summary and every timer the
+    caller may see, soonest deadline first."""
+
+    daemon: DaemonInfo
+    timers: list[TimerInfo]
+
+
+class BaseClient(abc.ABC):
+    """What every client offers: arm, release, inspect, and the `expires` block."""
+
+    @abc.abstractmethod
+    def acquire(
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        pid: int | None = None,
+        progress: int | None = None,
+        **arming: Unpack[Arming],
+    ) -> float:
+        """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
+        ``timeout`` seconds, the daemon carries out the ``policy`` on the process.
+
+        ``pid`` defaults to the calling process. Returns the seconds left on the timer.
+
+        ``progress`` is a counter that the protected work itself advances (steps
+        done, bytes written): under a policy with a ``stall`` time, re-arming keeps
+        the timer alive only while it grows, so a thread that re-arms in a loop
+        cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
+        the daemon learned from earlier releases of the scope. ``**arming``: the
+        policy, the bounds of ``"auto"`` and the job, as `Arming` describes them.
+        """
+
+    @abc.abstractmethod
+    def release(self, scope: str, *, pid: int | None = None) -> bool:
+        """Disarm the timer ``(pid, scope)``. Returns whether one was armed."""
+
+    @abc.abstractmethod
+    def status(self) -> DaemonStatus:
+        """The daemon's summary and the timers this caller may see."""
+
+    @abc.abstractmethod
+    def ping(self) -> float:
+        """Check the daemon answers; returns the round trip in seconds."""
+
+    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
+        """A context manager that arms a timer of ``after`` seconds on entry and
+        releases it on exit, also when an exception leaves the block.
+
+        ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
+        the main thread). The block gets a `Timer` to release early or renew.
+        ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
+        job (see `Arming`).
+        """
+        arming_timeout(after, arming)
+        return self._handle(after, caller_scope() if scope is None else scope, arming)
+
+    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
+        """The handle of an ``expires()`` block of this client's."""
+        return Timer(self, after, scope, arming)
+
+    def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
+        """Arm the timer of an ``expires()`` block; the number of the arming, when
+        the daemon keeps one (0 otherwise), for `_release_block` to name."""
+        self.acquire(scope, after, progress=progress, **arming)
+        return 0
+
+    def _release_block(self, scope: str, arm: int) -> None:
+        """Release the timer of an ``expires()`` block, armed as ``arm``."""
+        self.release(scope)
+
+
+class Timer(Handle["BaseClient"]):
+    """The handle of an ``expires()`` block.
+
+    `release` disarms early (the rest of the block runs unprotected; calling it again
+    does nothing). `renew` re-arms with the same or a new timeout, also after
+    `release`, and the block's exit then releases again; it may carry the work's
+    progress counter (see `BaseClient.acquire`). While the block is open, it is
+    what `watchdogd_client.release` releases in its thread, unless a block entered
+    inside it is open.
+    """
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Disarm now; idempotent. The worker goes on as soon as the release is sent
+        when the process's responder can carry it (see `Client`)."""
+        if self._armed:
+            self._armed = False
+            self.client._release_block(self.scope, self._arm)
+
+    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
+        """Re-arm: the timer now expires ``after`` (default: the last timeout) from
+        now; ``progress``, the work's counter, must have grown for a policy with a
+        ``stall`` time to count it as alive."""
+        if after is not None:
+            self.after = after
+        self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
+        self._armed = True
+
+    def __enter__(self) -> Timer:
+        self.renew()
+        blocks.entered(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        blocks.left(self)
+        if not self._armed:
+            return
+        if exc_type is None:
+            self.release()
+            return
+        # The block's own exception is what the caller needs to see; a failed
+        # release must not replace it.
+        try:
+            self.release()
+        except WatchdogdError as release_error:
+            log.warning("could not release timer %r: %s", self.scope, release_error)
+
+
+class NullClient(BaseClient):
+    """A client that accepts everything and does nothing (tests, ``WATCHDOGD_DISABLE=1``)."""
+
+    def acquire(
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        pid: int | None = None,
+        progress: int | None = None,
+        **arming: Unpack[Arming],
+    ) -> float:
+        return arming_timeout(timeout, arming)
+
+    def release(self, scope: str, *, pid: int | None = None) -> bool:
+        return False
+
+    def status(self) -> DaemonStatus:
+        info = DaemonInfo(
+            version="disabled",
+            pid=0,
+            uptime=0.0,
+            timers=0,
+            processes=0,
+            connections=0,
+            requests=0,
+            expired=0,
+            exited=0,
+        )
+        return DaemonStatus(daemon=info, timers=[])
+
+    def ping(self) -> float:
+        return 0.0
+
+
+class NoOpTimer(NullClient):
+    """A timer that does nothing, wherever a timer block or a client is expected.
+
+    ``with NoOpTimer():`` is a block that arms nothing and yields a `Timer` whose
+    `Timer.release` and `Timer.renew` do nothing (it is never `Timer.armed`); so
+    does ``with NoOpTimer().expires(after=...):``. `acquire` and `release` take a
+    scope and a timeout as a ``TimerClient``'s do, and do nothing;
+    ``configure(NoOpTimer())`` makes the module-level `watchdogd_client.expires` arm
+    nothing. It is a `NullClient`: it never connects to the daemon. Its blocks are
+    blocks of their thread all the same, so `watchdogd_client.release` inside one
+    finds that one (and releases nothing, returning False), never a block open
+    around it.
+    """
+
+    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
+        return _NoOpBlock(self, after, scope, arming)
+
+    def __enter__(self) -> Timer:
+        return self.expires(math.inf, caller_scope()).__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        block = blocks.innermost(self)
+        if block is not None:
+            block.__exit__(*exc_info)
+
+
+class _NoOpBlock(Timer):
+    """The handle of a `NoOpTimer` block: never armed, whatever is asked of it."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        pass
+
+    def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
+        pass
