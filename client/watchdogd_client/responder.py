@@ -178,11 +178,17 @@ class Responder:
     def resend(self) -> None:
         """Send again, now, every release whose answer no one has read (a client's
         connection broke with some on it); after the next welcome if the
-        connection is down."""
-        with self._send_lock:
+        connection is down. A worker's thread never waits long here: while this
+        thread's own send holds the socket past `_SEND_TIMEOUT`, the releases are
+        left to the client's next request, which sends them again too."""
+        if not self._send_lock.acquire(timeout=_SEND_TIMEOUT):
+            return
+        try:
             connection, sock = self._connection, self._sock
             if connection is not None and sock is not None and connection.state == "open":
                 self._send_releases(sock, connection)
+        finally:
+            self._send_lock.release()
 
     def _send_releases(self, sock: socket.socket, connection: Connection) -> None:
         """Send every release not settled yet, holding ``_send_lock``."""

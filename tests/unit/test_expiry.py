@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from watchdogd.core.expiry import (
+    AwaitEvidence,
     CheckAlive,
     Effect,
     Finish,
@@ -36,9 +37,16 @@ WALL = 1_000_000.0
 
 
 def firing(
-    policy: Policy, *, step: int = 0, step_end: float = 0.0, peer: bool = False, **fields: object
+    policy: Policy,
+    *,
+    step: int = 0,
+    step_end: float = 0.0,
+    peer: bool = False,
+    incident: str = "",
+    **fields: object,
 ) -> Timer:
-    """A timer of ``policy`` that fell due at `DEADLINE` and fired at `FIRED`."""
+    """A timer of ``policy`` that fell due at `DEADLINE` and fired at `FIRED` (as
+    part of ``incident``, or as a peer run of incident ``inc-1``)."""
     timer = Timer(
         deadline=DEADLINE,
         pid=42,
@@ -54,7 +62,7 @@ def firing(
             step_end=step_end,
             fired_at=FIRED,
             plan=policy.plan,
-            incident="inc-1" if peer else "",
+            incident="inc-1" if peer else incident,
             peer=peer,
         ),
     )
@@ -103,7 +111,8 @@ class Driven:
         return [effect for effect in self.effects if isinstance(effect, kind)]
 
 
-def drive(
+# One branch per effect type, as the executor's own match.
+def drive(  # noqa: PLR0912
     run: Run,
     target: FakeTarget,
     *,
@@ -141,6 +150,8 @@ def drive(
                 run.hooked("exit 0", "a stack")
             case WatchExit():
                 run.watched(target.alive)
+            case AwaitEvidence():
+                run.evidence_in()  # the verdict settles a second later
             case Finish():
                 return Driven(effects, effect, recorded)
         now += 1.0
@@ -438,6 +449,68 @@ def test_the_short_way_is_the_first_signal_sent_inline() -> None:
     assert isinstance(finish, Finish)
     assert finish.event.late == FIRED + 0.01 - DEADLINE
     assert finish.event.outcome == "exited"
+
+
+def test_the_first_signal_of_an_incidents_expiry_waits_for_its_evidence_once() -> None:
+    """A rank killed first can take its peers down before their stacks are taken:
+    the first signal of its run waits for the incident's verdict, once, bounded;
+    its dump does not wait, nor does any later signal."""
+    dump_then_term = Policy(name="dump_term", steps=(Dump(), *TERM.steps))
+    timer = firing(dump_then_term, incident="inc-7")
+    run = Run(timer, dump_then_term, daemon_started=0.0, evidence_wait=3.0)
+    run.opened("python train.py")
+    assert first_signal(firing(KILL, incident="inc-7"), KILL, "") is None  # never inline
+    run.seen(True)
+    assert isinstance(run.next(FIRED, WALL), RecordStep | TakeDump)
+    driven = drive(run, FakeTarget(dies_of=set()), now=FIRED + 1.0)
+    [waited] = driven.of(AwaitEvidence)
+    assert [e for e in driven.effects if isinstance(e, AwaitEvidence | SendSignal)] == [
+        waited,
+        SendSignal(signal.SIGTERM),
+        SendSignal(signal.SIGKILL),
+    ]
+    assert isinstance(waited, AwaitEvidence)
+    assert waited.incident == "inc-7"
+    # Asked again before it is observed, the wait keeps its end.
+    again = Run(timer, dump_then_term, daemon_started=0.0, evidence_wait=3.0)
+    again.opened("python train.py")
+    again.hooked("exit 0", "a stack")
+    again.seen(True)
+    effect = again.next(FIRED, WALL)
+    if isinstance(effect, RecordStep):
+        again.recorded()
+        effect = again.next(FIRED, WALL)
+    assert effect == AwaitEvidence("inc-7", FIRED + 3.0)
+    assert again.next(FIRED + 0.5, WALL) == AwaitEvidence("inc-7", FIRED + 3.0)
+    dump_then_kill = drive(
+        Run(firing(DUMP_THEN_KILL, incident="inc-7"), DUMP_THEN_KILL, daemon_started=0.0,
+            evidence_wait=3.0),
+        FakeTarget(),
+    )  # fmt: skip
+    kinds = [type(e).__name__ for e in dump_then_kill.effects if not isinstance(e, CheckAlive)]
+    assert kinds.index("TakeDump") < kinds.index("AwaitEvidence") < kinds.index("SendSignal")
+    assert dump_then_kill.steps[-1] == ("SIGKILL", "sent SIGKILL")
+
+
+@pytest.mark.parametrize(
+    ("timer", "wait"),
+    [
+        (firing(DUMP_THEN_KILL, peer=True), 3.0),  # a peer run: it is the evidence
+        (firing(DUMP_THEN_KILL, incident="inc-7"), 0.0),  # turned off
+        (firing(DUMP_THEN_KILL), 3.0),  # no incident
+    ],
+)
+def test_only_an_incidents_own_expiry_waits_for_evidence(timer: Timer, wait: float) -> None:
+    run = Run(timer, DUMP_THEN_KILL, daemon_started=0.0, evidence_wait=wait)
+    run.opened("python train.py")
+    assert drive(run, FakeTarget()).of(AwaitEvidence) == []
+
+
+def test_a_policy_that_kills_without_a_dump_does_not_wait_for_evidence() -> None:
+    """It asked for no stacks: its kill goes at once, in an incident too."""
+    run = Run(firing(KILL, incident="inc-7"), KILL, daemon_started=0.0, evidence_wait=3.0)
+    run.opened("python train.py")
+    assert run.next(FIRED, WALL) == SendSignal(signal.SIGKILL, alive=True)
 
 
 def test_next_changes_nothing_until_its_effect_is_observed() -> None:

@@ -349,6 +349,24 @@ def test_what_is_the_users_frame_is_told_from_the_file_name(file: str, owned: bo
     assert LIBRARY.owns(file) is owned
 
 
+def test_a_rank_caught_in_the_clients_own_call_is_left_out_of_the_stacks() -> None:
+    """Three ranks wait in train_step; the fourth's stack was taken while its
+    acquire was on its way: it is not an odd frame, it is not placed at all."""
+    ranks = [rank(n, "ab"[n // 2], 100 + n) for n in range(4)]
+    step = ("/home/u/job/train.py", 88, "train_step")
+    threads = {(r.host, r.pid): worker_stack(step) for r in ranks}
+    threads["b", 103] = [
+        thread(
+            (f"{STDLIB}/socket.py", 700, "recv"),
+            (f"{SITE}/watchdogd_client/client.py", 390, "_exchange"),
+            ("/home/u/job/train.py", 86, "train_step"),
+        )
+    ]
+    verdict = verdict_of(ranks, threads=threads)
+    assert verdict.kind != "odd_frame"
+    assert verdict.culprits == []
+
+
 def test_the_frame_a_rank_waits_in_is_its_main_threads_innermost_of_the_users() -> None:
     assert pick(WAITING, LIBRARY) == Frame("train.py", 88, "train_step")
     assert pick(READING, LIBRARY) == Frame("loader.py", 42, "read_shard")
@@ -370,6 +388,22 @@ def test_the_frame_a_rank_waits_in_is_its_main_threads_innermost_of_the_users() 
     assert pick('Thread 7 (idle): "MainThread"\n    wait (threading.py:327)\n', LIBRARY) is None
     assert pick("py-spy: no such process", LIBRARY) is None
     assert pick([], LIBRARY) is None
+    # Caught inside the client's own call, between two of the user's steps: where
+    # it passes, not where it waits.
+    calling = (
+        'Thread 140 (worker): "MainThread"\n'
+        f"    recv ({STDLIB}/socket.py:700)\n"
+        f"    _exchange ({SITE}/watchdogd_client/client.py:390)\n"
+        f"    __enter__ ({SITE}/watchdogd_client/base.py:133)\n"
+        "    train_step (/home/u/job/train.py:86)\n"
+    )
+    assert pick(calling, LIBRARY) is None
+    in_place = (
+        'Thread 1 (idle): "MainThread"\n    _call (/src/client/watchdogd_client/client.py:9)\n'
+    )
+    assert pick(in_place, LIBRARY) is None
+    assert pick('Thread 1 (idle): "MainThread"\n    _call (watchdogd_client/client.py:9)\n'
+                '    step (train.py:3)\n', LIBRARY) is None  # fmt: skip
     assert where(Frame(f"{SITE}/numpy/core/fromnumeric.py", 57, "sum")) == (
         "numpy/core/fromnumeric.py:57 sum"
     )

@@ -90,7 +90,7 @@ class FleetBridge(Generic[P]):
 
     def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
         """This host's ranks of ``incident``."""
-        return self._incidents.own_ranks(incident)
+        return [rank for rank in incident.ranks if rank.host == self._incidents.host]
 
     def settled_hosts(self, incident_id: str) -> set[str]:
         """The hosts whose ranks of the incident have all settled."""

@@ -140,6 +140,12 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: How long after its first expiry an incident takes in further expiries of
     #: its job.
     incident_window: Seconds = 30.0
+    #: How long the first signal of an expiry that is part of an incident waits for
+    #: the incident's other ranks on this host to give their evidence: a rank
+    #: killed first can take its peers down with it (torchrun's agent tears its
+    #: group down) before their stacks are taken. Never for another host's. 0
+    #: signals at once.
+    incident_evidence_wait: Annotated[float, Meta(ge=0, le=60)] = 3.0
 
 
 class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -14,6 +14,7 @@ effect             carried out as                             observed with
 `SendSignal`       signalling the target                      `Run.signalled`
 `ObserveLateness`  a lateness metric                          `Run.observed`
 `WaitUntil`        waiting for the target's exit until a time `Run.waited`
+`AwaitEvidence`    waiting for an incident's ranks' evidence  `Run.evidence_in`
 `RunHook`          running an ``exec`` hook                   `Run.hooked`
 `TakeDump`         running a stack dumper                     `Run.hooked`
 `WatchExit`        watching a target sent SIGKILL             `Run.watched`
@@ -39,6 +40,11 @@ Invariants:
   metric counts the first signal of a run that starts afresh, never a peer run.
 - A target sent SIGKILL that is alive after the last step is watched until it
   exits, or for ``unkillable_after`` seconds: then it is ``unkillable``.
+- The first signal of a run that is part of an incident (its own expiry, not a
+  peer run), of a policy that dumps before it signals, waits, once, until the
+  incident's other ranks on this host have given their evidence, or for
+  ``evidence_wait`` seconds, whichever comes first: their stacks are taken before
+  one of them is signalled. It never waits for another host.
 """
 
 from __future__ import annotations
@@ -85,6 +91,14 @@ class WaitUntil(Struct, frozen=True, gc=False):
     end: float
 
 
+class AwaitEvidence(Struct, frozen=True, gc=False):
+    """Wait until the incident's other ranks on this host have given their
+    evidence, or until ``until`` (the daemon's clock)."""
+
+    incident: str
+    until: float
+
+
 class RunHook(Struct, frozen=True):
     """Run ``step``'s argv, with ``values`` substituted, in ``env``."""
 
@@ -119,6 +133,7 @@ Effect = (
     | SendSignal
     | ObserveLateness
     | WaitUntil
+    | AwaitEvidence
     | RunHook
     | TakeDump
     | WatchExit
@@ -140,13 +155,27 @@ def first_signal(timer: Timer, policy: Policy, note: str) -> Signal | None:
     """The signal a run of ``policy`` on ``timer`` sends first to the timer's own
     process, if the run starts afresh with one and nothing need be said of it
     (``note``): the executor may then send it before it makes anything else of
-    the expiry, and hand its result to `Run.signalled`. None for any other run."""
+    the expiry, and hand its result to `Run.signalled`. None for any other run,
+    and for a run that is part of an incident (its signal waits for the evidence)."""
     if timer.step or timer.step_end or is_peer(timer) or note or policy.target != "process":
+        return None
+    if timer.run is not None and timer.run.incident:
         return None
     steps = policy.steps
     if not steps or type(steps[0]) is not Signal:
         return None
     return steps[0]
+
+
+def _dumps_first(policy: Policy) -> bool:
+    """Whether ``policy`` takes a dump before its first signal: a policy that asks
+    for the stacks, whose kill may then wait for the other ranks' (`AwaitEvidence`)."""
+    for step in policy.steps:
+        if isinstance(step, Signal):
+            return False
+        if isinstance(step, Dump):
+            return True
+    return False
 
 
 def resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
@@ -179,11 +208,13 @@ class Run:
         "_alive",
         "_begun_at",
         "_end",
+        "_evidence_until",
         "_lateness",
         "_watched",
         "command",
         "daemon_started",
         "denied",
+        "evidence_wait",
         "first_step_at",
         "gone_at_start",
         "killed",
@@ -205,15 +236,22 @@ class Run:
         judged: str = "",
         *,
         daemon_started: float,
+        evidence_wait: float = 0.0,
     ) -> None:
         """``note``: what the policy's lookup said (`Service.policy_for`);
         ``judged``: what the service found of its starvation, if anything;
-        ``daemon_started``: when the daemon started (the daemon's clock)."""
+        ``daemon_started``: when the daemon started (the daemon's clock);
+        ``evidence_wait``: the most its first signal waits for its incident's
+        ranks' evidence, if it is part of one."""
         timer, note = resume_point(timer, policy, note)
         self.timer = timer
         self.policy = policy
         self.note = "; ".join(text for text in (note, judged) if text)
         self.daemon_started = daemon_started
+        incident = timer.run.incident if timer.run is not None and not is_peer(timer) else ""
+        self.evidence_wait = evidence_wait if incident and _dumps_first(policy) else 0.0
+        #: When the wait for the evidence ends, once it began (0: over, or none).
+        self._evidence_until: float | None = None
         #: Where this run started (a resumed expiry: the step it had reached),
         #: and the next step to carry out.
         self.resumed_at = self.step = timer.step
@@ -301,6 +339,10 @@ class Run:
         self.results.append(StepResult(step=step.describe(), result=result))
         self._done()
 
+    def evidence_in(self) -> None:
+        """`AwaitEvidence`: the ranks' evidence came, or the wait ran out."""
+        self._evidence_until = 0.0
+
     def hooked(self, result: str, output: str = "") -> None:
         """`RunHook` or `TakeDump`: what the hook's run came to."""
         step = self.policy.steps[self.step]
@@ -333,6 +375,11 @@ class Run:
             else:
                 go_on = self._alive
             if go_on:
+                if type(step) is Signal and self.evidence_wait and self._evidence_until != 0.0:
+                    if self._evidence_until is None:
+                        self._evidence_until = now + self.evidence_wait
+                    assert self.timer.run is not None
+                    return AwaitEvidence(self.timer.run.incident, self._evidence_until)
                 return self._step(step, first, now)
         if self._alive is None:
             return _CHECK

@@ -26,9 +26,12 @@ from typing import Final
 
 from watchdogd_client.protocol import Frame, ThreadStack
 
+#: This project's client library: a main thread caught inside one of its calls
+#: (an acquire or a release on its way) waits in no frame of the user's.
+CLIENT: Final = "watchdogd_client"
 #: The packages a rank waits through on its way to the user's frame: torch's
 #: collectives, and this client library's own calls.
-OUTSIDE: Final = frozenset({"torch", "watchdogd_client"})
+OUTSIDE: Final = frozenset({"torch", CLIENT})
 _THREAD: Final = re.compile(r'^Thread (?P<ident>\S+) \([^)]*\): "(?P<name>[^"]*)"')
 #: A Python frame in py-spy's dump; a native one (``--native``) has no line.
 _FRAME: Final = re.compile(r"^ {4}(?P<function>\S.*?) \((?P<file>.+):(?P<line>\d{1,10})\)\s*$")
@@ -68,6 +71,17 @@ class Library:
             return _STDLIB_DIR.search(file) is not None
         top = _top(file)
         return top in self.outside or top in self.stdlib
+
+    @staticmethod
+    def package(file: str) -> str:
+        """The top-level package of a frame in an installed (or checked-out)
+        package, as far as the file name tells: "" for the others."""
+        installed = _INSTALLED.split(file)
+        if len(installed) > 1:
+            return _top(installed[-1])
+        if file.startswith("/"):
+            return next((part for part in file.split("/")[:-1] if part in OUTSIDE), "")
+        return _top(file) if "/" in file else ""
 
 
 def _top(path: str) -> str:
@@ -114,7 +128,10 @@ def pick(stack: Sequence[ThreadStack] | str, library: Library) -> Frame | None:
     """Where a rank waits: the innermost frame of its main thread that is the
     user's (not ``library``'s). ``stack`` is its threads, from the worker, or
     py-spy's dump text; the main thread is the one marked so, else the one named
-    ``MainThread``, else the first."""
+    ``MainThread``, else the first. None for a main thread caught inside a call of
+    this client library (its acquire or release on its way, between two steps of
+    the user's): the frame around that call is where it passes, not where it
+    waits, and would set it apart from its peers for nothing."""
     threads = threads_of(stack) if isinstance(stack, str) else stack
     main = next((thread for thread in threads if thread.main), None)
     if main is None:
@@ -123,7 +140,15 @@ def pick(stack: Sequence[ThreadStack] | str, library: Library) -> Frame | None:
         main = next(iter(threads), None)
     if main is None:
         return None
-    return next((frame for frame in main.frames if not library.owns(frame.file)), None)
+    waited = False  # in a package of the library's other than the client
+    for frame in main.frames:
+        if not library.owns(frame.file):
+            return frame
+        package = library.package(frame.file)
+        if package == CLIENT and not waited:
+            return None
+        waited = waited or package in library.outside
+    return None
 
 
 def where(frame: Frame) -> str:

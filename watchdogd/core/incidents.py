@@ -68,7 +68,7 @@ from .ranks import (
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer
+from .verdict import Decision, decide, for_viewer, reported
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -339,6 +339,12 @@ class IncidentLog:
             self._judges.judge(incident)
             self._listener(self._whole(incident))
 
+    def evidence_in(self, incident_id: str, pid: int) -> bool:
+        """Whether every rank of ``incident_id`` on this host but ``pid`` reported."""
+        incident = self._incidents.get(self.resolve(incident_id))
+        ranks = () if incident is None else incident.ranks
+        return all(reported(r) for r in ranks if r.host == self.host and r.pid != pid)
+
     def expect(self, incident_id: str, hosts: frozenset[str]) -> None:
         """The fleet says ``hosts`` hold the incident's job: its verdict settles
         once each has reported (or its window closes)."""
@@ -560,10 +566,6 @@ class IncidentLog:
             return set()
         hosts = {rank.host for rank in incident.ranks}
         return hosts - {rank.host for rank in incident.ranks if rank.state == "pending"}
-
-    def own_ranks(self, incident: IncidentInfo) -> list[RankInfo]:
-        """The ranks of ``incident`` on this host."""
-        return [rank for rank in incident.ranks if rank.host == self.host]
 
     def listing(self, viewer: int, limit: int) -> list[IncidentInfo]:
         """The latest ``limit`` incidents ``viewer`` may see, newest last, without

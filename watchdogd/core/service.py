@@ -383,6 +383,10 @@ class Service(Generic[P]):
             )
         )
 
+    def evidence_in(self, incident_id: str, pid: int) -> bool:
+        """`IncidentLog.evidence_in`."""
+        return self.incidents.evidence_in(incident_id, pid)
+
     def settle_incidents(self) -> None:
         """`IncidentLog.tick`, now."""
         self.incidents.tick(self._wall())

@@ -216,7 +216,7 @@ def _order(rank: RankInfo | Culprit) -> tuple[bool, int, str, int]:
     return (rank.rank is None, rank.rank or 0, rank.host, rank.pid)
 
 
-def _reported(rank: RankInfo) -> bool:
+def reported(rank: RankInfo) -> bool:
     """Whether ``rank``'s evidence has come: its policy has run, or it gave some."""
     return rank.state != "pending" or bool(rank.flight or rank.stack or rank.evidence)
 
@@ -331,7 +331,7 @@ class _Jury:
             if group is not None:
                 if _reached(group) < seq:
                     named.append(number)
-            elif self.settled or _reported(self.numbered[number]):
+            elif self.settled or reported(self.numbered[number]):
                 named.append(number)
             else:
                 waited.append(number)

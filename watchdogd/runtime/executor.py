@@ -40,10 +40,10 @@ Invariants:
 - A run whose task is cancelled (the daemon stops), or that is still watched or
   settling then, leaves its timer firing at the step it had reached, for the next
   start to resume.
-- Dump steps share one `watchdogd.runtime.hooks.DumpPool` (``max_dumps`` at once);
-  every other step runs at once, so a queue of dumps delays no signal but the one
-  after a dump of its own policy, and that one no longer than the dump step's
-  timeout.
+- Dump steps are taken by `watchdogd.runtime.gathering.Gatherer`, whose dumpers
+  share one pool (``max_dumps`` at once); every other step runs at once, so a
+  queue of dumps delays no signal but the one after a dump of its own policy, and
+  that one no longer than the dump step's timeout.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ import trio
 
 from watchdogd_client.protocol import EventInfo
 
-from ..core.evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.expiry import (
     SENT,
+    AwaitEvidence,
     CheckAlive,
     Finish,
     ObserveLateness,
@@ -80,13 +80,14 @@ from ..core.expiry import (
     WatchExit,
     first_signal,
 )
-from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, Policy
+from ..core.policies import Policy
 from ..core.service import Service
 from ..core.timers import Expired, Timer
-from ..host.process import Process, ptrace_reader
+from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
-from .hooks import DumpPool, run_hook, substitute
+from .gathering import Gatherer
+from .hooks import run_hook, substitute
 from .responders import Asks
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
@@ -98,6 +99,8 @@ _REAPED_AT_ONCE: Final = 64
 #: signal: its events show the command line each process had when it entered the
 #: timer table. Signals come first in a burst.
 _COMMANDS_FIRST: Final = 8
+#: How often a first signal waiting for its incident's evidence looks again.
+_EVIDENCE_POLL: Final = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -150,7 +153,7 @@ class Executor:
         """``on_settle`` is called when expiries are waiting for `settle`; ``asks``
         reach the workers' responders."""
         self._service = service
-        self._asks = Asks() if asks is None else asks
+        self._gatherer = Gatherer(service, Asks() if asks is None else asks)
         self._nursery = nursery
         self._clock = clock
         self._wall = wall
@@ -170,7 +173,6 @@ class Executor:
         #: `settle` finishes them and sets ``_reaped``.
         self._reap_due = False
         self._reaped = trio.Event()
-        self._dumps = DumpPool(service.config.max_dumps, service.metrics)
 
     @property
     def settling(self) -> int:
@@ -203,32 +205,7 @@ class Executor:
         if self._settling:
             self._on_settle()
         for incident, pid in self._service.take_asks():
-            self._nursery.start_soon(self._ask_rank, incident, pid)
-
-    async def _ask_rank(self, incident: str, pid: int) -> None:
-        """The evidence of a rank of ``incident`` that holds no timer of its job:
-        from its responder, or, when it does not answer, from py-spy."""
-        before = ptrace_reader(pid)
-        given = await self._asks.ask(pid, incident, self._service.config.evidence_timeout)
-        if given is not None:
-            stack, taken, flight, note = stack_text(given), WORKER, flight_groups(given), ""
-        else:
-            argv = substitute(DEFAULT_DUMPER, {"pid": str(pid), "scope": ""})
-            hook = await self._dumps.run(argv, {}, DEFAULT_STEP_TIMEOUT)
-            stack, flight, note = hook.output, [], ""
-            taken = os.path.basename(argv[0]) if hook.status == 0 else NONE
-            if hook.status != 0:
-                note = f"its responder did not answer, and {argv[0]}: {hook.result}"
-        after = ptrace_reader(pid)
-        self._service.evidence_given(
-            incident,
-            pid,
-            stack,
-            evidence=taken,
-            flight=flight,
-            reader=before if before == after else None,
-            note=note,
-        )
+            self._nursery.start_soon(self._gatherer.ask_rank, incident, pid)
 
     def _send_first(self, item: Expired[Process], read_command: bool) -> bool:
         """The short way for a run that starts afresh with a signal to its process
@@ -343,7 +320,10 @@ class Executor:
 
     # Carrying out a run's effects.
 
-    def _advance(self, expiry: _Expiry, *, first_only: bool = False) -> _Waiting | None:
+    # One branch per effect type, by design: every effect is carried out in one place.
+    def _advance(  # noqa: PLR0912
+        self, expiry: _Expiry, *, first_only: bool = False
+    ) -> _Waiting | None:
         """Carry out the effects of the expiry's run up to one that waits, and
         return that one, bound, for the expiry's task to await. None once the run
         has finished or its target is watched; with ``first_only`` (the pass),
@@ -370,6 +350,8 @@ class Executor:
                     run.observed()
                 case WaitUntil(end=end):
                     return functools.partial(self._wait, run, target, end)
+                case AwaitEvidence(incident=incident, until=until):
+                    return functools.partial(self._await_evidence, run, incident, until)
                 case RunHook() | TakeDump():
                     return functools.partial(self._hook, run, effect)
                 case WatchExit():
@@ -396,6 +378,17 @@ class Executor:
                 self._let_go(expiry)  # cancelled, or failed: never resumed here
         self._flush_events()
 
+    async def _await_evidence(self, run: Run, incident: str, until: float) -> None:
+        """Until this host's other ranks of ``incident`` have given their evidence,
+        or ``until`` (the daemon's clock): looked at every `_EVIDENCE_POLL` seconds,
+        a wait of seconds at most."""
+        while not self._service.evidence_in(incident, run.timer.pid):
+            left = until - self._clock()
+            if left <= 0:
+                break
+            await trio.sleep(min(left, _EVIDENCE_POLL))
+        run.evidence_in()
+
     async def _wait(self, run: Run, target: Target, end: float) -> None:
         """A wait that ends at ``end`` on the daemon's clock (its original end, when
         it resumes after a restart), or once the target has exited."""
@@ -404,46 +397,12 @@ class Executor:
     async def _hook(self, run: Run, effect: RunHook | TakeDump) -> None:
         """An ``exec`` hook, or a dump of the timer's process (`_dump`)."""
         if isinstance(effect, TakeDump):
-            await self._dump(run, effect)
+            await self._gatherer.dump(run, effect)
             return
         hook = await run_hook(
             substitute(effect.step.argv, effect.values), effect.env, effect.step.timeout
         )
         run.hooked(hook.result, hook.output)
-
-    async def _dump(self, run: Run, effect: TakeDump) -> None:
-        """A dump of the timer's process, and who besides root may read it: the one
-        user ptrace's read rule let read the process both just before and just after
-        it was dumped (`watchdogd.host.process.ptrace_reader`), stored with the stack,
-        since the process may be gone when someone looks.
-
-        Its responder is asked first: a worker that answers within
-        ``evidence_timeout`` gives its stacks (and its Flight Recorder) from inside,
-        and the default dumper, py-spy, is not run. One that does not answer, or a
-        dump step that names a dumper of its own, runs the dumper as before."""
-        pid = run.timer.pid
-        config = self._service.config
-        before = ptrace_reader(pid)
-        incident = "" if run.timer.run is None else run.timer.run.incident
-        given = await self._asks.ask(pid, incident, config.evidence_timeout)
-        if given is not None and effect.step.argv == DEFAULT_DUMPER:
-            after = ptrace_reader(pid)
-            reader = before if before == after else None
-            self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
-            run.hooked("ok: from the worker's responder", stack_text(given))
-            return
-        argv = substitute(effect.step.argv, effect.values)
-        self._dumps.resize(config.max_dumps)  # a reload may have changed it
-        hook = await self._dumps.run(argv, effect.env, effect.step.timeout)
-        after = ptrace_reader(pid)
-        taken = os.path.basename(argv[0]) if hook.status == 0 else NONE
-        output = hook.output
-        if given is not None:
-            output = stack_text(given) + output
-            taken = WORKER
-        flight = [] if given is None else flight_groups(given)
-        self._service.dump_taken(run.timer, before if before == after else None, taken, flight)
-        run.hooked(hook.result, output)
 
     # The stages of one expiry.
 
@@ -456,7 +415,14 @@ class Executor:
             note = ""
             if policy is None:
                 policy, note = self._service.policy_for(timer.policy)
-            run = Run(timer, policy, note, judged, daemon_started=self._service.started)
+            run = Run(
+                timer,
+                policy,
+                note,
+                judged,
+                daemon_started=self._service.started,
+                evidence_wait=self._service.config.incident_evidence_wait,
+            )
         except Exception:
             log.exception("could not start the policy of %r", timer)
             process.close()
