@@ -57,7 +57,7 @@ WORKERS ?= 4
 CACHED := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
 
 pytest: $(TEST_STAMP)
-	$(CACHED) $(BIN)/pytest -n $(WORKERS) --dist loadgroup
+	$(CACHED) $(BIN)/pytest -n $(WORKERS) --dist loadgroup --durations=15
 
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/run.py
