@@ -21,8 +21,11 @@ timer of a thread would be one. Such a scope is replaced by the user's own call
 site, the ``file:line`` of the ``with`` statement (``@thread`` outside the main
 thread), as `watchdogd_client.expires` names it. Its release finds the same name:
 each thread keeps the names it gave, newest last, per torch scope, and a release
-takes the newest (blocks nest, so the newest open one is the one ending).
-The timers carry the job and ranks torchrun sets (`watchdogd_client.arming.job_of`).
+takes the newest (blocks nest, so the newest open one is the one ending). A release
+is the release of a block (`watchdogd_client.Client`): it names the arming it
+releases, is sent, and its answer is read with the next request's; a block costs
+the worker one round trip, its acquire. The timers carry the job and ranks torchrun
+sets (`watchdogd_client.arming.job_of`).
 
 The first timer starts the process's responder (`watchdogd_client.responder`),
 through the client it arms with, so the daemon can ask a hung rank for its threads'
@@ -134,9 +137,10 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         if not self.responder:
             decline_responder()
         try:
-            self.client.acquire(scope, timeout, policy=self.policy)
+            arm = self.client._arm_block(scope, timeout, None, {"policy": self.policy})
         except DaemonUnavailable as exc:
             raise TimerServerUnavailable(str(exc), exc.socket_path) from exc
+        _armed(scope).append(arm)
 
     def release(self, scope_id: str) -> None:
         # torch's expires() releases in a `finally`: while the block's own
@@ -146,8 +150,10 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         scope = shorten(scope_id, _MAX_SCOPE_BYTES)
         if _is_torch_default(scope_id) and (given := _given(scope_id)):
             scope = given.pop()
+        armed = _armed(scope)
         try:
-            self.client.release(scope)
+            # As a block's release: sent, its answer read with the next request's.
+            self.client._release_block(scope, armed.pop() if armed else 0)
         except DaemonUnavailable as exc:
             if propagating is not None:
                 log.warning("could not release timer %r: %s", scope_id, exc)
@@ -172,6 +178,13 @@ def _is_torch_default(scope_id: str) -> bool:
 def _given(scope_id: str) -> list[str]:
     given: dict[str, list[str]] = _scopes.__dict__.setdefault("given", {})
     return given.setdefault(scope_id, [])
+
+
+def _armed(scope: str) -> list[int]:
+    """The numbers of the armings of ``scope`` in this thread, newest last (0 for
+    one the daemon keeps no number of), for its release to name."""
+    armed: dict[str, list[int]] = _scopes.__dict__.setdefault("armed", {})
+    return armed.setdefault(scope, [])
 
 
 def _user_call_site() -> str:

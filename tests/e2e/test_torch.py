@@ -27,7 +27,7 @@ from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient 
 
 from helpers import torch_workers  # noqa: E402
 from helpers.daemon import RunningDaemon  # noqa: E402
-from helpers.processes import reap, sleeper  # noqa: E402
+from helpers.processes import python_worker, reap, sleeper, wait_ready  # noqa: E402
 from helpers.waiting import PATIENCE, TORCH_PATIENCE, wait_until  # noqa: E402
 
 #: Jobs of several torch processes: one worker runs them in turn (``make test``'s
@@ -104,7 +104,57 @@ def test_happy_path(env_socket: RunningDaemon) -> None:
             [armed] = client.status().timers
             assert (armed.pid, armed.scope) == (os.getpid(), "happy")
             time.sleep(0.1)
-        assert client.status().timers == []
+        # The release is sent as the block ends, on the adapter's own connection.
+        wait_until(lambda: client.status().timers == [], what="the block's release")
+
+
+#: A torch worker with one block through the adapter: once its responder is
+#: connected it says "ready", waits for a line on stdin inside its block, and says
+#: how long the block's exit took.
+FROZEN_EXIT = """
+import sys, time
+import torch.distributed.elastic.timer as timer
+from watchdogd_client import Client
+from watchdogd_client.paths import client_socket_path
+from watchdogd_client.responder import process_responder
+from watchdogd_client.torch import WatchdogdTimerClient
+timer.configure(WatchdogdTimerClient(Client(timeout=5.0)))
+with timer.expires(after=60, scope="frozen"):
+    while not process_responder().carries(client_socket_path()):
+        time.sleep(0.005)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    ended = time.monotonic()
+print(time.monotonic() - ended, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_torch_blocks_exit_does_not_wait_for_the_daemon(env_socket: RunningDaemon) -> None:
+    """Its release is sent, and its answer read with the next request's: a daemon
+    that answers nothing for a while (frozen here) costs the block's exit nothing,
+    and the release lands once it runs again."""
+    worker = python_worker(FROZEN_EXIT, socket=env_socket.socket_path)
+    try:
+        assert worker.stdin is not None
+        assert worker.stdout is not None
+        wait_ready(worker)
+        os.kill(env_socket.pid, signal.SIGSTOP)
+        try:
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+            # A release that waited would wait out the client's 5 s timeout and raise.
+            took = float(worker.stdout.readline())
+            assert took < 2.0
+        finally:
+            os.kill(env_socket.pid, signal.SIGCONT)
+        with env_socket.client() as client:
+            wait_until(
+                lambda: not [t for t in client.status().timers if t.pid == worker.pid],
+                what="the release, landed",
+            )
+    finally:
+        reap(worker)
 
 
 def test_a_default_scope_is_the_users_call_site_for_acquire_and_release(
