@@ -155,11 +155,10 @@ def first_signal(timer: Timer, policy: Policy, note: str) -> Signal | None:
     """The signal a run of ``policy`` on ``timer`` sends first to the timer's own
     process, if the run starts afresh with one and nothing need be said of it
     (``note``): the executor may then send it before it makes anything else of
-    the expiry, and hand its result to `Run.signalled`. None for any other run,
-    and for a run that is part of an incident (its signal waits for the evidence)."""
+    the expiry, and hand its result to `Run.signalled`. None for any other run.
+    (A policy that starts with a signal takes no dump first, so its signal never
+    waits for an incident's evidence, `AwaitEvidence`.)"""
     if timer.step or timer.step_end or is_peer(timer) or note or policy.target != "process":
-        return None
-    if timer.run is not None and timer.run.incident:
         return None
     steps = policy.steps
     if not steps or type(steps[0]) is not Signal:
