@@ -366,7 +366,9 @@ class Responder:
 
     def _forget_in_child(self) -> None:
         # The parent's connection is the parent's: the child drops its copy of the
-        # descriptor, which sends nothing on the socket.
+        # descriptor, which sends nothing on the socket. The parent's thread may
+        # have held the send lock at the fork; in the child it would stay held.
+        self._send_lock = threading.Lock()
         self._stopping = True
         self._close()
 

@@ -377,3 +377,47 @@ def test_a_client_that_declines_stops_the_responder_that_runs(
     worker.stdin.flush()
     assert line.ended.wait(PATIENCE)
     assert worker.stdout.readline().strip() == "['MainThread']"
+
+
+#: A process whose responder's send lock is held by another thread when it forks:
+#: the child's at-fork hook must not wait for a lock no thread of the child holds.
+FORK_WHILE_SENDING = """
+import os, sys, threading, time
+from watchdogd_client import responder
+from watchdogd_client.arming import JobLabels
+own = responder.Responder("/nonexistent/watchdogd.sock", JobLabels())
+responder._ThisProcess.responder = own
+held, done = threading.Event(), threading.Event()
+
+def send():
+    with own._send_lock:  # as the responder's thread holds it while it sends
+        held.set()
+        done.wait()
+
+sender = threading.Thread(target=send)
+sender.start()
+held.wait()
+child = os.fork()
+if child == 0:
+    os._exit(0)  # past the at-fork hooks
+done.set()
+sender.join()
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+        print("exited", flush=True)
+        break
+    time.sleep(0.01)
+else:
+    os.kill(child, 9)
+    print("hung", flush=True)
+"""
+
+
+def test_a_fork_while_the_responder_sends_leaves_the_child_free(tmp_path: Path) -> None:
+    """The parent's responder thread holds its send lock while it sends (its hello,
+    its evidence); a fork then must not leave the child waiting for it forever."""
+    worker = python_worker(FORK_WHILE_SENDING, socket=tmp_path / "none.sock")
+    out, err = worker.communicate(timeout=PATIENCE)
+    assert out.strip() == "exited", err
