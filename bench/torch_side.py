@@ -96,6 +96,8 @@ class System:
     name: str
     new_client: Callable[[], TimerClient]  # called in each worker, after fork
     record: ServerRecord = field(default_factory=ServerRecord)
+    #: The server's process, when it has one of its own.
+    pid: int = 0
 
 
 @dataclass
@@ -169,6 +171,7 @@ def file_timer_server(timer: ModuleType, directory: Path) -> Iterator[System]:
     system = System(
         "FileTimer",
         lambda: timer.FileTimerClient(path, signal=signal.SIGKILL),
+        pid=child,
     )
     try:
         wait_for_reader(path)

@@ -96,12 +96,8 @@ def watchdogd_block() -> None:
 def torch_system(timer: ModuleType, directory: Path) -> Iterator[tuple[Callable[[], None], int]]:
     """An empty block through torch's ``expires`` and ``FileTimerClient``, and the pid
     of the FileTimerServer's process."""
-    before = set(os.listdir("/proc"))
     with file_timer_server(timer, directory) as system:
-        children = [int(p) for p in set(os.listdir("/proc")) - before if p.isdigit()]
-        server = next(p for p in children if _parent(p) == os.getpid())
         client = system.new_client()
-        dropped = TORCH_DROPPED
 
         def block() -> None:
             # torch's client drops a request when the FIFO is full, raising: a
@@ -110,17 +106,9 @@ def torch_system(timer: ModuleType, directory: Path) -> Iterator[tuple[Callable[
                 with timer.expires(after=60, client=client):
                     pass
             except BlockingIOError:
-                dropped[0] += 1
+                TORCH_DROPPED[0] += 1
 
-        yield block, server
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
+        yield block, system.pid
 
 
 def burst_figures(directory: Path, victims: int, others: int) -> list[str]:
