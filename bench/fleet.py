@@ -16,6 +16,8 @@ Figures:
 - the floors: one put to the watch event, through `EtcdClient` (the least any
   fan-out pays), and one put seen by 200 bare watches in this process (etcd, its
   gateway and the decoding, without the members);
+- what one put costs this process's CPU through `EtcdClient`, against the same
+  request's bytes on a bare socket with its answer read by its length;
 - incident fan-out: from the put of an incident's head to every other host of its
   job having started its peer policy, p50/p99 over 100 incidents 0.2 s apart, and
   over a burst of 50 at once;
@@ -449,6 +451,46 @@ async def put_to_watch(client: EtcdClient, rounds: int) -> list[float]:
     return times
 
 
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def put_cpu(client: EtcdClient, endpoint: str, blocks: int, size: int) -> tuple[float, float]:
+    """Median CPU seconds of this process a put: through ``client``, and (the floor)
+    the same request's bytes on a bare trio socket with its answer read by its
+    length; ``blocks`` blocks of ``size`` puts each, the two taking turns."""
+    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+    key, value = f"{PREFIX}-floor/cpu".encode(), b"x" * 100
+    body = json.dumps(
+        {"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()}
+    ).encode()
+    request = (
+        f"POST /v3/kv/put HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    ours: list[float] = []
+    floor: list[float] = []
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        for _ in range(blocks):
+            started = _own_cpu()
+            for _ in range(size):
+                await client.put(key, value)
+            ours.append((_own_cpu() - started) / size)
+            started = _own_cpu()
+            for _ in range(size):
+                await stream.send_all(request)
+                answer = b""
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some(65536)
+                head, _, answer = answer.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(answer) < length:
+                    answer += await stream.receive_some(65536)
+            floor.append((_own_cpu() - started) / size)
+    return statistics.median(ours), statistics.median(floor)
+
+
 async def bare_fan_out(endpoint: str, watchers: int, rounds: int) -> list[float]:
     """Seconds from a put to its event on the last of ``watchers`` watches (each a
     client of its own, as each member has), ``rounds`` times."""
@@ -564,6 +606,7 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
         start = await meter.snapshot()
         async with EtcdClient([etcd.url]) as client:
             one = (await put_to_watch(client, rounds))[10:]
+            ours, bare_put = await put_cpu(client, etcd.url, 5 if options.quick else 9, 200)
         middle = await meter.snapshot()
         many = (await bare_fan_out(etcd.url, members, rounds // 4))[2:]
         end = await meter.snapshot()
@@ -578,6 +621,9 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
             Figure(f"put → {members} bare watches all seen, p50", bare * 1e3, "ms",
                    bare / floor, f"x floor; p99 {percentile(many, 0.99) * 1e3:.2f} ms; "
                    "a client each, no member code"),
+            Figure("a put through EtcdClient: CPU of this process", ours * 1e6, "µs",
+                   ours / bare_put, f"x the same request on a bare socket ({bare_put * 1e6:.0f} "
+                   "µs); medians of blocks of 200, in turn"),
             Figure("etcd's CPU: a put and its event / an event more", put_cost * 1e6, "µs",
                    event_cost / put_cost, f"ratio: an event more ({event_cost * 1e6:.0f} µs) "
                    "/ the put; 100-byte values"),

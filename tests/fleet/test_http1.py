@@ -235,7 +235,9 @@ def test_endpoints_parse_from_urls() -> None:
     assert Endpoint.parse("https://etcd.example:2379/") == Endpoint("https", "etcd.example", 2379)
     ipv6 = Endpoint.parse("http://[::1]:2379")
     assert (ipv6.host, ipv6.authority, str(ipv6)) == ("::1", "[::1]:2379", "http://[::1]:2379")
-    for url in ("127.0.0.1:2379", "unix:///x", "http://h", "http://h:99999", "http://u@h:1"):
+    # A host goes into every request's head as written: plain characters only.
+    bad = ("127.0.0.1:2379", "unix:///x", "http://h", "http://h:99999", "http://u@h:1")
+    for url in (*bad, "http://a b:1", "http://h\x00:1", "http://h\x7f:1"):
         with pytest.raises(ValueError, match="http"):
             Endpoint.parse(url)
 

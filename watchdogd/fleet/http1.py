@@ -1,32 +1,35 @@
 """HTTP/1.1 client connections over trio streams, bounded in every size.
 
-h11 speaks the protocol (the request's bytes, the response's framing: a
+httptools (llhttp, the parser of Node.js, in C) reads the response's framing: a
 ``Content-Length`` body, ``Transfer-Encoding: chunked`` as the gateway's streams
 are, or a body that runs to the end of the connection, and whether the connection
-may carry another request); this module moves its bytes over a trio stream, holds
+may carry another request. The request's head is written here: the only request is a
+``POST`` of a JSON body to one of etcd's fixed paths, on an `Endpoint` whose host was
+checked when it was parsed. This module moves the bytes over a trio stream, holds
 what the peer sends to our bounds, and says what went wrong in this project's words.
-Only what etcd's JSON gateway needs: a request is a ``POST`` with a JSON body.
 
-Why h11 and not httpx: the etcd client keeps its own pool of idle connections under
-its own limit of connections (watches included), and checks a pooled connection
-for a peer that closed it before each use. httpx would bring anyio and a second
-pool that holds connections outside that count, and it bounds neither a body nor a
-streamed line, so ours would be counted around it all the same; h11 is the
-protocol layer that httpx's own HTTP/1.1 stands on, without any of that.
+Why httptools: h11, the sans-IO HTTP/1.1 of the trio ecosystem, was this module's
+parser first; in pure Python it took about as much CPU as everything else of an etcd
+call together, and its per-chunk work showed in every watch event a fleet of daemons
+reads (docs/benchmarks.md, "The fleet's HTTP"). httpx would bring anyio and a second
+pool that holds connections outside the etcd client's own count, and it bounds
+neither a body nor a streamed line. h11 still serves the scrape endpoint
+(`watchdogd.runtime.scrape`), where one request a second costs nothing.
 
 Invariants:
 
 - Nothing the peer sends is held past a bound (`Limits`): a response head (status
-  line and headers) is at most ``max_head`` bytes in at most ``max_headers`` lines,
-  and so are a chunked body's trailers; a chunk-size line is refused once
-  ``max_head`` bytes of it wait for their end; a body read whole is at most
-  ``max_body`` bytes, a line of a streamed body at most ``max_line`` bytes. A
-  declared ``Content-Length`` over the bound is refused before anything of the body
-  is read; a growing body or line is refused before it is copied past its bound.
-  What is received at a time is at most 64 KiB, and no more than what is left of
-  the bound while a head is read.
+  line and headers) is at most ``max_head`` bytes in at most ``max_headers`` lines
+  (each interim head has a bound of its own), and so are a chunked body's trailers;
+  what is received in a body past a head without a byte of the body in it (a
+  chunk-size line that never ends, trailers) is refused past ``max_head`` bytes; a
+  body read whole is at most ``max_body`` bytes, a line of a streamed body at most
+  ``max_line`` bytes. A declared ``Content-Length`` over the bound is refused before
+  anything of the body is read; a growing body or line is refused before it is
+  copied past its bound. What is received at a time is at most 64 KiB, and no more
+  than what is left of the bound while a head is read.
 - Every way a connection can fail (an OSError, a TLS error, the end of the stream
-  before the response did, an answer that is not HTTP/1.1, a bound exceeded) is
+  before the response did, an answer that is not HTTP/1.x, a bound exceeded) is
   raised as `ConnectionBroken`, or `ConnectFailed` while it is being opened, when
   the request cannot have reached the server. A broken connection is never used
   again; its owner closes it.
@@ -38,15 +41,16 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import functools
 import select
 import socket
 import ssl
 import urllib.parse
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator
 from typing import Annotated, Final, Literal
 
-import h11
+import httptools
 import msgspec
 import trio
 
@@ -65,25 +69,42 @@ _KEEPALIVE: Final = (
     (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2),
     (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
 )
-#: h11's reasons for refusing what the peer sent, by how they begin, in the words
-#: of this module's errors; h11's own text follows in parentheses, and a reason not
-#: listed is given as h11 words it.
+_NOT_HTTP: Final = "not an HTTP/1.1 response"
+_BAD_HEADER: Final = "a malformed header line"
+_BAD_LENGTH: Final = "a Content-Length that is not a number"
+_BAD_CHUNK: Final = "a chunk size that is not a number"
+#: llhttp's reasons for refusing what the peer sent, by how they begin, in the words
+#: of this module's errors; llhttp's own text follows in parentheses, and a reason
+#: not listed is given as llhttp words it.
 _REASONS: Final = (
-    ("illegal status line", "not an HTTP/1.1 response"),
-    # h11's name for a status line that starts with a control byte (TLS, say).
-    ("illegal request line", "not an HTTP/1.1 response"),
-    ("no response line", "not an HTTP/1.1 response"),
-    ("illegal header line", "a malformed header line"),
-    ("continuation line at start", "a malformed header line"),
-    ("bad Content-Length", "a Content-Length that is not a number"),
-    ("conflicting Content-Length", "a Content-Length that is not one number"),
-    ("Only Transfer-Encoding", "a transfer encoding this client does not read"),
-    ("multiple Transfer-Encoding", "a transfer encoding this client does not read"),
-    ("illegal chunk header", "a chunk size that is not a number"),
-    ("malformed chunk footer", "a chunk not followed by CRLF"),
-    # max_incomplete_event_size: past a head, only a chunk-size line or trailers wait.
-    ("Receive buffer too long", "a chunk size or trailers over the bound of a head"),
+    ("Expected HTTP/", _NOT_HTTP),
+    ("Invalid major version", _NOT_HTTP),
+    ("Invalid minor version", _NOT_HTTP),
+    ("Expected dot", _NOT_HTTP),
+    ("Invalid status", _NOT_HTTP),
+    ("Expected space after", _NOT_HTTP),
+    ("Missing expected CR after response line", _NOT_HTTP),
+    ("Missing expected LF after response line", _NOT_HTTP),
+    ("Invalid header", _BAD_HEADER),
+    ("Unexpected whitespace", _BAD_HEADER),
+    ("Unexpected space", _BAD_HEADER),
+    ("Missing expected CR after header", _BAD_HEADER),
+    ("Missing expected LF after header", _BAD_HEADER),
+    ("Invalid character in Content-Length", _BAD_LENGTH),
+    ("Content-Length overflow", _BAD_LENGTH),
+    ("Duplicate Content-Length", "a Content-Length that is not one number"),
+    (
+        "Content-Length can't be present with Transfer-Encoding",
+        "a Content-Length and a transfer encoding",
+    ),
+    ("Invalid character in chunk size", _BAD_CHUNK),
+    ("Chunk size overflow", _BAD_CHUNK),
+    ("Expected LF after chunk", "a chunk not followed by CRLF"),
+    ("Expected CR", "a chunk not followed by CRLF"),
+    ("Invalid character in chunk ext", "a malformed chunk-size line"),
 )
+#: Characters an endpoint's host may not hold: it is written into each request's head.
+_UNSAFE_HOST: Final = frozenset(" \t\r\n/\\@?#")
 
 
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,11 +150,14 @@ class Endpoint(msgspec.Struct, frozen=True):
             port = parts.port
         except ValueError:
             port = None
-        if not parts.hostname or not parts.hostname.isascii() or port is None:
+        host = parts.hostname or ""
+        if not host.isascii() or not host.isprintable() or _UNSAFE_HOST & set(host):
+            host = ""  # written into every request's head: plain characters only
+        if not host or port is None:
             raise ValueError(f"{url!r}: name a host and a port, as in http://127.0.0.1:2379")
         if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
             raise ValueError(f"{url!r}: only a scheme, a host and a port are allowed")
-        return cls(scheme, parts.hostname, port)
+        return cls(scheme, host, port)
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.authority}"
@@ -178,6 +202,86 @@ async def open_connection(
     return Connection(tls, tcp, endpoint, limits)
 
 
+class _Response:
+    """What llhttp found so far of the response being read: httptools calls these
+    methods from `httptools.HttpResponseParser.feed_data`, and `Connection` judges
+    the result after each feed (a callback that raised would leave the parser's
+    state unknown)."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.expect()
+
+    def expect(self) -> None:
+        """A request went out: what comes next is its response."""
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        #: Header lines of the head being read; lines and bytes of the trailers.
+        self.lines = 0
+        self.trailer_lines = 0
+        self.trailer_bytes = 0
+        #: Interim (1xx) heads skipped so far.
+        self.interims = 0
+        self.body: collections.deque[bytes] = collections.deque()
+        #: Whether a feed since the head brought a piece of the body, a chunk's
+        #: size line or the end of the body.
+        self.progress = False
+        self.complete = False
+        self.keep_alive = False
+        #: Whether anything came after the response: the connection is spent.
+        self.extra = False
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.extra = True
+
+    # What comes after the response (``extra``) is not read: it spends the connection.
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.extra:
+            return
+        if self.head_done:  # a trailer: its bounds are checked, its value dropped
+            self.trailer_lines += 1
+            self.trailer_bytes += len(name) + len(value) + 4
+            return
+        self.lines += 1
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text
+
+    def on_headers_complete(self) -> None:
+        if self.extra:
+            return
+        self.status = self.parser.get_status_code()
+        self.head_done = True
+        self.progress = False
+
+    def on_body(self, body: bytes) -> None:
+        if self.extra:
+            return
+        self.body.append(body)
+        self.progress = True
+
+    def on_chunk_header(self) -> None:
+        self.progress = True
+
+    def on_message_complete(self) -> None:
+        if self.extra:
+            return
+        if 100 <= self.status < 200:  # an interim answer: skipped, its head dropped
+            self.interims += 1
+            self.status, self.headers, self.head_done, self.lines = 0, {}, False, 0
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        self.complete = self.progress = True
+
+    def runs_to_the_end(self) -> bool:
+        """Whether the body, framed neither by a length nor by chunks, ends with the
+        connection."""
+        framed = "content-length" in self.headers or "transfer-encoding" in self.headers
+        return self.head_done and not framed and self.status not in (204, 304)
+
+
 class Connection:
     """One HTTP/1.1 connection: a request, its response head, then its body read
     whole (`read_body`) or line by line (`read_lines`), and again while
@@ -191,28 +295,20 @@ class Connection:
         self._fd = tcp.socket.fileno()
         self._limits = limits
         self._host = endpoint.authority.encode("ascii")
-        # h11 refuses an incomplete event past this; a head cannot get there (its
-        # reads stop at the bound, `_receive`), so it bounds chunk-size lines and
-        # trailers.
-        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=limits.max_head)
+        self._response = _Response()
         #: "idle" (ready for a request), "sent" (its head not read yet), "body" (the
         #: body is being read), "broken" (never used again).
         self._state = "idle"
-        #: Bytes received of the response head being read, and its first bytes.
-        self._head_bytes = 0
+        #: The first bytes of the response head being read, quoted when it is refused.
         self._head_start = b""
-        #: Whether the peer ended the stream: what h11 refuses next is that end.
-        self._ended = False
+        #: Bytes received in the body since a feed last brought something of it.
+        self._stalled = 0
         #: Requests sent on this connection, for a caller to tell a fresh one.
         self.requests = 0
 
     @property
     def reusable(self) -> bool:
-        return (
-            self._state == "idle"
-            and self._h11.our_state is h11.IDLE
-            and not self._h11.trailing_data[0]
-        )
+        return self._state == "idle" and not self._response.extra
 
     def closed_by_peer(self) -> bool:
         """Whether the idle connection has something to read: its peer closed it (or
@@ -220,7 +316,7 @@ class Connection:
         server that restarted leaves every pooled connection in this state."""
         poller = select.poll()
         poller.register(self._fd, select.POLLIN | select.POLLRDHUP)
-        return bool(poller.poll(0)) or bool(self._h11.trailing_data[0])
+        return bool(poller.poll(0)) or self._response.extra
 
     async def aclose(self) -> None:
         self._state = "broken"
@@ -230,11 +326,9 @@ class Connection:
         """Send ``POST path`` with the JSON ``body``."""
         assert self._state == "idle", f"a request on a connection that is {self._state}"
         self._state = "broken"  # until the request went out whole
-        request = _request(self._host, path, len(body))
-        data = self._h11.send(request) + self._h11.send(h11.Data(data=body))
-        data += self._h11.send(h11.EndOfMessage())
+        self._response.expect()
         try:
-            await self._stream.send_all(data)
+            await self._stream.send_all(_request(self._host, path, len(body)) + body)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise ConnectionBroken(f"sending to {self.endpoint} failed: {_cause(exc)}") from exc
         self.requests += 1
@@ -244,22 +338,34 @@ class Connection:
         """The response's head, once it has come whole; its body is read next."""
         assert self._state == "sent", f"a response head on a connection that is {self._state}"
         self._state = "broken"  # until the head is read and understood
-        self._head_bytes, self._head_start = 0, b""
-        event = await self._next_event("a response head", head=True)
-        while isinstance(event, h11.InformationalResponse):  # interim answers: skipped
-            # What came after it is the next head's, and counts against its bound.
-            self._head_bytes = len(self._h11.trailing_data[0])
-            event = await self._next_event("a response head", head=True)
-        assert isinstance(event, h11.Response), event
-        if len(event.headers) > self._limits.max_headers:
-            raise self._broken(f"more than {self._limits.max_headers} header lines")
-        head = Head(event.status_code, _joined(event.headers))
-        # h11 checked that it is a number of at most 20 digits; a chunked body
-        # would ignore it.
+        response, limits = self._response, self._limits
+        self._head_start, received = b"", 0
+        while not response.head_done:
+            # Never more than the head's bound: llhttp would parse a head that came
+            # whole in one read, however long. Each interim head has its own.
+            room = limits.max_head * (1 + response.interims) - received
+            if room <= 0:
+                raise self._broken(f"a response head over {limits.max_head} bytes")
+            data = await self._receive(room, "a response head")
+            self._head_start = self._head_start or data[:_QUOTED]
+            received += len(data)
+            self._feed(data, "a response head")
+        # Counted once the head is whole, as its bytes bounded what it could hold.
+        if response.lines > limits.max_headers:
+            raise self._broken(f"more than {limits.max_headers} header lines")
+        if self._response.parser.get_http_version() not in ("1.0", "1.1"):
+            raise self._broken(f"{_NOT_HTTP}, in a head that began {self._head_start!r}")
+        head = Head(response.status, response.headers)
+        encoding = head.headers.get("transfer-encoding")
+        if encoding is not None and encoding.lower() != "chunked":
+            raise self._broken(f"a transfer encoding this client does not read ({encoding})")
+        # llhttp checked that it is a number, and a chunked body comes without one.
         declared = int(head.headers.get("content-length", "0"))
-        if declared > self._limits.max_body and "transfer-encoding" not in head.headers:
-            bound = self._limits.max_body
+        if declared > limits.max_body:
+            bound = limits.max_body
             raise self._broken(f"a body of {declared} bytes, over the bound of {bound}", TooLarge)
+        # What came after the head with it, before any of the body, waits as long.
+        self._stalled = 0 if response.progress else received - _head_size(head)
         self._state = "body"
         return head
 
@@ -298,69 +404,60 @@ class Connection:
         """The next piece of the body; b"" once it has ended, when the connection is
         idle again (or, when it cannot carry another request, spent)."""
         assert self._state == "body", f"a body read on a connection that is {self._state}"
-        event = await self._next_event("a body", head=False)
-        if isinstance(event, h11.Data):
-            return event.data
-        assert isinstance(event, h11.EndOfMessage), event
-        trailers = event.headers
-        size = sum(len(name) + len(value) + 4 for name, value in trailers)
-        if size > self._limits.max_head or len(trailers) > self._limits.max_headers:
+        response, limits = self._response, self._limits
+        while not response.body:
+            if response.complete:
+                self._check_trailers()
+                if response.keep_alive and not response.extra:
+                    self._state = "idle"
+                else:  # either side asked to close
+                    self._state = "broken"
+                return b""
+            data = await self._receive(_RECEIVE, "a body")
+            if not data:  # the end of the stream ends only a body framed by it
+                self._state = "broken"
+                return b""
+            response.progress = False
+            self._feed(data, "a body")
+            self._stalled = 0 if response.progress else self._stalled + len(data)
+            if self._stalled > limits.max_head:
+                raise self._broken("a chunk size or trailers over the bound of a head")
+            self._check_trailers()
+        return response.body.popleft()
+
+    def _check_trailers(self) -> None:
+        response, limits = self._response, self._limits
+        if response.trailer_lines > limits.max_headers or response.trailer_bytes > limits.max_head:
             raise self._broken("trailers over the bounds of a response head")
-        # h11 ends a body that runs to the end of the stream as if the connection
-        # could carry another; it cannot.
-        done = self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE
-        if done and not self._ended:
-            self._h11.start_next_cycle()
-            self._state = "idle"
-        else:  # either side asked to close, or the stream has ended
-            self._state = "broken"
-        return b""
 
-    async def _next_event(self, what: str, *, head: bool) -> h11.Event:
-        """The next thing h11 makes of the response, receiving as it needs."""
-        while True:
-            try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise self._refused(what, str(exc), head=head) from None
-            if isinstance(event, h11.Event):
-                return event
-            # PAUSED comes only after the end of a response, which is never read past.
-            assert event is h11.NEED_DATA, event
-            await self._receive(what, head=head)
-
-    async def _receive(self, what: str, *, head: bool) -> None:
-        room = _RECEIVE
-        if head:
-            # Never more than the head's bound: h11 would parse a head that came
-            # whole in one read, however long.
-            room = self._limits.max_head - self._head_bytes
-            if room <= 0:
-                raise self._broken(f"a response head over {self._limits.max_head} bytes")
+    async def _receive(self, room: int, what: str) -> bytes:
+        """At most ``room`` bytes of what the peer sent; b"" where the stream ended
+        and the response in ``what`` may end with it (a body framed by the end)."""
         try:
             # bytes() of bytes is the same object: a copy only of a bytearray.
             data = bytes(await self._stream.receive_some(room))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise self._broken(f"receiving failed: {_cause(exc)}") from exc
-        if head:
-            self._head_bytes += len(data)
-            self._head_start = self._head_start or data[:_QUOTED]
-        self._ended = not data
-        self._h11.receive_data(data)
+        if not data and not self._response.runs_to_the_end():
+            raise self._broken(f"the connection closed in {what}")
+        if not data:
+            self._response.complete = True
+        return data
 
-    def _refused(self, what: str, reason: str, *, head: bool) -> ConnectionBroken:
-        """The error for what h11 refused of the response, read in ``what``."""
-        # h11 had all the data before the end and wanted more, so the end is what
-        # it refuses now.
-        if self._ended:
-            return self._broken(f"the connection closed in {what}")
-        if len(reason) > _QUOTED * 2:  # h11 quotes a refused line whole
-            reason = f"{reason[: _QUOTED * 2]}..."
-        words = next((ours for theirs, ours in _REASONS if reason.startswith(theirs)), None)
-        text = reason if words is None else f"{words} ({reason})"
-        if head:
-            text += f", in a head that began {self._head_start!r}"
-        return self._broken(text)
+    def _feed(self, data: bytes, what: str) -> None:
+        try:
+            self._response.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise self._broken(f"a protocol upgrade no request asked for, in {what}") from None
+        except httptools.HttpParserError as exc:
+            reason = str(exc)
+            if len(reason) > _QUOTED * 2:
+                reason = f"{reason[: _QUOTED * 2]}..."
+            words = next((ours for theirs, ours in _REASONS if reason.startswith(theirs)), None)
+            text = reason if words is None else f"{words} ({reason})"
+            if not self._response.head_done:
+                text += f", in a head that began {self._head_start!r}"
+            raise self._broken(text) from None
 
     def _broken(
         self, what: str, kind: type[ConnectionBroken] = ConnectionBroken
@@ -370,26 +467,25 @@ class Connection:
 
 
 @functools.lru_cache(maxsize=_REQUESTS)
-def _request(host: bytes, path: str, length: int) -> h11.Request:
-    """The head of a ``POST`` of a JSON body of ``length`` bytes to ``path``: one
-    object for every request alike, since h11 checks every header of a new one."""
-    headers = [
-        (b"Host", host),
-        (b"Content-Type", b"application/json"),
-        (b"Accept", b"application/json"),
-        (b"Content-Length", b"%d" % length),
-    ]
-    return h11.Request(method=b"POST", target=path.encode("ascii"), headers=headers)
+def _request(host: bytes, path: str, length: int) -> bytes:
+    """The head of a ``POST`` of a JSON body of ``length`` bytes to ``path`` (one of
+    the gateway's fixed paths) on ``host`` (an `Endpoint`'s checked authority)."""
+    assert path.isascii(), path
+    assert path.isprintable(), path
+    assert " " not in path, path
+    return b"".join(
+        (
+            b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (path.encode("ascii"), host),
+            b"Content-Type: application/json\r\nAccept: application/json\r\n",
+            b"Content-Length: %d\r\n\r\n" % length,
+        )
+    )
 
 
-def _joined(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """Headers by their lower-case name (h11 writes names so), a repeated header's
-    values joined by ", "."""
-    joined: dict[str, str] = {}
-    for raw_name, raw_value in headers:
-        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
-        joined[name] = f"{joined[name]}, {value}" if name in joined else value
-    return joined
+def _head_size(head: Head) -> int:
+    """About the bytes of ``head`` as it was sent: its status line and its headers'
+    lines, written plainly."""
+    return 17 + sum(len(name) + len(value) + 4 for name, value in head.headers.items()) + 2
 
 
 def _cause(exc: BaseException) -> str:
