@@ -263,6 +263,22 @@ async def test_each_interim_head_has_a_bound_of_its_own() -> None:
         assert await post(connection) == (200, b"next")
 
 
+async def test_interim_heads_do_not_count_against_a_chunk_size_line() -> None:
+    big = "X: " + "y" * 10000
+    interim = f"HTTP/1.1 100 Continue\r\n{big}\r\n\r\n".encode()
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def in_three_parts(stream: trio.SocketStream) -> None:
+        # The heads, then a chunk-size line with a long extension, then the rest:
+        # only the line's own bytes wait for its end.
+        for part in (interim * 2 + head, b"1;" + b"e" * 6000, b"\r\nx\r\n0\r\n\r\n"):
+            await stream.send_all(part)
+            await trio.sleep(0.05)
+
+    async with serving(in_three_parts) as server, connected(server) as connection:
+        assert await post(connection) == (200, b"x")
+
+
 async def test_a_stream_that_breaks_mid_line_breaks_the_connection() -> None:
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b'9\r\n{"n":1}\n{\r\n'
     async with serving(answer) as server, connected(server) as connection:

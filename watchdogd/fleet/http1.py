@@ -221,8 +221,9 @@ class _Response:
         self.lines = 0
         self.trailer_lines = 0
         self.trailer_bytes = 0
-        #: Interim (1xx) heads skipped so far.
+        #: Interim (1xx) heads skipped so far, and about their bytes (`head_size`).
         self.interims = 0
+        self.skipped = 0
         self.body: collections.deque[bytes] = collections.deque()
         #: Whether a feed since the head brought a piece of the body, a chunk's
         #: size line or the end of the body.
@@ -270,10 +271,16 @@ class _Response:
             return
         if 100 <= self.status < 200:  # an interim answer: skipped, its head dropped
             self.interims += 1
+            self.skipped += self.head_size()
             self.status, self.headers, self.head_done, self.lines = 0, {}, False, 0
             return
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = self.progress = True
+
+    def head_size(self) -> int:
+        """About the bytes of the head read, as written plainly: its status line and
+        its headers' lines."""
+        return 17 + sum(len(name) + len(value) + 4 for name, value in self.headers.items()) + 2
 
     def runs_to_the_end(self) -> bool:
         """Whether the body, framed neither by a length nor by chunks, ends with the
@@ -365,7 +372,8 @@ class Connection:
             bound = limits.max_body
             raise self._broken(f"a body of {declared} bytes, over the bound of {bound}", TooLarge)
         # What came after the head with it, before any of the body, waits as long.
-        self._stalled = 0 if response.progress else received - _head_size(head)
+        after = received - response.skipped - response.head_size()
+        self._stalled = 0 if response.progress else max(0, after)
         self._state = "body"
         return head
 
@@ -480,12 +488,6 @@ def _request(host: bytes, path: str, length: int) -> bytes:
             b"Content-Length: %d\r\n\r\n" % length,
         )
     )
-
-
-def _head_size(head: Head) -> int:
-    """About the bytes of ``head`` as it was sent: its status line and its headers'
-    lines, written plainly."""
-    return 17 + sum(len(name) + len(value) + 4 for name, value in head.headers.items()) + 2
 
 
 def _cause(exc: BaseException) -> str:
