@@ -20,6 +20,14 @@ same line never share a timer.
 The protocol is the same engine the blocking client drives
 (`watchdogd_client.engine`): here a reader task per connection feeds it what arrives
 and hands each answer to the task waiting for it.
+
+A block's release does not wait for its answer, as the blocking client's does not
+(`watchdogd_client.Client`): it is sent, the block ends, and the reader task settles
+it when the answer comes (`watchdogd_client.releases`); a refusal is logged then and
+raised by the client's next request. A broken connection's unsettled releases go
+first on the next one, and the process's responder sends them too without waiting
+for the program. `AsyncClient.aclose` waits up to 2 s for their answers, so the
+daemon takes them before it sees the process end.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import itertools
 import os
 import sys
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final, TypeVar, Unpack
 
@@ -45,6 +53,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
         ".whl[trio]' from a built wheel"
     ) from missing
 
+from . import releases
 from ._version import __version__
 from .arming import After, Arming, Handle, acquire_request, arming_timeout
 from .base import DaemonStatus, log
@@ -53,6 +62,7 @@ from .errors import DaemonUnavailable, WatchdogdError
 from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
+    Acquire,
     Acquired,
     Ping,
     Pong,
@@ -65,7 +75,7 @@ from .protocol import (
     TimerInfo,
     Welcome,
 )
-from .responder import settle_responder
+from .responder import process_responder, settle_responder
 from .scope import shorten
 
 __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
@@ -73,6 +83,8 @@ __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
 _R = TypeVar("_R", bound=ReplyMessage)
 _RECV_SIZE: Final = 64 * 1024
 _STATUS_PAGE: Final = 1000
+#: How long `AsyncClient.aclose` waits for the answers of its releases.
+_CLOSE_WAIT: Final = 2.0
 
 
 @contextlib.asynccontextmanager
@@ -103,11 +115,18 @@ async def open_client(
 class _Connection:
     """One stream, its protocol, and the tasks waiting for answers on it."""
 
-    def __init__(self, stream: trio.SocketStream, protocol: Connection) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        protocol: Connection,
+        unwaited: Callable[[Answer], None],
+    ) -> None:
         self.stream = stream
         self.protocol = protocol
         self.send_lock = trio.Lock()
         self.waiting: dict[int, trio.MemorySendChannel[Answer]] = {}
+        #: Takes the answers no task waits for: those of releases sent without waiting.
+        self._unwaited = unwaited
 
     async def read_replies(self) -> None:
         """Feed the protocol what arrives and hand each answer to its task, until the
@@ -131,6 +150,8 @@ class _Connection:
             channel = self.waiting.pop(answer.id, None)
             if channel is not None:
                 channel.send_nowait(answer)
+            else:
+                self._unwaited(answer)
 
 
 class AsyncClient:
@@ -167,6 +188,9 @@ class AsyncClient:
             weakref.WeakKeyDictionary()
         )
         self._next_task_number = itertools.count(1)
+        self._releases = releases.Releasing()
+        #: Set once no release waits for its answer, while `aclose` waits for that.
+        self._all_settled: trio.Event | None = None
 
     async def acquire(
         self,
@@ -181,14 +205,66 @@ class AsyncClient:
         request = acquire_request(
             self._engine.next_id(), scope, timeout, pid=pid, progress=progress, **arming
         )
-        if pid is None or pid == os.getpid():
+        reply = await self._acquire(request)
+        return request.timeout if reply is None else reply.remaining
+
+    async def _acquire(self, request: Acquire) -> Acquired | None:
+        """The answer to ``request``; None where the daemon is unavailable and the
+        client carries on unprotected."""
+        if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
             settle_responder(self.responder, self.socket_path, request)
         try:
-            return (await self._call(request, Acquired)).remaining
+            return await self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
-            return request.timeout
+            return None
+
+    async def _arm_block(
+        self, scope: str, after: After, progress: int | None, arming: Arming
+    ) -> int:
+        """Arm a block's timer; the number of its arming (0 where the daemon keeps
+        none), for `_release_block` to name."""
+        request = acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
+        reply = await self._acquire(request)
+        return 0 if reply is None else reply.arm
+
+    async def _release_block(self, scope: str, arm: int) -> None:
+        """Release a block's timer, armed as ``arm``: without waiting for the answer
+        where the daemon numbered the arming and the process's responder would send
+        it again after a break; otherwise as `release` does."""
+        responder = process_responder() if arm else None
+        connection = self._connection
+        if (
+            responder is None
+            or not responder.carries(self.socket_path)
+            or connection is None
+            or connection.protocol.state != "open"
+        ):
+            await self.release(scope)
+            return
+        request = Release(id=self._engine.next_id(), scope=scope, arm=arm)
+        frame = connection.protocol.send(request, Released)
+        self._releases.sent(request, connection.protocol)
+        try:
+            async with connection.send_lock:
+                await connection.stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The daemon went: the responder sends it again once it is back, and so
+            # does this client's next connection.
+            connection.protocol.send_failed()
+            responder.resend()
+        except BaseException:
+            # Cut short, perhaps mid-frame: nothing after it could be understood.
+            connection.protocol.send_failed()
+            connection.stream.socket.close()
+            responder.resend()
+            raise
+
+    def _unwaited(self, answer: Answer) -> None:
+        self._releases.settle(answer)
+        if self._all_settled is not None and not self._releases.in_flight:
+            self._all_settled.set()
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
@@ -230,10 +306,17 @@ class AsyncClient:
         return AsyncTimer(self, after, chosen, arming)
 
     async def aclose(self) -> None:
-        """Close the connection (the nursery's reader task ends with it)."""
+        """Close the connection (the nursery's reader task ends with it), once the
+        answers of its releases are read, for at most 2 s."""
         connection, self._connection = self._connection, None
-        if connection is not None:
-            await connection.stream.aclose()
+        if connection is None:
+            return
+        if self._releases.in_flight and connection.protocol.state == "open":
+            self._all_settled = trio.Event()
+            with trio.move_on_after(_CLOSE_WAIT):
+                await self._all_settled.wait()
+            self._all_settled = None
+        await connection.stream.aclose()
 
     def _caller_scope(self) -> str:
         frame = sys._getframe(2)
@@ -244,6 +327,7 @@ class AsyncClient:
         return shorten(f"{frame.f_code.co_filename}:{frame.f_lineno}@{task.name}#{number}")
 
     async def _call(self, request: Request, expected: type[_R]) -> _R:
+        self._releases.raise_refused()
         answer = await self._attempt(request, expected)
         if answer.retry:
             # The connection broke under the request: the daemon may have restarted.
@@ -257,7 +341,9 @@ class AsyncClient:
         self, request: Request, expected: type[_R], *, resent: bool = False
     ) -> Answer:
         connection = await self._connected(reconnect=resent)
-        frame = connection.protocol.send(request, expected, resent=resent)
+        # A new connection first carries the releases the last one left unanswered.
+        frame = self._releases.again(connection.protocol, self._engine)
+        frame += connection.protocol.send(request, expected, resent=resent)
         return await self._exchange(connection, request.id, frame)
 
     async def _exchange(self, connection: _Connection, request_id: int, frame: bytes) -> Answer:
@@ -331,7 +417,7 @@ class AsyncClient:
             raise self._engine.unavailable(f"no answer within {self.timeout:g} s") from None
         except OSError as exc:
             raise self._engine.connect_failed(exc) from None
-        connection = _Connection(stream, self._engine.connect())
+        connection = _Connection(stream, self._engine.connect(), self._unwaited)
         self._nursery.start_soon(connection.read_replies)
         protocol = connection.protocol
         try:
@@ -349,17 +435,18 @@ class AsyncTimer(Handle["AsyncClient"]):
     __slots__ = ()
 
     async def release(self) -> None:
-        """Disarm now; idempotent."""
+        """Disarm now; idempotent. The task goes on as soon as the release is sent
+        when the process's responder can carry it (see the module's docstring)."""
         if self._armed:
             self._armed = False
-            await self.client.release(self.scope)
+            await self.client._release_block(self.scope, self._arm)
 
     async def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: expire ``after`` (default: the last timeout) seconds from now;
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
             self.after = after
-        await self.client.acquire(self.scope, self.after, progress=progress, **self.arming)
+        self._arm = await self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:

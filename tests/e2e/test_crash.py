@@ -275,9 +275,35 @@ print("released", flush=True)
 time.sleep(600)
 """
 
+#: The same in a trio program: its block's release does not wait either.
+ONE_TRIO_BLOCK_THEN_IDLE = """
+import os, sys
+import trio
+from watchdogd_client.paths import client_socket_path
+from watchdogd_client.responder import process_responder
+from watchdogd_client.trio import open_client
+go = sys.argv[1]
 
+async def main():
+    async with open_client() as client:
+        async with client.expires(after=0.5, scope="once"):
+            while not process_responder().carries(client_socket_path()):
+                await trio.sleep(0.005)
+            print("ready", flush=True)
+            while not os.path.exists(go):
+                await trio.sleep(0.005)
+        print("released", flush=True)
+        await trio.sleep(600)
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize(
+    "program", [ONE_BLOCK_THEN_IDLE, ONE_TRIO_BLOCK_THEN_IDLE], ids=["blocking", "trio"]
+)
 def test_a_release_the_daemon_never_read_is_sent_again_without_the_worker(
-    restartable: RunningDaemon, tmp_path: Path
+    restartable: RunningDaemon, tmp_path: Path, program: str
 ) -> None:
     """The daemon is frozen while a worker's block ends, so the release sits unread
     in its socket, and then killed: the release is gone with it. It stays down
@@ -285,7 +311,7 @@ def test_a_release_the_daemon_never_read_is_sent_again_without_the_worker(
     makes no request after its block; its responder sends the release again on
     its new connection, within the restart grace, and the worker lives."""
     go = tmp_path / "go"
-    worker = python_worker(ONE_BLOCK_THEN_IDLE, str(go), socket=restartable.socket_path)
+    worker = python_worker(program, str(go), socket=restartable.socket_path)
     try:
         assert worker.stdout is not None
         wait_ready(worker)

@@ -27,7 +27,11 @@ from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient 
 
 from helpers import torch_workers  # noqa: E402
 from helpers.daemon import RunningDaemon  # noqa: E402
-from helpers.processes import python_worker, reap, sleeper, wait_ready  # noqa: E402
+from helpers.processes import (  # noqa: E402
+    reap,
+    released_while_frozen,
+    sleeper,
+)
 from helpers.waiting import PATIENCE, TORCH_PATIENCE, wait_until  # noqa: E402
 
 #: Jobs of several torch processes: one worker runs them in turn (``make test``'s
@@ -134,27 +138,9 @@ def test_a_torch_blocks_exit_does_not_wait_for_the_daemon(env_socket: RunningDae
     """Its release is sent, and its answer read with the next request's: a daemon
     that answers nothing for a while (frozen here) costs the block's exit nothing,
     and the release lands once it runs again."""
-    worker = python_worker(FROZEN_EXIT, socket=env_socket.socket_path)
-    try:
-        assert worker.stdin is not None
-        assert worker.stdout is not None
-        wait_ready(worker)
-        os.kill(env_socket.pid, signal.SIGSTOP)
-        try:
-            worker.stdin.write("go\n")
-            worker.stdin.flush()
-            # A release that waited would wait out the client's 5 s timeout and raise.
-            took = float(worker.stdout.readline())
-            assert took < 2.0
-        finally:
-            os.kill(env_socket.pid, signal.SIGCONT)
-        with env_socket.client() as client:
-            wait_until(
-                lambda: not [t for t in client.status().timers if t.pid == worker.pid],
-                what="the release, landed",
-            )
-    finally:
-        reap(worker)
+    [took] = released_while_frozen(env_socket, FROZEN_EXIT, 1)
+    # A release that waited would wait out the client's 5 s timeout and raise.
+    assert took < 2.0
 
 
 def test_a_default_scope_is_the_users_call_site_for_acquire_and_release(

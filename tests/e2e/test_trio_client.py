@@ -15,7 +15,7 @@ from watchdogd_client import DaemonUnavailable, ErrorCode, RequestRefused
 from watchdogd_client.trio import AsyncClient, open_client
 
 from helpers.daemon import RunningDaemon
-from helpers.processes import python_worker, reap, wait_ready
+from helpers.processes import python_worker, reap, released_while_frozen, wait_ready
 from helpers.waiting import PATIENCE
 
 
@@ -148,6 +148,40 @@ def test_a_trio_program_releases_early_survives_then_hangs_and_is_killed(
         assert worker.wait(timeout=PATIENCE) == -signal.SIGKILL
     finally:
         reap(worker)
+
+
+FROZEN_EXIT = """
+import sys, time
+import trio
+from watchdogd_client.paths import client_socket_path
+from watchdogd_client.responder import process_responder
+from watchdogd_client.trio import open_client
+
+async def main():
+    async with open_client(timeout=5.0) as client:
+        async with client.expires(after=60, scope="frozen"):
+            while not process_responder().carries(client_socket_path()):
+                await trio.sleep(0.005)
+            print("ready", flush=True)
+            await trio.to_thread.run_sync(sys.stdin.readline)
+            ended = time.monotonic()
+        print(time.monotonic() - ended, flush=True)
+    print(time.monotonic() - ended, flush=True)
+    await trio.sleep(600)
+
+trio.run(main)
+"""
+
+
+def test_a_blocks_exit_does_not_wait_for_the_daemon(daemon: RunningDaemon) -> None:
+    """The release of an ``async with`` block is sent and read by the connection's
+    reader: a daemon that answers nothing for a while (frozen here) costs the block's
+    exit nothing, the client's close waits at most 2 s for the answer, and the
+    release lands once the daemon runs again."""
+    block_exit, close = released_while_frozen(daemon, FROZEN_EXIT, 2)
+    # A release that waited would wait out the client's 5 s timeout and raise.
+    assert block_exit < 1.0
+    assert 1.5 < close < 4.0  # the close's bounded wait
 
 
 async def test_reconnects_after_a_daemon_restart(daemon: RunningDaemon) -> None:

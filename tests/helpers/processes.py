@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helpers.waiting import PATIENCE, wait_until
+
+if TYPE_CHECKING:
+    from helpers.daemon import RunningDaemon
 
 
 def python_worker(
@@ -183,3 +188,31 @@ def _stat_fields(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command name: state first."""
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()
+
+
+def released_while_frozen(daemon: RunningDaemon, source: str, figures: int) -> list[float]:
+    """Run ``source``, a worker that prints "ready" inside an ``expires()`` block,
+    ends the block on a line of its stdin and then prints ``figures`` numbers: the
+    daemon is frozen (SIGSTOP) from before the block ends until they are printed,
+    and its release must land once the daemon runs again. The numbers, as read."""
+    worker = python_worker(source, socket=daemon.socket_path)
+    try:
+        assert worker.stdin is not None
+        assert worker.stdout is not None
+        wait_ready(worker)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+            read = [float(worker.stdout.readline()) for _ in range(figures)]
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        with daemon.client() as client:
+            wait_until(
+                lambda: not [t for t in client.status().timers if t.pid == worker.pid],
+                what="the release, landed",
+            )
+        assert worker.poll() is None, worker.communicate()
+        return read
+    finally:
+        reap(worker)
