@@ -65,7 +65,7 @@ from .protocol import (
     Why,
     WhyReply,
 )
-from .responder import process_responder, settle_responder
+from .responder import release_carrier, settle_responder
 
 __all__ = [
     "BaseClient",
@@ -227,8 +227,8 @@ class Client(BaseClient):
         return 0 if reply is None else reply.arm
 
     def _release_block(self, scope: str, arm: int) -> None:
-        responder = process_responder() if arm else None
-        if responder is not None and responder.carries(self.socket_path):
+        responder = release_carrier(self.socket_path, arm)
+        if responder is not None:
             with self._lock:
                 connection, sock = self._connection, self._sock
                 if (

@@ -82,6 +82,7 @@ __all__ = [
     "Responder",
     "decline_responder",
     "process_responder",
+    "release_carrier",
     "settle_responder",
     "start_responder",
 ]
@@ -433,6 +434,14 @@ def decline_responder() -> None:
 def process_responder() -> Responder | None:
     """This process's responder, if one was started (and not declined since)."""
     return _ThisProcess.responder
+
+
+def release_carrier(socket_path: str, arm: int) -> Responder | None:
+    """The responder that lets a block's release of arming ``arm`` go without waiting
+    for its answer, if any: the daemon numbered the arming (``arm`` is not 0), and
+    this process's responder `carries` releases to the daemon at ``socket_path``."""
+    responder = _ThisProcess.responder if arm else None
+    return responder if responder is not None and responder.carries(socket_path) else None
 
 
 def _reset_in_child() -> None:

@@ -75,7 +75,7 @@ from .protocol import (
     TimerInfo,
     Welcome,
 )
-from .responder import process_responder, settle_responder
+from .responder import release_carrier, settle_responder
 from .scope import shorten
 
 __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
@@ -233,14 +233,9 @@ class AsyncClient:
         """Release a block's timer, armed as ``arm``: without waiting for the answer
         where the daemon numbered the arming and the process's responder would send
         it again after a break; otherwise as `release` does."""
-        responder = process_responder() if arm else None
+        responder = release_carrier(self.socket_path, arm)
         connection = self._connection
-        if (
-            responder is None
-            or not responder.carries(self.socket_path)
-            or connection is None
-            or connection.protocol.state != "open"
-        ):
+        if responder is None or connection is None or connection.protocol.state != "open":
             await self.release(scope)
             return
         request = Release(id=self._engine.next_id(), scope=scope, arm=arm)
