@@ -9,10 +9,10 @@ TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: run test lint typecheck pytest bench soak demo man wheels clean
 
-# The venv, with a pip that installs both packages editable from their pyproject.
+# The venv. The pip it comes with (22.3 or later on Python 3.11) installs both
+# packages editable from their pyproject: no upgrade of it, which is a download.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
 
 # setuptools warns, for each editable package, that a folder named like it in the
 # working directory would be imported first: that folder is the package.

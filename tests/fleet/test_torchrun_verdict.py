@@ -26,9 +26,6 @@ from helpers.waiting import PATIENCE, wait_until
 
 pytest.importorskip("torch")
 
-#: Jobs of several torch processes: one worker runs them in turn (``make test``'s
-#: workers would otherwise run two or three at once, and starve their ranks).
-pytestmark = pytest.mark.xdist_group("torch")
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 HOSTS = ("host-a", "host-b")

@@ -19,10 +19,6 @@ from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
-#: Jobs of several torch processes: one worker runs them in turn (``make test``'s
-#: workers would otherwise run two or three at once, and starve their ranks).
-pytestmark = pytest.mark.xdist_group("torch")
-
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
 #: broadcast in a second group, all under a timer of torch's own ``expires()``; then
 #: rank 0 enters a third all_reduce, which rank 1 never does: it waits in
