@@ -19,9 +19,11 @@ from watchdogd.core.config import Config, DaemonConfig, FleetConfig
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Service
 from watchdogd.core.timers import Expired
+from watchdogd.fleet import member
 from watchdogd.fleet.etcd import Data, EtcdClient
 from watchdogd.fleet.member import FleetMember
 from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
+from watchdogd.fleet.records import HostRecord
 from watchdogd.fleet.watch import Watch
 from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import (
@@ -259,6 +261,28 @@ async def test_an_incident_of_a_job_followed_past_its_windows_is_followed_too(
         )
         await wait_for(lambda: a.client.watching == 1, "the follow ended")
     assert a.client.most == 2
+
+
+async def test_a_follow_that_nobody_waits_behind_keeps_its_watch(
+    etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x holds the job but never publishes ranks: a's follow of the incident does not
+    settle, and runs for turns of a watch; with no other follow waiting, it keeps the
+    watch it opened for the time after the window, never opens one a turn."""
+    turn = 0.2
+    monkeypatch.setattr(member, "_TURN", turn)
+    a = make_host("a", "train", etcd, prefix)
+    x_holds = HostRecord("x", "up", [("root", "train")])
+    async with running(a), EtcdClient([etcd.url]) as x:
+        await x.put(f"{prefix}/hosts/x", msgspec.json.encode(x_holds))
+        await wait_for(lambda: a.member.holders("root", "train") == {"x"}, "x's jobs")
+        a.hang()
+        ranks = (f"{prefix}/ranks/root/train/", None)
+        await wait_for(lambda: ranks in a.client.watched, "a's follow")
+        await trio.sleep(WINDOW + 5 * turn)
+        # The window's watch, then the one of the time after it.
+        assert a.client.watched.count(ranks) == 2
+        assert a.client.watching == 2
 
 
 async def test_a_member_starting_after_a_day_of_stacks_reads_the_heads_only(

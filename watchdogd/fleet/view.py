@@ -12,7 +12,7 @@ Sync and without I/O: the member (`watchdogd.fleet.member`) decodes each key
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from .records import HostRecord, Rejected
@@ -36,13 +36,19 @@ class FleetView:
         #: Every other host as last seen, with its jobs; how many jobs in all.
         self._hosts: dict[str, tuple[str, frozenset[Job]]] = {}
         self._host_jobs = 0
-        #: The bytes of other hosts' ranks taken, by (incident, host).
+        #: The hosts of each job, as their keys last said: asked at each ranks
+        #: event of a job followed, so never a walk over every host.
+        self._holders: dict[Job, set[str]] = {}
+        #: The bytes of other hosts' ranks taken, by (incident, host); their sums,
+        #: by incident and in all, asked at each ranks event.
         self._rank_bytes: dict[tuple[str, str], int] = {}
+        self._incident_bytes: dict[str, int] = {}
+        self._all_bytes = 0
 
     def holders(self, user: str, job: str) -> set[str]:
         """The other hosts that hold timers of ``job`` (of the user named ``user``),
         as their keys last said."""
-        return {host for host, (_, jobs) in self._hosts.items() if (user, job) in jobs}
+        return set(self._holders.get((user, job), ()))
 
     def host_seen(self, host: str, record: HostRecord) -> None:
         """``host``'s key says ``record``, in place of what it said before; raises
@@ -56,6 +62,7 @@ class FleetView:
             raise Rejected("budget", f"more than {MAX_FLEET_JOBS} jobs of other hosts")
         self._hosts[host] = (record.state, jobs)
         self._host_jobs = kept + len(jobs)
+        self._index(host, () if before is None else before[1], jobs)
 
     def host_gone(self, host: str) -> frozenset[Job] | None:
         """Forget ``host``, whose key was deleted. The jobs it held if it was lost
@@ -66,7 +73,18 @@ class FleetView:
             return None
         state, jobs = gone
         self._host_jobs -= len(jobs)
+        self._index(host, jobs, frozenset())
         return None if state == "stopped" else jobs
+
+    def _index(self, host: str, before: Iterable[Job], after: frozenset[Job]) -> None:
+        for job in before:
+            if job not in after:
+                holders = self._holders[job]
+                holders.discard(host)
+                if not holders:
+                    del self._holders[job]
+        for job in after:
+            self._holders.setdefault(job, set()).add(host)
 
     def take_ranks(
         self, incident_id: str, host: str, size: int, kept: Callable[[str], bool]
@@ -75,17 +93,27 @@ class FleetView:
         they were before, or raise `Rejected` past the bounds. ``kept`` says whether
         an incident is still kept here: those that are not are forgotten when the
         bytes in all would be over their bound."""
-        taken = self._rank_bytes
-        taken.pop((incident_id, host), None)
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
-            for key in [key for key in taken if not kept(key[0])]:
-                del taken[key]
-        of_incident = sum(n for (other, _), n in taken.items() if other == incident_id)
-        if of_incident + size > MAX_INCIDENT_BYTES:
+        self._forget((incident_id, host))
+        if self._all_bytes + size > MAX_FLEET_RANK_BYTES:
+            for key in [key for key in self._rank_bytes if not kept(key[0])]:
+                self._forget(key)
+        if self._incident_bytes.get(incident_id, 0) + size > MAX_INCIDENT_BYTES:
             raise Rejected("budget", f"ranks of one incident over {MAX_INCIDENT_BYTES} bytes")
-        if sum(taken.values()) + size > MAX_FLEET_RANK_BYTES:
+        if self._all_bytes + size > MAX_FLEET_RANK_BYTES:
             raise Rejected("budget", f"ranks of other hosts over {MAX_FLEET_RANK_BYTES} bytes")
-        taken[(incident_id, host)] = size
+        self._rank_bytes[(incident_id, host)] = size
+        self._incident_bytes[incident_id] = self._incident_bytes.get(incident_id, 0) + size
+        self._all_bytes += size
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        size = self._rank_bytes.pop(key, None)
+        if size is None:
+            return
+        incident = key[0]
+        self._all_bytes -= size
+        left = self._incident_bytes.pop(incident, 0) - size
+        if left > 0:
+            self._incident_bytes[incident] = left
 
 
 __all__ = ["MAX_FLEET_JOBS", "MAX_FLEET_RANK_BYTES", "MAX_HOSTS", "MAX_INCIDENT_BYTES", "FleetView"]
