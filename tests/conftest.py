@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from xdist.scheduler import LoadGroupScheduling
 
 from watchdogd.host.cgroups import host_hierarchy
 from watchdogd_client import Client
@@ -32,9 +31,9 @@ decline_responder()
 
 
 #: Jobs of several torch processes. ``make test``'s workers would run two or three of
-#: them at once beside a busy machine and starve their ranks: one worker runs them in
-#: turn. Named here, by file, since the scheduler that keeps them together runs where
-#: no test is collected and sees node ids alone.
+#: them at once beside a busy machine and starve their ranks: each waits for the one
+#: another worker runs to end. A lock rather than one worker for them all: while one
+#: waits, the machine is busy with the other workers' tests anyway.
 TORCH_JOBS = frozenset(
     {
         "tests/e2e/test_torch.py",
@@ -45,29 +44,11 @@ TORCH_JOBS = frozenset(
 )
 
 
-class TorchJobsInTurn(LoadGroupScheduling):  # type: ignore[misc]
-    """``--dist loadgroup`` with the torch jobs as one group. xdist marks a group by
-    appending it to the node id, which pytest 9.2's node ids no longer take
-    (pytest-dev/pytest-xdist#1386): the group is named from the path instead."""
-
-    def _split_scope(self, nodeid: str) -> str:
-        if nodeid.partition("::")[0] in TORCH_JOBS:
-            return "torch"
-        return str(super()._split_scope(nodeid))
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    return TorchJobsInTurn(config, log)
-
-
 @pytest.fixture(autouse=True)
 def torch_jobs_in_turn(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """A torch job running while another worker runs one fails at once, rather than
-    starving both now and then: the scheduler above must keep them in turn."""
+    """A torch job runs while no other worker runs one (see `TORCH_JOBS`)."""
     if (
         "PYTEST_XDIST_WORKER" not in os.environ
         or request.node.nodeid.partition("::")[0] not in TORCH_JOBS
@@ -77,10 +58,7 @@ def torch_jobs_in_turn(
     # The workers' temporary directories share this parent, one per run.
     lock = tmp_path_factory.getbasetemp().parent / "torch-jobs.lock"
     with lock.open("a") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pytest.fail("another worker is running a torch job: they no longer run in turn")
+        fcntl.flock(held, fcntl.LOCK_EX)
         yield
 
 
