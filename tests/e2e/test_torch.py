@@ -201,7 +201,6 @@ def test_a_spawned_worker_that_hangs_is_killed(env_socket: RunningDaemon) -> Non
     assert time.monotonic() - started > 1  # not before its timer
 
 
-@pytest.mark.torch_job
 def test_recursive_use_of_one_scope(env_socket: RunningDaemon) -> None:
     context = fork_context()
     survivor = context.Process(target=torch_workers.nested, args=(4,))
@@ -214,7 +213,6 @@ def test_recursive_use_of_one_scope(env_socket: RunningDaemon) -> None:
     assert stuck.exitcode == -signal.SIGKILL
 
 
-@pytest.mark.torch_job
 def test_many_clients_with_nested_scopes_lose_no_request(env_socket: RunningDaemon) -> None:
     context = fork_context()
     processes = [context.Process(target=torch_workers.many_requests, args=(10,)) for _ in range(10)]
