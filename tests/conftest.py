@@ -30,29 +30,15 @@ from helpers.processes import left_behind
 decline_responder()
 
 
-#: Jobs of several torch processes. ``make test``'s workers would run two or three of
-#: them at once beside a busy machine and starve their ranks: each waits for the one
-#: another worker runs to end. A lock rather than one worker for them all: while one
-#: waits, the machine is busy with the other workers' tests anyway.
-TORCH_JOBS = frozenset(
-    {
-        "tests/e2e/test_torch.py",
-        "tests/e2e/test_torchrun.py",
-        "tests/fleet/test_torchrun_verdict.py",
-        "tests/host/test_flight_recorder.py",
-    }
-)
-
-
 @pytest.fixture(autouse=True)
 def torch_jobs_in_turn(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """A torch job runs while no other worker runs one (see `TORCH_JOBS`)."""
-    if (
-        "PYTEST_XDIST_WORKER" not in os.environ
-        or request.node.nodeid.partition("::")[0] not in TORCH_JOBS
-    ):
+    """A test marked ``torch_job`` (a job of several torch processes) waits for the
+    one another worker runs to end: two or three at once beside a busy machine
+    starve their ranks. A lock, not one worker for them all: meanwhile the other
+    tests go on."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or not request.node.get_closest_marker("torch_job"):
         yield
         return
     # The workers' temporary directories share this parent, one per run.

@@ -301,6 +301,7 @@ def _two_scopes_then_hang() -> None:
         time.sleep(30)
 
 
+@pytest.mark.torch_job
 def test_six_torch_processes_even_ranks_hang(env_socket: RunningDaemon) -> None:
     context = torch_mp.spawn(torch_workers.hang_on_even_ranks, nprocs=6, join=False)
     for process in context.processes:

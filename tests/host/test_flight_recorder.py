@@ -19,6 +19,9 @@ from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
+#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
+pytestmark = pytest.mark.torch_job
+
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
 #: broadcast in a second group, all under a timer of torch's own ``expires()``; then
 #: rank 0 enters a third all_reduce, which rank 1 never does: it waits in
