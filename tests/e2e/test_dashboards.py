@@ -166,16 +166,21 @@ def test_what_they_name_exists_and_every_panel_has_data(
                     wait_until(refused, what="the state degraded")
                 own_etcd.stop()
                 wait_until(lambda: fleet(daemon) != "connected", what="the fleet disconnected")
-                # The expiry is counted once its policy has run, a moment after the kill.
+                # The expiry is counted once its policy has run, a moment after the kill,
+                # and its incident's verdict a moment later; a page is served again to
+                # every scrape for a while (Prometheus's may have come in between).
                 pages: list[str] = []
 
                 def counted() -> bool:
                     address = f"http://127.0.0.1:{daemon_port}/metrics"
                     with urllib.request.urlopen(address) as reply:
                         pages[:] = [reply.read().decode()]
-                    return "watchdogd_expiries_total{" in pages[0]
+                    return all(
+                        f"watchdogd_{name}_total{{" in pages[0]
+                        for name in ("expiries", "incident_verdicts")
+                    )
 
-                wait_until(counted, what="the expiry counted")
+                wait_until(counted, what="the expiry and its verdict counted")
                 [page] = pages
                 # What the rules and the panels name is on the daemon's page.
                 for promql in [query for _, query in panel_queries()] + rule_expressions():
