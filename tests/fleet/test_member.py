@@ -278,9 +278,9 @@ async def test_a_follow_that_nobody_waits_behind_keeps_its_watch(
         await wait_for(lambda: a.member.holders("root", "train") == {"x"}, "x's jobs")
         a.hang()
         ranks = (f"{prefix}/ranks/root/train/", None)
-        await wait_for(lambda: ranks in a.client.watched, "a's follow")
-        await trio.sleep(WINDOW + 5 * turn)
-        # The window's watch, then the one of the time after it.
+        # The window's watch, then the one of the time after it, and no more.
+        await wait_for(lambda: a.client.watched.count(ranks) == 2, "a's follow past the window")
+        await trio.sleep(5 * turn)
         assert a.client.watched.count(ranks) == 2
         assert a.client.watching == 2
 
