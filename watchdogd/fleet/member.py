@@ -93,8 +93,10 @@ MAX_FOLLOWED: Final = 4
 _SETTLE: Final = 120.0
 #: A revision after every other.
 _NEVER: Final = sys.maxsize
-#: How long a follow waits for a watch before it ends the turn of the longest held.
+#: How long a follow holds its watch while other jobs wait for one, at least; how
+#: often, past that, it looks whether one waits.
 _TURN: Final = 2.0
+_TURN_CHECK: Final = 0.25
 #: How often the jobs held are compared with those registered.
 _CHECK_EVERY: Final = 0.5
 #: An incident older than this when first seen (after a partition, say) is kept
@@ -179,9 +181,6 @@ class FleetMember(Generic[P]):
         #: The jobs whose incidents' ranks are followed, as (user name, job).
         self._following: dict[tuple[str, str], _Following] = {}
         self._limiter = trio.CapacityLimiter(MAX_FOLLOWED)
-        #: The follows holding a watch: when each one's turn began, and its scope,
-        #: which a follow that waited a turn for a watch cancels (`_take_turn`).
-        self._turns: dict[tuple[str, str], tuple[float, trio.CancelScope]] = {}
         self._nursery: trio.Nursery | None = None
         self._view = FleetView()
         #: The jobs this host holds, as the fleet names them (`held`), as of the
@@ -339,11 +338,11 @@ class FleetMember(Generic[P]):
         processes it adds), then until every host of the job has settled each, for
         `_SETTLE` seconds past the last window at most.
 
-        At most `MAX_FOLLOWED` jobs hold a watch at once (`_take_turn`); a follow
-        that waited a turn of `_TURN` seconds for one ends the turn of the one that
-        has held its watch longest, which waits again and goes on from the revision
-        it reached: so incidents that never settle (forged, or of a host gone) delay
-        a real one by a turn, no more, and a watch that nobody waits for is kept."""
+        At most `MAX_FOLLOWED` jobs hold a watch at once; while others wait for
+        one, each holds it for a turn of `_TURN` seconds, then lets the next go
+        first (`_end_turn`), and goes on from the revision it reached: so incidents
+        that never settle (forged, or of a host gone) delay a real one by a turn, no
+        more. A watch nobody waits for is kept, never opened again each turn."""
         following = self._following.get(job)
         if following is None:
             return  # its task failed and was started again: the follow was over
@@ -358,33 +357,24 @@ class FleetMember(Generic[P]):
         prefix, at = self._key("ranks", *job, ""), following.at
         try:
             while True:
-                await self._take_turn(job)
-                turn = trio.CancelScope()
-                self._turns[job] = (trio.current_time(), turn)
-                try:
-                    with turn:
-                        await self._follow_turn(following, prefix, at, settled)
-                        return
-                finally:
-                    del self._turns[job]
-                    self._limiter.release_on_behalf_of(job)
-                # Another follow waited a whole turn: it goes first.
+                async with self._limiter, trio.open_nursery() as turn:
+                    turn.start_soon(self._end_turn, turn.cancel_scope)
+                    await self._follow_turn(following, prefix, at, settled)
+                    turn.cancel_scope.cancel()
+                    return
+                # The turn is over and another follow waits: it goes first.
         finally:
             del self._following[job]
             if not self._following:
                 self._health.forget("ranks")
 
-    async def _take_turn(self, job: tuple[str, str]) -> None:
-        """Take one of the `MAX_FOLLOWED` watches for ``job``. Each turn of `_TURN`
-        seconds spent waiting ends the turn of the follow that has held its watch
-        longest, if that is a turn or more."""
-        while True:
-            with trio.move_on_after(_TURN):
-                await self._limiter.acquire_on_behalf_of(job)
-                return
-            held = min(self._turns.values(), key=lambda held: held[0], default=None)
-            if held is not None and trio.current_time() - held[0] >= _TURN:
-                held[1].cancel()
+    async def _end_turn(self, turn: trio.CancelScope) -> None:
+        """End ``turn`` once it has lasted `_TURN` seconds and another follow waits
+        for a watch; while none waits, the watch is kept."""
+        await trio.sleep(_TURN)
+        while not self._limiter.statistics().tasks_waiting:
+            await trio.sleep(_TURN_CHECK)
+        turn.cancel()
 
     async def _follow_turn(
         self,

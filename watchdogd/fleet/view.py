@@ -12,7 +12,7 @@ Sync and without I/O: the member (`watchdogd.fleet.member`) decodes each key
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Final
 
 from .records import HostRecord, Rejected
@@ -62,7 +62,7 @@ class FleetView:
             raise Rejected("budget", f"more than {MAX_FLEET_JOBS} jobs of other hosts")
         self._hosts[host] = (record.state, jobs)
         self._host_jobs = kept + len(jobs)
-        self._index(host, () if before is None else before[1], jobs)
+        self._index(host, frozenset() if before is None else before[1], jobs)
 
     def host_gone(self, host: str) -> frozenset[Job] | None:
         """Forget ``host``, whose key was deleted. The jobs it held if it was lost
@@ -76,13 +76,12 @@ class FleetView:
         self._index(host, jobs, frozenset())
         return None if state == "stopped" else jobs
 
-    def _index(self, host: str, before: Iterable[Job], after: frozenset[Job]) -> None:
-        for job in before:
-            if job not in after:
-                holders = self._holders[job]
-                holders.discard(host)
-                if not holders:
-                    del self._holders[job]
+    def _index(self, host: str, before: frozenset[Job], after: frozenset[Job]) -> None:
+        for job in before - after:
+            holders = self._holders[job]
+            holders.discard(host)
+            if not holders:
+                del self._holders[job]
         for job in after:
             self._holders.setdefault(job, set()).add(host)
 
