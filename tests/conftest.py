@@ -48,6 +48,26 @@ def torch_jobs_in_turn(
         yield
 
 
+#: The share of the run over which the torch jobs are spread: none is left for its
+#: end, where a worker that waits on the lock holds up the whole run.
+TORCH_JOBS_WITHIN = 0.8
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The torch jobs spread evenly over the run's first part, in their own order,
+    the other tests in theirs: collected in file order they came last, one after
+    another behind their lock while the other workers had nothing left to do.
+    Every worker collects the same items and sorts them alike, as xdist asks."""
+    jobs = [item for item in items if item.get_closest_marker("torch_job")]
+    if not jobs:
+        return
+    others = [item for item in items if not item.get_closest_marker("torch_job")]
+    spacing = TORCH_JOBS_WITHIN * len(others) / len(jobs)
+    for placed, job in enumerate(jobs):
+        others.insert(int((placed + 0.5) * spacing) + placed, job)
+    items[:] = others
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A process a test left running in the suite's process group fails the run,
     and is killed: the suite ends with none of its own still running."""
