@@ -52,6 +52,19 @@ def test_visibility_filters_before_the_limit() -> None:
     assert [e.pid for e in mine] == [7, 9]
 
 
+def test_a_page_after_any_number_is_the_next_events_each_viewer_may_see() -> None:
+    log = EventLog(40)
+    for pid in range(1, 301):
+        log.record(event(pid, uid=(0, 1000, 2000)[pid % 3]))
+    kept = log.page(None, 1000, ROOT)  # the latest, by a walk from the newest
+    assert 40 <= len(kept) < 300  # the rings dropped their oldest
+    for viewer in (ROOT, 1000, 2000, 3000):
+        visible = [e for e in kept if viewer in (ROOT, e.uid)]
+        for after in range(-1, 303):
+            expected = [e.seq for e in visible if e.seq > after][:4]
+            assert [e.seq for e in log.page(after, 4, viewer)] == expected, (viewer, after)
+
+
 def noisy(pid: int, uid: int, steps: int = 1, output: int = 64 * 1024) -> EventInfo:
     hooks = [
         StepResult(step=f"exec {i}", result="exit 0", output="o" * output) for i in range(steps)

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -223,8 +224,11 @@ def _seq(item: _Kept) -> int:
     return item.event.seq
 
 
-def _newer(ring: Iterable[_Kept], after: int) -> Iterator[_Kept]:
-    return itertools.dropwhile(lambda item: item.event.seq <= after, ring)
+def _newer(ring: deque[_Kept], after: int) -> Iterator[_Kept]:
+    """The events of ``ring`` numbered above ``after``, found by bisection: a
+    follower asks for the newest few of a ring of thousands at each poll, and the
+    loop that answers it is the one that fires the deadlines."""
+    return itertools.islice(ring, bisect.bisect_right(ring, after, key=_seq), None)
 
 
 def _bounded(event: EventInfo) -> tuple[EventInfo, int]:
