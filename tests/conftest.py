@@ -22,6 +22,7 @@ from watchdogd_client.responder import decline_responder
 from helpers.cgroups import ScratchCgroup, remove_cgroup
 from helpers.daemon import SHORT_RESTART, RunningDaemon, configured_daemon
 from helpers.etcd import EtcdServer, running_etcd
+from helpers.launcher import close_launcher
 from helpers.processes import left_behind
 
 # The test process arms timers on itself against many daemons: a responder of its
@@ -71,6 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A process a test left running in the suite's process group fails the run,
     and is killed: the suite ends with none of its own still running."""
+    close_launcher()
     orphans_too = "PYTEST_XDIST_WORKER" not in os.environ
     leftovers = left_behind(orphans_too=orphans_too)
     if leftovers:

@@ -15,6 +15,7 @@ from watchdogd.storage.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
 from watchdogd_client.protocol import EventInfo
 
+from helpers.launcher import Forked, forking, launcher, run_captured
 from helpers.waiting import PATIENCE, wait_until
 
 
@@ -33,18 +34,30 @@ class RunningDaemon:
         self.log_path = log_path
         self.args = args
         self.env = env
+        #: Forked from the test process's launcher (`helpers.launcher`) unless a
+        #: command of the test's own is given.
+        self.forked = command is None and forking()
         self.command = command or [sys.executable, "-m", "watchdogd", "--socket", str(socket_path)]
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | Forked | None = None
 
     def start(self, timeout: float = PATIENCE) -> None:
         """Start it and wait, up to ``timeout`` seconds, until it answers."""
+        env = None if self.env is None else {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [*self.command, *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=None if self.env is None else {**os.environ, **self.env},
-            )
+            if self.forked:
+                with open(os.devnull, "rb") as devnull:
+                    self.process = launcher().start(
+                        "watchdogd",
+                        [*self.command[3:], *self.args],
+                        stdin=devnull.fileno(),
+                        stdout=log.fileno(),
+                        stderr=log.fileno(),
+                        env=env,
+                    )
+            else:
+                self.process = subprocess.Popen(
+                    [*self.command, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env
+                )
         wait_until(
             self._answers, what=f"the daemon to answer on {self.socket_path}", timeout=timeout
         )
@@ -116,7 +129,10 @@ def ctl_command(socket: Path, *args: str) -> list[str]:
 
 
 def ctl(socket: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    """Run watchdogctl as an operator would; never raises on its exit status."""
+    """Run watchdogctl as an operator would (forked from the launcher, `helpers.launcher`);
+    never raises on its exit status."""
+    if forking():
+        return run_captured("watchdogctl", ["--socket", str(socket), *args], timeout=timeout)
     return subprocess.run(
         ctl_command(socket, *args), capture_output=True, text=True, check=False, timeout=timeout
     )

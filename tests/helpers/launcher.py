@@ -1,0 +1,320 @@
+"""Daemons and ``watchdogctl`` runs forked from a process that has imported them already.
+
+A ``python -m watchdogd`` spends most of its start in Python's own start and in the
+imports (trio, msgspec, click, the daemon's modules), and the suite starts some
+hundreds of daemons and runs some hundreds of ``watchdogctl``: a third of its CPU,
+which beside a busy machine is a third of its time. So each test process keeps one
+launcher: a child that imports both commands once, then forks a process for each
+start it is asked for. The forked process takes the test's argument list,
+environment, working directory, umask and standard streams, then runs the command's
+``main`` as its entry point would, and ends as an interpreter does (its threads
+joined, its ``atexit`` hooks run, its streams flushed); so what a test sees is the
+command's own behaviour. What differs: its parent is the launcher, and its command
+line in /proc is the launcher's. Where the command line itself is what is tested,
+the tests run the real command (the README's, the CLI's, systemd's tests).
+
+``WATCHDOGD_TESTS_EXEC=1`` starts every command with exec instead.
+
+The launcher and its test process speak over a SOCK_SEQPACKET pair: a start is one
+message (JSON, the standard streams passed along with it); the launcher answers with
+the new pid, and with each exit status as its child ends (it holds a pidfd of each).
+It ends when its test process closes the pair.
+"""
+
+from __future__ import annotations
+
+import array
+import importlib
+import json
+import locale
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+#: The commands the launcher runs, and the modules of their ``main``.
+_ENTRY_POINTS: Final = {
+    "watchdogd": "watchdogd.cli.watchdogd",
+    "watchdogctl": "watchdogd.cli.watchdogctl",
+}
+_MESSAGE: Final = 1 << 20
+#: The longest a wait holds the launcher's lock at a time.
+_SLICE: Final = 0.05
+_TESTS: Final = str(Path(__file__).resolve().parent.parent)
+
+
+def forking() -> bool:
+    """Whether commands are forked from the launcher (not ``WATCHDOGD_TESTS_EXEC=1``)."""
+    return os.environ.get("WATCHDOGD_TESTS_EXEC") != "1"
+
+
+class Forked:
+    """A process the launcher forked, with what the suite uses of `subprocess.Popen`."""
+
+    def __init__(self, launcher: Launcher, pid: int) -> None:
+        self._launcher = launcher
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._launcher.status(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._launcher.status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Launcher:
+    """This test process's launcher, started on first use (`launcher`)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket = ours
+        self._lock = threading.Lock()
+        self._exited: dict[int, int] = {}
+        code = (
+            f"import sys; sys.path.insert(0, {_TESTS!r}); "
+            "from helpers.launcher import serve; serve(int(sys.argv[1]))()"
+        )
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            cwd="/",
+        )
+        theirs.close()
+        self.owner = os.getpid()
+
+    def start(
+        self,
+        command: str,
+        args: Sequence[str],
+        *,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        env: Mapping[str, str] | None = None,
+    ) -> Forked:
+        """Fork ``command`` (``watchdogd`` or ``watchdogctl``) with ``args``, this process's working
+        directory and umask, and ``env`` (this process's environment if None)."""
+        umask = os.umask(0o022)
+        os.umask(umask)
+        request = {
+            "command": command,
+            "args": list(args),
+            "env": dict(os.environ if env is None else env),
+            "cwd": os.getcwd(),
+            "umask": umask,
+        }
+        fds = array.array("i", [stdin, stdout, stderr])
+        with self._lock:
+            self._socket.sendmsg(
+                [json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+            )
+            while True:
+                reply = self._receive(None)
+                assert reply is not None
+                if "pid" in reply:
+                    return Forked(self, reply["pid"])
+                if "error" in reply:
+                    raise OSError(reply["error"])
+
+    def status(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit status once it ended, waiting up to ``timeout`` seconds
+        (None: as long as it takes); None if it still runs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # The lock is let go now and then: another thread may start a process
+            # or wait for its own meanwhile.
+            with self._lock:
+                if pid in self._exited:
+                    return self._exited[pid]
+                left = _SLICE if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._receive(min(left, _SLICE))
+
+    def _receive(self, timeout: float | None) -> dict[str, Any] | None:
+        """One message (exit statuses are kept as they come); None after ``timeout``."""
+        self._socket.settimeout(timeout)
+        try:
+            data = self._socket.recv(_MESSAGE)
+        except (TimeoutError, BlockingIOError):
+            return None
+        finally:
+            self._socket.settimeout(None)
+        if not data:
+            raise OSError("the launcher exited")
+        message: dict[str, Any] = json.loads(data)
+        if "exited" in message:
+            self._exited[message["exited"]] = message["status"]
+        return message
+
+    def close(self) -> None:
+        self._socket.close()
+        self._process.wait(timeout=10)
+
+
+_launcher: Launcher | None = None
+_started = threading.Lock()
+
+
+def launcher() -> Launcher:
+    """This process's launcher, started on first use (again in a child of a fork)."""
+    global _launcher  # noqa: PLW0603 (one per test process)
+    with _started:
+        if _launcher is None or _launcher.owner != os.getpid():
+            _launcher = Launcher()
+        return _launcher
+
+
+def close_launcher() -> None:
+    """End this process's launcher, if it has one (the end of the test session)."""
+    global _launcher  # noqa: PLW0603
+    with _started:
+        if _launcher is not None and _launcher.owner == os.getpid():
+            _launcher.close()
+        _launcher = None
+
+
+# The launcher's side.
+
+
+def serve(control_fd: int) -> Callable[[], None]:
+    """Import the commands, then fork a process for each start asked on
+    ``control_fd`` until it closes. Returns only in a forked child: what to run
+    there, at the top level of the interpreter, so that it ends as any does."""
+    # What every start would import; not the package's __main__, which runs the daemon.
+    for module in _ENTRY_POINTS.values():
+        importlib.import_module(module)
+
+    control = socket.socket(fileno=control_fd)
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    children: dict[int, int] = {}
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is control:
+                message, fds, _, _ = socket.recv_fds(control, _MESSAGE, 3)
+                if not message:
+                    sys.exit(0)
+                request = json.loads(message)
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    return _child(control, request, fds)
+                for fd in fds:
+                    os.close(fd)
+                pidfd = os.pidfd_open(pid)
+                children[pidfd] = pid
+                selector.register(pidfd, selectors.EVENT_READ)
+                control.send(json.dumps({"pid": pid}).encode())
+            else:
+                assert isinstance(key.fileobj, int)
+                selector.unregister(key.fileobj)
+                os.close(key.fileobj)
+                pid = children.pop(key.fileobj)
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                control.send(json.dumps({"exited": pid, "status": code}).encode())
+
+
+def _child(control: socket.socket, request: dict[str, Any], fds: list[int]) -> Callable[[], None]:
+    """Become the process a start asked for; what its entry point runs."""
+    control.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    # As exec with close_fds: nothing of the launcher's (the pidfds of the other
+    # processes it started, the streams passed to it) stays open here.
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path.remove(_TESTS)
+    command, args = request["command"], request["args"]
+    if command == "watchdogd":
+        # As ``python -m watchdogd``: its path first, then the working directory.
+        package = Path(sys.modules["watchdogd"].__file__ or "").parent
+        sys.argv = [str(package / "__main__.py"), *args]
+        sys.path[0] = request["cwd"]
+    else:
+        # As the console script: its path first, its directory on the path.
+        script = Path(sys.executable).parent / command
+        sys.argv = [str(script), *args]
+        sys.path[0] = str(script.parent)
+    main = sys.modules[_ENTRY_POINTS[command]].main
+
+    def run() -> None:
+        sys.exit(main())
+
+    return run
+
+
+def run_captured(
+    command: str, args: Sequence[str], *, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` to its end as ``subprocess.run(..., capture_output=True,
+    text=True, timeout=timeout)`` does, forked from the launcher."""
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
+        with open(os.devnull, "rb") as devnull:
+            process = launcher().start(
+                command, args, stdin=devnull.fileno(), stdout=out_write, stderr=err_write
+            )
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    deadline = time.monotonic() + timeout
+    captured = {out_read: bytearray(), err_read: bytearray()}
+    with selectors.DefaultSelector() as selector:
+        for fd in captured:
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    process.kill()
+                    process.wait()
+                    raise subprocess.TimeoutExpired([command, *args], timeout)
+                for key, _ in selector.select(left):
+                    assert isinstance(key.fileobj, int)
+                    if data := os.read(key.fileobj, 65536):
+                        captured[key.fileobj] += data
+                    else:
+                        selector.unregister(key.fileobj)
+        finally:
+            os.close(out_read)
+            os.close(err_read)
+    code = process.wait(max(0.0, deadline - time.monotonic()))
+    stdout, stderr = (_text(captured[fd]) for fd in (out_read, err_read))
+    return subprocess.CompletedProcess([command, *args], code, stdout, stderr)
+
+
+def _text(data: bytes | bytearray) -> str:
+    """``data`` as ``text=True`` reads it: the locale's encoding, universal newlines."""
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
