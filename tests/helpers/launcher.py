@@ -23,7 +23,7 @@ It ends when its test process closes the pair.
 
 from __future__ import annotations
 
-import array
+import contextlib
 import importlib
 import json
 import locale
@@ -56,34 +56,55 @@ def forking() -> bool:
 
 
 class Forked:
-    """A process the launcher forked, with what the suite uses of `subprocess.Popen`."""
+    """A process the launcher forked, with what the suite uses of `subprocess.Popen`.
 
-    def __init__(self, launcher: Launcher, pid: int) -> None:
+    Its signals go through a pidfd the launcher opened before the process could
+    end: the launcher reaps it at once when it does, so its pid may be another
+    process's by the time a test signals it (a `Popen`'s child stays a zombie
+    until waited for)."""
+
+    def __init__(self, launcher: Launcher, pid: int, pidfd: int) -> None:
         self._launcher = launcher
+        self._pidfd: int | None = pidfd
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._launcher.status(self.pid, 0.0)
+            self._ended(self._launcher.status(self.pid, 0.0))
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self._launcher.status(self.pid, timeout)
+            self._ended(self._launcher.status(self.pid, timeout))
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signum)
+        if self.poll() is None and self._pidfd is not None:
+            # Ended, and not yet said so by the launcher: as kill(2) on a zombie.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def _ended(self, status: int | None) -> None:
+        if status is not None:
+            self.returncode = status
+            self.close()
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class Launcher:
@@ -118,8 +139,9 @@ class Launcher:
         stderr: int,
         env: Mapping[str, str] | None = None,
     ) -> Forked:
-        """Fork ``command`` (``watchdogd`` or ``watchdogctl``) with ``args``, this process's working
-        directory and umask, and ``env`` (this process's environment if None)."""
+        """Fork ``command`` (``watchdogd`` or ``watchdogctl``) with ``args``, this
+        process's working directory and umask, and ``env`` (this process's
+        environment if None)."""
         umask = os.umask(0o022)
         os.umask(umask)
         request = {
@@ -129,18 +151,17 @@ class Launcher:
             "cwd": os.getcwd(),
             "umask": umask,
         }
-        fds = array.array("i", [stdin, stdout, stderr])
         with self._lock:
-            self._socket.sendmsg(
-                [json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
-            )
+            socket.send_fds(self._socket, [json.dumps(request).encode()], [stdin, stdout, stderr])
             while True:
-                reply = self._receive(None)
+                reply, fds = self._receive(None)
                 assert reply is not None
                 if "pid" in reply:
-                    return Forked(self, reply["pid"])
-                if "error" in reply:
-                    raise OSError(reply["error"])
+                    # An exit read before this answer was an earlier process's that
+                    # had the same pid: the launcher reaps a process, and says so,
+                    # before its pid can be given again.
+                    self._exited.pop(reply["pid"], None)
+                    return Forked(self, reply["pid"], fds[0])
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         """``pid``'s exit status once it ended, waiting up to ``timeout`` seconds
@@ -151,19 +172,22 @@ class Launcher:
             # or wait for its own meanwhile.
             with self._lock:
                 if pid in self._exited:
-                    return self._exited[pid]
+                    return self._exited.pop(pid)
                 left = _SLICE if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._receive(min(left, _SLICE))
+                _, fds = self._receive(min(left, _SLICE))
+                for fd in fds:  # only a start's answer carries one
+                    os.close(fd)
 
-    def _receive(self, timeout: float | None) -> dict[str, Any] | None:
-        """One message (exit statuses are kept as they come); None after ``timeout``."""
+    def _receive(self, timeout: float | None) -> tuple[dict[str, Any] | None, list[int]]:
+        """One message and the descriptors sent with it (exit statuses are kept as
+        they come); None after ``timeout``."""
         self._socket.settimeout(timeout)
         try:
-            data = self._socket.recv(_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self._socket, _MESSAGE, 1)
         except (TimeoutError, BlockingIOError):
-            return None
+            return None, []
         finally:
             self._socket.settimeout(None)
         if not data:
@@ -171,7 +195,7 @@ class Launcher:
         message: dict[str, Any] = json.loads(data)
         if "exited" in message:
             self._exited[message["exited"]] = message["status"]
-        return message
+        return message, fds
 
     def close(self) -> None:
         self._socket.close()
@@ -228,10 +252,12 @@ def serve(control_fd: int) -> Callable[[], None]:
                     return _child(control, request, fds)
                 for fd in fds:
                     os.close(fd)
+                # Opened before the child is reaped, so it is this child's: the
+                # test process signals through a copy of it.
                 pidfd = os.pidfd_open(pid)
                 children[pidfd] = pid
                 selector.register(pidfd, selectors.EVENT_READ)
-                control.send(json.dumps({"pid": pid}).encode())
+                socket.send_fds(control, [json.dumps({"pid": pid}).encode()], [pidfd])
             else:
                 assert isinstance(key.fileobj, int)
                 selector.unregister(key.fileobj)
