@@ -242,6 +242,11 @@ def test_the_state_directory_deleted_under_a_running_daemon(
     directory = tmp_path / "state"
     daemon = state_in(directory, socket_path, tmp_path)
     daemon.start()
+    # A new state is folded into its database once, after the start: while that
+    # fold's thread holds the database, a directory deleted cannot be written
+    # anew (the change is acknowledged not durable, and written once it ends).
+    first = directory / "state.db.journal.1"
+    wait_until(lambda: not first.exists(), what="the start's fold")
     workers = [sleeper() for _ in range(3)]
     raw = Raw(socket_path)
     try:
