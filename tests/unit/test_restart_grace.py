@@ -102,4 +102,4 @@ def test_the_hold_is_forgotten_once_every_held_timer_is_gone() -> None:
     assert [item.timer.scope for item in fired] == ["s1", "s2"]
     for item in fired:
         item.process.close()
-    assert w.service.expiries._held == {}
+    assert w.service.expiries._grace._held == {}

@@ -24,13 +24,19 @@ Invariants:
   the daemon was down, and a client sends it again as soon as it has reconnected.
   Its expiry, if no release comes, keeps its own deadline (its event says how late
   and why). A policy that was in progress resumes at once, held by nothing.
+- A due timer whose policy starts with a signal to its process, and that nothing
+  else is made of (no hold, no starvation grace, no job), may be taken out as a
+  `Due` (`Firing.take_due`): its signal goes out before its firing record is made
+  (`Firing.record`), so that a burst's signals wait for no bookkeeping. Until then
+  the state still holds it armed: a crash in between fires it again at the next
+  start, at a process already gone, which is recorded; never a lost signal.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic
+from typing import Final, Generic, NamedTuple
 
 import msgspec
 
@@ -38,9 +44,10 @@ from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
 
 from .counters import Counters
 from .events import EventLog
+from .expiry import first_signal
 from .identity import ROOT
 from .incidents import IncidentLog
-from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy
+from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import Journal, P, ProcessPort
 from .responders import Responders
 from .rules import Rules
@@ -52,6 +59,68 @@ from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 #: restarts and sends an unanswered release first: four of its tries, time for a
 #: loaded host, and that much later for a worker that is really hung.
 RESTART_GRACE: Final = 1.0
+
+
+class Due(NamedTuple, Generic[P]):
+    """A timer taken out of the table whose first step, ``signal``, goes to its
+    process before its firing record is made (`Firing.record`): ``timer`` as it
+    was armed, the process handle retained for the caller, ``orphaned`` as in
+    `Expired`, its ``policy``, and the number and time of its firing."""
+
+    timer: Timer
+    process: P
+    orphaned: bool
+    policy: Policy
+    signal: Signal
+    number: int
+    fired_at: float
+
+
+class RestartGrace(Generic[P]):
+    """The timers restored at a start (armed before it) that fall due within
+    `RESTART_GRACE` of it: each is held until the grace ends, back in the table
+    on that deadline in memory alone (the state keeps the deadline it was armed
+    with), and then fires with its own deadline and a note that says why late."""
+
+    def __init__(
+        self, table: TimerTable[P], on_deadline: Callable[[float], None], started: float
+    ) -> None:
+        self._table = table
+        self._on_deadline = on_deadline
+        self._started = started
+        #: When the grace ends, on the table's clock.
+        self.until = started + RESTART_GRACE
+        #: The deadlines, as armed, of the restored timers held until then.
+        self._held: dict[StoreKey, float] = {}
+
+    def applies(self, timer: Timer, now: float) -> bool:
+        """Whether ``timer``, due at ``now``, is one the grace holds or held."""
+        return timer.armed_at < self._started and (bool(self._held) or now < self.until)
+
+    def hold(self, item: Expired[P]) -> None:
+        """Put the timer of ``item`` back in the table until the grace ends."""
+        timer = item.timer
+        self._held.setdefault(timer.store_key, timer.deadline)
+        self._table.put(item.process, msgspec.structs.replace(timer, deadline=self.until))
+        self._on_deadline(self.until)
+
+    def ended(self, item: Expired[P]) -> Expired[P]:
+        """``item`` with the deadline its timer was armed with, and a note, when it
+        was held."""
+        deadline = self._held.pop(item.timer.store_key, None)
+        if deadline is None:
+            return item
+        timer = msgspec.structs.replace(item.timer, deadline=deadline)
+        note = f"held {RESTART_GRACE:g}s after the restart for a release on its way"
+        return item._replace(timer=timer, note=note)
+
+    def passed(self, now: float) -> None:
+        """A pass at ``now`` is over: once every held timer fired or was released,
+        nothing is held any more."""
+        if self._held and now >= self.until:
+            soonest = self._table.next_deadline()
+            if soonest is None or soonest > self.until:
+                self._held.clear()
 
 
 class Firing(Generic[P]):
@@ -91,24 +160,29 @@ class Firing(Generic[P]):
         #: Timers whose policy is in progress, by store key: part of the state
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
+        #: Timers taken out as a `Due` whose firing record is not made yet: the
+        #: state holds them as armed until then, a full write of it too.
+        self._taken: dict[StoreKey, Timer] = {}
         self._numbers = itertools.count(1)
         #: Firing timers of each (owner, job): a job stays held while its expiry
         #: runs, after its timer left the table.
         self._jobs: dict[tuple[int, str], int] = {}
         #: Grows whenever a job gains its first firing timer or loses its last.
         self.jobs_changed = 0
-        self._started = started
-        self._held_until = started + RESTART_GRACE
-        #: The deadlines, as armed, of the restored timers held in the table until
-        #: the grace ends.
-        self._held: dict[StoreKey, float] = {}
+        self._grace = RestartGrace(table, on_deadline, started)
 
     def __len__(self) -> int:
         return len(self._firing)
 
     def timers(self) -> Iterable[Timer]:
-        """Every firing timer, for the state's snapshot."""
-        return self._firing.values()
+        """Every firing timer, and every `Due` not recorded yet as it was armed,
+        for the state's snapshot."""
+        taken = (
+            timer
+            for timer in self._taken.values()
+            if self._table.get(timer.pid, timer.scope) is None  # not armed again since
+        )
+        return itertools.chain(self._firing.values(), taken)
 
     def holds(self, job: tuple[int, str]) -> bool:
         """Whether a timer of ``job`` is firing: its policy is in progress."""
@@ -155,18 +229,28 @@ class Firing(Generic[P]):
         A timer whose policy has ``starvation_grace`` is judged first
         (`_judge_starvation`): if its process was starved it is armed again for
         the grace instead (`_extend`), and is not returned."""
+        return [
+            self.record(item) if isinstance(item, Due) else item
+            for item in self.take_due(now, limit)
+        ]
+
+    def take_due(self, now: float, limit: int | None = None) -> list[Expired[P] | Due[P]]:
+        """`expire_due`, but a timer whose policy starts with a signal to its
+        process and that nothing else is made of comes back as a `Due`: the
+        caller sends that signal, then has its firing record made (`record`)."""
         expired = self._table.pop_due(now, limit)
-        fired: list[Expired[P]] = []
+        fired: list[Expired[P] | Due[P]] = []
         put_back = False
+        dues = 0
         for popped in expired:
             item = popped
-            if item.timer.armed_at < self._started and (self._held or now < self._held_until):
-                if now < self._held_until:
-                    self._hold(item)
+            if self._grace.applies(item.timer, now):
+                if now < self._grace.until:
+                    self._grace.hold(item)
                     put_back = True
                     continue
-                item = self._held_ended(item)
-            policy, _ = self._rules.policy_for(item.timer.policy)
+                item = self._grace.ended(item)
+            policy, vanished = self._rules.policy_for(item.timer.policy)
             note = item.note
             if policy.starvation_grace:
                 verdict = self._judge_starvation(item, policy)
@@ -184,27 +268,68 @@ class Firing(Generic[P]):
             item.process.retain()
             if orphaned:
                 self._processes.untrack(item.process)
-            run = Run(fired_at=now, plan=policy.plan)
-            peers: list[Expired[P]] = []
-            watch = item.timer.watch
-            if watch is not None and watch.job:
-                run, peers = self._incident(item.timer, watch, policy, run, now)
-            firing = msgspec.structs.replace(item.timer, firing=next(self._numbers), run=run)
-            # The armed record and the firing one go out in the same journal
-            # record: a crash leaves one of the two, never neither.
-            self._journal.drop(item.timer)
-            self._journal.put(firing)
-            self._firing[firing.store_key] = firing
-            self._count_job(firing, +1)
-            fired.append(Expired(firing, item.process, orphaned, note))
-            fired += peers
-        if expired:
-            self._journal.commit_soon()
-        if self._held and now >= self._held_until:
-            soonest = self._table.next_deadline()
-            if soonest is None or soonest > self._held_until:
-                self._held.clear()  # every held timer fired or was released
+            # A policy no longer configured (its default acts) is said in the
+            # run's event: the usual way.
+            due = None if vanished else self._due(item, policy, note, orphaned, now)
+            if due is not None:
+                fired.append(due)
+                dues += 1
+            else:
+                fired += self._recorded(item, policy, note, orphaned, now)
+        if len(expired) > dues:
+            self._journal.commit_soon()  # a `Due` changes the state once recorded
+        self._grace.passed(now)
         return fired
+
+    def _due(
+        self, item: Expired[P], policy: Policy, note: str, orphaned: bool, now: float
+    ) -> Due[P] | None:
+        """``item`` as a `Due`, if its policy starts with a signal to its process
+        and nothing else is made of it (no note, no job); None otherwise."""
+        watch = item.timer.watch
+        if watch is not None and watch.job:
+            return None
+        signal = first_signal(item.timer, policy, note)
+        if signal is None:
+            return None
+        self._taken[item.timer.store_key] = item.timer
+        number = next(self._numbers)
+        return Due(item.timer, item.process, orphaned, policy, signal, number, now)
+
+    def _recorded(
+        self, item: Expired[P], policy: Policy, note: str, orphaned: bool, now: float
+    ) -> list[Expired[P]]:
+        """``item`` firing in the state, with the peer runs of its incident if it
+        carries a job."""
+        run = Run(fired_at=now, plan=policy.plan)
+        peers: list[Expired[P]] = []
+        watch = item.timer.watch
+        if watch is not None and watch.job:
+            run, peers = self._incident(item.timer, watch, policy, run, now)
+        firing = msgspec.structs.replace(item.timer, firing=next(self._numbers), run=run)
+        # The armed record and the firing one go out in the same journal record:
+        # a crash leaves one of the two, never neither.
+        self._journal.drop(item.timer)
+        self._journal.put(firing)
+        self._firing[firing.store_key] = firing
+        self._count_job(firing, +1)
+        return [Expired(firing, item.process, orphaned, note), *peers]
+
+    def record(self, due: Due[P]) -> Expired[P]:
+        """The firing record of ``due``, whose signal has gone out: from here on
+        it is firing in the state, as `expire_due` returns it."""
+        self._taken.pop(due.timer.store_key, None)
+        run = Run(fired_at=due.fired_at, plan=due.policy.plan)
+        firing = msgspec.structs.replace(due.timer, firing=due.number, run=run)
+        # As in `expire_due`: the armed record and the firing one in the same
+        # journal record; unless its scope was armed again meanwhile, whose
+        # record took the armed one's place.
+        if self._table.get(due.timer.pid, due.timer.scope) is None:
+            self._journal.drop(due.timer)
+        self._journal.put(firing)
+        self._journal.commit_soon()
+        self._firing[firing.store_key] = firing
+        return Expired(firing, due.process, due.orphaned)
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
@@ -408,24 +533,6 @@ class Firing(Generic[P]):
             pressure=policy.starvation_pressure,
             cpu=policy.starvation_cpu,
         )
-
-    def _hold(self, item: Expired[P]) -> None:
-        """Put the restored timer of ``item`` back in the table until the restart
-        grace ends (in memory: the state keeps the deadline it was armed with)."""
-        timer = item.timer
-        self._held.setdefault(timer.store_key, timer.deadline)
-        self._table.put(item.process, msgspec.structs.replace(timer, deadline=self._held_until))
-        self._on_deadline(self._held_until)
-
-    def _held_ended(self, item: Expired[P]) -> Expired[P]:
-        """``item`` with the deadline its timer was armed with, and a note, when it
-        was held for the restart grace."""
-        deadline = self._held.pop(item.timer.store_key, None)
-        if deadline is None:
-            return item
-        timer = msgspec.structs.replace(item.timer, deadline=deadline)
-        note = f"held {RESTART_GRACE:g}s after the restart for a release on its way"
-        return item._replace(timer=timer, note=note)
 
     def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
         """Arm the timer of ``item`` again for its policy's grace, its process

@@ -64,7 +64,7 @@ from .bridge import FleetBridge
 from .config import Config, DaemonConfig
 from .counters import Counters
 from .events import EventLog
-from .firing import Firing
+from .firing import Due, Firing
 from .frames import Library
 from .history import History
 from .identity import ROOT, Peer
@@ -314,6 +314,14 @@ class Service(Generic[P]):
     def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
         """`Firing.expire_due`."""
         return self.expiries.expire_due(now, limit)
+
+    def take_due(self, now: float, limit: int | None = None) -> list[Expired[P] | Due[P]]:
+        """`Firing.take_due`."""
+        return self.expiries.take_due(now, limit)
+
+    def record_fired(self, due: Due[P]) -> Expired[P]:
+        """`Firing.record`."""
+        return self.expiries.record(due)
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """`Firing.step_started`."""

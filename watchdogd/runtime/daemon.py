@@ -447,7 +447,7 @@ class Daemon:
     def _fire(self, now: float) -> bool:
         """Fire a batch of what is due; whether the batch was full."""
         try:
-            expired = self.service.expire_due(now, BATCH)
+            expired = self.service.take_due(now, BATCH)
             if expired:
                 self.collector.hold(now)
                 assert self.executor is not None

@@ -14,7 +14,10 @@ goes through three stages:
    A run that starts afresh with one (`watchdogd.core.expiry.first_signal`) takes
    the short way (`Executor._send_first`): the signal goes through the pidfd the
    daemon holds already, before any object of the expiry is made, and the run
-   made when it settles is handed its result. For a timer armed by a uid other
+   made when it settles is handed its result. Most come from the core as a
+   `watchdogd.core.firing.Due`, whose firing record is made only when it
+   settles too: a burst's state is made and written once its signals are out,
+   and until then the state holds it armed. For a timer armed by a uid other
    than root, the uids of its process are read from the pidfd first
    (`watchdogd.host.process.Process.signallable_by`), and a uid that may no longer
    signal it is left to the usual way, which records why. Everything else waits
@@ -57,7 +60,7 @@ import select
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple, assert_never
 
@@ -80,6 +83,7 @@ from ..core.expiry import (
     WatchExit,
     first_signal,
 )
+from ..core.firing import Due
 from ..core.policies import Policy
 from ..core.service import Service
 from ..core.timers import Expired, Timer
@@ -116,7 +120,7 @@ class _Expiry:
 class _Sent(NamedTuple):
     """An expiry whose first signal `Executor.carry_out` sent the short way."""
 
-    item: Expired[Process]
+    item: Expired[Process] | Due[Process]
     policy: Policy
     command: str
     #: When the signal was sent (the daemon's clock), and its step's result.
@@ -179,18 +183,20 @@ class Executor:
         """Expiries waiting for `settle`."""
         return len(self._settling)
 
-    def carry_out(self, expired: list[Expired[Process]]) -> None:
+    def carry_out(self, expired: Sequence[Expired[Process] | Due[Process]]) -> None:
         """Start carrying out each expiry (or resuming it, from the step its timer
-        records): send first signals now, leave the rest to `settle`."""
+        records): send first signals now, leave the rest to `settle`. A `Due`'s
+        firing record is made once its signal is out, when it settles."""
         commands_first = len(expired) <= _COMMANDS_FIRST
-        for item in expired:
+        for due in expired:
             try:
-                if self._send_first(item, commands_first):
+                if self._send_first(due, commands_first):
                     continue
             except Exception:
                 # Before its signal (nothing after it can raise): the usual way
                 # carries the expiry out, or records why it could not.
-                log.exception("the short way failed for %r", item.timer)
+                log.exception("the short way failed for %r", due.timer)
+            item = self._service.record_fired(due) if isinstance(due, Due) else due
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
@@ -207,7 +213,7 @@ class Executor:
         for incident, pid in self._service.take_asks():
             self._nursery.start_soon(self._gatherer.ask_rank, incident, pid)
 
-    def _send_first(self, item: Expired[Process], read_command: bool) -> bool:
+    def _send_first(self, item: Expired[Process] | Due[Process], read_command: bool) -> bool:
         """The short way for a run that starts afresh with a signal to its process
         (`watchdogd.core.expiry.first_signal`): send it through the process's own
         pidfd, before anything else is made of the expiry (`settle` makes the
@@ -216,10 +222,14 @@ class Executor:
         on uids read from the pidfd). Returns False, having done nothing, for any
         other expiry: the usual way then says why."""
         timer, process = item.timer, item.process
-        policy, note = self._service.policy_for(timer.policy)
-        step = first_signal(timer, policy, note)
-        if step is None:
-            return False
+        if isinstance(item, Due):
+            policy, step = item.policy, item.signal
+        else:
+            policy, note = self._service.policy_for(timer.policy)
+            found = first_signal(timer, policy, note)
+            if found is None:
+                return False
+            step = found
         owner = timer.owner
         if owner and not process.signallable_by(owner):
             return False
@@ -304,6 +314,9 @@ class Executor:
         while self._settling:
             entry = self._settling.popleft()
             if isinstance(entry, _Sent):
+                if isinstance(entry.item, Due):
+                    # Its signal went: firing in the state, as every other.
+                    self._service.record_fired(entry.item)
                 entry.item.process.close()
             else:
                 self._let_go(entry)
@@ -433,7 +446,7 @@ class Executor:
     def _sent_expiry(self, sent: _Sent) -> _Expiry | None:
         """The expiry whose first signal `_send_first` sent, its run handed the
         signal's result as if it had sent it."""
-        item = sent.item
+        item = self._service.record_fired(sent.item) if isinstance(sent.item, Due) else sent.item
         expiry = self._begin(item.timer, item.process, item.note, sent.policy)
         if expiry is None:
             return None

@@ -1,0 +1,171 @@
+"""A due timer whose first step is a signal to its process is taken out as a `Due`:
+its signal goes first, its firing record is made after (`Firing.record`). Until
+then the state holds it as armed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from watchdogd.core.config import Config, DaemonConfig, PolicyConfig, StepConfig
+from watchdogd.core.firing import Due
+from watchdogd.core.service import Caller, Service
+from watchdogd.core.timers import Expired, StoreKey, Timer
+from watchdogd.runtime.metrics import exposition
+from watchdogd_client.protocol import Acquire
+
+from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess
+
+
+@dataclass
+class RecordingJournal:
+    """The changes a store would write, by store key (None: dropped)."""
+
+    changes: dict[StoreKey, Timer | None] = field(default_factory=dict)
+    generation: int = 0
+    errors: int = 0
+    degraded: bool = False
+
+    def put(self, timer: Timer) -> None:
+        self.changes[timer.store_key] = timer
+        self.generation += 1
+
+    def drop(self, timer: Timer) -> None:
+        self.changes[timer.store_key] = None
+        self.generation += 1
+
+    def commit(self, generation: int) -> bool:
+        return True
+
+    def commit_soon(self) -> None:
+        pass
+
+    def held(self) -> set[StoreKey]:
+        return {key for key, timer in self.changes.items() if timer is not None}
+
+
+def service_with(journal: RecordingJournal) -> Service[FakeProcess]:
+    host = FakeHost({ALICE.pid: (1000, 1000), BOB.pid: (2000, 2000), DAEMON_PID: (0, 0)})
+    return Service(
+        Config(
+            daemon=DaemonConfig(),
+            policies={
+                "later": PolicyConfig(steps=[StepConfig(wait=1.0), StepConfig(signal="SIGKILL")]),
+                "quick": PolicyConfig(steps=[StepConfig(signal="SIGKILL")]),
+            },
+        ),
+        host,
+        journal=journal,
+        daemon_pid=DAEMON_PID,
+        now=0.0,
+        wall=lambda: 1_700_000_000.0,
+        clock=lambda: 0.0,
+        render_metrics=exposition,
+    )
+
+
+def one_due(
+    journal: RecordingJournal,
+) -> tuple[Service[FakeProcess], Caller[FakeProcess], Due[FakeProcess]]:
+    """A service on ``journal``, alice's connection, and her kill timer "step",
+    armed at 0 for 1 s and taken out as a `Due` at 1."""
+    service = service_with(journal)
+    alice = service.open_connection(ALICE)
+    service.handle(Acquire(id=1, scope="step", timeout=1), alice, 0.0)
+    [due] = service.take_due(1.0, 10)
+    assert isinstance(due, Due)
+    return service, alice, due
+
+
+def test_a_kill_comes_out_as_a_due_held_armed_in_the_state_until_recorded() -> None:
+    journal = RecordingJournal()
+    service, _, due = one_due(journal)
+    assert due.signal.describe() == "SIGKILL"
+    assert due.fired_at == 1.0
+    armed = due.timer
+    assert armed.firing == 0
+    assert service.table.get(ALICE.pid, "step") is None
+    assert service.firing == 0
+    # The state still holds it as armed, and a full write would write it so.
+    assert journal.held() == {armed.store_key}
+    assert service.snapshot() == [armed]
+    fired = service.record_fired(due)
+    assert isinstance(fired, Expired)
+    assert fired.timer.firing == due.number
+    assert fired.timer.run is not None
+    assert fired.timer.run.fired_at == 1.0
+    assert journal.held() == {fired.timer.store_key}
+    assert service.snapshot() == [fired.timer]
+    assert service.firing == 1
+    fired.process.close()
+
+
+def test_a_policy_that_does_not_start_with_a_signal_is_recorded_at_once() -> None:
+    journal = RecordingJournal()
+    service = service_with(journal)
+    alice = service.open_connection(ALICE)
+    service.handle(Acquire(id=1, scope="waits", timeout=1, policy="later"), alice, 0.0)
+    [fired] = service.take_due(1.0, 10)
+    assert isinstance(fired, Expired)
+    assert fired.timer.firing
+    assert journal.held() == {fired.timer.store_key}
+    fired.process.close()
+
+
+def test_a_scope_armed_again_before_the_record_keeps_its_new_arming() -> None:
+    """A policy's first signal need not end the process (``signal:USR1``, a
+    SIGTERM it handles): its worker may arm the scope again before the firing
+    record is made, and that arming must stay in the state."""
+    journal = RecordingJournal()
+    service, alice, due = one_due(journal)
+    service.handle(Acquire(id=2, scope="step", timeout=60), alice, 1.1)
+    again = service.table.get(ALICE.pid, "step")
+    assert again is not None
+    assert service.snapshot() == [again]  # once: the new arming, not the old
+    fired = service.record_fired(due)
+    assert journal.held() == {again.store_key, fired.timer.store_key}
+    assert journal.changes[again.store_key] == again
+    assert sorted(t.store_key for t in service.snapshot()) == sorted(
+        [again.store_key, fired.timer.store_key]
+    )
+    fired.process.close()
+
+
+def test_firing_numbers_follow_the_order_timers_fell_due_in() -> None:
+    service = service_with(RecordingJournal())
+    alice, bob = service.open_connection(ALICE), service.open_connection(BOB)
+    service.handle(Acquire(id=1, scope="first", timeout=1), alice, 0.0)
+    service.handle(Acquire(id=2, scope="second", timeout=2, policy="later"), bob, 0.0)
+    service.handle(Acquire(id=3, scope="third", timeout=3), alice, 0.0)
+    taken = service.take_due(3.0, 10)
+    assert [type(item).__name__ for item in taken] == ["Due", "Expired", "Due"]
+    # The second was recorded at once, the others after it: numbered as they fell due.
+    recorded = [
+        service.record_fired(item) if isinstance(item, Due) else item for item in reversed(taken)
+    ]
+    assert [item.timer.firing for item in reversed(recorded)] == [1, 2, 3]
+    for item in recorded:
+        item.process.close()
+
+
+def test_expire_due_records_every_due_at_once() -> None:
+    journal = RecordingJournal()
+    service = service_with(journal)
+    service.handle(Acquire(id=1, scope="step", timeout=1), service.open_connection(ALICE), 0.0)
+    [fired] = service.expire_due(1.0, 10)
+    assert isinstance(fired, Expired)
+    assert fired.timer.firing == 1
+    assert journal.held() == {fired.timer.store_key}
+    fired.process.close()
+
+
+def test_a_timer_whose_policy_was_removed_is_recorded_at_once_to_say_so() -> None:
+    """Its event must say that the default stood in: the usual way, which writes
+    that note, not a `Due`."""
+    service = service_with(RecordingJournal())
+    alice = service.open_connection(ALICE)
+    service.handle(Acquire(id=1, scope="step", timeout=1, policy="quick"), alice, 0.0)
+    service.reconfigure(Config(daemon=DaemonConfig()))
+    [fired] = service.take_due(1.0, 10)
+    assert isinstance(fired, Expired)
+    assert fired.timer.policy == "quick"
+    fired.process.close()
