@@ -169,3 +169,23 @@ def test_a_timer_whose_policy_was_removed_is_recorded_at_once_to_say_so() -> Non
     assert isinstance(fired, Expired)
     assert fired.timer.policy == "quick"
     fired.process.close()
+
+
+def test_a_scope_armed_and_due_again_before_the_first_record_keeps_the_second() -> None:
+    """Taken out twice before either is recorded (armed again with a short timeout
+    within a burst): the first's record must not drop the second's armed one."""
+    journal = RecordingJournal()
+    service, alice, first = one_due(journal)
+    service.handle(Acquire(id=2, scope="step", timeout=0.5), alice, 1.1)
+    [second] = service.take_due(1.6, 10)
+    assert isinstance(second, Due)
+    assert service.snapshot() == [second.timer]
+    fired = service.record_fired(first)
+    assert journal.changes[second.timer.store_key] == second.timer
+    assert sorted(t.store_key for t in service.snapshot()) == sorted(
+        [second.timer.store_key, fired.timer.store_key]
+    )
+    again = service.record_fired(second)
+    assert journal.held() == {fired.timer.store_key, again.timer.store_key}
+    for item in (fired, again):
+        item.process.close()

@@ -28,8 +28,12 @@ Invariants:
   else is made of (no hold, no starvation grace, no job), may be taken out as a
   `Due` (`Firing.take_due`): its signal goes out before its firing record is made
   (`Firing.record`), so that a burst's signals wait for no bookkeeping. Until then
-  the state still holds it armed: a crash in between fires it again at the next
-  start, at a process already gone, which is recorded; never a lost signal.
+  the state still holds it armed, a full write of it too: after a crash in
+  between, the next start fires it again if its process is still there (one that
+  survived its first signal, a SIGTERM say, gets it again, then the rest of its
+  policy), and drops it with the timers of processes that exited meanwhile if not
+  (counted in the start's ``state`` line, with no event of its own). No signal is
+  lost.
 """
 
 from __future__ import annotations
@@ -318,13 +322,16 @@ class Firing(Generic[P]):
     def record(self, due: Due[P]) -> Expired[P]:
         """The firing record of ``due``, whose signal has gone out: from here on
         it is firing in the state, as `expire_due` returns it."""
-        self._taken.pop(due.timer.store_key, None)
+        key = due.timer.store_key
+        newer = self._taken.get(key) is not due.timer
+        if not newer:
+            del self._taken[key]
         run = Run(fired_at=due.fired_at, plan=due.policy.plan)
         firing = msgspec.structs.replace(due.timer, firing=due.number, run=run)
         # As in `expire_due`: the armed record and the firing one in the same
-        # journal record; unless its scope was armed again meanwhile, whose
-        # record took the armed one's place.
-        if self._table.get(due.timer.pid, due.timer.scope) is None:
+        # journal record; unless its scope was armed again meanwhile (and maybe
+        # fell due again), whose record took the armed one's place.
+        if not newer and self._table.get(due.timer.pid, due.timer.scope) is None:
             self._journal.drop(due.timer)
         self._journal.put(firing)
         self._journal.commit_soon()
