@@ -11,7 +11,7 @@ from watchdogd.core.firing import Due
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Expired, StoreKey, Timer
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire
+from watchdogd_client.protocol import Acquire, Release
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess
 
@@ -120,13 +120,33 @@ def test_a_scope_armed_again_before_the_record_keeps_its_new_arming() -> None:
     service.handle(Acquire(id=2, scope="step", timeout=60), alice, 1.1)
     again = service.table.get(ALICE.pid, "step")
     assert again is not None
-    assert service.snapshot() == [again]  # once: the new arming, not the old
-    fired = service.record_fired(due)
-    assert journal.held() == {again.store_key, fired.timer.store_key}
+    # The arming's answer commits the firing record too: a crash from here on
+    # still finds the policy in progress (the rest of it is owed), and the new
+    # arming in place of the old.
+    firing_key = (ALICE.pid, "step", due.number)
+    assert journal.held() == {again.store_key, firing_key}
     assert journal.changes[again.store_key] == again
-    assert sorted(t.store_key for t in service.snapshot()) == sorted(
-        [again.store_key, fired.timer.store_key]
-    )
+    assert sorted(t.store_key for t in service.snapshot()) == sorted([again.store_key, firing_key])
+    writes = journal.generation
+    fired = service.record_fired(due)
+    assert fired.timer.store_key == firing_key
+    assert fired.timer.run is not None
+    assert fired.timer.run.fired_at == 1.0
+    assert journal.generation == writes  # made once
+    assert service.firing == 1
+    fired.process.close()
+
+
+def test_a_scope_released_after_it_was_armed_again_leaves_the_policy_owed() -> None:
+    """Armed again, then released, before the firing record was made: the state
+    holds the firing record alone."""
+    journal = RecordingJournal()
+    service, alice, due = one_due(journal)
+    service.handle(Acquire(id=2, scope="step", timeout=60), alice, 1.1)
+    service.handle(Release(id=3, scope="step"), alice, 1.2)
+    assert journal.held() == {(ALICE.pid, "step", due.number)}
+    fired = service.record_fired(due)
+    assert journal.held() == {fired.timer.store_key}
     fired.process.close()
 
 
@@ -179,7 +199,9 @@ def test_a_scope_armed_and_due_again_before_the_first_record_keeps_the_second() 
     service.handle(Acquire(id=2, scope="step", timeout=0.5), alice, 1.1)
     [second] = service.take_due(1.6, 10)
     assert isinstance(second, Due)
-    assert service.snapshot() == [second.timer]
+    assert sorted(t.store_key for t in service.snapshot()) == sorted(
+        [(ALICE.pid, "step", first.number), second.timer.store_key]
+    )
     fired = service.record_fired(first)
     assert journal.changes[second.timer.store_key] == second.timer
     assert sorted(t.store_key for t in service.snapshot()) == sorted(

@@ -82,7 +82,10 @@ class Arming(Generic[P]):
         metrics: Counters,
         daemon_pid: int,
         on_deadline: Callable[[float], None],
+        record_taken: Callable[[int, str], None],
     ) -> None:
+        """``record_taken(pid, scope)`` is called before a scope is armed
+        (`watchdogd.core.firing.Firing.record_taken`)."""
         self._rules = rules
         self._table = table
         self._processes = processes
@@ -92,6 +95,7 @@ class Arming(Generic[P]):
         self._metrics = metrics
         self._daemon_pid = daemon_pid
         self._on_deadline = on_deadline
+        self._record_taken = record_taken
         self._connections: Counter[int] = Counter()
         #: Seconds a restart may take at the timer cap (set once the state loaded).
         self.restart_estimate = 0.0
@@ -176,6 +180,7 @@ class Arming(Generic[P]):
                 if watch.stall:
                     deadline = min(deadline, watch.progressed_at + watch.stall)
             entering = self._table.process(process.pid) is None
+            self._record_taken(process.pid, request.scope)
             timer, rearmed = self._table.arm(
                 process,
                 request.scope,

@@ -32,12 +32,15 @@ Invariants:
   between, the next start fires it again if its process is still there (one that
   survived its first signal, a SIGTERM say, gets it again, then the rest of its
   policy), and drops it with the timers of processes that exited meanwhile if not
-  (counted in the start's ``state`` line, with no event of its own). No signal is
-  lost.
+  (counted in the start's ``state`` line, with no event of its own). A scope
+  armed again before its `Due` is recorded has the firing record made first, in
+  the same commit (`Firing.record_taken`): the arming's record takes the armed
+  one's place, and the rest of the policy stays owed. No signal is lost.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Generic, NamedTuple
@@ -55,7 +58,7 @@ from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import Journal, P, ProcessPort
 from .responders import Responders
 from .rules import Rules
-from .starvation import UNMEASURED, Verdict, judge
+from .starvation import Verdict, judge_due
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
 #: How long after a start a restored timer that falls due waits for a release on
@@ -164,9 +167,9 @@ class Firing(Generic[P]):
         #: Timers whose policy is in progress, by store key: part of the state
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
-        #: Timers taken out as a `Due` whose firing record is not made yet: the
-        #: state holds them as armed until then, a full write of it too.
-        self._taken: dict[StoreKey, Timer] = {}
+        #: The `Due`s whose firing record is not made yet, by their armed record's
+        #: key: the state holds them as armed until then, a full write of it too.
+        self._taken: dict[StoreKey, Due[P]] = {}
         self._numbers = itertools.count(1)
         #: Firing timers of each (owner, job): a job stays held while its expiry
         #: runs, after its timer left the table.
@@ -181,11 +184,7 @@ class Firing(Generic[P]):
     def timers(self) -> Iterable[Timer]:
         """Every firing timer, and every `Due` not recorded yet as it was armed,
         for the state's snapshot."""
-        taken = (
-            timer
-            for timer in self._taken.values()
-            if self._table.get(timer.pid, timer.scope) is None  # not armed again since
-        )
+        taken = (due.timer for due in self._taken.values())
         return itertools.chain(self._firing.values(), taken)
 
     def holds(self, job: tuple[int, str]) -> bool:
@@ -231,7 +230,7 @@ class Firing(Generic[P]):
         when the action is done.
 
         A timer whose policy has ``starvation_grace`` is judged first
-        (`_judge_starvation`): if its process was starved it is armed again for
+        (`watchdogd.core.starvation.judge_due`): if its process was starved it is armed again for
         the grace instead (`_extend`), and is not returned."""
         return [
             self.record(item) if isinstance(item, Due) else item
@@ -257,7 +256,12 @@ class Firing(Generic[P]):
             policy, vanished = self._rules.policy_for(item.timer.policy)
             note = item.note
             if policy.starvation_grace:
-                verdict = self._judge_starvation(item, policy)
+                verdict = judge_due(
+                    item.timer.watch,
+                    functools.partial(self._processes.sample, item.process),
+                    pressure=policy.starvation_pressure,
+                    cpu=policy.starvation_cpu,
+                )
                 if verdict.starved:
                     self._extend(item, policy, verdict, now)
                     put_back = True
@@ -296,9 +300,10 @@ class Firing(Generic[P]):
         signal = first_signal(item.timer, policy, note)
         if signal is None:
             return None
-        self._taken[item.timer.store_key] = item.timer
         number = next(self._numbers)
-        return Due(item.timer, item.process, orphaned, policy, signal, number, now)
+        due = Due(item.timer, item.process, orphaned, policy, signal, number, now)
+        self._taken[item.timer.store_key] = due
+        return due
 
     def _recorded(
         self, item: Expired[P], policy: Policy, note: str, orphaned: bool, now: float
@@ -322,21 +327,30 @@ class Firing(Generic[P]):
     def record(self, due: Due[P]) -> Expired[P]:
         """The firing record of ``due``, whose signal has gone out: from here on
         it is firing in the state, as `expire_due` returns it."""
-        key = due.timer.store_key
-        newer = self._taken.get(key) is not due.timer
-        if not newer:
-            del self._taken[key]
+        if self._taken.get(due.timer.store_key) is due:  # not made by `record_taken`
+            self._record(due)
+            self._journal.commit_soon()
+        firing = self._firing[(due.timer.pid, due.timer.scope, due.number)]
+        return Expired(firing, due.process, due.orphaned)
+
+    def record_taken(self, pid: int, scope: str) -> None:
+        """``scope`` of ``pid`` is about to be armed again: a `Due` of it not
+        recorded yet gets its firing record now, in the same commit as the new
+        arming, whose record then takes the armed one's place. A crash after that
+        arming's answer must still find the policy in progress: its first signal
+        is out, the rest of it is owed."""
+        if self._taken and (due := self._taken.get((pid, scope, 0))) is not None:
+            self._record(due)
+
+    def _record(self, due: Due[P]) -> None:
+        del self._taken[due.timer.store_key]
         run = Run(fired_at=due.fired_at, plan=due.policy.plan)
         firing = msgspec.structs.replace(due.timer, firing=due.number, run=run)
         # As in `expire_due`: the armed record and the firing one in the same
-        # journal record; unless its scope was armed again meanwhile (and maybe
-        # fell due again), whose record took the armed one's place.
-        if not newer and self._table.get(due.timer.pid, due.timer.scope) is None:
-            self._journal.drop(due.timer)
+        # journal record.
+        self._journal.drop(due.timer)
         self._journal.put(firing)
-        self._journal.commit_soon()
         self._firing[firing.store_key] = firing
-        return Expired(firing, due.process, due.orphaned)
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
@@ -520,25 +534,6 @@ class Firing(Generic[P]):
         """What was taken of a rank `take_asks` named."""
         self._incidents.given(
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
-        )
-
-    def _judge_starvation(self, item: Expired[P], policy: Policy) -> Verdict:
-        """Whether the process of ``item``, due under ``policy``, was starved since
-        its timer was armed. Not judged (no words) once the timer was extended:
-        its expiry says so."""
-        watch = item.timer.watch
-        if watch is not None and watch.extended:
-            return Verdict(False)
-        if watch is None or watch.baseline is None:
-            return UNMEASURED
-        sample = self._processes.sample(item.process)
-        if sample is None:
-            return Verdict(False)  # it has exited: its policy finds it gone
-        return judge(
-            watch.baseline,
-            sample,
-            pressure=policy.starvation_pressure,
-            cpu=policy.starvation_cpu,
         )
 
     def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:

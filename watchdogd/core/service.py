@@ -171,6 +171,7 @@ class Service(Generic[P]):
             metrics=self.metrics,
             daemon_pid=daemon_pid,
             on_deadline=on_deadline,
+            record_taken=self.expiries.record_taken,
         )
         self.fleet = FleetBridge(
             self.table,

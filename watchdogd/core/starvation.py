@@ -40,8 +40,9 @@ only on evidence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 
@@ -94,6 +95,33 @@ class Verdict:
 #: The verdict on a timer armed with nothing measured (its policy had no grace
 #: then, or its process could not be read).
 UNMEASURED: Final = Verdict(False, "starvation not judged: nothing was measured when it was armed")
+
+
+class Armed(Protocol):
+    """What a timer keeps for the rule (`watchdogd.core.timers.Watch`)."""
+
+    @property
+    def baseline(self) -> Sample | None: ...
+
+    @property
+    def extended(self) -> float: ...
+
+
+def judge_due(
+    armed: Armed | None, sample: Callable[[], Sample | None], *, pressure: float, cpu: float
+) -> Verdict:
+    """Whether the process of a timer due now, armed with ``armed`` kept, was
+    starved since (`judge`); ``sample`` measures it now, called only when there
+    is something to judge. Not judged (no words) once the timer was extended: its
+    expiry says so."""
+    if armed is not None and armed.extended:
+        return Verdict(False)
+    if armed is None or armed.baseline is None:
+        return UNMEASURED
+    now = sample()
+    if now is None:
+        return Verdict(False)  # it has exited: its policy finds it gone
+    return judge(armed.baseline, now, pressure=pressure, cpu=cpu)
 
 
 def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> Verdict:
