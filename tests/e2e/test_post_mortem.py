@@ -158,3 +158,34 @@ def test_an_incident_open_at_a_restart_goes_on_gathering(socket_path: Path, tmp_
         daemon.stop(signal.SIGKILL)
         for worker in ranks:
             reap(worker)
+
+
+def test_a_number_a_follower_saw_is_never_given_to_another_event(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """The daemon is SIGKILLed as soon as a follower has seen an event, well within
+    the record file's interval between writes: the reply that showed the number
+    waited for its write, so after the restart the next event gets the next
+    number, and the follower, going on after the one it saw, gets it."""
+    daemon = daemon_with("", socket_path, tmp_path)
+    daemon.start()
+    first, second = sleeper(), sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire("first", 0.05, pid=first.pid)
+            seen = client.events(after=0, wait=PATIENCE)
+        daemon.stop(signal.SIGKILL)
+        [event] = [e for e in seen.events if e.kind == "expired"]
+        assert event.pid == first.pid
+        daemon.start()
+        with daemon.client() as client:
+            client.acquire("second", 0.05, pid=second.pid)
+            assert second.wait(timeout=PATIENCE) == -signal.SIGKILL
+            after = client.events(after=seen.last, wait=PATIENCE)
+            assert [e.pid for e in after.events if e.kind == "expired"] == [second.pid]
+            numbers = [e.seq for e in client.events(after=0).events]
+        assert numbers == sorted(set(numbers))  # none given twice
+    finally:
+        daemon.stop(signal.SIGKILL)
+        reap(first)
+        reap(second)

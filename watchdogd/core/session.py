@@ -11,6 +11,8 @@ buffer, and says when the connection must close. Invariants:
   handed to the log (rate-limited per uid) and answered with ``internal``. Nothing a request can
   cause other than a bug is logged with a traceback.
 - Every request is counted once, by op and result, when it is answered.
+- ``shown`` is the highest event number a reply of the connection carried (its
+  runtime sends the reply once that event is written: `watchdogd.runtime.server`).
 - A connection whose `Respond` was taken is a responder's (``responder``): an
   `Evidence` it sends is answered and handed back to the connection, which gives it
   to whoever asked on it (`watchdogd.runtime.responders`).
@@ -32,6 +34,7 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Respond,
     Responding,
+    WhyReply,
     decode_request,
     encode_frame_into,
 )
@@ -44,7 +47,7 @@ from .service import Caller, Service
 class Session:
     """The protocol state of one connection from ``caller``."""
 
-    __slots__ = ("caller", "greeted", "responder", "service")
+    __slots__ = ("caller", "greeted", "responder", "service", "shown")
 
     def __init__(self, service: Service[Any], caller: Caller[Any]) -> None:
         self.service = service
@@ -52,6 +55,10 @@ class Session:
         self.greeted = False
         #: Its `Respond` was taken: the process answers evidence requests on it.
         self.responder = False
+        #: The highest event number its replies showed: the connection sends them
+        #: once that event is kept beside the state, so that a number a client saw
+        #: is never given to another event after a crash.
+        self.shown = 0
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
@@ -128,12 +135,20 @@ class Session:
             return request
         self.service.metrics.count_request(_OPS[type(request)], result)
         encode_frame_into(reply, out)
+        if isinstance(reply, EventsReply | WhyReply):
+            self.shown = max(self.shown, _shown(reply))
         if isinstance(reply, Responding):
             if isinstance(request, Respond):
                 self.responder = True
             elif isinstance(request, Evidence):
                 return request
         return True
+
+
+def _shown(reply: EventsReply | WhyReply) -> int:
+    """The highest event number ``reply`` shows."""
+    last = reply.last if isinstance(reply, EventsReply) else 0
+    return max(last, reply.events[-1].seq) if reply.events else last
 
 
 _OPS: Final[dict[type[RequestMessage], str]] = {

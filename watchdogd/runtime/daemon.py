@@ -380,7 +380,13 @@ class Daemon:
         # memory that loading it used and freed goes back to the system.
         gc.freeze()
         _trim_heap()
-        context = Context(clock=self.clock, news=self.news, tick=self.scheduler.poll, asks=asks)
+        context = Context(
+            clock=self.clock,
+            news=self.news,
+            tick=self.scheduler.poll,
+            asks=asks,
+            record=self.record_file,
+        )
         await nursery.start(serve, self.listener, self.service, context)
         # The textfile and the scrape endpoint are anyone's to read: they name jobs
         # only when the operator said so.

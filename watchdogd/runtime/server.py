@@ -14,7 +14,9 @@ their uid's `ReplyBudget`: a connection of a uid over it waits, so many connecti
 of one user asking for large pages cannot drive the daemon's memory up.
 
 A reply is an acknowledgement: it is sent only once the changes made before it are
-committed to the state file (see `watchdogd.storage.store`).
+committed to the state file (see `watchdogd.storage.store`), and a reply that shows
+an event's number once that event is written beside it
+(`watchdogd.storage.record_file`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import trio
@@ -53,6 +55,9 @@ from ..errors import ListenError, Refusal
 from ..host.process import peer_of
 from ..logs import log, logfmt
 from .responders import Asks
+
+if TYPE_CHECKING:
+    from ..storage.record_file import RecordFile
 
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024
@@ -241,6 +246,8 @@ class Context:
     replies: ReplyBudget = field(default_factory=ReplyBudget)
     #: The responders' connections, and the asks waiting on them.
     asks: Asks = field(default_factory=Asks)
+    #: Where events are kept beside the state (None: no state).
+    record: RecordFile | None = None
 
 
 async def serve(
@@ -484,6 +491,9 @@ class _Connection:
         self.held += size
 
     async def _flush(self, out: bytearray) -> bool:
+        record = self.context.record
+        if record is not None and self.session.shown > record.written:
+            await record.through(self.session.shown)
         if self.journal.generation != self.durable:
             # Committed at once: one write(2) per reply costs less than a turn of
             # the loop spent gathering other connections' changes into it (the

@@ -9,8 +9,11 @@ Invariants:
   (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
   then events, incidents as they now are (the last record of an incident is what
   it is) and incidents dropped. What changed is written within `WRITE_INTERVAL`
-  of the change, in one ``write(2)``; nothing is fsynced: the page cache survives
-  a kill of the daemon, as the journal's records do.
+  of the change, in one ``write(2)``, and before any reply that shows an event's
+  number is sent (`RecordFile.through`): numbering goes on after the last event
+  read at start, so a number a client saw is never given to another event.
+  Nothing is fsynced: the page cache survives a kill of the daemon, as the
+  journal's records do.
 - Bounded as the rings are: the file holds the kept events and incidents, and
   the changes since it was last written whole. When it outgrows twice what it
   held then (and `_SLACK`), it is written whole again, to a new file renamed over
@@ -121,6 +124,8 @@ class RecordFile:
         #: The next write writes the file whole (a write failed, or it was damaged).
         self._whole = True
         self._failing = False
+        #: Set when a whole write, under way in a worker thread, has ended.
+        self._replacing: trio.Event | None = None
 
     # Loading.
 
@@ -166,10 +171,34 @@ class RecordFile:
             await trio.sleep(WRITE_INTERVAL if not self._failing else RETRY)
             if self._whole or self._outgrown():
                 data, written = self._everything()
-                if await trio.to_thread.run_sync(self._replace, data):
-                    self._wrote_whole(len(data), written)
+                self._replacing = trio.Event()
+                try:
+                    if await trio.to_thread.run_sync(self._replace, data):
+                        self._wrote_whole(len(data), written)
+                finally:
+                    self._replacing.set()
+                    self._replacing = None
             else:
                 self._append()
+
+    @property
+    def written(self) -> int:
+        """The number of the last event written."""
+        return self._written
+
+    async def through(self, seq: int) -> None:
+        """Return once every event up to number ``seq`` is written, writing them
+        now if need be: a reply that shows ``seq`` is sent after this, so that no
+        number a client saw goes to another event after a crash. Returns at once
+        while the disk refuses writes (numbers seen then may come again after a
+        crash, as the events themselves are lost)."""
+        while self._written < seq and not self._failing:
+            if self._replacing is not None:
+                # Appended to the file being replaced, they would be lost with it.
+                await self._replacing.wait()
+                continue
+            self._append()
+            return
 
     def write_now(self) -> None:
         """Write what changed, on the spot (the daemon stops)."""
