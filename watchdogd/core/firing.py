@@ -315,14 +315,19 @@ class Firing(Generic[P]):
         watch = item.timer.watch
         if watch is not None and watch.job:
             run, peers = self._incident(item.timer, watch, policy, run, now)
-        firing = msgspec.structs.replace(item.timer, firing=next(self._numbers), run=run)
-        # The armed record and the firing one go out in the same journal record:
-        # a crash leaves one of the two, never neither.
-        self._journal.drop(item.timer)
+        firing = self._put_firing(item.timer, next(self._numbers), run)
+        return [Expired(firing, item.process, orphaned, note), *peers]
+
+    def _put_firing(self, armed: Timer, number: int, run: Run) -> Timer:
+        """``armed`` firing in the state as number ``number`` with ``run``. The
+        armed record and the firing one go out in the same journal record: a crash
+        leaves one of the two, never neither."""
+        firing = msgspec.structs.replace(armed, firing=number, run=run)
+        self._journal.drop(armed)
         self._journal.put(firing)
         self._firing[firing.store_key] = firing
         self._count_job(firing, +1)
-        return [Expired(firing, item.process, orphaned, note), *peers]
+        return firing
 
     def record(self, due: Due[P]) -> Expired[P]:
         """The firing record of ``due``, whose signal has gone out: from here on
@@ -344,13 +349,7 @@ class Firing(Generic[P]):
 
     def _record(self, due: Due[P]) -> None:
         del self._taken[due.timer.store_key]
-        run = Run(fired_at=due.fired_at, plan=due.policy.plan)
-        firing = msgspec.structs.replace(due.timer, firing=due.number, run=run)
-        # As in `expire_due`: the armed record and the firing one in the same
-        # journal record.
-        self._journal.drop(due.timer)
-        self._journal.put(firing)
-        self._firing[firing.store_key] = firing
+        self._put_firing(due.timer, due.number, Run(fired_at=due.fired_at, plan=due.policy.plan))
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at

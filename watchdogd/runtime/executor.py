@@ -188,15 +188,15 @@ class Executor:
         records): send first signals now, leave the rest to `settle`. A `Due`'s
         firing record is made once its signal is out, when it settles."""
         commands_first = len(expired) <= _COMMANDS_FIRST
-        for due in expired:
+        for taken in expired:
             try:
-                if self._send_first(due, commands_first):
+                if self._send_first(taken, commands_first):
                     continue
             except Exception:
                 # Before its signal (nothing after it can raise): the usual way
                 # carries the expiry out, or records why it could not.
-                log.exception("the short way failed for %r", due.timer)
-            item = self._service.record_fired(due) if isinstance(due, Due) else due
+                log.exception("the short way failed for %r", taken.timer)
+            item = self._service.record_fired(taken) if isinstance(taken, Due) else taken
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
