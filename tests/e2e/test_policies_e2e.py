@@ -441,14 +441,14 @@ def test_policies_are_listed_with_their_steps(daemon: RunningDaemon) -> None:
     assert as_json["default"] == "kill"
 
 
-#: Dump steps that take a second each, three at once at most; and a policy whose dump
-#: comes before its SIGKILL, with a short timeout.
+#: Dump steps that take two seconds each, three at once at most; and a policy whose
+#: dump comes before its SIGKILL, with a short timeout.
 POOLED = """
 [daemon]
 max_dumps = 3
 
 [policies.slow_dump]
-steps = [ {{ dump = ["sh", "-c", '{script}', "{record}", "{{pid}}", "1"], timeout = 30 }} ]
+steps = [ {{ dump = ["sh", "-c", '{script}', "{record}", "{{pid}}", "2"], timeout = 30 }} ]
 
 [policies.dump_then_kill]
 steps = [
@@ -495,10 +495,17 @@ def test_dumps_run_a_few_at_once_and_delay_no_kill(socket_path: Path, tmp_path: 
         killed, dump_killed = sleeper(), sleeper()
         seen: list[dict[str, float]] = []
         try:
+            arm_at_once(daemon.socket_path, [(victim.pid, "slow_dump", 0.3) for victim in dumped])
+            # The others fall due once three dumps hold every turn: due in the same
+            # pass as those (a daemon woken late), the dump whose turn ends sooner
+            # may take a turn first.
+            wait_until(
+                lambda: record.exists() and record.read_text().count("start ") >= 3,
+                what="three dumps running",
+            )
             arm_at_once(
                 daemon.socket_path,
-                [(victim.pid, "slow_dump", 0.3) for victim in dumped]
-                + [(killed.pid, "kill", 0.4), (dump_killed.pid, "dump_then_kill", 0.4)],
+                [(killed.pid, "kill", 0.1), (dump_killed.pid, "dump_then_kill", 0.1)],
             )
             with daemon.client() as client:
 
