@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic, NamedTuple
+from typing import Final, Generic
 
 import msgspec
 
@@ -68,7 +69,7 @@ from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 RESTART_GRACE: Final = 1.0
 
 
-class Due(NamedTuple, Generic[P]):
+class Due(msgspec.Struct, Generic[P], frozen=True):
     """A timer taken out of the table whose first step, ``signal``, goes to its
     process before its firing record is made (`Firing.record`): ``timer`` as it
     was armed, the process handle retained for the caller, ``orphaned`` as in
@@ -100,9 +101,10 @@ class RestartGrace(Generic[P]):
         #: The deadlines, as armed, of the restored timers held until then.
         self._held: dict[StoreKey, float] = {}
 
-    def applies(self, timer: Timer, now: float) -> bool:
-        """Whether ``timer``, due at ``now``, is one the grace holds or held."""
-        return timer.armed_at < self._started and (bool(self._held) or now < self.until)
+    def armed_before(self, now: float) -> float:
+        """The timers due at ``now`` that the grace holds or held are those armed
+        before this time (minus infinity once the grace is over)."""
+        return self._started if self._held or now < self.until else -math.inf
 
     def hold(self, item: Expired[P]) -> None:
         """Put the timer of ``item`` back in the table until the grace ends."""
@@ -119,7 +121,7 @@ class RestartGrace(Generic[P]):
             return item
         timer = msgspec.structs.replace(item.timer, deadline=deadline)
         note = f"held {RESTART_GRACE:g}s after the restart for a release on its way"
-        return item._replace(timer=timer, note=note)
+        return msgspec.structs.replace(item, timer=timer, note=note)
 
     def passed(self, now: float) -> None:
         """A pass at ``now`` is over: once every held timer fired or was released,
@@ -245,15 +247,22 @@ class Firing(Generic[P]):
         fired: list[Expired[P] | Due[P]] = []
         put_back = False
         dues = 0
+        # Looked up once a pass, not once a timer: in a burst every microsecond
+        # spent before a signal is a microsecond later for the rest of the pass.
+        held_before = self._grace.armed_before(now)
+        policies: dict[str, tuple[Policy, str]] = {}
         for popped in expired:
             item = popped
-            if self._grace.applies(item.timer, now):
+            if item.timer.armed_at < held_before:
                 if now < self._grace.until:
                     self._grace.hold(item)
                     put_back = True
                     continue
                 item = self._grace.ended(item)
-            policy, vanished = self._rules.policy_for(item.timer.policy)
+            found = policies.get(item.timer.policy)
+            if found is None:
+                found = policies[item.timer.policy] = self._rules.policy_for(item.timer.policy)
+            policy, vanished = found
             note = item.note
             if policy.starvation_grace:
                 verdict = judge_due(

@@ -62,8 +62,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, NamedTuple, assert_never
+from typing import Final, assert_never
 
+import msgspec
 import trio
 
 from watchdogd_client.protocol import EventInfo
@@ -117,7 +118,7 @@ class _Expiry:
     target: Target | None = None
 
 
-class _Sent(NamedTuple):
+class _Sent(msgspec.Struct, frozen=True):
     """An expiry whose first signal `Executor.carry_out` sent the short way."""
 
     item: Expired[Process] | Due[Process]
