@@ -714,7 +714,7 @@ def test_damage_found_by_the_later_load_moves_the_database_aside_and_writes_it_a
 
 
 def test_a_deleted_state_is_seen_by_the_first_write_of_a_turn(tmp_path: Path) -> None:
-    """fstat(2) after a write costs as much as the write: a write checks the
+    """fstat(2) after a write costs more than the write: a write checks the
     journal's name when it is the first of its turn of the event loop. One in the
     turn that saw the deletion goes into the unlinked file; the next turn's first
     write finds the state gone and writes it whole anew, that change included."""

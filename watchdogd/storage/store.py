@@ -47,10 +47,11 @@ Invariants:
 - A state deleted under the daemon (its directory removed, say) is a failing disk
   too: writes into the journal's unlinked file would be lost at the next start.
   The first write of each turn of the event loop checks that the journal still
-  has a name (`Store.first_of_turn`), and the background task checks once a `LOST_CHECK`; a
-  recovery makes the directory and the database again, and writes the whole
-  state there. A change acknowledged in the turn that saw the deletion happen is
-  in that write too: only a daemon killed before its next turn loses it.
+  has a name (`Store.first_of_turn`), and the background task checks once a
+  `LOST_CHECK`; a recovery makes the directory and the database again, and
+  writes the whole state there. A change acknowledged in the turn that saw the
+  deletion happen is in that write too: only a daemon killed before its next
+  turn loses it.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
@@ -167,7 +168,7 @@ class Store:
         self._rest: Rest | None = None
         self.snapshot: Callable[[], Iterable[Timer]] = list
         #: Whether a write is its loop turn's first (`watchdogd.runtime.daemon.Turns`),
-        #: which checks the journal's name: fstat(2) after a write costs as much as it.
+        #: which checks the journal's name: fstat(2) after a write costs more than it.
         self.first_of_turn: Callable[[], bool] = lambda: True
         self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
 
