@@ -50,8 +50,8 @@ Invariants:
   has a name (`Store.first_of_turn`), and the background task checks once a
   `LOST_CHECK`; a recovery makes the directory and the database again, and
   writes the whole state there. A change acknowledged in the turn that saw the
-  deletion happen is in that write too: only a daemon killed before its next
-  turn loses it.
+  deletion happen is in that write too (the next turn's, or the background
+  task's): only a daemon killed before then loses it.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
