@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import sqlite3
 import stat
@@ -710,3 +711,33 @@ def test_damage_found_by_the_later_load_moves_the_database_aside_and_writes_it_a
     store, again = Store.open(path, load_ahead=math.inf)
     store.close()
     assert [t.scope for t in again.timers] == ["soon"]
+
+
+def test_a_deleted_state_is_seen_by_the_first_write_of_a_turn(tmp_path: Path) -> None:
+    """fstat(2) after a write costs more than the write: a write checks the
+    journal's name when it is the first of its turn of the event loop. One in the
+    turn that saw the deletion goes into the unlinked file; the next turn's first
+    write finds the state gone and writes it whole anew, that change included."""
+    directory = tmp_path / "state"
+    store, _ = Store.open(str(directory / "state.db"))
+    first = [True]
+    store.first_of_turn = lambda: first[0]
+    held = [timer(1, "a")]
+    store.snapshot = lambda: held
+    store.put(held[0])
+    assert store.commit(store.generation)
+    first[0] = False
+    shutil.rmtree(directory)
+    held.append(timer(1, "b"))
+    store.put(held[1])
+    assert store.commit(store.generation)
+    assert not store.degraded  # not looked at in this turn
+    assert not directory.exists()
+    first[0] = True
+    held.append(timer(1, "c"))
+    store.put(held[2])
+    assert store.commit(store.generation)  # written anew, before the answer
+    assert not store.degraded
+    store.close()
+    _, loaded = Store.open(str(directory / "state.db"))
+    assert sorted(t.scope for t in loaded.timers) == ["a", "b", "c"]

@@ -116,6 +116,25 @@ _HOLD_COLLECTOR: Final = 1.0
 _SETTLE_EVERY: Final = 0.5
 
 
+class Turns(trio.abc.Instrument):
+    """Counts the turns of the event loop: each wait for I/O ends one, and what
+    happened outside before that wait returned (a request sent, the state's
+    directory deleted) is there for the turn to see. The store checks its
+    journal's name in the first write of a turn (`Store.first_of_turn`)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+        self._asked = -1
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.number += 1
+
+    def first_ask(self) -> bool:
+        """True the first time it is called in a turn, False after."""
+        first, self._asked = self._asked != self.number, self.number
+        return first
+
+
 class Collector:
     """Holds Python's cyclic garbage collector off while a burst of expiries is
     fired and settled: a full collection walks every object the daemon holds, which
@@ -361,6 +380,9 @@ class Daemon:
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
+            turns = Turns()
+            trio.lowlevel.add_instrument(turns)
+            self.store.first_of_turn = turns.first_ask
             await nursery.start(self.store.run)
         if self.history_file is not None:
             await nursery.start(self.history_file.run)

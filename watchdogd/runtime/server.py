@@ -27,7 +27,6 @@ import logging
 import os
 import socket
 import stat
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -198,17 +197,19 @@ class ReplyBudget:
     __slots__ = ("_held", "_lot", "_others")
 
     def __init__(self) -> None:
-        self._held: Counter[int] = Counter()
+        # A plain dict: a Counter's missing keys and deletions run in Python, and
+        # each request holds and releases.
+        self._held: dict[int, int] = {}
         self._others = 0
         self._lot = trio.lowlevel.ParkingLot()
 
     def held(self, uid: int) -> int:
         """Bytes held now for ``uid``'s connections."""
-        return self._held[uid]
+        return self._held.get(uid, 0)
 
     def over(self, uid: int, per_uid: int, total: int) -> bool:
         """Whether a connection of ``uid`` must wait before building more replies."""
-        return uid != ROOT and (self._held[uid] >= per_uid or self._others >= total)
+        return uid != ROOT and (self._held.get(uid, 0) >= per_uid or self._others >= total)
 
     async def wait_for_room(self, uid: int, per_uid: int, total: int) -> None:
         """Return once ``uid`` is within its budget."""
@@ -216,15 +217,16 @@ class ReplyBudget:
             await self._lot.park()
 
     def hold(self, uid: int, size: int) -> None:
-        self._held[uid] += size
+        self._held[uid] = self._held.get(uid, 0) + size
         if uid != ROOT:
             self._others += size
 
     def release(self, uid: int, size: int) -> None:
         if not size:
             return
-        self._held[uid] -= size
-        if not self._held[uid]:
+        if left := self._held[uid] - size:
+            self._held[uid] = left
+        else:
             del self._held[uid]
         if uid != ROOT:
             self._others -= size
@@ -480,7 +482,22 @@ class _Connection:
         if not out:
             return True
         try:
-            return await self._flush(out)
+            record = self.context.record
+            if record is not None and self.session.shown > record.written:
+                await record.through(self.session.shown)
+            if self.journal.generation != self.durable:
+                # Committed at once: one write(2) per reply costs less than a turn
+                # of the loop spent gathering other connections' changes into it
+                # (the frames of one connection's batch share their commit anyway).
+                changed = self.journal.generation
+                if self.journal.commit(changed):
+                    self.durable = changed
+                else:
+                    out = _not_durable(out)
+            # The common case, with no coroutine of its own: the replies fit in
+            # the socket buffer.
+            sent = _send_some(self.conn, out)
+            return sent == len(out) or await self._send_rest(memoryview(out)[sent:])
         finally:
             # Sent, or given up on: either way no longer the daemon's to hold.
             self.context.replies.release(self.uid, self.held)
@@ -490,22 +507,12 @@ class _Connection:
         self.context.replies.hold(self.uid, size)
         self.held += size
 
-    async def _flush(self, out: bytearray) -> bool:
-        record = self.context.record
-        if record is not None and self.session.shown > record.written:
-            await record.through(self.session.shown)
-        if self.journal.generation != self.durable:
-            # Committed at once: one write(2) per reply costs less than a turn of
-            # the loop spent gathering other connections' changes into it (the
-            # frames of one connection's batch share their commit anyway).
-            changed = self.journal.generation
-            if self.journal.commit(changed):
-                self.durable = changed
-            else:
-                out = _not_durable(out)
+    async def _send_rest(self, rest: memoryview) -> bool:
+        """Send ``rest`` of the replies as the client reads them; False (logged)
+        once it left them unread for ``send_timeout``."""
         self.sending = True
         try:
-            sent = await _send_all(self.conn, out, self.config.send_timeout)
+            sent = await _send_all(self.conn, rest, self.config.send_timeout)
         finally:
             self.sending = False
         if sent:
@@ -566,15 +573,16 @@ def _not_durable(out: bytearray) -> bytearray:
     return marked
 
 
-async def _send_all(conn: socket.socket, data: bytearray, timeout: float) -> bool:
-    """Send everything; False if the peer left it unread for ``timeout`` seconds."""
+def _send_some(conn: socket.socket, data: bytearray) -> int:
+    """What the socket buffer takes of ``data`` now."""
     try:
-        sent = conn.send(data)
+        return conn.send(data)
     except BlockingIOError:
-        sent = 0
-    if sent == len(data):
-        return True  # the common case: the replies fit in the socket buffer
-    view = memoryview(data)[sent:]
+        return 0
+
+
+async def _send_all(conn: socket.socket, view: memoryview, timeout: float) -> bool:
+    """Send everything; False if the peer left it unread for ``timeout`` seconds."""
     deadline: float | None = None
     while view:
         try:

@@ -189,6 +189,14 @@ def replay(
     return changes, reset, max(map(number_of, found), default=0)
 
 
+def unlinked(fd: int | None) -> bool:
+    """Whether the file open as ``fd`` has no name left (its directory was
+    removed, say). Raises OSError as fstat(2) does."""
+    if fd is None:
+        raise OSError(errno.EBADF, "no journal is open")
+    return os.fstat(fd).st_nlink == 0
+
+
 def write_all(fd: int | None, data: bytes) -> None:
     if fd is None:
         raise OSError(errno.EBADF, "no journal is open")

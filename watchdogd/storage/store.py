@@ -46,9 +46,12 @@ Invariants:
   degraded with everything it could read.
 - A state deleted under the daemon (its directory removed, say) is a failing disk
   too: writes into the journal's unlinked file would be lost at the next start.
-  Every write checks that the journal still has a name, and the background task
-  checks once a `LOST_CHECK`; a recovery makes the directory and the database
-  again, and writes the whole state there.
+  The first write of each turn of the event loop checks that the journal still
+  has a name (`Store.first_of_turn`), and the background task checks once a
+  `LOST_CHECK`; a recovery makes the directory and the database again, and
+  writes the whole state there. A change acknowledged in the turn that saw the
+  deletion happen is in that write too (the next turn's, or the background
+  task's): only a daemon killed before then loses it.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
@@ -79,6 +82,7 @@ from .journal import (
     number_of,
     path_of,
     replay,
+    unlinked,
     write_all,
 )
 from .schema import Changes, Shared, boot_id
@@ -163,6 +167,9 @@ class Store:
         #: What a start left for `load_later`, until `loaded`.
         self._rest: Rest | None = None
         self.snapshot: Callable[[], Iterable[Timer]] = list
+        #: Whether a write is its loop turn's first (`watchdogd.runtime.daemon.Turns`),
+        #: which checks the journal's name: fstat(2) after a write costs more than it.
+        self.first_of_turn: Callable[[], bool] = lambda: True
         self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
 
     # Opening and loading.
@@ -337,7 +344,7 @@ class Store:
                 self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
-            if self._journal_lost():
+            if self.first_of_turn() and self._journal_lost():
                 return
         self._durable = generation
 
@@ -345,8 +352,7 @@ class Store:
         """Whether the journal lost its name (the state was deleted under the
         daemon): then the store is degraded, and a recovery writes it anew."""
         try:
-            assert self._fd is not None
-            lost = os.fstat(self._fd).st_nlink == 0
+            lost = unlinked(self._fd)
         except OSError as exc:
             self._enter_degraded(reason(exc))
             return True
