@@ -49,9 +49,11 @@ Invariants:
   The first write of each turn of the event loop checks that the journal still
   has a name (`Store.first_of_turn`), and the background task checks once a
   `LOST_CHECK`; a recovery makes the directory and the database again, and
-  writes the whole state there. A change acknowledged in the turn that saw the
-  deletion happen is in that write too (the next turn's, or the background
-  task's): only a daemon killed before then loses it.
+  writes the whole state there. A request read later in the turn of the
+  deletion (a connection reads on without waiting while bytes are there) is
+  acknowledged from the unlinked journal; its change is in the next turn's
+  first write, or the background task's: only a daemon killed before then
+  loses it.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
