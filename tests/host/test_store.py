@@ -21,7 +21,9 @@ import pytest
 import trio
 
 from watchdogd.core.timers import Run, Timer
+from watchdogd.host.inotify import NameWatch
 from watchdogd.storage import database, schema
+from watchdogd.storage import journal as journal_module
 from watchdogd.storage import store as store_module
 from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
 from watchdogd.storage.store import StateError, Store, default_state_path
@@ -713,31 +715,38 @@ def test_damage_found_by_the_later_load_moves_the_database_aside_and_writes_it_a
     assert [t.scope for t in again.timers] == ["soon"]
 
 
-def test_a_deleted_state_is_seen_by_the_first_write_of_a_turn(tmp_path: Path) -> None:
+def test_a_write_looks_at_the_journals_name_when_the_watch_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """fstat(2) after a write costs more than the write: a write checks the
-    journal's name when it is the first of its turn of the event loop. One in the
-    turn that saw the deletion goes into the unlinked file; the next turn's first
-    write finds the state gone and writes it whole anew, that change included."""
+    journal's link count when its inotify watch saw something happen to it, or
+    the journal is new. A deletion is seen by the first write after it, before
+    that write is acknowledged, and the state is written anew there."""
+    looked: list[int | None] = []
+
+    def unlinked(fd: int | None) -> bool:
+        looked.append(fd)
+        return journal_module.unlinked(fd)
+
+    monkeypatch.setattr(store_module, "unlinked", unlinked)
     directory = tmp_path / "state"
     store, _ = Store.open(str(directory / "state.db"))
-    first = [True]
-    store.first_of_turn = lambda: first[0]
-    held = [timer(1, "a")]
+    watch = NameWatch()
+    store.name_stirred = watch.stirred
+    held = [timer(1, f"s{n}") for n in range(100)]
     store.snapshot = lambda: held
-    store.put(held[0])
-    assert store.commit(store.generation)
-    first[0] = False
+    for armed in held:
+        store.put(armed)
+        assert store.commit(store.generation)
+    assert len(looked) == 1  # the journal's first write: a journal new to the watch
     shutil.rmtree(directory)
-    held.append(timer(1, "b"))
-    store.put(held[1])
-    assert store.commit(store.generation)
-    assert not store.degraded  # not looked at in this turn
-    assert not directory.exists()
-    first[0] = True
-    held.append(timer(1, "c"))
-    store.put(held[2])
+    held.append(timer(1, "after"))
+    store.put(held[-1])
     assert store.commit(store.generation)  # written anew, before the answer
+    assert len(looked) == 2
+    assert (directory / "state.db").exists()
     assert not store.degraded
     store.close()
+    watch.close()
     _, loaded = Store.open(str(directory / "state.db"))
-    assert sorted(t.scope for t in loaded.timers) == ["a", "b", "c"]
+    assert len(loaded.timers) == 101

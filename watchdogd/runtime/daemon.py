@@ -47,6 +47,7 @@ from ..core.timers import Timer
 from ..errors import ConfigError
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.exits import ExitWatcher
+from ..host.inotify import NameWatch
 from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process
 from ..host.systemd import Notifier, watchdog_interval
@@ -114,25 +115,6 @@ _SWITCH_INTERVAL: Final = 0.0001
 _HOLD_COLLECTOR: Final = 1.0
 #: How often an incident whose window has closed is looked for, to settle its verdict.
 _SETTLE_EVERY: Final = 0.5
-
-
-class Turns(trio.abc.Instrument):
-    """Counts the turns of the event loop: each wait for I/O ends one, and what
-    happened outside before that wait returned (a request sent, the state's
-    directory deleted) is there for the turn to see. The store checks its
-    journal's name in the first write of a turn (`Store.first_of_turn`)."""
-
-    def __init__(self) -> None:
-        self.number = 0
-        self._asked = -1
-
-    def after_io_wait(self, timeout: float) -> None:
-        self.number += 1
-
-    def first_ask(self) -> bool:
-        """True the first time it is called in a turn, False after."""
-        first, self._asked = self._asked != self.number, self.number
-        return first
 
 
 class Collector:
@@ -284,6 +266,7 @@ class Daemon:
         self.fleet: FleetMember[Process] | None = None
         self._began = time.monotonic()
         self.store: Store | None = None
+        self.name_watch: NameWatch | None = None
         self.metrics = Metrics()
         timers: list[Timer] = []
         moved_aside = 0
@@ -380,9 +363,9 @@ class Daemon:
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
-            turns = Turns()
-            trio.lowlevel.add_instrument(turns)
-            self.store.first_of_turn = turns.first_ask
+            with contextlib.suppress(OSError):  # no inotify: the store checks each write
+                self.name_watch = NameWatch()
+                self.store.name_stirred = self.name_watch.stirred
             await nursery.start(self.store.run)
         if self.history_file is not None:
             await nursery.start(self.history_file.run)
@@ -521,6 +504,8 @@ class Daemon:
         self.watcher.close()
         if self.store is not None:
             self.store.close()
+        if self.name_watch is not None:
+            self.name_watch.close()
         if self.history_file is not None:
             self.history_file.write_now()
         if self.record_file is not None:

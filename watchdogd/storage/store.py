@@ -46,12 +46,10 @@ Invariants:
   degraded with everything it could read.
 - A state deleted under the daemon (its directory removed, say) is a failing disk
   too: writes into the journal's unlinked file would be lost at the next start.
-  The first write of each turn of the event loop checks that the journal still
-  has a name (`Store.first_of_turn`), and the background task checks once a
-  `LOST_CHECK`; a recovery makes the directory and the database again, and
-  writes the whole state there. A change acknowledged in the turn that saw the
-  deletion happen is in that write too (the next turn's, or the background
-  task's): only a daemon killed before then loses it.
+  Every write checks that the journal still has a name, when an inotify watch
+  says something happened to it (`Store.name_stirred`), and the background task
+  checks once a `LOST_CHECK`; a recovery makes the directory and the database
+  again, and writes the whole state there.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
 """
@@ -167,9 +165,9 @@ class Store:
         #: What a start left for `load_later`, until `loaded`.
         self._rest: Rest | None = None
         self.snapshot: Callable[[], Iterable[Timer]] = list
-        #: Whether a write is its loop turn's first (`watchdogd.runtime.daemon.Turns`),
-        #: which checks the journal's name: fstat(2) after a write costs more than it.
-        self.first_of_turn: Callable[[], bool] = lambda: True
+        #: Whether journal (number, fd) may have lost its name, which a write then
+        #: checks (the daemon's `watchdogd.host.inotify.NameWatch`; alone: always).
+        self.name_stirred: Callable[[int, int | None], bool] = lambda number, fd: True
         self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
 
     # Opening and loading.
@@ -344,7 +342,7 @@ class Store:
                 self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
-            if self.first_of_turn() and self._journal_lost():
+            if self.name_stirred(self._number, self._fd) and self._journal_lost():
                 return
         self._durable = generation
 
