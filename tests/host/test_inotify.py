@@ -29,6 +29,8 @@ def test_a_new_journal_and_what_happens_to_its_name_stir_it_and_writes_do_not(
         assert watch.stirred(1, first)
         assert not watch.stirred(1, first)
         assert watch.stirred(2, second)  # the next journal
+        assert watch.stirred(2, first)  # another file under the same number: look
+        assert watch.stirred(2, second)
         os.unlink(tmp_path / "journal.2")
         assert watch.stirred(2, second)
         assert watch.stirred(2, None)  # no journal open: always look

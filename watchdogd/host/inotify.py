@@ -39,7 +39,8 @@ class NameWatch:
             errno = ctypes.get_errno()
             raise OSError(errno, os.strerror(errno))
         self._fd = fd
-        self._number = -1  # the journal watched, by number
+        self._number = -1  # the journal watched, by number and descriptor
+        self._journal_fd = -1
         self._watch = -1  # its watch descriptor; -1: none, look every time
         self._queued = bytearray(4)
 
@@ -48,7 +49,7 @@ class NameWatch:
         name since the last call: something happened to it, or it is a new one."""
         if journal_fd is None:
             return True
-        if number != self._number:
+        if number != self._number or journal_fd != self._journal_fd:
             self._follow(number, journal_fd)
             return True
         if self._watch < 0:
@@ -68,7 +69,7 @@ class NameWatch:
         self._watch = _libc.inotify_add_watch(
             self._fd, path, _IN_ATTRIB | _IN_MOVE_SELF | _IN_DELETE_SELF
         )
-        self._number = number
+        self._number, self._journal_fd = number, journal_fd
 
     def _drain(self) -> None:
         try:
