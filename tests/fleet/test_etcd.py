@@ -335,8 +335,11 @@ async def test_a_watch_broken_by_a_kill_is_resumed_from_its_revision(
             with pytest.raises(WatchBroken), trio.fail_after(PATIENCE):
                 await anext(watch)
         own_etcd.start()
-        await client.put(b"/p/b", b"2")
-        await client.delete(b"/p/a")
+        # What the resumed watch must see, as etcd numbers it: a put and a delete
+        # right after the last event seen. A restart that lost that event would fail
+        # here, not as a watch that never yields.
+        assert await client.put(b"/p/b", b"2") == watch.revision + 1
+        assert await client.delete(b"/p/a") == 1
         async with client.open_watch(b"/p/", start_revision=watch.revision + 1) as again:
             events = await next_events(again, 2)
     assert [(e.kind, e.key) for e in events] == [("put", b"/p/b"), ("delete", b"/p/a")]
