@@ -9,23 +9,23 @@ so a request sent after a deletion finds the event queued when its write is
 checked, and FIONREAD tells whether anything is queued. An event only says "look":
 the store's fstat decides.
 
-Python has no inotify: libc is called through ctypes.
+Python has no inotify: libc is called through ctypes (`watchdogd.host.libc`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import termios
 from typing import Final
+
+from .libc import libc, raise_errno
 
 _IN_ATTRIB: Final = 0x00000004
 _IN_MOVE_SELF: Final = 0x00000800
 _IN_DELETE_SELF: Final = 0x00000400
 _IN_NONBLOCK: Final = os.O_NONBLOCK
 _IN_CLOEXEC: Final = os.O_CLOEXEC
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class NameWatch:
@@ -34,10 +34,9 @@ class NameWatch:
     inotify instance (the store then checks every write)."""
 
     def __init__(self) -> None:
-        fd: int = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        fd: int = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, os.strerror(errno))
+            raise_errno()
         self._fd = fd
         self._number = -1  # the journal watched, by number and descriptor
         self._journal_fd = -1
@@ -62,11 +61,11 @@ class NameWatch:
 
     def _follow(self, number: int, journal_fd: int) -> None:
         if self._watch >= 0:
-            _libc.inotify_rm_watch(self._fd, self._watch)  # gone already if it was deleted
+            libc.inotify_rm_watch(self._fd, self._watch)  # gone already if it was deleted
         self._drain()
         # The open file itself, whatever its name has become meanwhile.
         path = f"/proc/self/fd/{journal_fd}".encode()
-        self._watch = _libc.inotify_add_watch(
+        self._watch = libc.inotify_add_watch(
             self._fd, path, _IN_ATTRIB | _IN_MOVE_SELF | _IN_DELETE_SELF
         )
         self._number, self._journal_fd = number, journal_fd

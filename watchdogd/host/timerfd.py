@@ -5,7 +5,8 @@ deadline met that way is on average half a millisecond late. A timerfd armed for
 deadline becomes readable when the kernel's high-resolution timer fires, and waiting
 for it is an ordinary ``wait_readable``.
 
-Python has ``os.timerfd_create`` from 3.13; before that libc is called through ctypes.
+Python has ``os.timerfd_create`` from 3.13; before that libc is called through ctypes
+(`watchdogd.host.libc`).
 """
 
 from __future__ import annotations
@@ -41,19 +42,19 @@ if sys.version_info >= (3, 13):
         os.timerfd_settime_ns(fd, flags=TFD_TIMER_ABSTIME, initial=ns)
 
 else:
-    _libc = ctypes.CDLL(None, use_errno=True)
+    from .libc import libc, raise_errno
 
     def _create() -> int:
-        fd: int = _libc.timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+        fd: int = libc.timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
         if fd < 0:
-            _raise_errno()
+            raise_errno()
         return fd
 
     def _set_ns(fd: int, ns: int) -> None:
         spec = _Itimerspec()
         spec.it_value.tv_sec, spec.it_value.tv_nsec = divmod(ns, _NS)
-        if _libc.timerfd_settime(fd, TFD_TIMER_ABSTIME, ctypes.byref(spec), None) < 0:
-            _raise_errno()
+        if libc.timerfd_settime(fd, TFD_TIMER_ABSTIME, ctypes.byref(spec), None) < 0:
+            raise_errno()
 
 
 class TimerFd:
@@ -78,8 +79,3 @@ class TimerFd:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def _raise_errno() -> None:
-    errno = ctypes.get_errno()
-    raise OSError(errno, os.strerror(errno))
