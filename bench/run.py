@@ -610,21 +610,15 @@ def commit_figure(cpu_off: float) -> Figure:
     release, in turns) made and committed by the daemon's own `Store` (its record
     encoded and written with one write(2)), against the daemon's CPU per request
     without state. For state on to keep 95 % of the stateless rate, this must stay
-    under 5.3 % of it (1 / 0.95 - 1). The store asks the journal's inotify watch
-    whether to look at its name, as the daemon's does."""
+    under 5.3 % of it (1 / 0.95 - 1)."""
     from watchdogd.core.timers import Timer
-    from watchdogd.host.inotify import NameWatch
     from watchdogd.host.process import read_start_time
     from watchdogd.storage.store import Store
 
     count = 20_000
     with tempfile.TemporaryDirectory(prefix="wd-bench-") as directory:
         store, _ = Store.open(str(Path(directory) / "state.db"))
-        watch: NameWatch | None = None
         try:
-            with contextlib.suppress(OSError):  # no inotify: it looks every write, as the daemon's
-                watch = NameWatch()
-                store.name_stirred = watch.stirred
             now = time.monotonic()
             timer = Timer(pid=os.getpid(), scope="bench", policy="kill", uid=0, owner=0,
                           timeout=60.0, armed_at=now, deadline=now + 60,
@@ -638,8 +632,6 @@ def commit_figure(cpu_off: float) -> Figure:
             each = (time.perf_counter() - started) / count
         finally:
             store.close()
-            if watch is not None:
-                watch.close()
     return Figure(
         "a change committed by the Store alone",
         each * 1e6,

@@ -21,7 +21,6 @@ import pytest
 import trio
 
 from watchdogd.core.timers import Run, Timer
-from watchdogd.host.inotify import NameWatch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
 from watchdogd.storage import store as store_module
@@ -731,8 +730,6 @@ def test_a_write_looks_at_the_journals_name_when_the_watch_says_so(
     monkeypatch.setattr(store_module, "unlinked", unlinked)
     directory = tmp_path / "state"
     store, _ = Store.open(str(directory / "state.db"))
-    watch = NameWatch()
-    store.name_stirred = watch.stirred
     held = [timer(1, f"s{n}") for n in range(100)]
     store.snapshot = lambda: held
     for armed in held:
@@ -747,6 +744,5 @@ def test_a_write_looks_at_the_journals_name_when_the_watch_says_so(
     assert (directory / "state.db").exists()
     assert not store.degraded
     store.close()
-    watch.close()
     _, loaded = Store.open(str(directory / "state.db"))
     assert len(loaded.timers) == 101

@@ -19,7 +19,7 @@ import os
 import termios
 from typing import Final
 
-from .libc import libc, raise_errno
+from .libc import libc
 
 _IN_ATTRIB: Final = 0x00000004
 _IN_MOVE_SELF: Final = 0x00000800
@@ -29,15 +29,12 @@ _IN_CLOEXEC: Final = os.O_CLOEXEC
 
 
 class NameWatch:
-    """Watches the journal a store writes to (the ``name_stirred`` of a
-    `watchdogd.storage.store.Store`). Raises OSError when the kernel gives no
-    inotify instance (the store then checks every write)."""
+    """Watches the journal a `watchdogd.storage.store.Store` writes to. Its inotify
+    instance is made for the first journal it follows: a store that failed to open
+    holds none. Where the kernel gives none, it says "look" every time."""
 
     def __init__(self) -> None:
-        fd: int = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        if fd < 0:
-            raise_errno()
-        self._fd = fd
+        self._fd = -1  # the inotify instance; -1: none (yet)
         self._number = -1  # the journal watched, by number and descriptor
         self._journal_fd = -1
         self._watch = -1  # its watch descriptor; -1: none, look every time
@@ -60,6 +57,11 @@ class NameWatch:
         return True
 
     def _follow(self, number: int, journal_fd: int) -> None:
+        self._number, self._journal_fd = number, journal_fd
+        if self._fd < 0:
+            self._fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+            if self._fd < 0:
+                return
         if self._watch >= 0:
             libc.inotify_rm_watch(self._fd, self._watch)  # gone already if it was deleted
         self._drain()
@@ -68,7 +70,6 @@ class NameWatch:
         self._watch = libc.inotify_add_watch(
             self._fd, path, _IN_ATTRIB | _IN_MOVE_SELF | _IN_DELETE_SELF
         )
-        self._number, self._journal_fd = number, journal_fd
 
     def _drain(self) -> None:
         try:
@@ -78,4 +79,6 @@ class NameWatch:
             pass
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -47,7 +47,6 @@ from ..core.timers import Timer
 from ..errors import ConfigError
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.exits import ExitWatcher
-from ..host.inotify import NameWatch
 from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process
 from ..host.systemd import Notifier, watchdog_interval
@@ -266,7 +265,6 @@ class Daemon:
         self.fleet: FleetMember[Process] | None = None
         self._began = time.monotonic()
         self.store: Store | None = None
-        self.name_watch: NameWatch | None = None
         self.metrics = Metrics()
         timers: list[Timer] = []
         moved_aside = 0
@@ -363,9 +361,6 @@ class Daemon:
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
-            with contextlib.suppress(OSError):  # no inotify: the store checks each write
-                self.name_watch = NameWatch()
-                self.store.name_stirred = self.name_watch.stirred
             await nursery.start(self.store.run)
         if self.history_file is not None:
             await nursery.start(self.history_file.run)
@@ -504,8 +499,6 @@ class Daemon:
         self.watcher.close()
         if self.store is not None:
             self.store.close()
-        if self.name_watch is not None:
-            self.name_watch.close()
         if self.history_file is not None:
             self.history_file.write_now()
         if self.record_file is not None:

@@ -46,8 +46,8 @@ Invariants:
   degraded with everything it could read.
 - A state deleted under the daemon (its directory removed, say) is a failing disk
   too: writes into the journal's unlinked file would be lost at the next start.
-  Every write checks that the journal still has a name, when an inotify watch
-  says something happened to it (`Store.name_stirred`), and the background task
+  Every write checks that the journal still has a name, when the store's inotify
+  watch says something happened to it (`NameWatch`), and the background task
   checks once a `LOST_CHECK`; a recovery makes the directory and the database
   again, and writes the whole state there.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
@@ -68,6 +68,7 @@ import msgspec
 import trio
 
 from ..core.timers import StoreKey, Timer
+from ..host.inotify import NameWatch
 from ..logs import log, logfmt
 from .database import Database
 from .faults import Aside, StateError, Unreadable, reason
@@ -165,9 +166,8 @@ class Store:
         #: What a start left for `load_later`, until `loaded`.
         self._rest: Rest | None = None
         self.snapshot: Callable[[], Iterable[Timer]] = list
-        #: Whether journal (number, fd) may have lost its name, which a write then
-        #: checks (the daemon's `watchdogd.host.inotify.NameWatch`; alone: always).
-        self.name_stirred: Callable[[int, int | None], bool] = lambda number, fd: True
+        #: Says when the journal may have lost its name, which a write then checks.
+        self._name_watch = NameWatch()
         self.on_degraded: Callable[[bool, str], object] = lambda degraded, reason: None
 
     # Opening and loading.
@@ -342,7 +342,7 @@ class Store:
                 self._unfolded.update(batch)
             if self._written >= self._journal_bytes:
                 self._wakeup.set()
-            if self.name_stirred(self._number, self._fd) and self._journal_lost():
+            if self._name_watch.stirred(self._number, self._fd) and self._journal_lost():
                 return
         self._durable = generation
 
@@ -570,6 +570,7 @@ class Store:
         if self._fd is not None:
             close(self._fd)
             self._fd = None
+        self._name_watch.close()
         self._database.close()
 
 
