@@ -30,6 +30,7 @@ The daemon runs on CPU 0 and clients on CPU 1, as in bench/run.py. Run with
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -72,6 +73,7 @@ def cold_and_warm(call: Callable[[], object], rounds: int) -> tuple[float, float
     """Seconds of one status page ``call`` once the daemon's command lines are
     stale (a second after its last page: each is read from /proc again), and the
     median of ``rounds`` calls right after (read once a second at most)."""
+    settle_collector()
     time.sleep(1.1)
     started = time.perf_counter()
     call()
@@ -81,6 +83,7 @@ def cold_and_warm(call: Callable[[], object], rounds: int) -> tuple[float, float
 
 def median_time(call: Callable[[], object], rounds: int) -> float:
     """Median seconds of ``call`` over ``rounds`` calls, after one to warm up."""
+    settle_collector()
     call()
     times = []
     for _ in range(rounds):
@@ -88,6 +91,15 @@ def median_time(call: Callable[[], object], rounds: int) -> float:
         call()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def settle_collector() -> None:
+    """Take what this process holds out of its collector's way before a call is
+    timed: the time is the daemon's, and a collection of this process's own heap
+    (the states it wrote, a thousand holders) that falls in the middle of a call
+    would be timed with it, tens of milliseconds that come and go from run to run."""
+    gc.collect()
+    gc.freeze()
 
 
 class Holders:
