@@ -9,6 +9,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import trio
+import trio.lowlevel
 
 from watchdogd.core.events import EventLog
 from watchdogd.core.incidents import IncidentLog
@@ -168,6 +170,53 @@ def test_the_file_is_written_whole_again_before_it_outgrows_its_bounds(tmp_path:
     each = len(msgspec.msgpack.encode(events.page(None, 1, 0)[0])) + 16
     assert largest < (2 * kept + 2) * each
     assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == list(range(2950, 3000))
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps the record's task takes while a whole write of it is
+    under way."""
+
+    def __init__(self, record: RecordFile) -> None:
+        self.record = record
+        self.steps = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("RecordFile.run") and self.record._replacing is not None:
+            self.steps += 1
+
+
+async def test_a_whole_write_is_framed_in_turns_and_loses_nothing_recorded_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Framing the whole file (hundreds of MiB of stacks, at most) lets the loop's
+    other tasks run between records, a due timer's signal among them; an event
+    recorded meanwhile is written after the file it is not in."""
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    record.close()
+    events, incidents = logs()
+    record = RecordFile(str(path), events, incidents, wall=lambda: 110.0, turn=0.0)
+    record.load()
+    for pid in range(40):
+        events.record(event(pid, output="z" * 1000))
+    steps = _Steps(record)
+    trio.lowlevel.add_instrument(steps)
+    recorded_meanwhile: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(record.run)
+        while not path.exists() or record._replacing is not None or not recorded_meanwhile:
+            if record._replacing is not None and not recorded_meanwhile:
+                recorded_meanwhile.append(events.record(event(1000)).seq)
+            await trio.lowlevel.checkpoint()
+        while record.written < recorded_meanwhile[0]:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    trio.lowlevel.remove_instrument(steps)
+    record.close()
+    # A step a record at least (every one of them past its turn of 0 s): the
+    # header, 40 events, and the thread's write.
+    assert steps.steps >= 40
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [*range(40), 1000]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

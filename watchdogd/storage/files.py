@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 
-def replace_file(path: str, data: bytes) -> None:
-    """Make ``path`` hold ``data``; raises OSError, leaving no partial file behind."""
+def replace_file(path: str, data: bytes | Sequence[bytes]) -> None:
+    """Make ``path`` hold ``data`` (or its parts, in order); raises OSError, leaving
+    no partial file behind."""
     partial = path + ".new"
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for part in [data] if isinstance(data, bytes) else data:
+                view = memoryview(part)
+                while view:
+                    view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.replace(partial, path)

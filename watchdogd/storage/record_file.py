@@ -63,6 +63,13 @@ SCHEMA: Final = 1
 _SLACK: Final = 4 * 1024 * 1024
 #: No record is larger: an incident of 1,024 ranks with 64 KiB stacks is 64 MiB.
 _MAX_RECORD: Final = 128 * 1024 * 1024
+#: A whole write is framed in the loop's turns, each this long at most (CPU
+#: seconds): the file may hold hundreds of MiB of stacks, and a due timer's signal
+#: waits for the turn in progress.
+_TURN: Final = 0.002
+#: The frames of a whole write are joined into parts of about this size, which the
+#: worker thread writes in turn (no copy of the whole file in one piece).
+_PART: Final = 1024 * 1024
 
 
 class _Header(msgspec.Struct, tag="header", array_like=True):
@@ -95,10 +102,35 @@ def _frame(entry: _Entry) -> bytes:
     return RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+class _Parts:
+    """The frames of a whole write, joined into parts of about `_PART` bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self._batch: list[bytes] = []
+        self._batched = 0
+
+    def add(self, entry: _Entry) -> None:
+        frame = _frame(entry)
+        self._batch.append(frame)
+        self._batched += len(frame)
+        self.size += len(frame)
+        if self._batched >= _PART:
+            self.done()
+
+    def done(self) -> list[bytes]:
+        if self._batch:
+            self.parts.append(b"".join(self._batch))
+            self._batch, self._batched = [], 0
+        return self.parts
+
+
 class RecordFile:
     """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
     keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
-    ``slack``, the growth allowed past twice the last whole write."""
+    ``slack``, the growth allowed past twice the last whole write; ``turn``, the
+    CPU seconds a whole write is framed for before other tasks run."""
 
     def __init__(
         self,
@@ -108,9 +140,11 @@ class RecordFile:
         *,
         wall: Callable[[], float] = time.time,
         slack: int = _SLACK,
+        turn: float = _TURN,
     ) -> None:
         self.path = path
         self._slack = slack
+        self._turn = turn
         self._events = events
         self._incidents = incidents
         self._wall = wall
@@ -170,11 +204,20 @@ class RecordFile:
         while True:
             await trio.sleep(WRITE_INTERVAL if not self._failing else RETRY)
             if self._whole or self._outgrown():
-                data, written = self._everything()
+                # Set first: an event appended while the whole file is framed would
+                # be lost with the file it replaces (`through` waits instead).
                 self._replacing = trio.Event()
                 try:
-                    if await trio.to_thread.run_sync(self._replace, data):
-                        self._wrote_whole(len(data), written)
+                    entries, written = self._everything()
+                    parts = _Parts()
+                    turn_ends = time.thread_time() + self._turn
+                    for entry in entries:
+                        parts.add(entry)
+                        if time.thread_time() >= turn_ends:
+                            await trio.lowlevel.checkpoint()
+                            turn_ends = time.thread_time() + self._turn
+                    if await trio.to_thread.run_sync(self._replace, parts.done()):
+                        self._wrote_whole(parts.size, written)
                 finally:
                     self._replacing.set()
                     self._replacing = None
@@ -203,9 +246,12 @@ class RecordFile:
     def write_now(self) -> None:
         """Write what changed, on the spot (the daemon stops)."""
         if self._whole or self._outgrown():
-            data, written = self._everything()
-            if self._replace(data):
-                self._wrote_whole(len(data), written)
+            entries, written = self._everything()
+            parts = _Parts()
+            for entry in entries:  # the daemon stops: nothing waits for its turn
+                parts.add(entry)
+            if self._replace(parts.done()):
+                self._wrote_whole(parts.size, written)
         else:
             self._append()
 
@@ -250,21 +296,23 @@ class RecordFile:
             return
         self._recovered()
 
-    def _everything(self) -> tuple[bytes, int]:
-        """The whole file as it would be written now, and the last event in it."""
+    def _everything(self) -> tuple[list[_Entry], int]:
+        """What the whole file holds if it is written now (copies of the records
+        as they are now: framing them may take many turns), and the last event in
+        it."""
         self._incidents.changes.take()  # all of them are in it
         events = self._events.since(0)
-        entries: Iterable[_Entry] = (
+        entries: list[_Entry] = [
             _Header(SCHEMA),
             *(_Event(event) for event in events),
             *(_Incident(incident) for incident in self._incidents.everything()),
-        )
-        return b"".join(map(_frame, entries)), self._events.last
+        ]
+        return entries, self._events.last
 
-    def _replace(self, data: bytes) -> bool:
-        """Write ``data`` as the whole file (possibly in a worker thread)."""
+    def _replace(self, parts: list[bytes]) -> bool:
+        """Write ``parts`` as the whole file (possibly in a worker thread)."""
         try:
-            replace_file(self.path, data)
+            replace_file(self.path, parts)
         except OSError as exc:
             self._failed(exc)
             return False
