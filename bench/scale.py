@@ -239,7 +239,7 @@ def whole_write(full: Path, path: Path) -> tuple[float, float]:
     events, incidents = EventLog(1000), IncidentLog("bench", keep=100)
     RecordFile(str(full), events, incidents).load()
     largest = max(incidents.everything(), key=lambda incident: len(incident.ranks))
-    encoding = median_time(lambda: zlib.crc32(msgspec.msgpack.encode(largest)), 5)
+    framing = median_time(lambda: zlib.crc32(msgspec.msgpack.encode(largest)), 5)
     record = RecordFile(str(path), events, incidents)  # never read: it writes whole
     steps = _LongestStep()
 
@@ -256,7 +256,7 @@ def whole_write(full: Path, path: Path) -> tuple[float, float]:
     finally:
         pin(CLIENT_CPU)
         record.close()
-    return steps.longest, encoding
+    return steps.longest, framing
 
 
 def started(state: Path, socket_path: Path) -> tuple[float, int]:
@@ -454,10 +454,10 @@ def main() -> None:
                        (full_rss - bare_rss) / max(1, os.path.getsize(f"{record}.full")),
                        "x its file's size")
             )  # fmt: skip
-            longest, encoding = whole_write(Path(f"{record}.full"), directory / "whole.record")
+            longest, framing = whole_write(Path(f"{record}.full"), directory / "whole.record")
             figures.append(
                 Figure("a whole write of the full record: the loop's longest step",
-                       longest * 1e3, "ms", longest / encoding,
+                       longest * 1e3, "ms", longest / framing,
                        "x framing its largest record, an incident of 64 ranks")
             )  # fmt: skip
             if alone is not None and crowded is not None:
