@@ -20,7 +20,9 @@ Figures:
   ``watchdogctl ping``;
 - the start (to READY) on the state of 1,000,000 timers with the record of what
   happened full (1,000 events, 100 incidents of 64 ranks with 64 KiB stacks: some
-  400 MiB), against the same start with no record, and the RSS that adds.
+  400 MiB), against the same start with no record, and the RSS that adds;
+- the longest step of the loop's task that writes that record whole again, against
+  the framing of its largest record alone: how long a due timer's signal may wait.
 
 The daemon runs on CPU 0 and clients on CPU 1, as in bench/run.py. Run with
 ``make bench``; ``--quick`` loads 200,000 timers where the full run loads a million
@@ -38,10 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
+import trio
+import trio.lowlevel
 from run import CLIENT_CPU, SERVER_CPU, Figure, pin
 
 from watchdogd.core.events import EventLog
@@ -208,6 +214,49 @@ def full_record(path: Path) -> None:
     record = RecordFile(str(path), events, incidents)
     record.write_now()
     record.close()
+
+
+class _LongestStep(trio.abc.Instrument):
+    """The longest step of the record's task."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._began = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._began = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("RecordFile.run"):
+            self.longest = max(self.longest, time.perf_counter() - self._began)
+
+
+def whole_write(full: Path, path: Path) -> tuple[float, float]:
+    """Seconds of the longest step of the loop's task that writes the record
+    ``full`` whole again (to ``path``, on the daemon's CPU): what a due timer's
+    signal may wait for meanwhile; and the framing of its largest record alone (its
+    encoding and checksum)."""
+    events, incidents = EventLog(1000), IncidentLog("bench", keep=100)
+    RecordFile(str(full), events, incidents).load()
+    largest = max(incidents.everything(), key=lambda incident: len(incident.ranks))
+    framing = median_time(lambda: zlib.crc32(msgspec.msgpack.encode(largest)), 5)
+    record = RecordFile(str(path), events, incidents)  # never read: it writes whole
+    steps = _LongestStep()
+
+    async def write() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(record.run)
+            while not path.exists():
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    pin(SERVER_CPU)
+    try:
+        trio.run(write, instruments=[steps])
+    finally:
+        pin(CLIENT_CPU)
+        record.close()
+    return steps.longest, framing
 
 
 def started(state: Path, socket_path: Path) -> tuple[float, int]:
@@ -404,6 +453,12 @@ def main() -> None:
                 Figure("RSS of the full record", (full_rss - bare_rss) / 2**20, "MiB",
                        (full_rss - bare_rss) / max(1, os.path.getsize(f"{record}.full")),
                        "x its file's size")
+            )  # fmt: skip
+            longest, framing = whole_write(Path(f"{record}.full"), directory / "whole.record")
+            figures.append(
+                Figure("a whole write of the full record: the loop's longest step",
+                       longest * 1e3, "ms", longest / framing,
+                       "x framing its largest record, an incident of 64 ranks")
             )  # fmt: skip
             if alone is not None and crowded is not None:
                 figures.append(
