@@ -8,14 +8,14 @@ import os
 from collections.abc import Sequence
 
 
-def replace_file(path: str, data: bytes | Sequence[bytes]) -> None:
-    """Make ``path`` hold ``data`` (or its parts, in order); raises OSError, leaving
-    no partial file behind."""
+def replace_file(path: str, parts: Sequence[bytes]) -> None:
+    """Make ``path`` hold ``parts``, in order; raises OSError, leaving no partial
+    file behind."""
     partial = path + ".new"
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            for part in [data] if isinstance(data, bytes) else data:
+            for part in parts:
                 view = memoryview(part)
                 while view:
                     view = view[os.write(fd, view) :]

@@ -93,7 +93,7 @@ class HistoryFile:
 
     def _write(self, data: bytes) -> bool:
         try:
-            replace_file(self.path, data)
+            replace_file(self.path, [data])
         except OSError as exc:
             if not self._failing:
                 self._failing = True

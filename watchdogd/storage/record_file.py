@@ -34,10 +34,11 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, Final
 
 import msgspec
@@ -118,6 +119,16 @@ class _Parts:
         self.size += len(frame)
         if self._batched >= _PART:
             self.done()
+
+    def frame(self, entries: Iterable[_Entry], turn: float) -> Iterator[None]:
+        """Frame ``entries`` in, pausing (a yield) whenever ``turn`` seconds of this
+        thread's CPU have gone since the last pause."""
+        turn_ends = time.thread_time() + turn
+        for entry in entries:
+            self.add(entry)
+            if time.thread_time() >= turn_ends:
+                yield
+                turn_ends = time.thread_time() + turn
 
     def done(self) -> list[bytes]:
         if self._batch:
@@ -210,12 +221,8 @@ class RecordFile:
                 try:
                     entries, written = self._everything()
                     parts = _Parts()
-                    turn_ends = time.thread_time() + self._turn
-                    for entry in entries:
-                        parts.add(entry)
-                        if time.thread_time() >= turn_ends:
-                            await trio.lowlevel.checkpoint()
-                            turn_ends = time.thread_time() + self._turn
+                    for _ in parts.frame(entries, self._turn):
+                        await trio.lowlevel.checkpoint()
                     if await trio.to_thread.run_sync(self._replace, parts.done()):
                         self._wrote_whole(parts.size, written)
                 finally:
@@ -248,8 +255,8 @@ class RecordFile:
         if self._whole or self._outgrown():
             entries, written = self._everything()
             parts = _Parts()
-            for entry in entries:  # the daemon stops: nothing waits for its turn
-                parts.add(entry)
+            for _ in parts.frame(entries, math.inf):  # the daemon stops: no turns
+                pass
             if self._replace(parts.done()):
                 self._wrote_whole(parts.size, written)
         else:
