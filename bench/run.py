@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,22 +86,24 @@ def pin(cpu: int, pid: int = 0) -> None:
         os.sched_setaffinity(pid, {cpu})
 
 
-@contextmanager
-def echo_server(*, on_trio: bool = False) -> Iterator[socket.socket]:
+def echo_server(*, on_trio: bool = False) -> contextlib.AbstractContextManager[socket.socket]:
     """The floor's other end: a process on the servers' CPU that sends back what it
     gets, kept for the whole run as the daemons are. ``on_trio``: it reads and
     answers as the daemon's connections do (a non-blocking socket, trio's
     ``wait_readable`` when nothing is there), doing no other work."""
+    return server_process(_echo_on_trio if on_trio else _echo)
+
+
+@contextmanager
+def server_process(serve: Callable[[socket.socket], object]) -> Iterator[socket.socket]:
+    """A process on the servers' CPU that runs ``serve`` on its end of a socket
+    pair; the clients' end."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = os.fork()
     if child == 0:
         ours.close()
         pin(SERVER_CPU)
-        if on_trio:
-            trio.run(_echo_on_trio, theirs)
-        else:
-            while data := theirs.recv(65536):
-                theirs.sendall(data)
+        serve(theirs)
         os._exit(0)
     theirs.close()
     try:
@@ -111,7 +113,18 @@ def echo_server(*, on_trio: bool = False) -> Iterator[socket.socket]:
         os.waitpid(child, 0)
 
 
-async def _echo_on_trio(conn: socket.socket) -> None:
+def _echo(conn: socket.socket) -> None:
+    while data := conn.recv(65536):
+        conn.sendall(data)
+
+
+def _echo_on_trio(conn: socket.socket) -> None:
+    trio.run(serve_on_trio, conn, bytes)
+
+
+async def serve_on_trio(conn: socket.socket, answer: Callable[[bytes], bytes]) -> None:
+    """Read ``conn`` as the daemon's connections do (a non-blocking socket, trio's
+    ``wait_readable`` when nothing is there) and send back ``answer`` of what came."""
     conn.setblocking(False)
     while True:
         try:
@@ -121,7 +134,7 @@ async def _echo_on_trio(conn: socket.socket) -> None:
             continue
         if not data:
             return
-        conn.send(data)
+        conn.send(answer(data))
 
 
 def floor_round_trip(echo: socket.socket, count: int) -> float:

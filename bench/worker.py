@@ -13,7 +13,13 @@ the worker to CPU 1, as in bench/run.py. Each round measures, in turn:
   CPU per block;
 - torch's ``FileTimerClient`` writing to a ``FileTimerServer`` (when torch is
   installed): the same empty block through torch's own ``expires``, its wall time
-  and CPU per block, and the server's CPU.
+  and CPU per block, and the server's CPU;
+- two blocks that show where the distance to trio's echo lies: a bare worker (the
+  block's release and the next acquire in one ``send(2)``, its answers read, nothing
+  of the client library but its frames) against the daemon, and the same bare
+  worker against the least server that acknowledges an acquire on trio (it decodes
+  the requests, keeps the timers in a dict and a heap, writes each batch's changes
+  to a journal with one ``write(2)`` and sends the answers, and does nothing else).
 
 Then the burst with the state on: 3,000 deadlines within 10 ms with 200,000 others
 armed, the daemon's deadline -> first signal against a bare Python loop over the
@@ -28,16 +34,21 @@ machine drifts in speed from second to second. Run with ``make bench``;
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import os
 import resource
+import socket
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 
+import msgspec
+import trio
 from run import (
     CLIENT_CPU,
     arm_burst,
@@ -51,12 +62,24 @@ from run import (
     pin,
     reap_all,
     running_daemon,
+    serve_on_trio,
+    server_process,
     spawn_victims,
     wait_for_events,
 )
 from torch_side import file_timer_server, import_torch_timer
 
 from watchdogd_client import Client, expires
+from watchdogd_client.protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    Acquired,
+    Hello,
+    Release,
+    Released,
+    decode_request,
+)
+from watchdogd_client.protocol.frames import FrameReader, encode_frame, encode_frame_into
 
 #: The burst of the issue's measurement: deadlines due within 10 ms, others armed.
 BURST = 3_000
@@ -90,6 +113,88 @@ def blocks(block: Callable[[], None], count: int, server: int) -> tuple[float, f
 def watchdogd_block() -> None:
     with expires(after=60):
         pass
+
+
+def bare_blocks(sock: socket.socket, count: int) -> float:
+    """Wall seconds per empty block of a bare worker on ``sock`` (greeted): each
+    block's acquire goes in one ``send(2)`` with the release of the block before,
+    and the worker reads until both are answered."""
+    pin(CLIENT_CPU)
+    reader = FrameReader(1 << 20)
+    ids = itertools.count(1)
+    release = 0
+    started = 0.0
+    for arm in range(1, count + min(count, 300) + 1):
+        if arm == min(count, 300) + 1:
+            started = time.perf_counter()
+        frames = encode_frame(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=arm))
+        if release:
+            frames = encode_frame(Release(id=next(ids), scope="bare", arm=release)) + frames
+        sock.sendall(frames)
+        answers = 1 + (release > 0)
+        while answers > 0:
+            answers -= len(reader.feed(sock.recv(65536)))
+        release = arm
+    return (time.perf_counter() - started) / count
+
+
+@contextmanager
+def bare_worker(socket_path: Path) -> Iterator[socket.socket]:
+    """A connection to the daemon at ``socket_path``, greeted, for `bare_blocks`."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(socket_path))
+        sock.sendall(encode_frame(Hello(id=0, version=PROTOCOL_VERSION)))
+        while not FrameReader(1 << 20).feed(sock.recv(65536)):
+            pass
+        yield sock
+
+
+def least_server(directory: Path) -> AbstractContextManager[socket.socket]:
+    """A process on the servers' CPU answering acquires and releases with the least
+    an acknowledging server does on trio, its journal in ``directory``; the
+    worker's end of its socket."""
+
+    def serve(conn: socket.socket) -> None:
+        journal = os.open(directory / "least.journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        trio.run(serve_on_trio, conn, _LeastServer(journal))
+
+    return server_process(serve)
+
+
+class _LeastServer:
+    """The answers of the least acknowledging server, its journal the file ``journal``."""
+
+    def __init__(self, journal: int) -> None:
+        self.journal = journal
+        self.reader = FrameReader(1 << 20)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.timers: dict[str, tuple[float, int]] = {}
+        self.deadlines: list[tuple[float, str]] = []
+
+    def __call__(self, data: bytes) -> bytes:
+        now = trio.current_time()
+        out = bytearray()
+        changes: list[tuple[str, float | None]] = []
+        for frame in self.reader.feed(data):
+            request = decode_request(frame)
+            if isinstance(request, Acquire):
+                deadline = now + request.timeout
+                self.timers[request.scope] = (deadline, request.arm or 0)
+                heapq.heappush(self.deadlines, (deadline, request.scope))
+                changes.append((request.scope, deadline))
+                reply: Acquired | Released = Acquired(
+                    id=request.id, remaining=request.timeout, arm=request.arm or 0, rearmed=False
+                )
+            else:
+                assert isinstance(request, Release)
+                found = self.timers.pop(request.scope, None) is not None
+                changes.append((request.scope, None))
+                reply = Released(id=request.id, found=found)
+            encode_frame_into(reply, out)
+        if len(self.deadlines) > 1_000:
+            self.deadlines.clear()  # nothing here ever falls due: keep the heap small
+        os.write(self.journal, self.encoder.encode(changes))
+        return bytes(out)
 
 
 @contextmanager
@@ -198,6 +303,14 @@ def main() -> None:
             add("watchdogd: worker CPU per block", cpu)
             add("watchdogd: daemon CPU per block", served)
             add("watchdogd: block / trio echo", wall / trio)
+            with bare_worker(socket_path) as bare:
+                bare_daemon = bare_blocks(bare, count)
+            with least_server(directory) as least:
+                bare_least = bare_blocks(least, count)
+            add("bare worker, watchdogd's daemon: wall per block", bare_daemon)
+            add("bare worker, watchdogd's daemon / trio echo", bare_daemon / trio)
+            add("bare worker, least acknowledging server: wall", bare_least)
+            add("bare worker, least acknowledging server / trio echo", bare_least / trio)
             if torch_block is not None:
                 wall, cpu, served = blocks(torch_block, count, torch_server)
                 add("torch FileTimer: worker wall per block", wall)
@@ -206,9 +319,9 @@ def main() -> None:
     print(f"{rounds} rounds of {count:,} each, interleaved; median (min-max)")
     for name, values in rows.items():
         if name.endswith("/ trio echo"):
-            print(f"{name:<42} {spread(values, 1):>9}  x")
+            print(f"{name:<52} {spread(values, 1):>9}  x")
         else:
-            print(f"{name:<42} {spread(values)} us")
+            print(f"{name:<52} {spread(values)} us")
     if timer is None:
         print("torch FileTimer: skipped (torch is not installed)")
     else:
