@@ -75,7 +75,7 @@ def test_nothing_hides_the_hosts_processes_or_users() -> None:
     settings = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert not [line for line in settings if line.startswith(("PrivatePIDs=", "PrivateUsers="))]
     assert "ProtectProc=default" in settings
-    for required in ("Type=notify", "Restart=always", "RuntimeDirectoryPreserve=yes"):
+    for required in ("Type=notify", "Restart=always", "RuntimeDirectoryPreserve=yes", "Nice=-10"):
         assert required in settings
     assert any(line.startswith("WatchdogSec=") for line in settings)
     assert any(line.startswith("LimitNOFILE=") for line in settings)
