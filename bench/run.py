@@ -119,7 +119,11 @@ def _echo(conn: socket.socket) -> None:
 
 
 def _echo_on_trio(conn: socket.socket) -> None:
-    trio.run(serve_on_trio, conn, bytes)
+    trio.run(serve_on_trio, conn, _unchanged)
+
+
+def _unchanged(data: bytes) -> bytes:
+    return data
 
 
 async def serve_on_trio(conn: socket.socket, answer: Callable[[bytes], bytes]) -> None:

@@ -118,24 +118,26 @@ def watchdogd_block() -> None:
 def bare_blocks(sock: socket.socket, count: int) -> float:
     """Wall seconds per empty block of a bare worker on ``sock`` (greeted): each
     block's acquire goes in one ``send(2)`` with the release of the block before,
-    and the worker reads until both are answered."""
+    and the worker reads until both are answered. The last block's release goes
+    alone at the end."""
     pin(CLIENT_CPU)
     reader = FrameReader(1 << 20)
     ids = itertools.count(1)
-    release = 0
+    warm = min(count, 300)
     started = 0.0
-    for arm in range(1, count + min(count, 300) + 1):
-        if arm == min(count, 300) + 1:
+    for arm in range(1, warm + count + 2):
+        if arm == warm + 1:
             started = time.perf_counter()
-        frames = encode_frame(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=arm))
-        if release:
-            frames = encode_frame(Release(id=next(ids), scope="bare", arm=release)) + frames
+        elif arm == warm + count + 1:
+            elapsed = time.perf_counter() - started
+        frames = encode_frame(Release(id=next(ids), scope="bare", arm=arm - 1)) if arm > 1 else b""
+        if arm <= warm + count:
+            frames += encode_frame(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=arm))
         sock.sendall(frames)
-        answers = 1 + (release > 0)
+        answers = (arm > 1) + (arm <= warm + count)
         while answers > 0:
             answers -= len(reader.feed(sock.recv(65536)))
-        release = arm
-    return (time.perf_counter() - started) / count
+    return elapsed / count
 
 
 @contextmanager
@@ -144,7 +146,8 @@ def bare_worker(socket_path: Path) -> Iterator[socket.socket]:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.connect(str(socket_path))
         sock.sendall(encode_frame(Hello(id=0, version=PROTOCOL_VERSION)))
-        while not FrameReader(1 << 20).feed(sock.recv(65536)):
+        reader = FrameReader(1 << 20)
+        while not reader.feed(sock.recv(65536)):
             pass
         yield sock
 
@@ -286,7 +289,10 @@ def main() -> None:
         trio_echo = stack.enter_context(echo_server(on_trio=True))
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wd-bench-")))
         (directory / "on").mkdir()
+        # Every server is forked here, before the client library starts a thread.
+        least = stack.enter_context(least_server(directory))
         socket_path, _, daemon = stack.enter_context(running_daemon(directory / "on"))
+        bare = stack.enter_context(bare_worker(socket_path))
         os.environ["WATCHDOGD_SOCKET"] = str(socket_path)
         torch_block = None
         if timer is not None:
@@ -303,10 +309,8 @@ def main() -> None:
             add("watchdogd: worker CPU per block", cpu)
             add("watchdogd: daemon CPU per block", served)
             add("watchdogd: block / trio echo", wall / trio)
-            with bare_worker(socket_path) as bare:
-                bare_daemon = bare_blocks(bare, count)
-            with least_server(directory) as least:
-                bare_least = bare_blocks(least, count)
+            bare_daemon = bare_blocks(bare, count)
+            bare_least = bare_blocks(least, count)
             add("bare worker, watchdogd's daemon: wall per block", bare_daemon)
             add("bare worker, watchdogd's daemon / trio echo", bare_daemon / trio)
             add("bare worker, least acknowledging server: wall", bare_least)
