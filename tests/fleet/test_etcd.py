@@ -202,6 +202,27 @@ async def test_watch_from_a_revision_replays_what_came_since(
     assert events[0].revision == first
 
 
+async def test_a_watch_leaves_a_value_over_its_bound_undecoded(
+    etcd_client: EtcdClient, prefix: bytes
+) -> None:
+    """Every size of a value's base64 (with two, one or no "=" of padding) around
+    the bound: within it the value, over it only its size."""
+    values = [bytes([n]) * size for n, size in enumerate((1, 2, 3, 100, 101, 102, 0))]
+    async with etcd_client.open_watch(prefix, max_value=100) as watch:
+        for number, value in enumerate(values):
+            await etcd_client.put(prefix + str(number).encode(), value)
+        events = await next_events(watch, len(values))
+    assert [(e.value, e.oversize) for e in events] == [
+        (b"\0", 0),
+        (b"\1\1", 0),
+        (b"\2\2\2", 0),
+        (b"\3" * 100, 0),
+        (b"", 101),
+        (b"", 102),
+        (b"", 0),
+    ]
+
+
 async def test_watch_from_a_compacted_revision_says_so(
     etcd: EtcdServer, etcd_client: EtcdClient, prefix: bytes
 ) -> None:

@@ -70,11 +70,16 @@ class RecordingClient(EtcdClient):
 
     @contextlib.asynccontextmanager
     async def open_watch(
-        self, prefix: Data, *, through: Data | None = None, start_revision: int = 0
+        self,
+        prefix: Data,
+        *,
+        through: Data | None = None,
+        start_revision: int = 0,
+        max_value: int | None = None,
     ) -> AsyncIterator[Watch]:
         self.watched.append((_text(prefix), None if through is None else _text(through)))
         async with super().open_watch(
-            prefix, through=through, start_revision=start_revision
+            prefix, through=through, start_revision=start_revision, max_value=max_value
         ) as watch:
             self.watching += 1
             self.most = max(self.most, self.watching)

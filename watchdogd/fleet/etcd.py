@@ -300,15 +300,21 @@ class EtcdClient:
 
     @contextlib.asynccontextmanager
     async def open_watch(
-        self, prefix: Data, *, through: Data | None = None, start_revision: int = 0
+        self,
+        prefix: Data,
+        *,
+        through: Data | None = None,
+        start_revision: int = 0,
+        max_value: int | None = None,
     ) -> AsyncIterator[Watch]:
         """Watch every key that starts with ``prefix`` (with ``through``, as
         `range`), from ``start_revision`` (0: from now on); iterate the `Watch` for
-        its events. Opening it is bounded by the call timeout (`EtcdUnavailable`); it
-        ends with `WatchBroken`, `EtcdCompacted` or another `EtcdError`, never
-        quietly."""
+        its events. A value over ``max_value`` bytes is left undecoded
+        (`Event.oversize`). Opening it is bounded by the call timeout
+        (`EtcdUnavailable`); it ends with `WatchBroken`, `EtcdCompacted` or another
+        `EtcdError`, never quietly."""
         raw = _bytes(prefix)
         end = prefix_end(_bytes(raw if through is None else through))
         request = WatchRequest(WatchCreate(raw, end, max(start_revision, 0)))
-        async with self._transport.open_watch(request, start_revision) as watch:
+        async with self._transport.open_watch(request, start_revision, max_value) as watch:
             yield watch

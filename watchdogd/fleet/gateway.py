@@ -197,8 +197,17 @@ class LeaseReply(Reply):
     TTL: int = 0
 
 
+class WatchedKeyValue(msgspec.Struct, frozen=True):
+    """A key as a watch reports it: its value left as the JSON string of its base64,
+    which the watch decodes only within its bound (`watchdogd.fleet.watch.Watch`)."""
+
+    key: bytes = b""
+    value: msgspec.Raw = msgspec.Raw(b'""')
+    mod_revision: int = 0
+
+
 class WireEvent(msgspec.Struct):
-    kv: KeyValue
+    kv: WatchedKeyValue
     type: Literal["PUT", "DELETE"] = "PUT"
 
 

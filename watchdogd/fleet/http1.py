@@ -392,21 +392,27 @@ class Connection:
         """The rest of the body, a line at a time (without its line end), each line
         as soon as it has come whole: the gateway writes one JSON message a line."""
         bound = self._limits.max_line
-        line = bytearray()
+        # A long line comes in many pieces: they are joined once it has ended (a
+        # buffer grown piece by piece would be copied over and over).
+        pieces: list[bytes] = []
+        size = 0
         while data := await self._read_some():
             start = 0
             while (end := data.find(b"\n", start)) >= 0:
-                if len(line) + end - start > bound:
+                if size + end - start > bound:
                     raise self._broken(f"a line over the bound of {bound} bytes", TooLarge)
-                line += data[start:end]
-                yield bytes(line.rstrip(b"\r"))
-                line.clear()
+                pieces.append(data[start:end])
+                yield b"".join(pieces).rstrip(b"\r")
+                pieces.clear()
+                size = 0
                 start = end + 1
-            if len(line) + len(data) - start > bound:
+            size += len(data) - start
+            if size > bound:
                 raise self._broken(f"a line over the bound of {bound} bytes", TooLarge)
-            line += data[start:]
-        if line:
-            yield bytes(line)
+            if start < len(data):
+                pieces.append(data[start:])
+        if pieces:
+            yield b"".join(pieces)
 
     async def _read_some(self) -> bytes:
         """The next piece of the body; b"" once it has ended, when the connection is

@@ -66,6 +66,7 @@ from .publish import MAX_PENDING, Publisher
 from .records import (
     MAX_JOBS,
     MAX_USERS,
+    MAX_VALUE_BYTES,
     FleetRank,
     Rejected,
     decode_head,
@@ -423,7 +424,7 @@ class FleetMember(Generic[P]):
                     at.revision = revision + 1
                     continue
                 async with self.client.open_watch(
-                    prefix, through=through, start_revision=at.revision
+                    prefix, through=through, start_revision=at.revision, max_value=MAX_VALUE_BYTES
                 ) as watch:
                     self._health.ok(part)
                     backoff.reset()
@@ -448,7 +449,9 @@ class FleetMember(Generic[P]):
 
     async def _event(self, event: Event) -> None:
         if event.kind == "put":
-            await self._apply(event.key, event.value, event.revision, initial=False)
+            await self._apply(
+                event.key, event.value, event.revision, initial=False, oversize=event.oversize
+            )
             return
         await trio.lowlevel.checkpoint()
         try:
@@ -458,21 +461,24 @@ class FleetMember(Generic[P]):
         if parts[0] == "hosts" and parts[1] != self.host:
             await self._host_gone(parts[1])
 
-    async def _apply(self, key: bytes, value: bytes, revision: int, *, initial: bool) -> None:
+    async def _apply(
+        self, key: bytes, value: bytes, revision: int, *, initial: bool, oversize: int = 0
+    ) -> None:
         """A key put at ``revision`` (``initial``: read at start, not watched):
         decoded whole, then applied; a key that is not taken is counted and
-        skipped, nothing of it applied."""
+        skipped, nothing of it applied. ``oversize``: the size of a value the
+        watch left undecoded as over every bound."""
         await trio.lowlevel.checkpoint()
         try:
             match read_key(self.prefix, key):
                 case ("hosts", host):
                     if host != self.host:
-                        self._view.host_seen(host, decode_host(host, value))
+                        self._view.host_seen(host, decode_host(host, _whole(value, oversize)))
                 case ("incidents", incident_id):
-                    head = decode_head(incident_id, value, self._wall())
+                    head = decode_head(incident_id, _whole(value, oversize), self._wall())
                     await self._head_seen(head, revision, initial=initial)
                 case ("ranks", _user, _job, incident_id, host):
-                    await self._ranks_seen(incident_id, host, value)
+                    await self._ranks_seen(incident_id, host, value, oversize)
         except Rejected as exc:
             self.core.fleet_rejected(exc.reason)
             if self._log.admit(("rejected", exc.reason)) is not None:
@@ -527,12 +533,14 @@ class FleetMember(Generic[P]):
         if self.core.knows(incident.id):
             self._follow(incident, revision)
 
-    async def _ranks_seen(self, incident_id: str, host: str, value: bytes) -> None:
+    async def _ranks_seen(
+        self, incident_id: str, host: str, value: bytes, oversize: int = 0
+    ) -> None:
         if host == self.host or not self.core.knows(incident_id):
             return
-        self._view.take_ranks(incident_id, host, len(value), self.core.knows)
+        self._view.take_ranks(incident_id, host, oversize or len(value), self.core.knows)
         ranks: list[RankInfo] = []
-        for rank, reader in decode_ranks(host, value):
+        for rank, reader in decode_ranks(host, _whole(value, oversize)):
             # Who may read its stack here: the local user of the reader's name.
             uid = None if not reader else await self.names.resolve_uid(reader)
             ranks.append(msgspec.structs.replace(rank, reader_uid=uid, reader_gid=None))
@@ -544,6 +552,13 @@ class FleetMember(Generic[P]):
 
     def _key(self, *parts: str) -> str:
         return make_key(self.prefix, *parts)
+
+
+def _whole(value: bytes, oversize: int) -> bytes:
+    """``value``, unless the watch left it undecoded as over every bound."""
+    if oversize:
+        raise Rejected("size", f"{oversize} bytes, over the bound of every key ({MAX_VALUE_BYTES})")
+    return value
 
 
 __all__ = ["FleetMember", "FleetRank", "head_ttl"]

@@ -50,6 +50,8 @@ REASONS: Final = ("key", "size", "decode", "name", "time", "mismatch", "budget",
 MAX_HOST_BYTES: Final = 256 * 1024
 MAX_HEAD_BYTES: Final = 16 * 1024
 MAX_RANKS_BYTES: Final = 1024 * 1024
+#: The largest value of any key the fleet reads.
+MAX_VALUE_BYTES: Final = max(MAX_HOST_BYTES, MAX_HEAD_BYTES, MAX_RANKS_BYTES)
 #: Jobs one host registers, at most (what a member registers is cut to it too).
 MAX_JOBS: Final = 1000
 #: Users among one host's jobs, at most.

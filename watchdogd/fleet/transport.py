@@ -151,14 +151,16 @@ class Transport:
             return await self._first_answer(deadline, exchange, repeatable=repeatable)
 
     @contextlib.asynccontextmanager
-    async def open_watch(self, request: WatchRequest, start_revision: int) -> AsyncIterator[Watch]:
+    async def open_watch(
+        self, request: WatchRequest, start_revision: int, max_value: int | None = None
+    ) -> AsyncIterator[Watch]:
         """The `Watch` that ``request`` (from ``start_revision``) begins, on a
         connection of its own while it is open; beginning it is bounded by the call
-        timeout."""
+        timeout. ``max_value``: see `Watch`."""
         body = _encoder.encode(request)
 
         async def start(endpoint: Endpoint) -> Watch:
-            return await self._start_watch(endpoint, body, start_revision)
+            return await self._start_watch(endpoint, body, start_revision, max_value)
 
         deadline = trio.current_time() + self._timeout
         async with self._token(deadline):
@@ -229,8 +231,10 @@ class Transport:
         except msgspec.DecodeError as exc:
             raise EtcdError(UNKNOWN, f"{endpoint} answered {path} with no reply: {exc}") from None
 
-    async def _start_watch(self, endpoint: Endpoint, body: bytes, start_revision: int) -> Watch:
-        watch = Watch(await self._checkout(endpoint), start_revision)
+    async def _start_watch(
+        self, endpoint: Endpoint, body: bytes, start_revision: int, max_value: int | None
+    ) -> Watch:
+        watch = Watch(await self._checkout(endpoint), start_revision, max_value)
         try:
             await watch.begin(body)
         except (ConnectionBroken, WatchBroken) as exc:
