@@ -25,10 +25,8 @@ from run import (
     SERVER_CPU,
     events_config,
     percentile,
-    reap_all,
     running_daemon,
-    spawn_victims,
-    wait_for_events,
+    victims_lateness,
 )
 
 from watchdogd_client import Client
@@ -64,16 +62,13 @@ def spinners(count: int) -> list[int]:
 def lateness(client: Client, scope: str) -> list[float]:
     """Arm a timer of ``scope`` on each of `TIMERS` sleeping processes, due 5 ms
     apart; each one's deadline -> first signal."""
-    victims = spawn_victims(TIMERS)
-    try:
-        after = client.events(limit=1).last
+
+    def arm(victims: list[int]) -> None:
         first = time.monotonic() + 0.5
         for index, pid in enumerate(victims):
             client.acquire(scope, max(first + index * 0.005 - time.monotonic(), 0.001), pid=pid)
-        events = wait_for_events(client, after, scope, TIMERS)
-    finally:
-        reap_all(victims)
-    return [event.late or 0.0 for event in events.values()]
+
+    return victims_lateness(client, TIMERS, scope, arm)
 
 
 def main() -> None:

@@ -310,6 +310,22 @@ def wait_for_events(client: Client, after: int, scope: str, count: int) -> dict[
     return found
 
 
+def victims_lateness(
+    client: Client, count: int, scope: str, arm: Callable[[list[int]], object]
+) -> list[float]:
+    """Spawn ``count`` sleeping processes, ``arm`` their timers of ``scope``, and
+    return each one's lateness from deadline to first signal, as the daemon recorded
+    it."""
+    victims = spawn_victims(count)
+    try:
+        after = client.events(limit=1).last
+        arm(victims)
+        events = wait_for_events(client, after, scope, count)
+    finally:
+        reap_all(victims)
+    return [event.late or 0.0 for event in events.values()]
+
+
 @contextmanager
 def churning(socket_path: Path, clients: int) -> Iterator[None]:
     """``clients`` processes arming and releasing as fast as they can meanwhile."""

@@ -60,12 +60,10 @@ from run import (
     floor_round_trip,
     percentile,
     pin,
-    reap_all,
     running_daemon,
     serve_on_trio,
     server_process,
-    spawn_victims,
-    wait_for_events,
+    victims_lateness,
 )
 from torch_side import file_timer_server, import_torch_timer
 
@@ -123,20 +121,28 @@ def bare_blocks(sock: socket.socket, count: int) -> float:
     pin(CLIENT_CPU)
     reader = FrameReader(1 << 20)
     ids = itertools.count(1)
-    warm = min(count, 300)
-    started = 0.0
-    for arm in range(1, warm + count + 2):
-        if arm == warm + 1:
-            started = time.perf_counter()
-        elif arm == warm + count + 1:
-            elapsed = time.perf_counter() - started
-        frames = encode_frame(Release(id=next(ids), scope="bare", arm=arm - 1)) if arm > 1 else b""
-        if arm <= warm + count:
-            frames += encode_frame(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=arm))
-        sock.sendall(frames)
-        answers = (arm > 1) + (arm <= warm + count)
+
+    def exchange(release: int, acquire: int | None) -> None:
+        """Send the release of arming ``release`` (0: none) and the acquire of
+        arming ``acquire`` (None: none) together, and read both answers."""
+        frames: list[Acquire | Release] = (
+            [Release(id=next(ids), scope="bare", arm=release)] if release else []
+        )
+        if acquire is not None:
+            frames.append(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=acquire))
+        sock.sendall(b"".join(encode_frame(frame) for frame in frames))
+        answers = len(frames)
         while answers > 0:
             answers -= len(reader.feed(sock.recv(65536)))
+
+    warm = min(count, 300)
+    for arm in range(1, warm + 1):
+        exchange(arm - 1, arm)
+    started = time.perf_counter()
+    for arm in range(warm + 1, warm + count + 1):
+        exchange(arm - 1, arm)
+    elapsed = time.perf_counter() - started
+    exchange(warm + count, None)
     return elapsed / count
 
 
@@ -254,14 +260,7 @@ def burst_figures(directory: Path, victims: int, others: int, rounds: int) -> li
 def daemon_burst(client: Client, victims: int, scope: str) -> list[float]:
     """Arm ``victims`` new sleeping processes to fall due within 10 ms; each
     one's lateness from deadline to first signal, as the daemon recorded it."""
-    children = spawn_victims(victims)
-    try:
-        after = client.events(limit=1).last
-        arm_burst(client, children, scope)
-        events = wait_for_events(client, after, scope, victims)
-    finally:
-        reap_all(children)
-    return [event.late or 0.0 for event in events.values()]
+    return victims_lateness(client, victims, scope, lambda pids: arm_burst(client, pids, scope))
 
 
 def spread(values: list[float], scale: float = 1e6) -> str:
