@@ -95,10 +95,13 @@ def acquire_request(
     pid: int | None = None,
     progress: int | None = None,
     exit_releases: bool = False,
+    slot: bool = False,
     **arming: Unpack[Arming],
 ) -> Acquire:
     """The `Acquire` that an ``acquire()``'s arguments stand for, its job and ranks
-    taken from the environment where not given (`job_of`)."""
+    taken from the environment where not given (`job_of`); with ``slot``, asking
+    for a slot of the process's slot page (`watchdogd_client.fastpath`) when it
+    arms the caller itself, with no progress counter."""
     armed = arming_timeout(timeout, arming)
     labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
@@ -115,6 +118,7 @@ def acquire_request(
         rank=labels.rank,
         local_rank=labels.local_rank,
         group_rank=labels.group_rank,
+        slot=slot and pid is None and progress is None and not exit_releases,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import os
 import socket
@@ -31,6 +32,7 @@ from .arming import After, Arming, acquire_request
 from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable
+from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
@@ -103,16 +105,15 @@ class Client(BaseClient):
     The first timer it arms on its own process starts the process's responder
     (`watchdogd_client.responder`), which answers the daemon's evidence requests;
     with ``responder=False`` its timers decline it: the process then has none.
+    After a scope's first acknowledged arm, its blocks arm and release by stores
+    (`watchdogd_client.fastpath`), unless ``fast=False`` or ``WATCHDOGD_FAST=0``.
 
-    The release at the end of an ``expires()`` block is sent, and the worker goes
-    on: its answer is read with the answer to the client's next request (or, at the
-    latest, when the interpreter exits), and checked like every other. That needs
-    a daemon that keeps armings' numbers (`Acquired.arm`) and the process's
-    responder on the same daemon, which sends a release again if its connection
-    broke before an answer was read (`watchdogd_client.releases`). A release the
-    daemon refused is logged when its answer is read, and raised
-    (`RequestRefused`) by the client's next request. Otherwise a block's release
-    waits for its answer, as `release` always does.
+    A block's release that goes over the socket is sent, and the worker goes on:
+    its answer is read with the next request's (at the latest at exit) and checked.
+    That needs a daemon that keeps armings' numbers (`Acquired.arm`) and the
+    process's responder, which sends a release again if its connection broke
+    before an answer was read (`watchdogd_client.releases`); a refused release is
+    logged then, and raised by the next request. Otherwise it waits for its answer.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Client(BaseClient):
         max_reply: int = MAX_REPLY_FRAME,
         reconnect_timeout: float = _RECONNECT_TIMEOUT,
         responder: bool = True,
+        fast: bool = True,
     ) -> None:
         self._outage = Outage(on_unavailable)
         if max_reply < MAX_REPLY_BYTES:
@@ -136,6 +138,8 @@ class Client(BaseClient):
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.responder = responder
+        self.fast = fast
+        self._fast = fast_path(self.socket_path, fast)
         self._engine = Engine(
             self.socket_path,
             client=f"python/{_version}",
@@ -167,6 +171,7 @@ class Client(BaseClient):
             "max_reply": self._engine.max_reply,
             "reconnect_timeout": self.reconnect_timeout,
             "responder": self.responder,
+            "fast": self.fast,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -196,6 +201,11 @@ class Client(BaseClient):
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
+        fast = self._fast
+        if fast is not None and pid is None and progress is None and not exit_releases:
+            stored = fast.arm(scope, timeout, arming)
+            if stored is not None:
+                return stored
         request = acquire_request(
             self._engine.next_id(),
             scope,
@@ -203,30 +213,48 @@ class Client(BaseClient):
             pid=pid,
             progress=progress,
             exit_releases=exit_releases,
+            slot=fast is not None,
             **arming,
         )
-        reply = self._acquire(request)
+        reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
-    def _acquire(self, request: Acquire) -> Acquired | None:
-        """Send ``request``; its reply, or None when the daemon could not be
-        reached and the client carries on unprotected (``on_unavailable="warn"``)."""
+    def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
+        """Send ``request``, armed with ``arming``; its reply, or None when the
+        daemon could not be reached and the client carries on unprotected
+        (``on_unavailable="warn"``). A slot it grants takes the scope's later
+        blocks."""
         if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
             settle_responder(self.responder, self.socket_path, request)
         try:
-            return self._call(request, Acquired)
+            reply = self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
+        if self._fast is not None:
+            mapper = functools.partial(map_page, self.socket_path, timeout=self.timeout)
+            self._fast.answered(request, arming, reply, mapper)
+        return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
-        reply = self._acquire(
-            acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
+        fast = self._fast
+        if fast is not None and progress is None and fast.arm(scope, after, arming) is not None:
+            return 0
+        request = acquire_request(
+            self._engine.next_id(),
+            scope,
+            after,
+            progress=progress,
+            slot=fast is not None,
+            **arming,
         )
+        reply = self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
     def _release_block(self, scope: str, arm: int) -> None:
+        if self._fast is not None and self._fast.release(scope) is not None:
+            return
         responder = release_carrier(self.socket_path, arm)
         if responder is not None:
             with self._lock:
@@ -251,6 +279,10 @@ class Client(BaseClient):
         self.release(scope)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
+        if pid is None and self._fast is not None:
+            stored = self._fast.release(scope)
+            if stored is not None:
+                return stored
         try:
             return self._call(
                 Release(id=self._engine.next_id(), scope=scope, pid=pid), Released

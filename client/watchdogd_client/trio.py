@@ -59,11 +59,13 @@ from .arming import After, Arming, Handle, acquire_request, arming_timeout
 from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, WatchdogdError
+from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import client_socket_path
 from .protocol import (
     Acquire,
     Acquired,
+    PageMapped,
     Ping,
     Pong,
     Release,
@@ -95,6 +97,7 @@ async def open_client(
     on_unavailable: OnUnavailable = "raise",
     reconnect_timeout: float = 5.0,
     responder: bool = True,
+    fast: bool = True,
 ) -> AsyncIterator[AsyncClient]:
     """An `AsyncClient` for the block; its connection closes with it."""
     async with trio.open_nursery() as nursery:
@@ -105,6 +108,7 @@ async def open_client(
             on_unavailable=on_unavailable,
             reconnect_timeout=reconnect_timeout,
             responder=responder,
+            fast=fast,
         )
         try:
             yield client
@@ -157,8 +161,9 @@ class _Connection:
 class AsyncClient:
     """The async counterpart of `watchdogd_client.Client`; get one from
     `open_client`. ``socket_path``, ``timeout``, ``on_unavailable``,
-    ``reconnect_timeout`` and ``responder`` mean what they mean there: the process's
-    responder is a thread of its own, whichever client starts it."""
+    ``reconnect_timeout``, ``responder`` and ``fast`` mean what they mean there: the
+    process's responder is a thread of its own, whichever client starts it, and its
+    slots are shared by all its clients (a store is no I/O, so no checkpoint)."""
 
     def __init__(
         self,
@@ -169,13 +174,18 @@ class AsyncClient:
         on_unavailable: OnUnavailable = "raise",
         reconnect_timeout: float = 5.0,
         responder: bool = True,
+        fast: bool = True,
     ) -> None:
         self.responder = responder
+        self.fast = fast
         self._outage = Outage(on_unavailable)
         self.on_unavailable: OnUnavailable = on_unavailable
         self.socket_path = client_socket_path(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        #: The process's fast path, shared with its blocking clients
+        #: (`watchdogd_client.fastpath`): a store is no I/O, so no await either.
+        self._fast = fast_path(self.socket_path, fast)
         self._engine = Engine(
             self.socket_path,
             client=f"python-trio/{__version__}",
@@ -202,37 +212,81 @@ class AsyncClient:
         **arming: Unpack[Arming],
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
+        fast = self._fast
+        if fast is not None and pid is None and progress is None:
+            stored = fast.arm(scope, timeout, arming)
+            if stored is not None:
+                return stored
         request = acquire_request(
-            self._engine.next_id(), scope, timeout, pid=pid, progress=progress, **arming
+            self._engine.next_id(),
+            scope,
+            timeout,
+            pid=pid,
+            progress=progress,
+            slot=fast is not None,
+            **arming,
         )
-        reply = await self._acquire(request)
+        reply = await self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
-    async def _acquire(self, request: Acquire) -> Acquired | None:
-        """The answer to ``request``; None where the daemon is unavailable and the
-        client carries on unprotected."""
+    async def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
+        """The answer to ``request``, armed with ``arming``; None where the daemon
+        is unavailable and the client carries on unprotected. A slot it grants
+        takes the scope's later blocks."""
         if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
             settle_responder(self.responder, self.socket_path, request)
         try:
-            return await self._call(request, Acquired)
+            reply = await self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
+        fast = self._fast
+        if request.slot and fast is not None:
+            grant = reply.slot if reply.durable else None
+            if grant is None:
+                fast.forget(request.scope)
+            elif fast.mapped(grant.page):
+                fast.granted(request.scope, arming, grant, self._unmapped)
+            else:
+                # The page comes on a connection of its own, off the loop.
+                got = await trio.to_thread.run_sync(self._map_page, grant.page)
+                fast.granted(request.scope, arming, grant, lambda page: got)
+        return reply
+
+    def _map_page(self, page: int) -> tuple[int, PageMapped]:
+        return map_page(self.socket_path, page, timeout=self.timeout)
+
+    @staticmethod
+    def _unmapped(page: int) -> tuple[int, PageMapped]:
+        raise ConnectionError(f"slot page {page} was mapped meanwhile")
 
     async def _arm_block(
         self, scope: str, after: After, progress: int | None, arming: Arming
     ) -> int:
         """Arm a block's timer; the number of its arming (0 where the daemon keeps
-        none), for `_release_block` to name."""
-        request = acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
-        reply = await self._acquire(request)
+        none, or a store armed it), for `_release_block` to name."""
+        fast = self._fast
+        if fast is not None and progress is None and fast.arm(scope, after, arming) is not None:
+            return 0
+        request = acquire_request(
+            self._engine.next_id(),
+            scope,
+            after,
+            progress=progress,
+            slot=fast is not None,
+            **arming,
+        )
+        reply = await self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
     async def _release_block(self, scope: str, arm: int) -> None:
         """Release a block's timer, armed as ``arm``: without waiting for the answer
         where the daemon numbered the arming and the process's responder would send
-        it again after a break; otherwise as `release` does."""
+        it again after a break; otherwise as `release` does. A registered scope's
+        is a store."""
+        if self._fast is not None and self._fast.release(scope) is not None:
+            return
         responder = release_carrier(self.socket_path, arm)
         connection = self._connection
         if responder is None or connection is None or connection.protocol.state != "open":
@@ -263,6 +317,10 @@ class AsyncClient:
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
+        if pid is None and self._fast is not None:
+            stored = self._fast.release(scope)
+            if stored is not None:
+                return stored
         try:
             return (
                 await self._call(Release(id=self._engine.next_id(), scope=scope, pid=pid), Released)

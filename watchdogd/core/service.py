@@ -17,6 +17,8 @@ Each part owns its state and is its own module:
 - `watchdogd.core.firing`: expiry, the starvation rule and incident peers, and the
   firing timers until their policy has run;
 - `watchdogd.core.lifecycle`: restore after a restart, exits, the stop;
+- `watchdogd.core.slots`: the fast path's registrations and the looks at their
+  slots;
 - `watchdogd.core.bridge`: what the fleet asks of the core and tells it.
 
 They share the timer table, the config in force (`watchdogd.core.rules`), the
@@ -41,8 +43,10 @@ from watchdogd_client.protocol import (
     Incident,
     IncidentInfo,
     Incidents,
+    MapPage,
     Metrics,
     MetricsReply,
+    PageMapped,
     Ping,
     Policies,
     Pong,
@@ -73,9 +77,10 @@ from .lifecycle import Later, Lifecycle, Restored
 from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .pages import Pages
 from .policies import Policy
-from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .responders import Responders
 from .rules import Rules
+from .slots import Slots
 from .timers import Expired, Timer, TimerTable
 
 __all__ = [
@@ -111,9 +116,13 @@ class Service(Generic[P]):
         new_id: Callable[[], str] | None = None,
         host: str = "localhost",
         stdlib: frozenset[str] = frozenset(),
+        pages: PagePort[P] | None = None,
+        monotonic: bool = False,
     ) -> None:
         """``stdlib``: the standard library's top-level module names
-        (``sys.stdlib_module_names``), whose frames are not where a rank waits."""
+        (``sys.stdlib_module_names``), whose frames are not where a rank waits.
+        ``pages`` makes the slot pages of the fast path, offered when ``monotonic``
+        says the table's clock is CLOCK_MONOTONIC, the clock of a slot's deadlines."""
         daemon = config.daemon
         self.rules = Rules(config)
         self.table: TimerTable[P] = TimerTable()
@@ -138,12 +147,27 @@ class Service(Generic[P]):
         self.daemon_pid = daemon_pid
         self.started = now
         self._wall = wall
+        self._clock = clock
+        self._monotonic = monotonic
+        self.slots = Slots(
+            self.rules,
+            self.table,
+            processes,
+            NoPages() if pages is None else pages,
+            self.journal,
+            history=self.history,
+            metrics=self.metrics,
+            log=self.log,
+            on_deadline=on_deadline,
+            offered=monotonic and daemon.fast_path,
+        )
         self.expiries = Firing(
             self.rules,
             self.table,
             processes,
             self.journal,
             responders=self.responders,
+            slots=self.slots,
             incidents=self.incidents,
             on_deadline=on_deadline,
             events=self.events,
@@ -156,6 +180,7 @@ class Service(Generic[P]):
             processes,
             self.journal,
             self.expiries,
+            slots=self.slots,
             on_deadline=on_deadline,
             events=self.events,
             metrics=self.metrics,
@@ -167,6 +192,7 @@ class Service(Generic[P]):
             processes,
             self.journal,
             self.lifecycle,
+            slots=self.slots,
             history=self.history,
             metrics=self.metrics,
             daemon_pid=daemon_pid,
@@ -190,6 +216,7 @@ class Service(Generic[P]):
             self.journal,
             firing=self.expiries,
             arming=self.arming,
+            slots=self.slots,
             fleet=self.fleet,
             events=self.events,
             history=self.history,
@@ -227,6 +254,7 @@ class Service(Generic[P]):
         self._configure_history(config)
         self.incidents.resize(daemon.incidents, daemon.incidents_per_uid)
         self.incidents.window = daemon.incident_window
+        self.slots.offered = self._monotonic and daemon.fast_path
 
     def _configure_history(self, config: Config) -> None:
         """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
@@ -284,15 +312,34 @@ class Service(Generic[P]):
             case Hello():
                 return self.arming.welcome(request)
             case Suggest():
-                return self.pages.suggest(request, caller.peer)
+                return self.pages.suggest(request, caller.peer, now)
             case Why():
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
                 return self.pages.incidents(request, caller.peer)
             case Respond() | Evidence():
                 return self._responding(request, caller)
+            case MapPage():
+                self.page_for(request, caller, now)
+                return PageMapped(id=request.id, page=request.page, now=int(now * 1_000_000))
             case _:
                 assert_never(request)
+
+    def page_for(self, request: MapPage, caller: Caller[P], now: float) -> PageRef:
+        """The slot page ``request`` names, of the caller's own process (its
+        descriptor goes with the reply: `watchdogd.runtime.server`)."""
+        process = self.arming.caller_itself(caller, now)
+        try:
+            page = self.slots.page_for(process, request.page)
+        finally:
+            process.close()
+        if page is None:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"no slot page {request.page} of this process; an arm that asks for a "
+                "slot gets one",
+            )
+        return page
 
     def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
         """A responder's `Respond`, or its `Evidence` (whoever asked for it takes it
@@ -428,7 +475,7 @@ class Service(Generic[P]):
 
     def process_exited(self, process: P) -> list[Timer]:
         """`Lifecycle.process_exited`."""
-        return self.lifecycle.process_exited(process)
+        return self.lifecycle.process_exited(process, self._clock())
 
     def close(self) -> None:
         """`Lifecycle.close`."""

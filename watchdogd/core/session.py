@@ -16,6 +16,8 @@ buffer, and says when the connection must close. Invariants:
 - A connection whose `Respond` was taken is a responder's (``responder``): an
   `Evidence` it sends is answered and handed back to the connection, which gives it
   to whoever asked on it (`watchdogd.runtime.responders`).
+- A `MapPage` that was answered is handed back too: its reply must leave with the
+  page's descriptor (`watchdogd.runtime.server`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from watchdogd_client.protocol import (
     EventsReply,
     Evidence,
     Hello,
+    MapPage,
+    PageMapped,
     ReplyMessage,
     RequestMessage,
     Respond,
@@ -62,11 +66,12 @@ class Session:
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
-    ) -> bool | Events | Evidence:
+    ) -> bool | Events | Evidence | MapPage:
         """Handle one frame body, appending the reply to ``out``. Returns False when
         the connection must close after ``out`` is sent, (when ``may_wait``) the
         `Events` request to answer with `answer` once an event happens or its wait
-        runs out, or the `Evidence` a responder sent, answered already."""
+        runs out, the `Evidence` a responder sent, answered already, or the
+        `MapPage` whose reply (the last in ``out``) goes with a descriptor."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -99,7 +104,7 @@ class Session:
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
-    ) -> bool | Events | Evidence:
+    ) -> bool | Events | Evidence | MapPage:
         """Handle a decoded request, appending its reply to ``out``."""
         result = "ok"
         reply: ReplyMessage
@@ -142,6 +147,8 @@ class Session:
                 self.responder = True
             elif isinstance(request, Evidence):
                 return request
+        if isinstance(reply, PageMapped) and isinstance(request, MapPage):
+            return request
         return True
 
 

@@ -189,6 +189,9 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
       its deadline to judge starvation by; ``extended`` the seconds of grace it
       was given as starved (0 until then: once per arming). Every arming measures
       anew and has its grace back.
+    - ``slot``: the slot of a scope registered for the fast path (`SlotRef`): its
+      blocks arm and release by stores there, so this timer's ``deadline`` is the
+      daemon's next look at the slot, not the block's (`watchdogd.core.slots`).
     """
 
     progress: int | None = None
@@ -201,6 +204,17 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     group_rank: int | None = None
     baseline: Sample | None = None
     extended: float = 0.0
+    slot: SlotRef | None = None
+
+
+class SlotRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """Where a registered scope's blocks store: slot ``index`` of slot page
+    ``page`` (the page's inode, by which a restarted daemon finds it again among
+    its process's descriptors), looked at least once every ``period`` seconds."""
+
+    page: int
+    index: int
+    period: float
 
 
 V = TypeVar("V", bound=Hashable)

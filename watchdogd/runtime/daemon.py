@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import grp
 import itertools
+import math
 import os
 import resource
 import secrets
@@ -41,10 +42,12 @@ import trio
 from .._version import __version__
 from ..core.config import Config, lockouts, parse_config
 from ..core.identity import ROOT, Peer
+from ..core.ports import PageRef
 from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
 from ..core.timers import Timer
 from ..errors import ConfigError
+from ..host import slot_pages
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.exits import ExitWatcher
 from ..host.pressure import PressureGauge
@@ -102,6 +105,37 @@ class HostProcesses:
 
     def sample(self, process: Process) -> Sample | None:
         return self._pressure.sample(process)
+
+
+class HostPages:
+    """The service's page port on a real host: sealed memfds
+    (`watchdogd.host.slot_pages`), each failure said in the log once a minute."""
+
+    def __init__(self) -> None:
+        self._said: dict[str, float] = {}
+
+    def shares_clock(self, process: Process) -> bool:
+        return slot_pages.shares_clock(process)
+
+    def new_page(self) -> PageRef | None:
+        try:
+            return slot_pages.new_page()
+        except slot_pages.PageError as exc:
+            self._say("slot_page_failed", str(exc))
+            return None
+
+    def adopt(self, process: Process, page: int) -> PageRef | None:
+        try:
+            return slot_pages.adopt(process, page)
+        except slot_pages.PageError as exc:
+            self._say("slot_page_lost", str(exc))
+            return None
+
+    def _say(self, event: str, error: str) -> None:
+        now = time.monotonic()
+        if now >= self._said.get(event, -math.inf) + 60.0:
+            self._said[event] = now
+            log.warning(logfmt(event, error=error))
 
 
 #: Seconds a thread may run before Python offers the GIL to another (Python's
@@ -300,6 +334,8 @@ class Daemon:
             render_metrics=_exposition,
             host=host,
             stdlib=frozenset(sys.stdlib_module_names),
+            pages=HostPages(),
+            monotonic=clock is time.monotonic,
         )
         self.history_file: HistoryFile | None = None
         self.record_file: RecordFile | None = None

@@ -13,13 +13,16 @@ Invariants the daemon and the client both rely on:
 - A frame that declares more bytes than the receiver's bound is refused before any
   buffer of that size exists (`FrameReader` raises `FrameTooLarge`).
 - Time on the wire is always relative seconds (``timeout``, ``remaining``); absolute
-  deadlines never leave the daemon.
+  deadlines never leave the daemon, except in a slot page, which holds
+  CLOCK_MONOTONIC deadlines (`protocol.slot_page`).
 - New fields are added only with defaults, and unknown fields are ignored, so an older
   peer can read a newer peer's messages (msgspec's schema-evolution rules).
 
 Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
 daemon answers, and the codes of its refusals), `protocol.evidence` (what a
-worker's responder answers from inside it) and `protocol.frames` (framing, the
+worker's responder answers from inside it), `protocol.slot_page` (the layout of the
+memory a daemon shares with one process for its blocks' stores) and
+`protocol.frames` (framing, the
 bounds on a frame, one decoder per direction). Every name is imported from here, by
 the daemon and the clients alike.
 """
@@ -61,6 +64,7 @@ from .replies import (
     IncidentReply,
     IncidentsReply,
     MetricsReply,
+    PageMapped,
     PoliciesReply,
     PolicyInfo,
     Pong,
@@ -69,6 +73,7 @@ from .replies import (
     Reply,
     ReplyMessage,
     Responding,
+    SlotGrant,
     StatusReply,
     StepResult,
     SuggestionInfo,
@@ -92,6 +97,7 @@ from .requests import (
     Incident,
     Incidents,
     Job,
+    MapPage,
     Metrics,
     PageSize,
     Pid,
@@ -148,8 +154,10 @@ __all__ = [
     "Incidents",
     "IncidentsReply",
     "Job",
+    "MapPage",
     "Metrics",
     "MetricsReply",
+    "PageMapped",
     "PageSize",
     "Pid",
     "Ping",
@@ -171,6 +179,7 @@ __all__ = [
     "Respond",
     "Responding",
     "Scope",
+    "SlotGrant",
     "Status",
     "StatusReply",
     "StepResult",

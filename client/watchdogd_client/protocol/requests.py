@@ -102,6 +102,10 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     local_rank: Rank | None = None
     group_rank: Rank | None = None
     arm: Arm | None = None
+    #: The process would arm this scope's later blocks by stores into a slot page
+    #: (`watchdogd_client.protocol.slot_page`): a daemon that offers one answers
+    #: with a `SlotGrant` (`Acquired.slot`). Heard only for the caller itself.
+    slot: bool = False
 
 
 class Release(Request, tag="release", frozen=True, kw_only=True):
@@ -207,6 +211,13 @@ class Evidence(Request, tag="evidence", frozen=True, kw_only=True):
     note: Annotated[str, Meta(max_length=1024)] = ""
 
 
+class MapPage(Request, tag="map_page", frozen=True, kw_only=True):
+    """Hand me slot page ``page`` of my own (`SlotGrant.page`): answered with
+    `PageMapped`, whose frame carries the page's descriptor (SCM_RIGHTS)."""
+
+    page: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+
+
 RequestMessage = (
     Hello
     | Acquire
@@ -222,4 +233,5 @@ RequestMessage = (
     | Incident
     | Respond
     | Evidence
+    | MapPage
 )

@@ -1,0 +1,527 @@
+"""The fast path's registrations: scopes whose blocks arm and release their timer by
+stores into a slot page (`watchdogd_client.protocol.slot_page`), and the daemon's
+lazy looks at them.
+
+A scope's first arm is a request, as every arm was: identity, authorization,
+limits, policy and job are settled there. When the process asks for it, and the
+policy needs nothing a store cannot say (no ``stall``, no starvation grace, no
+progress), the arm also registers the scope: a slot of a page shared with that
+process alone, and a period, a share of its timeout. The registration is the
+scope's timer record in the table and in the state, marked by its `SlotRef`; its
+``deadline`` there is the daemon's next look at the slot.
+
+The rule that makes the looks lazy, and sound: the process stores only deadlines
+at least one period away, and the daemon reads a slot at least once a period and
+never later than the deadline it last read there. A store made after a look is
+then seen at the next look, which comes before its deadline; a later deadline
+needs no wake, an earlier one goes over the socket. The same holds across a
+restart: a journaled look is never later than the look it stands for, and a store
+made while the daemon was down is read at the first look of the next.
+
+Invariants:
+
+- A slot is open (its page shows its period) or closing (its page shows 0, so the
+  process stores nothing more that matters and arms over the socket again); a
+  closing slot is still read until it has been seen released at a look at least
+  `CLOSING_WAIT` after it closed, since the process checks the period again after
+  each store and a store that crossed the closing is read all the same. Then it
+  is retired: its registration leaves the table and the state. Its index is never
+  given again, so a late store of the old scope cannot land on a new one.
+- A slot closes when its registration is reclaimed (idle for ``slot_idle``
+  seconds, or the least recently idle of a uid at its limit), when another
+  caller arms or releases its scope over the socket (root's ``watchdogctl arm
+  --pid``: that arming is then a plain timer, which no store can disarm), when its
+  process's uids changed (checked at each look), when it fires, and when the
+  daemon stops for good.
+- Everything read from a page is bounded: a deadline past ``max_timeout`` from
+  the look is clamped to it and counted, counts that could not be real are
+  dropped and counted. A page can never fault the daemon (its memfd is sealed).
+- Moving a look is not journaled (by design: the page says it all); registering,
+  re-registering and dropping a registration are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Final, Generic
+
+import msgspec
+
+from watchdogd_client.protocol import SlotGrant
+from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
+
+from .counters import Counters
+from .history import History
+from .logline import Level, RateLimitedLog, logfmt
+from .ports import Journal, P, PagePort, PageRef, ProcessPort
+from .rules import Rules
+from .timers import Expired, Key, SlotRef, Timer, TimerTable
+
+#: A slot's period as a share of the timeout it was registered with: a block whose
+#: timeout shrinks a little from one to the next (torch's adapter computes each from
+#: an absolute time) still stores.
+PERIOD_SHARE: Final = 0.875
+#: The shortest period: a shorter timeout's blocks go over the socket.
+MIN_PERIOD: Final = 0.002
+#: How long after a slot closes it is still read before it may be retired.
+CLOSING_WAIT: Final = 0.1
+#: The most blocks a harvest takes for each second since the last: more than any
+#: process can run, so a count past it was scribbled, not counted.
+_BLOCKS_A_SECOND: Final = 5_000_000
+
+
+def period_of(timeout: float) -> float:
+    """The period of a slot registered with ``timeout`` seconds; 0 for none."""
+    period = timeout * PERIOD_SHARE
+    return period if period >= MIN_PERIOD else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """What the daemon knows of one registration between its looks."""
+
+    page: PageRef
+    index: int
+    period: float
+    #: The block's deadline as last read; 0.0 while released.
+    due: float = 0.0
+    #: When it was first seen released, since it last was armed (0.0: armed).
+    idle_since: float = 0.0
+    #: When it closed (0.0: open).
+    closing: float = 0.0
+    #: The blocks its process counted, and their counts by bucket, as last taken.
+    blocks: int = 0
+    seen: dict[int, int] = field(default_factory=dict)
+    harvested: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Pages:
+    """A process's pages, the newest last, and the next index of the newest."""
+
+    pages: list[PageRef] = field(default_factory=list)
+    next_index: int = SLOTS
+    #: Open or closing slots on each page, by page id.
+    live: dict[int, int] = field(default_factory=dict)
+
+
+class Slots(Generic[P]):
+    """Every registration's slot, the looks at them and their harvests."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        table: TimerTable[P],
+        processes: ProcessPort[P],
+        pages: PagePort[P],
+        journal: Journal,
+        *,
+        history: History,
+        metrics: Counters,
+        log: RateLimitedLog,
+        on_deadline: Callable[[float], None],
+        offered: bool,
+    ) -> None:
+        """``offered``: whether this daemon offers slots at all (its clock is
+        CLOCK_MONOTONIC and ``[daemon] fast_path`` is on)."""
+        self._rules = rules
+        self._table = table
+        self._processes = processes
+        self._port = pages
+        self._journal = journal
+        self._history = history
+        self._metrics = metrics
+        self._log = log
+        self._on_deadline = on_deadline
+        self.offered = offered
+        self._slots: dict[Key, Slot] = {}
+        self._pages: dict[int, _Pages] = {}
+        #: Registrations seen released at their last look, by uid, oldest first.
+        self._idle: dict[int, dict[Key, None]] = {}
+        #: Closing registrations by uid: retiring, so no longer counted at a limit.
+        self._closing: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def closing_of(self, uid: int) -> int:
+        """How many of ``uid``'s registrations are closing."""
+        return self._closing.get(uid, 0)
+
+    # Registration, as arms and releases over the socket make and change it.
+
+    def register(self, process: P, scope: str, timeout: float, now: float) -> SlotRef | None:
+        """A slot for ``scope`` of ``process``, registered with ``timeout``; None
+        when none is offered to it (no fast path here, a timeout under twice
+        `MIN_PERIOD`, another clock, no page to be had)."""
+        period = period_of(timeout)
+        if not self.offered or not period:
+            return None
+        own = self._pages.get(process.pid)
+        if own is None:
+            if not self._port.shares_clock(process):
+                return None
+            own = self._pages[process.pid] = _Pages()
+        if own.next_index >= SLOTS:
+            page = self._port.new_page()
+            if page is None:
+                return None
+            own.pages.append(page)
+            own.live[page.id] = 0
+            own.next_index = 0
+        page = own.pages[-1]
+        index = own.next_index
+        own.next_index += 1
+        own.live[page.id] += 1
+        self._slots[(process.pid, scope)] = Slot(page, index, period, harvested=now)
+        return SlotRef(page=page.id, index=index, period=period)
+
+    def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
+        """The slot of registered ``timer``, found again after a restart if need
+        be; None when its page is lost (its registration is then worth nothing)."""
+        slot = self._slots.get(timer.key)
+        if slot is not None:
+            return slot
+        ref = None if timer.watch is None else timer.watch.slot
+        return None if ref is None else self._adopt(timer, process, ref, now)
+
+    def armed(self, timer: Timer, slot: Slot, deadline: float, auto: float | None) -> SlotGrant:
+        """Registered ``timer`` was armed over the socket by its own process until
+        ``deadline`` (``auto``: the timeout it learned, for ``after="auto"``):
+        written to its slot, which opens again if it was closing."""
+        index = slot.index
+        period = _microseconds(slot.period)
+        slot.page.write(index, deadline=_microseconds(deadline), period=period)
+        if auto is not None:
+            slot.page.write_auto(index, _microseconds(auto))
+        if slot.closing:
+            slot.closing = 0.0
+            self._count_closing(timer.owner, -1)
+        self._busy(timer, slot, deadline)
+        return SlotGrant(page=slot.page.id, index=index, period=period)
+
+    def released(self, timer: Timer, slot: Slot) -> bool:
+        """Registered ``timer`` was released over the socket by its own process:
+        whether its slot was armed. It stays registered."""
+        armed = slot.page.read(slot.index) != 0
+        slot.page.write(slot.index, deadline=0)
+        slot.due = 0.0
+        return armed
+
+    def block_began(self, timer: Timer, slot: Slot) -> float:
+        """When the block in ``timer``'s slot began, as near as its deadline tells
+        (what a release over the socket records as the time it was held)."""
+        return slot.due - timer.timeout if slot.due else timer.armed_at
+
+    def revoke(self, timer: Timer) -> None:
+        """Another caller armed or released ``timer``'s scope over the socket: its
+        slot closes and is forgotten at once (the caller replaces or drops the
+        registration), so no store of the process can disarm what was armed."""
+        slot = self._slots.pop(timer.key, None)
+        if slot is not None:
+            slot.page.write(slot.index, period=0)
+            self._let_go(timer, slot)
+
+    # Looks.
+
+    def looked(self, expired: list[Expired[P]], now: float) -> tuple[list[Expired[P]], bool]:
+        """Of the timers the table gave as due, those to fire. Each registration
+        among them is a look at its slot, which puts it back at its next look,
+        retires or drops it, or fires it on its block's deadline. Also whether
+        any went back to the table."""
+        fire: list[Expired[P]] = []
+        looked = False
+        for item in expired:
+            watch = item.timer.watch
+            if watch is None or watch.slot is None:
+                fire.append(item)
+                continue
+            looked = True
+            firing = self._look(item, watch.slot, now)
+            if firing is not None:
+                fire.append(firing)
+        return fire, looked
+
+    def _look(self, item: Expired[P], ref: SlotRef, now: float) -> Expired[P] | None:
+        timer, process = item.timer, item.process
+        slot = self._slots.get(timer.key) or self._adopt(timer, process, ref, now)
+        if slot is None:
+            self._drop(item, "its slot page is not among its process's descriptors")
+            return None
+        if not self._processes.refresh(process):
+            self._put(item, now + slot.period)  # it exited: its exit drops it
+            return None
+        if process.uid != timer.uid:
+            # Its authorization was its uid's at the arm: it arms over the socket
+            # again, where it is judged anew.
+            self.revoke(timer)
+            self._drop(item, f"its process's uid changed to {process.uid}")
+            return None
+        word = slot.page.read(slot.index)
+        self._harvest(timer, process, slot, now)
+        if not word:
+            self._idle_look(item, slot, now)
+            return None
+        deadline = self._bounded(word, now)
+        self._busy(timer, slot, deadline)
+        if deadline > now:
+            self._put(item, min(deadline, now + slot.period), began=deadline - timer.timeout)
+            return None
+        self._slots.pop(timer.key, None)
+        slot.page.write(slot.index, period=0)
+        self._let_go(timer, slot)
+        fired = msgspec.structs.replace(
+            timer, deadline=deadline, armed_at=min(timer.armed_at, deadline - timer.timeout)
+        )
+        return Expired(fired, process, item.orphaned)
+
+    def _idle_look(self, item: Expired[P], slot: Slot, now: float) -> None:
+        timer = item.timer
+        slot.due = 0.0
+        if slot.closing:
+            if now >= slot.closing + CLOSING_WAIT:
+                self._retire(item, slot)
+            else:
+                self._put(item, slot.closing + CLOSING_WAIT)
+            return
+        if not slot.idle_since:
+            slot.idle_since = now
+            self._idle.setdefault(timer.owner, {})[timer.key] = None
+        elif now - slot.idle_since >= self._rules.daemon.slot_idle:
+            self._close(timer, slot, now)
+            self._put(item, now + CLOSING_WAIT)
+            return
+        self._put(item, now + slot.period)
+
+    def _bounded(self, word: int, now: float) -> float:
+        """The deadline a slot's word says, within ``max_timeout`` of ``now`` (past
+        it: clamped, and counted)."""
+        limit = now + self._rules.daemon.max_timeout
+        deadline = word / 1_000_000 if word <= MAX_MICROSECONDS else math.inf
+        if deadline > limit:
+            self._metrics.slots_clamped += 1
+            return limit
+        return deadline
+
+    def _busy(self, timer: Timer, slot: Slot, deadline: float) -> None:
+        """``slot`` is armed until ``deadline``: no longer idle."""
+        slot.due = deadline
+        if slot.idle_since:
+            slot.idle_since = 0.0
+            idle = self._idle.get(timer.owner)
+            if idle is not None:
+                idle.pop(timer.key, None)
+                if not idle:
+                    del self._idle[timer.owner]
+
+    def _put(self, item: Expired[P], look: float, *, began: float | None = None) -> None:
+        """Back in the table until ``look`` (in memory only: the state keeps an
+        earlier look, never a later one)."""
+        timer = item.timer
+        if began is None or began == timer.armed_at:
+            moved = msgspec.structs.replace(timer, deadline=look)
+        else:
+            moved = msgspec.structs.replace(timer, deadline=look, armed_at=began)
+        self._table.put(item.process, moved)
+        self._on_deadline(look)
+
+    # Closing, retiring, dropping.
+
+    def reclaim(self, uid: int, now: float) -> bool:
+        """Close the registration of ``uid`` seen released the longest (a uid at
+        its limit registers another); whether there was one."""
+        idle = self._idle.get(uid)
+        if not idle:
+            return False
+        key = next(iter(idle))
+        slot = self._slots.get(key)
+        timer = self._table.get(*key)
+        if slot is None or timer is None:
+            del idle[key]
+            return bool(idle) and self.reclaim(uid, now)
+        self._close(timer, slot, now)
+        self._metrics.slots_reclaimed += 1
+        return True
+
+    def _close(self, timer: Timer, slot: Slot, now: float) -> None:
+        slot.page.write(slot.index, period=0)
+        slot.closing = now
+        self._count_closing(timer.owner, 1)
+        self._busy(timer, slot, slot.due)
+
+    def _count_closing(self, uid: int, step: int) -> None:
+        left = self._closing.get(uid, 0) + step
+        if left > 0:
+            self._closing[uid] = left
+        else:
+            self._closing.pop(uid, None)
+
+    def _retire(self, item: Expired[P], slot: Slot) -> None:
+        """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
+        self._slots.pop(item.timer.key, None)
+        self._let_go(item.timer, slot)
+        self._metrics.slots_retired += 1
+        self._gone(item)
+
+    def _drop(self, item: Expired[P], why: str) -> None:
+        """A registration that can no longer be kept: it goes, and the log says why."""
+        timer = item.timer
+        self._metrics.slots_lost += 1
+        self._log.log(
+            (timer.owner, "slot_dropped"),
+            Level.WARNING,
+            logfmt("slot_dropped", pid=timer.pid, uid=timer.uid, scope=timer.scope, why=why),
+        )
+        self._gone(item)
+
+    def _gone(self, item: Expired[P]) -> None:
+        self._journal.drop(item.timer)
+        self._journal.commit_soon()
+        if item.orphaned and self._table.process(item.timer.pid) is None:
+            self._processes.untrack(item.process)
+
+    def _let_go(self, timer: Timer, slot: Slot) -> None:
+        """``slot`` is no longer a registration's: its page goes once it holds no
+        open or closing slot and gives no new one."""
+        if slot.closing:
+            self._count_closing(timer.owner, -1)
+        self._busy(timer, slot, 0.0)
+        own = self._pages.get(timer.pid)
+        if own is None:
+            return
+        page_id = slot.page.id
+        live = own.live.get(page_id, 0) - 1
+        newest = own.pages[-1] if own.pages else None
+        if live > 0 or (newest is slot.page and own.next_index < SLOTS):
+            own.live[page_id] = max(live, 0)
+            return
+        own.live.pop(page_id, None)
+        own.pages = [page for page in own.pages if page is not slot.page]
+        slot.page.close()
+
+    # After a restart, and at the end.
+
+    def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | None:
+        """The slot of a registration read from the state: its page found again
+        among the process's descriptors (once per page). What its counts hold is
+        taken as harvested: only blocks released from now on are added."""
+        if not 0 <= ref.index < SLOTS or not ref.period > 0:
+            return None
+        own = self._pages.get(process.pid)
+        page = None if own is None else next((p for p in own.pages if p.id == ref.page), None)
+        if page is None:
+            page = self._port.adopt(process, ref.page)
+            if page is None:
+                return None
+            if own is None:
+                own = self._pages[process.pid] = _Pages()
+            # An adopted page gives no new slot: which of its indexes the daemon
+            # before gave is not known.
+            own.pages.insert(0, page)
+            own.live[page.id] = 0
+        own = self._pages[process.pid]
+        own.live[page.id] = own.live.get(page.id, 0) + 1
+        slot = Slot(page, ref.index, ref.period, harvested=now)
+        slot.blocks = page.blocks(ref.index)
+        slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
+        self._slots[timer.key] = slot
+        return slot
+
+    def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> None:
+        """Add to the scope's history the blocks its process released by a store
+        since the last harvest, as its slot counts them."""
+        blocks = slot.page.blocks(slot.index)
+        if blocks == slot.blocks:
+            return
+        counts = slot.page.counts(slot.index)
+        seen = slot.seen
+        added: dict[int, int] = {}
+        for bucket in range(BUCKETS):
+            count = counts[bucket]
+            if count != seen.get(bucket, 0):
+                added[bucket] = (count - seen.get(bucket, 0)) % 2**32
+        slot.blocks = blocks
+        slot.seen = {bucket: count for bucket, count in enumerate(counts) if count}
+        since, slot.harvested = slot.harvested, now
+        total = sum(added.values())
+        if not total:
+            return
+        if total > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
+            self._metrics.slots_scribbled += 1
+            return
+        largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
+        key = (process.uid, self._processes.executable(process), timer.scope)
+        self._history.record_counts(key, added, largest)
+
+    def harvest_all(self, now: float, uid: int | None = None) -> None:
+        """Harvest every slot (of ``uid``'s processes, when given) now: what
+        `suggest` shows counts every block released so far."""
+        for key, slot in list(self._slots.items()):
+            timer = self._table.get(*key)
+            process = self._table.process(key[0])
+            if timer is None or process is None or (uid is not None and uid != timer.owner):
+                continue
+            self._harvest(timer, process, slot, now)
+
+    def exited(self, process: P, timers: Iterable[Timer], now: float) -> list[Timer]:
+        """``process`` exited with ``timers``: its slots are read a last time
+        (harvested) and let go with its pages. Returns the timers that were armed
+        then (a registration only while its slot held a block)."""
+        armed: list[Timer] = []
+        for timer in timers:
+            slot = self._slots.pop(timer.key, None)
+            if slot is None:
+                armed.append(timer)
+                continue
+            self._harvest(timer, process, slot, now)
+            if slot.page.read(slot.index):
+                armed.append(timer)
+            if slot.closing:
+                self._count_closing(timer.owner, -1)
+            self._busy(timer, slot, 0.0)
+        own = self._pages.pop(process.pid, None)
+        for page in () if own is None else own.pages:
+            page.close()
+        return armed
+
+    def deadline_of(self, timer: Timer) -> float | None:
+        """The deadline of the block in registered ``timer``'s slot, read now;
+        None while it holds none. (The table's deadline for a slot not yet found
+        again after a restart.)"""
+        slot = self._slots.get(timer.key)
+        if slot is None:
+            return timer.deadline
+        word = slot.page.read(slot.index)
+        return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
+
+    def released_count(self) -> int:
+        """How many registrations hold no block now, read from their slots."""
+        return sum(not slot.page.read(slot.index) for slot in self._slots.values())
+
+    def page_for(self, process: P, page: int) -> PageRef | None:
+        """Page ``page`` of ``process``, for it to map; None when it has no such
+        page."""
+        own = self._pages.get(process.pid)
+        if own is None:
+            return None
+        return next((found for found in own.pages if found.id == page), None)
+
+    def close_all(self) -> None:
+        """The daemon stops: every slot closes (blocks go over the socket, to a
+        daemon that restarts or to none, as DESIGN's rule for a daemon gone at a
+        block's exit says), and every page is let go. The state keeps the
+        registrations for the next start."""
+        for own in self._pages.values():
+            for page in own.pages:
+                page.close_all()
+                page.close()
+        self._pages.clear()
+        self._slots.clear()
+        self._idle.clear()
+        self._closing.clear()
+
+
+def _microseconds(seconds: float) -> int:
+    return max(0, min(int(seconds * 1_000_000), MAX_MICROSECONDS))
