@@ -101,6 +101,17 @@ def test_without_peer_pidfds_a_caller_gone_when_it_connected_never_responds() ->
     assert len(w.host.opened) == opened  # never looked for by its pid again
 
 
+def test_a_caller_the_kernel_gave_no_pidfd_for_is_never_opened_by_its_pid() -> None:
+    """A kernel with SO_PEERPIDFD gives none for a peer reaped already (before
+    6.9): whoever holds its pid now is not the process that connected."""
+    w = make_world()
+    opened = len(w.host.opened)
+    gone = Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid, gone=True)
+    caller = w.service.open_connection(gone)
+    assert refused(w.service, caller, Respond(id=1)).code == ErrorCode.NO_SUCH_PROCESS
+    assert len(w.host.opened) == opened
+
+
 def test_evidence_is_taken_only_from_a_connection_that_responds() -> None:
     w = make_world()
     assert refused(w.service, w.alice, Evidence(id=1, ask=1)).code == ErrorCode.INVALID_REQUEST

@@ -120,7 +120,7 @@ class Arming(Generic[P]):
         self._connections[peer.uid] += 1
         self._metrics.connections_total += 1
         caller: Caller[P] = Caller(peer)
-        if peer.pidfd is None:
+        if peer.pidfd is None and not peer.gone:
             # Without SO_PEERPIDFD the caller is found by pid: do it while it is
             # surely the process that just connected, not on its first request.
             with contextlib.suppress(Refusal):
@@ -322,6 +322,8 @@ class Arming(Generic[P]):
         """
         own = caller.process
         if own is None:
+            if caller.peer.gone:
+                raise _exited(caller)
             own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
         held = self._table.process(own.pid)
         if held is None or held is own or held.start_time == own.start_time:
@@ -348,7 +350,8 @@ class Arming(Generic[P]):
         With SO_PEERPIDFD the handle comes from the connection's own pidfd, so it
         is that process whoever holds its pid now. Without, it was opened by pid
         when the connection was taken (`open_connection`): a caller gone by then
-        has none, and is never looked for by its pid again.
+        (or one the kernel gave no pidfd for: `Peer.gone`) has none, and is never
+        looked for by its pid again.
         """
         own = caller.process
         if own is None and caller.peer.pidfd is not None:

@@ -54,9 +54,12 @@ def peer_of(sock: socket.socket) -> Peer:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
     pid, uid, gid = _CREDENTIALS.unpack(raw)
     try:
-        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
-        pidfd = None
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        # ENOPROTOOPT: a kernel without the option, whose caller is opened by pid
+        # while it is surely the process that connected. Any other error: the
+        # kernel has it, and the process that connected is gone already.
+        return Peer(pid=pid, uid=uid, gid=gid, gone=exc.errno != errno.ENOPROTOOPT)
     return Peer(pid=pid, uid=uid, gid=gid, pidfd=pidfd)
 
 
