@@ -74,6 +74,9 @@ class FakeHost:
     def alive(self, process: FakeProcess) -> bool:
         return not process.exited and process.pid not in self.dead
 
+    def exited(self, process: FakeProcess) -> bool:
+        return not self.alive(process)
+
     def refresh(self, process: FakeProcess) -> bool:
         if not self.alive(process):
             return False

@@ -168,6 +168,17 @@ class TestCallerIdentity:
         assert timer is not None
         assert timer.deadline == 61.0  # untouched
 
+    def test_a_caller_the_kernel_gave_no_pidfd_for_never_arms_on_its_pids_holder(self) -> None:
+        """A kernel with SO_PEERPIDFD gives none for a peer reaped already (before
+        6.9): whoever holds its pid now is another process."""
+        service, host, _ = make_service()
+        gone = Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid, gone=True)
+        caller = service.open_connection(gone)
+        error = refusal(service, Acquire(id=1, scope="s", timeout=5), caller)
+        assert error.code == ErrorCode.NO_SUCH_PROCESS
+        assert host.opened == []
+        assert len(service.table) == 0
+
     def test_without_peer_pidfds_the_caller_is_opened_when_it_connects(self) -> None:
         service, host, _ = make_service()
         caller = service.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))

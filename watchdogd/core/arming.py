@@ -120,7 +120,7 @@ class Arming(Generic[P]):
         self._connections[peer.uid] += 1
         self._metrics.connections_total += 1
         caller: Caller[P] = Caller(peer)
-        if peer.pidfd is None:
+        if peer.pidfd is None and not peer.gone:
             # Without SO_PEERPIDFD the caller is found by pid: do it while it is
             # surely the process that just connected, not on its first request.
             with contextlib.suppress(Refusal):
@@ -322,6 +322,8 @@ class Arming(Generic[P]):
         """
         own = caller.process
         if own is None:
+            if caller.peer.gone:
+                raise _exited(caller)
             own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
         held = self._table.process(own.pid)
         if held is None or held is own or held.start_time == own.start_time:
@@ -338,6 +340,30 @@ class Arming(Generic[P]):
         process.retain()
         return process
 
+    def connecting_process(self, caller: Caller[P]) -> P:
+        """The exact process that opened ``caller``'s connection, while it has not
+        exited: a handle the connection keeps for its life (`close_connection`
+        lets it go). Raises `Refusal` (no_such_process) once that process has
+        exited, a zombie included: a connection that outlived its process (a child
+        of a fork kept the socket) speaks for nobody.
+
+        With SO_PEERPIDFD the handle comes from the connection's own pidfd, so it
+        is that process whoever holds its pid now. Without, it was opened by pid
+        when the connection was taken (`open_connection`): a caller gone by then
+        (or one the kernel gave no pidfd for: `Peer.gone`) has none, and is never
+        looked for by its pid again.
+        """
+        own = caller.process
+        if own is None and caller.peer.pidfd is not None:
+            try:
+                own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
+            except Refusal as refusal:
+                if refusal.code != ErrorCode.NO_SUCH_PROCESS:
+                    raise
+        if own is None or self._processes.exited(own):
+            raise _exited(caller)
+        return own
+
     def _check_timer_limits(self, peer: Peer) -> None:
         limits = self._rules.daemon
         if len(self._table) >= limits.max_timers:
@@ -350,6 +376,15 @@ class Arming(Generic[P]):
                 ErrorCode.LIMIT_EXCEEDED,
                 f"uid {peer.uid} has {limits.max_timers_per_uid} timers armed, its limit",
             )
+
+
+def _exited(caller: Caller[P]) -> Refusal:
+    """The refusal of a request about itself on a connection whose process exited."""
+    return Refusal(
+        ErrorCode.NO_SUCH_PROCESS,
+        f"the process that opened this connection (pid {caller.peer.pid}) has exited; "
+        "a connection speaks only for the process that opened it",
+    )
 
 
 def _watch(

@@ -57,7 +57,7 @@ from .identity import ROOT
 from .incidents import IncidentLog
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import Journal, P, ProcessPort
-from .responders import Responders
+from .responders import Responder, Responders
 from .rules import Rules
 from .starvation import Verdict, judge_due
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
@@ -155,9 +155,9 @@ class Firing(Generic[P]):
         RESTART_GRACE`` are held until then."""
         self._rules = rules
         self._responders = Responders() if responders is None else responders
-        #: Ranks of incidents that hold no timer but respond: (incident, pid) for
-        #: the runtime to ask for evidence (`take_asks`).
-        self._asks: list[tuple[str, int]] = []
+        #: Ranks of incidents that hold no timer but respond: (incident, responder)
+        #: for the runtime to ask for evidence (`take_asks`).
+        self._asks: list[tuple[str, Responder]] = []
         self._table = table
         self._processes = processes
         self._journal = journal
@@ -520,11 +520,11 @@ class Firing(Generic[P]):
                     note="holds no timer of the job; its responder was asked",
                 ),
             )
-            self._asks.append((incident, responder.pid))
+            self._asks.append((incident, responder))
 
-    def take_asks(self) -> list[tuple[str, int]]:
-        """The (incident, pid) of each rank whose evidence is wanted that no policy
-        of it dumps, since the last call."""
+    def take_asks(self) -> list[tuple[str, Responder]]:
+        """The incident and the responder of each rank whose evidence is wanted
+        that no policy of it dumps, since the last call."""
         asks, self._asks = self._asks, []
         return asks
 

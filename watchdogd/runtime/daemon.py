@@ -81,6 +81,9 @@ class HostProcesses:
     def alive(self, process: Process) -> bool:
         return process.alive()
 
+    def exited(self, process: Process) -> bool:
+        return process.exited()
+
     def refresh(self, process: Process) -> bool:
         return process.refresh()
 
