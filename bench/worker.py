@@ -19,7 +19,12 @@ the worker to CPU 1, as in bench/run.py. Each round measures, in turn:
   of the client library but its frames) against the daemon, and the same bare
   worker against the least server that acknowledges an acquire on trio (it decodes
   the requests, keeps the timers in a dict and a heap, writes each batch's changes
-  to a journal with one ``write(2)`` and sends the answers, and does nothing else).
+  to a journal with one ``write(2)`` and sends the answers, and does nothing else);
+- what a new connection costs a worker (once per process, as a rule): a new
+  client's first ping (connect, the judgement of the socket, hello, ping),
+  connect(2) alone, and the judgement alone (`watchdogd_client.trust`: its
+  directory opened and judged, the listener's credentials read) for a path named,
+  a user's own and the host's.
 
 Then the burst with the state on: 3,000 deadlines within 10 ms with 200,000 others
 armed, the daemon's deadline -> first signal against a bare Python loop over the
@@ -68,6 +73,7 @@ from run import (
 from torch_side import file_timer_server, import_torch_timer
 
 from watchdogd_client import Client, expires
+from watchdogd_client.paths import Place
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -78,6 +84,7 @@ from watchdogd_client.protocol import (
     decode_request,
 )
 from watchdogd_client.protocol.frames import FrameReader, encode_frame, encode_frame_into
+from watchdogd_client.trust import vet
 
 #: The burst of the issue's measurement: deadlines due within 10 ms, others armed.
 BURST = 3_000
@@ -263,6 +270,49 @@ def daemon_burst(client: Client, victims: int, scope: str) -> list[float]:
     return victims_lateness(client, victims, scope, lambda pids: arm_burst(client, pids, scope))
 
 
+def connection_figures(socket_path: Path, count: int) -> dict[str, float]:
+    """Seconds per new connection of a worker to the daemon at ``socket_path`` (a
+    root-owned directory others may not write to, which each kind of path accepts):
+    a new client's first ping, connect(2) alone, and the judgement of the socket
+    alone."""
+    pin(CLIENT_CPU)
+    path = str(socket_path)
+
+    def first_ping() -> None:
+        with Client(path) as client:
+            client.ping()
+
+    def connect() -> None:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+
+    def judged(place: Place, sock: socket.socket) -> Callable[[], None]:
+        def judge() -> None:
+            with vet(place) as vetted:
+                vetted.admit(sock)
+
+        return judge
+
+    figures = {}
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        runs = [
+            ("new client: connect, judge, hello, ping", first_ping),
+            ("new connection: connect(2) alone", connect),
+        ] + [
+            (f"new connection: the judgement, {origin} path", judged(Place(path, origin), sock))
+            for origin in ("named", "user", "host")
+        ]
+        for name, run in runs:
+            for _ in range(min(count, 300)):
+                run()
+            started = time.perf_counter()
+            for _ in range(count):
+                run()
+            figures[name] = (time.perf_counter() - started) / count
+    return figures
+
+
 def spread(values: list[float], scale: float = 1e6) -> str:
     return (
         f"{statistics.median(values) * scale:9.1f}"
@@ -314,6 +364,8 @@ def main() -> None:
             add("bare worker, watchdogd's daemon / trio echo", bare_daemon / trio)
             add("bare worker, least acknowledging server: wall", bare_least)
             add("bare worker, least acknowledging server / trio echo", bare_least / trio)
+            for name, seconds in connection_figures(socket_path, count).items():
+                add(name, seconds)
             if torch_block is not None:
                 wall, cpu, served = blocks(torch_block, count, torch_server)
                 add("torch FileTimer: worker wall per block", wall)

@@ -1,8 +1,10 @@
-"""Real processes for tests: victims, Python workers, and what /proc says of them."""
+"""Real processes for tests: victims, Python workers, forks of the test process, and
+what /proc says of them."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
 import signal
@@ -13,7 +15,7 @@ import textwrap
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from helpers.waiting import PATIENCE, wait_until
 
@@ -43,6 +45,34 @@ def python_worker(
         text=True,
         start_new_session=new_session,
     )
+
+
+def forked(action: Callable[[], Any]) -> Any:
+    """Run ``action`` in a forked child of this process and return what it returned
+    (through JSON); an exception there is raised here as an AssertionError that
+    carries the child's traceback. The child has the interpreter loaded, so it may
+    drop to a user who could not read the interpreter from where it lives."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(read_end)
+            try:
+                outcome = {"ok": action()}
+            except BaseException:
+                outcome = {"error": traceback.format_exc()}
+            with os.fdopen(write_end, "w") as pipe:
+                json.dump(outcome, pipe)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    os.waitpid(child, 0)
+    outcome = json.loads(text)
+    if "error" in outcome:
+        raise AssertionError(f"in the forked child:\n{outcome['error']}")
+    return outcome["ok"]
 
 
 def wait_ready(worker: subprocess.Popen[str]) -> None:
