@@ -212,6 +212,10 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
       before schema 7, when clients numbered their own armings (0: none). A
       release from that client names it (the daemon of the day echoed it); every
       arming since is named by the daemon (`Timer.arm`).
+    - ``held_until``: when the restart grace this arming was given ends
+      (`watchdogd.core.firing.RestartGrace`; None until a start gives it): a
+      later start holds it no longer, so once an arming, however often the
+      daemon restarts.
     """
 
     progress: int | None = None
@@ -225,6 +229,7 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     baseline: Sample | None = None
     extended: float = 0.0
     client_arm: int = 0
+    held_until: float | None = None
 
 
 V = TypeVar("V", bound=Hashable)

@@ -15,6 +15,9 @@ their arming time (`Timer.arm`), and stores no number of the client's: its
 migration from 6 moves a client's number into the timer's `Watch`
 (``client_arm``, the last field of an array of 11), for the release of the client
 that armed it before the upgrade, and drops the 0 of an arming of no number.
+Schema 8 adds to a `Watch` when the restart grace of its arming ends
+(``held_until``), the last of 12 fields: its migration from 7 leaves a timer as
+it is, its watch read as one given no grace yet.
 
 Invariants:
 
@@ -48,7 +51,7 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 7
+SCHEMA: Final = 8
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -81,7 +84,7 @@ def _from_6(fields: Fields) -> Fields:
 #: The forward migrations, keyed by the schema each one migrates from. Schema 4
 #: is that of the first release: no migration leads to it.
 MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
-    {4: lambda fields: fields, 5: lambda fields: [*fields, 0], 6: _from_6}
+    {4: lambda fields: fields, 5: lambda fields: [*fields, 0], 6: _from_6, 7: lambda fields: fields}
 )
 
 #: Changes to the state, or the state itself: the latest timer of each store key,
