@@ -81,6 +81,7 @@ from watchdogd_client.protocol import (
     Hello,
     Release,
     Released,
+    decode_reply,
     decode_request,
 )
 from watchdogd_client.protocol.frames import FrameReader, encode_frame, encode_frame_into
@@ -129,27 +130,36 @@ def bare_blocks(sock: socket.socket, count: int) -> float:
     reader = FrameReader(1 << 20)
     ids = itertools.count(1)
 
-    def exchange(release: int, acquire: int | None) -> None:
-        """Send the release of arming ``release`` (0: none) and the acquire of
-        arming ``acquire`` (None: none) together, and read both answers."""
+    def exchange(release: int, acquire: bool) -> int:
+        """Send the release of arming ``release`` (0: none) and, with ``acquire``,
+        an acquire together, and read both answers; the number the daemon gave
+        the new arming (0: none made)."""
         frames: list[Acquire | Release] = (
             [Release(id=next(ids), scope="bare", arm=release)] if release else []
         )
-        if acquire is not None:
-            frames.append(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=acquire))
+        if acquire:
+            frames.append(Acquire(id=next(ids), scope="bare", timeout=60.0))
         sock.sendall(b"".join(encode_frame(frame) for frame in frames))
-        answers = len(frames)
+        answers, last = len(frames), b""
         while answers > 0:
-            answers -= len(reader.feed(sock.recv(65536)))
+            read = reader.feed(sock.recv(65536))
+            answers -= len(read)
+            last = read[-1] if read else last
+        if not acquire:
+            return 0
+        answer = decode_reply(last)  # the acquire's, sent last
+        assert isinstance(answer, Acquired), answer
+        return answer.arm
 
     warm = min(count, 300)
-    for arm in range(1, warm + 1):
-        exchange(arm - 1, arm)
+    arm = 0
+    for _ in range(warm):
+        arm = exchange(arm, True)
     started = time.perf_counter()
-    for arm in range(warm + 1, warm + count + 1):
-        exchange(arm - 1, arm)
+    for _ in range(count):
+        arm = exchange(arm, True)
     elapsed = time.perf_counter() - started
-    exchange(warm + count, None)
+    exchange(arm, False)
     return elapsed / count
 
 
@@ -186,6 +196,8 @@ class _LeastServer:
         self.encoder = msgspec.msgpack.Encoder()
         self.timers: dict[str, tuple[float, int]] = {}
         self.deadlines: list[tuple[float, str]] = []
+        #: It numbers armings, as the daemon does.
+        self.arms = itertools.count(1)
 
     def __call__(self, data: bytes) -> bytes:
         now = trio.current_time()
@@ -194,12 +206,12 @@ class _LeastServer:
         for frame in self.reader.feed(data):
             request = decode_request(frame)
             if isinstance(request, Acquire):
-                deadline = now + request.timeout
-                self.timers[request.scope] = (deadline, request.arm or 0)
+                deadline, arm = now + request.timeout, next(self.arms)
+                self.timers[request.scope] = (deadline, arm)
                 heapq.heappush(self.deadlines, (deadline, request.scope))
                 changes.append((request.scope, deadline))
                 reply: Acquired | Released = Acquired(
-                    id=request.id, remaining=request.timeout, arm=request.arm or 0, rearmed=False
+                    id=request.id, remaining=request.timeout, arm=arm, rearmed=False
                 )
             else:
                 assert isinstance(request, Release)

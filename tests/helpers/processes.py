@@ -12,6 +12,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -209,6 +211,32 @@ def where_is(pid: int) -> str:
             text = next((line for line in text.splitlines() if line.startswith("State")), text)
         parts.append(f"{name}: {text.strip()}")
     return "; ".join(parts)
+
+
+class Death:
+    """When a child exits, as its pidfd says (no polling, no wait that would reap
+    it), watched by a thread from the moment this is made: for timing victims
+    while the test goes on doing something else."""
+
+    def __init__(self, process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+        self._pidfd = os.pidfd_open(process.pid)
+        #: On CLOCK_MONOTONIC, once it exited.
+        self.at: float | None = None
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        poller.poll()
+        self.at = time.monotonic()
+        os.close(self._pidfd)
+
+    def wait(self, timeout: float = PATIENCE) -> float:
+        """When it exited; AssertionError if it is still running after ``timeout``."""
+        self._watcher.join(timeout)
+        assert self.at is not None, "it did not exit"
+        return self.at
 
 
 def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:

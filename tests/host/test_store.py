@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd.core.timers import Run, Timer
+from watchdogd.core.timers import Run, Timer, Watch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
 from watchdogd.storage import store as store_module
@@ -100,7 +100,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
         store, _ = Store.open(path)
         store.put(timer(10, "a"))
         store.put(timer(10, "b"))
-        store.put(timer(10, "a", deadline=200.0, arm=41))  # re-armed: only the last counts
+        store.put(timer(10, "a", deadline=200.0))  # re-armed: only the last counts
         store.put(timer(11, "gone"))
         store.drop(timer(11, "gone"))
         firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
@@ -110,7 +110,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     os.waitpid(child, 0)
     _, loaded = Store.open(path)
     assert sorted(loaded.timers, key=lambda t: t.scope) == [
-        timer(10, "a", deadline=200.0, arm=41),  # its arming's number with it
+        timer(10, "a", deadline=200.0),
         timer(10, "b"),
         timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5),
     ]
@@ -471,6 +471,35 @@ def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.Monke
         schema.check(3)
     with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
         schema.check(7)
+
+
+def test_a_clients_arming_number_of_schema_6_moves_into_the_timers_watch() -> None:
+    """Schema 6 stored the number a client gave each arming as a timer's last
+    field; schema 7 keeps it, where it is not 0, in the timer's `Watch`
+    (``client_arm``), made for it when the timer had none, for the release of
+    the client that armed it before the upgrade."""
+    plain = timer(1, "plain")
+    numbered = timer(1, "numbered", deadline=101.0)
+    watched = timer(1, "watched", watch=Watch(job="j", rank=2, progress=4))
+
+    def as_in_6(armed: Timer, arm: int) -> list[object]:
+        fields = msgspec.to_builtins(armed)
+        if fields[-1] is not None:
+            fields[-1] = fields[-1][:10]  # a Watch of schema 6: no client_arm
+        return [*fields, arm]
+
+    array = msgspec.msgpack.encode(
+        [as_in_6(plain, 0), as_in_6(numbered, 7), as_in_6(watched, 2**40)]
+    )
+    assert schema.decode_timers(array, 6) == [
+        plain,
+        msgspec.structs.replace(numbered, watch=Watch(client_arm=7)),
+        msgspec.structs.replace(
+            watched, watch=Watch(job="j", rank=2, progress=4, client_arm=2**40)
+        ),
+    ]
+    with pytest.raises(msgspec.ValidationError, match="does not migrate"):
+        schema.decode_timers(msgspec.msgpack.encode([[*as_in_6(plain, 0)[:-2], "no watch", 1]]), 6)
 
 
 def test_a_timer_that_does_not_migrate_is_damage(

@@ -15,6 +15,12 @@ Rules kept here:
   has armed.
 - A timer whose policy has ``starvation_grace`` is measured when it is armed
   (`watchdogd.core.firing` judges it at its deadline); only such timers pay for it.
+- Every arming has a number of its own, the daemon's (`Timer.arm`: its arming
+  time, kept later than every arming before it, so never the number of another
+  arming of this daemon or of one before it on this boot, whose clock is the
+  same CLOCK_MONOTONIC), and the acquire's reply names it. A release that names a
+  number disarms only the arming of that number: never a newer one, whoever made
+  it.
 
 Process handles are reference-counted: the table holds one per process in it, each
 connection holds one on its caller's own process (so a worker that arms and releases
@@ -99,6 +105,9 @@ class Arming(Generic[P]):
         self._connections: Counter[int] = Counter()
         #: Seconds a restart may take at the timer cap (set once the state loaded).
         self.restart_estimate = 0.0
+        #: The time of the latest arming (`acquire`): each one's is later, so its
+        #: number (`Timer.arm`) is its own. Positive, as a number must be.
+        self._armed_last = 0.0
 
     @property
     def connections(self) -> int:
@@ -158,6 +167,11 @@ class Arming(Generic[P]):
 
     def acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
         """Arm (or re-arm) the timer ``request`` names, for ``caller``."""
+        if now <= self._armed_last:
+            # Armings at one reading of the clock (a batch of requests, a coarse
+            # clock) are told apart by the smallest step a float takes: one ulp,
+            # some picoseconds at any uptime.
+            now = math.nextafter(self._armed_last, math.inf)
         self._check_bounds(request)
         policy, chosen = self._rules.chosen(request.policy, caller.peer.uid)
         # Authorization comes before the limits: whether the timer exists decides
@@ -192,8 +206,8 @@ class Arming(Generic[P]):
                 exit_releases=request.exit_releases,
                 watch=watch,
                 deadline=deadline,
-                arm=request.arm or 0,
             )
+            self._armed_last = now
             if entering:
                 process.retain()
                 self._processes.track(process)
