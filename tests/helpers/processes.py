@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,19 @@ def sleeper() -> subprocess.Popen[bytes]:
     process = subprocess.Popen(["sleep", "300"])
     wait_until(lambda: _has_arguments(process.pid), what="the sleeper's command line")
     return process
+
+
+def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> float:
+    """When ``process`` exited, on CLOCK_MONOTONIC, seen through a pidfd (the
+    moment its readiness is polled, not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(timeout * 1000), f"pid {process.pid} did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
 
 
 def _has_arguments(pid: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import msgspec
@@ -18,6 +19,7 @@ from watchdogd.storage.record_file import RecordFile
 from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
 
 from helpers.disks import fill_space, tmpfs
+from helpers.special_files import each_special, freed_after, make_special, moved_aside
 
 DUMP = 'Thread 7 (idle): "MainThread"\n    all_reduce (c10d.py:2288)\n    step (train.py:8)\n'
 
@@ -151,6 +153,43 @@ def test_a_damaged_record_keeps_what_came_before_and_moves_the_file_aside(
     assert (tmp_path / "state.db.record.damaged").read_bytes() == bytes(data)
     record.write_now()  # written whole from what was read
     record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
+
+
+@each_special
+def test_a_record_that_is_no_regular_file_is_moved_aside_unread_and_written_anew(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db.record"
+    make_special(kind, path)
+    with freed_after(path):
+        events, _, record = reopened(path)
+    moved_aside(path, kind, caplog.text)
+    events.record(event(10))
+    record.write_now()
+    record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_fifo_that_takes_the_records_place_under_the_daemon_is_written_over(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    events.record(event(10))
+    record.write_now()
+    record.close()  # the next append opens the file again
+    path.unlink()
+    os.mkfifo(path)
+    events.record(event(11))
+    started = time.monotonic()
+    with freed_after(path, 3.0):
+        record.write_now()  # refused, not waited on: the next write is whole
+        record.write_now()
+    assert time.monotonic() - started < 1.0
+    record.close()
+    assert stat.S_ISREG(os.lstat(path).st_mode)
     assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
 
 

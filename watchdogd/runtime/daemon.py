@@ -14,6 +14,11 @@ config, binds its socket or loads its state is a reload once it is up, not a han
 that kills it. (Before the command's code runs at all, while the interpreter imports
 its modules, SIGHUP still has its default action.)
 
+The state's files (database, journals, record, history) are read at start before any
+task runs, each opened without blocking and only if it is a regular file
+(`watchdogd.storage.files`): anything else at their names is moved aside, and the
+daemon starts on what is left.
+
 A daemon that cannot start (its state file is held by another daemon, say) removes
 the socket file it created.
 """

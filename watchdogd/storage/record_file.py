@@ -18,8 +18,10 @@ Invariants:
   the changes since it was last written whole. When it outgrows twice what it
   held then (and `_SLACK`), it is written whole again, to a new file renamed over
   it: a crash leaves the old or the new.
-- Read at start, in order, each record typed and bounded as a reply is. A record
-  cut short at the end is a write the daemon died in: the file is cut back to
+- Read at start, in order, each record typed and bounded as a reply is, and
+  only from a regular file (`watchdogd.storage.files.open_regular`: anything
+  else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
+  short at the end is a write the daemon died in: the file is cut back to
   before it. A damaged record (bad checksum, content that does not decode) ends
   the reading: what came before it counts, the file is moved aside
   (``.damaged``) with an ERROR, and written whole from what was read.
@@ -34,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import time
@@ -49,8 +52,8 @@ from watchdogd_client.protocol import EventInfo
 from ..core.events import EventLog
 from ..core.incidents import IncidentLog, StoredIncident
 from ..logs import log, logfmt
-from .faults import reason
-from .files import replace_file
+from .faults import Aside, NotRegular, reason
+from .files import open_regular, replace_file
 from .journal import RECORD, close, write_all
 
 #: Seconds between a change and its write, at most (changes of one interval share
@@ -180,11 +183,16 @@ class RecordFile:
         events: list[EventInfo] = []
         incidents: dict[str, StoredIncident] = {}
         try:
-            with open(self.path, "rb") as file:
+            with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
                 good, problem = _read(file, events, incidents)
                 size = os.fstat(file.fileno()).st_size
         except FileNotFoundError:
+            return
+        except NotRegular as exc:
+            # Never opened for reading nor appended to: the first write writes
+            # it whole, by a rename over what is left if it cannot be moved.
+            Aside().move(self.path, exc)
             return
         except OSError as exc:
             log.error(logfmt("record_unreadable", path=self.path, error=reason(exc)))
@@ -335,7 +343,11 @@ class RecordFile:
         self._recovered()
 
     def _open_append(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except NotRegular as exc:
+            # A failed write: the next one writes the file whole, renamed over it.
+            raise OSError(errno.EINVAL, f"{self.path} is {exc}") from None
         if os.fstat(fd).st_size == 0:
             try:
                 write_all(fd, _frame(_Header(SCHEMA)))
