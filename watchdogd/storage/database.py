@@ -181,12 +181,16 @@ class Database:
         """Move aside, unread, each of SQLite's side files that is no regular
         file: SQLite opens them by name and reads them as it finds them (a FIFO
         as the rollback journal blocks the first read of the database for ever;
-        as the -wal, every fold fails)."""
+        as the -wal, every fold fails). One that cannot be moved (a read-only
+        disk) raises `sqlite3.OperationalError`, as a disk that fails does."""
         for name in _side_files(self.path):
             try:
                 os.close(open_regular(name))
             except NotRegular as exc:
                 self._aside.move(name, exc)
+                if name in self._aside.stuck:
+                    # Left in place (a read-only disk): SQLite must not open it.
+                    raise sqlite3.OperationalError(reason(exc)) from None
             except OSError:
                 pass  # absent, or SQLite's to find unreadable
 
