@@ -185,6 +185,19 @@ def sleeper() -> subprocess.Popen[bytes]:
     return process
 
 
+def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> float:
+    """When ``process`` exited, on CLOCK_MONOTONIC, seen through a pidfd (the
+    moment its readiness is polled, not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(timeout * 1000), f"pid {process.pid} did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
+
+
 def _has_arguments(pid: int) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         return bool(cmdline.read(1))
