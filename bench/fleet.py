@@ -134,6 +134,9 @@ class FakePort:
     def alive(self, process: FakeProcess) -> bool:
         return True
 
+    def exited(self, process: FakeProcess) -> bool:
+        return False
+
     def refresh(self, process: FakeProcess) -> bool:
         return True
 

@@ -19,7 +19,12 @@ the worker to CPU 1, as in bench/run.py. Each round measures, in turn:
   of the client library but its frames) against the daemon, and the same bare
   worker against the least server that acknowledges an acquire on trio (it decodes
   the requests, keeps the timers in a dict and a heap, writes each batch's changes
-  to a journal with one ``write(2)`` and sends the answers, and does nothing else).
+  to a journal with one ``write(2)`` and sends the answers, and does nothing else);
+- what a new connection costs a worker (once per process, as a rule): a new
+  client's first ping (connect, the judgement of the socket, hello, ping),
+  connect(2) alone, and the judgement alone (`watchdogd_client.trust`: its
+  directory opened and judged, the listener's credentials read) for a path named,
+  a user's own and the host's.
 
 Then the burst with the state on: 3,000 deadlines within 10 ms with 200,000 others
 armed, the daemon's deadline -> first signal against a bare Python loop over the
@@ -68,6 +73,7 @@ from run import (
 from torch_side import file_timer_server, import_torch_timer
 
 from watchdogd_client import Client, expires
+from watchdogd_client.paths import Place
 from watchdogd_client.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -75,9 +81,11 @@ from watchdogd_client.protocol import (
     Hello,
     Release,
     Released,
+    decode_reply,
     decode_request,
 )
 from watchdogd_client.protocol.frames import FrameReader, encode_frame, encode_frame_into
+from watchdogd_client.trust import vet
 
 #: The burst of the issue's measurement: deadlines due within 10 ms, others armed.
 BURST = 3_000
@@ -122,27 +130,36 @@ def bare_blocks(sock: socket.socket, count: int) -> float:
     reader = FrameReader(1 << 20)
     ids = itertools.count(1)
 
-    def exchange(release: int, acquire: int | None) -> None:
-        """Send the release of arming ``release`` (0: none) and the acquire of
-        arming ``acquire`` (None: none) together, and read both answers."""
+    def exchange(release: int, acquire: bool) -> int:
+        """Send the release of arming ``release`` (0: none) and, with ``acquire``,
+        an acquire together, and read both answers; the number the daemon gave
+        the new arming (0: none made)."""
         frames: list[Acquire | Release] = (
             [Release(id=next(ids), scope="bare", arm=release)] if release else []
         )
-        if acquire is not None:
-            frames.append(Acquire(id=next(ids), scope="bare", timeout=60.0, arm=acquire))
+        if acquire:
+            frames.append(Acquire(id=next(ids), scope="bare", timeout=60.0))
         sock.sendall(b"".join(encode_frame(frame) for frame in frames))
-        answers = len(frames)
+        answers, last = len(frames), b""
         while answers > 0:
-            answers -= len(reader.feed(sock.recv(65536)))
+            read = reader.feed(sock.recv(65536))
+            answers -= len(read)
+            last = read[-1] if read else last
+        if not acquire:
+            return 0
+        answer = decode_reply(last)  # the acquire's, sent last
+        assert isinstance(answer, Acquired), answer
+        return answer.arm
 
     warm = min(count, 300)
-    for arm in range(1, warm + 1):
-        exchange(arm - 1, arm)
+    arm = 0
+    for _ in range(warm):
+        arm = exchange(arm, True)
     started = time.perf_counter()
-    for arm in range(warm + 1, warm + count + 1):
-        exchange(arm - 1, arm)
+    for _ in range(count):
+        arm = exchange(arm, True)
     elapsed = time.perf_counter() - started
-    exchange(warm + count, None)
+    exchange(arm, False)
     return elapsed / count
 
 
@@ -179,6 +196,8 @@ class _LeastServer:
         self.encoder = msgspec.msgpack.Encoder()
         self.timers: dict[str, tuple[float, int]] = {}
         self.deadlines: list[tuple[float, str]] = []
+        #: It numbers armings, as the daemon does.
+        self.arms = itertools.count(1)
 
     def __call__(self, data: bytes) -> bytes:
         now = trio.current_time()
@@ -187,12 +206,12 @@ class _LeastServer:
         for frame in self.reader.feed(data):
             request = decode_request(frame)
             if isinstance(request, Acquire):
-                deadline = now + request.timeout
-                self.timers[request.scope] = (deadline, request.arm or 0)
+                deadline, arm = now + request.timeout, next(self.arms)
+                self.timers[request.scope] = (deadline, arm)
                 heapq.heappush(self.deadlines, (deadline, request.scope))
                 changes.append((request.scope, deadline))
                 reply: Acquired | Released = Acquired(
-                    id=request.id, remaining=request.timeout, arm=request.arm or 0, rearmed=False
+                    id=request.id, remaining=request.timeout, arm=arm, rearmed=False
                 )
             else:
                 assert isinstance(request, Release)
@@ -263,6 +282,49 @@ def daemon_burst(client: Client, victims: int, scope: str) -> list[float]:
     return victims_lateness(client, victims, scope, lambda pids: arm_burst(client, pids, scope))
 
 
+def connection_figures(socket_path: Path, count: int) -> dict[str, float]:
+    """Seconds per new connection of a worker to the daemon at ``socket_path`` (a
+    root-owned directory others may not write to, which each kind of path accepts):
+    a new client's first ping, connect(2) alone, and the judgement of the socket
+    alone."""
+    pin(CLIENT_CPU)
+    path = str(socket_path)
+
+    def first_ping() -> None:
+        with Client(path) as client:
+            client.ping()
+
+    def connect() -> None:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+
+    def judged(place: Place, sock: socket.socket) -> Callable[[], None]:
+        def judge() -> None:
+            with vet(place) as vetted:
+                vetted.admit(sock)
+
+        return judge
+
+    figures = {}
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        runs = [
+            ("new client: connect, judge, hello, ping", first_ping),
+            ("new connection: connect(2) alone", connect),
+        ] + [
+            (f"new connection: the judgement, {origin} path", judged(Place(path, origin), sock))
+            for origin in ("named", "user", "host")
+        ]
+        for name, run in runs:
+            for _ in range(min(count, 300)):
+                run()
+            started = time.perf_counter()
+            for _ in range(count):
+                run()
+            figures[name] = (time.perf_counter() - started) / count
+    return figures
+
+
 def spread(values: list[float], scale: float = 1e6) -> str:
     return (
         f"{statistics.median(values) * scale:9.1f}"
@@ -314,6 +376,8 @@ def main() -> None:
             add("bare worker, watchdogd's daemon / trio echo", bare_daemon / trio)
             add("bare worker, least acknowledging server: wall", bare_least)
             add("bare worker, least acknowledging server / trio echo", bare_least / trio)
+            for name, seconds in connection_figures(socket_path, count).items():
+                add(name, seconds)
             if torch_block is not None:
                 wall, cpu, served = blocks(torch_block, count, torch_server)
                 add("torch FileTimer: worker wall per block", wall)

@@ -30,6 +30,7 @@ from .errors import (
     FrameTooLarge,
     ProtocolError,
     RequestRefused,
+    UntrustedSocket,
     WatchdogdError,
 )
 from .protocol import ErrorCode
@@ -78,6 +79,7 @@ __all__ = [
     "ProtocolError",
     "RequestRefused",
     "Timer",
+    "UntrustedSocket",
     "WatchdogdError",
     "__version__",
     "configure",

@@ -11,7 +11,6 @@ turns them into a request.
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack
 
@@ -59,11 +58,6 @@ class Arming(TypedDict, total=False):
 
 
 _PARAMETERS: Final = frozenset(Arming.__optional_keys__)
-#: The numbers of this process's armings (`Acquire.arm`), shared by every client in
-#: it, so that no two armings of one process have the same. next() on a count is
-#: atomic under the GIL. A child made by fork() goes on counting from where its
-#: parent was, which is no matter: its timers are under its own pid.
-_arms = itertools.count(1)
 
 
 def arming_timeout(timeout: After, arming: Arming) -> float:
@@ -106,7 +100,6 @@ def acquire_request(
     labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
         id=request_id,
-        arm=next(_arms),
         scope=scope,
         timeout=armed,
         policy=arming.get("policy"),

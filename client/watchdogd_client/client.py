@@ -31,10 +31,10 @@ from ._version import __version__ as _version
 from .arming import After, Arming, acquire_request
 from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
-from .errors import DaemonUnavailable
+from .errors import DaemonUnavailable, UntrustedSocket
 from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
-from .paths import client_socket_path
+from .paths import Place, find_socket
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
@@ -68,6 +68,7 @@ from .protocol import (
     WhyReply,
 )
 from .responder import release_carrier, settle_responder
+from .trust import vet
 
 __all__ = [
     "BaseClient",
@@ -92,7 +93,10 @@ _RECONNECT_TIMEOUT: Final = 5.0
 class Client(BaseClient):
     """A blocking, thread-safe, fork-safe connection to the daemon.
 
-    ``socket_path`` defaults as `watchdogd_client.paths.client_socket_path` says.
+    ``socket_path`` defaults as `watchdogd_client.paths.find_socket` says. Each
+    connection first judges the socket by where its path came from
+    (`watchdogd_client.trust`): one it has no reason to trust gets nothing, not even
+    a hello, and requests raise `UntrustedSocket` (a `DaemonUnavailable`).
     ``timeout`` bounds each request (connect, send and reply), in seconds.
     ``max_reply`` bounds a reply frame; it may not be below `protocol.MAX_REPLY_BYTES`,
     the most a daemon sends.
@@ -118,7 +122,7 @@ class Client(BaseClient):
 
     def __init__(
         self,
-        socket_path: str | os.PathLike[str] | None = None,
+        socket_path: str | os.PathLike[str] | Place | None = None,
         *,
         timeout: float = _DEFAULT_TIMEOUT,
         on_unavailable: OnUnavailable = "raise",
@@ -134,7 +138,8 @@ class Client(BaseClient):
         if not (math.isfinite(timeout) and timeout >= 0.001):
             raise ValueError(f"timeout must be finite and at least 0.001 s, not {timeout!r}")
         self.on_unavailable: OnUnavailable = on_unavailable
-        self.socket_path = client_socket_path(socket_path)
+        self.place = find_socket(socket_path)
+        self.socket_path = self.place.path
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.responder = responder
@@ -165,7 +170,8 @@ class Client(BaseClient):
         # A client sent to another process (multiprocessing's spawn pickles its
         # arguments) arrives unconnected and connects there on first use.
         return {
-            "socket_path": self.socket_path,
+            # Its place, not its path: a path found by itself is judged as such there.
+            "socket_path": self.place,
             "timeout": self.timeout,
             "on_unavailable": self.on_unavailable,
             "max_reply": self._engine.max_reply,
@@ -226,14 +232,14 @@ class Client(BaseClient):
         blocks."""
         if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
-            settle_responder(self.responder, self.socket_path, request)
+            settle_responder(self.responder, self.place, request)
         try:
             reply = self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
         if self._fast is not None:
-            mapper = functools.partial(map_page, self.socket_path, timeout=self.timeout)
+            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
             self._fast.answered(request, arming, reply, mapper)
         return reply
 
@@ -491,14 +497,16 @@ class Client(BaseClient):
         """A new connection, and the answer to its hello."""
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._set_timeouts(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BlockingIOError:
-            raise self._engine.unavailable(
-                f"its backlog stayed full for {self.timeout:g} s"
-            ) from None
-        except OSError as exc:
-            raise self._engine.connect_failed(exc) from None
+        with vet(self.place) as vetted:
+            try:
+                sock.connect(vetted.address)
+            except BlockingIOError:
+                raise self._engine.unavailable(
+                    f"its backlog stayed full for {self.timeout:g} s"
+                ) from None
+            except OSError as exc:
+                raise self._engine.connect_failed(exc) from None
+            vetted.admit(sock)
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()
         return self._exchange(sock, connection, connection.hello_id, connection.hello)
@@ -509,6 +517,8 @@ class Client(BaseClient):
         while True:
             try:
                 self._connect()
+            except UntrustedSocket:
+                raise  # its owner stays who it is, however long the wait
             except DaemonUnavailable:
                 pause = backoff.pause(time.monotonic())
                 if pause is None:

@@ -31,6 +31,22 @@ class DaemonUnavailable(WatchdogdError, ConnectionError):
         )
 
 
+class UntrustedSocket(DaemonUnavailable):
+    """Raised, before anything is sent, when the client has no reason to trust what
+    listens at its socket (`watchdogd_client.trust` says what it asks of each path).
+
+    The message names the socket, its owner and why it is not trusted. It is a
+    `DaemonUnavailable`: no daemon the client may talk to answered, so a client made
+    with ``on_unavailable="warn"`` carries on unprotected with a warning. It is not
+    waited out as a restarting daemon is: who owns a directory does not change by
+    itself. ``owner`` is the uid that owns the socket file, None when there is none.
+    """
+
+    def __init__(self, message: str, socket_path: str, owner: int | None) -> None:
+        super().__init__(message, socket_path)
+        self.owner = owner
+
+
 class RequestRefused(WatchdogdError):
     """Raised when the daemon answers a request with an error reply.
 

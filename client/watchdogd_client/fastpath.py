@@ -49,6 +49,7 @@ from ._version import __version__
 from .arming import After, Arming
 from .engine import Answer, Connection, Engine
 from .errors import WatchdogdError
+from .paths import Place
 from .protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
 from .protocol.slot_page import (
     AUTO,
@@ -66,6 +67,7 @@ from .protocol.slot_page import (
     word_of,
 )
 from .switches import FAST, env_switch
+from .trust import vet
 
 __all__ = ["FastPath", "fast_path", "map_page"]
 
@@ -298,16 +300,18 @@ def _say_once(kind: str, message: str, *args: object) -> None:
         log.warning(message, *args)
 
 
-def map_page(socket_path: str, page: int, *, timeout: float) -> tuple[int, PageMapped]:
-    """Ask the daemon at ``socket_path`` for slot page ``page`` of this process, on a
+def map_page(place: Place, page: int, *, timeout: float) -> tuple[int, PageMapped]:
+    """Ask the daemon at ``place`` for slot page ``page`` of this process, on a
     connection of its own (the page's descriptor travels beside the reply, which a
-    client's own connection does not read for): the descriptor, and the reply.
-    Raises OSError (a `watchdogd_client.errors.WatchdogdError` among them) when
-    it cannot be had."""
-    engine = Engine(socket_path, client=f"python-pages/{__version__}", reconnect_timeout=0.0)
+    client's own connection does not read for), judged as every connection is
+    (`watchdogd_client.trust`): the descriptor, and the reply. Raises OSError or
+    a `watchdogd_client.errors.WatchdogdError` when it cannot be had."""
+    engine = Engine(place.path, client=f"python-pages/{__version__}", reconnect_timeout=0.0)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
-        sock.connect(socket_path)
+        with vet(place) as vetted:
+            sock.connect(vetted.address)
+            vetted.admit(sock)
         connection = engine.connect()
         hello, _ = _exchange(sock, connection, connection.hello_id, connection.hello)
         hello.result(Welcome)

@@ -9,17 +9,31 @@ may enter).
 A client uses its explicit path, else ``$WATCHDOGD_SOCKET``, else the per-user default
 when a socket exists there (a user running a daemon of their own), else `SYSTEM_SOCKET`:
 a worker running as an unprivileged user finds the host's daemon without configuration.
+Where its path came from (`Place.origin`) decides what the client asks of the socket
+before it sends anything (`watchdogd_client.trust`).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import Final
+from typing import Final, Literal, NamedTuple
 
 ENV_SOCKET: Final = "WATCHDOGD_SOCKET"
 SYSTEM_SOCKET: Final = "/run/watchdogd/watchdogd.sock"
 SOCKET_NAME: Final = "watchdogd.sock"
+
+#: Where a client's socket path came from: ``"named"``, by the caller (``--socket``,
+#: an argument, ``$WATCHDOGD_SOCKET``); ``"user"``, the user's own default, found by
+#: the client; ``"host"``, `SYSTEM_SOCKET`, found by the client.
+Origin = Literal["named", "user", "host"]
+
+
+class Place(NamedTuple):
+    """A socket ``path`` and where it came from (its ``origin``)."""
+
+    path: str
+    origin: Origin
 
 
 def user_socket_path(uid: int | None = None) -> str:
@@ -33,17 +47,25 @@ def user_socket_path(uid: int | None = None) -> str:
     return os.path.join(f"/tmp/watchdogd-{uid}", SOCKET_NAME)
 
 
-def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
-    """The socket a client connects to (see the module docstring for the order)."""
+def find_socket(explicit: str | os.PathLike[str] | Place | None = None) -> Place:
+    """The socket a client connects to, and where its path came from (see the module
+    docstring for the order). A `Place` found earlier is kept as it is."""
+    if isinstance(explicit, Place):
+        return explicit
     if explicit is not None:
-        return os.fspath(explicit)
+        return Place(os.fspath(explicit), "named")
     from_env = os.environ.get(ENV_SOCKET)
     if from_env:
-        return from_env
+        return Place(from_env, "named")
     own = user_socket_path()
     if own != SYSTEM_SOCKET and _is_socket(own):
-        return own
-    return SYSTEM_SOCKET
+        return Place(own, "user")
+    return Place(SYSTEM_SOCKET, "host")
+
+
+def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The socket a client connects to (`find_socket`'s path)."""
+    return find_socket(explicit).path
 
 
 def _is_socket(path: str) -> bool:

@@ -7,8 +7,10 @@ adapter's timers are such), through `settle_responder`. It is a daemon thread wi
 connection of its own, which it opens on its own: arming never waits for it. On
 each connection it
 
-1. checks who listens on the socket (SO_PEERCRED): a daemon that runs neither as
-   root nor as this process's effective uid is sent nothing, not even a hello;
+1. judges the socket as every client does (`watchdogd_client.trust`), and asks
+   more of a path the caller named: a daemon that runs neither as root, nor as
+   this process's effective uid, nor, on the host's path, as the user root gave
+   its directory to (the service's own), is sent nothing, not even a hello;
 2. sends `Hello` with the protocol's version, then `Respond` with the job and ranks
    of the timer that started it (by default from the environment,
    `watchdogd_client.arming.job_of`), and reads `Responding`;
@@ -54,7 +56,6 @@ import math
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Final
@@ -63,8 +64,9 @@ from . import releases
 from ._version import __version__
 from .arming import JobLabels, job_of
 from .engine import Answer, Backoff, Connection, Engine
-from .errors import DaemonUnavailable, RequestRefused, WatchdogdError
+from .errors import DaemonUnavailable, RequestRefused, UntrustedSocket, WatchdogdError
 from .evidence import MAX_NOTE, take_evidence
+from .paths import Place, find_socket
 from .protocol import (
     Acquire,
     ErrorCode,
@@ -77,6 +79,7 @@ from .protocol import (
     Welcome,
 )
 from .switches import RESPONDER, env_switch
+from .trust import vet
 
 __all__ = [
     "Responder",
@@ -97,8 +100,6 @@ _LONGEST_PAUSE: Final = 2.0
 #: connection waits for the daemon's asks without a bound.
 _HANDSHAKE_TIMEOUT: Final = 10.0
 _RECV_SIZE: Final = 64 * 1024
-#: struct ucred: pid, uid, gid.
-_UCRED: Final = struct.Struct("3i")
 #: Refusals that may pass (a limit, a resource short for now): the responder tries
 #: again later. Any other refusal of its hello or `Respond` stops it.
 _PASSING: Final = frozenset({ErrorCode.LIMIT_EXCEEDED, ErrorCode.UNAVAILABLE})
@@ -116,16 +117,17 @@ class _Stop(Exception):
 
 class Responder:
     """This process's responder (see the module docstring): it answers the daemon at
-    ``socket_path`` as the process of ``pid``, a rank of ``labels``. Get it from
-    `start_responder`; `stop` ends it."""
+    ``socket_path`` (a path is one the caller named) as the process of ``pid``, a
+    rank of ``labels``. Get it from `start_responder`; `stop` ends it."""
 
-    def __init__(self, socket_path: str, labels: JobLabels) -> None:
-        self.socket_path = socket_path
+    def __init__(self, socket_path: str | Place, labels: JobLabels) -> None:
+        self.place = find_socket(socket_path)
+        self.socket_path = self.place.path
         self.labels = labels
         self.pid = os.getpid()
         # An engine of its own: its ids and its version are this connection's alone.
         self._engine = Engine(
-            socket_path, client=f"python-responder/{__version__}", reconnect_timeout=0.0
+            self.socket_path, client=f"python-responder/{__version__}", reconnect_timeout=0.0
         )
         self._sock: socket.socket | None = None
         #: The protocol of ``_sock`` once welcomed: releases may go out on it.
@@ -232,6 +234,8 @@ class Responder:
             except _Stop as refused:
                 log.debug("the responder stops: %s", refused)
                 return
+            except UntrustedSocket as refused:
+                self._refused(refused)
             except (OSError, WatchdogdError) as exc:
                 log.debug("the responder lost the daemon at %s: %s", self.socket_path, exc)
             except Exception:
@@ -251,11 +255,15 @@ class Responder:
 
     def _converse(self) -> None:
         """One connection, from its connect to its end."""
-        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(_HANDSHAKE_TIMEOUT)
-        sock.connect(self.socket_path)
-        if self._stopping or not self._trusted(sock):
-            return
+        with vet(self.place, evidence=True) as vetted:
+            sock = self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
+            )
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            sock.connect(vetted.address)
+            if self._stopping:
+                return
+            vetted.admit(sock)
         connection = self._engine.connect(responder=True)
         labels = self.labels
         respond = Respond(
@@ -285,24 +293,14 @@ class Responder:
                 if answer.error is not None:
                     log.debug("the daemon did not take the evidence: %s", answer.error)
 
-    def _trusted(self, sock: socket.socket) -> bool:
-        """Whether the daemon may have this process's evidence: it runs as root or as
-        this process's own (effective) uid."""
-        _, uid, _ = _UCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        )
-        if uid in (0, os.geteuid()):
-            return True
+    def _refused(self, refused: UntrustedSocket) -> None:
+        """Say once that this process's evidence goes nowhere: it tries again later
+        all the same, quietly (the socket may be replaced by a daemon it trusts)."""
         if not self._warned:
             self._warned = True
-            log.warning(
-                "the responder does not answer on %s: the process listening there runs "
-                "as uid %d, neither root nor this process's uid %d",
-                self.socket_path,
-                uid,
-                os.geteuid(),
-            )
-        return False
+            log.warning("the responder does not answer: %s", refused)
+        else:
+            log.debug("the responder does not answer: %s", refused)
 
     def _exchange(
         self, sock: socket.socket, connection: Connection, request_id: int, frame: bytes
@@ -388,7 +386,7 @@ class _ThisProcess:
     lock = threading.Lock()
 
 
-def settle_responder(wanted: bool, socket_path: str, timer: Acquire) -> None:
+def settle_responder(wanted: bool, socket_path: str | Place, timer: Acquire) -> None:
     """What arming ``timer`` on this process means for its responder: the first timer
     of a client that ``wanted`` one starts it (`start_responder`) with the timer's
     job and ranks; a timer of a client that did not declines it
@@ -401,7 +399,7 @@ def settle_responder(wanted: bool, socket_path: str, timer: Acquire) -> None:
         decline_responder()
 
 
-def start_responder(socket_path: str, labels: JobLabels | None = None) -> Responder | None:
+def start_responder(socket_path: str | Place, labels: JobLabels | None = None) -> Responder | None:
     """Start this process's responder, to answer the daemon at ``socket_path`` as a
     rank of ``labels`` (default: `watchdogd_client.arming.job_of`), unless the process
     has one already or declined one (`decline_responder`, or the

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import socket
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -58,10 +59,10 @@ from ._version import __version__
 from .arming import After, Arming, Handle, acquire_request, arming_timeout
 from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
-from .errors import DaemonUnavailable, WatchdogdError
+from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
 from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
-from .paths import client_socket_path
+from .paths import Place, find_socket
 from .protocol import (
     Acquire,
     Acquired,
@@ -79,6 +80,7 @@ from .protocol import (
 )
 from .responder import release_carrier, settle_responder
 from .scope import shorten
+from .trust import vet
 
 __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
 
@@ -91,7 +93,7 @@ _CLOSE_WAIT: Final = 2.0
 
 @contextlib.asynccontextmanager
 async def open_client(
-    socket_path: str | None = None,
+    socket_path: str | Place | None = None,
     *,
     timeout: float = 10.0,
     on_unavailable: OnUnavailable = "raise",
@@ -168,7 +170,7 @@ class AsyncClient:
     def __init__(
         self,
         nursery: trio.Nursery,
-        socket_path: str | None = None,
+        socket_path: str | Place | None = None,
         *,
         timeout: float = 10.0,
         on_unavailable: OnUnavailable = "raise",
@@ -180,7 +182,8 @@ class AsyncClient:
         self.fast = fast
         self._outage = Outage(on_unavailable)
         self.on_unavailable: OnUnavailable = on_unavailable
-        self.socket_path = client_socket_path(socket_path)
+        self.place = find_socket(socket_path)
+        self.socket_path = self.place.path
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         #: The process's fast path, shared with its blocking clients
@@ -235,7 +238,7 @@ class AsyncClient:
         takes the scope's later blocks."""
         if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
-            settle_responder(self.responder, self.socket_path, request)
+            settle_responder(self.responder, self.place, request)
         try:
             reply = await self._call(request, Acquired)
         except DaemonUnavailable as exc:
@@ -255,7 +258,7 @@ class AsyncClient:
         return reply
 
     def _map_page(self, page: int) -> tuple[int, PageMapped]:
-        return map_page(self.socket_path, page, timeout=self.timeout)
+        return map_page(self.place, page, timeout=self.timeout)
 
     @staticmethod
     def _unmapped(page: int) -> tuple[int, PageMapped]:
@@ -438,6 +441,8 @@ class AsyncClient:
             while True:
                 try:
                     connection = await self._connect()
+                except UntrustedSocket:
+                    raise  # its owner stays who it is, however long the wait
                 except DaemonUnavailable:
                     pause = backoff.pause(trio.current_time())
                     if pause is None:
@@ -465,9 +470,11 @@ class AsyncClient:
         """A new connection, and the answer to its hello."""
         try:
             with trio.fail_after(self.timeout):
-                stream = await trio.open_unix_socket(self.socket_path)
+                stream = await self._open_stream()
         except trio.TooSlowError:
             raise self._engine.unavailable(f"no answer within {self.timeout:g} s") from None
+        except DaemonUnavailable:
+            raise  # the judgement's own: it says what it found
         except OSError as exc:
             raise self._engine.connect_failed(exc) from None
         connection = _Connection(stream, self._engine.connect(), self._unwaited)
@@ -479,6 +486,19 @@ class AsyncClient:
             await stream.aclose()
             raise
         return connection, answer
+
+    async def _open_stream(self) -> trio.SocketStream:
+        """A stream to the daemon, judged before anything is sent on it (the
+        judgement's few system calls run on the loop: they never wait on a disk)."""
+        with vet(self.place) as vetted:
+            sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                await sock.connect(vetted.address)
+                vetted.admit(sock)
+            except BaseException:
+                sock.close()
+                raise
+        return trio.SocketStream(sock)
 
 
 class AsyncTimer(Handle["AsyncClient"]):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.runtime.daemon import load_config
+from watchdogd.runtime.reload import load_config
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 

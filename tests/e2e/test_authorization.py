@@ -25,7 +25,7 @@ from watchdogd_client import Client, RequestRefused, WatchdogdError
 from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
 
-from helpers.daemon import RunningDaemon, configured_daemon
+from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.processes import python_worker, reap, sleeper, wait_ready
 from helpers.users import NOBODY, as_nobody, nobody_sleeper
 from helpers.waiting import PATIENCE, wait_until
@@ -442,3 +442,74 @@ def test_timers_of_root_and_of_nobody_falling_due_together_each_kill_once(
         assert event.late is not None, event
         assert event.late >= 0, event
     assert {event.uid for event in events if event.pid in pids} == {NOBODY}
+
+
+#: A worker of uid 65534 with one block of scope S2: armed, it waits for a line on
+#: its stdin, ends its block (its release names its arming) and makes one more
+#: request, whose answer comes after the release's.
+ONE_BLOCK_AS_NOBODY = """
+import os, sys
+from watchdogd_client import Client
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+client = Client()
+with client.expires(after=30, scope="S2"):
+    print("ready", flush=True)
+    sys.stdin.readline()
+client.ping()
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+#: ``watchdogctl arm`` of the test, but its ``--pid``.
+REARM = ("arm", "--scope", "S2", "--timeout", "600", "--policy", "term")
+#: The same re-arm by another process of uid 65534.
+REARM_AS_NOBODY = """
+import os, sys
+from watchdogd_client import Client
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+with Client() as client:
+    client.acquire("S2", 600, policy="term", pid=int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("by", ["root", "nobody"])
+def test_a_workers_late_release_never_disarms_a_newer_arming_whoever_made_it(
+    daemon: RunningDaemon, by: str
+) -> None:
+    """A worker of uid 65534 arms S2; ``watchdogctl arm --pid W --scope S2 --timeout
+    600 --policy term`` re-arms it, run by root, or the same from another process
+    of the worker's user; then the worker's block ends, and its release names its
+    own arming. The newer arming stays: 600 s under ``term``. (When each process
+    numbered its own armings, the first of each was 1, and the release disarmed
+    the newer arming.)"""
+    worker = python_worker(ONE_BLOCK_AS_NOBODY, socket=daemon.socket_path)
+    try:
+        wait_ready(worker)
+        if by == "root":
+            done = ctl(daemon.socket_path, *REARM, "--pid", str(worker.pid))
+        else:
+            done = subprocess.run(
+                [sys.executable, "-c", REARM_AS_NOBODY, str(worker.pid)],
+                env={**os.environ, "WATCHDOGD_SOCKET": str(daemon.socket_path)},
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        assert done.returncode == 0, done.stderr
+        assert worker.stdin is not None
+        assert worker.stdout is not None
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "released"
+        with daemon.client() as client:
+            [timer] = [t for t in client.status().timers if t.pid == worker.pid]
+        assert (timer.scope, timer.policy) == ("S2", "term")
+        assert timer.remaining > 500
+        assert worker.poll() is None
+    finally:
+        reap(worker)

@@ -3,11 +3,14 @@ while it starts, and the command line's log level across reloads."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -171,33 +174,57 @@ def test_a_daemon_refused_its_state_file_removes_the_socket_it_created(
         client.ping()  # the first one is untouched
 
 
+def _signals(pid: int, field: str) -> int:
+    """A signal mask of /proc/PID/status (``SigBlk``, ``ShdPnd``, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def _has(mask: int, signum: int) -> bool:
+    return bool(mask >> (signum - 1) & 1)
+
+
+def _holds_sighup(pid: int) -> bool:
+    """Whether the daemon's own code blocked SIGHUP: after the exec (until then
+    the child of a vfork has every signal blocked, and restores the test's mask
+    before it execs)."""
+    started = b"-m\0watchdogd\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return started and _has(_signals(pid, "SigBlk"), signal.SIGHUP)
+
+
 def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
     tmp_path: Path, socket_path: Path
 ) -> None:
-    # The config is a FIFO, so the daemon waits inside its start-up, reading it,
-    # for as long as the test likes.
     config = tmp_path / "watchdogd.toml"
-    os.mkfifo(config)
-    log = tmp_path / "log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(
-            [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
+    config.write_text("[daemon]\nevents = 50\n")
+    # The daemon's log goes to a pipe the test filled: its first line, written
+    # while it starts (once it holds SIGHUP), waits for as long as the test likes.
+    reader, writer = os.pipe()
+    fcntl.fcntl(writer, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(writer, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(writer, b"x" * 4096)
+    os.set_blocking(writer, True)
+    process = subprocess.Popen(
+        [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+        stdout=writer,
+        stderr=writer,
+    )
+    os.close(writer)
+    drained: list[bytes] = []
     try:
-        writer = os.open(config, os.O_WRONLY)  # returns once the daemon opened it
+        wait_until(lambda: _holds_sighup(process.pid), what="the daemon to hold SIGHUP")
         os.kill(process.pid, signal.SIGHUP)
-        # The reload reads the path again: make it a plain file by then (the
-        # daemon's open FIFO is unaffected).
-        plain = tmp_path / "plain.toml"
-        plain.write_text("[daemon]\nevents = 50\n")
-        os.replace(plain, config)
-        os.write(writer, b"[daemon]\nevents = 50\n")
-        os.close(writer)
+        # Held while it starts, not taken: it is still pending.
+        assert _has(_signals(process.pid, "ShdPnd"), signal.SIGHUP)
+        drain = threading.Thread(target=_drain, args=(reader, drained), daemon=True)
+        drain.start()
 
         def answers() -> bool:
-            assert process.poll() is None, log.read_text()
+            assert process.poll() is None, b"".join(drained)[4096:].decode()
             try:
                 with Client(socket_path, timeout=1.0) as client:
                     return _reloaded(client)
@@ -208,7 +235,31 @@ def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
     finally:
         if process.poll() is None:
             process.terminate()
-        assert process.wait(timeout=PATIENCE) == 0, log.read_text()
+        status = process.wait(timeout=PATIENCE)
+    assert status == 0, b"".join(drained)[4096:].decode()
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    with open(fd, "rb", buffering=0) as pipe:
+        while data := pipe.read(65536):
+            into.append(data)
+
+
+def test_a_config_that_is_a_fifo_stops_the_start_plainly(tmp_path: Path, socket_path: Path) -> None:
+    config = tmp_path / "watchdogd.toml"
+    os.mkfifo(config)
+    result = subprocess.run(
+        [*WATCHDOGD, "--socket", str(socket_path), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PATIENCE,  # today's daemon waits in open(2) for a writer for ever
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"Error: {config}: cannot read the config file: it is a FIFO, not a regular file\n"
+    )
+    assert not socket_path.exists()
 
 
 def test_without_xdg_runtime_dir_a_user_daemon_listens_under_tmp(

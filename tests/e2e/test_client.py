@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,9 +28,22 @@ from watchdogd_client import (
     expires,
     release,
 )
+from watchdogd_client.outage import OnUnavailable
+from watchdogd_client.paths import SYSTEM_SOCKET, Place
 from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
 from helpers.daemon import SHORT_RESTART, RunningDaemon
+from helpers.fake_daemon import fake_daemon_as
+from helpers.namespaces import in_private_mounts
+from helpers.per_user import (
+    AFTER,
+    HUNG,
+    IMPOSTOR,
+    PER_USER,
+    daemon_of_other,
+    worker_of_other,
+)
+from helpers.users import NOBODY
 from helpers.waiting import PATIENCE
 
 
@@ -486,7 +502,72 @@ def test_a_frame_over_the_bound_is_refused_not_unreachable(client: Client) -> No
     client.ping()  # a new connection serves the next request
 
 
+def test_a_client_sent_to_another_process_judges_its_socket_as_found_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # multiprocessing's spawn pickles it: a path the client found stays one it found,
+    # never one the caller named, which would be trusted as named.
+    monkeypatch.delenv("WATCHDOGD_SOCKET", raising=False)
+    client = Client()
+    assert client.place == Place(SYSTEM_SOCKET, "host")
+    assert pickle.loads(pickle.dumps(client)).place == client.place
+
+
 def test_a_client_can_read_any_reply_a_daemon_sends() -> None:
     assert MAX_REPLY_FRAME >= MAX_REPLY_BYTES
     with pytest.raises(ValueError, match="max_reply must be at least"):
         Client("/nowhere", max_reply=MAX_REPLY_BYTES - 1)
+
+
+# A worker of uid 4321 without XDG_RUNTIME_DIR nor WATCHDOGD_SOCKET finds the socket
+# at /tmp/watchdogd-4321 by itself; uid 65534 made that directory first and listens
+# there, answering every acquire. The block `with expires(after=AFTER): sleep(HUNG)`.
+
+
+def hung_block(on_unavailable: OnUnavailable) -> None:
+    with Client(on_unavailable=on_unavailable).expires(after=AFTER):
+        time.sleep(HUNG)
+
+
+def against_an_impostor(on_unavailable: OnUnavailable) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The block run by the worker while uid 65534 listens at its path: how the
+    worker ended, and what the impostor saw."""
+
+    def scenario() -> Any:
+        with fake_daemon_as(NOBODY, PER_USER, directory_mode=0o755) as impostor:
+            return worker_of_other(lambda: hung_block(on_unavailable)), impostor()
+
+    outcome, seen = in_private_mounts(scenario)
+    return dict(outcome), dict(seen)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_a_worker_never_sends_its_acquire_to_another_users_socket_at_its_own_path() -> None:
+    outcome, seen = against_an_impostor("raise")
+    assert outcome["raised"].startswith(IMPOSTOR), outcome
+    assert outcome["owner"] == NOBODY
+    assert outcome["status"] == 1
+    assert outcome["seconds"] < AFTER  # told at once, not after an unprotected block
+    assert seen["connections"] == 0  # not even a hello
+    assert seen["hellos"] == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_a_warning_worker_runs_unprotected_saying_whose_socket_it_refused() -> None:
+    outcome, seen = against_an_impostor("warn")
+    assert (outcome["status"], outcome["raised"]) == (0, None)
+    [warning] = outcome["logged"]
+    assert warning.startswith("running unprotected until the daemon answers again")
+    assert IMPOSTOR in warning
+    assert seen["connections"] == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_the_users_own_daemon_at_that_path_kills_the_hung_worker_on_time() -> None:
+    def scenario() -> Any:
+        with daemon_of_other():
+            return worker_of_other(lambda: hung_block("raise"))
+
+    outcome = in_private_mounts(scenario)
+    assert outcome["status"] == -signal.SIGKILL, outcome
+    assert AFTER <= outcome["seconds"] < HUNG

@@ -2,7 +2,8 @@
 
 Real daemons are SIGKILLed and restarted; the victims are real processes. The
 counts here keep `make test` short; `make soak` runs the same tests at full scale
-(``WATCHDOGD_SOAK=1``: 100 random kills under churn, 200 under a tight block loop).
+(``WATCHDOGD_SOAK=1``: 100 random kills under churn, 200 under a tight block loop,
+20 s of restarts every 0.7 s).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.runtime.daemon import restart_estimate
 from watchdogd_client import DaemonUnavailable
 from watchdogd_client.protocol import (
@@ -32,7 +34,7 @@ from watchdogd_client.protocol import (
 )
 
 from helpers.daemon import RunningDaemon, expired_event
-from helpers.processes import python_worker, reap, wait_ready
+from helpers.processes import Death, python_worker, reap, sleeper, wait_ready
 from helpers.waiting import PATIENCE, wait_until
 
 SOAK = os.environ.get("WATCHDOGD_SOAK", "") == "1"
@@ -252,6 +254,60 @@ def test_kills_of_the_daemon_longer_than_a_timeout_never_fire_a_released_timer(
     finally:
         for worker in workers:
             reap(worker)
+
+
+#: A worker hung in its block: it prints when it entered it, its deadline
+#: ``after`` seconds on, and never leaves.
+HUNG_IN_ITS_BLOCK = """
+import sys, time
+from watchdogd_client import expires
+with expires(after=float(sys.argv[1]), scope="hung"):
+    print(time.monotonic(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_daemon_restarted_in_a_loop_still_kills_a_hung_worker_and_a_canary(
+    restartable: RunningDaemon,
+) -> None:
+    """The daemon is SIGKILLed and started again every 0.7 s, for 6 s (20 s under
+    soak): a hung worker and a root canary fall due early in it, and each start
+    finds them restored and due. The restart grace is the arming's, not the
+    start's: each dies by the end of the grace the first start that found it
+    due gave it, or at the first start after that, so within the grace and two
+    restarts of its deadline (one for the start that found it due, one after its
+    grace), well before the loop ends. (A grace given anew at every start kept
+    both alive until the loop stopped: 19.1 s late at the soak's size.)"""
+    period, loop = 0.7, 20.0 if SOAK else 6.0
+    worker = python_worker(HUNG_IN_ITS_BLOCK, "1.0", socket=restartable.socket_path)
+    canary = sleeper()
+    try:
+        assert worker.stdout is not None
+        deaths = [Death(worker), Death(canary)]
+        deadlines = [float(worker.stdout.readline()) + 1.0]
+        with restartable.client() as client:
+            sent = time.monotonic()
+            remaining = client.acquire("canary", 1.2, pid=canary.pid)
+            deadlines.append(sent + remaining)
+        began = killed = time.monotonic()
+        longest = 0.0  # from a kill to the next daemon's first answer
+        while time.monotonic() - began < loop:
+            time.sleep(max(0.0, killed + period - time.monotonic()))
+            restartable.stop(signal.SIGKILL)
+            killed = time.monotonic()
+            restartable.start()
+            longest = max(longest, time.monotonic() - killed)
+        ended = time.monotonic()
+        victims: list[subprocess.Popen[str] | subprocess.Popen[bytes]] = [worker, canary]
+        for death, deadline, victim in zip(deaths, deadlines, victims, strict=True):
+            died = death.wait()
+            assert victim.wait() == -signal.SIGKILL
+            assert died < ended, f"pid {victim.pid} outlived the restart loop"
+            late = died - deadline
+            assert late < RESTART_GRACE + 2 * longest + 0.5, (late, longest)
+    finally:
+        reap(worker)
+        reap(canary)
 
 
 #: A worker with one block: armed, it waits for a file named ``go``, ends its

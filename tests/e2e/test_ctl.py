@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +21,10 @@ from watchdogd_client import Client
 from watchdogd_client.protocol import DaemonInfo
 
 from helpers.daemon import WATCHDOGCTL, RunningDaemon, configured_daemon, ctl, ctl_command
-from helpers.processes import reap, sleeper, where_is
+from helpers.fake_daemon import fake_daemon_as
+from helpers.namespaces import in_private_mounts
+from helpers.per_user import IMPOSTOR, PER_USER, become_worker_of_other
+from helpers.processes import forked, reap, sleeper, where_is
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE, wait_until
 
@@ -481,6 +485,25 @@ def _status_as_nobody(socket: Path) -> str:
     os.waitpid(child, 0)
     assert not output.startswith("failed"), output
     return output
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_watchdogctl_never_speaks_to_another_users_socket_at_its_own_path() -> None:
+    # tests/e2e/test_client.py's worker of uid 4321, asking its daemon for a ping.
+    def ping() -> list[Any]:
+        become_worker_of_other()
+        result = CliRunner().invoke(main, ["ping"])
+        return [result.exit_code, result.stdout, result.stderr]
+
+    def scenario() -> Any:
+        with fake_daemon_as(NOBODY, PER_USER, directory_mode=0o755) as impostor:
+            return forked(ping), impostor()
+
+    (status, stdout, stderr), seen = in_private_mounts(scenario)
+    assert (status, stdout) == (1, "")
+    [line] = stderr.splitlines()
+    assert line.startswith(f"Error: {IMPOSTOR}")
+    assert seen["connections"] == 0
 
 
 def test_shell_completion_comes_from_click(tmp_path: Path) -> None:

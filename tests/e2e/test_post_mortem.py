@@ -1,6 +1,7 @@
 """What happened stays known across a restart: the events and the incidents a
 daemon recorded come back after it is SIGKILLed, a follower of its events goes on
-at the next new event, and an incident still open goes on gathering."""
+at the next new event, an incident still open goes on gathering, and a record file
+cut short or damaged says what it dropped."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from watchdogd.core.events import EventLog
 from watchdogd.core.incidents import IncidentLog
+from watchdogd.storage.journal import RECORD
 from watchdogd.storage.record_file import RecordFile, record_path
 from watchdogd.storage.store import default_state_path
 
@@ -189,3 +193,62 @@ def test_a_number_a_follower_saw_is_never_given_to_another_event(
         daemon.stop(signal.SIGKILL)
         reap(first)
         reap(second)
+
+
+def record_starts(path: str) -> list[int]:
+    """Where each record of the record file ``path`` starts."""
+    data = Path(path).read_bytes()
+    starts, offset = [], 0
+    while offset < len(data):
+        starts.append(offset)
+        length, _ = RECORD.unpack_from(data, offset)
+        offset += RECORD.size + length
+    return starts
+
+
+def three_expiries(daemon: RunningDaemon) -> str:
+    """Three root timers expire, each in a record of its own; the record file."""
+    with daemon.client() as client:
+        for _ in range(3):
+            victim = sleeper()
+            try:
+                client.acquire("brief", 0.05, pid=victim.pid)
+                assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+                # A reply that shows an event's number is sent once it is written.
+                wait_until(
+                    lambda pid=victim.pid: any(e.pid == pid for e in client.events().events),
+                    what="the expiry",
+                )
+            finally:
+                reap(victim)
+    return record_path(daemon.state_path)
+
+
+def expired_pids(daemon: RunningDaemon) -> list[int]:
+    with daemon.client() as client:
+        return [e.pid for e in client.events(limit=1000).events if e.kind == "expired"]
+
+
+@pytest.mark.parametrize("harm", ["cut", "damaged"])
+def test_a_record_cut_short_or_damaged_says_what_it_dropped(
+    daemon: RunningDaemon, harm: str
+) -> None:
+    path = three_expiries(daemon)
+    pids = expired_pids(daemon)
+    daemon.stop(signal.SIGKILL)
+    *_, second, third = record_starts(path)
+    data = bytearray(Path(path).read_bytes())
+    if harm == "cut":
+        Path(path).write_bytes(data[: third + 20])  # mid-frame: the last expiry's record
+        kept, dropped, first = pids[:2], 20, third
+    else:
+        data[second + 20] ^= 0xFF  # inside the second expiry's record: its checksum fails
+        Path(path).write_bytes(bytes(data))
+        kept, dropped, first = [pids[0], pids[2]], third - second, second
+    daemon.start()
+    assert expired_pids(daemon) == kept
+    shown = ctl(daemon.socket_path, "events", "--json")
+    [said] = [json.loads(line) for line in shown.stdout.splitlines() if f"record_{harm}" in line]
+    assert said["kind"] == f"record_{harm}"
+    assert f"{dropped} bytes, the first at byte {first}" in said["note"]
+    assert daemon.log().count(f"event=record_{harm} pid={daemon.pid}") == 1

@@ -1,9 +1,13 @@
-"""SIGHUP reloads, and a target that survives SIGKILL (a frozen cgroup)."""
+"""SIGHUP reloads, a config that is no regular file or whose disk hangs, and a target
+that survives SIGKILL (a frozen cgroup)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +17,10 @@ from watchdogd_client import Client, ErrorCode, RequestRefused
 from watchdogd_client.protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
-from helpers.processes import reap, sleeper
+from helpers.disks import require
+from helpers.failing_fs import failing_disk
+from helpers.processes import death_time, reap, sleeper
+from helpers.special_files import NAMED, each_special, freed_after, make_special
 from helpers.waiting import PATIENCE, wait_until
 
 FIRST = """
@@ -90,6 +97,100 @@ def test_a_bad_config_is_refused_and_the_old_one_stays(
         client.acquire("still", 60, policy="temporary")
         client.release("still")
     assert "event=reload_failed" in daemon.log()
+
+
+#: How late a root canary may be signalled while the daemon is attacked.
+ON_TIME = 0.1
+#: What the daemon calls each kind at the config's path: a symlink is followed.
+FOLLOWED = {**NAMED, "symlink": "a character device"}
+
+
+def arm_canary(client: Client, timeout: float) -> tuple[subprocess.Popen[bytes], float]:
+    """A root timer on a fresh ``sleep``; the victim, and its deadline on
+    CLOCK_MONOTONIC (the daemon's clock too)."""
+    victim = sleeper()
+    sent = time.monotonic()
+    remaining = client.acquire(f"canary-{victim.pid}", timeout, pid=victim.pid)
+    return victim, (sent + time.monotonic()) / 2 + remaining
+
+
+def on_time(victim: subprocess.Popen[bytes], deadline: float) -> None:
+    late = death_time(victim) - deadline
+    assert victim.wait() == -signal.SIGKILL
+    assert late < ON_TIME, f"the canary died {late * 1000:.0f} ms late"
+
+
+@each_special
+def test_a_config_that_is_no_regular_file_is_refused_at_reload_and_no_timer_waits(
+    configured: tuple[RunningDaemon, Path], kind: str
+) -> None:
+    daemon, config = configured
+    config.unlink()
+    make_special(kind, config)
+    with daemon.client() as client:
+        canary, deadline = arm_canary(client, 1.0)
+        try:
+            # Today's daemon reads a FIFO in its event loop, until a writer comes
+            # (here, after 3 s): the canary waits as long.
+            with freed_after(config, 3.0):
+                event = hangup(daemon, client, "reload_failed")
+                on_time(canary, deadline)
+        finally:
+            reap(canary)
+        assert event.note == (
+            f"kept the old config: {config}: cannot read the config file: "
+            f"it is {FOLLOWED[kind]}, not a regular file"
+        )
+        assert "temporary" in {policy.name for policy in client.policies().policies}
+        if kind == "directory":
+            shutil.rmtree(config)
+        else:
+            config.unlink()
+        config.write_text(SECOND)
+        hangup(daemon, client, "reloaded")
+        assert "newcomer" in {policy.name for policy in client.policies().policies}
+    assert f"it is {FOLLOWED[kind]}, not a regular file" in daemon.log()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a file system needs root")
+def test_a_reload_waiting_on_its_disk_holds_up_no_timer_and_no_stop(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    require("fusermount3", modules=("mfusepy",), install="fuse3 (Debian) and mfusepy (PyPI)")
+    with failing_disk(tmp_path / "fuse") as disk:
+        config = disk.path / "watchdogd.toml"
+        config.write_text(FIRST)
+        daemon = RunningDaemon(socket_path, tmp_path / "log", ["--config", str(config)])
+        daemon.start()
+        try:
+            config.write_text(SECOND)
+            disk.stall()  # as a hung network file system: its reads wait
+            with daemon.client() as client:
+                canary, deadline = arm_canary(client, 1.0)
+                try:
+                    os.kill(daemon.pid, signal.SIGHUP)
+                    on_time(canary, deadline)
+                finally:
+                    reap(canary)
+                assert not events_of(client, "reloaded")
+                os.kill(daemon.pid, signal.SIGHUP)  # one more reload, after the one waiting
+                disk.unstall()
+                wait_until(lambda: len(events_of(client, "reloaded")) == 2, what="two reloads")
+                assert "newcomer" in {policy.name for policy in client.policies().policies}
+            disk.stall()
+            os.kill(daemon.pid, signal.SIGHUP)
+            time.sleep(0.2)  # the reload is waiting on the disk
+            os.kill(daemon.pid, signal.SIGTERM)
+            # A stop does not wait for it. (The process ends once the disk answers:
+            # the kernel flushes the file the reading thread holds as it exits.)
+            wait_until(lambda: "event=stopped" in daemon.log(), what="the stop", timeout=2.0)
+            assert not socket_path.exists()
+            disk.unstall()
+            assert daemon.process is not None
+            assert daemon.process.wait(timeout=PATIENCE) == 0, daemon.log()
+        finally:
+            disk.unstall()
+            daemon.stop(signal.SIGKILL)
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")

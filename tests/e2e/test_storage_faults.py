@@ -39,6 +39,7 @@ from helpers.disks import (
     tmpfs,
 )
 from helpers.processes import reap
+from helpers.special_files import freed_after, moved_aside
 from helpers.waiting import PATIENCE, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -295,3 +296,37 @@ def test_a_reply_on_a_full_disk_tries_the_write_itself_at_most_every_tenth_of_a_
     store, loaded = Store.open(str(disk / "state.db"))
     store.close()
     assert sorted(t.scope for t in loaded.timers) == sorted(t.scope for t in held)
+
+
+def test_a_fifo_beside_the_database_on_a_read_only_disk_is_never_opened(
+    disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It cannot be moved aside: the database is read as it is, without SQLite's
+    files (immutable), and the store is degraded until the disk takes writes,
+    when the FIFO goes aside and the state is written anew."""
+    path = str(disk / "state.db")
+    store, _ = Store.open(path)
+    kept = Timer(pid=2, scope="kept", policy="kill", uid=0, owner=0, timeout=1.0,
+                 armed_at=0.0, deadline=1.0)  # fmt: skip
+    store._write_database({kept.store_key: kept}, reset=True)
+    store.close()
+    for name in journal_files(disk):
+        os.unlink(disk / name)
+    rollback = disk / "state.db-journal"
+    os.mkfifo(rollback)
+    remount(disk, "ro")
+    try:
+        started = time.monotonic()
+        with freed_after(rollback, 5.0):
+            store, loaded = Store.open(path)
+        assert time.monotonic() - started < 2.0  # no read of the FIFO was waited on
+        assert [t.scope for t in loaded.timers] == ["kept"]
+        assert store.degraded
+        assert stat.S_ISFIFO(os.lstat(rollback).st_mode)  # still there, never opened
+        assert f"path={rollback}" in caplog.text
+    finally:
+        remount(disk, "rw")
+    store.snapshot = lambda: [kept]
+    assert store.recover()
+    store.close()
+    moved_aside(rollback, "fifo", caplog.text)

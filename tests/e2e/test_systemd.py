@@ -3,21 +3,26 @@ socket activation by systemd-socket-activate."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from watchdogd_client import Client
 
 from helpers.daemon import RunningDaemon
+from helpers.namespaces import in_private_mounts
+from helpers.per_user import AFTER, HUNG, worker_of_other
 from helpers.waiting import PATIENCE
 
 UNITS = Path(__file__).parents[2] / "systemd"
@@ -171,3 +176,47 @@ def test_socket_activation_serves_the_passed_socket(socket_path: Path, tmp_path:
     assert "event=stopped" in log
     # The socket is systemd's: the daemon served it as passed and never unlinked it.
     assert socket_path.stat().st_ino == bound_by_the_activator
+
+
+@needs_systemd_tools
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_a_worker_finds_and_trusts_the_host_daemon_as_the_shipped_units_run_it() -> None:
+    # /run/watchdogd belongs to the service's DynamicUser= uid (RuntimeDirectory=),
+    # and the socket is systemd's: the listener's credentials are those of whoever
+    # called listen(2), root, whatever user the daemon runs as.
+    service = 61234
+
+    def scenario() -> Any:
+        directory = Path("/run/watchdogd")
+        directory.mkdir(mode=0o755)
+        os.chown(directory, service, service)
+        path = directory / "watchdogd.sock"
+        daemon = RunningDaemon(
+            path,
+            Path("/tmp/watchdogd.log"),
+            ["--state", "/tmp/state.db"],
+            command=["systemd-socket-activate", "-l", str(path), "--", WATCHDOGD],
+        )
+        daemon.start()
+        os.chmod(path, 0o666)  # the unit's SocketMode=
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.connect(str(path))
+                pid, uid, _ = struct.unpack(
+                    "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                )
+            worker = worker_of_other(hung_block)
+        finally:
+            daemon.stop(signal.SIGTERM)
+        return {"listener": [pid, uid], "daemon": daemon.pid, "worker": worker}
+
+    seen = in_private_mounts(scenario)
+    # The activator listened, as root, then became the daemon (exec: the same pid).
+    assert seen["listener"] == [seen["daemon"], 0]
+    assert seen["worker"]["status"] == -signal.SIGKILL, seen
+    assert AFTER <= seen["worker"]["seconds"] < HUNG
+
+
+def hung_block() -> None:
+    with Client().expires(after=AFTER):
+        time.sleep(HUNG)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -15,7 +16,11 @@ from watchdogd_client import DaemonUnavailable, ErrorCode, RequestRefused
 from watchdogd_client.trio import AsyncClient, open_client
 
 from helpers.daemon import RunningDaemon
+from helpers.fake_daemon import fake_daemon_as
+from helpers.namespaces import in_private_mounts
+from helpers.per_user import AFTER, HUNG, IMPOSTOR, PER_USER, worker_of_other
 from helpers.processes import python_worker, reap, released_while_frozen, wait_ready
+from helpers.users import NOBODY
 from helpers.waiting import PATIENCE
 
 
@@ -121,6 +126,23 @@ async def test_a_frame_over_the_bound_is_refused_not_unreachable(daemon: Running
                 await client.acquire("x" * (4 * 1024 * 1024), 5)
             assert caught.value.code == ErrorCode.FRAME_TOO_LARGE
             await client.ping()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: other users, mounts")
+def test_a_trio_worker_never_speaks_to_another_users_socket_at_its_own_path() -> None:
+    # As tests/e2e/test_client.py's worker of uid 4321, on trio.
+    async def hung_block() -> None:
+        async with open_client() as client, client.expires(after=AFTER):
+            await trio.sleep(HUNG)
+
+    def scenario() -> Any:
+        with fake_daemon_as(NOBODY, PER_USER, directory_mode=0o755) as impostor:
+            return worker_of_other(lambda: trio.run(hung_block)), impostor()
+
+    outcome, seen = in_private_mounts(scenario)
+    assert outcome["raised"].startswith(IMPOSTOR), outcome
+    assert outcome["seconds"] < AFTER
+    assert seen["connections"] == 0
 
 
 def test_a_trio_program_releases_early_survives_then_hangs_and_is_killed(

@@ -1,11 +1,13 @@
-"""A FUSE file system that fails writes with EIO on demand, for the storage tests.
+"""A FUSE file system that fails writes with EIO, or stalls reads, on demand, for the
+storage tests.
 
 It passes every operation through to a backing directory; while the file ``fail``
 exists in the control directory, every operation that would change a file (write,
 create, truncate, fsync, rename, unlink, mkdir) fails with the errno it holds: EIO,
 as a disk whose writes the device refuses, or EROFS, as a file system the kernel
 turned read-only under open files (ext4's ``errors=remount-ro``). Reads go on
-working, as they do on such a disk.
+working, as they do on such a disk, unless the file ``stall`` exists: then a read
+waits until it is gone, as one from a hung network file system does.
 
 Run as ``python -m helpers.failing_fs BACKING MOUNT CONTROL`` (libfuse in the
 foreground, one thread); `failing_disk` starts and unmounts it around a test.
@@ -18,6 +20,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,8 @@ from helpers.waiting import PATIENCE, wait_until
 
 class FailingDisk:
     """A mounted `failing_fs`: ``path`` is where to put files; `fail` and `heal`
-    switch its writes to failing with ``code`` and back."""
+    switch its writes to failing with ``code`` and back, `stall` and `unstall`
+    its reads to waiting and back."""
 
     def __init__(self, path: Path, control: Path) -> None:
         self.path = path
@@ -39,6 +43,13 @@ class FailingDisk:
 
     def heal(self) -> None:
         (self._control / "fail").unlink(missing_ok=True)
+
+    def stall(self) -> None:
+        """Reads wait from now on, until `unstall`."""
+        (self._control / "stall").touch()
+
+    def unstall(self) -> None:
+        (self._control / "stall").unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -79,6 +90,7 @@ def serve(backing: str, mount: str, control: str) -> None:
     import mfusepy
 
     failing = os.path.join(control, "fail")
+    stalling = os.path.join(control, "stall")
 
     def writable() -> None:
         try:
@@ -141,6 +153,8 @@ def serve(backing: str, mount: str, control: str) -> None:
 
         @oserror
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            while os.path.exists(stalling):
+                time.sleep(0.01)
             return os.pread(fh, size, offset)
 
         @oserror

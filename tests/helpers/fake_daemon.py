@@ -1,7 +1,8 @@
 """A daemon played by the test on a real Unix socket: it speaks the protocol as far
 as a client and a responder need (hello, acquire, release, ping, respond, evidence),
 and lets the test do what the daemon decides: ask a responder for evidence, close
-its connection, refuse a protocol version, or listen as another user."""
+its connection, refuse a protocol version, or listen as another user (an impostor
+in a directory of its own making among them)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from watchdogd_client.protocol import (
     encode_frame,
 )
 
-from helpers.users import NOBODY
+from helpers.users import NOBODY, become
 from helpers.waiting import PATIENCE, wait_until
 
 _UCRED = struct.Struct("3i")
@@ -181,6 +182,7 @@ class FakeDaemon:
 
     def __enter__(self) -> FakeDaemon:
         self._listener.bind(str(self.path))
+        os.chmod(self.path, 0o666)  # any user may connect, as to the daemon's default
         self._listener.listen(64)
         self._thread.start()
         return self
@@ -200,6 +202,19 @@ class FakeDaemon:
         for conn in served:
             conn.close()
             conn.thread.join(PATIENCE)
+
+    def seen(self) -> dict[str, Any]:
+        """What it saw so far (see `fake_daemon_as`)."""
+        with self._lock:
+            served = list(self._served)
+        return {
+            "connections": len(served),
+            "received": sum(conn.received for conn in served),
+            "silent": self.silent,
+            "responds": self.respond_count,
+            "acquired": self.acquired,
+            "hellos": [hello.client for hello in self.hellos],
+        }
 
     def next_responder(self, timeout: float = PATIENCE) -> ResponderLine:
         """The next responder whose `Respond` came."""
@@ -225,46 +240,66 @@ class FakeDaemon:
 def fake_daemon_of_nobody(
     path: Path, until: Callable[[FakeDaemon], bool]
 ) -> Iterator[Callable[[], dict[str, Any]]]:
-    """A `FakeDaemon` on ``path`` run by a forked child as uid 65534 (needs root).
-    Yields a function that waits for ``until(daemon)`` to hold in the child (or for
-    the patience to run out) and returns what it saw: ``silent`` connections (ended
-    before a byte), ``responds``, ``hellos``."""
+    """A `FakeDaemon` on ``path`` run by a forked child as uid 65534, in a directory
+    given to that user (needs root): see `fake_daemon_as`, with ``until``."""
     os.chown(path.parent, NOBODY, NOBODY)
+    with fake_daemon_as(NOBODY, path, until=until) as report:
+        yield report
+
+
+@contextlib.contextmanager
+def fake_daemon_as(
+    uid: int,
+    path: Path,
+    *,
+    until: Callable[[FakeDaemon], bool] | None = None,
+    directory_mode: int | None = None,
+) -> Iterator[Callable[[], dict[str, Any]]]:
+    """A `FakeDaemon` on ``path`` run by a forked child as ``uid`` and the group of
+    that number (needs root); with ``directory_mode``, the child first makes the
+    socket's directory itself, as an impostor would. Yields a function that returns
+    what it saw: ``connections`` accepted, bytes ``received``, ``silent``
+    connections (ended before a byte), ``responds``, ``acquired``, and the clients
+    of its ``hellos``. It reports once ``until(daemon)`` holds in the child (or the
+    patience ran out), or, without ``until``, as soon as it is asked."""
     ready_read, ready_write = os.pipe()
     report_read, report_write = os.pipe()
+    stop_read, stop_write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - reports through the pipe
         try:
-            os.close(ready_read)
-            os.close(report_read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            for end in (ready_read, report_read, stop_write):
+                os.close(end)
+            become(uid)
+            if directory_mode is not None:
+                path.parent.mkdir(mode=directory_mode)
+                os.chmod(path.parent, directory_mode)
             with FakeDaemon(path) as daemon:
                 os.write(ready_write, b"ready")
-                with contextlib.suppress(AssertionError):
-                    wait_until(lambda: until(daemon), what="the test's condition")
-                seen = {
-                    "silent": daemon.silent,
-                    "responds": daemon.respond_count,
-                    "hellos": [hello.client for hello in daemon.hellos],
-                }
+                if until is None:
+                    os.read(stop_read, 1)
+                else:
+                    with contextlib.suppress(AssertionError):
+                        wait_until(lambda: until(daemon), what="the test's condition")
+                seen = daemon.seen()
             os.write(report_write, json.dumps(seen).encode())
         finally:
             os._exit(0)
-    os.close(ready_write)
-    os.close(report_write)
+    for end in (ready_write, report_write, stop_read):
+        os.close(end)
     try:
-        assert os.read(ready_read, 5) == b"ready", "the fake daemon of nobody did not start"
+        assert os.read(ready_read, 5) == b"ready", f"the fake daemon of uid {uid} did not start"
 
         def report() -> dict[str, Any]:
+            with contextlib.suppress(OSError):
+                os.write(stop_write, b"x")
             with os.fdopen(os.dup(report_read)) as pipe:
                 return dict(json.loads(pipe.read()))
 
         yield report
     finally:
-        os.close(ready_read)
-        os.close(report_read)
+        for end in (ready_read, report_read, stop_write):
+            os.close(end)
         with contextlib.suppress(OSError):
             os.kill(child, 9)
         os.waitpid(child, 0)

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.identity import Peer
+from watchdogd.core.ports import Journal
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.starvation import Sample
+from watchdogd.core.timers import StoreKey, Timer
 from watchdogd.errors import Refusal
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
@@ -74,6 +76,9 @@ class FakeHost:
     def alive(self, process: FakeProcess) -> bool:
         return not process.exited and process.pid not in self.dead
 
+    def exited(self, process: FakeProcess) -> bool:
+        return not self.alive(process)
+
     def refresh(self, process: FakeProcess) -> bool:
         if not self.alive(process):
             return False
@@ -104,7 +109,42 @@ class FakeHost:
         return self.samples.get(process.pid, Sample(at=0.0, cpu=0.0))
 
 
-def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list[float]]:
+@dataclass
+class RecordingJournal:
+    """The changes a store would write, by store key (None: dropped)."""
+
+    changes: dict[StoreKey, Timer | None] = field(default_factory=dict)
+    generation: int = 0
+    errors: int = 0
+    degraded: bool = False
+
+    def put(self, timer: Timer) -> None:
+        self.changes[timer.store_key] = timer
+        self.generation += 1
+
+    def drop(self, timer: Timer) -> None:
+        self.changes[timer.store_key] = None
+        self.generation += 1
+
+    def commit(self, generation: int) -> bool:
+        return True
+
+    def commit_soon(self) -> None:
+        pass
+
+    def held(self) -> set[StoreKey]:
+        return {key for key, timer in self.changes.items() if timer is not None}
+
+    def state(self) -> list[Timer]:
+        """What a start after a crash would restore."""
+        return [timer for timer in self.changes.values() if timer is not None]
+
+
+def make_service(
+    journal: Journal | None = None, now: float = 0.0, **limits: object
+) -> tuple[Service[FakeProcess], FakeHost, list[float]]:
+    """A service started at ``now`` on the fake host, its changes told to
+    ``journal``, with the daemon ``limits`` given."""
     host = FakeHost(
         {
             100: (0, 0),
@@ -124,7 +164,8 @@ def make_service(**limits: object) -> tuple[Service[FakeProcess], FakeHost, list
         ),
         host,
         daemon_pid=DAEMON_PID,
-        now=0.0,
+        now=now,
+        journal=journal,
         on_deadline=notified.append,
         wall=lambda: 1_700_000_000.0,
         clock=lambda: 0.0,
@@ -145,8 +186,8 @@ class World:
     root: Caller[FakeProcess]
 
 
-def make_world(**limits: object) -> World:
-    service, host, notified = make_service(**limits)
+def make_world(journal: Journal | None = None, now: float = 0.0, **limits: object) -> World:
+    service, host, notified = make_service(journal, now, **limits)
     alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
     return World(service, host, notified, alice, bob, root)
 

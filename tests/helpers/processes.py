@@ -1,14 +1,23 @@
-"""Real processes for tests: victims, Python workers, and what /proc says of them."""
+"""Real processes for tests: victims, Python workers, forks of the test process, and
+what /proc says of them."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import select
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final
 
 from helpers.waiting import PATIENCE, wait_until
 
@@ -40,6 +49,34 @@ def python_worker(
     )
 
 
+def forked(action: Callable[[], Any]) -> Any:
+    """Run ``action`` in a forked child of this process and return what it returned
+    (through JSON); an exception there is raised here as an AssertionError that
+    carries the child's traceback. The child has the interpreter loaded, so it may
+    drop to a user who could not read the interpreter from where it lives."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(read_end)
+            try:
+                outcome = {"ok": action()}
+            except BaseException:
+                outcome = {"error": traceback.format_exc()}
+            with os.fdopen(write_end, "w") as pipe:
+                json.dump(outcome, pipe)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    os.waitpid(child, 0)
+    outcome = json.loads(text)
+    if "error" in outcome:
+        raise AssertionError(f"in the forked child:\n{outcome['error']}")
+    return outcome["ok"]
+
+
 def wait_ready(worker: subprocess.Popen[str]) -> None:
     """Block until the worker printed its "ready" line."""
     assert worker.stdout is not None
@@ -49,6 +86,96 @@ def wait_ready(worker: subprocess.Popen[str]) -> None:
         raise AssertionError(f"worker failed before ready: {line!r}\n{err}")
 
 
+_SYS_CLONE3: Final = 435
+_CLONE_PARENT: Final = 0x8000
+
+
+class PidHolder:
+    """A child of the test process that holds a pid chosen for it (`fork_at_pid`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float = PATIENCE) -> int:
+        """Its exit status, as `subprocess.Popen.returncode` says it, once it exits."""
+        if self.returncode is None:
+            poller = select.poll()
+            poller.register(self.fd, select.POLLIN)
+            assert poller.poll(timeout * 1000), f"pid {self.pid} is still running"
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def close(self) -> None:
+        """Kill it (if need be) and reap it."""
+        if self.returncode is None:
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            self.wait()
+        os.close(self.fd)
+
+
+def fork_at_pid(pid: int, work: Callable[[], object], *, uid: int = 0) -> PidHolder:
+    """A child of the test process that holds exactly ``pid`` (free: its last holder
+    reaped) and runs ``work`` as ``uid``, then exits. How a recycled pid reaches a
+    new process at once, rather than after the kernel has cycled through every other.
+
+    clone3(2) with ``set_tid`` (Linux >= 5.5, CAP_SYS_ADMIN) gives the new process
+    exactly that pid, or fails with EEXIST while another holds it; CLONE_PARENT
+    makes it a child of the test process, which reaps it. The system call is made
+    from a child forked for it, whose one thread is the only one the new process
+    copies: a raw clone runs none of the at-fork hooks that a copy of a threaded
+    process needs. The work goes on in this interpreter rather than exec a new one,
+    which other uids could not (it lives under /root)."""
+    said, say = os.pipe()
+    helper = os.fork()
+    if helper == 0:  # pragma: no cover - reports through the pipe
+        os.close(said)
+        wanted = (ctypes.c_int * 1)(pid)
+        # struct clone_args: flags, pidfd, child_tid, parent_tid, exit_signal (none
+        # with CLONE_PARENT: the new parent's is taken), stack, stack_size, tls,
+        # set_tid, set_tid_size, cgroup.
+        args = struct.pack(
+            "11Q", _CLONE_PARENT, 0, 0, 0, 0, 0, 0, 0, ctypes.addressof(wanted), 1, 0
+        )
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        got = libc.syscall(_SYS_CLONE3, ctypes.c_char_p(args), ctypes.c_size_t(len(args)))
+        if got == 0:
+            os.close(say)
+            status = 1
+            try:
+                if uid:
+                    become(uid)
+                work()
+                status = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(status)
+        os.write(say, (str(got) if got > 0 else os.strerror(ctypes.get_errno())).encode())
+        os._exit(0)
+    os.close(say)
+    os.waitpid(helper, 0)
+    with os.fdopen(said) as pipe:
+        got = pipe.read()
+    assert got == str(pid), f"pid {pid} could not be taken: {got}"
+    return PidHolder(pid)
+
+
+def become(uid: int) -> None:
+    """Become ``uid`` (gid ``uid``, no other groups), and dumpable again, as a
+    process exec'd as ``uid`` would be (a change of credentials leaves one not)."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+
+_PR_SET_DUMPABLE: Final = 4
+
+
 def sleeper() -> subprocess.Popen[bytes]:
     """A victim that sleeps and dies by whatever signal reaches it. Returned once
     its command line shows in /proc: Popen returns when exec began, and the kernel
@@ -56,6 +183,19 @@ def sleeper() -> subprocess.Popen[bytes]:
     process = subprocess.Popen(["sleep", "300"])
     wait_until(lambda: _has_arguments(process.pid), what="the sleeper's command line")
     return process
+
+
+def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> float:
+    """When ``process`` exited, on CLOCK_MONOTONIC, seen through a pidfd (the
+    moment its readiness is polled, not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(timeout * 1000), f"pid {process.pid} did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
 
 
 def _has_arguments(pid: int) -> bool:
@@ -84,6 +224,32 @@ def where_is(pid: int) -> str:
             text = next((line for line in text.splitlines() if line.startswith("State")), text)
         parts.append(f"{name}: {text.strip()}")
     return "; ".join(parts)
+
+
+class Death:
+    """When a child exits, as its pidfd says (no polling, no wait that would reap
+    it), watched by a thread from the moment this is made: for timing victims
+    while the test goes on doing something else."""
+
+    def __init__(self, process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+        self._pidfd = os.pidfd_open(process.pid)
+        #: On CLOCK_MONOTONIC, once it exited.
+        self.at: float | None = None
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        poller.poll()
+        self.at = time.monotonic()
+        os.close(self._pidfd)
+
+    def wait(self, timeout: float = PATIENCE) -> float:
+        """When it exited; AssertionError if it is still running after ``timeout``."""
+        self._watcher.join(timeout)
+        assert self.at is not None, "it did not exit"
+        return self.at
 
 
 def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:

@@ -1,4 +1,5 @@
-"""Acting as uid 65534 (nobody), a real other user, from a root test."""
+"""Acting as other users from a root test: uid 65534 (nobody), and uid 4321, an
+ordinary user with no entry in /etc/passwd."""
 
 from __future__ import annotations
 
@@ -11,8 +12,31 @@ from typing import Any
 
 from watchdogd_client import Client, RequestRefused
 
+from helpers.processes import forked
+
 #: The uid and gid of nobody, a user with no rights over root's processes.
 NOBODY = 65534
+#: The uid and gid of a second ordinary user, neither root nor nobody.
+OTHER = 4321
+
+
+def become(uid: int) -> None:
+    """Make this process (forked from a root test) run as ``uid`` and the group of
+    that number, with no other groups."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def run_as(uid: int, action: Callable[[], Any]) -> Any:
+    """What ``action`` returns (JSON) when run by ``uid`` in a fork of this process
+    (see `helpers.processes.forked`)."""
+
+    def as_user() -> Any:
+        become(uid)
+        return action()
+
+    return forked(as_user)
 
 
 def as_nobody(action: Callable[[Client], Any], socket: Path) -> dict[str, Any]:
@@ -23,9 +47,7 @@ def as_nobody(action: Callable[[Client], Any], socket: Path) -> dict[str, Any]:
     if child == 0:  # pragma: no cover - reports through the pipe
         try:
             os.close(read_end)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            become(NOBODY)
             with Client(socket) as client:
                 outcome: dict[str, Any] = {"ok": action(client)}
         except RequestRefused as exc:

@@ -127,6 +127,15 @@ def test_peer_credentials_come_from_the_kernel() -> None:
             os.close(peer.pidfd)
 
 
+def test_a_peer_the_kernel_gives_no_pidfd_for_is_never_taken_for_its_pid() -> None:
+    """The kernel has SO_PEERPIDFD but gives no pidfd (here: a socket with no peer;
+    on kernels before 6.9: a peer reaped already). Its pid is not to be opened."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as lonely:
+        peer = peer_of(lonely)
+    assert peer.pidfd is None
+    assert peer.gone
+
+
 def test_start_time_parses_names_with_spaces_and_parentheses(tmp_path: os.PathLike[str]) -> None:
     odd = os.path.join(tmp_path, "a) b (c")
     os.symlink("/bin/sleep", odd)

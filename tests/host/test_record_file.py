@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import msgspec
@@ -18,6 +19,7 @@ from watchdogd.storage.record_file import RecordFile
 from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
 
 from helpers.disks import fill_space, tmpfs
+from helpers.special_files import each_special, freed_after, make_special, moved_aside
 
 DUMP = 'Thread 7 (idle): "MainThread"\n    all_reduce (c10d.py:2288)\n    step (train.py:8)\n'
 
@@ -116,7 +118,7 @@ def test_an_incident_keeps_its_ranks_readers_and_verdict(tmp_path: Path) -> None
     assert (joined, new) == (opened, False)
 
 
-def test_a_write_the_daemon_died_in_is_cut_off(tmp_path: Path) -> None:
+def test_a_write_the_daemon_died_in_is_cut_off_and_said_so(tmp_path: Path) -> None:
     path = tmp_path / "state.db.record"
     events, _, record = reopened(path)
     events.record(event(10))
@@ -127,30 +129,117 @@ def test_a_write_the_daemon_died_in_is_cut_off(tmp_path: Path) -> None:
         out.write(b"\x00\x00\x10\x00half a record")
     again, _, record = reopened(path)
     assert path.read_bytes() == whole
+    [cut] = [e for e in again.page(None, 100, 0) if e.kind == "record_cut"]
+    assert cut.note.startswith(f"{path} ended in a record cut short: 17 bytes, ")
+    assert f"the first at byte {len(whole)}" in cut.note
     again.record(event(11))
     record.write_now()
     record.close()
-    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
+    read_back = reopened(path)[0].page(None, 100, 0)
+    assert [(e.kind, e.pid) for e in read_back] == [
+        ("expired", 10), ("record_cut", os.getpid()), ("expired", 11)
+    ]  # fmt: skip
     assert not (tmp_path / "state.db.record.damaged").exists()
 
 
-def test_a_damaged_record_keeps_what_came_before_and_moves_the_file_aside(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "state.db.record"
+def three_events(path: Path) -> list[int]:
+    """A record file of three events, each in a write of its own; where each
+    record starts, and the end."""
     events, _, record = reopened(path)
+    starts = []
     for pid in (10, 11, 12):
         events.record(event(pid))
+        starts.append(path.stat().st_size if path.exists() else 0)
         record.write_now()
     record.close()
+    return [*starts, path.stat().st_size]
+
+
+def kinds_and_pids(events: EventLog) -> list[tuple[str, int]]:
+    return [(e.kind, e.pid) for e in events.page(None, 100, 0)]
+
+
+def test_a_damaged_record_is_jumped_over_said_and_the_file_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    starts = three_events(path)
+    data = bytearray(path.read_bytes())
+    data[starts[1] + 20] ^= 0xFF  # inside the record of pid 11: its checksum fails
+    path.write_bytes(bytes(data))
+    again, _, record = reopened(path)
+    damaged = ("record_damaged", os.getpid())
+    assert kinds_and_pids(again) == [("expired", 10), ("expired", 12), damaged]
+    [said] = [e for e in again.page(None, 100, 0) if e.kind == "record_damaged"]
+    size = starts[2] - starts[1]
+    assert f"(bad checksum in the record at byte {starts[1]})" in said.note
+    assert f"{size} bytes, the first at byte {starts[1]}, 1 whole records among them" in said.note
+    assert f"moved to {path}.damaged" in said.note
+    assert (tmp_path / "state.db.record.damaged").read_bytes() == bytes(data)
+    record.write_now()  # written whole from what was read
+    record.close()
+    assert kinds_and_pids(reopened(path)[0]) == [("expired", 10), ("expired", 12), damaged]
+
+
+def test_a_damaged_length_ends_the_reading_and_says_how_much_was_left(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    starts = three_events(path)
+    data = bytearray(path.read_bytes())
+    data[starts[1]] = 0x7F  # the length of pid 11's record: far past any record
+    path.write_bytes(bytes(data))
+    again, _, record = reopened(path)
+    record.close()
+    assert kinds_and_pids(again) == [("expired", 10), ("record_damaged", os.getpid())]
+    [said] = [e for e in again.page(None, 100, 0) if e.kind == "record_damaged"]
+    left = starts[3] - starts[1]
+    assert f"{left} bytes, the first at byte {starts[1]} dropped" in said.note
+
+
+def test_a_damaged_last_record_keeps_what_came_before(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    three_events(path)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # inside the last record
     path.write_bytes(bytes(data))
     again, _, record = reopened(path)
-    assert [e.pid for e in again.page(None, 100, 0)] == [10, 11]
-    assert (tmp_path / "state.db.record.damaged").read_bytes() == bytes(data)
-    record.write_now()  # written whole from what was read
     record.close()
+    pids = [pid for kind, pid in kinds_and_pids(again) if kind == "expired"]
+    assert pids == [10, 11]
+    assert (tmp_path / "state.db.record.damaged").read_bytes() == bytes(data)
+
+
+@each_special
+def test_a_record_that_is_no_regular_file_is_moved_aside_unread_and_written_anew(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db.record"
+    make_special(kind, path)
+    with freed_after(path):
+        events, _, record = reopened(path)
+    moved_aside(path, kind, caplog.text)
+    events.record(event(10))
+    record.write_now()
+    record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_fifo_that_takes_the_records_place_under_the_daemon_is_written_over(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    events.record(event(10))
+    record.write_now()
+    record.close()  # the next append opens the file again
+    path.unlink()
+    os.mkfifo(path)
+    events.record(event(11))
+    started = time.monotonic()
+    with freed_after(path, 3.0):
+        record.write_now()  # refused, not waited on: the next write is whole
+        record.write_now()
+    assert time.monotonic() - started < 1.0
+    record.close()
+    assert stat.S_ISREG(os.lstat(path).st_mode)
     assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11]
 
 

@@ -178,7 +178,45 @@ def test_a_daemon_listening_as_another_user_gets_nothing_from_the_responder(
     assert not any(client.startswith("python-responder") for client in seen["hellos"])
     worker.kill()
     _, stderr = worker.communicate()
-    assert "neither root nor this process's uid" in stderr
+    assert "the process listening on it runs as uid 65534 (nobody), not root" in stderr
+
+
+#: A worker that arms one timer with a client that warns when it may not reach the
+#: daemon, and is ready once its responder said it does not answer either.
+REFUSED = """
+    import logging, sys, threading
+    from watchdogd_client import Client
+
+    said = threading.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("the responder does not answer"):
+                said.set()
+
+    logging.basicConfig()  # on stderr, as any program would log
+    logging.getLogger("watchdogd_client").addHandler(Heard())
+    Client(on_unavailable="warn").acquire("step", 600)
+    assert said.wait(10), "the responder said nothing"
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_named_socket_others_may_replace_gets_no_connection_from_the_responder(
+    fake: FakeDaemon, workers: list[subprocess.Popen[str]]
+) -> None:
+    os.chmod(fake.path.parent, 0o777)
+    worker = start(workers, REFUSED, fake.path)
+    worker.kill()
+    _, stderr = worker.communicate()
+    assert fake.seen()["connections"] == 0  # neither the client nor the responder
+    untrusted = f"watchdogd's socket {fake.path}, owned by uid 0 (root), is not trusted"
+    assert (
+        f"running unprotected until the daemon answers again (further failures are "
+        f"logged at debug level): {untrusted}" in stderr
+    )
+    assert f"the responder does not answer: {untrusted}" in stderr
 
 
 def test_the_responder_registers_again_when_the_daemon_closes_its_connection(

@@ -1,5 +1,6 @@
 """The socket server, in-process, over real Unix sockets: framing bounds, pipelining,
-slow and hostile clients, and the socket file's life."""
+slow and hostile clients, responders and their processes, and the socket file's
+life."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 import grp
 import os
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -50,7 +52,7 @@ from watchdogd_client.protocol import (
     encode_frame,
 )
 
-from helpers.processes import reap, sleeper
+from helpers.processes import python_worker, reap, sleeper
 
 StartDaemon = Callable[..., Awaitable[Service[Any]]]
 
@@ -133,6 +135,13 @@ async def test_pipelined_requests_are_answered_in_order_with_their_ids(
     )
     replies = [await conn.receive() for _ in range(6)]
     assert [reply.id for reply in replies] == [1, 2, 3, 4, 5, 6]
+    # Each arming's number is the daemon's own (compared apart: its value is a time).
+    armed = [reply for reply in replies if isinstance(reply, Acquired)]
+    assert all(reply.arm for reply in armed)
+    replies = [
+        msgspec.structs.replace(reply, arm=0) if isinstance(reply, Acquired) else reply
+        for reply in replies
+    ]
     assert replies[1:] == [
         Acquired(id=2, remaining=60, rearmed=False),
         Acquired(id=3, remaining=60, rearmed=False),
@@ -421,3 +430,61 @@ async def test_a_uid_over_its_reply_budget_waits_and_root_never_does() -> None:
         budget.release(2000, 95)
     assert woken == [1000, 1000]
     assert (budget.held(1000), budget.held(2000), budget.held(3000)) == (0, 0, 5)
+
+
+#: A process that registers as a responder of job "j", then on a line of its stdin
+#: forks and exits: its child keeps the connection and says its pid.
+RESPONDS_AND_FORKS = """
+    import os, socket, sys, time
+    from watchdogd_client.protocol import (
+        PROTOCOL_VERSION, FrameReader, Hello, Respond, decode_reply, encode_frame,
+    )
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(os.environ["WATCHDOGD_SOCKET"])
+    reader = FrameReader(1 << 20)
+
+    def call(request):
+        sock.sendall(encode_frame(request))
+        frames = []
+        while not frames:
+            frames = reader.feed(sock.recv(65536))
+        return type(decode_reply(frames[0])).__name__
+
+    print(call(Hello(id=0, version=PROTOCOL_VERSION)), call(Respond(id=1, job="j")), flush=True)
+    sys.stdin.readline()
+    child = os.fork()
+    if child == 0:
+        time.sleep(300)
+        os._exit(0)
+    print(child, flush=True)
+"""
+
+
+async def test_a_responder_is_dropped_the_moment_its_process_exits(
+    start_daemon: StartDaemon, socket_path: Path
+) -> None:
+    service = await start_daemon()
+    worker = python_worker(RESPONDS_AND_FORKS, socket=socket_path)
+    child = None
+    try:
+        assert worker.stdin is not None
+        assert worker.stdout is not None
+        said = await trio.to_thread.run_sync(worker.stdout.readline)
+        assert said.split() == ["Welcome", "Responding"]
+        assert service.responders.jobs() == {(0, "j")}
+        worker.stdin.write("fork\n")
+        worker.stdin.flush()
+        child = os.pidfd_open(int(await trio.to_thread.run_sync(worker.stdout.readline)))
+        assert await trio.to_thread.run_sync(worker.wait) == 0
+        # Dropped on its exit, with no ask, while the child keeps the connection.
+        with trio.fail_after(10):
+            while service.responders.jobs():
+                await trio.sleep(0.001)
+        assert len(service.responders) == 0
+        assert service.connections == 1
+    finally:
+        if child is not None:
+            signal.pidfd_send_signal(child, signal.SIGKILL)
+            os.close(child)
+        reap(worker)

@@ -20,13 +20,14 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd.core.timers import Run, Timer
+from watchdogd.core.timers import Run, Timer, Watch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
 from watchdogd.storage import store as store_module
 from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
 from watchdogd.storage.store import StateError, Store, default_state_path
 
+from helpers.special_files import SPECIAL, each_special, freed_after, make_special, moved_aside
 from helpers.state_files import PIDS, SCHEMAS, WRITTEN, make_own
 
 
@@ -100,7 +101,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
         store, _ = Store.open(path)
         store.put(timer(10, "a"))
         store.put(timer(10, "b"))
-        store.put(timer(10, "a", deadline=200.0, arm=41))  # re-armed: only the last counts
+        store.put(timer(10, "a", deadline=200.0))  # re-armed: only the last counts
         store.put(timer(11, "gone"))
         store.drop(timer(11, "gone"))
         firing = timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5)
@@ -110,7 +111,7 @@ def test_changes_collapse_and_survive_a_crash(tmp_path: Path) -> None:
     os.waitpid(child, 0)
     _, loaded = Store.open(path)
     assert sorted(loaded.timers, key=lambda t: t.scope) == [
-        timer(10, "a", deadline=200.0, arm=41),  # its arming's number with it
+        timer(10, "a", deadline=200.0),
         timer(10, "b"),
         timer(12, "due", firing=7, step=2, step_end=123.5, fired_at=100.5),
     ]
@@ -254,6 +255,95 @@ def test_a_corrupt_database_is_moved_aside_and_the_journals_still_count(
     assert Path(aside).read_bytes().startswith(b"this is not a database")
     assert "event=state_damaged" in caplog.text
     assert not store.degraded
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+
+
+@each_special
+def test_a_journal_that_is_no_regular_file_is_moved_aside_unread(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    Store.open(path)[0].close()
+    append(path, 5, Record(puts=[timer(1, "before")]))
+    special = tmp_path / "state.db.journal.6"
+    make_special(kind, special)
+    append(path, 7, Record(puts=[timer(2, "after")]))
+    with freed_after(special):
+        store, loaded = Store.open(path)
+    store.close()
+    assert sorted(t.scope for t in loaded.timers) == ["after", "before"]
+    assert not store.degraded
+    assert loaded.moved_aside == [str(moved_aside(special, kind, caplog.text))]
+
+
+@each_special
+def test_a_database_that_is_no_regular_file_goes_aside_with_sqlites_files(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db"
+    make_special(kind, path)
+    # A rollback journal beside it would be played back into the new database.
+    (tmp_path / "state.db-journal").write_bytes(b"of another database")
+    append(str(path), 3, Record(puts=[timer(1, "since-the-last-fold")]))
+    with freed_after(path):
+        store, loaded = Store.open(str(path))
+    assert [t.scope for t in loaded.timers] == ["since-the-last-fold"]
+    assert not store.degraded
+    moved_aside(path, kind, caplog.text)
+    [rollback] = tmp_path.glob("state.db-journal.not-regular-*")
+    assert rollback.read_bytes() == b"of another database"
+    store._write_database({timer(2, "folded").store_key: timer(2, "folded")}, reset=True)
+    store.close()
+    assert stat.S_ISREG(os.lstat(path).st_mode)
+    scopes = [t.scope for t in Store.open(str(path))[1].timers]
+    assert sorted(scopes) == ["folded", "since-the-last-fold"]
+
+
+@needs_root
+@pytest.mark.parametrize("side", ["-journal", "-wal", "-shm"])
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_side_file_of_sqlites_that_is_no_regular_file_is_moved_aside(
+    tmp_path: Path, kind: str, side: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    store._write_database({timer(1, "kept").store_key: timer(1, "kept")}, reset=True)
+    store.close()
+    for name in os.listdir(tmp_path):
+        if ".journal." in name:
+            os.unlink(tmp_path / name)
+    special = tmp_path / f"state.db{side}"
+    make_special(kind, special)
+    with freed_after(special):
+        store, loaded = Store.open(path)
+    try:
+        assert [t.scope for t in loaded.timers] == ["kept"]
+        assert not store.degraded
+        moved_aside(special, kind, caplog.text)
+        # A fold opens the database through SQLite, which makes its own files anew.
+        store._write_database({timer(2, "folded").store_key: timer(2, "folded")}, reset=False)
+    finally:
+        store.close()
+    assert sorted(t.scope for t in Store.open(path)[1].timers) == ["folded", "kept"]
+
+
+@needs_root
+def test_a_journal_started_where_something_else_is_goes_aside_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "state.db")
+    store, _ = Store.open(path)
+    special = tmp_path / "state.db.journal.2"
+    make_special("fifo", special)
+    with freed_after(special):
+        assert store._rebase()  # a recovery starts journal 2
+    store.put(timer(1, "after"))
+    assert store.commit(store.generation)
+    store.close()
+    moved_aside(special, "fifo", caplog.text)
+    assert [t.scope for t in Store.open(path)[1].timers] == ["after"]
 
 
 def database_of_schema(path: str, named: str) -> None:
@@ -471,6 +561,35 @@ def test_migrations_run_in_order_from_the_files_schema(monkeypatch: pytest.Monke
         schema.check(3)
     with pytest.raises(schema.SchemaError, match="schema 7, newer than this daemon's 6"):
         schema.check(7)
+
+
+def test_a_clients_arming_number_of_schema_6_moves_into_the_timers_watch() -> None:
+    """Schema 6 stored the number a client gave each arming as a timer's last
+    field; schema 7 keeps it, where it is not 0, in the timer's `Watch`
+    (``client_arm``), made for it when the timer had none, for the release of
+    the client that armed it before the upgrade."""
+    plain = timer(1, "plain")
+    numbered = timer(1, "numbered", deadline=101.0)
+    watched = timer(1, "watched", watch=Watch(job="j", rank=2, progress=4))
+
+    def as_in_6(armed: Timer, arm: int) -> list[object]:
+        fields = msgspec.to_builtins(armed)
+        if fields[-1] is not None:
+            fields[-1] = fields[-1][:10]  # a Watch of schema 6: no client_arm
+        return [*fields, arm]
+
+    array = msgspec.msgpack.encode(
+        [as_in_6(plain, 0), as_in_6(numbered, 7), as_in_6(watched, 2**40)]
+    )
+    assert schema.decode_timers(array, 6) == [
+        plain,
+        msgspec.structs.replace(numbered, watch=Watch(client_arm=7)),
+        msgspec.structs.replace(
+            watched, watch=Watch(job="j", rank=2, progress=4, client_arm=2**40)
+        ),
+    ]
+    with pytest.raises(msgspec.ValidationError, match="does not migrate"):
+        schema.decode_timers(msgspec.msgpack.encode([[*as_in_6(plain, 0)[:-2], "no watch", 1]]), 6)
 
 
 def test_a_timer_that_does_not_migrate_is_damage(

@@ -9,9 +9,10 @@ import pytest
 from watchdogd.cli.watchdogd import daemon_socket_path
 from watchdogd.core.config import Config, parse_config
 from watchdogd.errors import ConfigError
-from watchdogd.runtime.daemon import load_config
+from watchdogd.runtime.reload import MAX_CONFIG_BYTES, load_config
 
 from helpers.cgroups import HYBRID, V1_ONLY
+from helpers.special_files import NAMED, each_special, freed_after, make_special
 
 
 def test_no_file_means_every_default() -> None:
@@ -175,6 +176,36 @@ def test_starvation_settings_are_checked(table: str, expected: str) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the config file"):
         load_config(str(tmp_path / "missing.toml"))
+
+
+#: What the daemon calls each kind at the config's path: a symlink is followed.
+FOLLOWED = {**NAMED, "symlink": "a character device"}
+
+
+@each_special
+def test_a_config_that_is_no_regular_file_is_refused_without_blocking(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "watchdogd.toml"
+    make_special(kind, path)
+    with freed_after(path), pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert str(caught.value) == (
+        f"{path}: cannot read the config file: it is {FOLLOWED[kind]}, not a regular file"
+    )
+
+
+def test_a_config_is_read_through_a_symlink_and_bounded(tmp_path: Path) -> None:
+    # ConfigMap mounts and config managers place the file through symlinks.
+    target = tmp_path / "..data" / "watchdogd.toml"
+    target.parent.mkdir()
+    target.write_text("[daemon]\nevents = 50\n")
+    link = tmp_path / "watchdogd.toml"
+    link.symlink_to(target)
+    assert load_config(str(link)).daemon.events == 50
+    target.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match=f"it is over {MAX_CONFIG_BYTES} bytes"):
+        load_config(str(link))
 
 
 def test_socket_precedence(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,43 +4,14 @@ then the state holds it as armed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig, StepConfig
 from watchdogd.core.firing import Due
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.timers import Expired, StoreKey, Timer
+from watchdogd.core.timers import Expired
 from watchdogd.runtime.metrics import exposition
 from watchdogd_client.protocol import Acquire, Release
 
-from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess
-
-
-@dataclass
-class RecordingJournal:
-    """The changes a store would write, by store key (None: dropped)."""
-
-    changes: dict[StoreKey, Timer | None] = field(default_factory=dict)
-    generation: int = 0
-    errors: int = 0
-    degraded: bool = False
-
-    def put(self, timer: Timer) -> None:
-        self.changes[timer.store_key] = timer
-        self.generation += 1
-
-    def drop(self, timer: Timer) -> None:
-        self.changes[timer.store_key] = None
-        self.generation += 1
-
-    def commit(self, generation: int) -> bool:
-        return True
-
-    def commit_soon(self) -> None:
-        pass
-
-    def held(self) -> set[StoreKey]:
-        return {key for key, timer in self.changes.items() if timer is not None}
+from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess, RecordingJournal
 
 
 def service_with(journal: RecordingJournal) -> Service[FakeProcess]:

@@ -12,6 +12,8 @@ from watchdogd.core import history as history_module
 from watchdogd.core.history import MAX_BUCKETS, Histogram, History, bucket_of, upper_edge
 from watchdogd.storage.history_file import HistoryFile
 
+from helpers.special_files import each_special, freed_after, make_special, moved_aside
+
 KEY = (1000, "/usr/bin/python3", "train.py:42")
 
 
@@ -129,6 +131,24 @@ def test_the_file_keeps_it_and_a_damaged_one_is_moved_aside(tmp_path: Path) -> N
     assert len(fresh) == 0
     assert not os.path.exists(path)
     assert os.path.exists(path + ".damaged")
+
+
+@each_special
+def test_a_history_that_is_no_regular_file_is_moved_aside_unread_and_written_anew(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db.history"
+    make_special(kind, path)
+    history = History()
+    file = HistoryFile(str(path), history)
+    with freed_after(path):
+        file.load()
+    moved_aside(path, kind, caplog.text)
+    history.record(KEY, 0.25)
+    file.write_now()
+    loaded = History()
+    HistoryFile(str(path), loaded).load()
+    assert list(loaded.suggestions()) == list(history.suggestions())
 
 
 def test_a_write_that_fails_keeps_the_history_and_is_tried_again(tmp_path: Path) -> None:

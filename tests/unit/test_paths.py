@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd_client.paths import SYSTEM_SOCKET, client_socket_path, user_socket_path
+from watchdogd_client.paths import (
+    SYSTEM_SOCKET,
+    Place,
+    client_socket_path,
+    find_socket,
+    user_socket_path,
+)
 
 
 def test_root_uses_the_system_socket() -> None:
@@ -35,5 +41,26 @@ def test_client_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     own.bind(str(tmp_path / "watchdogd.sock"))
     try:
         assert client_socket_path() == str(tmp_path / "watchdogd.sock")
+    finally:
+        own.close()
+
+
+def test_the_client_knows_where_its_path_came_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # What the client asks of the socket depends on it (watchdogd_client.trust).
+    monkeypatch.setenv("WATCHDOGD_SOCKET", "/from/env.sock")
+    assert find_socket("/explicit.sock") == Place("/explicit.sock", "named")
+    assert find_socket() == Place("/from/env.sock", "named")
+    monkeypatch.delenv("WATCHDOGD_SOCKET")
+    monkeypatch.setattr("os.getuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert find_socket() == Place(SYSTEM_SOCKET, "host")
+    own = socket.socket(socket.AF_UNIX)
+    own.bind(str(tmp_path / "watchdogd.sock"))
+    try:
+        found = find_socket()
+        assert found == Place(str(tmp_path / "watchdogd.sock"), "user")
+        assert find_socket(found) is found  # kept as found, e.g. by a pickled client
     finally:
         own.close()

@@ -112,6 +112,9 @@ EVIDENCE = Evidence(
     note="cut",
 )
 
+#: The number the daemon gives an arming made 12,345.5 s after boot (`Timer.arm`).
+ARMING = 4668012624728817664
+
 GOLDEN = [
     pytest.param(
         Hello(id=1, version=1, client="python/0.1.0"),
@@ -178,6 +181,22 @@ GOLDEN = [
             "67cb403e000000000000a7726561726d6564c2"
         ),
         id="Acquired-9",
+    ),
+    pytest.param(
+        Acquired(id=2, remaining=30.0, rearmed=False, arm=ARMING),
+        (
+            "0000003c85a474797065a86163717569726564a2696402a972656d61696e696e"
+            "67cb403e000000000000a7726561726d6564c2a361726dcf40c81cc000000000"
+        ),
+        id="Acquired-numbered",
+    ),
+    pytest.param(
+        Release(id=4, scope="step", arm=ARMING),
+        (
+            "0000002a84a474797065a772656c65617365a2696404a573636f7065a4737465"
+            "70a361726dcf40c81cc000000000"
+        ),
+        id="Release-numbered",
     ),
     pytest.param(
         Released(id=4, found=True),
@@ -328,6 +347,15 @@ def test_golden_bytes_decode_to_the_message(
     else:
         decoded = decode_reply(body)
     assert decoded == message
+
+
+def test_an_older_clients_own_arming_number_is_ignored() -> None:
+    """An older client sent a number of its own with each acquire (``arm``); the
+    daemon numbers armings itself now, and reads the rest of the request as ever."""
+    older = msgspec.msgpack.encode(
+        {"type": "acquire", "id": 2, "scope": "train.py:10", "timeout": 30.0, "arm": 1}
+    )
+    assert decode_request(older) == Acquire(id=2, scope="train.py:10", timeout=30.0)
 
 
 def test_a_responders_connection_reads_replies_and_the_daemons_asks() -> None:

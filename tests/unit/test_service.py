@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.timers import TimerTable
+from watchdogd.core.timers import Timer, TimerTable, Watch
 from watchdogd.errors import Refusal
 from watchdogd_client.protocol import (
     MAX_COMMAND_BYTES,
@@ -63,9 +64,9 @@ class TestAcquire:
         w = make_world()
         service = w.service
         reply = service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
-        assert reply == Acquired(id=1, remaining=5, rearmed=False)
         timer = service.table.get(ALICE.pid, "s")
         assert timer is not None
+        assert reply == Acquired(id=1, remaining=5, rearmed=False, arm=timer.arm)
         assert (timer.deadline, timer.policy, timer.uid, timer.owner) == (6.0, "kill", 1000, 1000)
         assert w.host.tracked == {ALICE.pid}
         assert w.notified == [6.0]
@@ -75,9 +76,9 @@ class TestAcquire:
         service = w.service
         service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
         reply = service.handle(Acquire(id=2, scope="s", timeout=9, policy="term"), w.alice, 2.0)
-        assert reply == Acquired(id=2, remaining=9, rearmed=True)
         timer = service.table.get(ALICE.pid, "s")
         assert timer is not None
+        assert reply == Acquired(id=2, remaining=9, rearmed=True, arm=timer.arm)
         assert (timer.deadline, timer.policy) == (11.0, "term")
         assert len(service.table) == 1
 
@@ -168,6 +169,17 @@ class TestCallerIdentity:
         assert timer is not None
         assert timer.deadline == 61.0  # untouched
 
+    def test_a_caller_the_kernel_gave_no_pidfd_for_never_arms_on_its_pids_holder(self) -> None:
+        """A kernel with SO_PEERPIDFD gives none for a peer reaped already (before
+        6.9): whoever holds its pid now is another process."""
+        service, host, _ = make_service()
+        gone = Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid, gone=True)
+        caller = service.open_connection(gone)
+        error = refusal(service, Acquire(id=1, scope="s", timeout=5), caller)
+        assert error.code == ErrorCode.NO_SUCH_PROCESS
+        assert host.opened == []
+        assert len(service.table) == 0
+
     def test_without_peer_pidfds_the_caller_is_opened_when_it_connects(self) -> None:
         service, host, _ = make_service()
         caller = service.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
@@ -241,9 +253,9 @@ class TestAuthorization:
         service.handle(Acquire(id=1, scope="s", timeout=5, pid=300), w.root, 1.0)
         w.host.processes[300] = (1000, 1000)  # it called setuid(1000)
         reply = service.handle(Acquire(id=2, scope="alice's", timeout=5, pid=300), w.alice, 1.0)
-        assert reply == Acquired(id=2, remaining=5, rearmed=False)
         timer = service.table.get(300, "alice's")
         assert timer is not None
+        assert reply == Acquired(id=2, remaining=5, rearmed=False, arm=timer.arm)
         assert timer.uid == 1000
         error = refusal(service, Release(id=3, scope="s", pid=300), w.bob)
         assert error.code == ErrorCode.PERMISSION_DENIED  # bob's uid is gone from it
@@ -272,29 +284,86 @@ class TestRelease:
 
     def test_a_release_naming_its_arming_never_disarms_a_later_one(self) -> None:
         """A release sent late (on another connection, or again after its own
-        broke) names the arming it meant: the scope armed again since stays armed."""
+        broke) names the arming it meant, by the number the daemon gave it: the
+        scope armed again since stays armed."""
         w = make_world()
         service = w.service
-        first = service.handle(Acquire(id=1, scope="s", timeout=5, arm=7), w.alice, 1.0)
+        first = service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 1.0)
+        again = service.handle(Acquire(id=2, scope="s", timeout=5), w.alice, 2.0)
         assert isinstance(first, Acquired)
-        assert first.arm == 7  # kept, and so echoed
-        service.handle(Acquire(id=2, scope="s", timeout=5, arm=8), w.alice, 2.0)
-        late = service.handle(Release(id=3, scope="s", arm=7), w.alice, 2.5)
+        assert isinstance(again, Acquired)
+        assert 0 < first.arm != again.arm > 0
+        late = service.handle(Release(id=3, scope="s", arm=first.arm), w.alice, 2.5)
         assert late == Released(id=3, found=False)
-        [timer] = w.service.table.timers_of(ALICE.pid)
-        assert timer.arm == 8
-        assert service.handle(Release(id=4, scope="s", arm=8), w.alice, 3.0) == Released(
+        [timer] = service.table.timers_of(ALICE.pid)
+        assert timer.arm == again.arm
+        assert service.handle(Release(id=4, scope="s", arm=again.arm), w.alice, 3.0) == Released(
             id=4, found=True
         )
-        # An arming of no number (an older client's, or one restored from a state
-        # that kept none) is any arming's: a release naming one disarms it.
-        service.handle(Acquire(id=5, scope="s", timeout=5), w.alice, 4.0)
-        assert service.handle(Release(id=6, scope="s", arm=9), w.alice, 4.0) == Released(
-            id=6, found=True
-        )
         # And a release that names none disarms whatever is armed, as ever.
-        service.handle(Acquire(id=7, scope="s", timeout=5, arm=10), w.alice, 5.0)
-        assert service.handle(Release(id=8, scope="s"), w.alice, 5.0) == Released(id=8, found=True)
+        service.handle(Acquire(id=5, scope="s", timeout=5), w.alice, 4.0)
+        assert service.handle(Release(id=6, scope="s"), w.alice, 4.0) == Released(id=6, found=True)
+
+    def test_a_late_release_never_disarms_roots_rearming_of_the_scope(self) -> None:
+        """A worker arms S2; root re-arms the worker's S2 (``watchdogctl arm --pid
+        W --scope S2 --timeout 600 --policy term``), in the same reading of the
+        clock; the worker's late release of its own arming leaves root's armed.
+        (Numbers that each process counted for itself were both 1 here.)"""
+        w = make_world()
+        service = w.service
+        mine = service.handle(Acquire(id=1, scope="S2", timeout=30), w.alice, 1.0)
+        roots = service.handle(
+            Acquire(id=1, scope="S2", timeout=600, policy="term", pid=ALICE.pid), w.root, 1.0
+        )
+        assert isinstance(mine, Acquired)
+        assert isinstance(roots, Acquired)
+        assert roots.rearmed
+        assert roots.arm != mine.arm
+        late = service.handle(Release(id=2, scope="S2", arm=mine.arm), w.alice, 1.5)
+        assert late == Released(id=2, found=False)
+        timer = service.table.get(ALICE.pid, "S2")
+        assert timer is not None
+        assert (timer.policy, timer.owner) == ("term", 0)
+        assert timer.deadline == pytest.approx(601.0)
+
+    def test_an_arming_after_a_release_has_a_number_of_its_own(self) -> None:
+        """Armed, released and armed again at one reading of the clock: the
+        release sent again (its answer was lost) names the first arming, and
+        leaves the second armed."""
+        w = make_world()
+        service = w.service
+        first = service.handle(Acquire(id=1, scope="s", timeout=5), w.alice, 7.0)
+        assert isinstance(first, Acquired)
+        released = Release(id=2, scope="s", arm=first.arm)
+        assert service.handle(released, w.alice, 7.0) == Released(id=2, found=True)
+        second = service.handle(Acquire(id=3, scope="s", timeout=5), w.alice, 7.0)
+        assert isinstance(second, Acquired)
+        assert second.arm != first.arm
+        assert service.handle(released, w.alice, 7.0) == Released(id=2, found=False)
+        assert service.table.get(ALICE.pid, "s") is not None
+
+    def test_a_restored_arming_is_named_by_its_number_or_by_its_clients(self) -> None:
+        """A timer restored from the state keeps its number (its arming time),
+        and one armed under a daemon that kept its client's number
+        (`Watch.client_arm`) is released by that number too; a number that names
+        neither disarms nothing."""
+        w = make_world()
+        service = w.service
+        kept = Timer(
+            pid=ALICE.pid, scope="kept", policy="kill", uid=1000, owner=1000, timeout=60.0,
+            armed_at=-5.0, deadline=55.0, start_time=1000,
+        )  # fmt: skip
+        older = msgspec.structs.replace(
+            kept, scope="older", armed_at=-4.0, watch=Watch(client_arm=3)
+        )
+        service.restore([kept, older])
+        assert older.arm != kept.arm
+        for scope, wrong in (("kept", 3), ("older", kept.arm)):
+            reply = service.handle(Release(id=1, scope=scope, arm=wrong), w.alice, 1.0)
+            assert reply == Released(id=1, found=False)
+        for scope, arm in (("kept", kept.arm), ("older", 3)):
+            reply = service.handle(Release(id=2, scope=scope, arm=arm), w.alice, 1.0)
+            assert reply == Released(id=2, found=True)
 
     def test_release_of_another_scope_leaves_the_process_tracked(self) -> None:
         w = make_world()

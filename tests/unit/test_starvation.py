@@ -188,7 +188,7 @@ class TestService:
         assert service.expire_due(2.5) == []
         extended = service.table.get(ALICE.pid, "a")
         assert extended is not None
-        assert (extended.deadline, extended.armed_at) == (7.5, 0.0)
+        assert (extended.deadline, extended.armed_at) == (7.5, armed.armed_at)
         assert extended.watch == msgspec.structs.replace(armed.watch, extended=5.0)
         assert world.notified[-1] == 7.5
         assert host.tracked == {ALICE.pid}
@@ -311,6 +311,6 @@ def test_a_watch_stored_before_it_had_these_fields_still_loads() -> None:
                 timeout=1.0, armed_at=0.0)  # fmt: skip
     encoded = msgspec.msgpack.encode(old)
     fields = msgspec.msgpack.decode(encoded)
-    fields[-2] = [None, 0.0, 0.0, ""]  # the watch: the last field but the arm
+    fields[-1] = [None, 0.0, 0.0, ""]  # the watch: the last field
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Timer)
     assert decoded.watch == Watch()

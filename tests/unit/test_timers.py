@@ -3,6 +3,7 @@ who sees what, by example and against a model (hypothesis)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Never
 
@@ -68,6 +69,36 @@ def test_disarm_returns_the_handle_with_the_last_timer() -> None:
     assert gone is handle
     assert table.process(10) is None
     assert table.disarm(10, "y") == (None, None)
+
+
+def test_a_disarm_that_names_an_arming_takes_that_arming_only() -> None:
+    table: TimerTable[Handle] = TimerTable()
+    handle = Handle(10)
+    arm(table, handle, "x", 5, now=1.0)
+    first = table.get(10, "x")
+    arm(table, handle, "x", 5, now=2.0)
+    second = table.get(10, "x")
+    assert first is not None
+    assert second is not None
+    assert table.disarm(10, "x", first.arm) == (None, None)
+    assert table.get(10, "x") is second
+    assert table.disarm(10, "x", second.arm) == (second, handle)
+
+
+def test_an_armings_number_is_one_to_one_with_its_arming_time() -> None:
+    """Positive arming times (the daemon's CLOCK_MONOTONIC) give positive numbers
+    below 2**63, as a release's `Arm` must be, in the order of the times, each
+    time its own: the next float after one gives the next number."""
+    times = [5e-324, 1e-300, 0.5, 12345.5, math.nextafter(12345.5, math.inf), 1e9, 1e300]
+    numbers = [
+        Timer(deadline=0.0, pid=1, scope="s", policy="kill", uid=0, owner=0, timeout=1.0,
+              armed_at=at).arm
+        for at in times
+    ]  # fmt: skip
+    assert numbers == sorted(set(numbers))
+    assert numbers[0] >= 1
+    assert numbers[-1] < 2**63
+    assert numbers[4] == numbers[3] + 1
 
 
 def test_pop_due_marks_orphaned_processes() -> None:

@@ -16,7 +16,8 @@ from ..core.config import Config
 from ..errors import ConfigError, DaemonError
 from ..host.systemd import inherited_listener
 from ..logs import LEVELS, set_level, setup
-from ..runtime.daemon import load_config, run
+from ..runtime.daemon import run
+from ..runtime.reload import load_config
 from ..runtime.server import Listener
 from ..runtime.textfile import write_textfile
 from ..storage.store import default_state_path

@@ -15,6 +15,12 @@ Rules kept here:
   has armed.
 - A timer whose policy has ``starvation_grace`` is measured when it is armed
   (`watchdogd.core.firing` judges it at its deadline); only such timers pay for it.
+- Every arming has a number of its own, the daemon's (`Timer.arm`: its arming
+  time, kept later than every arming before it, so never the number of another
+  arming of this daemon or of one before it on this boot, whose clock is the
+  same CLOCK_MONOTONIC), and the acquire's reply names it. A release that names a
+  number disarms only the arming of that number: never a newer one, whoever made
+  it.
 - A process that asks for it may have a scope it arms registered for the fast
   path (`watchdogd.core.slots`), when nothing of the arm needs more than a store
   can say (no ``stall``, no starvation grace, no progress): its later blocks arm
@@ -63,7 +69,7 @@ from .lifecycle import Lifecycle
 from .policies import Policy
 from .ports import Journal, P, ProcessPort
 from .rules import Rules
-from .slots import Slot, Slots
+from .slots import Slots
 from .timers import SlotRef, Timer, TimerTable, Watch
 
 
@@ -110,6 +116,9 @@ class Arming(Generic[P]):
         self._connections: Counter[int] = Counter()
         #: Seconds a restart may take at the timer cap (set once the state loaded).
         self.restart_estimate = 0.0
+        #: The time of the latest arming (`acquire`): each one's is later, so its
+        #: number (`Timer.arm`) is its own. Positive, as a number must be.
+        self._armed_last = 0.0
 
     @property
     def connections(self) -> int:
@@ -131,7 +140,7 @@ class Arming(Generic[P]):
         self._connections[peer.uid] += 1
         self._metrics.connections_total += 1
         caller: Caller[P] = Caller(peer)
-        if peer.pidfd is None:
+        if peer.pidfd is None and not peer.gone:
             # Without SO_PEERPIDFD the caller is found by pid: do it while it is
             # surely the process that just connected, not on its first request.
             with contextlib.suppress(Refusal):
@@ -169,6 +178,11 @@ class Arming(Generic[P]):
 
     def acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
         """Arm (or re-arm) the timer ``request`` names, for ``caller``."""
+        if now <= self._armed_last:
+            # Armings at one reading of the clock (a batch of requests, a coarse
+            # clock) are told apart by the smallest step a float takes: one ulp,
+            # some picoseconds at any uptime.
+            now = math.nextafter(self._armed_last, math.inf)
         self._check_bounds(request)
         policy, chosen = self._rules.chosen(request.policy, caller.peer.uid)
         # Authorization comes before the limits: whether the timer exists decides
@@ -177,15 +191,8 @@ class Arming(Generic[P]):
         process = self._target(request.pid, caller, now)
         try:
             previous = self._table.get(process.pid, request.scope)
-            wants_slot = (
-                request.slot
-                and request.pid is None
-                and request.progress is None
-                and not request.exit_releases
-                and not chosen.stall
-                and not chosen.starvation_grace
-            )
-            slot = self._registered(previous, process, wants_slot, now)
+            wants_slot = _wants_slot(request, chosen)
+            kept = self._registered(previous, process, wants_slot, now)
             if previous is None:
                 self._check_timer_limits(caller.peer, now)
             timeout, timeout_from = request.timeout, ""
@@ -193,12 +200,8 @@ class Arming(Generic[P]):
                 timeout, timeout_from = self._history.timeout(
                     self._history_key(process, request.scope), request.auto.floor, request.timeout
                 )
-            ref = None
-            if slot is not None:
-                assert previous is not None
-                assert previous.watch is not None
-                ref = previous.watch.slot
-            elif wants_slot:
+            ref = kept
+            if ref is None and wants_slot:
                 ref = self._slots.register(process, request.scope, timeout, now)
             deadline = now + timeout
             watch = None
@@ -220,8 +223,8 @@ class Arming(Generic[P]):
                 watch=watch,
                 # A registration's deadline in the table is the next look at its slot.
                 deadline=deadline if ref is None else min(deadline, now + ref.period),
-                arm=request.arm or 0,
             )
+            self._armed_last = now
             if entering:
                 process.retain()
                 self._processes.track(process)
@@ -254,13 +257,14 @@ class Arming(Generic[P]):
 
     def _registered(
         self, previous: Timer | None, process: P, wanted: bool, now: float
-    ) -> Slot | None:
+    ) -> SlotRef | None:
         """The slot of ``previous``, the registered timer this arm replaces, when
-        the arm keeps it (its own process, wanting one); closed otherwise."""
+        the arm keeps it (its own process, wanting one, its page still there);
+        closed otherwise."""
         if previous is None or previous.watch is None or previous.watch.slot is None:
             return None
-        if wanted:
-            return self._slots.slot_of(previous, process, now)
+        if wanted and self._slots.slot_of(previous, process, now) is not None:
+            return previous.watch.slot
         self._slots.revoke(previous)
         return None
 
@@ -388,6 +392,8 @@ class Arming(Generic[P]):
         """
         own = caller.process
         if own is None:
+            if caller.peer.gone:
+                raise _exited(caller)
             own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
         held = self._table.process(own.pid)
         if held is None or held is own or held.start_time == own.start_time:
@@ -403,6 +409,30 @@ class Arming(Generic[P]):
             )
         process.retain()
         return process
+
+    def connecting_process(self, caller: Caller[P]) -> P:
+        """The exact process that opened ``caller``'s connection, while it has not
+        exited: a handle the connection keeps for its life (`close_connection`
+        lets it go). Raises `Refusal` (no_such_process) once that process has
+        exited, a zombie included: a connection that outlived its process (a child
+        of a fork kept the socket) speaks for nobody.
+
+        With SO_PEERPIDFD the handle comes from the connection's own pidfd, so it
+        is that process whoever holds its pid now. Without, it was opened by pid
+        when the connection was taken (`open_connection`): a caller gone by then
+        (or one the kernel gave no pidfd for: `Peer.gone`) has none, and is never
+        looked for by its pid again.
+        """
+        own = caller.process
+        if own is None and caller.peer.pidfd is not None:
+            try:
+                own = caller.process = self._processes.open(caller.peer.pid, caller.peer)
+            except Refusal as refusal:
+                if refusal.code != ErrorCode.NO_SUCH_PROCESS:
+                    raise
+        if own is None or self._processes.exited(own):
+            raise _exited(caller)
+        return own
 
     def _check_timer_limits(self, peer: Peer, now: float) -> None:
         limits = self._rules.daemon
@@ -421,6 +451,28 @@ class Arming(Generic[P]):
                 ErrorCode.LIMIT_EXCEEDED,
                 f"uid {peer.uid} has {limits.max_timers_per_uid} timers armed, its limit",
             )
+
+
+def _exited(caller: Caller[P]) -> Refusal:
+    """The refusal of a request about itself on a connection whose process exited."""
+    return Refusal(
+        ErrorCode.NO_SUCH_PROCESS,
+        f"the process that opened this connection (pid {caller.peer.pid}) has exited; "
+        "a connection speaks only for the process that opened it",
+    )
+
+
+def _wants_slot(request: Acquire, policy: Policy) -> bool:
+    """Whether ``request`` registers its scope for the fast path: the caller asks,
+    for itself, and nothing of the arm needs more than a store can say."""
+    return (
+        request.slot
+        and request.pid is None
+        and request.progress is None
+        and not request.exit_releases
+        and not policy.stall
+        and not policy.starvation_grace
+    )
 
 
 def _watch(

@@ -58,6 +58,8 @@ _LEVELS: Final = {
     "reload_failed": Level.ERROR,
     "state_degraded": Level.ERROR,
     "state_restored": Level.WARNING,
+    "record_damaged": Level.ERROR,
+    "record_cut": Level.WARNING,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -23,11 +23,15 @@ Invariants:
   deadline has passed, on that deadline.
 - A timer restored at a start (armed before it) that falls due within
   `RESTART_GRACE` of the start is held until the grace ends, back in the table on
-  that deadline in memory alone: its worker's release may be on its way, sent while
-  the daemon was down, and a client sends it again as soon as it has reconnected.
-  Its expiry, if no release comes, keeps its own deadline (its event says how late
-  and why). A policy that was in progress resumes at once, held by nothing, and so
-  does a registered scope's block: its slot says whether it was released.
+  that deadline: its worker's release may be on its way, sent while the daemon
+  was down, and a client sends it again as soon as it has reconnected. The grace
+  is the arming's, once: when it ends is recorded with the timer in the state
+  (`Watch.held_until`, beside the deadline it was armed with), and a later start
+  holds it until then at most, so a daemon that restarts in a loop fires it when
+  that grace ends, or at the first start after. Its expiry, if no release comes,
+  keeps its own deadline (its event says how late and why). A policy that was in
+  progress resumes at once, held by nothing, and so does a registered scope's
+  block: its slot says whether it was released.
 - A due timer whose policy starts with a signal to its process, and that nothing
   else is made of (no hold, no starvation grace, no job), may be taken out as a
   `Due` (`Firing.take_due`): its signal goes out before its firing record is made
@@ -61,7 +65,7 @@ from .identity import ROOT
 from .incidents import IncidentLog
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import Journal, P, ProcessPort
-from .responders import Responders
+from .responders import Responder, Responders
 from .rules import Rules
 from .slots import Slots
 from .starvation import Verdict, judge_due
@@ -91,17 +95,24 @@ class Due(msgspec.Struct, Generic[P], frozen=True):
 
 class RestartGrace(Generic[P]):
     """The timers restored at a start (armed before it) that fall due within
-    `RESTART_GRACE` of it: each is held until the grace ends, back in the table
-    on that deadline in memory alone (the state keeps the deadline it was armed
-    with), and then fires with its own deadline and a note that says why late."""
+    `RESTART_GRACE` of it: each is held until its grace ends, back in the table
+    on that deadline (the state keeps the deadline it was armed with, and when
+    its grace ends), and then fires with its own deadline and a note that says
+    why late. A timer given its grace by an earlier start is held until that
+    grace ends, and no longer."""
 
     def __init__(
-        self, table: TimerTable[P], on_deadline: Callable[[float], None], started: float
+        self,
+        table: TimerTable[P],
+        journal: Journal,
+        on_deadline: Callable[[float], None],
+        started: float,
     ) -> None:
         self._table = table
+        self._journal = journal
         self._on_deadline = on_deadline
         self._started = started
-        #: When the grace ends, on the table's clock.
+        #: When the grace this start gives ends, on the table's clock.
         self.until = started + RESTART_GRACE
         #: The deadlines, as armed, of the restored timers held until then.
         self._held: dict[StoreKey, float] = {}
@@ -111,21 +122,42 @@ class RestartGrace(Generic[P]):
         before this time (minus infinity once the grace is over)."""
         return self._started if self._held or now < self.until else -math.inf
 
-    def hold(self, item: Expired[P]) -> None:
-        """Put the timer of ``item`` back in the table until the grace ends."""
+    def ends(self, timer: Timer) -> float:
+        """When the grace of ``timer``, restored and due, ends: the one an earlier
+        start gave it, if any, else this start's."""
+        watch = timer.watch
+        if watch is None or watch.held_until is None:
+            return self.until
+        return watch.held_until
+
+    def hold(self, item: Expired[P], until: float) -> None:
+        """Put the timer of ``item`` back in the table until ``until``, when its
+        grace ends; recorded with it in the state, unless it was already."""
         timer = item.timer
-        self._held.setdefault(timer.store_key, timer.deadline)
-        self._table.put(item.process, msgspec.structs.replace(timer, deadline=self.until))
-        self._on_deadline(self.until)
+        armed = self._held.setdefault(timer.store_key, timer.deadline)
+        watch = Watch() if timer.watch is None else timer.watch
+        if watch.held_until != until:
+            watch = msgspec.structs.replace(watch, held_until=until)
+            self._journal.put(msgspec.structs.replace(timer, deadline=armed, watch=watch))
+            self._journal.commit_soon()
+        self._table.put(item.process, msgspec.structs.replace(timer, deadline=until, watch=watch))
+        self._on_deadline(until)
 
     def ended(self, item: Expired[P]) -> Expired[P]:
-        """``item`` with the deadline its timer was armed with, and a note, when it
-        was held."""
-        deadline = self._held.pop(item.timer.store_key, None)
-        if deadline is None:
-            return item
-        timer = msgspec.structs.replace(item.timer, deadline=deadline)
-        note = f"held {RESTART_GRACE:g}s after the restart for a release on its way"
+        """``item`` whose grace is over, with the deadline its timer was armed with
+        and a note that says it was held."""
+        timer = item.timer
+        deadline = self._held.pop(timer.store_key, timer.deadline)
+        until = self.ends(timer)
+        if deadline == timer.deadline and until == self.until:
+            return item  # restored due after its grace ended: never held
+        note = (
+            f"held {RESTART_GRACE:g}s after the restart for a release on its way"
+            if until == self.until
+            else f"held {RESTART_GRACE:g}s after an earlier restart for a release on its "
+            "way, and no longer: the grace is given once an arming"
+        )
+        timer = msgspec.structs.replace(timer, deadline=deadline)
         return msgspec.structs.replace(item, timer=timer, note=note)
 
     def passed(self, now: float) -> None:
@@ -162,9 +194,9 @@ class Firing(Generic[P]):
         self._rules = rules
         self._responders = Responders() if responders is None else responders
         self._slots = slots
-        #: Ranks of incidents that hold no timer but respond: (incident, pid) for
-        #: the runtime to ask for evidence (`take_asks`).
-        self._asks: list[tuple[str, int]] = []
+        #: Ranks of incidents that hold no timer but respond: (incident, responder)
+        #: for the runtime to ask for evidence (`take_asks`).
+        self._asks: list[tuple[str, Responder]] = []
         self._table = table
         self._processes = processes
         self._journal = journal
@@ -185,7 +217,7 @@ class Firing(Generic[P]):
         self._jobs: dict[tuple[int, str], int] = {}
         #: Grows whenever a job gains its first firing timer or loses its last.
         self.jobs_changed = 0
-        self._grace = RestartGrace(table, on_deadline, started)
+        self._grace = RestartGrace(table, journal, on_deadline, started)
 
     def __len__(self) -> int:
         return len(self._firing)
@@ -263,8 +295,9 @@ class Firing(Generic[P]):
         for popped in expired:
             item = popped
             if item.timer.armed_at < held_before and not _registered(item.timer):
-                if now < self._grace.until:
-                    self._grace.hold(item)
+                until = self._grace.ends(item.timer)
+                if now < until:
+                    self._grace.hold(item, until)
                     put_back = True
                     continue
                 item = self._grace.ended(item)
@@ -529,11 +562,11 @@ class Firing(Generic[P]):
                     note="holds no timer of the job; its responder was asked",
                 ),
             )
-            self._asks.append((incident, responder.pid))
+            self._asks.append((incident, responder))
 
-    def take_asks(self) -> list[tuple[str, int]]:
-        """The (incident, pid) of each rank whose evidence is wanted that no policy
-        of it dumps, since the last call."""
+    def take_asks(self) -> list[tuple[str, Responder]]:
+        """The incident and the responder of each rank whose evidence is wanted
+        that no policy of it dumps, since the last call."""
         asks, self._asks = self._asks, []
         return asks
 

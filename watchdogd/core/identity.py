@@ -19,12 +19,17 @@ ROOT: Final = 0
 @dataclass(slots=True, frozen=True)
 class Peer:
     """The process at the other end of a connection, as the kernel reported it when
-    it connected (SO_PEERCRED). ``pidfd`` is None on kernels without SO_PEERPIDFD."""
+    it connected (SO_PEERCRED). ``pidfd`` is None on kernels without SO_PEERPIDFD,
+    and when the kernel has it but gave none (``gone``)."""
 
     pid: int
     uid: int
     gid: int
     pidfd: int | None = None
+    #: The kernel has SO_PEERPIDFD and gave no pidfd: the process that connected
+    #: had exited and been reaped (kernels before 6.9 give none for such a one),
+    #: so its pid may be another process's already, and is never opened.
+    gone: bool = False
 
 
 def may_signal(sender: int, real_uid: int, saved_uid: int) -> bool:

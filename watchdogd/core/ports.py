@@ -96,6 +96,10 @@ class ProcessPort(Protocol[P]):
     def alive(self, process: P) -> bool:
         """Whether the process still holds its pid."""
 
+    def exited(self, process: P) -> bool:
+        """Whether the process has exited: a zombie has, though it still holds its
+        pid (`alive`)."""
+
     def refresh(self, process: P) -> bool:
         """Read its real and saved uid again, into the handle; False when it has
         exited (the handle then keeps the old ones)."""

@@ -78,7 +78,7 @@ from .logline import LogSink, NullSink, RateLimitedLog, Throttle
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
-from .responders import Responders
+from .responders import Responder, Responders
 from .rules import Rules
 from .slots import Slots
 from .timers import Expired, Timer, TimerTable
@@ -342,14 +342,17 @@ class Service(Generic[P]):
         return page
 
     def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
-        """A responder's `Respond`, or its `Evidence` (whoever asked for it takes it
-        from the connection: `watchdogd.runtime.responders`)."""
-        peer = caller.peer
+        """A responder's `Respond`, which binds it to the exact process that opened
+        its connection, alive (`Arming.connecting_process`); or its `Evidence`,
+        taken only on the connection its process responds on now (whoever asked
+        for it takes it from there: `watchdogd.runtime.responders`)."""
         if isinstance(request, Respond):
-            self.responders.register(peer.pid, peer.uid, request)
-        elif self.responders.get(peer.pid) is None:
+            process = self.arming.connecting_process(caller)
+            self.responders.register(process, caller.peer.uid, request)
+        elif caller.process is None or not self.responders.registered(caller.process):
             raise Refusal(
-                ErrorCode.INVALID_REQUEST, "evidence is taken only from a responder, after respond"
+                ErrorCode.INVALID_REQUEST,
+                "evidence is taken only on the connection a process responds on, after respond",
             )
         return Responding(id=request.id)
 
@@ -398,7 +401,7 @@ class Service(Generic[P]):
         """`Firing.dump_taken`."""
         self.expiries.dump_taken(timer, reader, evidence, flight)
 
-    def take_asks(self) -> list[tuple[str, int]]:
+    def take_asks(self) -> list[tuple[str, Responder]]:
         """`Firing.take_asks`."""
         return self.expiries.take_asks()
 

@@ -13,9 +13,10 @@ buffer, and says when the connection must close. Invariants:
 - Every request is counted once, by op and result, when it is answered.
 - ``shown`` is the highest event number a reply of the connection carried (its
   runtime sends the reply once that event is written: `watchdogd.runtime.server`).
-- A connection whose `Respond` was taken is a responder's (``responder``): an
-  `Evidence` it sends is answered and handed back to the connection, which gives it
-  to whoever asked on it (`watchdogd.runtime.responders`).
+- A connection whose `Respond` was taken is a responder's (``responder``): each
+  `Respond` taken, and each `Evidence` it sends, is answered and handed back to the
+  connection, which binds its asks to the process (`watchdogd.runtime.server`) and
+  gives the evidence to whoever asked on it (`watchdogd.runtime.responders`).
 - A `MapPage` that was answered is handed back too: its reply must leave with the
   page's descriptor (`watchdogd.runtime.server`).
 """
@@ -66,12 +67,13 @@ class Session:
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
-    ) -> bool | Events | Evidence | MapPage:
+    ) -> bool | Events | Respond | Evidence | MapPage:
         """Handle one frame body, appending the reply to ``out``. Returns False when
         the connection must close after ``out`` is sent, (when ``may_wait``) the
         `Events` request to answer with `answer` once an event happens or its wait
-        runs out, the `Evidence` a responder sent, answered already, or the
-        `MapPage` whose reply (the last in ``out``) goes with a descriptor."""
+        runs out, the `Respond` taken or the `Evidence` a responder sent, answered
+        already, or the `MapPage` whose reply (the last in ``out``) goes with a
+        descriptor."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -104,7 +106,7 @@ class Session:
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
-    ) -> bool | Events | Evidence | MapPage:
+    ) -> bool | Events | Respond | Evidence | MapPage:
         """Handle a decoded request, appending its reply to ``out``."""
         result = "ok"
         reply: ReplyMessage
@@ -142,11 +144,10 @@ class Session:
         encode_frame_into(reply, out)
         if isinstance(reply, EventsReply | WhyReply):
             self.shown = max(self.shown, _shown(reply))
-        if isinstance(reply, Responding):
+        if isinstance(reply, Responding) and isinstance(request, Respond | Evidence):
             if isinstance(request, Respond):
                 self.responder = True
-            elif isinstance(request, Evidence):
-                return request
+            return request
         if isinstance(reply, PageMapped) and isinstance(request, MapPage):
             return request
         return True

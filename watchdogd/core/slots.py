@@ -267,7 +267,7 @@ class Slots(Generic[P]):
         deadline = self._bounded(word, now)
         self._busy(timer, slot, deadline)
         if deadline > now:
-            self._put(item, min(deadline, now + slot.period), began=deadline - timer.timeout)
+            self._put(item, min(deadline, now + slot.period))
             return None
         self._slots.pop(timer.key, None)
         slot.page.write(slot.index, period=0)
@@ -316,15 +316,11 @@ class Slots(Generic[P]):
                 if not idle:
                     del self._idle[timer.owner]
 
-    def _put(self, item: Expired[P], look: float, *, began: float | None = None) -> None:
+    def _put(self, item: Expired[P], look: float) -> None:
         """Back in the table until ``look`` (in memory only: the state keeps an
-        earlier look, never a later one)."""
-        timer = item.timer
-        if began is None or began == timer.armed_at:
-            moved = msgspec.structs.replace(timer, deadline=look)
-        else:
-            moved = msgspec.structs.replace(timer, deadline=look, armed_at=began)
-        self._table.put(item.process, moved)
+        earlier look, never a later one). Its arming time, and so its number,
+        stays the registration's."""
+        self._table.put(item.process, msgspec.structs.replace(item.timer, deadline=look))
         self._on_deadline(look)
 
     # Closing, retiring, dropping.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import struct
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
@@ -57,6 +58,8 @@ Key = tuple[int, str]
 #: Where the state keeps a timer: its key, and 0 while it is armed or its firing
 #: number once it fell due (so a firing record and a re-arm of the same key coexist).
 StoreKey = tuple[int, str, int]
+#: An arming time as the 8 bytes of its IEEE 754 double (`Timer.arm`).
+_DOUBLE = struct.Struct("<d")
 
 
 class Timer(
@@ -81,8 +84,11 @@ class Timer(
     themselves. ``seq`` tells apart the armed timers that share a deadline, in the
     order they were armed; it is 0 for all others (`Deadlines.insert`).
 
-    ``arm`` is the number its client gave this arming (`Acquire.arm`; 0 for none):
-    a release that names another number is late and leaves it armed.
+    Its arming's number (`arm`, sent as `Acquired.arm`) is its ``armed_at``, which
+    the daemon keeps distinct from every other arming's (`Arming.acquire`): a
+    release that names another number is late, or about an arming made before
+    this one, and leaves it armed. (The arming time is a float the timer holds
+    anyway; a counter of its own would be an int object a timer.)
 
     (A Struct without GC tracking: one is made per acquire, and it holds only
     scalars and Structs of scalars; its size moves in steps of 16 bytes, Python's
@@ -106,11 +112,24 @@ class Timer(
     firing: int = 0
     run: Run | None = None
     watch: Watch | None = None
-    arm: int = 0
 
     @property
     def key(self) -> Key:
         return (self.pid, self.scope)
+
+    @property
+    def arm(self) -> int:
+        """The number of this arming: the bits of ``armed_at`` (a positive float,
+        so a positive integer below 2**63, as `Release.arm` requires), one to one
+        with the arming time, so exact through the state and the wire."""
+        return int.from_bytes(_DOUBLE.pack(self.armed_at), "little")
+
+    def armed_as(self, arm: int) -> bool:
+        """Whether ``arm`` names this arming: its own number, or the number its
+        client gave it under a daemon that kept clients' numbers
+        (`Watch.client_arm`)."""
+        watch = self.watch
+        return arm == self.arm or (watch is not None and arm == watch.client_arm)
 
     @property
     def store_key(self) -> StoreKey:
@@ -189,6 +208,14 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
       its deadline to judge starvation by; ``extended`` the seconds of grace it
       was given as starved (0 until then: once per arming). Every arming measures
       anew and has its grace back.
+    - ``client_arm``: the number its client gave this arming, for a timer armed
+      before schema 7, when clients numbered their own armings (0: none). A
+      release from that client names it (the daemon of the day echoed it); every
+      arming since is named by the daemon (`Timer.arm`).
+    - ``held_until``: when the restart grace this arming was given ends
+      (`watchdogd.core.firing.RestartGrace`; None until a start gives it): a
+      later start holds it no longer, so once an arming, however often the
+      daemon restarts.
     - ``slot``: the slot of a scope registered for the fast path (`SlotRef`): its
       blocks arm and release by stores there, so this timer's ``deadline`` is the
       daemon's next look at the slot, not the block's (`watchdogd.core.slots`).
@@ -204,6 +231,8 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     group_rank: int | None = None
     baseline: Sample | None = None
     extended: float = 0.0
+    client_arm: int = 0
+    held_until: float | None = None
     slot: SlotRef | None = None
 
 
@@ -394,7 +423,6 @@ class TimerTable(Generic[P]):
         exit_releases: bool = False,
         watch: Watch | None = None,
         deadline: float | None = None,
-        arm: int = 0,
     ) -> tuple[Timer, bool]:
         """Arm or re-arm ``(process.pid, scope)`` to expire at ``deadline``
         (``now + timeout`` unless given); returns the timer and whether it
@@ -421,7 +449,6 @@ class TimerTable(Generic[P]):
                 start_time=start_time,
                 exit_releases=exit_releases,
                 watch=watch,
-                arm=arm,
             ),
         )
         previous = tracked.put(timer)
@@ -546,16 +573,16 @@ class TimerTable(Generic[P]):
         return processes
 
     def disarm(self, pid: int, scope: str, arm: int = 0) -> tuple[Timer | None, P | None]:
-        """Disarm ``(pid, scope)``; with ``arm``, only the arming of that number (a
-        timer armed with none is any). Returns the timer (None if none was armed, or
-        another arming is) and the process handle if it left the table (its last
-        timer went)."""
+        """Disarm ``(pid, scope)``; with ``arm``, only the arming that number names
+        (`Timer.armed_as`). Returns the timer (None if none was armed, or another
+        arming is) and the process handle if it left the table (its last timer
+        went)."""
         tracked = self._processes.get(pid)
         if tracked is None:
             return None, None
         if arm:
             armed = tracked.get(scope)
-            if armed is not None and armed.arm and armed.arm != arm:
+            if armed is not None and not armed.armed_as(arm):
                 return None, None
         timer = tracked.pop(scope)
         if timer is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
 import signal
 import socket
 import struct
@@ -53,9 +54,12 @@ def peer_of(sock: socket.socket) -> Peer:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
     pid, uid, gid = _CREDENTIALS.unpack(raw)
     try:
-        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
-        pidfd = None
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        # ENOPROTOOPT: a kernel without the option, whose caller is opened by pid
+        # while it is surely the process that connected. Any other error: the
+        # kernel has it, and the process that connected is gone already.
+        return Peer(pid=pid, uid=uid, gid=gid, gone=exc.errno != errno.ENOPROTOOPT)
     return Peer(pid=pid, uid=uid, gid=gid, pidfd=pidfd)
 
 
@@ -123,6 +127,10 @@ class Process:
         """Whether the process still holds its pid (running, stopped or a zombie)."""
         return holds_pid(self.fd)
 
+    def exited(self) -> bool:
+        """Whether the process has exited, a zombie included (`has_exited`)."""
+        return has_exited(self.fd)
+
     def refresh(self) -> bool:
         """Read the real and saved uid again; False, with nothing changed, when the
         process has exited.
@@ -177,6 +185,14 @@ def holds_pid(pidfd: int) -> bool:
     except PermissionError:
         return True  # it exists; we may merely not signal it
     return True
+
+
+def has_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited: its pidfd is readable from its
+    exit on, while it is a zombie too (which still holds its pid: `holds_pid`)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def open_process(pid: int, peer: Peer | None = None) -> Process:

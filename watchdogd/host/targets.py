@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 from typing import Final
 
@@ -62,6 +61,7 @@ from .process import (
     Process,
     children_of,
     command_of,
+    has_exited,
     holds_pid,
     read_stat,
     read_uids,
@@ -89,9 +89,7 @@ class Member:
 
     def exited(self) -> bool:
         """Whether the process has exited (its pidfd is readable)."""
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return has_exited(self.fd)
 
     def send(self, signum: int) -> bool | None:
         """Signal it; False if it is gone, None if the daemon may not (EPERM: it

@@ -7,12 +7,19 @@ cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
 Signals: SIGTERM and SIGINT stop it cleanly (connections close, the socket file it
 created is removed, no timer fires on the way out, and a policy in progress is
 abandoned); SIGHUP reloads the config file, keeping the old config when the new one is
-invalid, and never changes a log level given on the command line. The ``watchdogd``
-command blocks SIGHUP before it reads its config (`watchdogd.cli.watchdogd`); `run`
-unblocks it once its receiver is in place, so a SIGHUP sent while the daemon reads its
-config, binds its socket or loads its state is a reload once it is up, not a hang-up
-that kills it. (Before the command's code runs at all, while the interpreter imports
-its modules, SIGHUP still has its default action.)
+invalid, and never changes a log level given on the command line; the file is read in
+a worker thread (`watchdogd.runtime.reload`), so the timers never wait on it. The
+``watchdogd`` command blocks SIGHUP before it reads its config
+(`watchdogd.cli.watchdogd`); `run` unblocks it once its receiver is in place, so a
+SIGHUP sent while the daemon reads its config, binds its socket or loads its state is
+a reload once it is up, not a hang-up that kills it. (Before the command's code runs
+at all, while the interpreter imports its modules, SIGHUP still has its default
+action.)
+
+The state's files (database, journals, record, history) are read at start before any
+task runs, each opened without blocking and only if it is a regular file
+(`watchdogd.storage.files`): anything else at their names is moved aside, and the
+daemon starts on what is left.
 
 A daemon that cannot start (its state file is held by another daemon, say) removes
 the socket file it created.
@@ -24,7 +31,6 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
-import grp
 import itertools
 import math
 import os
@@ -40,7 +46,7 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from .._version import __version__
-from ..core.config import Config, lockouts, parse_config
+from ..core.config import Config
 from ..core.identity import ROOT, Peer
 from ..core.ports import PageRef
 from ..core.service import Later, Restored, Service
@@ -48,17 +54,17 @@ from ..core.starvation import Sample
 from ..core.timers import Timer
 from ..errors import ConfigError
 from ..host import slot_pages
-from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.exits import ExitWatcher
 from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process
 from ..host.systemd import Notifier, watchdog_interval
 from ..host.users import UserNames
-from ..logs import LoggingSink, log, logfmt, set_level
+from ..logs import LoggingSink, log, logfmt
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
+from .reload import Reloads
 from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
@@ -83,6 +89,9 @@ class HostProcesses:
 
     def alive(self, process: Process) -> bool:
         return process.alive()
+
+    def exited(self, process: Process) -> bool:
+        return process.exited()
 
     def refresh(self, process: Process) -> bool:
         return process.refresh()
@@ -259,9 +268,11 @@ async def run(
                 await daemon.start(nursery)
                 task_status.started(daemon.service)
                 if signals is not None:
+                    reloads = Reloads(daemon.service, config_path, log_level)
+                    await nursery.start(reloads.run)
                     async for signum in signals:
                         if signum == signal.SIGHUP:
-                            reload(daemon.service, config_path, log_level)
+                            reloads.ask()
                             continue
                         log.info(logfmt("stopping", signal=signal.Signals(signum).name))
                         daemon.notifier.send("STOPPING=1")
@@ -559,54 +570,6 @@ def restart_estimate(load_seconds: float, loaded: int, max_timers: int) -> float
     return round(2 * (_START + per_timer * max_timers), 1)
 
 
-def load_config(path: str, *, mountinfo: str = MOUNTINFO) -> Config:
-    """Read and decode the config file at ``path``, and check that this host can
-    carry out its policies: a ``cgroup`` target needs the cgroup v2 hierarchy
-    mounted (as the mount table ``mountinfo`` lists it)."""
-    try:
-        with open(path, "rb") as config_file:
-            data = config_file.read()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
-    config = parse_config(data, path)
-    group = config.daemon.socket_group
-    if isinstance(group, str):
-        try:
-            grp.getgrnam(group)
-        except KeyError:
-            raise ConfigError(
-                f"{path}: daemon.socket_group: no group named {group!r} on this host; "
-                "create it (groupadd) or name another"
-            ) from None
-    _check_cgroup_targets(config, path, mountinfo)
-    for warning in lockouts(config):
-        log.warning(logfmt("config_warning", path=path, note=warning))
-    return config
-
-
-def _check_cgroup_targets(config: Config, path: str, mountinfo: str) -> None:
-    keys = [
-        f"policies.{name}.target"
-        for name, table in config.policies.items()
-        if table.target == "cgroup"
-    ]
-    if not keys:
-        return
-    try:
-        hierarchy = host_hierarchy(mountinfo)
-    except OSError as exc:
-        raise ConfigError(
-            f"{path}: {keys[0]}: 'cgroup' needs the cgroup v2 hierarchy, and {mountinfo} "
-            f"cannot be read to find it: {exc.strerror}"
-        ) from None
-    if hierarchy is None:
-        raise ConfigError(
-            f"{path}: {', '.join(keys)}: 'cgroup' needs the cgroup v2 hierarchy, and this "
-            "host has none mounted (only cgroup v1 controllers, if any); use 'tree' or "
-            "'group', or mount cgroup2 (systemd.unified_cgroup_hierarchy=1)"
-        )
-
-
 def incident_ids(host: str) -> Callable[[], str]:
     """The maker of this run's incident ids: ``HOST-RUNN``, a random run tag and a
     count, so that the ids of a restarted daemon never meet those it gave before."""
@@ -624,31 +587,6 @@ def _status_line(service: Service[Process]) -> str:
     if service.fleet_state:
         line += f"; fleet {service.fleet_state}"
     return line
-
-
-def reload(
-    service: Service[Process], config_path: str | None, log_level: str | None = None
-) -> bool:
-    """Re-read the config file and apply it; on any error keep the old config.
-    ``log_level`` (the command line's) stays in force over the file's. Records a
-    ``reloaded`` or ``reload_failed`` event either way."""
-    if config_path is None:
-        note = "no config file was given at start; nothing to reload"
-        ok = False
-    else:
-        try:
-            config = load_config(config_path)
-        except ConfigError as exc:
-            note = f"kept the old config: {exc}"
-            ok = False
-        else:
-            service.reconfigure(config)
-            set_level(log_level or config.daemon.log_level)
-            count = len(service.policies)
-            note = f"{config_path}: {count} policies, default {service.default_policy!r}"
-            ok = True
-    service.record_reload(ok, note)
-    return ok
 
 
 def _exposition(counters: Counters, gauges: Mapping[str, tuple[str, float]]) -> str:

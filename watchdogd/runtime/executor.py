@@ -211,8 +211,10 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
-        for incident, pid in self._service.take_asks():
-            self._nursery.start_soon(self._gatherer.ask_rank, incident, pid)
+        for incident, responder in self._service.take_asks():
+            self._nursery.start_soon(
+                self._gatherer.ask_rank, incident, responder.pid, responder.start_time
+            )
 
     def _send_first(self, item: Expired[Process] | Due[Process], read_command: bool) -> bool:
         """The short way for a run that starts afresh with a signal to its process

@@ -3,7 +3,9 @@ worker when its responder answers, from a dumper (py-spy) when it does not.
 
 Two callers: a dump step of a policy run (`Gatherer.dump`), and a rank of an
 incident that holds no timer of its job (`Gatherer.ask_rank`). Either way the
-responder is asked first, within ``evidence_timeout``; who besides root may read
+responder is asked first, within ``evidence_timeout``: the responder of the process
+itself, named by its pid and start time (`watchdogd.runtime.responders.Asks.ask`),
+never a connection that outlived a process of that pid; who besides root may read
 what was taken is decided when it is taken: the one user ptrace's read rule let
 read the process both just before and just after it was dumped
 (`watchdogd.host.process.ptrace_reader`), stored with the stack, since the process
@@ -39,11 +41,13 @@ class Gatherer:
         self._asks = asks
         self._dumps = DumpPool(service.config.max_dumps, service.metrics)
 
-    async def ask_rank(self, incident: str, pid: int) -> None:
-        """The evidence of a rank of ``incident`` that holds no timer of its job:
-        from its responder, or, when it does not answer, from py-spy."""
+    async def ask_rank(self, incident: str, pid: int, start_time: int) -> None:
+        """The evidence of a rank of ``incident`` that holds no timer of its job
+        (process ``pid``, started at ``start_time``): from its responder, or, when
+        it does not answer, from py-spy."""
         before = ptrace_reader(pid)
-        given = await self._asks.ask(pid, incident, self._service.config.evidence_timeout)
+        timeout = self._service.config.evidence_timeout
+        given = await self._asks.ask(pid, start_time, incident, timeout)
         if given is not None:
             stack, taken, flight, note = stack_text(given), WORKER, flight_groups(given), ""
         else:
@@ -74,7 +78,7 @@ class Gatherer:
         config = self._service.config
         before = ptrace_reader(pid)
         incident = "" if run.timer.run is None else run.timer.run.incident
-        given = await self._asks.ask(pid, incident, config.evidence_timeout)
+        given = await self._asks.ask(pid, run.timer.start_time, incident, config.evidence_timeout)
         if given is not None and effect.step.argv == DEFAULT_DUMPER:
             after = ptrace_reader(pid)
             reader = before if before == after else None

@@ -1,13 +1,20 @@
 """Asking a worker's responder for evidence, and waiting for its answer.
 
-Each responder's connection (`watchdogd.core.responders`) is attached here by the
-process it comes from, as the kernel reported it at connect. `Asks.ask` sends that
-connection an `EvidenceWanted` and waits, at most a short bound, for the `Evidence`
-that answers it: one taken only on the connection asked, for the ask sent there,
-so no other process, and no other connection of the same process, can answer for
-it. A responder that does not answer in time (a thread holding the GIL in C code,
-a process stopped) costs its ask the bound and nothing else: the caller falls back
-to a dump from outside (py-spy).
+Each responder's connection (`watchdogd.core.responders`) is bound here to the
+handle on the process that opened it (a pidfd), once its `Respond` is taken.
+`Asks.ask` sends an `EvidenceWanted` only to the responder whose process is the
+ask's target: bound under the target's pid, started at the target's start time, and
+not exited (its pidfd not readable) when the ask goes out. It then waits, at most a
+short bound, for the `Evidence` that answers it: one taken only on the connection
+asked, for the ask sent there, and only while that process has still not exited.
+So no other process, no other connection of the same process, and no child of a
+fork that kept the socket after its parent exited can answer for it. A responder
+that does not answer in time (a thread holding the GIL in C code, a process
+stopped) costs its ask the bound and nothing else: the caller falls back to a dump
+from outside (py-spy).
+
+A process has one responder here, as in the core: a connection bound for a process
+replaces the one bound before it, whose waiting asks end unanswered.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import trio
 
 from watchdogd_client.protocol import Evidence, EvidenceWanted, encode_frame
 
+from ..host.process import Process
+
 
 class Channel(Protocol):
     """What a responder's connection offers an ask: a frame sent now, or not."""
@@ -30,8 +39,16 @@ class Channel(Protocol):
 
 
 @dataclass(eq=False, slots=True)
-class _Waiting:
+class _Bound:
+    """A responder's connection, and the process it answers for."""
+
+    process: Process
     channel: Channel
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    bound: _Bound
     done: trio.Event = field(default_factory=trio.Event)
     answer: Evidence | None = None
 
@@ -40,41 +57,50 @@ class Asks:
     """The responders' connections by pid, and the asks waiting on them."""
 
     def __init__(self) -> None:
-        self._channels: dict[int, Channel] = {}
+        self._bound: dict[int, _Bound] = {}
         self._waiting: dict[int, _Waiting] = {}
         self._numbers = itertools.count(1)
 
-    def attach(self, pid: int, channel: Channel) -> None:
-        """``channel`` is the responder of process ``pid`` from now on (a newer one of
-        the same process replaces the older)."""
-        self._channels[pid] = channel
+    def attach(self, process: Process, channel: Channel) -> None:
+        """``channel`` is the responder of ``process`` (the process that opened it,
+        alive when its `Respond` was taken) from now on; the asks waiting on a
+        connection it replaces end unanswered."""
+        bound = self._bound.get(process.pid)
+        if bound is not None and bound.channel is not channel:
+            self._end(bound.channel)
+        self._bound[process.pid] = _Bound(process, channel)
 
-    def detach(self, pid: int, channel: Channel) -> bool:
-        """``channel`` closed; whether it was ``pid``'s responder until then. Its asks
-        end unanswered."""
+    def detach(self, process: Process, channel: Channel) -> None:
+        """``channel`` no longer answers for ``process``: it closed, or the process
+        exited. Its asks end unanswered."""
+        self._end(channel)
+        bound = self._bound.get(process.pid)
+        if bound is not None and bound.channel is channel:
+            del self._bound[process.pid]
+
+    def _end(self, channel: Channel) -> None:
         for ask, waiting in list(self._waiting.items()):
-            if waiting.channel is channel:
+            if waiting.bound.channel is channel:
                 waiting.done.set()
                 del self._waiting[ask]
-        if self._channels.get(pid) is channel:
-            del self._channels[pid]
-            return True
-        return False
 
-    def has(self, pid: int) -> bool:
-        return pid in self._channels
-
-    async def ask(self, pid: int, incident: str, timeout: float) -> Evidence | None:
-        """The evidence process ``pid``'s responder gives within ``timeout`` seconds;
-        None when it has none, cannot be written to now, or does not answer."""
-        channel = self._channels.get(pid)
-        if channel is None:
+    async def ask(
+        self, pid: int, start_time: int, incident: str, timeout: float
+    ) -> Evidence | None:
+        """The evidence the responder of process ``pid``, started at ``start_time``
+        (clock ticks since boot), gives within ``timeout`` seconds; None when that
+        process has none, has exited, cannot be written to now, or does not answer."""
+        bound = self._bound.get(pid)
+        # A pid and a start time name one process, and its pidfd says whether it
+        # still lives: a responder bound under the pid that is of another process
+        # (the one before it, or after it) is never asked.
+        if bound is None or bound.process.start_time != start_time or bound.process.exited():
             return None
         ask = next(self._numbers)
-        waiting = _Waiting(channel)
+        waiting = _Waiting(bound)
         self._waiting[ask] = waiting
         try:
-            if not channel.send_now(encode_frame(EvidenceWanted(ask=ask, incident=incident))):
+            if not bound.channel.send_now(encode_frame(EvidenceWanted(ask=ask, incident=incident))):
                 return None
             with trio.move_on_after(timeout):
                 await waiting.done.wait()
@@ -84,11 +110,14 @@ class Asks:
 
     def answered(self, channel: Channel, evidence: Evidence) -> bool:
         """``evidence`` came on ``channel``: taken when it answers an ask sent there
-        and still waiting; otherwise dropped (late, or not asked)."""
+        and still waiting, and the process asked has not exited (its answer would
+        be a forked child's that kept the socket); otherwise dropped. An ask whose
+        process has exited ends unanswered."""
         waiting = self._waiting.get(evidence.ask)
-        if waiting is None or waiting.channel is not channel:
+        if waiting is None or waiting.bound.channel is not channel:
             return False
-        waiting.answer = evidence
-        waiting.done.set()
         del self._waiting[evidence.ask]
-        return True
+        if not waiting.bound.process.exited():
+            waiting.answer = evidence
+        waiting.done.set()
+        return waiting.answer is not None

@@ -17,6 +17,12 @@ A reply is an acknowledgement: it is sent only once the changes made before it a
 committed to the state file (see `watchdogd.storage.store`), and a reply that shows
 an event's number once that event is written beside it
 (`watchdogd.storage.record_file`).
+
+A connection whose `Respond` was taken answers the asks about the process that
+opened it (`watchdogd.runtime.responders`) until the connection closes or that
+process exits, whichever comes first: the exit is watched on the process's pidfd
+by a task of the listener's nursery, which ends before the connection lets the
+pidfd go.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from watchdogd_client.protocol import (
     FrameReader,
     MapPage,
     Released,
+    Respond,
     decode_reply,
     decode_request,
     encode_frame_into,
@@ -53,7 +60,7 @@ from ..core.identity import ROOT
 from ..core.service import Service
 from ..core.session import Session
 from ..errors import ListenError, Refusal
-from ..host.process import peer_of
+from ..host.process import Process, peer_of
 from ..logs import log, logfmt
 from .responders import Asks
 
@@ -279,10 +286,14 @@ async def serve(
                     log.error(logfmt("accept_failed", error=exc.strerror or str(exc)))
                     await trio.sleep(0.1)
                     break
-                nursery.start_soon(_connection, conn, service, context)
+                nursery.start_soon(_connection, conn, service, context, nursery)
 
 
-async def _connection(conn: socket.socket, service: Service[Any], context: Context) -> None:
+async def _connection(
+    conn: socket.socket, service: Service[Any], context: Context, nursery: trio.Nursery
+) -> None:
+    """Serve one connection; ``nursery`` (the listener's) runs the watch of its
+    responder's process, if it becomes one (`_Connection.respond`)."""
     peer = None
     try:
         conn.setblocking(False)
@@ -292,12 +303,14 @@ async def _connection(conn: socket.socket, service: Service[Any], context: Conte
         except Refusal as refusal:
             await _refuse(conn, refusal, service.config.max_frame_bytes)
             return
-        connection = _Connection(conn, Session(service, caller), context)
+        connection = _Connection(conn, Session(service, caller), context, nursery)
         try:
             await connection.converse()
         finally:
-            if connection.session.responder and context.asks.detach(peer.pid, connection):
-                service.responders.unregister(peer.pid)
+            # The watch ends first: it waits on the pidfd that closing the
+            # connection's caller may close.
+            connection.watching.cancel()
+            connection.stop_responding()
             service.close_connection(caller)
     except (ConnectionResetError, BrokenPipeError):
         pass
@@ -364,10 +377,13 @@ async def _drain(conn: socket.socket) -> None:
 class _Connection:
     """Reads frames, answers them, and enforces the per-connection bounds."""
 
-    def __init__(self, conn: socket.socket, session: Session, context: Context) -> None:
+    def __init__(
+        self, conn: socket.socket, session: Session, context: Context, nursery: trio.Nursery
+    ) -> None:
         self.conn = conn
         self.session = session
         self.context = context
+        self.nursery = nursery
         self.config = session.service.config
         self.journal = session.service.journal
         self.durable = self.journal.generation
@@ -376,7 +392,9 @@ class _Connection:
         self.held = 0
         #: A send is under way: nothing else may write to the socket until it ends.
         self.sending = False
-        self.attached = False
+        #: The watch of its responder's process (`respond`), ended with the connection.
+        self.watching = trio.CancelScope()
+        self.watched = False
 
     async def converse(self) -> None:
         try:
@@ -458,11 +476,10 @@ class _Connection:
             if outcome is False:
                 await self.flush(out)
                 return False
-            if self.session.responder and not self.attached:
-                self.attached = True
-                self.context.asks.attach(self.session.caller.peer.pid, self)
             if isinstance(outcome, Evidence):
                 self.context.asks.answered(self, outcome)
+            elif isinstance(outcome, Respond):
+                self.respond()
             elif isinstance(outcome, MapPage):
                 # The reply, last in ``out``, leaves with the page's descriptor.
                 if not await self.flush(out[:before]) or not await self._send_page(
@@ -553,6 +570,45 @@ class _Connection:
             logfmt("unread_replies", pid=peer.pid, uid=peer.uid),
         )
         return False
+
+    def respond(self) -> None:
+        """Its `Respond` was taken, bound to the process that opened the connection
+        (`Service.handle`): the connection answers the asks about that process,
+        until the connection closes or the process exits. The exit is watched on
+        the process's pidfd, so a responder whose process is gone (a child of a
+        fork kept the socket) is dropped at once, not at the next ask."""
+        process = self.session.caller.process
+        assert process is not None  # bound when its Respond was taken
+        self.context.asks.attach(process, self)
+        if not self.watched:
+            self.watched = True
+            self.nursery.start_soon(self._until_exit, process)
+
+    async def _until_exit(self, process: Process) -> None:
+        if self.watching.cancel_called:
+            return  # the connection ended before this task ran: the pidfd may be closed
+        with self.watching:
+            try:
+                await trio.lowlevel.wait_readable(process.fd)
+                self.stop_responding()
+            except Exception as exc:
+                # In the listener's nursery: a bug must cost this watch, never
+                # the listener.
+                self.session.service.log.log(
+                    (process.uid, "responder_watch_failed"),
+                    logging.ERROR,
+                    f"watching the responder of pid {process.pid} failed",
+                    error=exc,
+                )
+
+    def stop_responding(self) -> None:
+        """The connection answers for its process no longer: it closed, or the
+        process exited. Undoes only its own registration: the process may
+        respond on another connection now."""
+        process = self.session.caller.process
+        if self.session.responder and process is not None:
+            self.context.asks.detach(process, self)
+            self.session.service.responders.unregister(process)
 
     def send_now(self, frame: bytes) -> bool:
         """Send ``frame`` (a message of the daemon's own to a responder) whole, now,

@@ -17,6 +17,9 @@ Invariants:
   that does not decode, or of a schema this daemon cannot read is moved aside,
   with SQLite's own files beside it. One that cannot be read and is not damaged
   (a failing disk) is never written over: the next start reads it again.
+- SQLite opens only regular files: the database and its side files (-wal, -shm,
+  -journal) are checked before it connects, and anything else in their place is
+  moved aside unread (`watchdogd.storage.faults.NotRegular`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import errno
 import fcntl
 import os
 import sqlite3
+import stat
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Final, Literal
@@ -35,7 +39,8 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from ..logs import log, logfmt
 from . import schema
-from .faults import Aside, Damaged, StateError, Unreadable, reason
+from .faults import Aside, Damaged, NotRegular, StateError, Unreadable, reason
+from .files import open_regular
 from .schema import Changes, Shared, boot_id, decode_timers, share_values
 
 _INSERT: Final = "INSERT OR REPLACE INTO timers VALUES (?, ?, ?, ?, ?)"
@@ -82,12 +87,14 @@ class Database:
         through an immutable connection; one that cannot be read at all, and is
         not damaged, is left as it is and never written over (``unread``: the
         store stays degraded): the next start reads it again."""
-        existed = os.path.exists(self.path)
+        # Only a regular file can hold timers that must never be written over.
+        existed = _regular_at(self.path)
         if not self.lock():
             self.unread = existed
             return [], "none", False
         later = False
         try:
+            self._clear_side_files()
             db = _connect(self.path)
             try:
                 stored, stored_schema, boot = _read_timers(db, shared, until)
@@ -156,29 +163,54 @@ class Database:
         raise problem
 
     def _move_aside(self, problem: Unreadable) -> None:
+        self._move_files(problem)
+        self.lock()  # a new file in its place
+
+    def _move_files(self, problem: Unreadable) -> None:
         # SQLite's own files go with it: a rollback journal left beside a new,
         # empty database would be played back into it.
-        for name in (self.path, f"{self.path}-wal", f"{self.path}-shm", f"{self.path}-journal"):
-            if os.path.exists(name):
-                self._aside.move(name, problem)
-        self.lock()  # a new file in its place
+        if os.path.lexists(self.path):
+            self._aside.move(self.path, problem)
+        beside = Unreadable(f"SQLite's file of {self.path}, which went aside: {problem}")
+        beside.suffix, beside.event = problem.suffix, problem.event
+        for name in _side_files(self.path):
+            if os.path.lexists(name):
+                self._aside.move(name, beside)
+
+    def _clear_side_files(self) -> None:
+        """Move aside, unread, each of SQLite's side files that is no regular
+        file: SQLite opens them by name and reads them as it finds them (a FIFO
+        as the rollback journal blocks the first read of the database for ever;
+        as the -wal, every fold fails). One that cannot be moved (a read-only
+        disk) raises `sqlite3.OperationalError`, as a disk that fails does."""
+        for name in _side_files(self.path):
+            try:
+                os.close(open_regular(name))
+            except NotRegular as exc:
+                self._aside.move(name, exc)
+                if name in self._aside.stuck:
+                    # Left in place (a read-only disk): SQLite must not open it.
+                    raise sqlite3.OperationalError(reason(exc)) from None
+            except OSError:
+                pass  # absent, or SQLite's to find unreadable
 
     def lock(self) -> bool:
         """Create the database file if need be (0600, before SQLite sees it; its
         -wal and -shm files follow) and hold an exclusive lock on it for the
         store's life, so that a second daemon on the same state is refused even
-        when nothing can be written. Returns whether the file is there."""
+        when nothing can be written. Returns whether the file is there.
+
+        Only a regular file is SQLite's to open (`open_regular`): anything else
+        at the path (a FIFO, whose reads block; a directory, a socket, a device,
+        a symlink) is moved aside unread, with SQLite's side files, and a new file
+        made. SQLite opens the path by name once this checked it: the state's
+        directory is the daemon's own, so no one else swaps it in between."""
         if self.lock_fd is not None:
             _close(self.lock_fd)
             self.lock_fd = None
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only disk
-            except OSError:
-                self._degrade(reason(exc))
-                return False
+        fd = self._open()
+        if fd is None:
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -189,6 +221,30 @@ class Database:
             ) from None
         self.lock_fd = fd
         return True
+
+    def _open(self) -> int | None:
+        """The database file, opened as a regular file (made if need be); None if
+        it cannot be (the store is then degraded)."""
+        try:
+            return self._open_file()
+        except NotRegular as exc:
+            self._move_files(exc)
+        try:
+            return self._open_file()
+        except NotRegular as exc:
+            # It could not be moved (a read-only disk), or another took its place.
+            self._degrade(reason(exc))
+            return None
+
+    def _open_file(self) -> int | None:
+        try:
+            return open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            try:
+                return open_regular(self.path)  # a read-only disk
+            except OSError:
+                self._degrade(reason(exc))
+                return None
 
     def replaced(self) -> bool:
         """Whether the file locked is no longer the one at ``path`` (it was
@@ -208,6 +264,7 @@ class Database:
         if self._db is None:
             if self.lock_fd is None and not self.lock():
                 raise OSError(errno.EIO, f"cannot create {self.path}")
+            self._clear_side_files()
             db = _connect(self.path)
             try:
                 _read_timers(db)
@@ -236,6 +293,18 @@ class Database:
 def _close(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+def _side_files(path: str) -> tuple[str, str, str]:
+    """The files SQLite keeps beside the database ``path``."""
+    return f"{path}-wal", f"{path}-shm", f"{path}-journal"
+
+
+def _regular_at(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _connect(path: str) -> sqlite3.Connection:

@@ -6,6 +6,9 @@ Invariants:
   renamed beside itself, with a suffix that says why and when
   (``NAME.damaged-20260101T120000``, ``NAME.schema-9-20260101T120000``), and an
   ERROR line names where it went.
+- A state file that is no regular file (a FIFO, a socket, a directory, a device,
+  a symlink: `NotRegular`) is moved aside as well, unread, under the suffix
+  ``not-regular``, its ERROR line naming what it is.
 - A file that cannot be renamed (a read-only disk) is kept where it is, remembered
   (`Aside.stuck`), never removed by the store, and moved at the next recovery.
 - Another daemon holding the state is the only fault that stops a start
@@ -41,9 +44,26 @@ class Damaged(Unreadable):
     """A state file that is damaged, not merely unwritable."""
 
 
+class NotRegular(Unreadable):
+    """A path that names something other than a regular file, found when it was
+    opened (`watchdogd.storage.files.open_regular`): never read, and, in the
+    state's directory, moved aside."""
+
+    suffix = "not-regular"
+    event = "not_a_regular_file"
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"{kind}, not a regular file")
+        self.path = path
+        self.kind = kind
+
+
 def reason(exc: BaseException) -> str:
     """What went wrong, for a log line or the degraded state: an OSError as its
-    message and errno name."""
+    message and errno name, a path that names no regular file as the path and
+    what it is."""
+    if isinstance(exc, NotRegular):
+        return f"{exc.path} is {exc}"
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
     return str(exc) or type(exc).__name__
@@ -77,5 +97,5 @@ class Aside:
         """Try again to move the files that stayed in place."""
         stuck, self.stuck = self.stuck, {}
         for name, problem in stuck.items():
-            if os.path.exists(name):
+            if os.path.lexists(name):  # a dangling symlink is there too
                 self.move(name, problem)

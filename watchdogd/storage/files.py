@@ -1,11 +1,105 @@
-"""A file written whole: to a new file beside it, renamed over it, so that a crash
-leaves the old or the new, never half of one. Readable by its owner alone."""
+"""Files the daemon reads and writes: only regular ones, opened without blocking, and
+written whole when they are replaced.
+
+Invariants:
+
+- A file is opened with ``O_NONBLOCK`` and ``O_NOCTTY`` (and ``O_NOFOLLOW`` unless
+  the caller follows symlinks), and its descriptor is checked with fstat(2) to be a
+  regular file before a byte is read or written (`open_regular`): a FIFO, a
+  socket, a directory or a device at its path is `NotRegular`, found in one
+  non-blocking open, never waited on (an open(2) of a FIFO with no writer blocks
+  until one comes, and a read of a device may never end). The descriptor decides,
+  not a stat of the path before the open, which the path may change between;
+  what plainly is no regular file (by lstat) is refused before any open, as a
+  device's open(2) may act on it (a tape rewinds, a terminal hangs up).
+- ``O_NONBLOCK`` stays on the descriptor: Linux ignores it for regular files.
+- A file written whole (`replace_file`) goes to a new file beside it, created
+  afresh (``O_EXCL``, so never through a symlink or into a FIFO left there),
+  then renamed over it, so that a crash leaves the old or the new, never half of
+  one. It is readable by its owner alone.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from collections.abc import Sequence
+from typing import Final
+
+from .faults import NotRegular
+
+#: What open(2) fails with on a path that names no regular file: a symlink under
+#: ``O_NOFOLLOW`` (ELOOP), a socket, or a FIFO opened for writing with no reader
+#: (ENXIO), a directory opened for writing (EISDIR), a device with no driver
+#: (ENODEV, ENXIO).
+_NOT_REGULAR_ERRORS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV})
+
+
+#: What each type of file is called in a log line, by the test of its mode.
+_KINDS: Final = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+def kind_of(mode: int) -> str:
+    """What a file of ``mode`` is, in words for a log line."""
+    for test, words in _KINDS:
+        if test(mode):
+            return words
+    return f"a file of type {stat.S_IFMT(mode):#o}"
+
+
+def _what_is_at(path: str, follow: bool) -> str | None:
+    """What ``path`` names if it is no regular file; None if it is one, or is
+    not there."""
+    try:
+        mode = (os.stat if follow else os.lstat)(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
+def open_regular(
+    path: str, flags: int = os.O_RDONLY, mode: int = 0o600, *, follow: bool = False
+) -> int:
+    """Open ``path`` with ``flags`` (``mode`` if it is created) as a regular file,
+    without blocking; raises `NotRegular` if it is anything else (a symlink too,
+    unless ``follow``), and OSError as open(2) does otherwise."""
+    kind = _what_is_at(path, follow)
+    if kind is not None:
+        raise NotRegular(path, kind)
+    extra = os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | extra, mode)
+    except OSError as exc:
+        if exc.errno in _NOT_REGULAR_ERRORS and (kind := _what_is_at(path, follow)) is not None:
+            raise NotRegular(path, kind) from None
+        raise
+    try:
+        found = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(found):
+        os.close(fd)
+        raise NotRegular(path, kind_of(found))
+    return fd
+
+
+def read_regular(path: str, limit: int | None = None, *, follow: bool = False) -> bytes:
+    """The bytes of the regular file ``path`` (`open_regular`); at most
+    ``limit`` + 1 of them when a limit is given, so that a caller sees a file
+    over it without reading it whole."""
+    with open(open_regular(path, follow=follow), "rb") as file:
+        return file.read() if limit is None else file.read(limit + 1)
 
 
 def replace_file(path: str, parts: Sequence[bytes]) -> None:
@@ -13,7 +107,16 @@ def replace_file(path: str, parts: Sequence[bytes]) -> None:
     file behind."""
     partial = path + ".new"
     try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # What an earlier write left there (it died before the rename), or what
+        # someone put in the way: the new file is made afresh, never opened
+        # through what is there.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        fd = os.open(
+            partial,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
         try:
             for part in parts:
                 view = memoryview(part)

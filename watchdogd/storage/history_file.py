@@ -8,7 +8,10 @@ old, so a crash leaves the old or the new, never half of one) every
 releases of the last interval. A write that fails (a full or read-only disk) is
 logged once per run of failures and tried again at the next interval; the history
 stays in memory, bounded as ever. A file that cannot be decoded is moved aside
-(``.damaged``) with an ERROR, and the daemon starts learning anew.
+(``.damaged``) with an ERROR, and the daemon starts learning anew; so is anything
+but a regular file at its name (a FIFO, a device, a symlink: ``.not-regular-TIME``,
+`watchdogd.storage.faults.NotRegular`), unread: it is opened without blocking and
+checked before a byte is read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import trio
 
 from ..core.history import History
 from ..logs import logfmt
-from .files import replace_file
+from .faults import Aside, NotRegular
+from .files import read_regular, replace_file
 
 log = logging.getLogger("watchdogd")
 
@@ -47,7 +51,13 @@ class HistoryFile:
         self._failing = False
 
     def load(self) -> None:
-        problem = self._read()
+        try:
+            problem = self._read()
+        except NotRegular as exc:
+            # Written whole at the next write, by a rename over what is left if
+            # it cannot be moved.
+            Aside().move(self.path, exc)
+            return
         if problem is None:
             self._written = self.history.generation
             return
@@ -61,10 +71,10 @@ class HistoryFile:
         log.error(logfmt(event, path=self.path, error=error, moved_to=aside))
 
     def _read(self) -> tuple[str, str] | None:
-        """Load the file into the history; what went wrong, if anything."""
+        """Load the file into the history; what went wrong, if anything. Raises
+        `NotRegular` for what is no regular file."""
         try:
-            with open(self.path, "rb") as file:
-                data = file.read(_MAX_BYTES + 1)
+            data = read_regular(self.path, _MAX_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:

@@ -15,6 +15,8 @@ Invariants:
   undecodable content in a complete record) is damage: the good prefix counts and
   the journal is moved aside (`watchdogd.storage.faults.Aside`). A journal of a
   schema this daemon cannot read is moved aside whole, unread.
+- A journal is read only if it is a regular file (`watchdogd.storage.files`):
+  anything else at a journal's name is moved aside unread.
 - Journals are numbered from 1 up; a name whose suffix is not a number (a journal
   moved aside) is never replayed.
 """
@@ -35,7 +37,8 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from ..logs import log, logfmt
 from . import schema
-from .faults import Aside, Damaged, Unreadable, reason
+from .faults import Aside, Damaged, NotRegular, Unreadable, reason
+from .files import open_regular, read_regular
 from .schema import Changes, SchemaError, Shared, boot_id, share_values
 
 #: A journal record: payload length and CRC-32, then the msgpack payload.
@@ -165,8 +168,10 @@ def replay(
     found = journals(path)
     for journal in found:
         try:
-            with open(journal, "rb") as source:
-                data = source.read()
+            data = read_regular(journal)
+        except NotRegular as exc:
+            aside.move(journal, exc)
+            continue
         except OSError as exc:
             # Unreadable is not proof of damage: it is kept for the next start.
             degrade(reason(exc))
@@ -202,6 +207,19 @@ def write_all(fd: int | None, data: bytes) -> None:
         raise OSError(errno.EBADF, "no journal is open")
     if os.write(fd, data) != len(data):
         raise OSError(errno.ENOSPC, "No space left on device (a record was written in part)")
+
+
+def open_journal(path: str, aside: Aside) -> int:
+    """Open the journal ``path`` to append to, made if need be. A journal the
+    store starts is new: anything but a regular file at its name is not the
+    store's, and is moved aside, unread, for a journal in its place. Raises
+    OSError, or `NotRegular` if something takes the name again at once."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    try:
+        return open_regular(path, flags)
+    except NotRegular as exc:
+        aside.move(path, exc)
+    return open_regular(path, flags)
 
 
 def close(fd: int) -> None:

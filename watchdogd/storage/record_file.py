@@ -18,11 +18,16 @@ Invariants:
   the changes since it was last written whole. When it outgrows twice what it
   held then (and `_SLACK`), it is written whole again, to a new file renamed over
   it: a crash leaves the old or the new.
-- Read at start, in order, each record typed and bounded as a reply is. A record
-  cut short at the end is a write the daemon died in: the file is cut back to
-  before it. A damaged record (bad checksum, content that does not decode) ends
-  the reading: what came before it counts, the file is moved aside
-  (``.damaged``) with an ERROR, and written whole from what was read.
+- Read at start, in order, each record typed and bounded as a reply is, and
+  only from a regular file (`watchdogd.storage.files.open_regular`: anything
+  else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
+  short at the end is a write the daemon died in, or a file cut short: the file
+  is cut back to before it. A damaged record (bad checksum, content that does
+  not decode) is jumped over when its length leads to a whole record, else it
+  ends the reading; either way the file is moved aside (``.damaged``) and
+  written whole from what was read. What was not read back (how many bytes,
+  from where, how many whole records) is said by an event of the daemon
+  (``record_cut``, ``record_damaged``), and so its log line.
 - Readable by root alone (0600): stacks may hold secrets. Who else may read each
   stack was decided when it was dumped, and is kept with it.
 - A write that fails (a full, read-only or failing disk) is logged once per run
@@ -34,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import time
@@ -49,8 +55,8 @@ from watchdogd_client.protocol import EventInfo
 from ..core.events import EventLog
 from ..core.incidents import IncidentLog, StoredIncident
 from ..logs import log, logfmt
-from .faults import reason
-from .files import replace_file
+from .faults import Aside, NotRegular, reason
+from .files import open_regular, replace_file
 from .journal import RECORD, close, write_all
 
 #: Seconds between a change and its write, at most (changes of one interval share
@@ -176,37 +182,69 @@ class RecordFile:
 
     def load(self) -> None:
         """Read the file back into the rings (before anything records an event:
-        numbering goes on after the last one read)."""
+        numbering goes on after the last one read). What could not be read is
+        said by an event (`_report`)."""
         events: list[EventInfo] = []
         incidents: dict[str, StoredIncident] = {}
         try:
-            with open(self.path, "rb") as file:
+            with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
-                good, problem = _read(file, events, incidents)
-                size = os.fstat(file.fileno()).st_size
+                reading = _read(file, events, incidents)
         except FileNotFoundError:
+            return
+        except NotRegular as exc:
+            # Never opened for reading nor appended to: the first write writes
+            # it whole, by a rename over what is left if it cannot be moved.
+            Aside().move(self.path, exc)
             return
         except OSError as exc:
             log.error(logfmt("record_unreadable", path=self.path, error=reason(exc)))
             return
-        if problem is not None:
-            aside = self.path + ".damaged"
+        moved_to = ""
+        if reading.problem is not None:
+            moved_to = self.path + ".damaged"
+            try:
+                os.replace(self.path, moved_to)
+            except OSError as exc:
+                moved_to = f"nowhere ({reason(exc)})"
+        elif reading.good < reading.size:
+            # A write the daemon died in, or a file cut short: appending after it
+            # would run records together, so the file ends before it.
             with contextlib.suppress(OSError):
-                os.replace(self.path, aside)
-            log.error(logfmt("record_damaged", path=self.path, error=problem, moved_to=aside))
-        elif good < size:
-            # A write the daemon died in: appending after it would run records
-            # together, so the file ends before it.
-            with contextlib.suppress(OSError):
-                os.truncate(self.path, good)
+                os.truncate(self.path, reading.good)
             self._whole = False
         else:
             self._whole = False
-        self._size = self._base = good
+        self._size = self._base = reading.good
         self._events.restore(events)
         self._incidents.restore(list(incidents.values()), self._wall())
         self._written = self._events.last
         log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
+        self._report(reading, moved_to)
+
+    def _report(self, reading: _Reading, moved_to: str) -> None:
+        """Say what the file held that was not read back: an event of the daemon
+        (``record_damaged``, ``record_cut``), and so its log line, written to the
+        file with the rest."""
+        if reading.first_lost < 0:
+            return
+        lost = f"{reading.size - reading.read} bytes, the first at byte {reading.first_lost}"
+        if reading.skipped:
+            lost += f", {reading.skipped} whole records among them"
+        if reading.problem is None:
+            kind = "record_cut"
+            note = (
+                f"{self.path} ended in a record cut short: {lost} dropped (a write "
+                "the daemon died in, or a file cut short); the file now ends before it"
+            )
+        else:
+            kind = "record_damaged"
+            note = (
+                f"{self.path} was damaged ({reading.problem}): {lost} dropped, "
+                f"{reading.records} records read; the file was moved to {moved_to} "
+                "and is written anew from what was read"
+            )
+        self._events.record_daemon(kind, note, pid=os.getpid(), time=self._wall())
 
     # Writing.
 
@@ -335,7 +373,11 @@ class RecordFile:
         self._recovered()
 
     def _open_append(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except NotRegular as exc:
+            # A failed write: the next one writes the file whole, renamed over it.
+            raise OSError(errno.EINVAL, f"{self.path} is {exc}") from None
         if os.fstat(fd).st_size == 0:
             try:
                 write_all(fd, _frame(_Header(SCHEMA)))
@@ -363,38 +405,113 @@ class RecordFile:
             log.info(logfmt("record_written", path=self.path))
 
 
+class _Reading(msgspec.Struct):
+    """What reading the file found: ``size`` bytes, ``read`` of them read back
+    in ``records`` records, which end at byte ``good`` (where an append goes
+    on); ``skipped`` damaged records jumped over; the first byte not read back
+    (``first_lost``, -1: none); and the first damage (None: none, though the
+    end may have been cut short)."""
+
+    size: int
+    good: int = 0
+    read: int = 0
+    records: int = 0
+    skipped: int = 0
+    first_lost: int = -1
+    problem: str | None = None
+
+    def lost(self, offset: int, problem: str | None) -> None:
+        """The bytes from ``offset`` are not read back, for ``problem``."""
+        if self.first_lost < 0:
+            self.first_lost = offset
+        if self.problem is None:
+            self.problem = problem
+
+
 def _read(
     file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> tuple[int, str | None]:
-    """Read the records of ``file`` into ``events`` and ``incidents``; how many
-    bytes of it were good, and what was wrong after them (None: nothing, or a
-    record cut short at the end)."""
+) -> _Reading:
+    """Read the records of ``file`` into ``events`` and ``incidents``; what was
+    read and what was not.
+
+    A record whose content does not decode, or whose checksum fails where its
+    length leads to a whole record (or to the end of the file), is jumped over:
+    a flipped byte costs that record alone. A length that leads nowhere, or a
+    schema this daemon does not read, ends the reading there."""
+    reading = _Reading(size=os.fstat(file.fileno()).st_size)
     offset = 0
-    while header := file.read(RECORD.size):
-        if len(header) < RECORD.size:
-            return offset, None
-        length, checksum = RECORD.unpack(header)
-        if length > _MAX_RECORD:
-            return offset, f"a record of {length} bytes at byte {offset}"
-        payload = file.read(length)
-        if len(payload) < length:
-            return offset, None
+    while offset < reading.size:
+        frame = _frame_at(file, offset)
+        if isinstance(frame, str):
+            reading.lost(offset, frame or None)
+            break
+        length, checksum, payload = frame
+        following = offset + RECORD.size + length
         if zlib.crc32(payload) != checksum:
-            return offset, f"bad checksum in the record at byte {offset}"
-        try:
-            entry = _decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return offset, f"unreadable record at byte {offset}: {exc}"
-        match entry:
-            case _Header(schema=schema) if schema != SCHEMA:
-                return offset, f"schema {schema}, this daemon reads {SCHEMA}"
-            case _Header():
-                pass
-            case _Event(event=event):
-                events.append(event)
-            case _Incident(incident=incident):
-                incidents[incident.info.id] = incident
-            case _Dropped(id=incident_id):
-                incidents.pop(incident_id, None)
-        offset += RECORD.size + length
-    return offset, None
+            reading.lost(offset, f"bad checksum in the record at byte {offset}")
+            if not _whole_at(file, following, reading.size):
+                break
+            file.seek(following)
+            reading.skipped += 1
+        elif (problem := _entry(payload, offset, events, incidents)) is not None:
+            reading.lost(offset, problem)
+            if problem.startswith("schema"):
+                break
+            reading.skipped += 1
+        else:
+            reading.records += 1
+            reading.read += following - offset
+            reading.good = following
+        offset = following
+    return reading
+
+
+def _frame_at(file: BinaryIO, offset: int) -> tuple[int, int, bytes] | str:
+    """The record at ``offset`` (``file`` is there): its length, its checksum
+    and its payload; or why there is none: damage, or "" for a record cut short
+    by the end of the file."""
+    header = file.read(RECORD.size)
+    if len(header) < RECORD.size:
+        return ""
+    length, checksum = RECORD.unpack(header)
+    if length > _MAX_RECORD:
+        return f"a record of {length} bytes at byte {offset}"
+    payload = file.read(length)
+    if len(payload) < length:
+        return ""
+    return length, checksum, payload
+
+
+def _whole_at(file: BinaryIO, offset: int, size: int) -> bool:
+    """Whether a whole record, its checksum good, starts at ``offset`` (or the
+    file ends there)."""
+    if offset == size:
+        return True
+    if offset > size:
+        return False
+    file.seek(offset)
+    frame = _frame_at(file, offset)
+    return not isinstance(frame, str) and zlib.crc32(frame[2]) == frame[1]
+
+
+def _entry(
+    payload: bytes, offset: int, events: list[EventInfo], incidents: dict[str, StoredIncident]
+) -> str | None:
+    """Read one record's ``payload`` (its checksum good) into ``events`` or
+    ``incidents``; what is wrong with it, if anything."""
+    try:
+        entry = _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return f"unreadable record at byte {offset}: {exc}"
+    match entry:
+        case _Header(schema=schema) if schema != SCHEMA:
+            return f"schema {schema}, this daemon reads {SCHEMA}"
+        case _Header():
+            pass
+        case _Event(event=event):
+            events.append(event)
+        case _Incident(incident=incident):
+            incidents[incident.info.id] = incident
+        case _Dropped(id=incident_id):
+            incidents.pop(incident_id, None)
+    return None

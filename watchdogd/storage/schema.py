@@ -10,7 +10,16 @@ stores the same records, and its database says by when a start must load each
 (`watchdogd.storage.database`): its migration from 4 leaves a timer as it is, and
 the first fold writes the new column. Schema 6 adds a timer's ``arm``, the number
 its client gave the arming, as the last field: its migration from 5 gives every
-timer 0, the arming of no number, which any release disarms as before.
+timer 0, the arming of no number. Schema 7 numbers armings by the daemon, by
+their arming time (`Timer.arm`), and stores no number of the client's: its
+migration from 6 moves a client's number into the timer's `Watch`
+(``client_arm``, the last field of an array of 11), for the release of the client
+that armed it before the upgrade, and drops the 0 of an arming of no number.
+Schema 8 adds to a `Watch` when the restart grace of its arming ends
+(``held_until``), the last of 12 fields: its migration from 7 leaves a timer as
+it is, its watch read as one given no grace yet. Schema 9 adds to a `Watch` the
+slot of a scope registered for the fast path (``slot``, a `SlotRef`), the last of
+13: its migration from 8 leaves a timer as it is, registered nowhere.
 
 Invariants:
 
@@ -44,7 +53,7 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 6
+SCHEMA: Final = 9
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -55,10 +64,37 @@ Fields = list[Any]
 #: store key is the same in every schema. A schema that stores more (events,
 #: incidents), or keys timers otherwise, widens what a migration is given.
 Migration = Callable[[Fields], Fields]
+#: A `Watch` of schemas 4 to 6 with every field at its default: ``progress``,
+#: ``progressed_at``, ``stall``, ``timeout_from``, ``job``, the three ranks,
+#: ``baseline`` and ``extended``.
+_WATCH_6: Final = (None, 0.0, 0.0, "", "", None, None, None, None, 0.0)
+
+
+def _from_6(fields: Fields) -> Fields:
+    """A timer of schema 6 in schema 7: its last field, the number its client gave
+    the arming, moved to the end of its `Watch` (one made when it has none) when
+    it is not 0."""
+    *kept, watch, arm = fields
+    if not arm:
+        return [*kept, watch]
+    watch = [] if watch is None else watch
+    if not isinstance(watch, list) or len(watch) > len(_WATCH_6):
+        raise ValueError(f"a watch of schema 6 is an array of at most 10, not {watch!r}")
+    return [*kept, [*watch, *_WATCH_6[len(watch) :], arm]]
+
+
 #: The forward migrations, keyed by the schema each one migrates from. Schema 4
 #: is that of the first release: no migration leads to it.
 MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
-    {4: lambda fields: fields, 5: lambda fields: [*fields, 0]}
+    {
+        4: lambda fields: fields,
+        5: lambda fields: [*fields, 0],
+        6: _from_6,
+        7: lambda fields: fields,
+        # 9 adds a registration's `SlotRef` at the end of its `Watch`: an older
+        # timer has none.
+        8: lambda fields: fields,
+    }
 )
 
 #: Changes to the state, or the state itself: the latest timer of each store key,

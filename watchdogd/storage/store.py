@@ -42,6 +42,9 @@ Invariants:
   timers). A file that cannot be read (damaged, or of a schema this daemon does
   not read) is moved aside, never deleted, with an ERROR naming where
   (`watchdogd.storage.faults`); the good prefix of a damaged journal still counts.
+  Only regular files are opened, read or written, each without blocking
+  (`watchdogd.storage.files`): a FIFO, a socket, a directory, a device or a
+  symlink at the name of a state file is moved aside unread.
   Anything else that fails at start (a full or read-only disk) starts the daemon
   degraded with everything it could read.
 - A state deleted under the daemon (its directory removed, say) is a failing disk
@@ -71,7 +74,7 @@ from ..core.timers import StoreKey, Timer
 from ..host.inotify import NameWatch
 from ..logs import log, logfmt
 from .database import Database
-from .faults import Aside, StateError, Unreadable, reason
+from .faults import Aside, NotRegular, StateError, Unreadable, reason
 from .journal import (
     CHANGES,
     Record,
@@ -79,6 +82,7 @@ from .journal import (
     encode,
     journals,
     number_of,
+    open_journal,
     path_of,
     replay,
     unlinked,
@@ -528,21 +532,18 @@ class Store:
 
     def _open_journal(self, number: int, *, degrade: bool = True) -> int | None:
         try:
-            return os.open(
-                path_of(self.path, number),
-                os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                0o600,
-            )
-        except OSError as exc:
+            return open_journal(path_of(self.path, number), self._aside)
+        except (OSError, NotRegular) as exc:
+            why = reason(exc)
             if self.degraded:
                 # Said once already: a retry's failure only updates the reason.
-                self.degraded_reason = reason(exc)
+                self.degraded_reason = why
                 if degrade:
                     self.errors += 1
             elif degrade:
-                self._enter_degraded(reason(exc))
+                self._enter_degraded(why)
             else:
-                log.warning(logfmt("state_journal_not_started", path=self.path, error=reason(exc)))
+                log.warning(logfmt("state_journal_not_started", path=self.path, error=why))
             return None
 
     def _remove_journals(self, journals: Iterable[str]) -> None:

@@ -89,8 +89,10 @@ class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
     durable: bool = True
     #: Where the timeout in force came from, when the daemon chose it (``auto``).
     timeout_from: str = ""
-    #: The request's `Acquire.arm`, echoed by a daemon that keeps it (0: none kept,
-    #: so a release naming it would disarm whatever arming holds the scope).
+    #: The number the daemon gave this arming, which a `Release` names to disarm
+    #: it and no other (0: a daemon that keeps no numbers, whose release would
+    #: disarm whatever arming holds the scope). An older daemon echoed here the
+    #: number the client had sent: a client releases with what it reads.
     arm: int = 0
     #: The slot this scope's later blocks may arm and release by stores, when the
     #: request asked for one (`Acquire.slot`) and the daemon offers it.

@@ -37,8 +37,8 @@ Job = Annotated[str, Meta(min_length=1)]
 Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 #: A progress counter: any non-negative 64-bit value.
 Progress = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-#: Which arming of a timer a request means (`Acquire.arm`): a number its process
-#: never gave another arming of its timers, positive, at most 63 bits.
+#: Which arming of a timer a request means: the number the daemon gave it
+#: (`Acquired.arm`), positive, at most 63 bits.
 Arm = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 #: Where a page of events or suggestions resumes (an event's number, a row's
 #: offset): a non-negative signed 64-bit value, the most either can reach.
@@ -81,9 +81,11 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     seen enough releases of it, and the ceiling until then (a daemon that predates
     ``auto`` arms the ceiling).
 
-    ``arm`` numbers this arming (each arming of a process its own number): a
-    `Release` that names it disarms this arming only, never a later one of the same
-    scope. A daemon that keeps it says so by echoing it (`Acquired.arm`).
+    The daemon numbers the arming (`Acquired.arm`), for a `Release` to name. (Older
+    clients sent a number of their own, ``arm``, which older daemons kept and
+    echoed: a daemon now ignores it, as any unknown field. Numbers that processes
+    chose apart could be the same, so another process's re-arm of the scope could
+    have the number a late release named.)
     """
 
     scope: Scope
@@ -101,7 +103,6 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     rank: Rank | None = None
     local_rank: Rank | None = None
     group_rank: Rank | None = None
-    arm: Arm | None = None
     #: The process would arm this scope's later blocks by stores into a slot page
     #: (`watchdogd_client.protocol.slot_page`): a daemon that offers one answers
     #: with a `SlotGrant` (`Acquired.slot`). Heard only for the caller itself.
@@ -111,10 +112,10 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
 class Release(Request, tag="release", frozen=True, kw_only=True):
     """Disarm the timer ``(pid, scope)``; releasing an absent timer succeeds.
 
-    With ``arm``, only the arming of that number (`Acquire.arm`) is disarmed: a
-    timer armed again since, under another number, stays armed, and the reply says
-    ``found`` False. A release sent late, or sent again after its connection broke,
-    so never disarms a newer arming of its scope.
+    With ``arm``, only the arming of that number (`Acquired.arm`) is disarmed: a
+    timer armed again since, by this process or any other, stays armed, and the
+    reply says ``found`` False. A release sent late, or sent again after its
+    connection broke, so never disarms a newer arming of its scope.
     """
 
     scope: Scope
