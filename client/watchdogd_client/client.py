@@ -285,10 +285,9 @@ class Client(BaseClient):
         self.release(scope)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
-        if pid is None and self._fast is not None:
-            stored = self._fast.release(scope)
-            if stored is not None:
-                return stored
+        stored = None if pid is not None or self._fast is None else self._fast.release(scope)
+        if stored is not None:
+            return stored
         try:
             return self._call(
                 Release(id=self._engine.next_id(), scope=scope, pid=pid), Released
@@ -399,12 +398,12 @@ class Client(BaseClient):
         frame = self._releases.again(connection, self._engine)
         frame += connection.send(request, expected, resent=resent)
         if wait:
-            self._set_timeouts(self.timeout + wait)
+            _set_timeouts(self._sock, self.timeout + wait)
         try:
             answer = self._exchange(sock, connection, request.id, frame)
         finally:
             if wait and self._sock is not None:
-                self._set_timeouts(self.timeout)
+                _set_timeouts(self._sock, self.timeout)
         if connection.state != "open":
             self._disconnect()
         return answer
@@ -463,7 +462,7 @@ class Client(BaseClient):
             sock, connection = self._sock, self._connection
             if sock is None or connection is None or not self._releases.in_flight:
                 return
-            self._set_timeouts(timeout)
+            _set_timeouts(self._sock, timeout)
             with contextlib.suppress(OSError):
                 while self._releases.in_flight and connection.state != "closed":
                     data = sock.recv(_RECV_SIZE)
@@ -496,7 +495,7 @@ class Client(BaseClient):
     def _greet(self) -> Answer:
         """A new connection, and the answer to its hello."""
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._set_timeouts(self.timeout)
+        _set_timeouts(self._sock, self.timeout)
         with vet(self.place) as vetted:
             try:
                 sock.connect(vetted.address)
@@ -527,14 +526,6 @@ class Client(BaseClient):
                 return
             time.sleep(pause)
 
-    def _set_timeouts(self, seconds: float) -> None:
-        # Kernel-side timeouts: settimeout() would add a poll() before every recv.
-        assert self._sock is not None
-        whole = int(seconds)
-        timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-
     def _disconnect(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -549,6 +540,15 @@ class Client(BaseClient):
         self._lock = threading.Lock()
         self._disconnect()
         self._releases.forget()
+
+
+def _set_timeouts(sock: socket.socket | None, seconds: float) -> None:
+    # Kernel-side timeouts: settimeout() would add a poll() before every recv.
+    assert sock is not None
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()

@@ -320,10 +320,9 @@ class AsyncClient:
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
-        if pid is None and self._fast is not None:
-            stored = self._fast.release(scope)
-            if stored is not None:
-                return stored
+        stored = None if pid is not None or self._fast is None else self._fast.release(scope)
+        if stored is not None:
+            return stored
         try:
             return (
                 await self._call(Release(id=self._engine.next_id(), scope=scope, pid=pid), Released)
