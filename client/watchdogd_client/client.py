@@ -259,7 +259,10 @@ class Client(BaseClient):
         return 0 if reply is None else reply.arm
 
     def _release_block(self, scope: str, arm: int) -> None:
-        if self._fast is not None and self._fast.release(scope) is not None:
+        stored = None if self._fast is None else self._fast.release(scope)
+        if stored is not None:
+            if stored == "closed":
+                self._released(scope, None, stored=True)
             return
         responder = release_carrier(self.socket_path, arm)
         if responder is not None:
@@ -282,16 +285,18 @@ class Client(BaseClient):
                         self._broken = True
                         responder.resend()
                     return
-        self.release(scope)
+        self._released(scope, None)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         stored = None if pid is not None or self._fast is None else self._fast.release(scope)
-        if stored is not None:
-            return stored
+        if stored is None or stored == "closed":
+            return self._released(scope, pid, stored=stored == "closed")
+        return stored
+
+    def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
+        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return self._call(
-                Release(id=self._engine.next_id(), scope=scope, pid=pid), Released
-            ).found
+            return self._call(request, Released).found
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False
@@ -452,29 +457,6 @@ class Client(BaseClient):
             self._disconnect()
             raise
 
-    def settle_releases(self, timeout: float) -> None:
-        """Read the answers of the releases sent without waiting, for up to
-        ``timeout`` seconds: at exit, so that the daemon takes each before it sees
-        the process end."""
-        if not self._lock.acquire(timeout=timeout):
-            return
-        try:
-            sock, connection = self._sock, self._connection
-            if sock is None or connection is None or not self._releases.in_flight:
-                return
-            _set_timeouts(self._sock, timeout)
-            with contextlib.suppress(OSError):
-                while self._releases.in_flight and connection.state != "closed":
-                    data = sock.recv(_RECV_SIZE)
-                    answers = (
-                        connection.receive_data(data) if data else connection.connection_lost()
-                    )
-                    for answer in answers:
-                        self._releases.settle(answer)
-            self._disconnect()
-        finally:
-            self._lock.release()
-
     def _connect(self) -> None:
         try:
             self._open()
@@ -551,6 +533,28 @@ def _set_timeouts(sock: socket.socket | None, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
+def _settle_releases(client: Client, timeout: float) -> None:
+    """Read the answers of ``client``'s releases sent without waiting, for up to
+    ``timeout`` seconds: at exit, so that the daemon takes each before it sees the
+    process end."""
+    if not client._lock.acquire(timeout=timeout):
+        return
+    try:
+        sock, connection = client._sock, client._connection
+        if sock is None or connection is None or not client._releases.in_flight:
+            return
+        _set_timeouts(sock, timeout)
+        with contextlib.suppress(OSError):
+            while client._releases.in_flight and connection.state != "closed":
+                data = sock.recv(_RECV_SIZE)
+                answers = connection.receive_data(data) if data else connection.connection_lost()
+                for answer in answers:
+                    client._releases.settle(answer)
+        client._disconnect()
+    finally:
+        client._lock.release()
+
+
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 #: How long an exiting process waits for the answers of its releases.
 _EXIT_WAIT: Final = 2.0
@@ -559,7 +563,7 @@ _EXIT_WAIT: Final = 2.0
 @atexit.register
 def _settle_at_exit() -> None:
     for client in list(_live_clients):
-        client.settle_releases(_EXIT_WAIT)
+        _settle_releases(client, _EXIT_WAIT)
 
 
 def _reset_clients_in_child() -> None:

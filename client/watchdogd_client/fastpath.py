@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Literal
 
 from ._version import __version__
 from .arming import After, Arming
@@ -158,16 +158,19 @@ class FastPath:
         slot.entered = now
         return timeout / 1_000_000
 
-    def release(self, scope: str) -> bool | None:
+    def release(self, scope: str) -> bool | Literal["closed"] | None:
         """Release ``scope``'s block by a store, recording how long it was held:
-        whether it was armed; None when it must be released over the socket."""
+        whether it was armed; None when it must be released over the socket;
+        ``"closed"`` when its slot closed: over the socket too, as a block armed
+        by a store (`Release.stored`), which never disarms another's arming."""
         slot = self._slots.get(scope)
         if slot is None:
             return None
         words, at = slot.words, slot.deadline
         period = slot.period
         if words[at + PERIOD] != period:
-            return None
+            self._slots.pop(scope, None)
+            return "closed"
         armed = words[at] != 0
         entered = slot.entered
         if entered:
@@ -179,7 +182,8 @@ class FastPath:
             words[at + BLOCKS] = (words[at + BLOCKS] + 1) & _WORD
         words[at] = 0
         if words[at + PERIOD] != period:
-            return None
+            self._slots.pop(scope, None)
+            return "closed"
         return armed
 
     def answered(

@@ -288,12 +288,15 @@ class AsyncClient:
         where the daemon numbered the arming and the process's responder would send
         it again after a break; otherwise as `release` does. A registered scope's
         is a store."""
-        if self._fast is not None and self._fast.release(scope) is not None:
+        stored = None if self._fast is None else self._fast.release(scope)
+        if stored is not None:
+            if stored == "closed":
+                await self._released(scope, None, stored=True)
             return
         responder = release_carrier(self.socket_path, arm)
         connection = self._connection
         if responder is None or connection is None or connection.protocol.state != "open":
-            await self.release(scope)
+            await self._released(scope, None)
             return
         request = Release(id=self._engine.next_id(), scope=scope, arm=arm)
         frame = connection.protocol.send(request, Released)
@@ -321,12 +324,14 @@ class AsyncClient:
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
         stored = None if pid is not None or self._fast is None else self._fast.release(scope)
-        if stored is not None:
-            return stored
+        if stored is None or stored == "closed":
+            return await self._released(scope, pid, stored=stored == "closed")
+        return stored
+
+    async def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
+        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return (
-                await self._call(Release(id=self._engine.next_id(), scope=scope, pid=pid), Released)
-            ).found
+            return (await self._call(request, Released)).found
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False

@@ -197,6 +197,9 @@ class Arming(Generic[P]):
                 self._check_timer_limits(caller.peer, now)
             timeout, timeout_from = request.timeout, ""
             if request.auto is not None:
+                if kept is not None:
+                    assert previous is not None
+                    self._slots.harvest(previous, process, now)
                 timeout, timeout_from = self._history.timeout(
                     self._history_key(process, request.scope), request.auto.floor, request.timeout
                 )
@@ -265,7 +268,7 @@ class Arming(Generic[P]):
             return None
         if wanted and self._slots.slot_of(previous, process, now) is not None:
             return previous.watch.slot
-        self._slots.revoke(previous)
+        self._slots.revoke(previous, process, now)
         return None
 
     def _check_bounds(self, request: Acquire) -> None:
@@ -318,8 +321,11 @@ class Arming(Generic[P]):
             held = self._table.get(process.pid, request.scope)
             if held is not None and held.watch is not None and held.watch.slot is not None:
                 found = self._release_slot(held, process, request.pid is None, now)
-                if found is not None:
-                    return Released(id=request.id, found=found)
+                return Released(id=request.id, found=found)
+            if request.stored:
+                # A block armed by a store, whose slot closed: what holds the scope
+                # now was armed over the socket since, and is not its to disarm.
+                return Released(id=request.id, found=False)
             timer, gone = self._table.disarm(process.pid, request.scope, request.arm or 0)
             if timer is not None:
                 self._journal.drop(timer)
@@ -332,14 +338,20 @@ class Arming(Generic[P]):
             process.close()
         return Released(id=request.id, found=timer is not None)
 
-    def _release_slot(self, held: Timer, process: P, own: bool, now: float) -> bool | None:
+    def _release_slot(self, held: Timer, process: P, own: bool, now: float) -> bool:
         """Release registered ``held``: by its own process, its slot is released
-        and it stays registered (whether it was armed); by another caller, its
-        slot closes and None says to disarm it as any timer."""
-        slot = self._slots.slot_of(held, process, now) if own else None
-        if slot is None:
-            self._slots.revoke(held)
-            return None
+        and it stays registered; by another caller, its slot closes and the
+        registration goes. Whether its slot held a block."""
+        slot = self._slots.slot_of(held, process, now)
+        if slot is None or not own:
+            armed = slot is not None and self._slots.deadline_of(held) is not None
+            self._slots.revoke(held, process, now)
+            timer, gone = self._table.disarm(process.pid, held.scope)
+            if timer is not None:
+                self._journal.drop(timer)
+            if gone is not None:
+                self._processes.untrack(gone)
+            return armed
         began = self._slots.block_began(held, slot)
         found = self._slots.released(held, slot)
         if found:

@@ -85,8 +85,11 @@ class Slot:
     page: PageRef
     index: int
     period: float
-    #: The block's deadline as last read; 0.0 while released.
+    #: The block's deadline as last read (bounded); 0.0 while released.
     due: float = 0.0
+    #: The deadline word it was read from: while the word stays, so does ``due``
+    #: (a deadline clamped once stays where it was clamped).
+    word: int = 0
     #: When it was first seen released, since it last was armed (0.0: armed).
     idle_since: float = 0.0
     #: When it closed (0.0: open).
@@ -154,8 +157,8 @@ class Slots(Generic[P]):
 
     def register(self, process: P, scope: str, timeout: float, now: float) -> SlotRef | None:
         """A slot for ``scope`` of ``process``, registered with ``timeout``; None
-        when none is offered to it (no fast path here, a timeout under twice
-        `MIN_PERIOD`, another clock, no page to be had)."""
+        when none is offered to it (no fast path here, a timeout whose period
+        would be under `MIN_PERIOD`, another clock, no page to be had)."""
         period = period_of(timeout)
         if not self.offered or not period:
             return None
@@ -215,12 +218,15 @@ class Slots(Generic[P]):
         (what a release over the socket records as the time it was held)."""
         return slot.due - timer.timeout if slot.due else timer.armed_at
 
-    def revoke(self, timer: Timer) -> None:
-        """Another caller armed or released ``timer``'s scope over the socket: its
-        slot closes and is forgotten at once (the caller replaces or drops the
-        registration), so no store of the process can disarm what was armed."""
-        slot = self._slots.pop(timer.key, None)
+    def revoke(self, timer: Timer, process: P, now: float) -> None:
+        """Another caller armed or released ``timer``'s scope over the socket (or
+        its process's uids changed): its slot closes and is forgotten at once (the
+        caller replaces or drops the registration), so no store of the process
+        can disarm what was armed. A slot not read yet since a restart is found
+        again first, so that it closes too."""
+        slot = self.slot_of(timer, process, now)
         if slot is not None:
+            self._slots.pop(timer.key, None)
             slot.page.write(slot.index, period=0)
             self._let_go(timer, slot)
 
@@ -256,15 +262,17 @@ class Slots(Generic[P]):
         if process.uid != timer.uid:
             # Its authorization was its uid's at the arm: it arms over the socket
             # again, where it is judged anew.
-            self.revoke(timer)
+            self.revoke(timer, process, now)
             self._drop(item, f"its process's uid changed to {process.uid}")
             return None
         word = slot.page.read(slot.index)
         self._harvest(timer, process, slot, now)
         if not word:
+            slot.word = 0
             self._idle_look(item, slot, now)
             return None
-        deadline = self._bounded(word, now)
+        deadline = slot.due if word == slot.word and slot.due else self._bounded(word, now)
+        slot.word = word
         self._busy(timer, slot, deadline)
         if deadline > now:
             self._put(item, min(deadline, now + slot.period))
@@ -451,6 +459,13 @@ class Slots(Generic[P]):
         key = (process.uid, self._processes.executable(process), timer.scope)
         self._history.record_counts(key, added, largest)
 
+    def harvest(self, timer: Timer, process: P, now: float) -> None:
+        """Harvest registered ``timer``'s slot now (an arm of ``after="auto"``
+        learns from every block released so far)."""
+        slot = self.slot_of(timer, process, now)
+        if slot is not None:
+            self._harvest(timer, process, slot, now)
+
     def harvest_all(self, now: float, uid: int | None = None) -> None:
         """Harvest every slot (of ``uid``'s processes, when given) now: what
         `suggest` shows counts every block released so far."""
@@ -469,7 +484,10 @@ class Slots(Generic[P]):
         for timer in timers:
             slot = self._slots.pop(timer.key, None)
             if slot is None:
-                armed.append(timer)
+                # A registration not read since a restart: what its slot held is
+                # not known (its process's descriptors are gone), so not counted.
+                if timer.watch is None or timer.watch.slot is None:
+                    armed.append(timer)
                 continue
             self._harvest(timer, process, slot, now)
             if slot.page.read(slot.index):
@@ -508,7 +526,12 @@ class Slots(Generic[P]):
         """The daemon stops: every slot closes (blocks go over the socket, to a
         daemon that restarts or to none, as DESIGN's rule for a daemon gone at a
         block's exit says), and every page is let go. The state keeps the
-        registrations for the next start."""
+        registrations for the next start; those not read yet since a restart
+        are found again to be closed too."""
+        for timer in list(self._table.timers()):
+            watch, process = timer.watch, self._table.process(timer.pid)
+            if watch is not None and watch.slot is not None and process is not None:
+                self.slot_of(timer, process, timer.deadline)
         for own in self._pages.values():
             for page in own.pages:
                 page.close_all()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import mmap
 import os
 import stat
@@ -167,7 +168,11 @@ def adopt(process: Process, page: int) -> SlotPage:
             continue
         try:
             info = os.fstat(found)
-            if info.st_ino != page or not stat.S_ISREG(info.st_mode):
+            if (
+                info.st_ino != page
+                or info.st_dev != _memfd_device()
+                or not stat.S_ISREG(info.st_mode)
+            ):
                 continue
             fd = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
@@ -179,6 +184,17 @@ def adopt(process: Process, page: int) -> SlotPage:
             raise PageError(f"pid {process.pid} exited while its page was searched for")
         return _checked(fd, page)
     raise PageError(f"pid {process.pid} holds no descriptor of slot page {page}")
+
+
+@functools.cache
+def _memfd_device() -> int:
+    """The device every memfd is on (the kernel's internal shmem mount): a page's
+    inode number is looked for there only."""
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
 
 
 def _checked(fd: int, page: int) -> SlotPage:

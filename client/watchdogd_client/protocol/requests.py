@@ -121,6 +121,10 @@ class Release(Request, tag="release", frozen=True, kw_only=True):
     scope: Scope
     pid: Pid | None = None
     arm: Arm | None = None
+    #: It releases a block armed by a store into the scope's slot, which the daemon
+    #: closed meanwhile: it disarms the scope only while it is still registered,
+    #: never an arming made over the socket since (root's, say).
+    stored: bool = False
 
 
 class Status(Request, tag="status", frozen=True, kw_only=True):
