@@ -203,6 +203,10 @@ def signal_policy(name: str) -> Policy | None:
     return Policy(name=name, steps=(Signal(signum),), builtin=True)
 
 
+#: Every name of a signal, aliases too (SIGIOT, SIGCLD), for a suggestion.
+SIGNAL_NAMES: Final = tuple(signal.Signals.__members__)
+
+
 def signal_number(value: str | int) -> int:
     """``"SIGTERM"``, ``"TERM"`` or ``15`` as a signal number; ValueError otherwise."""
     if isinstance(value, int):

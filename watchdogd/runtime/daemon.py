@@ -533,16 +533,23 @@ def load_config(path: str, *, mountinfo: str = MOUNTINFO) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
     config = parse_config(data, path)
+    # What the host lacks, once the file itself is right: each, at once.
+    errors = []
     group = config.daemon.socket_group
     if isinstance(group, str):
         try:
             grp.getgrnam(group)
         except KeyError:
-            raise ConfigError(
+            errors.append(
                 f"{path}: daemon.socket_group: no group named {group!r} on this host; "
                 "create it (groupadd) or name another"
-            ) from None
-    _check_cgroup_targets(config, path, mountinfo)
+            )
+    try:
+        _check_cgroup_targets(config, path, mountinfo)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    if errors:
+        raise ConfigError("\n".join(errors))
     for warning in lockouts(config):
         log.warning(logfmt("config_warning", path=path, note=warning))
     return config
@@ -603,7 +610,8 @@ def reload(
         try:
             config = load_config(config_path)
         except ConfigError as exc:
-            note = f"kept the old config: {exc}"
+            # An event is one line: the file's errors, one after another.
+            note = "kept the old config: " + "; ".join(str(exc).splitlines())
             ok = False
         else:
             service.reconfigure(config)
