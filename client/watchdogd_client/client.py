@@ -32,7 +32,7 @@ from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable
 from .outage import OnUnavailable, Outage
-from .paths import client_socket_path
+from .paths import client_socket_path, what_is_there
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
@@ -466,7 +466,7 @@ class Client(BaseClient):
                 f"its backlog stayed full for {self.timeout:g} s"
             ) from None
         except OSError as exc:
-            raise self._engine.connect_failed(exc) from None
+            raise self._engine.connect_failed(exc, what_is_there(self.socket_path)) from None
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()
         return self._exchange(sock, connection, connection.hello_id, connection.hello)

@@ -60,7 +60,7 @@ from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, WatchdogdError
 from .outage import OnUnavailable, Outage
-from .paths import client_socket_path
+from .paths import client_socket_path, what_is_there
 from .protocol import (
     Acquire,
     Acquired,
@@ -411,7 +411,7 @@ class AsyncClient:
         except trio.TooSlowError:
             raise self._engine.unavailable(f"no answer within {self.timeout:g} s") from None
         except OSError as exc:
-            raise self._engine.connect_failed(exc) from None
+            raise self._engine.connect_failed(exc, what_is_there(self.socket_path)) from None
         connection = _Connection(stream, self._engine.connect(), self._unwaited)
         self._nursery.start_soon(connection.read_replies)
         protocol = connection.protocol

@@ -526,3 +526,9 @@ def test_policy_completion_asks_the_daemon(daemon: RunningDaemon, tmp_path: Path
     # No daemon: nothing to offer, and no error in the shell.
     nowhere = str(tmp_path / "none.sock")
     assert _completed(f"watchdogctl --socket {nowhere} run --policy ") == []
+
+
+def test_a_socket_path_that_is_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
+    result = ctl(tmp_path, "status")
+    assert result.returncode == 1
+    assert f"not reachable at {tmp_path}: not a socket but a directory." in result.stderr
