@@ -77,6 +77,9 @@ _WATCHDOGCTL_SECTIONS: Final = (
         "ENVIRONMENT",
         [
             ".TP\n.B WATCHDOGD_SOCKET\nThe daemon's socket when --socket is not given.",
+            ".TP\n.B COLUMNS\nThe width tables fit, when it is a positive number; else the "
+            "width of the terminal on standard output. Piped or redirected, tables are "
+            "printed whole; --json is never cut.",
             ".TP\n.B _WATCHDOGCTL_COMPLETE\nbash_source, zsh_source or fish_source prints "
             "the shell completion script instead of running a command.",
         ],
