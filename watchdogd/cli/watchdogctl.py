@@ -28,6 +28,7 @@ from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import EventInfo
 
 from .._version import __version__
+from .reference import docs_path_option
 from .render import (
     event_text,
     expiry_report,
@@ -142,6 +143,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @_common_options(envvar=ENV_SOCKET)
+@docs_path_option
 @click.version_option(__version__, prog_name="watchdogctl")
 @click.pass_context
 def main(ctx: click.Context) -> None:
