@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +63,20 @@ def sleeper() -> subprocess.Popen[bytes]:
 def _has_arguments(pid: int) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         return bool(cmdline.read(1))
+
+
+def death_time(
+    process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float = PATIENCE
+) -> float:
+    """When ``process`` exited, observed through a pidfd (not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(timeout * 1000), "it did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
 
 
 def gone(pid: int) -> bool:
