@@ -203,6 +203,20 @@ def _has_arguments(pid: int) -> bool:
         return bool(cmdline.read(1))
 
 
+def death_time(
+    process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float = PATIENCE
+) -> float:
+    """When ``process`` exited, observed through a pidfd (not a polling wait)."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(timeout * 1000), "it did not die"
+        return time.monotonic()
+    finally:
+        os.close(fd)
+
+
 def gone(pid: int) -> bool:
     """Whether ``pid`` has exited (a zombie counts: it will never run again)."""
     try:
