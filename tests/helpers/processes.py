@@ -185,7 +185,9 @@ def sleeper() -> subprocess.Popen[bytes]:
     return process
 
 
-def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> float:
+def death_time(
+    process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float = PATIENCE
+) -> float:
     """When ``process`` exited, on CLOCK_MONOTONIC, seen through a pidfd (the
     moment its readiness is polled, not a polling wait)."""
     fd = os.pidfd_open(process.pid)
@@ -201,20 +203,6 @@ def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> f
 def _has_arguments(pid: int) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         return bool(cmdline.read(1))
-
-
-def death_time(
-    process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float = PATIENCE
-) -> float:
-    """When ``process`` exited, observed through a pidfd (not a polling wait)."""
-    fd = os.pidfd_open(process.pid)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        assert poller.poll(timeout * 1000), "it did not die"
-        return time.monotonic()
-    finally:
-        os.close(fd)
 
 
 def gone(pid: int) -> bool:
