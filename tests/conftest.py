@@ -30,6 +30,12 @@ from helpers.processes import left_behind
 # their own) start theirs as any worker does.
 decline_responder()
 
+# pytest-xdist's workers run with COLUMNS=80 and LINES=24 set: every watchdogctl a
+# test starts would fit its tables to 80 columns even in a pipe. A test that wants
+# a width sets one.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 
 @pytest.fixture(autouse=True)
 def torch_jobs_in_turn(

@@ -34,7 +34,7 @@ from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket
 from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
-from .paths import Place, find_socket
+from .paths import Place, find_socket, what_is_there
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
@@ -486,7 +486,7 @@ class Client(BaseClient):
                     f"its backlog stayed full for {self.timeout:g} s"
                 ) from None
             except OSError as exc:
-                raise self._engine.connect_failed(exc) from None
+                raise self._engine.connect_failed(exc, what_is_there(self.socket_path)) from None
             vetted.admit(sock)
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()

@@ -188,12 +188,16 @@ class Engine:
         """The error for a daemon that did not answer, saying why."""
         return DaemonUnavailable.at(self.socket_path, reason)
 
-    def connect_failed(self, exc: OSError) -> DaemonUnavailable:
-        """What a failed connect(2) tells the caller."""
+    def connect_failed(self, exc: OSError, there: str = "") -> DaemonUnavailable:
+        """What a failed connect(2) tells the caller; ``there``: what the path is
+        when it is no socket (`paths.what_is_there`), which Linux also refuses
+        with ECONNREFUSED."""
         if isinstance(exc, FileNotFoundError):
             return self.unavailable("no socket there")
         if isinstance(exc, ConnectionRefusedError):
-            return self.unavailable("nothing is listening on it")
+            return self.unavailable(
+                f"not a socket but {there}" if there else "nothing is listening on it"
+            )
         return self.unavailable(exc.strerror or str(exc))
 
     def lost(self, request_id: int, *, resent: bool, reason: str | None = None) -> Answer:

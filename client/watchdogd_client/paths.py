@@ -68,6 +68,25 @@ def client_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
     return find_socket(explicit).path
 
 
+#: What a path may be besides a socket, in words.
+_KINDS: Final = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def what_is_there(path: str) -> str:
+    """What ``path`` is when it is there and no socket ("a directory"), else ""."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    return next((kind for test, kind in _KINDS if test(mode)), "")
+
+
 def _is_socket(path: str) -> bool:
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)

@@ -62,7 +62,7 @@ from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
 from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
-from .paths import Place, find_socket
+from .paths import Place, find_socket, what_is_there
 from .protocol import (
     Acquire,
     Acquired,
@@ -480,7 +480,7 @@ class AsyncClient:
         except DaemonUnavailable:
             raise  # the judgement's own: it says what it found
         except OSError as exc:
-            raise self._engine.connect_failed(exc) from None
+            raise self._engine.connect_failed(exc, what_is_there(self.socket_path)) from None
         connection = _Connection(stream, self._engine.connect(), self._unwaited)
         self._nursery.start_soon(connection.read_replies)
         protocol = connection.protocol

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -12,7 +14,8 @@ import pytest
 from watchdogd.cli import watchdogctl, watchdogd
 from watchdogd.cli.manpage import PAGES, escape, pages
 
-MAN = Path(__file__).parents[2] / "man"
+ROOT = Path(__file__).parents[2]
+MAN = ROOT / "man"
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))
@@ -56,3 +59,25 @@ def test_groff_reads_the_page_without_a_warning(name: str, tmp_path: Path) -> No
         check=False,
     )
     assert (result.returncode, result.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_a_page_sends_its_reader_to_the_reference_pages_as_installed(name: str) -> None:
+    page = pages()[name]
+    assert "\\-\\-docs\\-path prints their directory" in page
+    named = set(re.findall(r"\b([a-z-]+\.md)\b", page))
+    assert "configuration.md" in named or "operations.md" in named
+    assert sorted(file for file in named if not (ROOT / "docs" / file).is_file()) == []
+    # A path of the checkout (docs/policies.md) is nowhere an installation has it.
+    assert "docs/" not in page.replace("docs/ in a checkout", "")
+
+
+@pytest.mark.parametrize("command", ["watchdogd", "watchdogctl"])
+def test_both_commands_print_where_the_reference_pages_are(command: str) -> None:
+    # Run from this checkout (an editable install): its docs/. The wheel's, installed,
+    # is test_readme.py's test of the wheels.
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / command), "--docs-path"],
+        capture_output=True, text=True, check=True, cwd="/",
+    ).stdout  # fmt: skip
+    assert shown == f"{ROOT.resolve() / 'docs'}\n"

@@ -396,6 +396,10 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
             if path.suffix in (".py", ".typed") and "__pycache__" not in path.parts
         }
         assert sources <= names, f"{wheel.name} lacks {sorted(sources - names)}"
+    # The reference pages are the daemon's package data.
+    pages = {f"watchdogd/docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}
+    [daemon_wheel] = (tmp_path / "dist").glob("watchdogd-0.1.0-py3-none-any.whl")
+    assert pages <= set(zipfile.ZipFile(daemon_wheel).namelist())
     # Installed from the wheel alone, the daemon starts (its imports are all there).
     target = tmp_path / "site"
     subprocess.run(
@@ -416,6 +420,16 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         check=True,
     )
     assert shown.stdout.startswith(str(target))
+    # Where the manual pages send a reader: the pages as installed.
+    docs = subprocess.run(
+        [PYTHON, "-m", "watchdogd", "--docs-path"],
+        env={**os.environ, "PYTHONPATH": str(target)}, cwd=tmp_path,
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert docs == f"{target / 'watchdogd' / 'docs'}\n"
+    assert (target / "watchdogd" / "docs" / "configuration.md").read_text() == (
+        (ROOT / "docs" / "configuration.md").read_text()
+    )
     # The README's lines that install the wheels name the files this build made, and
     # pip takes them, extras included (a dry run, as test_shell_commands_run does).
     installs = [command for command in _installing() if "dist/" in command and command != build]

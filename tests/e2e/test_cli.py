@@ -336,6 +336,24 @@ def test_config_errors_name_the_file_the_key_the_line_and_the_choices(
     assert expected in " ".join(stderr.split())
 
 
+def test_a_config_with_several_errors_stops_the_start_naming_each_in_file_order(
+    tmp_path: Path, socket_path: Path
+) -> None:
+    config = tmp_path / "watchdogd.toml"
+    config.write_text(
+        '[policies.graceful]\nsteps = [ { signal = "SIGTREM" } ]\n\n'
+        '[daemon]\nmax_timers = 0\ndefault_policy = "trem"\n'
+    )
+    stderr = _start_fails("--socket", str(socket_path), "--config", str(config))
+    assert stderr.splitlines() == [
+        f"Error: {config}, line 2: policies.graceful.steps[0].signal: no signal named "
+        "'SIGTREM'; did you mean `SIGTERM`?",
+        f"{config}, line 5: daemon.max_timers: Expected `int` >= 1",
+        f"{config}, line 6: daemon.default_policy: no policy 'trem'; known: abort, graceful, "
+        "kill, log, peer_dump, term; did you mean `term`?",
+    ]
+
+
 def test_a_config_that_locks_non_root_users_out_is_warned_of(
     tmp_path: Path, socket_path: Path
 ) -> None:

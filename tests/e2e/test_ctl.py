@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,14 @@ from watchdogd.cli.watchdogctl import main
 from watchdogd_client import Client
 from watchdogd_client.protocol import DaemonInfo
 
-from helpers.daemon import WATCHDOGCTL, RunningDaemon, configured_daemon, ctl, ctl_command
+from helpers.daemon import (
+    WATCHDOGCTL,
+    RunningDaemon,
+    configured_daemon,
+    ctl,
+    ctl_command,
+    expired_event,
+)
 from helpers.fake_daemon import fake_daemon_as
 from helpers.namespaces import in_private_mounts
 from helpers.per_user import IMPOSTOR, PER_USER, become_worker_of_other
@@ -131,7 +142,7 @@ def test_events_lists_expiries_and_exits(daemon: RunningDaemon) -> None:
     assert "[SIGKILL: sent SIGKILL]" in expired
     assert "outcome=exited" in expired
     exited = next(line for line in lines if " exited " in line and f"pid={bystander.pid}" in line)
-    assert "exited with 1 timer(s) armed: a" in exited
+    assert "scope=a  (exited with 1 timer armed)" in exited
     as_json = [
         json.loads(line) for line in ctl(daemon.socket_path, "events", "--json").stdout.splitlines()
     ]
@@ -187,7 +198,7 @@ class TestRun:
         clean = ctl(daemon.socket_path, "run", "--json", "--timeout", "5", "--", "true")
         assert (clean.returncode, clean.stderr) == (0, "")
         assert json.loads(clean.stdout)["expired"] is None
-        # Its exit released the timer: no "exited with 1 timer(s) armed" record.
+        # Its exit released the timer: no "exited with 1 timer armed" record.
         with daemon.client() as client:
             assert [e.kind for e in client.events().events if e.kind == "exited"] == []
             assert client.status().daemon.timers == 0
@@ -440,7 +451,7 @@ def test_a_non_root_status_does_not_count_timers_it_cannot_show(
         try:
             with daemon.client() as client:
                 client.acquire("roots", 60, pid=victim.pid)
-            output = _status_as_nobody(socket_path)
+            output = _as_nobody(socket_path)
         finally:
             reap(victim)
     lines = output.splitlines()
@@ -462,9 +473,10 @@ def test_durations_read_like_durations(seconds: float, shown: str) -> None:
     assert format_duration(seconds) == shown
 
 
-def _status_as_nobody(socket: Path) -> str:
-    """``watchdogctl status`` run by uid 65534, in a fork of this process (which
-    has the interpreter loaded: uid 65534 may not read it from where it lives)."""
+def _as_nobody(socket: Path, *args: str) -> str:
+    """``watchdogctl status`` (or ``args``) run by uid 65534, in a fork of this
+    process (which has the interpreter loaded: uid 65534 may not read it from where
+    it lives)."""
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - reports through the pipe
@@ -473,7 +485,7 @@ def _status_as_nobody(socket: Path) -> str:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            result = CliRunner().invoke(main, ["--socket", str(socket), "status"])
+            result = CliRunner().invoke(main, ["--socket", str(socket), *(args or ["status"])])
             output = result.output if result.exit_code == 0 else f"failed: {result.output}"
         except BaseException as exc:
             output = f"failed: {exc!r}"
@@ -549,3 +561,191 @@ def test_policy_completion_asks_the_daemon(daemon: RunningDaemon, tmp_path: Path
     # No daemon: nothing to offer, and no error in the shell.
     nowhere = str(tmp_path / "none.sock")
     assert _completed(f"watchdogctl --socket {nowhere} run --policy ") == []
+
+
+#: A policy whose dump prints two lines (and names the pid it was run for), then
+#: kills.
+DUMPING = """\
+[policies.dumping]
+steps = [ { dump = ["printf", 'stack of %s\\nsecond line\\n', "{pid}"] }, { signal = "SIGKILL" } ]
+"""
+
+
+def _expired(daemon: RunningDaemon, scope: str, policy: str = "kill") -> int:
+    """The pid of a sleeper whose timer ``scope`` expired, once its event is in."""
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            client.acquire(scope, 0.1, pid=victim.pid, policy=policy)
+            assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
+            expired_event(client, victim.pid)
+    finally:
+        reap(victim)
+    return victim.pid
+
+
+def test_events_are_one_line_each_with_their_stacks_behind_an_option(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    with configured_daemon(socket_path, tmp_path, DUMPING) as daemon:
+        first = _expired(daemon, "first", "dumping")
+        second = _expired(daemon, "second", "dumping")
+        lines = ctl(socket_path, "events").stdout.splitlines()
+        # `events | tail -2` is the last two events, each named for what its dump ran.
+        assert [line.split()[3] for line in lines[-2:]] == [f"pid={first}", f"pid={second}"]
+        assert (
+            f"[dump printf 'stack of %s\\nsecond line\\n' {second}: exit 0 (2 lines)]"
+            in (lines[-1])
+        )
+        assert "{pid}" not in "".join(lines)
+        stacks = ctl(socket_path, "events", "--stacks").stdout.splitlines()
+        assert stacks[-3:] == [lines[-1], f"    | stack of {second}", "    | second line"]
+        # JSON is as the daemon sent it: the output in the event, one event a line.
+        as_json = ctl(socket_path, "events", "--json").stdout.splitlines()
+        assert len(as_json) == len(lines)
+        last = json.loads(as_json[-1])
+        assert last["steps"][0]["output"] == f"stack of {second}\nsecond line\n"
+
+
+def test_an_empty_listing_says_so(daemon: RunningDaemon) -> None:
+    assert ctl(daemon.socket_path, "events").stdout == "No events.\n"
+    assert ctl(daemon.socket_path, "events", "--json").stdout == ""
+    assert ctl(daemon.socket_path, "incidents").stdout == "No incidents.\n"
+
+
+def test_an_exit_shows_its_scopes_as_status_shows_them(
+    daemon: RunningDaemon, tmp_path: Path
+) -> None:
+    scopes = [f"{tmp_path}/job.py:6", f"{tmp_path}/job.py:9"]
+    victim = sleeper()
+    try:
+        with daemon.client() as client:
+            for scope in scopes:
+                client.acquire(scope, 60, pid=victim.pid)
+            status = subprocess.run(
+                ctl_command(daemon.socket_path, "status"),
+                capture_output=True, text=True, check=True, cwd=tmp_path,
+            ).stdout  # fmt: skip
+            assert [row.split()[3] for row in status.splitlines()[4:]] == ["job.py:6", "job.py:9"]
+    finally:
+        reap(victim)
+    with daemon.client() as client:
+        wait_until(lambda: client.status().daemon.exited == 1, what="the exit recorded")
+    events = subprocess.run(
+        ctl_command(daemon.socket_path, "events"),
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
+    [exited] = events.splitlines()
+    assert exited.endswith(
+        f"exited  pid={victim.pid}  scopes=job.py:6, job.py:9  (exited with 2 timers armed)"
+    )
+    [event] = json.loads(f"[{ctl(daemon.socket_path, 'events', '--json').stdout}]")
+    assert (event["scopes"], event["timers"]) == (scopes, 2)
+
+
+def test_why_says_when_a_process_does_not_exist(daemon: RunningDaemon) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert ctl(daemon.socket_path, "why", str(gone.pid)).stdout == (
+        f"pid {gone.pid}: no such process (it exited, or never ran)\n"
+    )
+    # One that exists, with no timer: said so, as before.
+    assert ctl(daemon.socket_path, "why", str(os.getpid())).stdout == (
+        f"pid {os.getpid()}\n  no timer armed that you may see\n"
+    )
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run watchdogctl as uid 65534")
+def test_why_tells_another_user_no_more_than_kill_does(socket_path: Path, tmp_path: Path) -> None:
+    with configured_daemon(socket_path, tmp_path, "", for_everyone=True) as daemon:
+        victim = sleeper()  # root's, with a timer
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        try:
+            with daemon.client() as client:
+                client.acquire("roots", 60, pid=victim.pid)
+            # It exists, as kill(2) would tell uid 65534 (EPERM); nothing more.
+            assert _as_nobody(socket_path, "why", str(victim.pid)) == (
+                f"pid {victim.pid}\n  no timer armed that you may see\n"
+            )
+            assert _as_nobody(socket_path, "why", str(gone.pid)) == (
+                f"pid {gone.pid}: no such process (it exited, or never ran)\n"
+            )
+        finally:
+            reap(victim)
+
+
+def _long_status(daemon: RunningDaemon, victim: subprocess.Popen[bytes]) -> None:
+    with daemon.client() as client:
+        client.acquire("/srv/training/projects/a-rather-long-project/train.py:123", 300,
+                       pid=victim.pid)  # fmt: skip
+
+
+def _on_a_terminal(command: list[str], columns: int) -> str:
+    """What ``command`` prints with its stdout on a terminal ``columns`` wide (a
+    real pty, its size set as a terminal emulator sets it), COLUMNS unset."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    process = subprocess.Popen(command, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    output = bytearray()
+    try:
+        while chunk := _read(master):
+            output += chunk
+    finally:
+        os.close(master)
+        assert process.wait(timeout=PATIENCE) == 0, process.stderr
+        assert process.stderr is not None
+        process.stderr.close()
+    return output.decode().replace("\r\n", "\n")
+
+
+def _read(master: int) -> bytes:
+    try:
+        return os.read(master, 65536)
+    except OSError:  # EIO: the other side is closed
+        return b""
+
+
+def test_tables_fit_the_terminals_width_and_a_pipe_gets_them_whole(
+    daemon: RunningDaemon,
+) -> None:
+    long_argument = "--an-argument-that-makes-the-command-line-long=" + "x" * 40
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", long_argument])
+    try:
+        cmdline = Path(f"/proc/{victim.pid}/cmdline")
+        wait_until(lambda: b"--an-argument" in cmdline.read_bytes(), what="its command line")
+        _long_status(daemon, victim)
+        command = ctl_command(daemon.socket_path, "status")
+        piped = ctl(daemon.socket_path, "status").stdout.splitlines()
+        assert max(len(line) for line in piped) > 112
+        assert "…" not in "".join(piped)
+        assert "  /srv/training/projects/a-rather-long-project/train.py:123  " in piped[4]
+        for columns in (80, 60):
+            table = _on_a_terminal(command, columns).splitlines()
+            assert max(len(line) for line in table) <= columns, table
+            header = next(n for n, line in enumerate(table) if line.startswith("PID"))
+            row = table[header + 1].split()
+            # A command loses its end, a scope its start.
+            assert row[1].startswith(sys.executable[:5])
+            assert row[1].endswith("…")
+            assert row[2].startswith("…")
+            assert row[2].endswith("train.py:123")
+        with_columns = subprocess.run(command, capture_output=True, text=True, check=True,
+                                      env={**os.environ, "COLUMNS": "70"}).stdout  # fmt: skip
+        assert max(len(line) for line in with_columns.splitlines()) <= 70
+        # JSON is never cut.
+        whole = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True,
+                               env={**os.environ, "COLUMNS": "70"}).stdout  # fmt: skip
+        [timer] = json.loads(whole)["timers"]
+        assert timer["scope"] == "/srv/training/projects/a-rather-long-project/train.py:123"
+        assert timer["command"].endswith("x" * 40)
+    finally:
+        reap(victim)
+
+
+def test_a_socket_path_that_is_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
+    result = ctl(tmp_path, "status")
+    assert result.returncode == 1
+    assert f"not reachable at {tmp_path}: not a socket but a directory." in result.stderr

@@ -1,6 +1,8 @@
 """The Grafana dashboard and the Prometheus alerting rules of deploy/: the rules
-pass promtool's checks and their own unit tests; the dashboard is JSON of the shape
-Grafana's provisioning loads; and against a live daemon driven through an expiry
+pass promtool's checks and their own unit tests, and their texts give whole counts;
+the dashboard is JSON of the shape Grafana's provisioning loads, whose every
+coloured panel shows a fault red and health green (its colours resolved from the
+JSON as Grafana resolves them); and against a live daemon driven through an expiry
 with an incident, a degraded disk and a fleet disconnect, scraped by a real
 Prometheus, every metric and label they name exists and every panel's query
 returns data."""
@@ -28,6 +30,11 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "watchdogd-dashboard.json"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning.yaml"
 #: Grafana's built-in panel types the dashboard may use.
 PANEL_TYPES = {"timeseries", "stat", "heatmap", "gauge", "table", "bargauge"}
+#: For each metric a coloured panel shows, its value in a fault and when healthy:
+#: the first must show red, the second green.
+FAULTS = {"watchdogd_state_degraded": (1, 0), "watchdogd_fleet_connected": (0, 1)}
+#: The thresholds Grafana gives a panel that sets none: green, and red from 80.
+GRAFANA_THRESHOLDS = [{"color": "green", "value": None}, {"color": "red", "value": 80}]
 
 CONFIG = """\
 [policies.rank]
@@ -64,6 +71,39 @@ def panel_queries() -> list[tuple[str, str]]:
         for panel in dashboard()["panels"]
         for target in panel["targets"]
     ]  # fmt: skip
+
+
+def coloured(panel: dict[str, Any]) -> bool:
+    """Whether Grafana colours ``panel`` by its value: a gauge, a bar gauge, or a
+    stat unless its colour mode is "none" (Grafana's default is "value")."""
+    if panel["type"] == "stat":
+        return bool(panel.get("options", {}).get("colorMode", "value") != "none")
+    return panel["type"] in {"gauge", "bargauge"}
+
+
+def colour(field: dict[str, Any], value: float) -> str:
+    """The colour Grafana gives ``value`` under a field's config: the first value
+    mapping that matches it and names a colour, else the last threshold step it
+    reaches (the base step's value is null: minus infinity)."""
+    assert field.get("color", {"mode": "thresholds"})["mode"] == "thresholds"
+    for mapping in field.get("mappings", []):
+        options = mapping["options"]
+        match mapping["type"]:
+            case "value":
+                result = options.get(f"{value:g}")
+            case "range":
+                low, high = options.get("from"), options.get("to")
+                inside = (low is None or low <= value) and (high is None or value <= high)
+                result = options["result"] if inside else None
+            case other:
+                raise AssertionError(f"a mapping of type {other!r} this test cannot resolve")
+        if result and "color" in result:
+            return str(result["color"])
+    thresholds = field.get("thresholds", {"mode": "absolute", "steps": GRAFANA_THRESHOLDS})
+    assert thresholds["mode"] == "absolute"
+    steps = thresholds["steps"]
+    reached = [step for step in steps if step["value"] is None or step["value"] <= value]
+    return str(reached[-1]["color"])
 
 
 def rule_expressions() -> list[str]:
@@ -127,6 +167,29 @@ def test_the_dashboard_is_one_grafana_provisions() -> None:
     assert "apiVersion: 1" in provisioning
     assert re.search(r"^\s+type: file$", provisioning, re.MULTILINE)
     assert re.search(r"^\s+path: /\S+$", provisioning, re.MULTILINE)
+
+
+def test_every_coloured_panel_shows_a_fault_red_and_health_green() -> None:
+    panels = [panel for panel in dashboard()["panels"] if coloured(panel)]
+    assert {panel["title"] for panel in panels} >= {"Storage degraded", "Fleet connected"}
+    for panel in panels:
+        shown = {name for target in panel["targets"]
+                 for name in re.findall(r"\b(watchdogd_\w+)", target["expr"])}  # fmt: skip
+        assert len(shown) == 1, panel["title"]
+        assert shown <= FAULTS.keys(), f"{panel['title']!r} is coloured: name its fault in FAULTS"
+        fault, healthy = FAULTS[shown.pop()]
+        assert panel["fieldConfig"]["overrides"] == [], panel["title"]
+        field = panel["fieldConfig"]["defaults"]
+        assert (colour(field, fault), colour(field, healthy)) == ("red", "green"), panel["title"]
+
+
+def test_alert_texts_give_durations_or_whole_numbers() -> None:
+    # promtool's unit tests render them (a burst whose increase() is 15.57 reads
+    # 15); this holds every other figure of an alert to the same rule.
+    figures = re.findall(r"\{\{[^}]*\$value[^}]*\}\}", RULES.read_text())
+    assert figures
+    for figure in figures:
+        assert "humanizeDuration" in figure or 'printf "%.0f"' in figure, figure
 
 
 def test_what_they_name_exists_and_every_panel_has_data(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sqlite3
 import subprocess
@@ -21,7 +20,7 @@ from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 
 from helpers.daemon import RunningDaemon
-from helpers.processes import python_worker, reap, sleeper, wait_ready
+from helpers.processes import death_time, python_worker, reap, sleeper, wait_ready
 from helpers.state_files import PIDS, SCHEMAS, WRITTEN, make_own
 from helpers.waiting import PATIENCE, wait_until
 
@@ -31,18 +30,6 @@ def arm(client: Client, scope: str, timeout: float, pid: int) -> float:
     sent = time.monotonic()
     remaining = client.acquire(scope, timeout, pid=pid)
     return (sent + time.monotonic()) / 2 + remaining
-
-
-def death_time(process: subprocess.Popen[bytes]) -> float:
-    """When ``process`` exited, observed through a pidfd (not a polling wait)."""
-    fd = os.pidfd_open(process.pid)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        assert poller.poll(PATIENCE * 1000), "it did not die"
-        return time.monotonic()
-    finally:
-        os.close(fd)
 
 
 def expired_events(client: Client) -> list[EventInfo]:

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from watchdogd.core.counters import Counters
-from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook, substitute
+from watchdogd.core.policies import substitute
+from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo
 
@@ -244,7 +245,7 @@ def _expiry_armed_by_nobody(daemon: RunningDaemon, scope: str) -> EventInfo:
 def test_a_scope_that_looks_like_an_option_is_an_operand(hook_daemon: RunningDaemon) -> None:
     event = _expiry_armed_by_nobody(hook_daemon, "--version")
     listing, dump = event.steps
-    assert listing.step == "exec ls -- {scope}"
+    assert listing.step == "exec ls -- --version"  # named for what ran
     assert listing.result == "exit 2"
     assert "cannot access '--version'" in listing.output
     assert "coreutils" not in listing.output  # what `ls --version` prints
@@ -271,8 +272,8 @@ def test_a_hooks_output_is_shown_to_root_only(hook_daemon: RunningDaemon, tmp_pa
             "expired",
             str(private),
             [
-                {"step": "exec ls -- {scope}", "result": "exit 0", "output": ""},
-                {"step": "dump echo dumped {pid}", "result": "exit 0", "output": ""},
+                {"step": f"exec ls -- {private}", "result": "exit 0", "output": ""},
+                {"step": f"dump echo dumped {event.pid}", "result": "exit 0", "output": ""},
             ],
         ]
     ]

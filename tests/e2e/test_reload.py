@@ -88,11 +88,16 @@ def test_a_bad_config_is_refused_and_the_old_one_stays(
     configured: tuple[RunningDaemon, Path],
 ) -> None:
     daemon, config = configured
-    config.write_text("[policies.broken]\nsteps = [{ signal = 'SIGNOPE' }]\n")
+    config.write_text(
+        "[policies.broken]\nsteps = [{ signal = 'SIGNOPE' }]\n[daemon]\nmax_timers = 0\n"
+    )
     with daemon.client() as client:
         event = hangup(daemon, client, "reload_failed")
-        assert "kept the old config" in event.note
-        assert "policies.broken.steps[0].signal" in event.note
+        # Both of the file's errors, on the one line an event is.
+        assert event.note == (
+            f"kept the old config: {config}, line 2: policies.broken.steps[0].signal: no "
+            f"signal named 'SIGNOPE'; {config}, line 4: daemon.max_timers: Expected `int` >= 1"
+        )
         assert "temporary" in {policy.name for policy in client.policies().policies}
         client.acquire("still", 60, policy="temporary")
         client.release("still")

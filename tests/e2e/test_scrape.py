@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.runtime.scrape import MAX_CONNECTIONS
+from watchdogd.runtime.scrape import HEAD_TIMEOUT, MAX_CONNECTIONS
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import free_ports
@@ -68,33 +68,77 @@ def test_the_page_and_what_is_not_it(socket_path: Path, tmp_path: Path) -> None:
             assert raw.recv(100).startswith(b"HTTP/1.1 400 ")
 
 
-def test_idle_connections_are_bounded_and_the_page_comes_back(
+def closed_by_daemon(conn: socket.socket) -> bool:
+    """Whether the daemon closed ``conn`` (without a word)."""
+    conn.setblocking(False)
+    try:
+        return conn.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_past_the_bound_the_busiest_address_gives_way_and_a_scrape_is_answered(
     socket_path: Path, tmp_path: Path
 ) -> None:
+    """One connection from 127.0.0.2, half its request sent, then more idle ones
+    from 127.0.0.1 than the daemon holds: only 127.0.0.1's oldest are closed, a
+    scrape is answered at once, and 127.0.0.2's request, completed, is too."""
     extra = 4
     with scraped_daemon(socket_path, tmp_path) as url:
         host, port = url.removeprefix("http://").split("/")[0].split(":")
         with contextlib.ExitStack() as stack:
+            other = stack.enter_context(
+                socket.create_connection((host, int(port)), source_address=("127.0.0.2", 0))
+            )
+            other.sendall(b"GET /metrics HTTP/1.1\r\n")
             idle = [
                 stack.enter_context(socket.create_connection((host, int(port))))
                 for _ in range(MAX_CONNECTIONS + extra)
             ]
-            # The daemon holds as many as it serves at once, and closes the rest.
-            closed: set[int] = set()
+            opened = time.monotonic()
+            # Room for the last `extra` and for 127.0.0.2's, which came first.
+            wait_until(
+                lambda: sum(map(closed_by_daemon, idle[: extra + 2])) == extra + 1,
+                what="the oldest connections past the bound closed",
+            )
+            assert fetch(url)[0] == 200
+            assert [i for i, conn in enumerate(idle) if closed_by_daemon(conn)] == [
+                *range(extra + 2)  # and one more for the scrape
+            ]
+            assert time.monotonic() - opened < HEAD_TIMEOUT, "the machine was too slow to tell"
+            other.setblocking(True)
+            other.sendall(b"Host: watchdogd\r\n\r\n")
+            assert other.recv(100).startswith(b"HTTP/1.1 200 ")
 
-            def extras_closed() -> bool:
-                for index, held in enumerate(idle):
-                    held.setblocking(False)
-                    with contextlib.suppress(BlockingIOError):
-                        if held.recv(1) == b"":
-                            closed.add(index)
-                return len(closed) >= extra
 
-            wait_until(extras_closed, what="the connections past the bound closed")
-            time.sleep(0.2)
-            extras_closed()
-            assert len(closed) == extra
-        assert fetch(url)[0] == 200  # their slots came back
+def test_a_request_head_must_come_whole_within_the_head_timeout(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """A head trickled in a byte every 0.2 s is cut off `HEAD_TIMEOUT` after the
+    connect, however steadily it comes, and gets no answer."""
+    with scraped_daemon(socket_path, tmp_path) as url:
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        head = b"GET /metrics HTTP/1.1\r\nHost: watchdogd\r\nX-Padding: " + b"x" * 100
+        with socket.create_connection((host, int(port))) as slow:
+            began = time.monotonic()
+            slow.setblocking(False)
+            heard = None
+            for byte in head:
+                with contextlib.suppress(BlockingIOError):
+                    try:
+                        heard = slow.recv(100)
+                    except ConnectionResetError:  # closed with a byte unread
+                        heard = b""
+                    break
+                with contextlib.suppress(OSError):
+                    slow.send(bytes([byte]))
+                time.sleep(0.2)
+            lasted = time.monotonic() - began
+        assert heard == b"", heard
+        assert HEAD_TIMEOUT <= lasted < HEAD_TIMEOUT + 1.0, lasted
+        assert fetch(url)[0] == 200
 
 
 def test_jobs_are_named_only_when_turned_on(socket_path: Path, tmp_path: Path) -> None:

@@ -370,6 +370,9 @@ def test_the_daemon_serves_its_metrics_where_the_podmonitor_scrapes(
     [port] = [port for port in container["ports"] if port["name"] == "metrics"]
     assert port["containerPort"] == int(address.rsplit(":", 1)[1])
     assert "--metrics-jobs" not in command  # the page names no job
+    # What the manifest and the page say of the node's network is so: one port.
+    assert f"its metrics' ({port['containerPort']} on the node's address" in DAEMONSET.read_text()
+    assert "opens no port" not in DAEMONSET.read_text() + PAGE.read_text()
     monitor = of_kind(manifests(PODMONITOR), "PodMonitor")
     daemonset = of_kind(deployed, "DaemonSet")
     assert monitor["metadata"]["namespace"] == daemonset["metadata"]["namespace"]

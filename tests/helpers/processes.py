@@ -185,7 +185,9 @@ def sleeper() -> subprocess.Popen[bytes]:
     return process
 
 
-def death_time(process: subprocess.Popen[bytes], timeout: float = PATIENCE) -> float:
+def death_time(
+    process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float = PATIENCE
+) -> float:
     """When ``process`` exited, on CLOCK_MONOTONIC, seen through a pidfd (the
     moment its readiness is polled, not a polling wait)."""
     fd = os.pidfd_open(process.pid)

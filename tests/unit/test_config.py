@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd.cli.watchdogd import daemon_socket_path
-from watchdogd.core.config import Config, parse_config
+from watchdogd.core.config import Config, PolicyConfig, parse_config
 from watchdogd.errors import ConfigError
 from watchdogd.runtime.reload import MAX_CONFIG_BYTES, load_config
 
@@ -107,7 +107,8 @@ def test_errors_name_the_file_and_the_key(document: str, expected: str) -> None:
         (
             '[policies.a]\nsteps = [ { signal = "SIGKILL" } ]\n'
             '[policies.b]\nsteps = [ { signal = "SIGKIL" } ]\n',
-            "x.toml, line 4: policies.b.steps[0].signal: no signal named 'SIGKIL'",
+            "x.toml, line 4: policies.b.steps[0].signal: no signal named 'SIGKIL'; "
+            "did you mean `SIGKILL`?",
         ),
         (
             '[policies.p]\ntarget = "grup"\n',
@@ -120,6 +121,95 @@ def test_errors_give_the_line_and_the_nearest_valid_key(document: str, expected:
     with pytest.raises(ConfigError) as caught:
         parse_config(document, "x.toml")
     assert str(caught.value) == expected
+
+
+#: A file with an error in nearly every table, the tables in another order than
+#: the config model's, and a step with two.
+MANY_ERRORS = """\
+[fleet]
+lease = 1
+etcd = ["http://etcd:2379", 5]
+
+[policies.graceful]
+steps = [ { signal = "SIGTREM" }, { wait = 10 }, { signal = "SIGKILL" } ]
+peers = "peer_dmp"
+
+[policies.other]
+steps = [ { sigal = "SIGKILL" }, { wait = -3 } ]
+starvation_cpu = 10
+
+[daemon]
+max_timers = 0
+default_policy = "trem"
+socket_mode = 666
+
+[histroy]
+"""
+
+
+def test_every_error_of_a_file_is_reported_at_once_in_the_files_order() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(MANY_ERRORS, "x.toml")
+    assert str(caught.value).splitlines() == [
+        "x.toml, line 2: fleet.lease: Expected `int` >= 2",
+        "x.toml, line 3: fleet.etcd[1]: Expected `str`, got `int`",
+        "x.toml, line 6: policies.graceful.steps[0].signal: no signal named 'SIGTREM'; "
+        "did you mean `SIGTERM`?",
+        "x.toml, line 7: policies.graceful.peers: no policy 'peer_dmp'; known: abort, "
+        "graceful, kill, log, other, peer_dump, term, none; did you mean `peer_dump`?",
+        # A step whose key is wrong is not also said to have no kind.
+        "x.toml, line 10: policies.other.steps[0].sigal: Object contains unknown field "
+        "`sigal`; did you mean `signal`?",
+        "x.toml, line 10: policies.other.steps[1].wait: Expected `float` >= 0.0",
+        "x.toml, line 11: policies.other.starvation_cpu: applies only with starvation_grace",
+        "x.toml, line 14: daemon.max_timers: Expected `int` >= 1",
+        "x.toml, line 15: daemon.default_policy: no policy 'trem'; known: abort, graceful, "
+        "kill, log, other, peer_dump, term; did you mean `term`?",
+        "x.toml, line 16: daemon.socket_mode: 666 is a decimal number; a file mode is octal "
+        "in TOML: write socket_mode = 0o666",
+        "x.toml, line 18: histroy: Object contains unknown field `histroy`; did you mean "
+        "`history`?",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("step", "suggested"),
+    [
+        ('signal = "SIGTREM"', "SIGTERM"),
+        ('signal = "trem"', "SIGTERM"),
+        ('signal = "HUPP"', "SIGHUP"),
+        ('signal = "TERMINATE"', "SIGTERM"),
+    ],
+)
+def test_a_misspelt_signal_gets_the_nearest_name(step: str, suggested: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"[policies.p]\nsteps = [ {{ {step} }} ]\n", "x.toml")
+    assert str(caught.value).endswith(f"; did you mean `{suggested}`?")
+
+
+def test_a_signal_name_far_from_any_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config('[policies.p]\nsteps = [ { signal = "SIGBOOM" } ]\n', "x.toml")
+    assert (
+        str(caught.value) == "x.toml, line 2: policies.p.steps[0].signal: no signal named 'SIGBOOM'"
+    )
+
+
+def test_an_unknown_peer_policy_gets_the_nearest_name() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config('[policies.p]\npeers = "lgo"\n', "x.toml")
+    assert str(caught.value).endswith("; did you mean `log`?")
+
+
+def test_the_errors_of_a_reload_are_one_per_line_of_the_message() -> None:
+    config = Config(policies={"p": PolicyConfig(peers="trem", starvation_cpu=1)})
+    with pytest.raises(ConfigError) as caught:
+        config.policy_set("reloaded.toml")
+    assert str(caught.value).splitlines() == [
+        "reloaded.toml: policies.p.starvation_cpu: applies only with starvation_grace",
+        "reloaded.toml: policies.p.peers: no policy 'trem'; known: abort, kill, log, p, "
+        "peer_dump, term, none; did you mean `term`?",
+    ]
 
 
 def test_a_mode_written_in_octal_or_as_zero_is_taken() -> None:

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from watchdogd.core.expiry import (
+    BY_RESPONDER,
     AwaitEvidence,
     CheckAlive,
     Effect,
@@ -233,7 +234,7 @@ def test_dump_then_kill_dumps_first_with_the_timers_values() -> None:
     assert dump.values == {"pid": "42", "scope": "train"}
     assert dump.env["WATCHDOG_POLICY"] == "dump_kill"
     assert dump.env["WATCHDOG_UID"] == "1000"
-    assert driven.steps == [("dump py-spy dump --pid {pid}", "exit 0"), ("SIGKILL", "sent SIGKILL")]
+    assert driven.steps == [("dump py-spy dump --pid 42", "exit 0"), ("SIGKILL", "sent SIGKILL")]
     assert driven.finish.event.steps[0].output == "a stack"
     assert driven.of(ObserveLateness) == [ObserveLateness(FIRED + 4.0 - DEADLINE)]
     # Late from the deadline to the first step (the dump), not to the signal.
@@ -246,9 +247,32 @@ def test_an_exec_hook_runs_with_pid_and_scope_to_substitute() -> None:
     assert isinstance(hook, RunHook)
     assert hook.step == HOOK.steps[0]
     assert hook.values == {"pid": "42", "scope": "train"}
-    assert driven.steps == [("exec /bin/notify {pid} -- {scope}", "exit 0")]
+    assert driven.steps == [("exec /bin/notify 42 -- train", "exit 0")]
     assert driven.outcome == "alive"
     assert driven.of(ObserveLateness) == []  # no signal: no lateness to count
+
+
+def test_steps_are_named_for_what_ran_or_would_have() -> None:
+    # A scope a shell would split is quoted, as the argument it was.
+    timer = firing(HOOK, scope="/srv/my job.py:6")
+    driven = drive(start(HOOK, timer), FakeTarget())
+    assert driven.steps == [("exec /bin/notify 42 -- '/srv/my job.py:6'", "exit 0")]
+    # Skipped, the steps say what they would have run.
+    gone = drive(start(DUMP_THEN_KILL, alive=False), FakeTarget(alive=False))
+    assert gone.steps == [
+        ("dump py-spy dump --pid 42", "skipped: target exited"),
+        ("SIGKILL", "skipped: target exited"),
+    ]
+
+
+def test_a_dump_the_workers_responder_gave_is_named_so() -> None:
+    run = start(DUMP_THEN_KILL)
+    run.seen(True)
+    assert isinstance(run.next(FIRED, WALL), TakeDump)
+    run.hooked("ok", "a stack", responder=True)
+    driven = drive(run, FakeTarget(), now=FIRED + 1.0)
+    assert driven.steps == [(BY_RESPONDER, "ok"), ("SIGKILL", "sent SIGKILL")]
+    assert BY_RESPONDER == "dump by the worker's responder"
 
 
 def test_log_records_the_expiry_and_touches_nothing() -> None:
@@ -414,7 +438,7 @@ def test_dump_then_kill_resumes_at_the_kill() -> None:
     driven = drive(start(DUMP_THEN_KILL, stored), FakeTarget())
     assert driven.of(TakeDump) == []
     assert driven.steps == [
-        ("dump py-spy dump --pid {pid}", "done before a restart"),
+        ("dump py-spy dump --pid 42", "done before a restart"),
         ("SIGKILL", "sent SIGKILL"),
     ]
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
 
+from watchdogd_client import Client, DaemonUnavailable
 from watchdogd_client.paths import (
     SYSTEM_SOCKET,
     Place,
     client_socket_path,
     find_socket,
     user_socket_path,
+    what_is_there,
 )
 
 
@@ -64,3 +67,40 @@ def test_the_client_knows_where_its_path_came_from(
         assert find_socket(found) is found  # kept as found, e.g. by a pickled client
     finally:
         own.close()
+
+
+def test_what_is_at_a_socket_path_that_is_no_socket(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").touch()
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(tmp_path / "sock"))
+    try:
+        assert what_is_there(str(tmp_path)) == "a directory"
+        assert what_is_there(str(tmp_path / "file")) == "a regular file"
+        assert what_is_there(str(tmp_path / "fifo")) == "a FIFO"
+        assert what_is_there("/dev/null") == "a character device"
+        assert what_is_there(str(tmp_path / "sock")) == ""
+        assert what_is_there(str(tmp_path / "absent")) == ""
+    finally:
+        listening.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("", "not a socket but a directory"),
+        ("file", "not a socket but a regular file"),
+        ("sock", "nothing is listening on it"),
+        ("absent", "no socket there"),
+    ],
+)
+def test_a_client_says_what_is_at_its_path_when_no_daemon_is(
+    tmp_path: Path, name: str, reason: str
+) -> None:
+    (tmp_path / "file").touch()
+    with socket.socket(socket.AF_UNIX) as bound:  # its file stays; nobody listens
+        bound.bind(str(tmp_path / "sock"))
+    path = tmp_path / name if name else tmp_path
+    with pytest.raises(DaemonUnavailable) as caught, Client(path, reconnect_timeout=0) as client:
+        client.ping()
+    assert f"watchdogd is not reachable at {path}: {reason}. " in str(caught.value)

@@ -114,13 +114,15 @@ def test_config_adds_and_overrides_policies() -> None:
             "[policies.x]\nsteps = [{ exec = ['tool', '--', '--scope={scope}'] }]",
             "policies.x.steps[0].exec: '--scope={scope}': {pid} and {scope} are replaced only",
         ),
-        ("[policies.'two words']\nsteps = []", "policies"),
+        ("[policies.'two words']\nsteps = []", "policies.two words: not a name"),
     ],
 )
 def test_bad_policies_name_file_and_key(document: str, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(document, "/etc/watchdogd.toml")
-    assert str(caught.value).startswith(("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: "))
+    assert str(caught.value).startswith(
+        ("/etc/watchdogd.toml: ", "/etc/watchdogd.toml, line 2: ", "/etc/watchdogd.toml, line 1: ")
+    )
     assert expected in str(caught.value)
 
 

@@ -1,9 +1,28 @@
-"""What watchdogctl prints in words: incidents, stacks and policies."""
+"""What watchdogctl prints in words: incidents, stacks, policies, events, the
+status table at a terminal's width, and why."""
 
 from __future__ import annotations
 
-from watchdogd.cli.render import incident_lines, policies_text, quoted
-from watchdogd_client.protocol import IncidentInfo, PoliciesReply, PolicyInfo, RankInfo
+from watchdogd.cli.render import (
+    event_text,
+    incident_lines,
+    policies_text,
+    quoted,
+    status_text,
+    why_lines,
+)
+from watchdogd_client import DaemonStatus
+from watchdogd_client.protocol import (
+    DaemonInfo,
+    EventInfo,
+    IncidentInfo,
+    PoliciesReply,
+    PolicyInfo,
+    RankInfo,
+    StepResult,
+    TimerInfo,
+    WhyReply,
+)
 
 STACK = 'Thread 7 (idle): "MainThread"\n    wait (train.py:3)\n\nThread 9 (idle): "loader"\n'
 
@@ -78,3 +97,77 @@ def test_each_host_is_one_section_in_the_order_the_table_shows() -> None:
         "  rank 3 pid 3",
         "  rank 2 pid 2",
     ]
+
+
+def event(**fields: object) -> EventInfo:
+    return EventInfo(seq=1, time=0.0, pid=42, uid=0, **fields)  # type: ignore[arg-type]
+
+
+DUMPED = event(
+    kind="expired", scope="/srv/job/train.py:6", policy="dump_kill", outcome="exited",
+    steps=[StepResult(step="dump by the worker's responder", result="ok", output=STACK),
+           StepResult(step="SIGKILL", result="sent SIGKILL")],
+)  # fmt: skip
+
+
+def test_an_event_is_one_line_and_its_stacks_come_when_asked() -> None:
+    [line] = event_text(DUMPED).splitlines()
+    assert line.endswith(
+        "scope=/srv/job/train.py:6  policy=dump_kill  outcome=exited  "
+        "[dump by the worker's responder: ok (4 lines)]  [SIGKILL: sent SIGKILL]"
+    )
+    assert event_text(DUMPED, stacks=True).splitlines() == [line, *quoted(STACK)]
+
+
+def test_an_event_stays_one_line_whatever_its_note_holds() -> None:
+    [line] = event_text(event(kind="reload_failed", scope="", policy="",
+                              note="kept the old config: a\nb")).splitlines()  # fmt: skip
+    assert line.endswith("(kept the old config: a b)")
+
+
+def test_an_exit_names_its_scopes_as_any_event_names_one() -> None:
+    one = event(kind="exited", scope="", policy="", timers=1, scopes=["/srv/job/a.py:1"],
+                note="exited with 1 timer armed")  # fmt: skip
+    assert "  scope=/srv/job/a.py:1  (exited with 1 timer armed)" in event_text(one)
+    many = event(kind="exited", scope="", policy="", timers=12, scopes=["a:1", "b:2"],
+                 note="exited with 12 timers armed")  # fmt: skip
+    assert "  scopes=a:1, b:2 and 10 more  (exited with 12 timers armed)" in event_text(many)
+
+
+def _status(*timers: TimerInfo) -> DaemonStatus:
+    info = DaemonInfo(
+        version="0.1.0", pid=10, uptime=5.0, timers=len(timers), processes=1, connections=1,
+        requests=9, expired=0, exited=0, state_degraded=True,
+    )  # fmt: skip
+    return DaemonStatus(daemon=info, timers=list(timers))
+
+
+LONG = TimerInfo(
+    pid=4021, scope="/srv/training/projects/a-rather-long-project/train.py:123",
+    remaining=300.0, policy="kill", uid=0, command="python train.py --config " + "x" * 60,
+)  # fmt: skip
+
+
+def test_the_status_table_fits_a_width_cutting_commands_and_scopes() -> None:
+    whole = status_text(_status(LONG)).splitlines()
+    assert max(map(len, whole)) > 112
+    for width in (100, 80, 50):
+        lines = status_text(_status(LONG), width=width).splitlines()
+        assert max(map(len, lines)) <= width, lines
+        _, command, scope, *_ = lines[-1].split("  ")
+        assert (command[:6], command[-1]) == ("python", "…")
+        assert (scope[0], scope[-6:]) == ("…", "py:123")
+
+
+def test_a_width_too_narrow_for_any_table_leaves_each_long_column_eight_wide() -> None:
+    header, row = status_text(_status(LONG), width=10).splitlines()[-2:]
+    assert header.split() == ["PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID"]
+    assert row.split("  ")[1:3] == ["python …", "….py:123"]
+
+
+def test_why_says_a_process_that_does_not_exist_does_not() -> None:
+    reply = WhyReply(id=1, pid=999999)
+    assert why_lines(reply, exists=False) == [
+        "pid 999999: no such process (it exited, or never ran)"
+    ]
+    assert why_lines(reply) == ["pid 999999", "  no timer armed that you may see"]

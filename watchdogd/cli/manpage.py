@@ -21,13 +21,21 @@ import click
 from .._version import __version__
 from . import watchdogctl, watchdogd
 
+#: Where a page sends its reader for more: the reference pages the wheel installs
+#: (`watchdogd.cli.reference`).
+_REFERENCE: Final = (
+    "The reference pages, in Markdown, are installed with the package: watchdogd "
+    "--docs-path prints their directory (site-packages/watchdogd/docs of the Python "
+    "it runs on; docs/ in a checkout)."
+)
+
 #: What a page says beyond the commands' help: (heading, paragraphs) per page.
 _WATCHDOGD_SECTIONS: Final = (
     (
         "POLICY TARGETS",
         [
-            "A policy in the config file ([policies.NAME], docs/policies.md lists every key) "
-            'names the processes its steps act on with target = "NAME":',
+            "A policy in the config file ([policies.NAME], policies.md of the reference "
+            'pages lists every key) names the processes its steps act on with target = "NAME":',
             ".TP\n.B process\nThe timer's process (the default).",
             ".TP\n.B group\nIts process group, never the daemon's own nor a pgid of 1 or "
             "less (then the process alone).",
@@ -60,7 +68,17 @@ _WATCHDOGD_SECTIONS: Final = (
             "journal files beside it), kept across restarts.",
         ],
     ),
-    ("SEE ALSO", [".BR watchdogctl (1),\n.BR systemd.service (5)"]),
+    (
+        "SEE ALSO",
+        [
+            ".BR watchdogctl (1),\n.BR systemd.service (5)",
+            _REFERENCE,
+            "configuration.md: every key of the config file; policies.md: what a policy "
+            "does; operations.md: running the daemon as a service, its events and metrics; "
+            "storage.md: its state, and what a crash or a failing disk does to it; "
+            "fleet.md: a cluster, through etcd.",
+        ],
+    ),
 )
 
 _WATCHDOGCTL_SECTIONS: Final = (
@@ -77,11 +95,23 @@ _WATCHDOGCTL_SECTIONS: Final = (
         "ENVIRONMENT",
         [
             ".TP\n.B WATCHDOGD_SOCKET\nThe daemon's socket when --socket is not given.",
+            ".TP\n.B COLUMNS\nThe width tables fit, when it is a positive number; else the "
+            "width of the terminal on standard output. Piped or redirected, tables are "
+            "printed whole; --json is never cut.",
             ".TP\n.B _WATCHDOGCTL_COMPLETE\nbash_source, zsh_source or fish_source prints "
             "the shell completion script instead of running a command.",
         ],
     ),
-    ("SEE ALSO", [".BR watchdogd (8)"]),
+    (
+        "SEE ALSO",
+        [
+            ".BR watchdogd (8)",
+            _REFERENCE.replace("watchdogd --docs-path", "watchdogctl --docs-path"),
+            "operations.md: every command with an example, its text and its JSON; "
+            "jobs.md: jobs, incidents and their verdicts; client.md: arming timers from "
+            "a worker.",
+        ],
+    ),
 )
 
 #: File name -> (command, name, section, title, further sections).

@@ -5,6 +5,12 @@ Every function returns text and prints nothing: the commands of
 metrics as `parse_metrics` reads them). What a function returns depends only on its
 arguments, the working directory and the home directory (a scope under either is
 shortened), and the local time zone (times are shown local).
+
+Invariants: an event is one line (its steps' output only with ``stacks``), and a
+scope reads the same in every listing (`shown_scope`). A table given a ``width``
+fits it where its long columns (commands, scopes, steps) can give way, cut with
+"…" (a scope loses its start, where a path is least telling); given none, it is
+printed whole.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import datetime
 import os
 import shlex
 import signal
-from collections.abc import Sequence
-from typing import Final
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal
 
 from watchdogd_client import DaemonStatus
 from watchdogd_client.protocol import (
@@ -31,14 +38,40 @@ from watchdogd_client.protocol import (
 
 from ..core.verdict import flight_text
 
+#: The most of a command `expiry_report` shows.
 _COMMAND_WIDTH: Final = 40
-_SCOPE_WIDTH: Final = 40
+#: The narrowest a column that gives way to the width becomes (its header, if wider).
+_NARROWEST: Final = 8
+#: Where a column that gives way is cut: its end, or its start.
+Cut = Literal["end", "start"]
 
 
-def status_text(report: DaemonStatus) -> str:
-    """``watchdogctl status``: the daemon's summary, then its timers as a table."""
-    table = _table(report) if report.timers else "No timers armed."
-    return f"{_summary(report.daemon, visible=len(report.timers))}\n\n{table}"
+def status_text(report: DaemonStatus, *, width: int | None = None) -> str:
+    """``watchdogctl status``: the daemon's summary, then its timers as a table
+    (fitted to ``width``, if given)."""
+    table = _table(report, width) if report.timers else "No timers armed."
+    summary = _summary(report.daemon, visible=len(report.timers))
+    return f"{_folded(summary, width)}\n\n{table}"
+
+
+def _folded(text: str, width: int | None) -> str:
+    """``text`` with each line longer than ``width`` folded: a line of fields two
+    spaces apart between its fields, a sentence between its words."""
+    if width is None:
+        return text
+    lines: list[str] = []
+    for line in text.splitlines():
+        if len(line) <= width or "  " not in line:
+            lines += textwrap.wrap(line, width, subsequent_indent="  ") or [line]
+            continue
+        fields = line.split("  ")
+        lines.append(fields[0])
+        for field in fields[1:]:
+            if len(lines[-1]) + 2 + len(field) <= width:
+                lines[-1] += "  " + field
+            else:
+                lines.append(field)
+    return "\n".join(lines)
 
 
 def _summary(info: DaemonInfo, *, visible: int) -> str:
@@ -64,7 +97,7 @@ def _summary(info: DaemonInfo, *, visible: int) -> str:
     return summary
 
 
-def _table(report: DaemonStatus) -> str:
+def _table(report: DaemonStatus, width: int | None) -> str:
     rows: list[tuple[str, ...]] = [("PID", "COMMAND", "SCOPE", "REMAINING", "POLICY", "UID")]
     # Read once for the table, not once a row (status may list 100,000 timers).
     cwd, home = _cwd(), os.path.expanduser("~")
@@ -72,7 +105,7 @@ def _table(report: DaemonStatus) -> str:
     if any(timer.job for timer in report.timers):
         rows[0] += ("JOB",)
         rows[1:] = [(*row, _job(timer)) for row, timer in zip(rows[1:], report.timers, strict=True)]
-    return _columns(rows)
+    return _columns(rows, width, {1: "end", 2: "start", 6: "end"})
 
 
 def _job(timer: TimerInfo) -> str:
@@ -82,28 +115,56 @@ def _job(timer: TimerInfo) -> str:
     return timer.job if timer.rank is None else f"{timer.job}:{timer.rank}"
 
 
-def _columns(rows: Sequence[Sequence[str]]) -> str:
-    """Rows as left-aligned columns two spaces apart."""
+def _columns(
+    rows: Sequence[Sequence[str]], width: int | None = None, give: Mapping[int, Cut] | None = None
+) -> str:
+    """Rows (the first is the header) as left-aligned columns two spaces apart. With
+    ``width``, the columns of ``give`` (by index, with the side each is cut on)
+    narrow to fit it (`_narrowed`)."""
+    give = give or {}
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    if width is not None:
+        floors = {col: max(_NARROWEST, len(rows[0][col])) for col in give if col < len(widths)}
+        widths = _narrowed(widths, floors, width)
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        "  ".join(
+            _clip(cell, size, give.get(col, "end")).ljust(size)
+            for col, (cell, size) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
     )
+
+
+def _narrowed(widths: list[int], floors: Mapping[int, int], width: int) -> list[int]:
+    """``widths`` of columns two spaces apart, the columns of ``floors`` narrowed,
+    the widest first, until a row fits in ``width`` or none can narrow past its floor
+    (then rows are longer, and a terminal folds them as it folds ls's)."""
+    widths = list(widths)
+    over = sum(widths) + 2 * (len(widths) - 1) - width
+    while over > 0:
+        narrowing = [col for col, floor in floors.items() if widths[col] > floor]
+        if not narrowing:
+            break
+        widths[max(narrowing, key=lambda col: widths[col])] -= 1
+        over -= 1
+    return widths
 
 
 def _row(timer: TimerInfo, cwd: str, home: str) -> tuple[str, str, str, str, str, str]:
     return (
         str(timer.pid),
-        _clip(timer.command, _COMMAND_WIDTH),
-        _clip(shown_scope(timer.scope, cwd=cwd, home=home), _SCOPE_WIDTH),
+        timer.command,
+        shown_scope(timer.scope, cwd=cwd, home=home),
         format_duration(timer.remaining),
         timer.policy,
         str(timer.uid),
     )
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+def _clip(text: str, width: int, cut: Cut = "end") -> str:
+    if len(text) <= width:
+        return text
+    return text[: width - 1] + "…" if cut == "end" else "…" + text[len(text) - width + 1 :]
 
 
 def shown_scope(scope: str, *, cwd: str | None = None, home: str | None = None) -> str:
@@ -143,11 +204,12 @@ def format_duration(seconds: float) -> str:
     return f"{days}d{hours:02d}h"
 
 
-def event_text(event: EventInfo) -> str:
-    """An event as ``watchdogctl events`` prints it: its line, then the output of each
-    step that had some, indented."""
+def event_text(event: EventInfo, *, stacks: bool = False) -> str:
+    """An event as ``watchdogctl events`` prints it: one line; with ``stacks``, the
+    output of each step that had some (a dump's stacks, a hook's output) after it,
+    each line marked."""
     lines = [_event_line(event)]
-    for step in event.steps:
+    for step in event.steps if stacks else ():
         if step.output:
             lines += quoted(step.output)
     return "\n".join(lines)
@@ -163,6 +225,11 @@ def _event_line(event: EventInfo) -> str:
     parts = [_when(event.time), event.kind, f"pid={event.pid}"]
     if event.scope:
         parts.append(f"scope={shown_scope(event.scope)}")
+    elif event.scopes:  # an exit's, with its timers
+        more = (event.timers or 0) - len(event.scopes)
+        shown = ", ".join(shown_scope(scope) for scope in event.scopes)
+        key = "scope" if len(event.scopes) == 1 and more <= 0 else "scopes"
+        parts.append(f"{key}={shown}" + (f" and {more} more" if more > 0 else ""))
     if event.policy:
         parts.append(f"policy={event.policy}")
     if event.late is not None:
@@ -175,13 +242,20 @@ def _event_line(event: EventInfo) -> str:
         parts.append(f"incident={event.incident}")
     if event.state:
         parts.append(f"state={event.state!r} wchan={event.wchan}")
-    parts += [f"[{step.step}: {step.result}]" for step in event.steps]
+    parts += [f"[{step.step}: {step.result}{_lines_of(step.output)}]" for step in event.steps]
     if event.note:
         parts.append(f"({event.note})")
-    return "  ".join(parts)
+    # One line, whatever a note or a scope holds.
+    return " ".join("  ".join(parts).splitlines())
 
 
-def policies_text(reply: PoliciesReply) -> str:
+def _lines_of(output: str) -> str:
+    """How much output a step has, which ``--stacks`` shows."""
+    count = len(output.rstrip("\n").split("\n")) if output else 0
+    return "" if not count else f" ({count} line{'' if count == 1 else 's'})"
+
+
+def policies_text(reply: PoliciesReply, *, width: int | None = None) -> str:
     """``watchdogctl policies``: one row a policy, the default marked with ``*``."""
     rows = [("NAME", "TARGET", "STEPS", "STALL", "PEERS", "")]
     for policy in reply.policies:
@@ -194,10 +268,10 @@ def policies_text(reply: PoliciesReply) -> str:
         steps = ", ".join(policy.steps) or "(record only)"
         stall = format_duration(policy.stall) if policy.stall else "-"
         rows.append((name, policy.target, steps, stall, policy.peers or "-", ", ".join(marks)))
-    return _columns(rows)
+    return _columns(rows, width, {2: "end"})
 
 
-def suggestions_text(rows: Sequence[SuggestionInfo]) -> str:
+def suggestions_text(rows: Sequence[SuggestionInfo], *, width: int | None = None) -> str:
     """``watchdogctl suggest``: one row an executable's scope."""
     if not rows:
         return "Nothing learned yet: no timer has been released."
@@ -216,10 +290,10 @@ def suggestions_text(rows: Sequence[SuggestionInfo]) -> str:
                 suggested,
             )
         )
-    return _columns(table)
+    return _columns(table, width, {1: "start", 2: "start"})
 
 
-def incidents_text(rows: Sequence[IncidentInfo]) -> str:
+def incidents_text(rows: Sequence[IncidentInfo], *, width: int | None = None) -> str:
     """``watchdogctl incidents``: one row an incident."""
     if not rows:
         return "No incidents."
@@ -239,12 +313,13 @@ def incidents_text(rows: Sequence[IncidentInfo]) -> str:
                 "-" if row.verdict is None else row.verdict.kind,
             )
         )
-    return _columns(table)
+    return _columns(table, width, {3: "end", 6: "start", 7: "end"})
 
 
-def incident_lines(incident: IncidentInfo) -> list[str]:
-    """``watchdogctl incident`` in words: its verdict first, then a row a rank, then
-    each rank's notes, Flight Recorder and stack."""
+def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[str]:
+    """``watchdogctl incident`` in words: its verdict first, then a row a rank (a
+    table fitted to ``width``, if given), then each rank's notes, Flight Recorder
+    and stack."""
     rank = "" if incident.rank is None else f" rank {incident.rank}"
     lines = [verdict_line(incident.verdict)] if incident.verdict is not None else []
     lines.append(
@@ -267,7 +342,7 @@ def incident_lines(incident: IncidentInfo) -> list[str]:
                     member.frame or "-",
                 )
             )
-        lines += ["", _columns(table)]
+        lines += ["", _columns(table, width, {6: "end"})]
     # Host by host, each once, in the order the table first shows them.
     hosts = list(dict.fromkeys(member.host for member in incident.ranks))
     host = None
@@ -320,12 +395,15 @@ def _when(time: float) -> str:
     return datetime.datetime.fromtimestamp(time).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def why_lines(reply: WhyReply) -> list[str]:
-    """``watchdogctl why`` in words."""
+def why_lines(reply: WhyReply, *, exists: bool = True) -> list[str]:
+    """``watchdogctl why`` in words; ``exists``: whether the process exists, as the
+    caller can tell for itself."""
     lines = [f"pid {reply.pid}" + (f": {reply.command}" if reply.command else "")]
     if reply.executable:
         lines.append(f"  executable {reply.executable}, uid {reply.uid}")
-    if not reply.timers:
+    if not exists:
+        lines[0] += ": no such process (it exited, or never ran)"
+    elif not reply.timers:
         lines.append("  no timer armed that you may see")
     for timer in reply.timers:
         lines.append(f"  timer {shown_scope(timer.scope)} (policy {timer.policy})")

@@ -28,6 +28,7 @@ from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import EventInfo
 
 from .._version import __version__
+from .reference import docs_path_option
 from .render import (
     event_text,
     expiry_report,
@@ -142,6 +143,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @_common_options(envvar=ENV_SOCKET)
+@docs_path_option
 @click.version_option(__version__, prog_name="watchdogctl")
 @click.pass_context
 def main(ctx: click.Context) -> None:
@@ -173,6 +175,19 @@ def _print_json(value: object) -> None:
     click.echo(msgspec.json.encode(value).decode())
 
 
+def _width() -> int | None:
+    """The width tables are fitted to: ``$COLUMNS`` when it is a positive number,
+    else the width of the terminal on stdout; None when stdout is no terminal (a
+    pipe, a file): there a table is printed whole, as ps prints its lines."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdecimal() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns or None
+    except (OSError, ValueError):  # not a terminal, or no file descriptor at all
+        return None
+
+
 @main.command()
 @_common_options()
 def status() -> None:
@@ -186,7 +201,7 @@ def status() -> None:
     if _settings().as_json:
         _print_json({"daemon": report.daemon, "timers": report.timers})
         return
-    click.echo(status_text(report))
+    click.echo(status_text(report, width=_width()))
 
 
 @main.command()
@@ -204,15 +219,24 @@ def ping() -> None:
 @main.command()
 @_common_options()
 @click.option("--follow", "-f", is_flag=True, help="Keep printing events as they happen.")
+@click.option(
+    "--stacks",
+    is_flag=True,
+    help="After each event, the output of its steps: a dump's stacks, a hook's output.",
+)
 @_limit_option("How many of the latest events to print first.")
-def events(follow: bool, limit: int) -> None:
-    """Recorded events: expiries with each step's result, timers extended because
-    their process was starved, exits with timers armed, unkillable targets,
-    reloads. --json prints one JSON object per line."""
+def events(follow: bool, stacks: bool, limit: int) -> None:
+    """Recorded events, one a line: expiries with each step's result, timers
+    extended because their process was starved, exits with timers armed,
+    unkillable targets, reloads. A step that has output says how many lines;
+    --stacks prints them after the event, or see `watchdogctl incident ID`.
+    --json prints one JSON object per line, output included."""
     as_json = _settings().as_json
     client = _client()
     page = client.events(limit=limit)
-    _print_events(page.events, as_json)
+    if not page.events and not follow and not as_json:
+        click.echo("No events.")
+    _print_events(page.events, as_json, stacks)
     if not follow:
         return
     last = page.last
@@ -233,15 +257,15 @@ def events(follow: bool, limit: int) -> None:
             if away:
                 click.echo("watchdogctl: the daemon is back", err=True)
                 away = False
-            _print_events(page.events, as_json)
+            _print_events(page.events, as_json, stacks)
             last = page.last
     except KeyboardInterrupt:
         return
 
 
-def _print_events(items: Sequence[EventInfo], as_json: bool) -> None:
+def _print_events(items: Sequence[EventInfo], as_json: bool, stacks: bool) -> None:
     for event in items:
-        _print_json(event) if as_json else click.echo(event_text(event))
+        _print_json(event) if as_json else click.echo(event_text(event, stacks=stacks))
     sys.stdout.flush()
 
 
@@ -253,7 +277,7 @@ def policies() -> None:
     if _settings().as_json:
         _print_json({"default": reply.default, "policies": reply.policies})
         return
-    click.echo(policies_text(reply))
+    click.echo(policies_text(reply, width=_width()))
 
 
 @main.command()
@@ -264,7 +288,10 @@ def suggest() -> None:
     executable and scope. A scope needs some releases before it gets a suggestion;
     expires(after="auto", ceiling=...) arms it."""
     rows = _client().suggest()
-    _print_json(rows) if _settings().as_json else click.echo(suggestions_text(rows))
+    if _settings().as_json:
+        _print_json(rows)
+    else:
+        click.echo(suggestions_text(rows, width=_width()))
 
 
 @main.command()
@@ -274,7 +301,10 @@ def incidents(limit: int) -> None:
     """Incidents: a timer of a job expired, and the stacks of every rank of the
     job were gathered, host by host. Your jobs' (root: all); newest last."""
     rows = _client().incidents(limit=limit)
-    _print_json(rows) if _settings().as_json else click.echo(incidents_text(rows))
+    if _settings().as_json:
+        _print_json(rows)
+    else:
+        click.echo(incidents_text(rows, width=_width()))
 
 
 @main.command()
@@ -284,7 +314,10 @@ def incident(incident: str) -> None:
     """One incident: every rank of the job, host by host, the ranks whose timer expired first, each
     with the frame it was waiting in, then its stack."""
     found = _client().incident(incident)
-    _print_json(found) if _settings().as_json else click.echo("\n".join(incident_lines(found)))
+    if _settings().as_json:
+        _print_json(found)
+    else:
+        click.echo("\n".join(incident_lines(found, width=_width())))
 
 
 @main.command()
@@ -296,7 +329,22 @@ def why(pid: int) -> None:
     from, its progress), expiries in progress, the latest events about it, and
     what history suggests for its scopes."""
     reply = _client().why(pid)
-    _print_json(reply) if _settings().as_json else click.echo("\n".join(why_lines(reply)))
+    if _settings().as_json:
+        _print_json(reply)
+    else:
+        click.echo("\n".join(why_lines(reply, exists=reply.timers != [] or _exists(pid))))
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists, as kill(2) tells this user (and /proc, in
+    its own pid namespace): nothing the daemon knows of another user's processes."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
 
 
 @main.command()

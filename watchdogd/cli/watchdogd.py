@@ -21,6 +21,7 @@ from ..runtime.reload import load_config
 from ..runtime.server import Listener
 from ..runtime.textfile import write_textfile
 from ..storage.store import default_state_path
+from .reference import docs_path_option
 
 
 def daemon_socket_path(option: str | None, config: Config) -> str:
@@ -41,7 +42,7 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     "--config",
     "config_path",
     metavar="PATH",
-    help="TOML config file; docs/configuration.md lists its keys.",
+    help="TOML config file; configuration.md of the reference pages (--docs-path) lists its keys.",
 )
 @click.option(
     "--log-level",
@@ -74,6 +75,7 @@ def daemon_socket_path(option: str | None, config: Config) -> str:
     "state, else beside the socket, e.g. /run/watchdogd/watchdogd.state.db).",
 )
 @click.option("--no-state", is_flag=True, help="Keep timers in memory only.")
+@docs_path_option
 @click.version_option(__version__, prog_name="watchdogd")
 def main(
     *,

@@ -1,7 +1,8 @@
 """The daemon's configuration: a TOML file decoded with msgspec.
 
 Unknown keys are errors, every number has a bound, and every error names the file,
-the key and what was expected. Each setting has a default, so the daemon runs with no
+the key and what was expected; a file's errors are reported all at once, in the
+order of the file (`parse_config`). Each setting has a default, so the daemon runs with no
 file at all. Precedence for the socket: ``--socket``, then ``$WATCHDOGD_SOCKET``, then
 the file's ``[daemon] socket``, then the default of `watchdogd_client.paths`.
 
@@ -37,7 +38,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Annotated, Final, Literal, get_args
+from collections.abc import Sequence
+from typing import Annotated, Any, Final, Literal, get_args, get_origin
 
 import msgspec
 from msgspec import Meta, Struct
@@ -50,6 +52,7 @@ from .policies import (
     DEFAULT_STEP_TIMEOUT,
     NO_PEERS,
     PEER_DUMP,
+    SIGNAL_NAMES,
     Dump,
     Exec,
     Policy,
@@ -225,17 +228,30 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     def policy_set(self, source: str = "config") -> dict[str, Policy]:
         """The built-in policies overlaid with the configured ones; raises
-        `ConfigError` naming ``source`` and the key when a step is wrong."""
+        `ConfigError` naming ``source`` and the key of each error, one a line."""
+        policies, errors = self.policies_checked()
+        if errors:
+            raise ConfigError("\n".join(f"{source}: {error}" for error in errors))
+        return policies
+
+    def policies_checked(self) -> tuple[dict[str, Policy], list[str]]:
+        """The built-in policies overlaid with the configured ones (each with the
+        steps of it that are right), and every error in them as ``path: what``,
+        in the order of the tables."""
         policies = dict(BUILTIN)
+        errors: list[str] = []
         for name, table in self.policies.items():
-            steps = tuple(
-                _step(step, f"{source}: policies.{name}.steps[{index}]")
-                for index, step in enumerate(table.steps)
-            )
-            grace, pressure, cpu = _starvation(table, f"{source}: policies.{name}")
+            steps = []
+            for index, step in enumerate(table.steps):
+                try:
+                    steps.append(_step(step, f"policies.{name}.steps[{index}]"))
+                except ConfigError as exc:
+                    errors.append(str(exc))
+            (grace, pressure, cpu), wrong = _starvation(table, f"policies.{name}")
+            errors += wrong
             policies[name] = Policy(
                 name=name,
-                steps=steps,
+                steps=tuple(steps),
                 target=table.target,
                 root_only=table.root_only,
                 stall=table.stall or 0.0,
@@ -246,33 +262,34 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             )
         for name, policy in policies.items():
             if policy.peers != NO_PEERS and policy.peers not in policies:
-                known = ", ".join([*sorted(policies), NO_PEERS])
-                raise ConfigError(
-                    f"{source}: policies.{name}.peers: no policy {policy.peers!r}; known: {known}"
-                )
+                known = (*sorted(policies), NO_PEERS)
+                errors.append(f"policies.{name}.peers: {_no_policy(policy.peers, known)}")
         if self.daemon.default_policy not in policies:
-            known = ", ".join(sorted(policies))
-            raise ConfigError(
-                f"{source}: daemon.default_policy: no policy {self.daemon.default_policy!r}; "
-                f"known: {known}"
-            )
-        return policies
+            unknown = _no_policy(self.daemon.default_policy, tuple(sorted(policies)))
+            errors.append(f"daemon.default_policy: {unknown}")
+        return policies, errors
 
 
-def _starvation(table: PolicyConfig, where: str) -> tuple[float, float, float]:
+def _no_policy(name: str, known: tuple[str, ...]) -> str:
+    return f"no policy {name!r}; known: {', '.join(known)}{_nearest(name, known)}"
+
+
+def _starvation(table: PolicyConfig, where: str) -> tuple[tuple[float, float, float], list[str]]:
     """A policy table's starvation grace (0: none) and thresholds, as `Policy` keeps
-    them."""
+    them, and what is wrong with them."""
     pressure, cpu = table.starvation_pressure, table.starvation_cpu
     if table.starvation_grace is None:
-        for key, value in (("starvation_pressure", pressure), ("starvation_cpu", cpu)):
-            if value is not None:
-                raise ConfigError(f"{where}.{key}: applies only with starvation_grace")
-        return 0.0, DEFAULT_PRESSURE, DEFAULT_CPU
+        wrong = [
+            f"{where}.{key}: applies only with starvation_grace"
+            for key, value in (("starvation_pressure", pressure), ("starvation_cpu", cpu))
+            if value is not None
+        ]
+        return (0.0, DEFAULT_PRESSURE, DEFAULT_CPU), wrong
     return (
         table.starvation_grace,
         DEFAULT_PRESSURE if pressure is None else pressure,
         DEFAULT_CPU if cpu is None else cpu,
-    )
+    ), []
 
 
 def _step(step: StepConfig, where: str) -> Step:
@@ -296,7 +313,11 @@ def _step(step: StepConfig, where: str) -> Step:
         try:
             return Signal(signal_number(step.signal))
         except ValueError as exc:
-            raise ConfigError(f"{where}.signal: {exc}") from None
+            # Compared without their common "SIG", which makes every name look near.
+            given = str(step.signal).upper().removeprefix("SIG")
+            close = _closest(given, [name.removeprefix("SIG") for name in SIGNAL_NAMES])
+            near = "" if close is None else f"; did you mean `SIG{close}`?"
+            raise ConfigError(f"{where}.signal: {exc}{near}") from None
     if step.wait is not None:
         return Wait(step.wait)
     try:
@@ -318,24 +339,35 @@ _AT_PATH: Final = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def parse_config(data: bytes | str, source: str) -> Config:
-    """Decode and check a config document; ``source`` names it in error messages,
-    with the line of the key that is wrong and, for a misspelt key or choice, the
-    nearest valid one."""
+    """Decode and check a config document; ``source`` names it in error messages.
+
+    Every error of the document is reported at once, one a line, in the order of
+    the file: each with the line of the key that is wrong and, for a misspelt key,
+    choice, signal or policy, the nearest valid one. Only a document that is not
+    TOML at all stops at its first error, as tomllib does.
+    """
     text = data.decode(errors="replace") if isinstance(data, bytes) else data
-    _check_modes(text, source)
     try:
-        config = msgspec.toml.decode(data, type=Config)
-    except msgspec.ValidationError as exc:
-        explained = _locate_in_policies(data) or _explain(str(exc))
-        raise ConfigError(_placed(text, source, explained)) from None
+        document = msgspec.toml.decode(data)
     except msgspec.DecodeError as exc:
         # tomllib's own message ends with "(at line N, column M)".
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    errors: list[str] = []
+    checked = _checked(document, Config, "", errors)
+    modes = _mode_errors(text)
+    # The octal hint says more of a mode than its bounds do.
+    errors = [error for error in errors if error.split(":", 1)[0] not in modes] + [
+        f"{key}: {hint}" for key, hint in modes.items()
+    ]
     try:
-        config.policy_set(source)
-    except ConfigError as exc:
-        raise ConfigError(_placed(text, source, str(exc).removeprefix(f"{source}: "))) from None
-    return config
+        config = msgspec.convert(checked, Config)
+    except msgspec.ValidationError as exc:  # what the walk let through as right
+        errors.append(_explain(str(exc)))
+    else:
+        errors += config.policies_checked()[1]
+        if not errors:
+            return config
+    raise ConfigError(_report(text, source, errors))
 
 
 def lockouts(config: Config) -> list[str]:
@@ -352,23 +384,29 @@ def lockouts(config: Config) -> list[str]:
     ]
 
 
-def _placed(text: str, source: str, explained: str) -> str:
-    """``explained`` (``daemon.max_timers: ...``) after the file and the line that
-    sets the key it names, when the text sets it."""
-    number = line_of(text, split_path(explained.split(":", 1)[0]))
-    return f"{source}{'' if number is None else f', line {number}'}: {explained}"
+def _report(text: str, source: str, errors: list[str]) -> str:
+    """``errors`` (``daemon.max_timers: ...``) one a line, each after the file and
+    the line that sets the key it names when the text sets it, in the order of the
+    file (those of no line last)."""
+    placed = [(line_of(text, split_path(error.split(":", 1)[0])), error) for error in errors]
+    placed.sort(key=lambda item: float("inf") if item[0] is None else item[0])
+    return "\n".join(
+        f"{source}{'' if number is None else f', line {number}'}: {error}"
+        for number, error in placed
+    )
 
 
-def _check_modes(text: str, source: str) -> None:
+def _mode_errors(text: str) -> dict[str, str]:
     """A file mode written in decimal (``socket_mode = 666``) is not the mode it
-    looks like: refused, with how to write it."""
+    looks like: refused, with how to write it, by its key."""
+    hints = {}
     for field in msgspec.structs.fields(DaemonConfig):
         if not field.name.endswith("_mode"):
             continue
         value = value_of(text, ["daemon", field.name])
         if value is not None and re.fullmatch(r"[+]?[0-9_]+", value) and value.strip("+0_"):
-            explained = f"daemon.{field.name}: {_octal_hint(field.name, value)}"
-            raise ConfigError(_placed(text, source, explained))
+            hints[f"daemon.{field.name}"] = _octal_hint(field.name, value)
+    return hints
 
 
 def _octal_hint(key: str, value: str) -> str:
@@ -377,24 +415,76 @@ def _octal_hint(key: str, value: str) -> str:
     return f"{value} is a decimal number; a file mode is octal in TOML: write {key} = {written}"
 
 
-def _locate_in_policies(data: bytes | str) -> str | None:
-    """msgspec reports an error inside a policy table as ``policies[...]``; decode
-    the tables one by one to name the policy."""
+#: What `_checked` returns for a value it left out as wrong.
+_LEFT_OUT: Final = object()
+
+
+def _checked(value: object, kind: Any, path: str, errors: list[str]) -> object:
+    """``value`` as read for ``kind`` (a type of the config model) at ``path``, with
+    each part that is wrong left out (`_LEFT_OUT`: all of it) and explained in
+    ``errors``. A table is checked key by key, a table of tables (the policies) and
+    an array of tables (a policy's steps) entry by entry, any other value whole:
+    msgspec stops at a value's first error, the walk goes on past it."""
+    base = get_args(kind)[0] if get_origin(kind) is Annotated else kind
+    origin, args = get_origin(base), get_args(base)
+    if isinstance(value, dict) and isinstance(base, type) and issubclass(base, Struct):
+        return _checked_table(value, base, path, errors)
+    if isinstance(value, dict) and origin is dict and _is_table(args[1]):
+        kept = {}
+        for key, item in value.items():
+            try:
+                msgspec.convert(key, args[0])
+            except msgspec.ValidationError as exc:
+                errors.append(f"{path}.{key}: not a name a table may have: {exc}")
+                continue
+            if (item := _checked(item, args[1], f"{path}.{key}", errors)) is not _LEFT_OUT:
+                kept[key] = item
+        return kept
+    if isinstance(value, list) and origin is list and _is_table(args[0]):
+        # An entry with an error is left out whole: a step without its misspelt
+        # key would be wrong again for having none.
+        kept_items = []
+        for index, entry in enumerate(value):
+            before = len(errors)
+            checked = _checked(entry, args[0], f"{path}[{index}]", errors)
+            if len(errors) == before:
+                kept_items.append(checked)
+        return kept_items
     try:
-        document = msgspec.toml.decode(data)
-    except msgspec.DecodeError:
-        return None
-    tables = document.get("policies") if isinstance(document, dict) else None
-    if not isinstance(tables, dict):
-        return None
-    for name, table in tables.items():
-        try:
-            msgspec.convert(table, PolicyConfig)
-        except msgspec.ValidationError as exc:
-            # msgspec names no path for an error at the table's own level.
-            message = str(exc) if " - at `$" in str(exc) else f"{exc} - at `$`"
-            return _explain(message.replace("`$", f"`$.policies.{name}", 1))
-    return None
+        msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        errors.append(_explain(_at(str(exc), path)))
+        return _LEFT_OUT
+    return value
+
+
+def _checked_table(
+    table: dict[str, object], kind: type[Struct], path: str, errors: list[str]
+) -> dict[str, object]:
+    """`_checked` for a TOML table read as the Struct ``kind``."""
+    fields = {field.name: field.type for field in msgspec.structs.fields(kind)}
+    kept = {}
+    for key, value in table.items():
+        if key not in fields:
+            errors.append(_explain(f"Object contains unknown field `{key}` - at `$.{path}`"))
+        elif (item := _checked(value, fields[key], _join(path, key), errors)) is not _LEFT_OUT:
+            kept[key] = item
+    return kept
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _is_table(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, Struct)
+
+
+def _at(message: str, path: str) -> str:
+    """msgspec's ``message`` about a value converted on its own, as said of that
+    value at ``path`` in the whole file (its own `` - at `$[0]` `` appended)."""
+    head, at, where = message.partition(" - at `$")
+    return f"{head} - at `$.{path}{where if at else '`'}"
 
 
 def _explain(message: str) -> str:
@@ -438,8 +528,13 @@ def _keys_of(table: str) -> tuple[str, ...]:
     return () if kind is None else tuple(field.name for field in msgspec.structs.fields(kind))
 
 
-def _nearest(given: str, valid: tuple[str, ...]) -> str:
-    """ "; did you mean `x`?" for the valid key or choice nearest ``given``, if one
-    is near enough."""
+def _nearest(given: str, valid: Sequence[str]) -> str:
+    """ "; did you mean `x`?" for the valid key, choice or name nearest ``given``, if
+    one is near enough."""
+    close = _closest(given, valid)
+    return "" if close is None else f"; did you mean `{close}`?"
+
+
+def _closest(given: str, valid: Sequence[str]) -> str | None:
     close = difflib.get_close_matches(given, valid, n=1, cutoff=0.6)
-    return f"; did you mean `{close[0]}`?" if close else ""
+    return close[0] if close else None

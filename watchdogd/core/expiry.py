@@ -56,8 +56,11 @@ from msgspec import Struct
 
 from watchdogd_client.protocol import EventInfo, StepResult
 
-from .policies import Dump, Exec, Policy, Signal, Wait
+from .policies import Dump, Exec, Policy, Signal, Step, Wait, placeholders, step_name
 from .timers import Timer
+
+#: The name in an event of a dump step that the worker's responder gave.
+BY_RESPONDER: Final = "dump by the worker's responder"
 
 
 class CheckAlive(Struct, frozen=True, gc=False):
@@ -265,7 +268,7 @@ class Run:
         #: When this run carried out its first step (the daemon's clock).
         self.first_step_at: float | None = None
         for step in policy.steps[: timer.step]:
-            self.results.append(StepResult(step=step.describe(), result="done before a restart"))
+            self.results.append(StepResult(step=self._named(step), result="done before a restart"))
             self.killed = self.killed or (
                 isinstance(step, Signal) and step.signum == signal.SIGKILL
             )
@@ -315,7 +318,7 @@ class Run:
             self.first_step_at = at if self._begun_at is None else self._begun_at
             if result == "gone":
                 self.gone_at_start = True
-        self.results.append(StepResult(step=step.describe(), result=result))
+        self.results.append(StepResult(step=self._named(step), result=result))
         if not self.signalled_once:
             self.signalled_once = True
             if not is_peer(self.timer):
@@ -335,18 +338,20 @@ class Run:
         assert isinstance(step, Wait)
         result = "exited" if exited else f"still running after {step.seconds:g}s"
         self._began()
-        self.results.append(StepResult(step=step.describe(), result=result))
+        self.results.append(StepResult(step=self._named(step), result=result))
         self._done()
 
     def evidence_in(self) -> None:
         """`AwaitEvidence`: the ranks' evidence came, or the wait ran out."""
         self._evidence_until = 0.0
 
-    def hooked(self, result: str, output: str = "") -> None:
-        """`RunHook` or `TakeDump`: what the hook's run came to."""
+    def hooked(self, result: str, output: str = "", *, responder: bool = False) -> None:
+        """`RunHook` or `TakeDump`: what the hook's run came to; ``responder``: the
+        worker's responder gave the dump, and no dumper ran."""
         step = self.policy.steps[self.step]
         self._began()
-        self.results.append(StepResult(step=step.describe(), result=result, output=output))
+        name = BY_RESPONDER if responder else self._named(step)
+        self.results.append(StepResult(step=name, result=result, output=output))
         self._done()
 
     def watched(self, alive: bool) -> None:
@@ -419,7 +424,10 @@ class Run:
         self._begun_at = None
 
     def _values(self) -> dict[str, str]:
-        return {"pid": str(self.timer.pid), "scope": self.timer.scope}
+        return placeholders(self.timer.pid, self.timer.scope)
+
+    def _named(self, step: Step) -> str:
+        return step_name(step, self._values())
 
     def _env(self) -> dict[str, str]:
         return {
@@ -437,7 +445,7 @@ class Run:
         steps = [
             *self.results,
             *(
-                StepResult(step=step.describe(), result=f"skipped: {why}")
+                StepResult(step=self._named(step), result=f"skipped: {why}")
                 for step in self.policy.steps[len(self.results) :]
             ),
         ]

@@ -240,11 +240,6 @@ class Lifecycle(Generic[P]):
         held = [timer for timer in armed if not timer.exit_releases]
         if held:
             self._metrics.exited += 1
-            scopes = sorted(timer.scope for timer in held)
-            shown = ", ".join(scopes[:_LISTED_SCOPES])
-            more = (
-                f" and {len(scopes) - _LISTED_SCOPES} more" if len(scopes) > _LISTED_SCOPES else ""
-            )
             self._events.record(
                 EventInfo(
                     seq=0,
@@ -255,7 +250,10 @@ class Lifecycle(Generic[P]):
                     scope="",
                     policy="",
                     timers=len(held),
-                    note=f"exited with {len(held)} timer(s) armed: {shown}{more}",
+                    note=f"exited with {len(held)} timer{'' if len(held) == 1 else 's'} armed",
+                    # As scopes, not in the note: a reader shows them as it shows
+                    # any scope (watchdogctl: relative to its working directory).
+                    scopes=sorted(timer.scope for timer in held)[:_LISTED_SCOPES],
                 )
             )
         return timers

@@ -63,6 +63,7 @@ from .firing import Firing
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
+from .policies import placeholders, step_name
 from .ports import Journal, P, ProcessPort
 from .rules import Rules
 from .slots import Slots
@@ -296,7 +297,8 @@ class Pages(Generic[P]):
             policy, _ = self._rules.policy_for(timer.policy)
             steps = policy.steps
             firing = (
-                f"step {timer.step + 1} of {len(steps)}: {steps[timer.step].describe()}"
+                f"step {timer.step + 1} of {len(steps)}: "
+                + step_name(steps[timer.step], placeholders(timer.pid, timer.scope))
                 if timer.step < len(steps)
                 else "finishing"
             )

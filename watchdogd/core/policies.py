@@ -27,9 +27,10 @@ The built-in policies are always present unless the config overrides them by nam
 from __future__ import annotations
 
 import functools
+import shlex
 import signal
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 import msgspec
@@ -53,6 +54,14 @@ PLACEHOLDERS: Final = ("{pid}", "{scope}")
 #: The argument after which a program takes no more options (POSIX getopt, argparse,
 #: click, GNU tools).
 END_OF_OPTIONS: Final = "--"
+
+
+def substitute(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """Replace arguments that are exactly ``{name}``; leave all else as written."""
+    return [
+        values.get(arg[1:-1], arg) if arg.startswith("{") and arg.endswith("}") else arg
+        for arg in argv
+    ]
 
 
 def check_argv(argv: tuple[str, ...]) -> None:
@@ -125,6 +134,21 @@ class Dump(Struct, frozen=True):
 
 
 Step = Signal | Wait | Exec | Dump
+
+
+def placeholders(pid: int, scope: str) -> dict[str, str]:
+    """What ``{pid}`` and ``{scope}`` stand for in a hook or dumper of this timer."""
+    return {"pid": str(pid), "scope": scope}
+
+
+def step_name(step: Step, values: Mapping[str, str]) -> str:
+    """``step`` as an event names it: a hook or a dumper by the command it runs,
+    with ``values`` in its placeholders, quoted where a shell would need it; a
+    signal or a wait as its `describe` says."""
+    if isinstance(step, Exec | Dump):
+        kind = "exec" if isinstance(step, Exec) else "dump"
+        return f"{kind} {shlex.join(substitute(step.argv, values))}"
+    return step.describe()
 
 
 class Policy(Struct, frozen=True, kw_only=True):
@@ -201,6 +225,10 @@ def signal_policy(name: str) -> Policy | None:
     except ValueError:
         return None
     return Policy(name=name, steps=(Signal(signum),), builtin=True)
+
+
+#: Every name of a signal, aliases too (SIGIOT, SIGCLD), for a suggestion.
+SIGNAL_NAMES: Final = tuple(signal.Signals.__members__)
 
 
 def signal_number(value: str | int) -> int:

@@ -289,7 +289,7 @@ class Metrics:
     textfile, scrape listeners; and whether those name jobs and their uids."""
 
     textfile: str | None = None
-    listeners: list[trio.SocketListener] = dataclasses.field(default_factory=list)
+    listeners: list[socket.socket] = dataclasses.field(default_factory=list)
     jobs: bool = False
 
 

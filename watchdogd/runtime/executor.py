@@ -85,14 +85,14 @@ from ..core.expiry import (
     first_signal,
 )
 from ..core.firing import Due
-from ..core.policies import Policy
+from ..core.policies import Policy, substitute
 from ..core.service import Service
 from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
 from .gathering import Gatherer
-from .hooks import run_hook, substitute
+from .hooks import run_hook
 from .responders import Asks
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`

@@ -25,10 +25,10 @@ import os
 
 from ..core.evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.expiry import Run, TakeDump
-from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT
+from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
 from ..core.service import Service
 from ..host.process import Process, ptrace_reader
-from .hooks import DumpPool, substitute
+from .hooks import DumpPool
 from .responders import Asks
 
 
@@ -83,7 +83,7 @@ class Gatherer:
             after = ptrace_reader(pid)
             reader = before if before == after else None
             self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
-            run.hooked("ok: from the worker's responder", stack_text(given))
+            run.hooked("ok", stack_text(given), responder=True)
             return
         argv = substitute(effect.step.argv, effect.values)
         self._dumps.resize(config.max_dumps)  # a reload may have changed it

@@ -60,14 +60,6 @@ def search_path() -> str:
     )
 
 
-def substitute(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
-    """Replace arguments that are exactly ``{name}``; leave all else as written."""
-    return [
-        values.get(arg[1:-1], arg) if arg.startswith("{") and arg.endswith("}") else arg
-        for arg in argv
-    ]
-
-
 async def run_hook(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> HookResult:
     """Run ``argv`` with ``env`` for at most ``timeout`` seconds."""
     path = search_path()

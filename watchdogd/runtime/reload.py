@@ -58,16 +58,23 @@ def load_config(path: str, *, mountinfo: str = MOUNTINFO) -> Config:
             f"{path}: cannot read the config file: it is over {MAX_CONFIG_BYTES} bytes"
         )
     config = parse_config(data, path)
+    # What the host lacks, once the file itself is right: each, at once.
+    errors = []
     group = config.daemon.socket_group
     if isinstance(group, str):
         try:
             grp.getgrnam(group)
         except KeyError:
-            raise ConfigError(
+            errors.append(
                 f"{path}: daemon.socket_group: no group named {group!r} on this host; "
                 "create it (groupadd) or name another"
-            ) from None
-    _check_cgroup_targets(config, path, mountinfo)
+            )
+    try:
+        _check_cgroup_targets(config, path, mountinfo)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    if errors:
+        raise ConfigError("\n".join(errors))
     for warning in lockouts(config):
         log.warning(logfmt("config_warning", path=path, note=warning))
     return config
@@ -138,7 +145,8 @@ async def reload(
         try:
             config = await trio.to_thread.run_sync(load_config, config_path, abandon_on_cancel=True)
         except ConfigError as exc:
-            note = f"kept the old config: {exc}"
+            # An event is one line: the file's errors, one after another.
+            note = "kept the old config: " + "; ".join(str(exc).splitlines())
             ok = False
         else:
             service.reconfigure(config)

@@ -13,6 +13,14 @@ nothing is buffered for it without bound. Replies waiting to be sent count again
 their uid's `ReplyBudget`: a connection of a uid over it waits, so many connections
 of one user asking for large pages cannot drive the daemon's memory up.
 
+Against a flood of connections: the listener takes at most `ACCEPTS_PER_TURN`
+before the loop runs its other tasks, so connects queued as fast as they are taken
+never hold the timers up. The core counts each uid's connections
+(``max_connections_per_uid``, ``max_connections``); one refused at a limit is given
+`_REFUSAL_WAIT` to send its hello, but only `REFUSALS_WAITING` of a uid's at once,
+so a uid connecting past its limit holds no more of the daemon's descriptors and
+tasks than that.
+
 A reply is an acknowledgement: it is sent only once the changes made before it are
 committed to the state file (see `watchdogd.storage.store`), and a reply that shows
 an event's number once that event is written beside it
@@ -34,6 +42,7 @@ import logging
 import os
 import socket
 import stat
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -78,8 +87,17 @@ _FRAMES_PER_TURN: Final = 8
 #: replies is never held in memory at once.
 _FLUSH_AT: Final = 256 * 1024
 _BACKLOG: Final = 1024
+#: Connections accepted before the loop's other tasks get a turn: a flood of
+#: connects that the kernel queues as fast as they are taken must not keep the
+#: timers from firing.
+ACCEPTS_PER_TURN: Final = 16
 #: How long a refused connection is given to send its hello before the refusal.
 _REFUSAL_WAIT: Final = 1.0
+#: Refused connections of one uid given `_REFUSAL_WAIT` at once; past them a
+#: refusal is sent without waiting. A uid connecting past its limit as fast as it
+#: can would otherwise hold a descriptor and a task of the daemon's for each
+#: connection it opened within the last second, without bound.
+REFUSALS_WAITING: Final = 16
 #: The most of an oversized frame read and dropped after refusing it.
 _DRAIN_BYTES: Final = 16 * 1024 * 1024
 
@@ -259,6 +277,8 @@ class Context:
     asks: Asks = field(default_factory=Asks)
     #: Where events are kept beside the state (None: no state).
     record: RecordFile | None = None
+    #: Refused connections waiting for their hello, per uid.
+    refusals: Counter[int] = field(default_factory=Counter)
 
 
 async def serve(
@@ -274,7 +294,7 @@ async def serve(
         sock = listener.socket
         while True:
             await trio.lowlevel.wait_readable(sock)
-            while True:
+            for _ in range(ACCEPTS_PER_TURN):
                 try:
                     conn, _ = sock.accept()
                 except BlockingIOError:
@@ -301,7 +321,7 @@ async def _connection(
         try:
             caller = service.open_connection(peer)
         except Refusal as refusal:
-            await _refuse(conn, refusal, service.config.max_frame_bytes)
+            await _refuse(conn, refusal, service.config.max_frame_bytes, context, peer.uid)
             return
         connection = _Connection(conn, Session(service, caller), context, nursery)
         try:
@@ -328,14 +348,34 @@ async def _connection(
             os.close(peer.pidfd)
 
 
-async def _refuse(conn: socket.socket, refusal: Refusal, max_frame: int) -> None:
+async def _refuse(
+    conn: socket.socket, refusal: Refusal, max_frame: int, context: Context, uid: int
+) -> None:
     """Answer a connection refused at a limit, then close it.
 
     The client's hello is read first (within `_REFUSAL_WAIT`, and within the frame
     bound): closing with it unread would make the client's write fail (EPIPE) or its
     read fail (ECONNRESET) before it saw the refusal, and it would report the daemon
-    as down. The refusal carries the hello's id when it could be read."""
+    as down. The refusal carries the hello's id when it could be read. Past
+    `REFUSALS_WAITING` of ``uid``'s, the refusal goes at once: a flooding uid's
+    client may then see the connection reset."""
     request_id = None
+    if context.refusals[uid] < REFUSALS_WAITING:
+        context.refusals[uid] += 1
+        try:
+            request_id = await _read_hello(conn, max_frame)
+        finally:
+            context.refusals[uid] -= 1
+            if not context.refusals[uid]:
+                del context.refusals[uid]
+    out = bytearray()
+    encode_frame_into(Error(id=request_id, code=refusal.code, message=refusal.message), out)
+    with contextlib.suppress(OSError):
+        conn.send(out)
+
+
+async def _read_hello(conn: socket.socket, max_frame: int) -> int | None:
+    """The id of the first frame, read within `_REFUSAL_WAIT`; None if none came."""
     reader = FrameReader(max_frame)
     with trio.move_on_after(_REFUSAL_WAIT), contextlib.suppress(OSError, FrameTooLarge):
         while True:
@@ -345,15 +385,12 @@ async def _refuse(conn: socket.socket, refusal: Refusal, max_frame: int) -> None
                 await trio.lowlevel.wait_readable(conn)
                 continue
             if not data:
-                break
+                return None
             if frames := reader.feed(data):
                 with contextlib.suppress(ProtocolError):
-                    request_id = decode_request(frames[0]).id
-                break
-    out = bytearray()
-    encode_frame_into(Error(id=request_id, code=refusal.code, message=refusal.message), out)
-    with contextlib.suppress(OSError):
-        conn.send(out)
+                    return decode_request(frames[0]).id
+                return None
+    return None
 
 
 async def _drain(conn: socket.socket) -> None:

@@ -233,6 +233,9 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     #: The incident this event belongs to: an expiry of a job's timer, or a peer
     #: policy run on another process of the job (``kind`` ``peer``).
     incident: str = ""
+    #: An ``exited`` event's scopes, sorted, the first few of them (``timers``
+    #: counts them all).
+    scopes: list[str] = []
 
 
 class EventsReply(Reply, tag="events", frozen=True, kw_only=True):
