@@ -130,7 +130,7 @@ def test_a_block_hung_after_hundreds_of_fast_ones_dies_on_time_and_is_listed(
         entered = json.loads(worker.process.stdout.readline())
         listed = my_scopes(daemon, worker.pid)
         assert 0 < listed["step"] <= 0.5
-        died = death_time(worker.process)  # type: ignore[arg-type]
+        died = death_time(worker.process)
         assert worker.process.wait() == -signal.SIGKILL
         assert 0.5 <= died - entered < 0.5 + 0.1
     finally:
@@ -182,7 +182,7 @@ def test_a_stopped_daemon_costs_a_registered_block_nothing_and_its_hang_dies_aft
         finally:
             daemon.process.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
         woke = time.monotonic()
-        died = death_time(worker.process)  # type: ignore[arg-type]
+        died = death_time(worker.process)
         assert died - woke < 0.5
     finally:
         worker.close()
@@ -200,7 +200,7 @@ def test_a_block_entered_while_the_daemon_is_down_is_killed_after_its_restart(
         time.sleep(0.8)
         daemon.start()
         started = time.monotonic()
-        died = death_time(worker.process)  # type: ignore[arg-type]
+        died = death_time(worker.process)
         assert died - started < 1.0
     finally:
         worker.close()
