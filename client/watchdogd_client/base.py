@@ -20,6 +20,7 @@ import msgspec
 from . import blocks
 from .arming import After, Arming, Handle, arming_timeout
 from .errors import WatchdogdError
+from .fastpath import FastPath
 from .protocol import DaemonInfo, TimerInfo
 from .scope import caller_scope
 
@@ -90,14 +91,22 @@ class BaseClient(abc.ABC):
         """The handle of an ``expires()`` block of this client's."""
         return Timer(self, after, scope, arming)
 
+    #: The fast path of this client's process (`watchdogd_client.fastpath`): a
+    #: block's handle arms and releases by stores through it where it can, and
+    #: through `_arm_block` and `_release_block` otherwise.
+    _fast: FastPath | None = None
+
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
-        """Arm the timer of an ``expires()`` block; the number of the arming, when
-        the daemon keeps one (0 otherwise), for `_release_block` to name."""
+        """Arm the timer of an ``expires()`` block over the socket; the number of
+        the arming, when the daemon keeps one (0 otherwise), for `_release_block`
+        to name."""
         self.acquire(scope, after, progress=progress, **arming)
         return 0
 
-    def _release_block(self, scope: str, arm: int) -> None:
-        """Release the timer of an ``expires()`` block, armed as ``arm``."""
+    def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        """Release the timer of an ``expires()`` block, armed as ``arm``, over the
+        socket; ``stored``: it was armed by a store into a slot that closed since
+        (`Release.stored`)."""
         self.release(scope)
 
 
@@ -115,11 +124,15 @@ class Timer(Handle["BaseClient"]):
     __slots__ = ()
 
     def release(self) -> None:
-        """Disarm now; idempotent. The worker goes on as soon as the release is sent
-        when the process's responder can carry it (see `Client`)."""
+        """Disarm now; idempotent. The worker goes on at once: a registered scope's
+        release is a store, another's is sent without waiting when the process's
+        responder can carry it (see `Client`)."""
         if self._armed:
             self._armed = False
-            self.client._release_block(self.scope, self._arm)
+            fast = self.client._fast
+            stored = None if fast is None else fast.release(self.scope)
+            if stored is None or stored == "closed":
+                self.client._release_block(self.scope, self._arm, stored=stored == "closed")
 
     def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: the timer now expires ``after`` (default: the last timeout) from
@@ -127,7 +140,11 @@ class Timer(Handle["BaseClient"]):
         ``stall`` time to count it as alive."""
         if after is not None:
             self.after = after
-        self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
+        fast = self.client._fast
+        if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):
+            self._arm = 0
+        else:
+            self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     def __enter__(self) -> Timer:

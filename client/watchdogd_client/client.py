@@ -244,25 +244,20 @@ class Client(BaseClient):
         return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
-        fast = self._fast
-        if fast is not None and progress is None and fast.arm(scope, after, arming) is not None:
-            return 0
         request = acquire_request(
             self._engine.next_id(),
             scope,
             after,
             progress=progress,
-            slot=fast is not None,
+            slot=self._fast is not None,
             **arming,
         )
         reply = self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
-    def _release_block(self, scope: str, arm: int) -> None:
-        stored = None if self._fast is None else self._fast.release(scope)
-        if stored is not None:
-            if stored == "closed":
-                self._released(scope, None, stored=True)
+    def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        if stored:
+            self._released(scope, None, stored=True)
             return
         responder = release_carrier(self.socket_path, arm)
         if responder is not None:

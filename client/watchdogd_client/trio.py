@@ -267,31 +267,27 @@ class AsyncClient:
     async def _arm_block(
         self, scope: str, after: After, progress: int | None, arming: Arming
     ) -> int:
-        """Arm a block's timer; the number of its arming (0 where the daemon keeps
-        none, or a store armed it), for `_release_block` to name."""
-        fast = self._fast
-        if fast is not None and progress is None and fast.arm(scope, after, arming) is not None:
-            return 0
+        """Arm a block's timer over the socket; the number of its arming (0 where
+        the daemon keeps none), for `_release_block` to name."""
         request = acquire_request(
             self._engine.next_id(),
             scope,
             after,
             progress=progress,
-            slot=fast is not None,
+            slot=self._fast is not None,
             **arming,
         )
         reply = await self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
-    async def _release_block(self, scope: str, arm: int) -> None:
-        """Release a block's timer, armed as ``arm``: without waiting for the answer
-        where the daemon numbered the arming and the process's responder would send
-        it again after a break; otherwise as `release` does. A registered scope's
-        is a store."""
-        stored = None if self._fast is None else self._fast.release(scope)
-        if stored is not None:
-            if stored == "closed":
-                await self._released(scope, None, stored=True)
+    async def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        """Release a block's timer, armed as ``arm``, over the socket: without
+        waiting for the answer where the daemon numbered the arming and the
+        process's responder would send it again after a break; otherwise as
+        `release` does. ``stored``: armed by a store into a slot that closed since
+        (`Release.stored`)."""
+        if stored:
+            await self._released(scope, None, stored=True)
             return
         responder = release_carrier(self.socket_path, arm)
         connection = self._connection
@@ -512,18 +508,26 @@ class AsyncTimer(Handle["AsyncClient"]):
     __slots__ = ()
 
     async def release(self) -> None:
-        """Disarm now; idempotent. The task goes on as soon as the release is sent
-        when the process's responder can carry it (see the module's docstring)."""
+        """Disarm now; idempotent. The task goes on at once: a registered scope's
+        release is a store, another's is sent without waiting when the process's
+        responder can carry it (see the module's docstring)."""
         if self._armed:
             self._armed = False
-            await self.client._release_block(self.scope, self._arm)
+            fast = self.client._fast
+            stored = None if fast is None else fast.release(self.scope)
+            if stored is None or stored == "closed":
+                await self.client._release_block(self.scope, self._arm, stored=stored == "closed")
 
     async def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: expire ``after`` (default: the last timeout) seconds from now;
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
             self.after = after
-        self._arm = await self.client._arm_block(self.scope, self.after, progress, self.arming)
+        fast = self.client._fast
+        if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):
+            self._arm = 0
+        else:
+            self._arm = await self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:
