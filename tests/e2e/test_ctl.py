@@ -343,7 +343,8 @@ def ended(run: subprocess.Popen[str], cwd: Path) -> tuple[int, str, str]:
 
 def end_session(run: subprocess.Popen[str], *also: int) -> None:
     """Kill whatever a test left of ``run``'s session (and the pids ``also``)."""
-    for pid in [*in_session(run.pid), *also]:
+    # (A pid of 0 would be kill(0): the test's own group.)
+    for pid in [*in_session(run.pid), *(pid for pid in also if pid > 0)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     reap(run)
