@@ -34,7 +34,7 @@ from watchdogd_client.protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.pages import anchors, links
-from helpers.processes import reap, sleeper
+from helpers.processes import in_session, reap, sleeper
 from helpers.waiting import PATIENCE, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -333,6 +333,29 @@ def test_the_heartbeat_example_protects_as_written(
         wait_until(recorded, what="the expiry's event")
         [event] = expired
         assert (event.scope, event.policy, event.reason) == ("train", "training", "stalled")
+
+
+def test_the_try_it_example_leaves_no_worker_behind_when_no_daemon_answers(
+    tmp_path: Path, scratch: Path
+) -> None:
+    [example] = [b for b in by_lang("python") if '"try-it"' in b.text]
+    alone = subprocess.Popen(
+        [PYTHON, "-c", example.text],
+        cwd=scratch,
+        env={**os.environ, "WATCHDOGD_SOCKET": str(tmp_path / "no-daemon.sock")},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its session, whose id is its pid, holds its sleep
+    )
+    try:
+        _, err = alone.communicate(timeout=PATIENCE)
+        assert alone.returncode == 1
+        assert "DaemonUnavailable: watchdogd is not reachable" in err
+        wait_until(lambda: in_session(alone.pid) == [], what="the example's sleep to end")
+    finally:
+        for pid in in_session(alone.pid):
+            os.kill(pid, signal.SIGKILL)
+        reap(alone)
 
 
 @pytest.mark.parametrize("block", by_lang("toml"), ids=lambda b: b.name)
