@@ -18,8 +18,7 @@ from watchdogd.core.policies import (
     signal_number,
     split_target,
 )
-from watchdogd.core.rules import Rules
-from watchdogd.errors import ConfigError, Refusal
+from watchdogd.errors import ConfigError
 
 
 def test_builtins_are_the_documented_ones() -> None:
@@ -179,61 +178,3 @@ def test_a_name_for_another_target_replaces_the_target_it_had() -> None:
     assert on_target("group", "kill") == "group:kill"
     assert on_target("process", "group:term") == "process:term"
     assert on_target("tree", "signal:USR1") == "tree:signal:USR1"
-
-
-RETARGETED = parse_config(
-    """
-    [policies.graceful]
-    target = "cgroup"
-    root_only = true
-    stall = 30
-    steps = [ { signal = "TERM" }, { wait = 5 }, { signal = "KILL" } ]
-    """,
-    "x.toml",
-)
-
-
-@pytest.mark.parametrize("target", ["process", "group", "tree"])
-def test_a_policy_on_another_target_is_that_policy_in_all_but_its_target(target: str) -> None:
-    rules = Rules(RETARGETED)
-    graceful = rules.named("graceful")
-    retargeted = rules.named(f"{target}:graceful")
-    assert graceful is not None
-    assert retargeted is not None
-    assert (retargeted.name, retargeted.target) == (f"{target}:graceful", target)
-    assert retargeted.steps == graceful.steps
-    assert (retargeted.root_only, retargeted.stall) == (True, 30)
-    assert retargeted.plan != graceful.plan  # a resumed expiry goes on under its own
-    # The one a timer armed with the name runs, after a reload as before it.
-    assert rules.policy_for(f"{target}:graceful") == (retargeted, "")
-    kill = rules.named(f"{target}:signal:KILL")
-    assert kill is not None
-    assert (kill.target, kill.describe()) == (target, ["SIGKILL"])
-
-
-@pytest.mark.parametrize(
-    "name", ["group:nope", "group:group:kill", "tree:process:kill", "cgroup:kill", "group:"]
-)
-def test_a_name_for_another_target_must_name_a_policy_of_one(name: str) -> None:
-    rules = Rules(RETARGETED)
-    assert rules.named(name) is None
-    with pytest.raises(Refusal) as caught:
-        rules.chosen(name, 1000)
-    assert caught.value.code == "unknown_policy"
-    assert "signal:NAME, process:NAME, group:NAME, tree:NAME" in caught.value.message
-
-
-def test_a_root_only_policy_stays_root_only_on_another_target() -> None:
-    rules = Rules(RETARGETED)
-    with pytest.raises(Refusal) as caught:
-        rules.chosen("group:graceful", 1000)
-    assert caught.value.code == "permission_denied"
-    assert rules.chosen("group:graceful", 0)[0] == "group:graceful"
-
-
-def test_a_retargeted_policy_a_reload_removed_gives_way_to_the_default() -> None:
-    rules = Rules(RETARGETED)
-    rules.reconfigure(parse_config("", "x.toml"))
-    policy, note = rules.policy_for("group:graceful")
-    assert (policy.name, policy.target) == ("kill", "process")
-    assert "'group:graceful' is no longer configured" in note

@@ -11,6 +11,7 @@ policies, then the families built in by name (`watchdogd.core.policies`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final, NamedTuple
 
 from watchdogd_client.protocol import ErrorCode
 
@@ -20,19 +21,80 @@ from .identity import ROOT
 from .policies import RETARGETS, Policy, retargeted, signal_policy, split_target
 
 
+class Change(NamedTuple):
+    """One setting a reload changed: its key (``daemon.max_timers_per_uid``,
+    ``policies.term.steps``, ``policies.graceful`` for a whole policy added or
+    removed) and its value before and after, as text."""
+
+    key: str
+    old: str
+    new: str
+
+
+#: The value of a policy that is not there, before or after.
+ABSENT: Final = "(none)"
+
+
+def changes(
+    old: Config, new: Config, before: Mapping[str, Policy], after: Mapping[str, Policy]
+) -> list[Change]:
+    """What applying ``new`` (whose policies are ``after``) over ``old`` (``before``)
+    changes: each setting of ``[daemon]``, ``[history]`` and ``[fleet]`` whose value
+    differs, each policy added or removed, and each attribute of a policy that
+    differs (built-in ones overridden included), in the order of the file's tables."""
+    found = []
+    for section in ("daemon", "history", "fleet"):
+        was, now = getattr(old, section), getattr(new, section)
+        for name in was.__struct_fields__:
+            if getattr(was, name) != getattr(now, name):
+                found.append(
+                    Change(f"{section}.{name}", str(getattr(was, name)), str(getattr(now, name)))
+                )
+    for name in sorted(before.keys() | after.keys()):
+        was_policy, now_policy = before.get(name), after.get(name)
+        if was_policy is None or now_policy is None:
+            found.append(Change(f"policies.{name}", _summary(was_policy), _summary(now_policy)))
+            continue
+        for field in Policy.__struct_fields__:
+            if getattr(was_policy, field) != getattr(now_policy, field):
+                found.append(
+                    Change(
+                        f"policies.{name}.{field}",
+                        _shown(getattr(was_policy, field)),
+                        _shown(getattr(now_policy, field)),
+                    )
+                )
+    return found
+
+
+def _summary(policy: Policy | None) -> str:
+    if policy is None:
+        return ABSENT
+    return f"{policy.target}: {_shown(policy.steps)}"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(step.describe() for step in value) or "(record only)"
+    return str(value)
+
+
 class Rules:
     """The limits (``daemon``) and policies of the config last applied."""
 
-    __slots__ = ("daemon", "policies")
+    __slots__ = ("config", "daemon", "policies")
 
     def __init__(self, config: Config) -> None:
+        self.config = config
         self.daemon: DaemonConfig = config.daemon
         self.policies: Mapping[str, Policy] = config.policy_set()
 
-    def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded config's limits and policies."""
-        self.policies = config.policy_set()
-        self.daemon = config.daemon
+    def reconfigure(self, config: Config) -> list[Change]:
+        """Apply a reloaded config's limits and policies; returns what changed."""
+        policies = config.policy_set()
+        changed = changes(self.config, config, self.policies, policies)
+        self.config, self.policies, self.daemon = config, policies, config.daemon
+        return changed
 
     @property
     def default_policy(self) -> str:
