@@ -55,8 +55,10 @@ SKIPPED = {
     "python3 -m pip wheel ": _WHEELS,
     ".venv/bin/pip install dist/": _WHEELS,
     ".venv/bin/pip install 'dist/": _WHEELS,
-    "make run": "runs the daemon in the foreground until stopped; the suite's daemon "
-    "fixture starts the same `watchdogd`",
+    "make run": "runs the daemon in the foreground until stopped: "
+    "test_the_make_run_example_runs_as_written runs it, and the commands after it",
+    "WATCHDOGD_SOCKET=/tmp/wd.sock ": "talks to the `make run` before it: "
+    "test_the_make_run_example_runs_as_written runs them together",
     "make test": "is this suite",
     "python3 -m venv .venv": "makes a venv; the suite runs in the one `make` made",
     "/usr/bin/python3 -m venv /opt/watchdogd": _SERVICE,
@@ -88,6 +90,17 @@ ADAPTED = [
     (r"(-w |\b)dist\b", r"\1{scratch}/dist", "the wheels go to a scratch directory"),
     (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
     (r"/tmp/units\b", "{scratch}/units", "the copies of the units go to a scratch directory"),
+    (
+        r"/tmp/wd\.sock\b",
+        "{scratch}/wd.sock",
+        "the example's daemon listens in a scratch directory",
+    ),
+    (
+        r"^make run ",
+        f"make -o .venv/.installed BIN={VENV_BIN} run ",
+        "the suite's venv, installed already: make installs nothing while the suite runs",
+    ),
+    (r"^(\S+=\S+ )?\.venv/bin/", rf"\1{VENV_BIN}/", "the suite's venv, wherever it is"),
     (
         r"\$PWD/\.venv/bin/",
         f"{VENV_BIN}/",
@@ -342,6 +355,34 @@ def test_the_heartbeat_example_protects_as_written(
         wait_until(recorded, what="the expiry's event")
         [event] = expired
         assert (event.scope, event.policy, event.reason) == ("train", "training", "stalled")
+
+
+def test_the_make_run_example_runs_as_written(scratch: Path) -> None:
+    """`make run` with the README's ARGS, then the commands after it, each in a shell
+    of its own (no WATCHDOGD_SOCKET but their own): they reach that daemon, and its
+    log has the debug lines the README promises."""
+    [block] = [b for b in by_lang("sh") if "make run ARGS=" in b.text]
+    run_it, *then = [adapt(c, scratch=str(scratch)) for c in commands(block)]
+    env = {key: value for key, value in os.environ.items() if key != "WATCHDOGD_SOCKET"}
+    with (scratch / "make-run.log").open("w") as log:
+        made = subprocess.Popen(
+            ["bash", "-c", bare(run_it)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until((scratch / "wd.sock").exists, what="make run's daemon to listen")
+        for command in then:
+            run_line(command, cwd=scratch, env=env, what=f"{block.name}: {command}")
+    finally:
+        os.killpg(made.pid, signal.SIGTERM)
+        made.wait(timeout=PATIENCE)
+    logged = (scratch / "make-run.log").read_text()
+    assert f"event=listening socket={scratch}/wd.sock" in logged
+    assert " DEBUG event=connected " in logged, logged
 
 
 def test_the_try_it_example_leaves_no_worker_behind_when_no_daemon_answers(
