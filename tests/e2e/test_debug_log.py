@@ -85,6 +85,8 @@ def test_a_wake_up_says_what_it_fired(debugging: RunningDaemon) -> None:
     fired = [line for line in lines(debugging, "wakeup") if "fired=1 " in line]
     assert fired, debugging.log()
     assert re.search(rf'timers="{victim.pid}:hung \(kill, late [0-9.]+ms\)"$', fired[0])
+    # One that fired nothing (at start, or for a deadline moved since) says no more.
+    assert all(line.endswith("fired=0") for line in lines(debugging, "wakeup") if line not in fired)
 
 
 def test_a_reload_says_what_it_changed(debugging: RunningDaemon, tmp_path: Path) -> None:

@@ -537,6 +537,8 @@ def _wakeup_line(now: float, fired: Sequence[Expired[Process] | Due[Process]]) -
         f"late {(now - item.timer.deadline) * 1000:.2f}ms)"
         for item in fired[:_WAKEUP_NAMED]
     )
+    if not fired:
+        return logfmt("wakeup", fired=0)
     more = len(fired) - _WAKEUP_NAMED
     return logfmt(
         "wakeup", fired=len(fired), timers=named + (f" and {more} more" if more > 0 else "")
