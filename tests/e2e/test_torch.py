@@ -302,7 +302,7 @@ def test_an_expiry_clears_every_scope_of_the_killed_process(env_socket: RunningD
         assert client.status().timers == []
         [exited] = [e for e in client.events().events if e.kind == "exited"]
         assert exited.timers == 1
-        assert "long" in exited.note
+        assert exited.scopes == ["long"]
 
 
 def _two_scopes_then_hang() -> None:

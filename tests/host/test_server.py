@@ -27,7 +27,8 @@ from watchdogd.core.config import Config, DaemonConfig
 from watchdogd.core.service import Service
 from watchdogd.errors import ListenError
 from watchdogd.runtime.daemon import run
-from watchdogd.runtime.server import ReplyBudget, open_listener
+from watchdogd.runtime.reply_budget import ReplyBudget
+from watchdogd.runtime.server import open_listener
 from watchdogd_client.protocol import (
     Acquire,
     Acquired,
