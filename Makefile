@@ -1,6 +1,7 @@
 # The set-up contract: `make run` and `make test` work on a fresh machine with
 # python3 >= 3.11 and make. One venv: `run` installs what the daemon needs, `test`
-# adds the test extras (and torch) to it.
+# adds the test tools (and torch) to it, beside what `run` installed and never in
+# its place, so a `make run` in use keeps its daemon and watchdogctl meanwhile.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,12 +25,22 @@ $(STAMP): pyproject.toml client/pyproject.toml | $(BIN)/python
 	$(QUIET_EDITABLE) $(BIN)/python -m pip install -e ./client -e .
 	touch $(STAMP)
 
-# The test extras and both packages in one pip run, which builds each package once
-# and gives `run` what it needs too. Nothing is byte-compiled ahead: torch alone is
-# thousands of modules the suite never imports.
-$(TEST_STAMP): pyproject.toml client/pyproject.toml | $(BIN)/python
-	$(QUIET_EDITABLE) $(BIN)/python -m pip install --no-compile -e ./client -e '.[test]'
-	touch $(STAMP) $(TEST_STAMP)
+# The test tools: the requirements of the `test` extra alone, read from
+# pyproject.toml, and not the package with its extra ('.[test]'). pip replaces a
+# package it installs again by removing it first, so installing the packages anew
+# would take watchdogctl and the daemon's entry points away from a `make run`
+# while pip works (they are installed again only when their pyproject.toml changed,
+# by the rule above). Nothing is byte-compiled ahead: torch alone is thousands of
+# modules the suite never imports.
+TEST_REQUIREMENTS := $(VENV)/test-requirements.txt
+READ_TEST_EXTRA := import sys, tomllib; \
+	extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	sys.stdout.write("".join(line + "\n" for line in extras["test"]))
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c '$(READ_TEST_EXTRA)' > $(TEST_REQUIREMENTS)
+	$(BIN)/python -m pip install --no-compile -r $(TEST_REQUIREMENTS)
+	touch $(TEST_STAMP)
 
 run: $(STAMP)
 	$(BIN)/watchdogd $(ARGS)
@@ -82,9 +93,10 @@ $(DEMO_STAMP): $(STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/python demo/two_hosts.py
 
-# The crash tests at full scale: 100 random kills under churn, a million timers.
+# The crash tests at full scale: 100 random kills under churn, a million timers;
+# and this Makefile's own venv made anew, with `make test`'s install beside a `make run`.
 soak: $(TEST_STAMP)
-	WATCHDOGD_SOAK=1 $(CACHED) $(BIN)/pytest -v tests/e2e/test_crash.py
+	WATCHDOGD_SOAK=1 $(CACHED) $(BIN)/pytest -v tests/e2e/test_crash.py tests/e2e/test_make.py
 
 # The man pages in man/ are generated from the commands' own help; the suite
 # checks that they are current.

@@ -34,7 +34,7 @@ from watchdogd_client.protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.pages import anchors, links
-from helpers.processes import reap, sleeper
+from helpers.processes import in_session, reap, sleeper
 from helpers.waiting import PATIENCE, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +55,10 @@ SKIPPED = {
     "python3 -m pip wheel ": _WHEELS,
     ".venv/bin/pip install dist/": _WHEELS,
     ".venv/bin/pip install 'dist/": _WHEELS,
-    "make run": "runs the daemon in the foreground until stopped; the suite's daemon "
-    "fixture starts the same `watchdogd`",
+    "make run": "runs the daemon in the foreground until stopped: "
+    "test_the_make_run_example_runs_as_written runs it, and the commands after it",
+    "WATCHDOGD_SOCKET=/tmp/wd.sock ": "talks to the `make run` before it: "
+    "test_the_make_run_example_runs_as_written runs them together",
     "make test": "is this suite",
     "python3 -m venv .venv": "makes a venv; the suite runs in the one `make` made",
     "/usr/bin/python3 -m venv /opt/watchdogd": _SERVICE,
@@ -65,6 +67,9 @@ SKIPPED = {
     "cp systemd/watchdogd.service": _SERVICE,
     "systemctl daemon-reload": _SERVICE,
     "systemctl enable --now watchdogd.socket": _SERVICE,
+    "systemd-analyze verify systemd/": "needs the daemon in /usr/local/bin, as the lines "
+    "before it install it: test_systemd.py runs it as written, with the daemon there "
+    "in a mount namespace of its own",
     "srun ": "needs a Slurm cluster; tests/unit/test_jobs.py checks the job and ranks "
     "taken from what Slurm sets",
 }
@@ -84,6 +89,23 @@ ADAPTED = [
     ),
     (r"(-w |\b)dist\b", r"\1{scratch}/dist", "the wheels go to a scratch directory"),
     (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
+    (r"/tmp/units\b", "{scratch}/units", "the copies of the units go to a scratch directory"),
+    (
+        r"/tmp/wd\.sock\b",
+        "{scratch}/wd.sock",
+        "the example's daemon listens in a scratch directory",
+    ),
+    (
+        r"^make run ",
+        f"make -o .venv/.installed BIN={VENV_BIN} run ",
+        "the suite's venv, installed already: make installs nothing while the suite runs",
+    ),
+    (r"^(\S+=\S+ )?\.venv/bin/", rf"\1{VENV_BIN}/", "the suite's venv, wherever it is"),
+    (
+        r"\$PWD/\.venv/bin/",
+        f"{VENV_BIN}/",
+        "the suite's venv, wherever it is, stands for the checkout's",
+    ),
 ]
 
 #: Commands that follow until interrupted: they must start and keep running.
@@ -333,6 +355,57 @@ def test_the_heartbeat_example_protects_as_written(
         wait_until(recorded, what="the expiry's event")
         [event] = expired
         assert (event.scope, event.policy, event.reason) == ("train", "training", "stalled")
+
+
+def test_the_make_run_example_runs_as_written(scratch: Path) -> None:
+    """`make run` with the README's ARGS, then the commands after it, each in a shell
+    of its own (no WATCHDOGD_SOCKET but their own): they reach that daemon, and its
+    log has the debug lines the README promises."""
+    [block] = [b for b in by_lang("sh") if "make run ARGS=" in b.text]
+    run_it, *then = [adapt(c, scratch=str(scratch)) for c in commands(block)]
+    env = {key: value for key, value in os.environ.items() if key != "WATCHDOGD_SOCKET"}
+    with (scratch / "make-run.log").open("w") as log:
+        made = subprocess.Popen(
+            ["bash", "-c", bare(run_it)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until((scratch / "wd.sock").exists, what="make run's daemon to listen")
+        for command in then:
+            run_line(command, cwd=scratch, env=env, what=f"{block.name}: {command}")
+    finally:
+        os.killpg(made.pid, signal.SIGTERM)
+        made.wait(timeout=PATIENCE)
+    logged = (scratch / "make-run.log").read_text()
+    assert f"event=listening socket={scratch}/wd.sock" in logged
+    assert " DEBUG event=connected " in logged, logged
+
+
+def test_the_try_it_example_leaves_no_worker_behind_when_no_daemon_answers(
+    tmp_path: Path, scratch: Path
+) -> None:
+    [example] = [b for b in by_lang("python") if '"try-it"' in b.text]
+    alone = subprocess.Popen(
+        [PYTHON, "-c", example.text],
+        cwd=scratch,
+        env={**os.environ, "WATCHDOGD_SOCKET": str(tmp_path / "no-daemon.sock")},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its session, whose id is its pid, holds its sleep
+    )
+    try:
+        _, err = alone.communicate(timeout=PATIENCE)
+        assert alone.returncode == 1
+        assert "DaemonUnavailable: watchdogd is not reachable" in err
+        wait_until(lambda: in_session(alone.pid) == [], what="the example's sleep to end")
+    finally:
+        for pid in in_session(alone.pid):
+            os.kill(pid, signal.SIGKILL)
+        reap(alone)
 
 
 @pytest.mark.parametrize("block", by_lang("toml"), ids=lambda b: b.name)

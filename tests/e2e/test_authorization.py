@@ -7,6 +7,7 @@ unprivileged worker: the kernel's SO_PEERCRED credentials.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -26,8 +27,8 @@ from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
-from helpers.processes import python_worker, reap, sleeper, wait_ready
-from helpers.users import NOBODY, as_nobody, nobody_sleeper
+from helpers.processes import gone, python_worker, reap, sleeper, wait_ready
+from helpers.users import NOBODY, as_nobody, mixed_family, nobody_sleeper
 from helpers.waiting import PATIENCE, wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as uid 65534")
@@ -129,6 +130,40 @@ def test_root_only_policies_are_for_root(daemon: RunningDaemon) -> None:
     with daemon.client() as client:
         client.acquire("x", 60, policy="privileged")
         client.release("x")
+
+
+def test_root_only_policies_stay_root_only_on_another_target(daemon: RunningDaemon) -> None:
+    for name in ("group:privileged", "tree:privileged", "process:privileged"):
+        arm = functools.partial(Client.acquire, scope="x", timeout=60, policy=name)
+        assert as_nobody(arm, daemon.socket_path)["refused"] == "permission_denied", name
+
+
+@pytest.mark.parametrize("policy", ["group:kill", "tree:kill"])
+def test_a_built_in_group_or_tree_policy_signals_only_what_its_owner_could_kill(
+    daemon: RunningDaemon, policy: str
+) -> None:
+    """As ``watchdogctl run`` arms them: uid 65534 arms on its own process, whose
+    group and tree hold a root process; that one is left alone."""
+    family, root_child = mixed_family()
+    try:
+        outcome = as_nobody(
+            lambda c: c.acquire("run", 0.2, policy=policy, pid=family.pid), daemon.socket_path
+        )
+        assert outcome == {"ok": 0.2}
+        assert family.wait(timeout=PATIENCE) == -signal.SIGKILL
+        with daemon.client() as client:
+            wait_until(
+                lambda: any(e.kind == "expired" for e in client.events().events),
+                what="the expiry",
+            )
+            [event] = [e for e in client.events().events if e.kind == "expired"]
+        assert event.policy == policy
+        assert [step.result for step in event.steps] == ["sent SIGKILL to 1 process"]
+        assert not gone(root_child)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(root_child, signal.SIGKILL)
+        reap(family)
 
 
 def test_nobody_sees_only_its_own_timers_and_events(daemon: RunningDaemon) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -35,7 +36,7 @@ from helpers.daemon import (
 from helpers.fake_daemon import fake_daemon_as
 from helpers.namespaces import in_private_mounts
 from helpers.per_user import IMPOSTOR, PER_USER, become_worker_of_other
-from helpers.processes import forked, reap, sleeper, where_is
+from helpers.processes import forked, gone, in_session, reap, sleeper, where_is
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE, wait_until
 
@@ -173,12 +174,13 @@ class TestRun:
         pid = report["pid"]
         assert result.stderr == (
             f"watchdogctl: the daemon killed sleep 30 (pid {pid}) with SIGKILL after 0.5 s "
-            "(policy kill)\n"
+            "(policy group:kill)\n"
         )
         assert report["status"] == 137
         assert report["expired"]["kind"] == "expired"
         assert report["expired"]["scope"] == "run:sleep"
-        assert [step["result"] for step in report["expired"]["steps"]] == ["sent SIGKILL"]
+        steps = report["expired"]["steps"]
+        assert [step["result"] for step in steps] == [f"sent SIGKILL to group {pid}"]
 
     def test_a_policy_the_command_survives_is_reported_too(self, daemon: RunningDaemon) -> None:
         result = ctl(
@@ -187,9 +189,9 @@ class TestRun:
         )  # fmt: skip
         assert result.returncode == 4
         assert "the daemon's timer on sh -c 'sleep 0.6; exit 4' (pid " in result.stderr
-        assert "expired after 0.2 s (policy log, alive); the command exited with status 4" in (
-            result.stderr
-        )
+        assert (
+            "expired after 0.2 s (policy group:log, alive); the command exited with status 4"
+        ) in result.stderr
 
     def test_a_command_that_is_not_killed_runs_quietly(self, daemon: RunningDaemon) -> None:
         result = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "sh", "-c", "kill -9 $$")
@@ -294,14 +296,180 @@ class TestRun:
             "sh", "-c", f"sleep 1; touch {marker}",
         )  # fmt: skip
         assert result.returncode == 125
-        assert "no policy 'nope'" in result.stderr
+        assert "no policy 'nope' (in 'group:nope')" in result.stderr
         time.sleep(1.5)
         assert not marker.exists()
 
-    def test_a_command_that_cannot_start(self, daemon: RunningDaemon) -> None:
-        result = ctl(daemon.socket_path, "run", "--timeout", "5", "--", "/nonexistent/program")
-        assert result.returncode == 125
-        assert "/nonexistent/program" in result.stderr
+    @pytest.mark.parametrize(
+        ("command", "status", "reason"),
+        [
+            ("./missing.sh", 127, "No such file or directory"),
+            ("./not-executable.sh", 126, "Permission denied"),
+            (".", 126, "Permission denied"),
+        ],
+    )
+    def test_a_command_that_cannot_be_run_exits_as_timeout_does(
+        self, daemon: RunningDaemon, tmp_path: Path, command: str, status: int, reason: str
+    ) -> None:
+        (tmp_path / "not-executable.sh").write_text("#!/bin/sh\nexit 0\n")
+        result = subprocess.run(
+            [*ctl_command(daemon.socket_path, "run", "--timeout", "5", "--"), command],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=PATIENCE,
+        )
+        assert (result.returncode, result.stderr) == (
+            status,
+            f"Error: failed to run command {command!r}: {reason}\n",
+        )
+        if shutil.which("timeout") is not None:
+            timeout = subprocess.run(
+                ["timeout", "5", command], cwd=tmp_path, capture_output=True, check=False
+            )
+            assert timeout.returncode == status
+
+
+NIGHTLY_JOB = "#!/bin/sh\nsleep 100\n"
+
+
+def run_alone(socket: Path, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    """``watchdogctl run ARGS`` in a session of its own (its sid is its pid), as a
+    job started from cron or a script would be. Its output goes to the files
+    ``out`` and ``err`` in ``cwd``, not to pipes: a process it leaves behind holds
+    them open (as under GNU timeout)."""
+    with (cwd / "out").open("w") as out, (cwd / "err").open("w") as err:
+        return subprocess.Popen(
+            ctl_command(socket, "run", *args),
+            cwd=cwd,
+            start_new_session=True,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+
+
+def ended(run: subprocess.Popen[str], cwd: Path) -> tuple[int, str, str]:
+    """How ``run`` ended: its exit status, stdout and stderr."""
+    status = run.wait(timeout=PATIENCE)
+    return status, (cwd / "out").read_text(), (cwd / "err").read_text()
+
+
+def end_session(run: subprocess.Popen[str], *also: int) -> None:
+    """Kill whatever a test left of ``run``'s session (and the pids ``also``)."""
+    # (A pid of 0 would be kill(0): the test's own group.)
+    for pid in [*in_session(run.pid), *(pid for pid in also if pid > 0)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    reap(run)
+
+
+class TestRunTargets:
+    """What ``watchdogctl run`` acts on, checked against GNU timeout's rules: the
+    command's process group by default, the command alone with --foreground, its
+    whole tree with --tree."""
+
+    @pytest.fixture
+    def job(self, tmp_path: Path) -> Path:
+        script = tmp_path / "nightly-job.sh"
+        script.write_text(NIGHTLY_JOB)
+        script.chmod(0o755)
+        return tmp_path
+
+    def test_a_script_dies_with_what_it_started(self, daemon: RunningDaemon, job: Path) -> None:
+        run = run_alone(daemon.socket_path, job, "--timeout", "0.5", "--", "./nightly-job.sh")
+        try:
+            status, _, err = ended(run, job)
+            assert status == 137
+            assert "with SIGKILL after 0.5 s (policy group:kill)" in err
+            # Its sleep 100 went with it, rather than on under PID 1.
+            wait_until(lambda: in_session(run.pid) == [], what="the script's sleep to die")
+        finally:
+            end_session(run)
+
+    def test_the_command_runs_in_a_process_group_of_its_own(
+        self, daemon: RunningDaemon, job: Path
+    ) -> None:
+        (job / "show.sh").write_text("#!/bin/sh\nps -o pgid= -p $$\n")
+        (job / "show.sh").chmod(0o755)
+        run = run_alone(daemon.socket_path, job, "--timeout", "5", "--", "./show.sh")
+        status, out, _ = ended(run, job)
+        assert status == 0
+        assert int(out) not in (run.pid, os.getpgrp())
+        run = run_alone(daemon.socket_path, job, "--foreground", "--timeout", "5", "./show.sh")
+        status, out, _ = ended(run, job)
+        assert int(out) == run.pid  # watchdogctl's own group, where its terminal is
+
+    def test_foreground_acts_on_the_command_alone(self, daemon: RunningDaemon, job: Path) -> None:
+        run = run_alone(
+            daemon.socket_path, job, "--foreground", "--timeout", "0.5", "--", "./nightly-job.sh"
+        )
+        try:
+            status, _, err = ended(run, job)
+            assert status == 137
+            assert "(policy process:kill)" in err
+            # As under timeout --foreground, what the command started is left running.
+            [left] = in_session(run.pid)
+            assert Path(f"/proc/{left}/cmdline").read_bytes() == b"sleep\x00100\x00"
+        finally:
+            end_session(run)
+
+    def test_tree_also_takes_what_left_the_group(self, daemon: RunningDaemon, job: Path) -> None:
+        escaped = job / "escaped"
+        (job / "escaping.sh").write_text(
+            f"#!/bin/sh\nsetsid sleep 100 &\necho $! > {escaped}.tmp\n"
+            f"mv {escaped}.tmp {escaped}\nsleep 100\n"
+        )
+        (job / "escaping.sh").chmod(0o755)
+        run = run_alone(
+            daemon.socket_path, job, "--tree", "--policy", "term", "--timeout", "1", "./escaping.sh"
+        )
+        away = 0
+        try:
+            wait_until(escaped.exists, what="the escaped sleep's pid")
+            away = int(escaped.read_text())
+            wait_until(lambda: os.getsid(away) == away, what="the sleep to leave the session")
+            status, _, err = ended(run, job)
+            assert status == 128 + signal.SIGTERM
+            assert "with SIGTERM after 1 s (policy tree:term)" in err
+            wait_until(lambda: gone(away), what="the sleep in a session of its own to die")
+            wait_until(lambda: in_session(run.pid) == [], what="the script's sleep to die")
+        finally:
+            end_session(run, away)
+
+    def test_foreground_and_tree_exclude_each_other(self, daemon: RunningDaemon) -> None:
+        result = ctl(daemon.socket_path, "run", "--foreground", "--tree", "--timeout", "1", "true")
+        assert result.returncode == 2
+        assert "--foreground and --tree exclude each other" in result.stderr
+
+    def test_a_signal_reaches_the_group_and_wakes_a_stopped_command(
+        self, daemon: RunningDaemon, job: Path
+    ) -> None:
+        """SIGTERM to watchdogctl: to the command, to its group, then SIGCONT, as
+        timeout sends them. The script stopped itself (as SIGTTIN stops a read from
+        the terminal): its trap runs only once it is continued."""
+        (job / "stopped.sh").write_text(
+            "#!/bin/sh\ntrap 'echo term > got; exit 0' TERM\nsleep 100 &\n"
+            "echo $$ > pid.tmp; mv pid.tmp pid\nkill -STOP $$\nwait\n"
+        )
+        (job / "stopped.sh").chmod(0o755)
+        run = run_alone(daemon.socket_path, job, "--timeout", "60", "--", "./stopped.sh")
+        try:
+            wait_until((job / "pid").exists, what="the script to start")
+            script = int((job / "pid").read_text())
+            wait_until(lambda: state_of(script) == "T", what="the script to stop itself")
+            run.send_signal(signal.SIGTERM)
+            assert ended(run, job)[0] == 0
+            assert (job / "got").read_text() == "term\n"
+            wait_until(lambda: in_session(run.pid) == [], what="the script's sleep to die")
+        finally:
+            end_session(run)
+
+
+def state_of(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 #: Every command, with the options it needs; --socket and --json go around them.

@@ -1,10 +1,13 @@
-"""systemd: the units checked by systemd's own tools, sd_notify to a fake manager, and
-socket activation by systemd-socket-activate."""
+"""systemd: the units and the drop-ins the docs show checked by systemd's own tools
+(and the commands that verify them, as the docs give them), sd_notify to a fake
+manager, and socket activation by systemd-socket-activate."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -18,14 +21,19 @@ from typing import Any
 
 import pytest
 
+from watchdogd.cli.watchdogd import main as watchdogd_main
+from watchdogd.runtime.scrape import parse_address
 from watchdogd_client import Client
 
 from helpers.daemon import RunningDaemon
 from helpers.namespaces import in_private_mounts
+from helpers.pages import fenced, fenced_with
 from helpers.per_user import AFTER, HUNG, worker_of_other
 from helpers.waiting import PATIENCE
 
-UNITS = Path(__file__).parents[2] / "systemd"
+ROOT = Path(__file__).parents[2]
+UNITS = ROOT / "systemd"
+OPERATIONS = ROOT / "docs" / "operations.md"
 INSTALLED = "/usr/local/bin/watchdogd"
 WATCHDOGD = str(Path(sys.executable).parent / "watchdogd")
 
@@ -47,7 +55,14 @@ def units(tmp_path: Path) -> Path:
 
 @needs_systemd_tools
 def test_the_units_verify_clean(units: Path) -> None:
-    result = subprocess.run(
+    result = verify(units)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+def verify(units: Path) -> subprocess.CompletedProcess[str]:
+    """``systemd-analyze verify`` of the two units in ``units`` (and their drop-ins)."""
+    return subprocess.run(
         [
             "systemd-analyze",
             "verify",
@@ -58,12 +73,10 @@ def test_the_units_verify_clean(units: Path) -> None:
         text=True,
         check=False,
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
 
 
-@needs_systemd_tools
-def test_the_service_is_hardened(units: Path) -> None:
+def exposure(units: Path) -> float:
+    """``systemd-analyze security``'s rating of the service in ``units``."""
     result = subprocess.run(
         ["systemd-analyze", "security", "--offline=yes", str(units / "watchdogd.service")],
         capture_output=True,
@@ -72,7 +85,94 @@ def test_the_service_is_hardened(units: Path) -> None:
     )
     match = re.search(r"Overall exposure level for watchdogd.service: ([0-9.]+)", result.stdout)
     assert match, result.stdout + result.stderr
-    assert float(match.group(1)) <= 2.0, result.stdout
+    return float(match.group(1))
+
+
+@needs_systemd_tools
+def test_the_service_is_hardened(units: Path) -> None:
+    assert exposure(units) <= 2.0
+
+
+def _settings(drop_in: str) -> list[tuple[str, str]]:
+    pairs = [line.split("=", 1) for line in drop_in.splitlines() if line and line[0] not in "#["]
+    return [(key, value) for key, value in pairs]
+
+
+@needs_systemd_tools
+def test_the_scrape_drop_in_verifies_and_opens_the_port_to_prometheus_alone(units: Path) -> None:
+    drop_in = fenced_with(OPERATIONS, "ini", "--metrics-listen")
+    (units / "watchdogd.service.d").mkdir()
+    (units / "watchdogd.service.d" / "metrics.conf").write_text(
+        drop_in.replace(INSTALLED, WATCHDOGD)
+    )
+    result = verify(units)
+    assert (result.returncode, result.stderr) == (0, "")
+    # The figure the page gives, and still "OK".
+    rating = exposure(units)
+    assert f"rates the unit with this drop-in {rating:.1f}" in " ".join(
+        OPERATIONS.read_text().split()
+    )
+    assert rating <= 2.0
+
+    settings = _settings(drop_in)
+    assert ("PrivateNetwork", "no") in settings
+    [families] = [value for key, value in settings if key == "RestrictAddressFamilies"]
+    assert set(families.split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    # The deny list stays (no empty IPAddressDeny=); what passes is addresses, not "any".
+    assert "IPAddressDeny" not in dict(settings)
+    [allowed] = [value for key, value in settings if key == "IPAddressAllow"]
+    assert [ipaddress.ip_address(address) for address in allowed.split()]
+    # Its command line is the daemon's, with an address --metrics-listen takes.
+    [command] = [value for key, value in settings if key == "ExecStart" and value]
+    program, *args = shlex.split(command)
+    assert program == INSTALLED
+    context = watchdogd_main.make_context("watchdogd", args)
+    assert context.params["socket_option"] == "/run/watchdogd/watchdogd.sock"
+    host, port = parse_address(context.params["metrics_listen"])
+    assert ipaddress.ip_address(host)
+    assert 0 < port < 65536
+
+
+def _documented(words: str) -> str:
+    """The command of the page's ```sh blocks that starts with ``words``."""
+    commands = [line for block in fenced(OPERATIONS, "sh") for line in block.splitlines()]
+    [command] = [line for line in commands if line.startswith(words)]
+    return re.split(r"\s+#\s", command, maxsplit=1)[0]
+
+
+@needs_systemd_tools
+@pytest.mark.skipif(
+    os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root's unshare"
+)
+def test_the_documented_verify_is_clean_once_the_daemon_is_where_the_unit_names_it(
+    tmp_path: Path,
+) -> None:
+    """The page's line, as written, in a mount namespace of its own whose
+    /usr/local/bin holds the daemon (as after the page's ``ln -s``), and without it
+    (the error the page says it gives)."""
+    line = _documented("systemd-analyze verify systemd/")
+    installed = tmp_path / "bin"
+    installed.mkdir()
+    (installed / "watchdogd").symlink_to(WATCHDOGD)
+
+    def verify_with(usr_local_bin: Path) -> subprocess.CompletedProcess[str]:
+        inside = f"mount --bind {usr_local_bin} /usr/local/bin && {line}"
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", inside],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    after = verify_with(installed)
+    assert (after.returncode, after.stderr) == (0, "")
+    (tmp_path / "empty").mkdir()
+    before = verify_with(tmp_path / "empty")
+    assert before.returncode != 0
+    said = "Command /usr/local/bin/watchdogd is not executable: No such file or directory"
+    assert said in before.stderr
+    assert said in " ".join(OPERATIONS.read_text().split())
 
 
 def test_nothing_hides_the_hosts_processes_or_users() -> None:

@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,7 +36,7 @@ from watchdogd.fleet.etcd import EtcdClient
 from watchdogd.fleet.gateway import EtcdUnavailable
 
 from helpers.etcd import TlsFiles, etcd_binary, running_etcd
-from helpers.pages import anchors, links
+from helpers.pages import anchors, fenced, fenced_with, links
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -453,16 +452,6 @@ def test_kubectl_takes_the_manifests(path: Path) -> None:
 
 
 # The page.
-
-
-def fenced(path: Path, language: str) -> Iterator[str]:
-    """The text of each ```language block of ``path``."""
-    yield from re.findall(rf"^```{language}\n(.*?)^```$", path.read_text(), re.M | re.S)
-
-
-def fenced_with(path: Path, language: str, words: str) -> str:
-    (block,) = [block for block in fenced(path, language) if words in block]
-    return block
 
 
 def test_the_pages_configs_are_ones_the_daemon_accepts() -> None:

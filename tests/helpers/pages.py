@@ -1,5 +1,5 @@
-"""The links of the Markdown pages, and the anchors GitHub makes of their headings,
-so a test can check that a link between pages leads somewhere."""
+"""The links of the Markdown pages, the anchors GitHub makes of their headings (so a
+test can check that a link between pages leads somewhere), and their fenced blocks."""
 
 from __future__ import annotations
 
@@ -33,3 +33,14 @@ def anchors(path: Path) -> set[str]:
         if count:
             seen[f"{slug}-{count}"] = 1
     return set(seen)
+
+
+def fenced(path: Path, language: str) -> Iterator[str]:
+    """The text of each ```language block of ``path``."""
+    yield from re.findall(rf"^```{language}\n(.*?)^```$", path.read_text(), re.M | re.S)
+
+
+def fenced_with(path: Path, language: str, words: str) -> str:
+    """The one ```language block of ``path`` that holds ``words``."""
+    (block,) = [block for block in fenced(path, language) if words in block]
+    return block

@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -214,6 +214,24 @@ def gone(pid: int) -> bool:
         return True
 
 
+def in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (zombies left out)."""
+    return [pid for pid, fields in _running() if int(fields[3]) == sid]
+
+
+def _running() -> Iterator[tuple[int, list[str]]]:
+    """Each process still running (zombies left out), with its `_stat_fields`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = _stat_fields(int(entry))
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in "ZX":
+            yield int(entry), fields
+
+
 def where_is(pid: int) -> str:
     """What a process that should have ended is doing: state, wait channel, kernel stack."""
     parts = []
@@ -309,23 +327,15 @@ def left_behind(orphans_too: bool = True) -> list[tuple[int, str]]:
     group, started = int(mine[2]), int(mine[19])
     parents: dict[int, int] = {}
     orphans: set[int] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = _stat_fields(int(entry))
-        except (OSError, IndexError):
-            continue
-        if fields[0] in "ZX":
-            continue
-        parents[int(entry)] = int(fields[1])
+    for pid, fields in _running():
+        parents[pid] = int(fields[1])
         if (
             orphans_too
             and int(fields[1]) == 1
             and int(fields[2]) == group
             and int(fields[19]) >= started
         ):
-            orphans.add(int(entry))
+            orphans.add(pid)
     found = []
     for pid, parent in parents.items():
         ancestor = parent

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,3 +67,34 @@ def as_nobody(action: Callable[[Client], Any], socket: Path) -> dict[str, Any]:
 
 def nobody_sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen(["sleep", "300"], user=NOBODY, group=NOBODY, extra_groups=[])
+
+
+# A parent that drops to uid 65534 after forking a child that stays root, both in a
+# session of their own: the tree and the group of a process of uid 65534 that
+# contain a root process (as a setuid program would). It prints the child's pid.
+_MIXED_FAMILY = textwrap.dedent(
+    """
+    import os, sys, time
+    kid = os.fork()
+    if kid == 0:
+        time.sleep(300)
+        os._exit(0)
+    os.setgid(65534)
+    os.setuid(65534)
+    print(kid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def mixed_family() -> tuple[subprocess.Popen[str], int]:
+    """A process of uid 65534 whose group and tree hold a root process, and that
+    root process's pid (started as root, it dropped to 65534 after forking)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _MIXED_FAMILY],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert parent.stdout is not None
+    return parent, int(parent.stdout.readline())

@@ -19,7 +19,7 @@ from watchdogd.host.targets import open_target
 
 from helpers.cgroups import ScratchCgroup
 from helpers.processes import DAEMONIZE, gone, reap, sleeper
-from helpers.users import nobody_sleeper
+from helpers.users import mixed_family, nobody_sleeper
 from helpers.waiting import PATIENCE
 
 # A parent with two children: one in the parent's group, one in a session of its own.
@@ -196,35 +196,10 @@ def test_a_group_target_of_an_exited_process_is_just_the_process() -> None:
         process.close()
 
 
-# A parent that drops to uid 65534 after forking a child that stays root, both in a
-# session of their own: the tree and the group of a process of uid 65534 that
-# contain a root process (as a setuid program would).
-MIXED_FAMILY = textwrap.dedent(
-    """
-    import os, sys, time
-    kid = os.fork()
-    if kid == 0:
-        time.sleep(300)
-        os._exit(0)
-    os.setgid(65534)
-    os.setuid(65534)
-    print(kid, flush=True)
-    time.sleep(300)
-    """
-)
-
-
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes of two users")
 @pytest.mark.parametrize("kind", ["tree", "group"])
 def test_a_non_root_owners_target_leaves_out_what_it_may_not_signal(kind: str) -> None:
-    parent = subprocess.Popen(
-        [sys.executable, "-c", MIXED_FAMILY],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert parent.stdout is not None
-    root_child = int(parent.stdout.readline())
+    parent, root_child = mixed_family()
     process = open_process(parent.pid)
     try:
         as_root = open_target(kind, process, os.getpgrp(), owner=0)  # type: ignore[arg-type]

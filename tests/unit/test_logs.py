@@ -59,3 +59,46 @@ def test_a_let_through_line_says_suppressed(caplog: pytest.LogCaptureFixture) ->
         "event=unread_replies uid=65534",
         "event=unread_replies uid=65534 suppressed=3",
     ]
+
+
+class _Sink:
+    """A sink at a level of the test's choosing that keeps what it is given."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self.written: list[str] = []
+
+    def enabled(self, level: int) -> bool:
+        return level >= self.level
+
+    def write(self, level: int, line: str, error: BaseException | None = None) -> None:
+        self.written.append(line)
+
+
+def test_a_debug_line_at_the_info_level_costs_an_attribute_read_and_nothing_more() -> None:
+    made: list[str] = []
+    admitted: list[object] = []
+
+    class Counting(Throttle):
+        def admit(self, key: object) -> int | None:
+            admitted.append(key)
+            return super().admit(key)
+
+    sink = _Sink(logging.INFO)
+    log = RateLimitedLog(Counting(clock=lambda: 0.0), sink)
+    assert not log.debugging
+
+    def line() -> str:
+        made.append("made")
+        return "event=x"
+
+    log.log("k", logging.DEBUG, line)
+    assert (made, admitted, sink.written) == ([], [], [])
+    # The level is read when it changes (a reload), not for each line; debug lines
+    # held back at the info level do not count against the rate later.
+    sink.level = logging.DEBUG
+    assert not log.debugging
+    log.reread_level()
+    assert log.debugging
+    assert [log.log("k", logging.DEBUG, "event=x") for _ in range(3)] == [None] * 3
+    assert sink.written == ["event=x"] * 3

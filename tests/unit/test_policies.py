@@ -1,4 +1,5 @@
-"""The policy model: built-ins, signal names, and config tables turned into policies."""
+"""The policy model: built-ins, signal names, config tables turned into policies, and
+the policies named for another target."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import signal
 import pytest
 
 from watchdogd.core.config import parse_config
-from watchdogd.core.policies import BUILTIN, Dump, Exec, Signal, Wait, signal_number
+from watchdogd.core.policies import (
+    BUILTIN,
+    Dump,
+    Exec,
+    Signal,
+    Wait,
+    on_target,
+    signal_number,
+    split_target,
+)
 from watchdogd.errors import ConfigError
 
 
@@ -148,3 +158,25 @@ def test_no_step_can_be_built_with_a_scope_that_could_be_an_option(step: type) -
     # The rule holds however a step is made, not only when a file is loaded.
     with pytest.raises(ValueError, match="after a '--' argument"):
         step(("tool", "{scope}"))
+
+
+@pytest.mark.parametrize(
+    ("name", "split"),
+    [
+        ("group:term", ("group", "term")),
+        ("tree:signal:USR1", ("tree", "signal:USR1")),
+        ("process:kill", ("process", "kill")),
+        ("cgroup:kill", None),
+        ("signal:TERM", None),
+        ("groupie:kill", None),
+        ("kill", None),
+    ],
+)
+def test_a_name_asks_for_a_target_by_its_prefix(name: str, split: tuple[str, str] | None) -> None:
+    assert split_target(name) == split
+
+
+def test_a_name_for_another_target_replaces_the_target_it_had() -> None:
+    assert on_target("group", "kill") == "group:kill"
+    assert on_target("process", "group:term") == "process:term"
+    assert on_target("tree", "signal:USR1") == "tree:signal:USR1"

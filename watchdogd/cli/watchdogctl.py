@@ -28,6 +28,7 @@ from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_client.protocol import EventInfo
 
 from .._version import __version__
+from ..core.policies import TargetKind
 from .reference import docs_path_option
 from .render import (
     event_text,
@@ -407,20 +408,50 @@ def release(pid: int, scope: str) -> None:
     shell_complete=_complete_policy,
     help="What to do at expiry (default: the daemon's default policy).",
 )
+@click.option(
+    "--foreground",
+    is_flag=True,
+    help="Act on COMMAND alone, left in watchdogctl's process group so that it may "
+    "read from the terminal; what it started is not signalled (as timeout --foreground).",
+)
+@click.option(
+    "--tree",
+    is_flag=True,
+    help="Act on COMMAND and every process it started, also those that left its process group.",
+)
 @_common_options()
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(timeout: float, scope: str | None, policy: str | None, command: Sequence[str]) -> None:
+def run(
+    *,
+    timeout: float,
+    scope: str | None,
+    policy: str | None,
+    foreground: bool,
+    tree: bool,
+    command: Sequence[str],
+) -> None:
     """Run COMMAND under a timer; exit with its status (128+N if signal N ended it).
 
-    SIGINT, SIGTERM and SIGHUP are passed on to COMMAND. When the timer expires and
-    the daemon's policy acts on COMMAND, a line on stderr says what it did (as
-    timeout --verbose does). If watchdogctl itself fails (no daemon, a refused
-    timer, a command that cannot start), it exits 125. --json prints, at the end,
+    As with GNU timeout, COMMAND runs in a process group of its own, and at expiry
+    the policy acts on that whole group: a script and the programs it started
+    (the policy group:NAME, for the policy NAME). --foreground acts on COMMAND
+    alone (process:NAME), --tree on it and all its descendants (tree:NAME).
+
+    SIGINT, SIGTERM, SIGHUP and SIGQUIT are passed on to COMMAND (and its group,
+    followed by SIGCONT). When the timer expires and the daemon's policy acts on
+    COMMAND, a line on stderr says what it did (as timeout --verbose does). A
+    COMMAND not found exits 127, one that cannot be run 126; if watchdogctl itself
+    fails (no daemon, a refused timer), it exits 125. --json prints, at the end,
     the pid, scope and exit status, and the daemon's expiry event (or null).
     """
+    if foreground and tree:
+        raise click.UsageError("--foreground and --tree exclude each other")
+    target: TargetKind = "process" if foreground else "tree" if tree else "group"
     client = _client()
     scope = scope or f"run:{os.path.basename(command[0])}"
-    ran = run_under_timer(client, command, scope=scope, timeout=timeout, policy=policy)
+    ran = run_under_timer(
+        client, command, scope=scope, timeout=timeout, policy=policy, target=target
+    )
     status = ran.returncode if ran.returncode >= 0 else 128 - ran.returncode
     if ran.expiry is not None:
         report = expiry_report(command, ran.pid, ran.returncode, timeout, ran.expiry)

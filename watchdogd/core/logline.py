@@ -9,7 +9,12 @@ logger). Invariants:
   (e.g. ``(uid, kind)``), so no caller can flood the log, and no caller's flood
   silences another's lines.
 - A line is formatted only when it will be written: `RateLimitedLog.log` takes the
-  line or a callable that makes it, and asks the sink first.
+  line or a callable that makes it, and asks the sink first. A line at a level the
+  sink does not write costs that one question (the throttle is not consulted).
+- Debug lines on the request path cost one attribute read at the info level: the
+  sink's level is read once, when it is set (`RateLimitedLog.debugging`, read again
+  by `RateLimitedLog.reread_level` after a reload sets it), and a caller tests it
+  before it makes even the key of its line.
 - `Level` has the values of the standard library's levels, so a sink passes them on
   as they are.
 """
@@ -123,11 +128,17 @@ class RateLimitedLog:
     """Lines handed to ``sink`` through ``throttle``: the log of lines that
     requests (or their timers) can cause."""
 
-    __slots__ = ("sink", "throttle")
+    __slots__ = ("debugging", "sink", "throttle")
 
     def __init__(self, throttle: Throttle, sink: LogSink) -> None:
         self.throttle = throttle
         self.sink = sink
+        #: Whether the sink writes debug lines, as of its level's last change.
+        self.debugging = sink.enabled(Level.DEBUG)
+
+    def reread_level(self) -> None:
+        """The sink's level was changed (a reload): read it again."""
+        self.debugging = self.sink.enabled(Level.DEBUG)
 
     def log(
         self,
@@ -140,8 +151,10 @@ class RateLimitedLog:
         """Log ``line`` at ``level`` unless ``key`` is over its rate (a callable is
         called for the line only when it is written); a line let through after some
         were held back ends in ``suppressed=N``."""
+        if not self.sink.enabled(level):
+            return
         suppressed = self.throttle.admit(key)
-        if suppressed is None or not self.sink.enabled(level):
+        if suppressed is None:
             return
         if callable(line):
             line = line()

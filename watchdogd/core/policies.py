@@ -22,6 +22,16 @@ The built-in policies are always present unless the config overrides them by nam
 - ``peer_dump``: record the process's stack (py-spy), touch nothing: what every
   other process of a job gets when one of the job's timers expires (a policy's
   ``peers``, `watchdogd.core.incidents`).
+
+Two families are built in by name, each standing for a policy of the config:
+``signal:NAME`` sends that one signal; ``group:NAME``, ``tree:NAME`` and
+``process:NAME`` carry out the policy NAME (a configured or built-in one, or a
+``signal:NAME``) on that target instead of its own (what ``watchdogctl run`` arms,
+as GNU timeout signals its command's process group). Such a policy is the policy
+NAME in all but its name and target: a ``root_only`` one stays root's, and each
+member of a group or tree is still one the timer's owner may signal
+(`watchdogd.host.targets`). Config names cannot contain ``:``, so neither family
+ever hides a configured policy.
 """
 
 from __future__ import annotations
@@ -229,6 +239,34 @@ def signal_policy(name: str) -> Policy | None:
 
 #: Every name of a signal, aliases too (SIGIOT, SIGCLD), for a suggestion.
 SIGNAL_NAMES: Final = tuple(signal.Signals.__members__)
+
+
+#: The targets a policy may be carried out on by name (``group:term``), in
+#: place of its own: all but ``cgroup``, which needs a cgroup of the process's own.
+RETARGETS: Final[tuple[TargetKind, ...]] = ("process", "group", "tree")
+
+
+def split_target(name: str) -> tuple[TargetKind, str] | None:
+    """``("group", "term")`` for ``group:term``: the target a name asks for and the
+    policy it names; None for a name that asks for no target."""
+    prefix, colon, rest = name.partition(":")
+    for target in RETARGETS:
+        if colon and prefix == target:
+            return target, rest
+    return None
+
+
+def on_target(target: TargetKind, name: str) -> str:
+    """The name of the policy ``name`` carried out on ``target``: ``group:term``
+    for ``("group", "term")``, and for ``("process", "group:term")``
+    ``process:term`` (a name asks for one target)."""
+    split = split_target(name)
+    return f"{target}:{name if split is None else split[1]}"
+
+
+def retargeted(name: str, target: TargetKind, policy: Policy) -> Policy:
+    """``policy`` under the name ``name``, carried out on ``target``."""
+    return msgspec.structs.replace(policy, name=name, target=target, builtin=True)
 
 
 def signal_number(value: str | int) -> int:

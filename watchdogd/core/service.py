@@ -74,7 +74,7 @@ from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
 from .lifecycle import Later, Lifecycle, Restored
-from .logline import LogSink, NullSink, RateLimitedLog, Throttle
+from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
@@ -247,8 +247,14 @@ class Service(Generic[P]):
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded config: policies, limits, the event ring's size. A timer
-        whose policy is gone keeps its name; at expiry the default stands in."""
-        self.rules.reconfigure(config)
+        whose policy is gone keeps its name; at expiry the default stands in. What
+        changed is logged at the debug level, a line a setting."""
+        changed = self.rules.reconfigure(config)
+        if self.log.debugging:
+            self.log.log("reload_diff", Level.DEBUG, logfmt("reload_diff", changes=len(changed)))
+            for change in changed:
+                line = logfmt("config_changed", key=change.key, old=change.old, new=change.new)
+                self.log.log(("config_changed", change.key), Level.DEBUG, line)
         daemon = config.daemon
         self.events.resize(daemon.events, daemon.events_per_uid)
         self._configure_history(config)

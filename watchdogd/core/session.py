@@ -10,6 +10,9 @@ buffer, and says when the connection must close. Invariants:
 - No exception leaves `Session.receive`: a bug while handling a valid request is
   handed to the log (rate-limited per uid) and answered with ``internal``. Nothing a request can
   cause other than a bug is logged with a traceback.
+- Every refusal (a frame that does not decode, a handshake refused, a request
+  refused) is a debug line, rate-limited per (uid, ``refused``), saying who, the op,
+  the code and why; at the info level it costs one attribute read.
 - Every request is counted once, by op and result, when it is answered.
 - ``shown`` is the highest event number a reply of the connection carried (its
   runtime sends the reply once that event is written: `watchdogd.runtime.server`).
@@ -45,7 +48,7 @@ from watchdogd_client.protocol import (
 )
 
 from ..errors import Refusal
-from .logline import Level
+from .logline import Level, logfmt
 from .service import Caller, Service
 
 
@@ -83,6 +86,8 @@ class Session:
             else:
                 message = f"the first request on a connection must be hello ({exc.message})"
                 error = Error(id=exc.request_id, code=ErrorCode.HANDSHAKE_REQUIRED, message=message)
+            if self.service.log.debugging:
+                self._refused("?", error)
             encode_frame_into(error, out)
             return self.greeted
         if not self.greeted:
@@ -100,6 +105,8 @@ class Session:
                 message = "the first request on a connection must be hello"
                 reply = Error(id=request.id, code=result, message=message)
             self.service.metrics.count_request(_OPS[type(request)], result)
+            if isinstance(reply, Error) and self.service.log.debugging:
+                self._refused(_OPS[type(request)], reply)
             encode_frame_into(reply, out)
             return self.greeted
         return self.answer(request, now, out, may_wait=may_wait)
@@ -115,6 +122,8 @@ class Session:
         except Refusal as refusal:
             result = refusal.code
             reply = Error(id=request.id, code=refusal.code, message=refusal.message)
+            if self.service.log.debugging:
+                self._refused(_OPS[type(request)], reply)
         except Exception as exc:
             # A bug, logged with its traceback; rate-limited per uid all the same,
             # since whoever found it can repeat the request at will.
@@ -151,6 +160,14 @@ class Session:
         if isinstance(reply, PageMapped) and isinstance(request, MapPage):
             return request
         return True
+
+    def _refused(self, op: str, error: Error) -> None:
+        """The debug line of a refusal: who asked, what, and why it was refused."""
+        peer = self.caller.peer
+        line = logfmt(
+            "refused", op=op, pid=peer.pid, uid=peer.uid, code=error.code, reason=error.message
+        )
+        self.service.log.log((peer.uid, "refused"), Level.DEBUG, line)
 
 
 def _shown(reply: EventsReply | WhyReply) -> int:

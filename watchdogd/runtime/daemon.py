@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -40,18 +41,20 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 import trio
 
 from .._version import __version__
 from ..core.config import Config
+from ..core.firing import Due
 from ..core.identity import ROOT, Peer
+from ..core.logline import Level
 from ..core.ports import PageRef
 from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
-from ..core.timers import Timer
+from ..core.timers import Expired, Timer
 from ..errors import ConfigError
 from ..host import slot_pages
 from ..host.exits import ExitWatcher
@@ -505,6 +508,11 @@ class Daemon:
                 self.collector.hold(now)
                 assert self.executor is not None
                 self.executor.carry_out(expired)
+            # After the signals: the line never delays one.
+            if self.service.log.debugging:
+                self.service.log.log(
+                    "wakeup", Level.DEBUG, functools.partial(_wakeup_line, now, expired)
+                )
         except Exception:
             # A bug here must not stop the scheduler (or the request that ran it).
             log.exception("firing the timers due at %r failed", now)
@@ -561,6 +569,27 @@ _LEAVE_TIMEOUT: Final = 1.0
 _LOAD_PER_TIMER: Final = 3e-6
 #: Time to start before loading anything: the interpreter, imports, the socket.
 _START: Final = 0.5
+
+
+#: Timers a wake-up's debug line names; it counts the rest.
+_WAKEUP_NAMED: Final = 10
+
+
+def _wakeup_line(now: float, fired: Sequence[Expired[Process] | Due[Process]]) -> str:
+    """The debug line of a wake-up of the scheduler: how many timers it fired and
+    the first of them, each as pid, scope, policy and how late; a wake-up that fired
+    none (a fast-path slot re-armed or released since the daemon last looked) says so."""
+    named = ", ".join(
+        f"{item.timer.pid}:{item.timer.scope} ({item.timer.policy}, "
+        f"late {(now - item.timer.deadline) * 1000:.2f}ms)"
+        for item in fired[:_WAKEUP_NAMED]
+    )
+    if not fired:
+        return logfmt("wakeup", fired=0)
+    more = len(fired) - _WAKEUP_NAMED
+    return logfmt(
+        "wakeup", fired=len(fired), timers=named + (f" and {more} more" if more > 0 else "")
+    )
 
 
 def restart_estimate(load_seconds: float, loaded: int, max_timers: int) -> float:

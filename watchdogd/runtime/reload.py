@@ -149,8 +149,10 @@ async def reload(
             note = "kept the old config: " + "; ".join(str(exc).splitlines())
             ok = False
         else:
-            service.reconfigure(config)
+            # The level first: a reload that turns debug on logs its own changes.
             set_level(log_level or config.daemon.log_level)
+            service.log.reread_level()
+            service.reconfigure(config)
             count = len(service.policies)
             note = f"{config_path}: {count} policies, default {service.default_policy!r}"
             ok = True

@@ -266,8 +266,17 @@ async def _connection(
         try:
             caller = service.open_connection(peer)
         except Refusal as refusal:
+            _debug(
+                service,
+                peer.uid,
+                "refused",
+                pid=peer.pid,
+                code=refusal.code,
+                reason=refusal.message,
+            )
             await _refuse(conn, refusal, service.config.max_frame_bytes, context, peer.uid)
             return
+        _debug(service, peer.uid, "connected", pid=peer.pid)
         connection = _Connection(conn, Session(service, caller), context, nursery)
         try:
             await connection.converse()
@@ -277,6 +286,7 @@ async def _connection(
             connection.watching.cancel()
             connection.stop_responding()
             service.close_connection(caller)
+            _debug(service, peer.uid, "disconnected", pid=peer.pid)
     except (ConnectionResetError, BrokenPipeError):
         pass
     except Exception as exc:
@@ -291,6 +301,13 @@ async def _connection(
         conn.close()
         if peer is not None and peer.pidfd is not None:
             os.close(peer.pidfd)
+
+
+def _debug(service: Service[Any], uid: int, event: str, **fields: object) -> None:
+    """A debug line about a connection of ``uid``, rate-limited per (uid, event)."""
+    if service.log.debugging:
+        line = logfmt(event, uid=uid, **fields)
+        service.log.log((uid, event), logging.DEBUG, line)
 
 
 async def _refuse(
