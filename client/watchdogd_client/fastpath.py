@@ -193,12 +193,13 @@ class FastPath:
         reply: Acquired,
         map_page: Callable[[int], tuple[int, PageMapped]],
     ) -> None:
-        """``request``, a socket arm armed with ``arming``, got ``reply``: when it
-        asked for a slot, the scope's later blocks store into the one granted (if
-        the grant is durable), or go over the socket."""
-        if not request.slot:
+        """``request``, a socket arm armed with ``arming``, got ``reply``: the
+        scope's later blocks store into the slot it granted (if the grant is
+        durable), or go over the socket, since any other arm of the scope over the
+        socket (one with progress, say) took the place of its registration."""
+        if request.pid is not None:
             return
-        if reply.slot is not None and reply.durable:
+        if request.slot and reply.slot is not None and reply.durable:
             self.granted(request.scope, arming, reply.slot, map_page)
         else:
             self.forget(request.scope)

@@ -245,16 +245,22 @@ class AsyncClient:
             self._outage.failed(exc)
             return None
         fast = self._fast
-        if request.slot and fast is not None:
-            grant = reply.slot if reply.durable else None
-            if grant is None:
-                fast.forget(request.scope)
-            elif fast.mapped(grant.page):
-                fast.granted(request.scope, arming, grant, self._unmapped)
+        if fast is not None:
+            grant = reply.slot if request.slot and reply.durable else None
+            if grant is None or fast.mapped(grant.page):
+                fast.answered(request, arming, reply, self._unmapped)
             else:
                 # The page comes on a connection of its own, off the loop.
                 got = await trio.to_thread.run_sync(self._map_page, grant.page)
-                fast.granted(request.scope, arming, grant, lambda page: got)
+                taken: list[int] = []
+
+                def handed(page: int) -> tuple[int, PageMapped]:
+                    taken.append(page)
+                    return got
+
+                fast.answered(request, arming, reply, handed)
+                if not taken:  # another task mapped it meanwhile
+                    os.close(got[0])
         return reply
 
     def _map_page(self, page: int) -> tuple[int, PageMapped]:
