@@ -18,7 +18,15 @@ from typing import Any, Unpack
 import msgspec
 
 from . import blocks
-from .arming import After, Arming, Handle, arming_timeout
+from .arming import (
+    After,
+    Arming,
+    Handle,
+    arming_timeout,
+    check_acquire,
+    check_names,
+    check_scope,
+)
 from .errors import WatchdogdError
 from .fastpath import FastPath
 from .protocol import DaemonInfo, TimerInfo
@@ -82,10 +90,20 @@ class BaseClient(abc.ABC):
         ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
         the main thread). The block gets a `Timer` to release early or renew.
         ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
-        job (see `Arming`).
+        job (see `Arming`). Every argument is checked here, before anything is
+        sent (TypeError, ValueError).
         """
-        arming_timeout(after, arming)
-        return self._handle(after, caller_scope() if scope is None else scope, arming)
+        arming_timeout(after, arming, name="after", maximum=self._maximum())
+        if scope is None:
+            scope = caller_scope()
+        else:
+            check_scope(scope)
+        return self._handle(after, scope, arming)
+
+    def _maximum(self) -> float:
+        """The longest timeout the daemon arms, once this client knows it (0 until
+        then): a longer one is refused before it is sent."""
+        return 0.0
 
     def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
         """The handle of an ``expires()`` block of this client's."""
@@ -139,6 +157,7 @@ class Timer(Handle["BaseClient"]):
         now; ``progress``, the work's counter, must have grown for a policy with a
         ``stall`` time to count it as alive."""
         if after is not None:
+            arming_timeout(after, self.arming, name="after", maximum=self.client._maximum())
             self.after = after
         fast = self.client._fast
         if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):
@@ -184,6 +203,7 @@ class NullClient(BaseClient):
         progress: int | None = None,
         **arming: Unpack[Arming],
     ) -> float:
+        check_acquire(scope, pid, progress)
         return arming_timeout(timeout, arming)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
@@ -221,8 +241,23 @@ class NoOpTimer(NullClient):
     around it.
     """
 
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
-        return _NoOpBlock(self, after, scope, arming)
+    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
+        """A block that arms nothing: no value is checked, only the names of the
+        keywords, as Python checks them."""
+        check_names(arming)
+        return _NoOpBlock(self, after, caller_scope() if scope is None else scope, arming)
+
+    def acquire(
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        pid: int | None = None,
+        progress: int | None = None,
+        **arming: Unpack[Arming],
+    ) -> float:
+        """Nothing, whatever it is given: the timeout back when it is a number."""
+        return timeout if isinstance(timeout, int | float) else 0.0
 
     def __enter__(self) -> Timer:
         return self.expires(math.inf, caller_scope()).__enter__()

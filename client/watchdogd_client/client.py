@@ -28,7 +28,7 @@ from typing import Any, Final, TypeVar, Unpack
 
 from . import releases
 from ._version import __version__ as _version
-from .arming import After, Arming, acquire_request
+from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
 from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket
@@ -207,6 +207,8 @@ class Client(BaseClient):
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
+        check_acquire(scope, pid, progress)
+        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
         fast = self._fast
         if fast is not None and pid is None and progress is None and not exit_releases:
             stored = fast.arm(scope, timeout, arming)
@@ -224,6 +226,9 @@ class Client(BaseClient):
         )
         reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
+
+    def _maximum(self) -> float:
+        return self._engine.max_timeout
 
     def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
         """Send ``request``, armed with ``arming``; its reply, or None when the

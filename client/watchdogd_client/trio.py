@@ -56,7 +56,15 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 
 from . import releases
 from ._version import __version__
-from .arming import After, Arming, Handle, acquire_request, arming_timeout
+from .arming import (
+    After,
+    Arming,
+    Handle,
+    acquire_request,
+    arming_timeout,
+    check_acquire,
+    check_scope,
+)
 from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
@@ -215,6 +223,8 @@ class AsyncClient:
         **arming: Unpack[Arming],
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
+        check_acquire(scope, pid, progress)
+        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
         fast = self._fast
         if fast is not None and pid is None and progress is None:
             stored = fast.arm(scope, timeout, arming)
@@ -363,9 +373,12 @@ class AsyncClient:
         on exit, also when an exception leaves the block (which propagates).
         ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
         job (see `watchdogd_client.arming.Arming`)."""
-        arming_timeout(after, arming)
-        chosen = self._caller_scope() if scope is None else scope
-        return AsyncTimer(self, after, chosen, arming)
+        arming_timeout(after, arming, name="after", maximum=self._engine.max_timeout)
+        if scope is None:
+            scope = self._caller_scope()
+        else:
+            check_scope(scope)
+        return AsyncTimer(self, after, scope, arming)
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it), once the
@@ -528,6 +541,9 @@ class AsyncTimer(Handle["AsyncClient"]):
         """Re-arm: expire ``after`` (default: the last timeout) seconds from now;
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
+            arming_timeout(
+                after, self.arming, name="after", maximum=self.client._engine.max_timeout
+            )
             self.after = after
         fast = self.client._fast
         if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):

@@ -57,6 +57,7 @@ from watchdogd_client.protocol import (
     Release,
     Released,
     Welcome,
+    in_words,
 )
 
 from .._version import __version__
@@ -174,6 +175,7 @@ class Arming(Generic[P]):
             server=f"watchdogd/{__version__}",
             pid=self._daemon_pid,
             restart=self.restart_estimate,
+            max_timeout=self._rules.daemon.max_timeout,
         )
 
     def acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
@@ -292,8 +294,8 @@ class Arming(Generic[P]):
         if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
             raise Refusal(
                 ErrorCode.INVALID_REQUEST,
-                f"timeout must be finite and at most {limits.max_timeout:g} s, "
-                f"not {request.timeout!r}",
+                f"a timeout is at most {in_words(limits.max_timeout)} here (max_timeout), "
+                f"not {in_words(request.timeout)}",
             )
 
     def _measure_for_starvation(self, timer: Timer, policy: Policy, process: P) -> Timer:

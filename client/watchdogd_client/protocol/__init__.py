@@ -116,6 +116,7 @@ from .requests import (
     Suggest,
     Timeout,
     Why,
+    in_words,
 )
 
 __all__ = [
@@ -199,4 +200,5 @@ __all__ = [
     "decode_request",
     "encode_frame",
     "encode_frame_into",
+    "in_words",
 ]

@@ -75,6 +75,9 @@ class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
     server: str
     pid: int
     restart: float = 0.0
+    #: The longest timeout it arms (its ``max_timeout``): a client that knows it
+    #: refuses a longer one itself, in the same words (0: not said).
+    max_timeout: float = 0.0
 
 
 class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):

@@ -48,6 +48,15 @@ Position = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StatusCursor = Annotated[str, Meta(max_length=64)]
 
 
+def in_words(seconds: float) -> str:
+    """``seconds`` as a person reads a duration: ``30 days``, ``2 hours``, ``90 s``."""
+    for unit, size in (("days", 86_400.0), ("hours", 3_600.0), ("minutes", 60.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            count = int(seconds / size)
+            return f"{count:,} {unit[:-1] if count == 1 else unit}"
+    return f"{seconds:g} s"
+
+
 class Request(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
     """Base of every client-to-daemon message."""
 
