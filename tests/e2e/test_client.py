@@ -599,11 +599,11 @@ class TestArguments:
             daemon.client(),
         ]
         for client in clients:
-            with pytest.raises(error, match="^after must be"):
+            with pytest.raises(error, match=r"^after must be"):
                 client.expires(after)  # type: ignore[arg-type]
-            with pytest.raises(error, match="^timeout must be"):
+            with pytest.raises(error, match=r"^timeout must be"):
                 client.acquire("s", after)  # type: ignore[arg-type]
-        with pytest.raises(error, match="^after must be"):
+        with pytest.raises(error, match=r"^after must be"):
             watchdogd_client.expires(after, client=NullClient())  # type: ignore[arg-type]
 
     @pytest.mark.parametrize(
@@ -637,7 +637,7 @@ class TestArguments:
             with pytest.raises(RequestRefused, match="at most 30 days here"):
                 client.acquire("s", 40 * 86400)
             # ...and by the client itself, once its handshake told it.
-            with pytest.raises(ValueError, match="^after is 40 days; the daemon arms at most 30"):
+            with pytest.raises(ValueError, match=r"^after is 40 days; the daemon arms at most 30"):
                 client.expires(40 * 86400)
 
     def test_a_no_op_timer_checks_no_value(self) -> None:
