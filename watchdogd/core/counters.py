@@ -48,6 +48,9 @@ class Counters:
         self.dumps_running = 0
         self.dumps_waiting = 0
         self.dumps_not_run = 0
+        #: Bytes of incidents' evidence trimmed to their owners' budgets
+        #: (`watchdogd.core.evidence_budget`).
+        self.evidence_trimmed = 0
         self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)
         self._lateness_sum = 0.0
 

@@ -95,6 +95,12 @@ class _Collector(Collector):
             value=m.dumps_not_run,
         )
         yield CounterMetricFamily(
+            "watchdogd_evidence_trimmed_bytes",
+            "Bytes of incidents' evidence trimmed to their owners' budgets "
+            "(incident_bytes_per_uid, incident_bytes), stacks first.",
+            value=m.evidence_trimmed,
+        )
+        yield CounterMetricFamily(
             "watchdogd_connections", "Connections accepted.", value=m.connections_total
         )
         reloads = CounterMetricFamily(
