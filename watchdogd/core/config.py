@@ -148,6 +148,9 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     incident_bytes_per_uid: Annotated[int, Meta(ge=MIB, le=16 * 1024 * MIB)] = (
         EVIDENCE_BYTES_PER_UID
     )
+    #: The most the record of events and incidents beside the state takes on disk
+    #: (`watchdogd.storage.record_file`), and never the room the timers' state needs.
+    record_bytes: Annotated[int, Meta(ge=MIB, le=64 * 1024 * MIB)] = 256 * MIB
     #: How long after its first expiry an incident takes in further expiries of
     #: its job.
     incident_window: Seconds = 30.0

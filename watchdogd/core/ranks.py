@@ -22,7 +22,9 @@ MAX_STACK_BYTES: Final = 64 * 1024
 #: reads where the rank waits (`watchdogd.core.frames.pick`).
 TRIMMED_STACK_BYTES: Final = 2 * 1024
 _CLIPPED: Final = "\n…(cut)\n"
-_TRIMMED: Final = "    …(trimmed)\n"
+#: ASCII, as the frames it follows most often are: a str of one non-ASCII
+#: character takes two or four bytes for each of them.
+_TRIMMED: Final = "    ...(trimmed)\n"
 #: A thread's header in py-spy's dump: ``Thread 4242 (idle): "MainThread"``.
 _THREAD: Final = re.compile(r'^Thread \S+ \([^)]*\): "(?P<name>[^"]*)"')
 

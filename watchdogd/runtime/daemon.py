@@ -305,9 +305,7 @@ class Daemon:
         self.record_file: RecordFile | None = None
         if state_path is not None:
             # Before anything is recorded: event numbers go on from the last one kept.
-            self.record_file = RecordFile(
-                record_path(state_path), self.service.events, self.service.incidents
-            )
+            self.record_file = self._record_file(state_path, self.store)
             self.record_file.load()
             self.history_file = HistoryFile(history_path(state_path), self.service.history)
             self.history_file.load()
@@ -335,6 +333,23 @@ class Daemon:
                 )
             else:
                 self._log_state(self.store)
+
+    def _record_file(self, state_path: str, store: Store | None) -> RecordFile:
+        """The record beside the state, which leaves the state the room it wants
+        on their disk, writes nothing while the state cannot be written, and
+        gives its room back when the state's disk is full."""
+        record = RecordFile(
+            record_path(state_path),
+            self.service.events,
+            self.service.incidents,
+            bound=lambda: self.service.config.record_bytes,
+            reserve=(lambda: 0) if store is None else store.room.wanted,
+            state_failing=lambda: store is not None and store.degraded,
+            metrics=self.service.metrics,
+        )
+        if store is not None:
+            store.room.make = record.give_way
+        return record
 
     def _log_state(self, store: Store) -> None:
         log.info(
