@@ -18,6 +18,20 @@ Invariants:
   the changes since it was last written whole. When it outgrows twice what it
   held then (and `_SLACK`), it is written whole again, to a new file renamed over
   it: a crash leaves the old or the new.
+- Bounded in bytes, and never in the room the timers' state needs: the file
+  holds at most its ``bound`` (the config's ``record_bytes``), and at most half
+  the room its disk has beyond what the state wants left free (``reserve``,
+  `watchdogd.storage.room.Room.wanted`), so that a whole write fits beside
+  the file it replaces. What would pass that is not appended; the next whole
+  write (at most every `RETRY` while it must leave things out) fits half of it:
+  stacks cut to their main thread first, other users' before root's and the
+  oldest first, then whole records by the same order, never the newest event
+  (numbering goes on from it). What it left off is logged, and shown as the
+  ``watchdogd_record_left_off_bytes`` metric; memory keeps it all.
+- The timers' state is written first: nothing is written here while it cannot
+  be written (``state_failing``), and when it finds its disk full, this file
+  gives its room back at once (`give_way`: it is removed, its records kept in
+  memory and written whole again, within the room left, once the state is).
 - Read at start, in order, each record typed and bounded as a reply is, and
   only from a regular file (`watchdogd.storage.files.open_regular`: anything
   else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
@@ -52,8 +66,11 @@ import trio
 
 from watchdogd_client.protocol import EventInfo
 
+from ..core.counters import Counters
 from ..core.events import EventLog
+from ..core.identity import ROOT
 from ..core.incidents import IncidentLog, StoredIncident
+from ..core.ranks import trimmed
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file
@@ -77,6 +94,10 @@ _TURN: Final = 0.002
 #: The frames of a whole write are joined into parts of about this size, which the
 #: worker thread writes in turn (no copy of the whole file in one piece).
 _PART: Final = 1024 * 1024
+#: The config's ``record_bytes`` default: the most the file takes on disk.
+RECORD_BYTES: Final = 256 * 1024 * 1024
+#: In a step's output, where the record left it off.
+_LEFT_OFF: Final = "…(left off the record: its bound, or its disk's room)"
 
 
 class _Header(msgspec.Struct, tag="header", array_like=True):
@@ -115,6 +136,8 @@ class _Parts:
     def __init__(self) -> None:
         self.parts: list[bytes] = []
         self.size = 0
+        #: The framed size of each entry added, in order.
+        self.sizes: list[int] = []
         self._batch: list[bytes] = []
         self._batched = 0
 
@@ -123,6 +146,7 @@ class _Parts:
         self._batch.append(frame)
         self._batched += len(frame)
         self.size += len(frame)
+        self.sizes.append(len(frame))
         if self._batched >= _PART:
             self.done()
 
@@ -143,11 +167,145 @@ class _Parts:
         return self.parts
 
 
+def _paced(turn: float) -> Callable[[], bool]:
+    """Whether ``turn`` seconds of this thread's CPU have gone since it last said so."""
+    ends = time.thread_time() + turn
+
+    def due() -> bool:
+        nonlocal ends
+        if time.thread_time() < ends:
+            return False
+        ends = time.thread_time() + turn
+        return True
+
+    return due
+
+
+def _cut(entry: _Entry) -> _Entry | None:
+    """``entry`` with each stack or output cut to its main thread's innermost
+    frames (`watchdogd.core.ranks.trimmed`), or None when nothing is to cut."""
+    match entry:
+        case _Event(event=event) if any(step.output for step in event.steps):
+            steps = [
+                msgspec.structs.replace(step, output=trimmed(step.output)) for step in event.steps
+            ]
+            if steps == event.steps:
+                return None
+            return _Event(msgspec.structs.replace(event, steps=steps, note=_noted(event.note)))
+        case _Incident(incident=stored):
+            ranks = [
+                msgspec.structs.replace(rank, stack=cut, note=_noted(rank.note))
+                if (cut := trimmed(rank.stack)) != rank.stack
+                else rank
+                for rank in stored.ranks
+            ]
+            if ranks == stored.ranks:
+                return None
+            return _Incident(msgspec.structs.replace(stored, ranks=ranks))
+    return None
+
+
+def _noted(note: str) -> str:
+    return f"{note}; {_LEFT_OFF}" if note else _LEFT_OFF
+
+
+def _first_left_off(entry: _Entry) -> tuple[bool, bool]:
+    """The order whole records are left off in: other users' before root's, their
+    incidents before their events (then the oldest first)."""
+    match entry:
+        case _Event(event=event):
+            return (event.uid == ROOT, True)
+        case _Incident(incident=stored):
+            return (stored.info.uid == ROOT, False)
+    return (True, True)
+
+
+class _Fit:
+    """Which of a whole write's ``entries`` (framed to ``sizes``) fit ``target``
+    bytes, and how: the module says in which order stacks are cut and records
+    left off. ``chosen`` are the entries to write, ``left`` the bytes left off."""
+
+    def __init__(self, entries: list[_Entry], sizes: list[int], target: int) -> None:
+        self.entries = entries
+        self.sizes = sizes
+        self.target = target
+        self.chosen: list[_Entry] = []
+        self.left = 0
+
+    def run(self, turn: float) -> Iterator[None]:
+        """Choose, pausing (a yield) every ``turn`` CPU seconds."""
+        due = _paced(turn)
+        cuts: list[_Entry | None] = []
+        small: list[int] = []
+        for entry, size in zip(self.entries, self.sizes, strict=True):
+            cut = _cut(entry)
+            cuts.append(cut)
+            small.append(size if cut is None else len(_frame(cut)))
+            if due():
+                yield
+        self._choose(cuts, small)
+
+    def _choose(self, cuts: list[_Entry | None], small: list[int]) -> None:
+        """Leave off whole records, in order, until the cut ones fit; then put
+        back whole the cut ones that still fit, the other way round."""
+        entries = self.entries
+        total = sum(small)
+        events = [i for i, entry in enumerate(entries) if isinstance(entry, _Event)]
+        spared = {0, *events[-1:]}  # the header, and the newest event
+        order = sorted(range(len(entries)), key=lambda i: (*_first_left_off(entries[i]), i))
+        kept = [True] * len(entries)
+        for index in order:
+            if total <= self.target:
+                break
+            if index not in spared:
+                kept[index] = False
+                total -= small[index]
+        whole = [cut is None for cut in cuts]
+        for index in reversed(order):
+            grown = total - small[index] + self.sizes[index]
+            if kept[index] and not whole[index] and grown <= self.target:
+                whole[index], total = True, grown
+        self.chosen = [
+            entry if whole[index] else cuts[index] or entry
+            for index, entry in enumerate(entries)
+            if kept[index]
+        ]
+        self.left = sum(self.sizes) - total
+
+
+class _Whole:
+    """A whole write of the file: ``entries`` framed into ``parts``, cut to fit
+    ``target`` bytes when they do not (``left``: the bytes left off), the last
+    event in it numbered ``written``."""
+
+    def __init__(self, entries: list[_Entry], written: int, target: int) -> None:
+        self.entries = entries
+        self.written = written
+        self.target = target
+        self.parts = _Parts()
+        self.left = 0
+
+    def frame(self, turn: float) -> Iterator[None]:
+        """Frame it, pausing (a yield) every ``turn`` CPU seconds."""
+        yield from self.parts.frame(self.entries, turn)
+        if self.parts.size > self.target:
+            fit = _Fit(self.entries, self.parts.sizes, self.target)
+            yield from fit.run(turn)
+            self.left = fit.left
+            self.parts = _Parts()
+            yield from self.parts.frame(fit.chosen, turn)
+        self.entries = []
+
+
 class RecordFile:
     """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
     keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
     ``slack``, the growth allowed past twice the last whole write; ``turn``, the
-    CPU seconds a whole write is framed for before other tasks run."""
+    CPU seconds a whole write is framed for before other tasks run. ``bound`` is
+    the most the file may take (the config's ``record_bytes``, read at each
+    write), ``reserve`` the bytes of its disk the state wants left free, and
+    ``state_failing`` whether the state cannot be written now; ``metrics`` shows
+    what the file leaves off."""
 
     def __init__(
         self,
@@ -158,10 +316,18 @@ class RecordFile:
         wall: Callable[[], float] = time.time,
         slack: int = _SLACK,
         turn: float = _TURN,
+        bound: Callable[[], int] = lambda: RECORD_BYTES,
+        reserve: Callable[[], int] = lambda: 0,
+        state_failing: Callable[[], bool] = lambda: False,
+        metrics: Counters | None = None,
     ) -> None:
         self.path = path
         self._slack = slack
         self._turn = turn
+        self._bound = bound
+        self._reserve = reserve
+        self._state_failing = state_failing
+        self._metrics = Counters() if metrics is None else metrics
         self._events = events
         self._incidents = incidents
         self._wall = wall
@@ -177,6 +343,10 @@ class RecordFile:
         self._failing = False
         #: Set when a whole write, under way in a worker thread, has ended.
         self._replacing: trio.Event | None = None
+        #: No whole write before this (monotonic): the last one left records off.
+        self._next_whole = 0.0
+        #: The last whole write found no room for the file.
+        self._roomless = False
 
     # Loading.
 
@@ -252,22 +422,31 @@ class RecordFile:
         task_status.started()
         while True:
             await trio.sleep(WRITE_INTERVAL if not self._failing else RETRY)
-            if self._whole or self._outgrown():
-                # Set first: an event appended while the whole file is framed would
-                # be lost with the file it replaces (`through` waits instead).
-                self._replacing = trio.Event()
-                try:
-                    entries, written = self._everything()
-                    parts = _Parts()
-                    for _ in parts.frame(entries, self._turn):
-                        await trio.lowlevel.checkpoint()
-                    if await trio.to_thread.run_sync(self._replace, parts.done()):
-                        self._wrote_whole(parts.size, written)
-                finally:
-                    self._replacing.set()
-                    self._replacing = None
+            if self._state_failing():
+                continue  # the state's own full write has the disk's room first
+            if self._whole_due():
+                await self._write_whole()
             else:
                 self._append()
+
+    async def _write_whole(self) -> None:
+        """Write the file whole, framed in turns, in a worker thread; what it was
+        framed into is let go once written (up to half of ``bound``)."""
+        # Set first: an event appended while the whole file is framed would be
+        # lost with the file it replaces (`through` waits instead).
+        self._replacing = trio.Event()
+        try:
+            whole = self._everything()
+            if whole.target <= 0:
+                self._no_room()
+                return
+            for _ in whole.frame(self._turn):
+                await trio.lowlevel.checkpoint()
+            if await trio.to_thread.run_sync(self._replace, whole.parts.done()):
+                self._wrote_whole(whole)
+        finally:
+            self._replacing.set()
+            self._replacing = None
 
     @property
     def written(self) -> int:
@@ -280,7 +459,7 @@ class RecordFile:
         number a client saw goes to another event after a crash. Returns at once
         while the disk refuses writes (numbers seen then may come again after a
         crash, as the events themselves are lost)."""
-        while self._written < seq and not self._failing:
+        while self._written < seq and not self._failing and not self._state_failing():
             if self._replacing is not None:
                 # Appended to the file being replaced, they would be lost with it.
                 await self._replacing.wait()
@@ -290,18 +469,93 @@ class RecordFile:
 
     def write_now(self) -> None:
         """Write what changed, on the spot (the daemon stops)."""
-        if self._whole or self._outgrown():
-            entries, written = self._everything()
-            parts = _Parts()
-            for _ in parts.frame(entries, math.inf):  # the daemon stops: no turns
-                pass
-            if self._replace(parts.done()):
-                self._wrote_whole(parts.size, written)
-        else:
+        if self._state_failing():
+            return
+        if not (self._whole or self._outgrown(self._cap())):
             self._append()
+            if not self._whole:
+                return  # else what changed did not fit: the file is written whole
+        whole = self._everything()
+        if whole.target <= 0:
+            self._no_room()
+            return
+        for _ in whole.frame(math.inf):  # the daemon stops: no turns
+            pass
+        if self._replace(whole.parts.done()):
+            self._wrote_whole(whole)
 
-    def _outgrown(self) -> bool:
-        return self._size > 2 * self._base + self._slack
+    def _whole_due(self) -> bool:
+        """Whether the file is to be written whole now: it must be (a write
+        failed, it was damaged or gave way), or it outgrew its bounds; not
+        sooner than `RETRY` after a whole write that left records off."""
+        if time.monotonic() < self._next_whole:
+            return False
+        return self._whole or self._outgrown(self._cap())
+
+    def _outgrown(self, cap: int) -> bool:
+        return self._size > min(2 * self._base + self._slack, cap)
+
+    def _room(self) -> int | None:
+        """What the file may take of its disk in all: what is free and what it
+        holds, less what the state wants left free (None: the disk says nothing)."""
+        try:
+            disk = os.statvfs(os.path.dirname(self.path) or ".")
+        except OSError:
+            return None
+        return disk.f_bavail * disk.f_frsize + self._size - self._reserve()
+
+    def _cap(self) -> int:
+        """The most the file may hold now: its bound, and half its room: half, so
+        that a whole write fits beside the file it replaces."""
+        room = self._room()
+        return self._bound() if room is None else max(0, min(self._bound(), room // 2))
+
+    def _target(self) -> int:
+        """What a whole write may hold: half of `_cap`, so that the file may grow
+        before the next, and no more than the room beside the file it replaces."""
+        room = self._room()
+        if room is None:
+            return self._bound() // 2
+        return min(min(self._bound(), room // 2) // 2, room - self._size)
+
+    def _no_room(self) -> None:
+        """No room beside the file for a whole write, beyond what the state wants:
+        the file gives way (its records stay in memory) until there is."""
+        self._next_whole = time.monotonic() + RETRY
+        if not self.give_way() and not self._roomless:
+            log.warning(
+                logfmt(
+                    "record_not_written",
+                    path=self.path,
+                    note="no room beyond what the timers' state needs; kept in memory",
+                )
+            )
+        self._roomless = True
+
+    def give_way(self) -> bool:
+        """The state found its disk full: this file goes, so that the state is
+        written (its records stay in memory, and are written whole, within the
+        room left, once the state is written again). Whether it freed anything."""
+        freed = 0
+        for path in (self.path, self.path + ".new"):
+            with contextlib.suppress(OSError):
+                size = os.stat(path).st_size
+                os.unlink(path)
+                freed += size
+        self.close()
+        self._whole = True
+        self._size = self._base = 0
+        if freed:
+            self._metrics.record_left_off += freed
+            log.warning(
+                logfmt(
+                    "record_dropped",
+                    path=self.path,
+                    bytes=freed,
+                    note="the timers' state needed the room; kept in memory",
+                )
+            )
+        return freed > 0
 
     def close(self) -> None:
         if self._fd is not None:
@@ -309,18 +563,33 @@ class RecordFile:
             self._fd = None
 
     def _append(self) -> None:
+        if self._state_failing():
+            return
         # Nothing new, most turns: no walk of the rings then.
         fresh = self._events.last != self._written
         events = self._events.since(self._written) if fresh else []
         changed, dropped = self._incidents.changes.take()
         if not (events or changed or dropped):
             return
-        entries: Iterable[_Entry] = (
-            *(_Event(event) for event in events),
-            *(_Incident(incident) for incident in changed),
-            *(_Dropped(incident_id) for incident_id in dropped),
-        )
-        data = b"".join(map(_frame, entries))
+        news = b"".join(_frame(_Event(event)) for event in events)
+        cap = self._cap()
+        # Stacks are the bulk of an incident: one that plainly does not fit is
+        # not framed (megabytes, on the loop) to find it out.
+        stacks = sum(len(rank.stack) for incident in changed for rank in incident.ranks)
+        data, fits = news, self._size + len(news) + stacks <= cap
+        if fits:
+            entries: Iterable[_Entry] = (
+                *(_Incident(incident) for incident in changed),
+                *(_Dropped(incident_id) for incident_id in dropped),
+            )
+            data += b"".join(map(_frame, entries))
+        if not fits or self._size + len(data) > cap:
+            # Past its bound, or its room: the next whole write fits it. The
+            # events go now if they fit, the numbers a reply shows among them.
+            self._whole = True
+            if not events or self._size + len(news) > cap:
+                return
+            data = news
         try:
             if self._fd is None:
                 self._fd = self._open_append()
@@ -341,10 +610,9 @@ class RecordFile:
             return
         self._recovered()
 
-    def _everything(self) -> tuple[list[_Entry], int]:
-        """What the whole file holds if it is written now (copies of the records
-        as they are now: framing them may take many turns), and the last event in
-        it."""
+    def _everything(self) -> _Whole:
+        """The whole file if it is written now (copies of the records as they are
+        now: framing them may take many turns), to fit half of what it may hold."""
         self._incidents.changes.take()  # all of them are in it
         events = self._events.since(0)
         entries: list[_Entry] = [
@@ -352,7 +620,7 @@ class RecordFile:
             *(_Event(event) for event in events),
             *(_Incident(incident) for incident in self._incidents.everything()),
         ]
-        return entries, self._events.last
+        return _Whole(entries, self._events.last, self._target())
 
     def _replace(self, parts: list[bytes]) -> bool:
         """Write ``parts`` as the whole file (possibly in a worker thread)."""
@@ -363,14 +631,28 @@ class RecordFile:
             return False
         return True
 
-    def _wrote_whole(self, size: int, written: int) -> None:
+    def _wrote_whole(self, whole: _Whole) -> None:
         if self._fd is not None:
             close(self._fd)  # of the file replaced
             self._fd = None
-        self._written = written
-        self._size = self._base = size
-        self._whole = False
+        self._written = whole.written
+        self._size = self._base = whole.parts.size
+        self._whole = self._roomless = False
         self._recovered()
+        was, self._metrics.record_left_off = self._metrics.record_left_off, whole.left
+        self._next_whole = time.monotonic() + RETRY if whole.left else 0.0
+        if whole.left and not was:
+            log.warning(
+                logfmt(
+                    "record_trimmed",
+                    path=self.path,
+                    kept=whole.parts.size,
+                    left_off=whole.left,
+                    note="within record_bytes and the room the state leaves; kept in memory",
+                )
+            )
+        elif was and not whole.left:
+            log.info(logfmt("record_whole", path=self.path, bytes=whole.parts.size))
 
     def _open_append(self) -> int:
         try:
