@@ -57,9 +57,8 @@ import errno
 import math
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO, Final
+from typing import Final
 
 import msgspec
 import trio
@@ -74,19 +73,26 @@ from ..core.ranks import trimmed
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file
-from .journal import RECORD, close, write_all
+from .journal import close, write_all
+from .record_entries import (
+    SCHEMA,
+    DroppedRecord,
+    Entry,
+    EventRecord,
+    Header,
+    IncidentRecord,
+    Reading,
+    framed,
+    read_records,
+)
 
 #: Seconds between a change and its write, at most (changes of one interval share
 #: one write: an incident whose ranks report one by one is not written per rank).
 WRITE_INTERVAL: Final = 0.1
 #: Seconds between tries of a disk that refused a write.
 RETRY: Final = 1.0
-#: The schema of the records; a file of another is moved aside, unread.
-SCHEMA: Final = 1
 #: Growth allowed past twice the size of the last whole write.
 _SLACK: Final = 4 * 1024 * 1024
-#: No record is larger: an incident of 1,024 ranks with 64 KiB stacks is 64 MiB.
-_MAX_RECORD: Final = 128 * 1024 * 1024
 #: A whole write is framed in the loop's turns, each this long at most (CPU
 #: seconds): the file may hold hundreds of MiB of stacks, and a due timer's signal
 #: waits for the turn in progress.
@@ -100,34 +106,8 @@ RECORD_BYTES: Final = 256 * 1024 * 1024
 _LEFT_OFF: Final = "…(left off the record: its bound, or its disk's room)"
 
 
-class _Header(msgspec.Struct, tag="header", array_like=True):
-    schema: int
-
-
-class _Event(msgspec.Struct, tag="event", array_like=True):
-    event: EventInfo
-
-
-class _Incident(msgspec.Struct, tag="incident", array_like=True):
-    incident: StoredIncident
-
-
-class _Dropped(msgspec.Struct, tag="dropped", array_like=True):
-    id: str
-
-
-_Entry = _Header | _Event | _Incident | _Dropped
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Entry)
-
-
 def record_path(state_path: str) -> str:
     return state_path + ".record"
-
-
-def _frame(entry: _Entry) -> bytes:
-    payload = _encoder.encode(entry)
-    return RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class _Parts:
@@ -141,8 +121,8 @@ class _Parts:
         self._batch: list[bytes] = []
         self._batched = 0
 
-    def add(self, entry: _Entry) -> None:
-        frame = _frame(entry)
+    def add(self, entry: Entry) -> None:
+        frame = framed(entry)
         self._batch.append(frame)
         self._batched += len(frame)
         self.size += len(frame)
@@ -150,7 +130,7 @@ class _Parts:
         if self._batched >= _PART:
             self.done()
 
-    def frame(self, entries: Iterable[_Entry], turn: float) -> Iterator[None]:
+    def framed(self, entries: Iterable[Entry], turn: float) -> Iterator[None]:
         """Frame ``entries`` in, pausing (a yield) whenever ``turn`` seconds of this
         thread's CPU have gone since the last pause."""
         turn_ends = time.thread_time() + turn
@@ -181,18 +161,18 @@ def _paced(turn: float) -> Callable[[], bool]:
     return due
 
 
-def _cut(entry: _Entry) -> _Entry | None:
+def _cut(entry: Entry) -> Entry | None:
     """``entry`` with each stack or output cut to its main thread's innermost
     frames (`watchdogd.core.ranks.trimmed`), or None when nothing is to cut."""
     match entry:
-        case _Event(event=event) if any(step.output for step in event.steps):
+        case EventRecord(event=event) if any(step.output for step in event.steps):
             steps = [
                 msgspec.structs.replace(step, output=trimmed(step.output)) for step in event.steps
             ]
             if steps == event.steps:
                 return None
-            return _Event(msgspec.structs.replace(event, steps=steps, note=_noted(event.note)))
-        case _Incident(incident=stored):
+            return EventRecord(msgspec.structs.replace(event, steps=steps, note=_noted(event.note)))
+        case IncidentRecord(incident=stored):
             ranks = [
                 msgspec.structs.replace(rank, stack=cut, note=_noted(rank.note))
                 if (cut := trimmed(rank.stack)) != rank.stack
@@ -201,7 +181,7 @@ def _cut(entry: _Entry) -> _Entry | None:
             ]
             if ranks == stored.ranks:
                 return None
-            return _Incident(msgspec.structs.replace(stored, ranks=ranks))
+            return IncidentRecord(msgspec.structs.replace(stored, ranks=ranks))
     return None
 
 
@@ -209,13 +189,13 @@ def _noted(note: str) -> str:
     return f"{note}; {_LEFT_OFF}" if note else _LEFT_OFF
 
 
-def _first_left_off(entry: _Entry) -> tuple[bool, bool]:
+def _first_left_off(entry: Entry) -> tuple[bool, bool]:
     """The order whole records are left off in: other users' before root's, their
     incidents before their events (then the oldest first)."""
     match entry:
-        case _Event(event=event):
+        case EventRecord(event=event):
             return (event.uid == ROOT, True)
-        case _Incident(incident=stored):
+        case IncidentRecord(incident=stored):
             return (stored.info.uid == ROOT, False)
     return (True, True)
 
@@ -225,32 +205,32 @@ class _Fit:
     bytes, and how: the module says in which order stacks are cut and records
     left off. ``chosen`` are the entries to write, ``left`` the bytes left off."""
 
-    def __init__(self, entries: list[_Entry], sizes: list[int], target: int) -> None:
+    def __init__(self, entries: list[Entry], sizes: list[int], target: int) -> None:
         self.entries = entries
         self.sizes = sizes
         self.target = target
-        self.chosen: list[_Entry] = []
+        self.chosen: list[Entry] = []
         self.left = 0
 
     def run(self, turn: float) -> Iterator[None]:
         """Choose, pausing (a yield) every ``turn`` CPU seconds."""
         due = _paced(turn)
-        cuts: list[_Entry | None] = []
+        cuts: list[Entry | None] = []
         small: list[int] = []
         for entry, size in zip(self.entries, self.sizes, strict=True):
             cut = _cut(entry)
             cuts.append(cut)
-            small.append(size if cut is None else len(_frame(cut)))
+            small.append(size if cut is None else len(framed(cut)))
             if due():
                 yield
         self._choose(cuts, small)
 
-    def _choose(self, cuts: list[_Entry | None], small: list[int]) -> None:
+    def _choose(self, cuts: list[Entry | None], small: list[int]) -> None:
         """Leave off whole records, in order, until the cut ones fit; then put
         back whole the cut ones that still fit, the other way round."""
         entries = self.entries
         total = sum(small)
-        events = [i for i, entry in enumerate(entries) if isinstance(entry, _Event)]
+        events = [i for i, entry in enumerate(entries) if isinstance(entry, EventRecord)]
         spared = {0, *events[-1:]}  # the header, and the newest event
         order = sorted(range(len(entries)), key=lambda i: (*_first_left_off(entries[i]), i))
         kept = [True] * len(entries)
@@ -278,22 +258,22 @@ class _Whole:
     ``target`` bytes when they do not (``left``: the bytes left off), the last
     event in it numbered ``written``."""
 
-    def __init__(self, entries: list[_Entry], written: int, target: int) -> None:
+    def __init__(self, entries: list[Entry], written: int, target: int) -> None:
         self.entries = entries
         self.written = written
         self.target = target
         self.parts = _Parts()
         self.left = 0
 
-    def frame(self, turn: float) -> Iterator[None]:
+    def framed(self, turn: float) -> Iterator[None]:
         """Frame it, pausing (a yield) every ``turn`` CPU seconds."""
-        yield from self.parts.frame(self.entries, turn)
+        yield from self.parts.framed(self.entries, turn)
         if self.parts.size > self.target:
             fit = _Fit(self.entries, self.parts.sizes, self.target)
             yield from fit.run(turn)
             self.left = fit.left
             self.parts = _Parts()
-            yield from self.parts.frame(fit.chosen, turn)
+            yield from self.parts.framed(fit.chosen, turn)
         self.entries = []
 
 
@@ -359,7 +339,7 @@ class RecordFile:
         try:
             with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
-                reading = _read(file, events, incidents)
+                reading = read_records(file, events, incidents)
         except FileNotFoundError:
             return
         except NotRegular as exc:
@@ -392,7 +372,7 @@ class RecordFile:
         log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
         self._report(reading, moved_to)
 
-    def _report(self, reading: _Reading, moved_to: str) -> None:
+    def _report(self, reading: Reading, moved_to: str) -> None:
         """Say what the file held that was not read back: an event of the daemon
         (``record_damaged``, ``record_cut``), and so its log line, written to the
         file with the rest."""
@@ -440,7 +420,7 @@ class RecordFile:
             if whole.target <= 0:
                 self._no_room()
                 return
-            for _ in whole.frame(self._turn):
+            for _ in whole.framed(self._turn):
                 await trio.lowlevel.checkpoint()
             if await trio.to_thread.run_sync(self._replace, whole.parts.done()):
                 self._wrote_whole(whole)
@@ -479,7 +459,7 @@ class RecordFile:
         if whole.target <= 0:
             self._no_room()
             return
-        for _ in whole.frame(math.inf):  # the daemon stops: no turns
+        for _ in whole.framed(math.inf):  # the daemon stops: no turns
             pass
         if self._replace(whole.parts.done()):
             self._wrote_whole(whole)
@@ -571,18 +551,18 @@ class RecordFile:
         changed, dropped = self._incidents.changes.take()
         if not (events or changed or dropped):
             return
-        news = b"".join(_frame(_Event(event)) for event in events)
+        news = b"".join(framed(EventRecord(event)) for event in events)
         cap = self._cap()
         # Stacks are the bulk of an incident: one that plainly does not fit is
         # not framed (megabytes, on the loop) to find it out.
         stacks = sum(len(rank.stack) for incident in changed for rank in incident.ranks)
         data, fits = news, self._size + len(news) + stacks <= cap
         if fits:
-            entries: Iterable[_Entry] = (
-                *(_Incident(incident) for incident in changed),
-                *(_Dropped(incident_id) for incident_id in dropped),
+            entries: Iterable[Entry] = (
+                *(IncidentRecord(incident) for incident in changed),
+                *(DroppedRecord(incident_id) for incident_id in dropped),
             )
-            data += b"".join(map(_frame, entries))
+            data += b"".join(map(framed, entries))
         if not fits or self._size + len(data) > cap:
             # Past its bound, or its room: the next whole write fits it. The
             # events go now if they fit, the numbers a reply shows among them.
@@ -615,10 +595,10 @@ class RecordFile:
         now: framing them may take many turns), to fit half of what it may hold."""
         self._incidents.changes.take()  # all of them are in it
         events = self._events.since(0)
-        entries: list[_Entry] = [
-            _Header(SCHEMA),
-            *(_Event(event) for event in events),
-            *(_Incident(incident) for incident in self._incidents.everything()),
+        entries: list[Entry] = [
+            Header(SCHEMA),
+            *(EventRecord(event) for event in events),
+            *(IncidentRecord(incident) for incident in self._incidents.everything()),
         ]
         return _Whole(entries, self._events.last, self._target())
 
@@ -662,7 +642,7 @@ class RecordFile:
             raise OSError(errno.EINVAL, f"{self.path} is {exc}") from None
         if os.fstat(fd).st_size == 0:
             try:
-                write_all(fd, _frame(_Header(SCHEMA)))
+                write_all(fd, framed(Header(SCHEMA)))
             except OSError:
                 close(fd)
                 raise
@@ -685,115 +665,3 @@ class RecordFile:
         if self._failing:
             self._failing = False
             log.info(logfmt("record_written", path=self.path))
-
-
-class _Reading(msgspec.Struct):
-    """What reading the file found: ``size`` bytes, ``read`` of them read back
-    in ``records`` records, which end at byte ``good`` (where an append goes
-    on); ``skipped`` damaged records jumped over; the first byte not read back
-    (``first_lost``, -1: none); and the first damage (None: none, though the
-    end may have been cut short)."""
-
-    size: int
-    good: int = 0
-    read: int = 0
-    records: int = 0
-    skipped: int = 0
-    first_lost: int = -1
-    problem: str | None = None
-
-    def lost(self, offset: int, problem: str | None) -> None:
-        """The bytes from ``offset`` are not read back, for ``problem``."""
-        if self.first_lost < 0:
-            self.first_lost = offset
-        if self.problem is None:
-            self.problem = problem
-
-
-def _read(
-    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> _Reading:
-    """Read the records of ``file`` into ``events`` and ``incidents``; what was
-    read and what was not.
-
-    A record whose content does not decode, or whose checksum fails where its
-    length leads to a whole record (or to the end of the file), is jumped over:
-    a flipped byte costs that record alone. A length that leads nowhere, or a
-    schema this daemon does not read, ends the reading there."""
-    reading = _Reading(size=os.fstat(file.fileno()).st_size)
-    offset = 0
-    while offset < reading.size:
-        frame = _frame_at(file, offset)
-        if isinstance(frame, str):
-            reading.lost(offset, frame or None)
-            break
-        length, checksum, payload = frame
-        following = offset + RECORD.size + length
-        if zlib.crc32(payload) != checksum:
-            reading.lost(offset, f"bad checksum in the record at byte {offset}")
-            if not _whole_at(file, following, reading.size):
-                break
-            file.seek(following)
-            reading.skipped += 1
-        elif (problem := _entry(payload, offset, events, incidents)) is not None:
-            reading.lost(offset, problem)
-            if problem.startswith("schema"):
-                break
-            reading.skipped += 1
-        else:
-            reading.records += 1
-            reading.read += following - offset
-            reading.good = following
-        offset = following
-    return reading
-
-
-def _frame_at(file: BinaryIO, offset: int) -> tuple[int, int, bytes] | str:
-    """The record at ``offset`` (``file`` is there): its length, its checksum
-    and its payload; or why there is none: damage, or "" for a record cut short
-    by the end of the file."""
-    header = file.read(RECORD.size)
-    if len(header) < RECORD.size:
-        return ""
-    length, checksum = RECORD.unpack(header)
-    if length > _MAX_RECORD:
-        return f"a record of {length} bytes at byte {offset}"
-    payload = file.read(length)
-    if len(payload) < length:
-        return ""
-    return length, checksum, payload
-
-
-def _whole_at(file: BinaryIO, offset: int, size: int) -> bool:
-    """Whether a whole record, its checksum good, starts at ``offset`` (or the
-    file ends there)."""
-    if offset == size:
-        return True
-    if offset > size:
-        return False
-    file.seek(offset)
-    frame = _frame_at(file, offset)
-    return not isinstance(frame, str) and zlib.crc32(frame[2]) == frame[1]
-
-
-def _entry(
-    payload: bytes, offset: int, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> str | None:
-    """Read one record's ``payload`` (its checksum good) into ``events`` or
-    ``incidents``; what is wrong with it, if anything."""
-    try:
-        entry = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return f"unreadable record at byte {offset}: {exc}"
-    match entry:
-        case _Header(schema=schema) if schema != SCHEMA:
-            return f"schema {schema}, this daemon reads {SCHEMA}"
-        case _Header():
-            pass
-        case _Event(event=event):
-            events.append(event)
-        case _Incident(incident=incident):
-            incidents[incident.info.id] = incident
-        case _Dropped(id=incident_id):
-            incidents.pop(incident_id, None)
-    return None
