@@ -328,6 +328,11 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
         + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
         + f" ({incident.reason})"
     )
+    if incident.trimmed:
+        lines.append(
+            f"({incident.trimmed} bytes of its evidence trimmed: its owner's incidents passed "
+            "their budget, incident_bytes_per_uid)"
+        )
     if incident.ranks:
         table = [("HOST", "RANK", "PID", "ROLE", "STATE", "EVIDENCE", "WAITING IN")]
         for member in incident.ranks:

@@ -56,6 +56,13 @@ class Counters:
         self.dumps_running = 0
         self.dumps_waiting = 0
         self.dumps_not_run = 0
+        #: Bytes of incidents' evidence trimmed to their owners' budgets
+        #: (`watchdogd.core.incidents`); and bytes of the events and incidents in
+        #: memory that the record's file left off at its last whole write, to keep
+        #: within its bound and out of the room the state needs
+        #: (`watchdogd.storage.record_file`).
+        self.evidence_trimmed = 0
+        self.record_left_off = 0
         self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)
         self._lateness_sum = 0.0
 

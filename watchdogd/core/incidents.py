@@ -25,7 +25,12 @@ every other uid's together, and ``per_uid`` of any one uid's. Past that the olde
 incident of the uid holding the most goes (the opening uid on a tie), so one uid's
 flood evicts only its own older incidents once it holds the most, and a uid
 holding no more than its fair share keeps all of its. At most `MAX_RANKS`
-processes an incident, each stack cut to `MAX_STACK_BYTES`. What changed is handed
+processes an incident, each stack cut to `MAX_STACK_BYTES`.
+
+Bytes are bounded the same way: the ranks of root's incidents take at most
+``evidence`` bytes, those of every other uid's together as much, and
+``evidence_per_uid`` of any one uid's; the excess is trimmed from the uid's own
+incidents, stacks first (`watchdogd.core.evidence_budget`). What changed is handed
 to the runtime as `StoredIncident` records (`changes`), which the state keeps, and a
 restarted daemon takes them back (`restore`): an incident still open goes on
 gathering, with its ranks, stacks, readers and verdict as they were. Root
@@ -39,7 +44,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
@@ -54,6 +58,7 @@ from watchdogd_client.protocol import (
     Verdict,
 )
 
+from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID, EvidenceBudget, Kept
 from .frames import Library
 from .identity import ROOT
 from .ranks import (
@@ -93,32 +98,23 @@ class StoredIncident(msgspec.Struct, array_like=True, frozen=True):
     hosts: list[str]
 
 
-@dataclass(slots=True, eq=False)
-class _Incident:
-    info: IncidentInfo
-    ranks: list[RankInfo] = field(default_factory=list)
-    #: Wall time until which expiries of its job join it (0: none do, a remote one).
-    open_until: float = 0.0
-    #: Who its job waits for, as the ranks known so far say (`watchdogd.core.verdict`).
-    decision: Decision | None = None
-    #: Every host of the job has reported, or its window has closed: the verdict
-    #: is counted and recorded once, then, and only refined after.
-    settled: bool = False
-    #: The hosts the fleet says hold the job: each reports before it settles.
-    hosts: frozenset[str] = frozenset()
+def _kept(stored: StoredIncident) -> Kept:
+    """An incident as the state kept it."""
+    incident = Kept(stored.info, [], stored.open_until, None, stored.settled)
+    incident.hosts = frozenset(stored.hosts)
+    incident.assign([bounded(rank) for rank in stored.ranks[:MAX_RANKS]])
+    return incident
 
-    @classmethod
-    def of(cls, stored: StoredIncident) -> _Incident:
-        """An incident as the state kept it."""
-        ranks = [bounded(rank) for rank in stored.ranks[:MAX_RANKS]]
-        hosts = frozenset(stored.hosts)
-        return cls(stored.info, ranks, stored.open_until, None, stored.settled, hosts)
 
-    def stored(self) -> StoredIncident:
-        """This incident as the state keeps it."""
-        return StoredIncident(
-            self.info, list(self.ranks), self.open_until, self.settled, sorted(self.hosts)
-        )
+def _stored(incident: Kept) -> StoredIncident:
+    """``incident`` as the state keeps it."""
+    return StoredIncident(
+        incident.info,
+        list(incident.ranks),
+        incident.open_until,
+        incident.settled,
+        sorted(incident.hosts),
+    )
 
 
 class _Aliases(OrderedDict[str, str]):
@@ -139,12 +135,15 @@ class Changes:
     the incidents changed, the ids of those dropped. Bounded: an incident is in it
     once, and a drop only of one that was kept."""
 
-    def __init__(self) -> None:
-        self._changed: dict[str, _Incident] = {}
+    def __init__(self, count: Callable[[Kept], object] = lambda incident: None) -> None:
+        self._changed: dict[str, Kept] = {}
         self._dropped: list[str] = []
+        #: Told of each change too: its bytes count (`watchdogd.core.evidence_budget`).
+        self.count = count
 
-    def touch(self, incident: _Incident) -> None:
+    def touch(self, incident: Kept) -> None:
         self._changed[incident.info.id] = incident
+        self.count(incident)
 
     def gone(self, incident_id: str) -> None:
         self._changed.pop(incident_id, None)
@@ -152,7 +151,7 @@ class Changes:
 
     def take(self) -> tuple[list[StoredIncident], list[str]]:
         """The incidents changed, as the state keeps them, and the ids dropped."""
-        changed = [incident.stored() for incident in self._changed.values()]
+        changed = [_stored(incident) for incident in self._changed.values()]
         dropped, self._changed, self._dropped = self._dropped, {}, []
         return changed, dropped
 
@@ -165,7 +164,7 @@ class _Judge:
         self,
         library: Library,
         on_settled: Callable[[IncidentInfo, Verdict], object],
-        touched: Callable[[_Incident], object],
+        touched: Callable[[Kept], object],
     ) -> None:
         self.library = library
         self.on_settled = on_settled
@@ -175,7 +174,7 @@ class _Judge:
         #: (`IncidentLog.expect`) or its window, not only for this host's ranks.
         self.fleet = False
 
-    def judge(self, incident: _Incident) -> None:
+    def judge(self, incident: Kept) -> None:
         """What is known of ``incident`` changed: its verdict is judged anew when it
         is next read (judging it at every rank's word would cost an incident of many
         ranks time squared, on the loop); once it settles, it is recorded
@@ -189,7 +188,7 @@ class _Judge:
         ):
             self.settle(incident)
 
-    def settle(self, incident: _Incident) -> None:
+    def settle(self, incident: Kept) -> None:
         self.touched(incident)
         incident.settled = True
         incident.decision = None
@@ -197,7 +196,7 @@ class _Judge:
         if decision is not None:
             self.on_settled(incident.info, for_viewer(decision, _nobody))
 
-    def decided(self, incident: _Incident) -> Decision | None:
+    def decided(self, incident: Kept) -> Decision | None:
         """The verdict on ``incident`` as its ranks say now (None: it has none)."""
         if incident.decision is None and incident.ranks:
             incident.decision = decide(
@@ -219,11 +218,22 @@ class IncidentLog:
         new_id: Callable[[], str] | None = None,
         library: Library | None = None,
         on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
+        evidence: int = EVIDENCE_BYTES,
+        evidence_per_uid: int | None = EVIDENCE_BYTES_PER_UID,
+        on_trimmed: Callable[[int, int], object] = lambda uid, size: None,
     ) -> None:
         self.host = host
         self.window = window
+        self.budget = EvidenceBudget(
+            evidence,
+            evidence_per_uid,
+            owned=lambda uid: [self._incidents[i] for i in self._owned.get(uid, ())],
+            drop_oldest=self._drop_oldest,
+            touch=lambda incident: self.changes.touch(incident),  # noqa: PLW0108 (made next)
+            on_trimmed=on_trimmed,
+        )
         #: What the state has still to take (`watchdogd.storage.record_file`).
-        self.changes = Changes()
+        self.changes = Changes(self.budget.count)
         library = Library(frozenset()) if library is None else library
         self._judges = _Judge(library, on_settled, self.changes.touch)
         self._shares = Shares(keep, per_uid)
@@ -231,7 +241,7 @@ class IncidentLog:
         # The runtime passes ids that differ from one run of the daemon to the
         # next (`watchdogd.runtime.daemon`); these only count.
         self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
-        self._incidents: OrderedDict[str, _Incident] = OrderedDict()
+        self._incidents: OrderedDict[str, Kept] = OrderedDict()
         #: The ids of each uid's incidents, oldest first: whose oldest gives way.
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
@@ -272,14 +282,14 @@ class IncidentLog:
             # another host first) is listed once: as expired, from now on.
             for index, listed in enumerate(held.ranks):
                 if (listed.host, listed.pid) == (rank.host, rank.pid):
-                    held.ranks[index] = rank
+                    held.put(index, rank)
                     self._judges.judge(held)
-                    self._listener(self._whole(held))
+                    self._listener(_whole(held))
                     return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
         info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
-        incident = _Incident(info, open_until=wall + self.window)
+        incident = Kept(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
         self.windows_opened += 1
@@ -290,9 +300,9 @@ class IncidentLog:
         """An incident of ``job`` that no expiry opened (``kind``, e.g.
         ``host_lost``); its id."""
         info = self._head(job, user, wall, scope="", reason=note, kind=kind)
-        incident = _Incident(info)
+        incident = Kept(info)
         self._keep(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
         return info.id
 
     def pids(self, incident_id: str) -> set[int]:
@@ -333,11 +343,11 @@ class IncidentLog:
         if incident is not None:
             self._add(incident, rank)
 
-    def _add(self, incident: _Incident, rank: RankInfo) -> None:
+    def _add(self, incident: Kept, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
-            incident.ranks.append(rank)
+            incident.append(rank)
             self._judges.judge(incident)
-            self._listener(self._whole(incident))
+            self._listener(_whole(incident))
 
     def evidence_in(self, incident_id: str, pid: int) -> bool:
         """Whether every rank of ``incident_id`` on this host but ``pid`` reported."""
@@ -377,12 +387,8 @@ class IncidentLog:
         if found is not None:
             incident, index = found
             uid, gid = (None, None) if reader is None else reader
-            incident.ranks[index] = msgspec.structs.replace(
-                incident.ranks[index],
-                reader_uid=uid,
-                reader_gid=gid,
-                evidence=evidence,
-                flight=list(flight),
+            incident.update(
+                index, reader_uid=uid, reader_gid=gid, evidence=evidence, flight=list(flight)
             )
             self.changes.touch(incident)
 
@@ -406,8 +412,8 @@ class IncidentLog:
         incident, index = found
         uid, gid = (None, None) if reader is None else reader
         rank = incident.ranks[index]
-        incident.ranks[index] = msgspec.structs.replace(
-            rank,
+        incident.update(
+            index,
             state="done",
             stack=clip(stack, MAX_STACK_BYTES),
             frame=first_frame(stack),
@@ -418,7 +424,7 @@ class IncidentLog:
             note=f"{rank.note}; {note}" if note else rank.note,
         )
         self._judges.judge(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
 
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
@@ -429,17 +435,13 @@ class IncidentLog:
             return
         incident, index = found
         stack = stack_of(event)
-        incident.ranks[index] = msgspec.structs.replace(
-            incident.ranks[index],
-            state=state_of(event),
-            stack=stack,
-            frame=first_frame(stack),
-            note=event.note,
+        incident.update(
+            index, state=state_of(event), stack=stack, frame=first_frame(stack), note=event.note
         )
         self._judges.judge(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
 
-    def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
+    def _pending(self, incident_id: str, pid: int, role: str) -> tuple[Kept, int] | None:
         """The kept incident and the index of this host's rank ``pid`` in ``role``
         whose policy has not run yet, if there is one."""
         incident = self._incidents.get(self.resolve(incident_id))
@@ -471,23 +473,23 @@ class IncidentLog:
         if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
             self._aliases.add(remote.id, rival.info.id)
             return rival.info.id
-        head = msgspec.structs.replace(remote, ranks=[], count=0)
-        incident = _Incident(head, open_until=remote.time + self.window)
+        head = msgspec.structs.replace(remote, ranks=[], count=0, trimmed=0)
+        incident = Kept(head, open_until=remote.time + self.window)
         self._keep(incident)
         if rival is not None:
-            incident.ranks = rival.ranks[:MAX_RANKS]
-            self._aliases.add(rival.info.id, remote.id)
             self._forget(rival.info.id)
+            incident.assign(rival.ranks[:MAX_RANKS])
+            self._aliases.add(rival.info.id, remote.id)
         if remote.kind == "expired":
             # Any rival lost to it: expiries of the job here join it from now on.
             self._open[job] = remote.id
             self.windows_opened += 1
         self._judges.judge(incident)
         if rival is not None:
-            self._listener(self._whole(incident))
+            self._listener(_whole(incident))
         return remote.id
 
-    def _rival(self, job: JobKey, time: float, host: str) -> _Incident | None:
+    def _rival(self, job: JobKey, time: float, host: str) -> Kept | None:
         """An incident of ``job`` kept here that another host than ``host`` opened
         within a window of ``time``: two hosts' takes on one expiry. Two incidents
         of one host are two: that host's window kept them apart."""
@@ -528,6 +530,7 @@ class IncidentLog:
             if not owned:
                 del self._owned[uid]
         self._shares.remove(uid)
+        self.budget.forget(incident)
         job = (uid, incident.info.job)
         if self._open.get(job) == incident_id:
             del self._open[job]
@@ -545,7 +548,7 @@ class IncidentLog:
         else:
             expired = {r.pid for r in incident.ranks if r.host == host and r.role == "expired"}
         kept = [rank for rank in incident.ranks if rank.host != host]
-        incident.ranks = (kept + [bounded(rank) for rank in ranks if rank.host == host])[:MAX_RANKS]
+        incident.assign((kept + [bounded(rank) for rank in ranks if rank.host == host])[:MAX_RANKS])
         self._judges.judge(incident)
         return any(
             rank.role == "expired" and rank.pid not in expired
@@ -617,12 +620,7 @@ class IncidentLog:
             verdict=_viewed(incident, self._judges.decided(incident), viewer, viewer_gid),
         )
 
-    def _whole(self, incident: _Incident) -> IncidentInfo:
-        return msgspec.structs.replace(
-            incident.info, ranks=list(incident.ranks), count=len(incident.ranks)
-        )
-
-    def _keep(self, incident: _Incident) -> None:
+    def _keep(self, incident: Kept) -> None:
         uid = incident.info.uid
         victim = self._shares.add(uid)
         if victim is not None:
@@ -633,14 +631,14 @@ class IncidentLog:
 
     def everything(self) -> list[StoredIncident]:
         """Every kept incident as the state keeps it, oldest first."""
-        return [incident.stored() for incident in self._incidents.values()]
+        return [_stored(incident) for incident in self._incidents.values()]
 
     def restore(self, stored: Sequence[StoredIncident], wall: float) -> None:
         """Keep ``stored`` (read back from the state, oldest first) under the bounds;
         one whose window is open at ``wall`` takes its job's expiries again."""
         for record in stored:
             if record.info.id not in self._incidents:
-                self._keep(_Incident.of(record))
+                self._keep(_kept(record))
                 if record.info.kind == "expired" and wall < record.open_until:
                     self._open[(record.info.uid, record.info.job)] = record.info.id
                     self.windows_opened += 1
@@ -651,15 +649,16 @@ class IncidentLog:
         oldest = owned.popleft()
         if not owned:
             del self._owned[uid]
-        info = self._incidents.pop(oldest).info
+        dropped = self._incidents.pop(oldest)
+        self.budget.forget(dropped)
         self.changes.gone(oldest)
-        job = (info.uid, info.job)
+        job = (dropped.info.uid, dropped.info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
 
 
 def _viewed(
-    incident: _Incident, decision: Decision | None, viewer: int, viewer_gid: int | None = None
+    incident: Kept, decision: Decision | None, viewer: int, viewer_gid: int | None = None
 ) -> Verdict | None:
     """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
     collective, and each frame only where ``viewer`` may see that rank's stack (a
@@ -676,7 +675,14 @@ def _viewed(
     return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
 
 
-def _reported(incident: _Incident) -> bool:
+def _whole(incident: Kept) -> IncidentInfo:
+    """``incident`` with its ranks, as the fleet publishes it."""
+    return msgspec.structs.replace(
+        incident.info, ranks=list(incident.ranks), count=len(incident.ranks)
+    )
+
+
+def _reported(incident: Kept) -> bool:
     """Whether every rank known has reported and every host of the job too."""
     hosts = {rank.host for rank in incident.ranks}
     return (

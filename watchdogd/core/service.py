@@ -143,6 +143,9 @@ class Service(Generic[P]):
             new_id=new_id,
             library=Library(stdlib),
             on_settled=self._verdict_settled,
+            evidence=daemon.incident_bytes,
+            evidence_per_uid=daemon.incident_bytes_per_uid,
+            on_trimmed=self._evidence_trimmed,
         )
         self.daemon_pid = daemon_pid
         self.started = now
@@ -259,6 +262,7 @@ class Service(Generic[P]):
         self.events.resize(daemon.events, daemon.events_per_uid)
         self._configure_history(config)
         self.incidents.resize(daemon.incidents, daemon.incidents_per_uid)
+        self.incidents.budget.resize(daemon.incident_bytes, daemon.incident_bytes_per_uid)
         self.incidents.window = daemon.incident_window
         self.slots.offered = self._monotonic and daemon.fast_path
 
@@ -425,6 +429,18 @@ class Service(Generic[P]):
         """`Firing.evidence_given`."""
         self.expiries.evidence_given(
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
+        )
+
+    def _evidence_trimmed(self, uid: int, size: int) -> None:
+        """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
+        counted, and a line (rate-limited per uid) says so."""
+        self.metrics.evidence_trimmed += size
+        self.log.log(
+            (uid, "evidence_trimmed"),
+            Level.WARNING,
+            lambda: logfmt(
+                "evidence_trimmed", uid=uid, bytes=size, kept=self.incidents.budget.held(uid)
+            ),
         )
 
     def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:

@@ -95,6 +95,19 @@ class _Collector(Collector):
             value=m.dumps_not_run,
         )
         yield CounterMetricFamily(
+            "watchdogd_evidence_trimmed_bytes",
+            "Bytes of incidents' evidence trimmed to their owners' budgets "
+            "(incident_bytes_per_uid, incident_bytes), stacks first.",
+            value=m.evidence_trimmed,
+        )
+        yield GaugeMetricFamily(
+            "watchdogd_record_left_off_bytes",
+            "Bytes of the events and incidents in memory that the record file left off at "
+            "its last whole write, to keep within record_bytes and out of the room the "
+            "timers' state needs (stacks cut first).",
+            value=m.record_left_off,
+        )
+        yield CounterMetricFamily(
             "watchdogd_connections", "Connections accepted.", value=m.connections_total
         )
         reloads = CounterMetricFamily(

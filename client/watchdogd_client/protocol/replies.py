@@ -437,6 +437,9 @@ class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: How many ranks the incident has, when ``ranks`` is left out (a listing).
     count: int = 0
     verdict: Verdict | None = None
+    #: Bytes of evidence the daemon no longer keeps of it: trimmed to its
+    #: owner's budget (the daemon's ``incident_bytes_per_uid``), stacks first.
+    trimmed: int = 0
 
 
 class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
