@@ -13,7 +13,7 @@ import abc
 import logging
 import math
 from types import TracebackType
-from typing import Any, Unpack
+from typing import Any, Final, Unpack
 
 import msgspec
 
@@ -33,6 +33,8 @@ from .protocol import DaemonInfo, TimerInfo
 from .scope import caller_scope
 
 __all__ = ["BaseClient", "DaemonStatus", "NoOpTimer", "NullClient", "Timer"]
+
+_INF: Final = math.inf
 
 log = logging.getLogger("watchdogd_client")
 
@@ -93,21 +95,32 @@ class BaseClient(abc.ABC):
         job (see `Arming`). Every argument is checked here, before anything is
         sent (TypeError, ValueError).
         """
-        arming_timeout(after, arming, name="after", maximum=self._maximum())
         if scope is None:
             scope = caller_scope()
         else:
             check_scope(scope)
-        return self._handle(after, scope, arming)
+        return self._block(after, scope, arming)
+
+    def _block(self, after: After, scope: str, arming: Arming) -> Timer:
+        """The handle of a block of ``scope``, once ``after`` and ``arming`` are
+        checked (the common case, a number of seconds and nothing else, checked
+        inline: this runs at every block). A timeout over the daemon's maximum is
+        refused by the daemon, or by the fast path, which knows it."""
+        if (
+            arming
+            or (type(after) is not float and type(after) is not int)
+            or not 0 < after < self._limit
+        ):
+            arming_timeout(after, arming, name="after", maximum=self._maximum())
+        return Timer(self, after, scope, arming)
+
+    #: The longest timeout the daemon arms, once this client knows it (infinity
+    #: until then): a longer one is refused before it is sent.
+    _limit: float = _INF
 
     def _maximum(self) -> float:
-        """The longest timeout the daemon arms, once this client knows it (0 until
-        then): a longer one is refused before it is sent."""
-        return 0.0
-
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
-        """The handle of an ``expires()`` block of this client's."""
-        return Timer(self, after, scope, arming)
+        """`_limit`, 0 while it is not known."""
+        return 0.0 if self._limit == _INF else self._limit
 
     #: The fast path of this client's process (`watchdogd_client.fastpath`): a
     #: block's handle arms and releases by stores through it where it can, and
@@ -167,7 +180,14 @@ class Timer(Handle["BaseClient"]):
         self._armed = True
 
     def __enter__(self) -> Timer:
-        self.renew()
+        # `renew`, inline: this runs at every block.
+        client = self.client
+        fast = client._fast
+        if fast is not None and fast.arm(self.scope, self.after, self.arming):
+            self._arm = 0
+        else:
+            self._arm = client._arm_block(self.scope, self.after, None, self.arming)
+        self._armed = True
         blocks.entered(self)
         return self
 
@@ -244,8 +264,11 @@ class NoOpTimer(NullClient):
     def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
         """A block that arms nothing: no value is checked, only the names of the
         keywords, as Python checks them."""
+        return self._block(after, caller_scope() if scope is None else scope, arming)
+
+    def _block(self, after: After, scope: str, arming: Arming) -> Timer:
         check_names(arming)
-        return _NoOpBlock(self, after, caller_scope() if scope is None else scope, arming)
+        return _NoOpBlock(self, after, scope, arming)
 
     def acquire(
         self,
@@ -278,3 +301,7 @@ class _NoOpBlock(Timer):
 
     def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         pass
+
+    def __enter__(self) -> Timer:
+        blocks.entered(self)
+        return self

@@ -208,7 +208,7 @@ class Client(BaseClient):
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
         check_acquire(scope, pid, progress)
-        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
+        arming_timeout(timeout, arming, maximum=self._maximum())
         fast = self._fast
         if fast is not None and pid is None and progress is None and not exit_releases:
             stored = fast.arm(scope, timeout, arming)
@@ -226,9 +226,6 @@ class Client(BaseClient):
         )
         reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
-
-    def _maximum(self) -> float:
-        return self._engine.max_timeout
 
     def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
         """Send ``request``, armed with ``arming``; its reply, or None when the
@@ -473,6 +470,7 @@ class Client(BaseClient):
             self._disconnect()
             answer = self._greet()
         answer.result(Welcome)
+        self._limit = self._engine.max_timeout or math.inf
 
     def _greet(self) -> Answer:
         """A new connection, and the answer to its hello."""

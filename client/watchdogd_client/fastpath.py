@@ -37,6 +37,7 @@ from __future__ import annotations
 import array
 import fcntl
 import logging
+import math
 import mmap
 import os
 import socket
@@ -54,6 +55,8 @@ from .protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
 from .protocol.slot_page import (
     AUTO,
     BLOCKS,
+    BUCKETS,
+    BUCKETS_PER_DOUBLING,
     DEADLINE,
     HEADER_MAGIC,
     HEADER_SLOTS,
@@ -62,7 +65,7 @@ from .protocol.slot_page import (
     PAGE_BYTES,
     PERIOD,
     SLOTS,
-    bucket_of,
+    SMALLEST_MICROSECONDS,
     counts_of,
     word_of,
 )
@@ -176,9 +179,17 @@ class FastPath:
         if entered:
             slot.entered = 0
             held = int(time.monotonic() * 1_000_000) - entered
-            counts, bucket = slot.counts, slot.counts_at + bucket_of(held)
+            # `slot_page.bucket_of`, inline: this runs at every block's end.
+            if held <= SMALLEST_MICROSECONDS:
+                bucket = slot.counts_at
+            else:
+                bucket = slot.counts_at + min(
+                    BUCKETS - 1, math.ceil(BUCKETS_PER_DOUBLING * math.log2(held / 1000.0))
+                )
+            counts = slot.counts
             counts[bucket] = (counts[bucket] + 1) & _COUNT
-            words[at + LARGEST] = max(words[at + LARGEST], held)
+            if held > words[at + LARGEST]:  # noqa: PLR1730 (max() would store at every block)
+                words[at + LARGEST] = held
             words[at + BLOCKS] = (words[at + BLOCKS] + 1) & _WORD
         words[at] = 0
         if words[at + PERIOD] != period:
