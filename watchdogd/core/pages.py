@@ -375,7 +375,16 @@ class Pages(Generic[P]):
         return self._render_metrics(
             self._metrics,
             {
-                "timers_armed": ("Timers armed now.", len(self._table)),
+                "timers_armed": (
+                    "Timers armed now (a scope registered for the fast path while its "
+                    "slot holds a block).",
+                    len(self._table) - self._slots.released_count(),
+                ),
+                "slots_registered": (
+                    "Scopes registered for the fast path now, whose blocks arm and "
+                    "release by stores into their process's slot page.",
+                    len(self._slots),
+                ),
                 "processes_watched": (
                     "Processes with timers armed now.",
                     self._table.process_count,
