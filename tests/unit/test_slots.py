@@ -514,17 +514,32 @@ def test_a_release_by_another_caller_drops_the_registration() -> None:
     assert len(world.service.slots) == 0
 
 
-def test_a_process_whose_uid_changed_loses_its_registration_at_the_next_look() -> None:
+def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() -> None:
+    """Its slot closes (its next arm is judged anew over the socket); the block it
+    armed while it was authorized stays armed, on its deadline, as a plain timer."""
     world = make_world()
     _, memory = registered(world, "step", now=1.0)
     memory.store(0, 50.0)
     world.host.processes[ALICE.pid] = (3000, 3000)  # setuid(2)
     assert run(world, 8.0) == []
-    assert world.service.table.get(ALICE.pid, "step") is None
+    kept = world.service.table.get(ALICE.pid, "step")
+    assert kept is not None
+    assert kept.deadline == 50.0
+    assert kept.watch is None or kept.watch.slot is None
     assert memory.period(0) == 0
+    assert [timer.scope for timer in world.journal.puts][-1] == "step"
+    assert [expired.timer.scope for expired in run(world, 50.0)] == ["step"]
+
+
+def test_a_process_whose_uid_changed_loses_its_released_registration() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.release(0, held=0.5)
+    world.host.processes[ALICE.pid] = (3000, 3000)  # setuid(2)
+    assert run(world, 8.0) == []
+    assert world.service.table.get(ALICE.pid, "step") is None
     assert [timer.scope for timer in world.journal.drops] == ["step"]
     assert world.service.metrics.slots_lost == 1
-    assert any("slot_dropped" in line and "3000" in line for line in world.log.lines)
 
 
 # Exits, restarts, the stop.

@@ -259,13 +259,10 @@ class Slots(Generic[P]):
         if not self._processes.refresh(process):
             self._put(item, now + slot.period)  # it exited: its exit drops it
             return None
-        if process.uid != timer.uid:
-            # Its authorization was its uid's at the arm: it arms over the socket
-            # again, where it is judged anew.
-            self.revoke(timer, process, now)
-            self._drop(item, f"its process's uid changed to {process.uid}")
-            return None
         word = slot.page.read(slot.index)
+        if process.uid != timer.uid:
+            self._unregister(item, slot, word, now)
+            return None
         self._harvest(timer, process, slot, now)
         if not word:
             slot.word = 0
@@ -284,6 +281,27 @@ class Slots(Generic[P]):
             timer, deadline=deadline, armed_at=min(timer.armed_at, deadline - timer.timeout)
         )
         return Expired(fired, process, item.orphaned)
+
+    def _unregister(self, item: Expired[P], slot: Slot, word: int, now: float) -> None:
+        """``item``'s process changed its uids: its slot closes (its next arm goes
+        over the socket, where it is judged anew), and the block its slot holds,
+        armed while it was authorized, stays armed as a plain timer on its
+        deadline; a slot holding none takes its registration with it."""
+        timer = item.timer
+        self.revoke(timer, item.process, now)
+        if not word:
+            self._metrics.slots_lost += 1
+            self._gone(item)
+            return
+        deadline = self._bounded(word, now)
+        assert timer.watch is not None
+        watch = msgspec.structs.replace(timer.watch, slot=None)
+        plain = self._table.put(
+            item.process, msgspec.structs.replace(timer, deadline=deadline, watch=watch)
+        )
+        self._journal.put(plain)
+        self._journal.commit_soon()
+        self._on_deadline(deadline)
 
     def _idle_look(self, item: Expired[P], slot: Slot, now: float) -> None:
         timer = item.timer
