@@ -943,17 +943,18 @@ def test_an_acknowledged_first_arm_whose_page_died_with_the_daemon_still_fires(
 ) -> None:
     """The arm was acknowledged, so its block is protected across the crash, page
     or no page: once the daemon is back, the hung worker is killed, at most a
-    restart grace after its deadline or the start."""
-    worker = python_worker(
-        FIRST_ARM_THEN_CRASH, str(restartable.pid), socket=restartable.socket_path
-    )
+    restart grace after its deadline or the start. (Its entry may wait for the
+    daemon's start: the block's first arm is a request.)"""
+    socket = restartable.socket_path
+    worker = python_worker(FIRST_ARM_THEN_CRASH, str(restartable.pid), socket=socket)
     try:
-        assert worker.stdout is not None
-        deadline = float(worker.stdout.readline()) + BLOCK_TIMEOUT
-        assert restartable.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert restartable.process is not None
+        assert restartable.process.wait(timeout=PATIENCE) == -signal.SIGKILL  # by the worker
         time.sleep(0.3)
         started = time.monotonic()
         restartable.start()
+        assert worker.stdout is not None
+        deadline = float(worker.stdout.readline()) + BLOCK_TIMEOUT
         died = death_time(worker)
         assert worker.wait() == -signal.SIGKILL
         assert died - max(deadline, started) < RESTART_GRACE + 1.0
