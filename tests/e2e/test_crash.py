@@ -757,7 +757,10 @@ def outages_under_blocks(
     its deadline passed meanwhile)."""
     figures = Figures()
     for number, outage in enumerate(plan, 1):
-        time.sleep(rng.uniform(0.02, 0.3))
+        # Longer than a client's longest pause between reconnects (250 ms): a
+        # scope's first arm, lost to one kill, is sent again before the next one
+        # (lost twice, it raises DaemonUnavailable, by design).
+        time.sleep(rng.uniform(0.3, 0.6))
         if outage.kind == "kill":
             daemon.stop(signal.SIGKILL)
         else:
