@@ -723,7 +723,7 @@ def outage_plan(rng: random.Random, kills: int, stops: int, hung: int) -> list[O
     plan: list[Outage] = []
     for kind in kinds:
         paused = kind == "stop" or sum(o.kind == "kill" for o in plan) % 2 == 1
-        pause = rng.uniform(BLOCK_TIMEOUT + 0.05, BLOCK_TIMEOUT + 0.3) if paused else 0.0
+        pause = rng.uniform(BLOCK_TIMEOUT + 0.05, BLOCK_TIMEOUT + 0.2) if paused else 0.0
         plan.append(Outage(kind, pause))
     for sort in ("paused kill", "kill", "stop"):
         of_sort = [index for index, outage in enumerate(plan) if outage.sort == sort]
@@ -760,7 +760,7 @@ def outages_under_blocks(
         # Longer than a client's longest pause between reconnects (250 ms): a
         # scope's first arm, lost to one kill, is sent again before the next one
         # (lost twice, it raises DaemonUnavailable, by design).
-        time.sleep(rng.uniform(0.3, 0.6))
+        time.sleep(rng.uniform(0.3, 0.45))
         if outage.kind == "kill":
             daemon.stop(signal.SIGKILL)
         else:
@@ -809,7 +809,7 @@ def test_kills_and_stops_of_the_daemon_under_fast_blocks_kill_only_the_hung_ones
     is killed once it is back: within a start of it after a kill, within a look
     after a SIGCONT. The seed is printed (``WATCHDOGD_SEED`` sets it)."""
     rng = seeded()
-    kills, stops, hung = (200, 20, 6) if SOAK else (16, 2, 1)
+    kills, stops, hung = (200, 20, 6) if SOAK else (14, 2, 1)
     plan = outage_plan(rng, kills, stops, hung)
     victims = [
         HungOnCue(restartable, tmp_path / f"hang{index}")
