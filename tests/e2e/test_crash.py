@@ -811,13 +811,13 @@ def test_kills_and_stops_of_the_daemon_under_fast_blocks_kill_only_the_hung_ones
     rng = seeded()
     kills, stops, hung = (200, 20, 6) if SOAK else (14, 2, 1)
     plan = outage_plan(rng, kills, stops, hung)
-    victims = [
-        HungOnCue(restartable, tmp_path / f"hang{index}")
-        for index in range(sum(outage.hangs for outage in plan))
-    ]
+    victims: list[HungOnCue] = []
     try:
-        for victim in victims:
-            wait_ready(victim.process)
+        # One at a time: a first block, which maps its page, can take half a
+        # second beside a dozen interpreters starting at once on a busy machine.
+        for index in range(sum(outage.hangs for outage in plan)):
+            victims.append(HungOnCue(restartable, tmp_path / f"hang{index}"))
+            wait_ready(victims[-1].process)
         loops = ["client", "trio"]
         loops_under_outages(restartable, tmp_path, loops, plan, rng, victims=victims)
     finally:
