@@ -150,6 +150,34 @@ def test_the_seconds_a_block_is_held_are_learned_from_every_fast_block(
         worker.close()
 
 
+def test_the_blocks_of_a_worker_gone_before_the_daemons_next_look_are_learned(
+    daemon: RunningDaemon,
+) -> None:
+    """Its exit reads its slots once more: every block counts, under the
+    executable it ran, and its exit is handled whole (its process let go)."""
+    source = """
+from watchdogd_client import Client
+client = Client()
+for _ in range(30):
+    with client.expires(60, scope="short-lived"):
+        pass
+"""
+    worker = python_worker(source, socket=daemon.socket_path)
+    try:
+        assert worker.wait(timeout=PATIENCE) == 0, worker.communicate()
+        with daemon.client(fast=False) as client:
+            wait_until(
+                lambda: client.status_page(limit=1).daemon.processes == 0,
+                what="the worker's exit, handled",
+            )
+            rows = [row for row in client.suggest() if row.scope == "short-lived"]
+        ran = os.path.realpath(sys.executable)
+        assert [(row.count, row.executable) for row in rows] == [(30, ran)]
+        assert "Traceback" not in daemon.log()
+    finally:
+        reap(worker)
+
+
 def test_a_child_of_a_fork_registers_its_own_and_never_touches_its_parents_slot(
     daemon: RunningDaemon,
 ) -> None:

@@ -85,6 +85,10 @@ class Slot:
     page: PageRef
     index: int
     period: float
+    #: The executable its process ran when the slot was made: the key of its
+    #: history, read while the process is known to be there (its last harvest
+    #: comes after its exit, when its pidfd may be closed).
+    executable: str
     #: The block's deadline as last read (bounded); 0.0 while released.
     due: float = 0.0
     #: The deadline word it was read from: while the word stays, so does ``due``
@@ -178,7 +182,8 @@ class Slots(Generic[P]):
         index = own.next_index
         own.next_index += 1
         own.live[page.id] += 1
-        self._slots[(process.pid, scope)] = Slot(page, index, period, harvested=now)
+        executable = self._processes.executable(process)
+        self._slots[(process.pid, scope)] = Slot(page, index, period, executable, harvested=now)
         return SlotRef(page=page.id, index=index, period=period)
 
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
@@ -445,7 +450,8 @@ class Slots(Generic[P]):
             own.live[page.id] = 0
         own = self._pages[process.pid]
         own.live[page.id] = own.live.get(page.id, 0) + 1
-        slot = Slot(page, ref.index, ref.period, harvested=now)
+        executable = self._processes.executable(process)
+        slot = Slot(page, ref.index, ref.period, executable, harvested=now)
         slot.blocks = page.blocks(ref.index)
         slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
         self._slots[timer.key] = slot
@@ -474,7 +480,7 @@ class Slots(Generic[P]):
             self._metrics.slots_scribbled += 1
             return
         largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
-        key = (process.uid, self._processes.executable(process), timer.scope)
+        key = (process.uid, slot.executable, timer.scope)
         self._history.record_counts(key, added, largest)
 
     def harvest(self, timer: Timer, process: P, now: float) -> None:
