@@ -127,6 +127,25 @@ class BaseClient(abc.ABC):
     #: through `_arm_block` and `_release_block` otherwise.
     _fast: FastPath | None = None
 
+    def _arm_scope(self, scope: str, after: After, arming: Arming) -> int:
+        """Arm a block of ``scope``: by a store where its slot takes it, else over
+        the socket; the number of the arming (0 for a store, or where the daemon
+        keeps none), for `_release_scope` to name. Every block of every client
+        arms here: a handle's, the torch adapter's."""
+        fast = self._fast
+        if fast is not None and fast.arm(scope, after, arming):
+            return 0
+        return self._arm_block(scope, after, None, arming)
+
+    def _release_scope(self, scope: str, arm: int) -> None:
+        """Release a block of ``scope`` armed as ``arm``: by a store where its slot
+        takes it, else over the socket (as a stored block's, when its slot closed
+        meanwhile)."""
+        fast = self._fast
+        stored = None if fast is None else fast.release(scope)
+        if stored is None or stored == "closed":
+            self._release_block(scope, arm, stored=stored == "closed")
+
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
         """Arm the timer of an ``expires()`` block over the socket; the number of
         the arming, when the daemon keeps one (0 otherwise), for `_release_block`
@@ -160,10 +179,7 @@ class Timer(Handle["BaseClient"]):
         responder can carry it (see `Client`)."""
         if self._armed:
             self._armed = False
-            fast = self.client._fast
-            stored = None if fast is None else fast.release(self.scope)
-            if stored is None or stored == "closed":
-                self.client._release_block(self.scope, self._arm, stored=stored == "closed")
+            self.client._release_scope(self.scope, self._arm)
 
     def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: the timer now expires ``after`` (default: the last timeout) from
@@ -172,21 +188,14 @@ class Timer(Handle["BaseClient"]):
         if after is not None:
             arming_timeout(after, self.arming, name="after", maximum=self.client._maximum())
             self.after = after
-        fast = self.client._fast
-        if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):
-            self._arm = 0
+        if progress is None:
+            self._arm = self.client._arm_scope(self.scope, self.after, self.arming)
         else:
             self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     def __enter__(self) -> Timer:
-        # `renew`, inline: this runs at every block.
-        client = self.client
-        fast = client._fast
-        if fast is not None and fast.arm(self.scope, self.after, self.arming):
-            self._arm = 0
-        else:
-            self._arm = client._arm_block(self.scope, self.after, None, self.arming)
+        self._arm = self.client._arm_scope(self.scope, self.after, self.arming)
         self._armed = True
         blocks.entered(self)
         return self

@@ -26,6 +26,8 @@ import time
 import weakref
 from typing import Any, Final, TypeVar, Unpack
 
+import msgspec
+
 from . import releases
 from ._version import __version__ as _version
 from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
@@ -242,7 +244,11 @@ class Client(BaseClient):
             return None
         if self._fast is not None:
             mapper = functools.partial(map_page, self.place, timeout=self.timeout)
-            self._fast.answered(request, arming, reply, mapper)
+            if self._fast.answered(request, arming, reply, mapper):
+                # Its page could not be had (the daemon went meanwhile): the block
+                # is armed again without a slot, protected wherever the page is.
+                again = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
+                return self._acquire(again, arming)
         return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:

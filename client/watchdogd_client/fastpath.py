@@ -203,17 +203,20 @@ class FastPath:
         arming: Arming,
         reply: Acquired,
         map_page: Callable[[int], tuple[int, PageMapped]],
-    ) -> None:
+    ) -> bool:
         """``request``, a socket arm armed with ``arming``, got ``reply``: the
         scope's later blocks store into the slot it granted (if the grant is
         durable), or go over the socket, since any other arm of the scope over the
-        socket (one with progress, say) took the place of its registration."""
+        socket (one with progress, say) took the place of its registration.
+        True when a slot was granted whose page could not be had: the caller arms
+        the block again without one, for the daemon would not find that page after
+        a restart either (a daemon that died before it was handed over took it)."""
         if request.pid is not None:
-            return
+            return False
         if request.slot and reply.slot is not None and reply.durable:
-            self.granted(request.scope, arming, reply.slot, map_page)
-        else:
-            self.forget(request.scope)
+            return not self.granted(request.scope, arming, reply.slot, map_page)
+        self.forget(request.scope)
+        return False
 
     def granted(
         self,
@@ -221,25 +224,26 @@ class FastPath:
         arming: Arming,
         grant: SlotGrant,
         map_page: Callable[[int], tuple[int, PageMapped]],
-    ) -> None:
+    ) -> bool:
         """The daemon granted ``scope`` a slot (its reply to the socket arm of a
         block, which began now): its later blocks arm by stores. ``map_page(page)``
         gets a page not mapped yet: its descriptor and the daemon's answer. A page
-        that cannot be mapped, or that the daemon's clock disagrees on, leaves the
-        scope on the socket."""
+        that cannot be mapped, that the daemon's clock disagrees on, or whose slot
+        closed already leaves the scope on the socket: False."""
         page = self._pages.get(grant.page)
         if page is None:
             with self._lock:
                 page = self._pages.get(grant.page) or self._map(grant.page, map_page)
             if page is None:
                 self._slots.pop(scope, None)
-                return
+                return False
         slot = _Slot(page, grant.index, grant.period, arming.copy())
         if page.words[slot.deadline + PERIOD] != grant.period:
             self._slots.pop(scope, None)
-            return
+            return False
         slot.entered = int(time.monotonic() * 1_000_000)
         self._slots[scope] = slot
+        return True
 
     def mapped(self, page: int) -> bool:
         """Whether page ``page`` is mapped already."""

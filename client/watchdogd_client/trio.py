@@ -42,6 +42,8 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final, TypeVar, Unpack
 
+import msgspec
+
 try:
     import trio
 except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
@@ -68,7 +70,7 @@ from .arming import (
 from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
-from .fastpath import fast_path, map_page
+from .fastpath import FastPath, fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
 from .protocol import (
@@ -255,23 +257,43 @@ class AsyncClient:
             self._outage.failed(exc)
             return None
         fast = self._fast
-        if fast is not None:
-            grant = reply.slot if request.slot and reply.durable else None
-            if grant is None or fast.mapped(grant.page):
-                fast.answered(request, arming, reply, self._unmapped)
-            else:
-                # The page comes on a connection of its own, off the loop.
-                got = await trio.to_thread.run_sync(self._map_page, grant.page)
-                taken: list[int] = []
-
-                def handed(page: int) -> tuple[int, PageMapped]:
-                    taken.append(page)
-                    return got
-
-                fast.answered(request, arming, reply, handed)
-                if not taken:  # another task mapped it meanwhile
-                    os.close(got[0])
+        if fast is not None and await self._answered(fast, request, arming, reply):
+            # Its page could not be had (the daemon went meanwhile): the block is
+            # armed again without a slot, so it is protected wherever the page is.
+            request = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
+            try:
+                reply = await self._call(request, Acquired)
+            except DaemonUnavailable as exc:
+                self._outage.failed(exc)
+                return None
         return reply
+
+    async def _answered(
+        self, fast: FastPath, request: Acquire, arming: Arming, reply: Acquired
+    ) -> bool:
+        """`FastPath.answered`, the page it needs fetched off the loop."""
+        grant = reply.slot if request.slot and reply.durable else None
+        if grant is None or fast.mapped(grant.page):
+            return fast.answered(request, arming, reply, self._unmapped)
+        try:
+            got = await trio.to_thread.run_sync(self._map_page, grant.page)
+        except (OSError, WatchdogdError) as exc:
+            failed = exc
+
+            def failing(page: int) -> tuple[int, PageMapped]:
+                raise failed
+
+            return fast.answered(request, arming, reply, failing)
+        taken: list[int] = []
+
+        def handed(page: int) -> tuple[int, PageMapped]:
+            taken.append(page)
+            return got
+
+        lost = fast.answered(request, arming, reply, handed)
+        if not taken:  # another task mapped it meanwhile
+            os.close(got[0])
+        return lost
 
     def _map_page(self, page: int) -> tuple[int, PageMapped]:
         return map_page(self.place, page, timeout=self.timeout)
@@ -456,7 +478,10 @@ class AsyncClient:
             if connection is not None and connection.protocol.state == "open":
                 return connection
             now = trio.current_time()
-            backoff = self._engine.reconnecting(now) if reconnect else Backoff(now)
+            # A connection that broke: the daemon may be restarting, wait for it
+            # as a retried request does (DESIGN §13), not only on the retry.
+            broke = reconnect or connection is not None
+            backoff = self._engine.reconnecting(now) if broke else Backoff(now)
             while True:
                 try:
                     connection = await self._connect()
