@@ -432,6 +432,21 @@ def test_a_slot_idle_for_slot_idle_closes_and_is_retired_after_the_closing_wait(
     assert (again.page, again.index) != (grant.page, grant.index)
 
 
+def test_a_slot_whose_short_blocks_fall_between_looks_is_not_idle() -> None:
+    """Released at every look, but blocks were released since each: busy, so it
+    keeps its slot however long that goes on."""
+    world = make_world(slot_idle=20.0)
+    _, memory = registered(world, "step", now=1.0)
+    memory.release(0)
+    for until in range(8, 64, 7):  # a look every period (7 s), a short block between
+        run(world, float(until))
+        memory.store(0, until + 10.0)
+        memory.release(0, held=0.01)
+    run(world, 64.0)
+    assert memory.period(0) == microseconds(PERIOD)
+    assert world.service.metrics.slots_retired == 0
+
+
 def test_a_store_that_crossed_the_closing_is_read_and_protects_its_block() -> None:
     world = make_world(slot_idle=20.0)
     _, memory = registered(world, "step", now=1.0)

@@ -268,10 +268,10 @@ class Slots(Generic[P]):
         if process.uid != timer.uid:
             self._unregister(item, slot, word, now)
             return None
-        self._harvest(timer, process, slot, now)
+        active = self._harvest(timer, process, slot, now)
         if not word:
             slot.word = 0
-            self._idle_look(item, slot, now)
+            self._idle_look(item, slot, now, active)
             return None
         deadline = slot.due if word == slot.word and slot.due else self._bounded(word, now)
         slot.word = word
@@ -308,9 +308,13 @@ class Slots(Generic[P]):
         self._journal.commit_soon()
         self._on_deadline(deadline)
 
-    def _idle_look(self, item: Expired[P], slot: Slot, now: float) -> None:
+    def _idle_look(self, item: Expired[P], slot: Slot, now: float, active: bool) -> None:
+        """A look found ``slot`` released; ``active``: blocks were released since
+        the last look (short blocks between looks), so it is not idle."""
         timer = item.timer
         slot.due = 0.0
+        if active and not slot.closing:
+            self._busy(timer, slot, 0.0)
         if slot.closing:
             if now >= slot.closing + CLOSING_WAIT:
                 self._retire(item, slot)
@@ -457,12 +461,12 @@ class Slots(Generic[P]):
         self._slots[timer.key] = slot
         return slot
 
-    def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> None:
+    def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
         """Add to the scope's history the blocks its process released by a store
-        since the last harvest, as its slot counts them."""
+        since the last harvest, as its slot counts them; whether it released any."""
         blocks = slot.page.blocks(slot.index)
         if blocks == slot.blocks:
-            return
+            return False
         counts = slot.page.counts(slot.index)
         seen = slot.seen
         added: dict[int, int] = {}
@@ -474,14 +478,13 @@ class Slots(Generic[P]):
         slot.seen = {bucket: count for bucket, count in enumerate(counts) if count}
         since, slot.harvested = slot.harvested, now
         total = sum(added.values())
-        if not total:
-            return
         if total > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
             self._metrics.slots_scribbled += 1
-            return
-        largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
-        key = (process.uid, slot.executable, timer.scope)
-        self._history.record_counts(key, added, largest)
+        elif total:
+            largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
+            key = (process.uid, slot.executable, timer.scope)
+            self._history.record_counts(key, added, largest)
+        return True
 
     def harvest(self, timer: Timer, process: P, now: float) -> None:
         """Harvest registered ``timer``'s slot now (an arm of ``after="auto"``
