@@ -123,11 +123,13 @@ def settled(socket: Path, ranks: int) -> IncidentInfo:
 
 
 def run_job(socket: Path, job: str, culprit: str) -> list[subprocess.Popen[str]]:
-    """Ranks 1 (waits, long timer) and 2 (``culprit``), then rank 0 whose timer
-    expires in a second."""
+    """Ranks 1 (waits, long timer) and 2 (``culprit``), started together, then
+    rank 0 whose timer expires in a second."""
     ranks = [
-        start_job_rank(socket, job, 1, 60, "waits"),
-        start_job_rank(socket, job, 2, 60, culprit),
+        python_worker(JOB_RANK, job, "1", "60", "waits", socket=socket),
+        python_worker(JOB_RANK, job, "2", "60", culprit, socket=socket),
     ]
+    for rank in ranks:
+        wait_ready(rank)
     ranks.append(start_job_rank(socket, job, 0, 1.0, "waits"))
     return ranks
