@@ -46,7 +46,6 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
-    Culprit,
     EventInfo,
     GroupState,
     IncidentInfo,
@@ -62,13 +61,14 @@ from .ranks import (
     clip,
     first_frame,
     may_read,
+    reported,
     shown_order,
     stack_of,
     state_of,
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer, reported
+from .verdict import Decision, decide, for_viewer, nobody
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -78,19 +78,24 @@ _MAX_ALIASES: Final = 4096
 _ENVELOPE_BYTES: Final = 64 * 1024
 
 JobKey = tuple[int, str]
+#: Told of each verdict that settles (None: no rank gave evidence for one), with
+#: the incident's ranks: the fingerprint it settles with and whether it counted.
+Settled = Callable[[IncidentInfo, Decision | None, list[RankInfo]], tuple[str, str]]
 
 
 class StoredIncident(msgspec.Struct, array_like=True, frozen=True):
     """An incident as the state keeps it: its head (``info``, without ranks), its
     ranks, and what decides how it goes on (the wall time its window closes,
     whether its verdict settled, the hosts it waits for). Its verdict is not
-    stored: the same ranks judge to the same verdict."""
+    stored: the same ranks judge to the same verdict; the fingerprint it settled
+    with is (and in ``info``, whether that counted: `watchdogd.core.hangs`)."""
 
     info: IncidentInfo
     ranks: list[RankInfo]
     open_until: float
     settled: bool
     hosts: list[str]
+    fingerprint: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -106,19 +111,20 @@ class _Incident:
     settled: bool = False
     #: The hosts the fleet says hold the job: each reports before it settles.
     hosts: frozenset[str] = frozenset()
+    #: The fingerprint it settled with (`on_settled`).
+    fingerprint: str = ""
 
     @classmethod
     def of(cls, stored: StoredIncident) -> _Incident:
         """An incident as the state kept it."""
         ranks = [bounded(rank) for rank in stored.ranks[:MAX_RANKS]]
-        hosts = frozenset(stored.hosts)
-        return cls(stored.info, ranks, stored.open_until, None, stored.settled, hosts)
+        return cls(stored.info, ranks, stored.open_until, None, stored.settled,
+                   frozenset(stored.hosts), stored.fingerprint)  # fmt: skip
 
     def stored(self) -> StoredIncident:
         """This incident as the state keeps it."""
-        return StoredIncident(
-            self.info, list(self.ranks), self.open_until, self.settled, sorted(self.hosts)
-        )
+        return StoredIncident(self.info, list(self.ranks), self.open_until, self.settled,
+                              sorted(self.hosts), self.fingerprint)  # fmt: skip
 
 
 class _Aliases(OrderedDict[str, str]):
@@ -164,7 +170,7 @@ class _Judge:
     def __init__(
         self,
         library: Library,
-        on_settled: Callable[[IncidentInfo, Verdict], object],
+        on_settled: Settled,
         touched: Callable[[_Incident], object],
     ) -> None:
         self.library = library
@@ -194,8 +200,8 @@ class _Judge:
         incident.settled = True
         incident.decision = None
         decision = self.decided(incident)
-        if decision is not None:
-            self.on_settled(incident.info, for_viewer(decision, _nobody))
+        incident.fingerprint, repeat = self.on_settled(incident.info, decision, incident.ranks)
+        incident.info = msgspec.structs.replace(incident.info, repeat=repeat)
 
     def decided(self, incident: _Incident) -> Decision | None:
         """The verdict on ``incident`` as its ranks say now (None: it has none)."""
@@ -218,7 +224,7 @@ class IncidentLog:
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
         library: Library | None = None,
-        on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
+        on_settled: Settled = lambda incident, decision, ranks: ("", ""),
     ) -> None:
         self.host = host
         self.window = window
@@ -663,17 +669,20 @@ def _viewed(
 ) -> Verdict | None:
     """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
     collective, and each frame only where ``viewer`` may see that rank's stack (a
-    listing, ``viewer_gid`` None, shows frames to root alone)."""
+    listing, ``viewer_gid`` None, shows frames to root alone), with the
+    fingerprint it settled with."""
     if decision is None:
         return None
     if viewer == ROOT:
-        return decision.verdict
-    if viewer_gid is None:
-        return for_viewer(decision, _nobody)
-    readable = {
-        (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
-    }
-    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+        verdict = decision.verdict
+    elif viewer_gid is None:
+        verdict = for_viewer(decision, nobody)
+    else:
+        readable = {(r.host, r.pid) for r in incident.ranks if may_read(r, viewer, viewer_gid)}
+        verdict = for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+    if incident.fingerprint:
+        return msgspec.structs.replace(verdict, fingerprint=incident.fingerprint)
+    return verdict
 
 
 def _reported(incident: _Incident) -> bool:
@@ -684,8 +693,3 @@ def _reported(incident: _Incident) -> bool:
         and incident.hosts <= hosts
         and all(rank.state != "pending" for rank in incident.ranks)
     )
-
-
-def _nobody(culprit: Culprit) -> bool:
-    """A viewer who may see no rank's stack."""
-    return False

@@ -320,7 +320,10 @@ class Daemon:
         if state_path is not None:
             # Before anything is recorded: event numbers go on from the last one kept.
             self.record_file = RecordFile(
-                record_path(state_path), self.service.events, self.service.incidents
+                record_path(state_path),
+                self.service.events,
+                self.service.incidents,
+                repeats=self.service.repeats,
             )
             self.record_file.load()
             self.history_file = HistoryFile(history_path(state_path), self.service.history)

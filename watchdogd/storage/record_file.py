@@ -1,23 +1,29 @@
 """What happened, kept beside the state (``STATE.record``): the events
-(`watchdogd.core.events`) and the incidents (`watchdogd.core.incidents`), so that
-``watchdogctl events`` and ``watchdogctl incident ID`` still explain a kill after the
-daemon restarted, and ``events --follow`` goes on from the number it saw.
+(`watchdogd.core.events`), the incidents (`watchdogd.core.incidents`) and the
+jobs' hangs (`watchdogd.core.repeats`), so that ``watchdogctl events`` and
+``watchdogctl incident ID`` still explain a kill after the daemon restarted,
+``events --follow`` goes on from the number it saw, and ``watchdogctl job`` still
+stops a hang that repeats.
 
 Invariants:
 
 - An append-only file of checksummed records, framed as the journal's are
   (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
-  then events, incidents as they now are (the last record of an incident is what
-  it is) and incidents dropped. What changed is written within `WRITE_INTERVAL`
-  of the change, in one ``write(2)``, and before any reply that shows an event's
-  number is sent (`RecordFile.through`): numbering goes on after the last event
-  read at start, so a number a client saw is never given to another event.
+  then jobs' rows of hangs, events, incidents as they now are (the last record
+  of an incident or a row is what it is) and incidents and rows dropped. What
+  changed is written within `WRITE_INTERVAL` of the change, in one ``write(2)``,
+  and before any reply that shows an event's number is sent
+  (`RecordFile.through`): numbering goes on after the last event read at start,
+  so a number a client saw is never given to another event; a row changes with
+  an event about it (a mark, a reset) in the same write.
   Nothing is fsynced: the page cache survives a kill of the daemon, as the
   journal's records do.
-- Bounded as the rings are: the file holds the kept events and incidents, and
-  the changes since it was last written whole. When it outgrows twice what it
-  held then (and `_SLACK`), it is written whole again, to a new file renamed over
-  it: a crash leaves the old or the new.
+- Bounded as the rings are: the file holds the kept events, incidents and rows,
+  and the changes since it was last written whole. The rows of hangs are bounded
+  by their own table alone, small, and written first: nothing that makes room
+  in this file drops or cuts them (a job whose hang repeats must stay marked).
+  When it outgrows twice what it held then (and `_SLACK`), it is written whole
+  again, to a new file renamed over it: a crash leaves the old or the new.
 - Read at start, in order, each record typed and bounded as a reply is, and
   only from a regular file (`watchdogd.storage.files.open_regular`: anything
   else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
@@ -54,6 +60,7 @@ from watchdogd_client.protocol import EventInfo
 
 from ..core.events import EventLog
 from ..core.incidents import IncidentLog, StoredIncident
+from ..core.repeats import JobKey, JobRow, Repeats
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file
@@ -95,7 +102,16 @@ class _Dropped(msgspec.Struct, tag="dropped", array_like=True):
     id: str
 
 
-_Entry = _Header | _Event | _Incident | _Dropped
+class _Row(msgspec.Struct, tag="job", array_like=True):
+    row: JobRow
+
+
+class _RowDropped(msgspec.Struct, tag="job_dropped", array_like=True):
+    uid: int
+    job: str
+
+
+_Entry = _Header | _Event | _Incident | _Dropped | _Row | _RowDropped
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Entry)
 
@@ -144,10 +160,11 @@ class _Parts:
 
 
 class RecordFile:
-    """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
-    keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
-    ``slack``, the growth allowed past twice the last whole write; ``turn``, the
-    CPU seconds a whole write is framed for before other tasks run."""
+    """Reads ``path`` into ``events``, ``incidents`` and ``repeats`` at start;
+    writes what they keep as it changes. ``wall`` is the wall clock (an incident's
+    window is on it); ``slack``, the growth allowed past twice the last whole
+    write; ``turn``, the CPU seconds a whole write is framed for before other
+    tasks run."""
 
     def __init__(
         self,
@@ -155,6 +172,7 @@ class RecordFile:
         events: EventLog,
         incidents: IncidentLog,
         *,
+        repeats: Repeats | None = None,
         wall: Callable[[], float] = time.time,
         slack: int = _SLACK,
         turn: float = _TURN,
@@ -164,6 +182,7 @@ class RecordFile:
         self._turn = turn
         self._events = events
         self._incidents = incidents
+        self._repeats = Repeats() if repeats is None else repeats
         self._wall = wall
         self._fd: int | None = None
         #: The number of the last event written.
@@ -184,12 +203,11 @@ class RecordFile:
         """Read the file back into the rings (before anything records an event:
         numbering goes on after the last one read). What could not be read is
         said by an event (`_report`)."""
-        events: list[EventInfo] = []
-        incidents: dict[str, StoredIncident] = {}
+        read = _Read()
         try:
             with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
-                reading = _read(file, events, incidents)
+                reading = _read(file, read)
         except FileNotFoundError:
             return
         except NotRegular as exc:
@@ -216,10 +234,19 @@ class RecordFile:
         else:
             self._whole = False
         self._size = self._base = reading.good
-        self._events.restore(events)
-        self._incidents.restore(list(incidents.values()), self._wall())
+        self._events.restore(read.events)
+        self._incidents.restore(list(read.incidents.values()), self._wall())
+        self._repeats.restore(read.rows.values())
         self._written = self._events.last
-        log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
+        log.info(
+            logfmt(
+                "record",
+                path=self.path,
+                events=len(read.events),
+                incidents=len(read.incidents),
+                jobs=len(read.rows),
+            )
+        )
         self._report(reading, moved_to)
 
     def _report(self, reading: _Reading, moved_to: str) -> None:
@@ -313,9 +340,12 @@ class RecordFile:
         fresh = self._events.last != self._written
         events = self._events.since(self._written) if fresh else []
         changed, dropped = self._incidents.changes.take()
-        if not (events or changed or dropped):
+        rows, gone = self._repeats.take()
+        if not (events or changed or dropped or rows or gone):
             return
         entries: Iterable[_Entry] = (
+            *(_Row(row) for row in rows),
+            *(_RowDropped(uid, job) for uid, job in gone),
             *(_Event(event) for event in events),
             *(_Incident(incident) for incident in changed),
             *(_Dropped(incident_id) for incident_id in dropped),
@@ -346,9 +376,12 @@ class RecordFile:
         as they are now: framing them may take many turns), and the last event in
         it."""
         self._incidents.changes.take()  # all of them are in it
+        self._repeats.take()
         events = self._events.since(0)
         entries: list[_Entry] = [
             _Header(SCHEMA),
+            # First, and never left off: what stops a hang that repeats.
+            *(_Row(row) for row in self._repeats.everything()),
             *(_Event(event) for event in events),
             *(_Incident(incident) for incident in self._incidents.everything()),
         ]
@@ -428,11 +461,17 @@ class _Reading(msgspec.Struct):
             self.problem = problem
 
 
-def _read(
-    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> _Reading:
-    """Read the records of ``file`` into ``events`` and ``incidents``; what was
-    read and what was not.
+class _Read:
+    """What the records read say: the events, the incidents and the jobs' rows."""
+
+    def __init__(self) -> None:
+        self.events: list[EventInfo] = []
+        self.incidents: dict[str, StoredIncident] = {}
+        self.rows: dict[JobKey, JobRow] = {}
+
+
+def _read(file: BinaryIO, read: _Read) -> _Reading:
+    """Read the records of ``file`` into ``read``; what was read and what was not.
 
     A record whose content does not decode, or whose checksum fails where its
     length leads to a whole record (or to the end of the file), is jumped over:
@@ -453,7 +492,7 @@ def _read(
                 break
             file.seek(following)
             reading.skipped += 1
-        elif (problem := _entry(payload, offset, events, incidents)) is not None:
+        elif (problem := _entry(payload, offset, read)) is not None:
             reading.lost(offset, problem)
             if problem.startswith("schema"):
                 break
@@ -494,11 +533,9 @@ def _whole_at(file: BinaryIO, offset: int, size: int) -> bool:
     return not isinstance(frame, str) and zlib.crc32(frame[2]) == frame[1]
 
 
-def _entry(
-    payload: bytes, offset: int, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> str | None:
-    """Read one record's ``payload`` (its checksum good) into ``events`` or
-    ``incidents``; what is wrong with it, if anything."""
+def _entry(payload: bytes, offset: int, read: _Read) -> str | None:
+    """Read one record's ``payload`` (its checksum good) into ``read``; what is
+    wrong with it, if anything."""
     try:
         entry = _decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -509,9 +546,14 @@ def _entry(
         case _Header():
             pass
         case _Event(event=event):
-            events.append(event)
+            read.events.append(event)
         case _Incident(incident=incident):
-            incidents[incident.info.id] = incident
+            read.incidents[incident.info.id] = incident
         case _Dropped(id=incident_id):
-            incidents.pop(incident_id, None)
+            read.incidents.pop(incident_id, None)
+        case _Row(row=row):
+            read.rows.pop(row.key, None)  # the order written is the order kept
+            read.rows[row.key] = row
+        case _RowDropped(uid=uid, job=job):
+            read.rows.pop((uid, job), None)
     return None
