@@ -1,8 +1,9 @@
 """A hang that repeats stops its job's restarts, on a real daemon with real workers:
 the same hang three times in a job gives one fingerprint and marks the job
-repeating (``watchdogctl job`` exits 3, through a SIGKILL of the daemon between
-two of them), ``--reset`` clears the mark, another hang has another fingerprint,
-and a job is its owner's to ask about and to reset."""
+repeating (``watchdogctl job`` exits 3), ``--reset`` clears the mark (and it stays
+cleared, the hangs kept, through a SIGKILL of the daemon the moment it said so),
+another hang has another fingerprint, and a job is its owner's to ask about and
+to reset."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from watchdogd_client.protocol import EventInfo, HangsReply, IncidentInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.jobs import incidents, run_job, settled_after
-from helpers.processes import reap
+from helpers.processes import reap, sleeper
 from helpers.users import NOBODY, ctl_as
 
 #: An incident's window of a second: each run of the job below is an incident of
@@ -82,11 +83,6 @@ def test_the_same_hang_three_times_marks_its_job_until_it_is_reset(
     )
 
     second = hang(daemon, "train-r", "elsewhere")
-    assert job(daemon, "train-r")[0] == 0
-    # Killed at once after that answer: the table is kept with the record, and
-    # an answer about the job is sent once what it said is written.
-    assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
-    daemon.start()
     status, reply = job(daemon, "train-r")
     assert (status, reply and [h.incident for h in reply.hangs]) == (0, [first.id, second.id])
 
@@ -108,10 +104,24 @@ def test_the_same_hang_three_times_marks_its_job_until_it_is_reset(
     metrics = ctl(daemon.socket_path, "metrics").stdout
     assert 'watchdogd_job_repeating{job="train-r",uid="0"} 1.0' in metrics
 
-    # A fix went in: the mark is cleared, and the next hang counts from one.
-    status, reply = job(daemon, "train-r", "--reset")
-    assert (status, reply and reply.repeating) == (0, "")
-    assert job(daemon, "train-r")[0] == 0
+    # A fix went in: the mark is cleared, and the next hang counts from one. The
+    # daemon killed the moment it said so (well within its record's interval
+    # between writes) keeps it cleared: the reply waited for its write.
+    with daemon.client() as client:
+        assert client.hangs("train-r", reset=True).repeating == ""
+    assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+    daemon.start()
+    # Its hangs are the daemon's record, kept across its crash, and each
+    # incident's fingerprint with it.
+    status, reply = job(daemon, "train-r")
+    assert (status, reply and [h.incident for h in reply.hangs]) == (
+        0,
+        [first.id, second.id, third.id],
+    )
+    kept = {
+        i.id: (i.verdict and i.verdict.fingerprint, i.repeat) for i in incidents(daemon.socket_path)
+    }
+    assert kept == {i.id: (fingerprint, "counted") for i in (first, second, third)}
     assert [event.outcome for event in events_of(daemon, "repeat_reset")] == [fingerprint]
 
     # Another hang of the job: another fingerprint, counted apart.
@@ -126,19 +136,25 @@ def test_the_same_hang_three_times_marks_its_job_until_it_is_reset(
 
 
 def test_a_job_is_its_owners_to_ask_about_and_to_reset(daemon: RunningDaemon) -> None:
-    hang(daemon, "train-o", "elsewhere")
-    assert job(daemon, "train-o")[0] == 0
-    assert job(daemon, "train-o", "--user", "root")[0] == 0
-    # Another user names root's job: not theirs, refused before anything is said of it.
-    for args in (("--user", "root"), ("--user", "0", "--reset")):
-        status, _, err = ctl_as(NOBODY, daemon.socket_path, "job", "train-o", *args)
-        assert status == 1, err
-        assert "your own jobs only" in err
-    # Their own job of that name is another job, which they have not run.
-    status, _, err = ctl_as(NOBODY, daemon.socket_path, "job", "train-o")
-    assert status == 4, err
-    assert job(daemon, "no-such-job")[0] == 4
-    assert job(daemon, "train-o", "--user", "nobody")[0] == 4
+    held = sleeper()  # root's job train-o is known here: it holds a timer
+    try:
+        with daemon.client() as client:
+            client.acquire("step", 120, pid=held.pid, job="train-o")
+        assert job(daemon, "train-o")[0] == 0
+        assert job(daemon, "train-o", "--user", "root")[0] == 0
+        # Another user names root's job: not theirs, refused before anything is
+        # said of it, whether it exists or not.
+        for name, args in (("train-o", ("--user", "root")), ("none", ("--user", "0", "--reset"))):
+            status, _, err = ctl_as(NOBODY, daemon.socket_path, "job", name, *args)
+            assert status == 1, err
+            assert "your own jobs only" in err
+        # Their own job of that name is another job, which they have not run.
+        status, _, err = ctl_as(NOBODY, daemon.socket_path, "job", "train-o")
+        assert status == 4, err
+        assert job(daemon, "no-such-job")[0] == 4
+        assert job(daemon, "train-o", "--user", "nobody")[0] == 4
+    finally:
+        reap(held)
 
 
 def test_with_no_daemon_watchdogctl_job_says_so_with_a_status_of_its_own(tmp_path: Path) -> None:
