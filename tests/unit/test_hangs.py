@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from watchdogd.core.config import DAY, Config, DaemonConfig, parse_config
 from watchdogd.core.service import Service
-from watchdogd.errors import Refusal
+from watchdogd.errors import ConfigError, Refusal
 from watchdogd_client.protocol import (
     EventInfo,
     Hangs,
@@ -200,3 +201,17 @@ def test_incidents_and_events_that_give_way_leave_the_jobs_hangs_counted() -> No
     reply = ask(world, "train")
     assert reply.repeating
     assert len(reply.hangs) == 3
+
+
+def test_repeat_limit_and_window_are_the_configs_and_a_reload_applies_them() -> None:
+    world = make_world(repeat_limit=2, repeat_window=600.0)
+    service = world.service
+    hang(service, "train", NOW - 5000)
+    hang(service, "train", NOW - 4000)  # more than the window after the first
+    assert ask(world, "train").repeating == ""
+    service.reconfigure(Config(daemon=DaemonConfig(repeat_limit=1, repeat_window=DAY)))
+    hang(service, "train", NOW - 3000)
+    reply = ask(world, "train")
+    assert (reply.repeating != "", reply.limit, reply.window) == (True, 1, DAY)
+    with pytest.raises(ConfigError, match="repeat_limit"):
+        parse_config("[daemon]\nrepeat_limit = 17\n", "watchdogd.toml")
