@@ -17,7 +17,9 @@ Each part owns its state and is its own module:
 - `watchdogd.core.firing`: expiry, the starvation rule and incident peers, and the
   firing timers until their policy has run;
 - `watchdogd.core.lifecycle`: restore after a restart, exits, the stop;
-- `watchdogd.core.bridge`: what the fleet asks of the core and tells it.
+- `watchdogd.core.bridge`: what the fleet asks of the core and tells it;
+- `watchdogd.core.hangs`: each settled verdict's hang counted toward its job's
+  repeats (`watchdogd.core.repeats`), and the jobs' page.
 
 They share the timer table, the config in force (`watchdogd.core.rules`), the
 events ring, the incident log, the history and the counters, each passed to the
@@ -30,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, assert_never
 
+import msgspec
+
 from watchdogd_client.protocol import (
     Acquire,
     ErrorCode,
@@ -37,15 +41,19 @@ from watchdogd_client.protocol import (
     Events,
     Evidence,
     GroupState,
+    Hangs,
     Hello,
     Incident,
     IncidentInfo,
+    IncidentReply,
     Incidents,
+    IncidentsReply,
     Metrics,
     MetricsReply,
     Ping,
     Policies,
     Pong,
+    RankInfo,
     Release,
     ReplyMessage,
     RequestMessage,
@@ -53,7 +61,6 @@ from watchdogd_client.protocol import (
     Responding,
     Status,
     Suggest,
-    Verdict,
     Welcome,
     Why,
 )
@@ -66,6 +73,7 @@ from .counters import Counters
 from .events import EventLog
 from .firing import Due, Firing
 from .frames import Library
+from .hangs import JobHangs
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
@@ -74,9 +82,11 @@ from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .repeats import Repeats
 from .responders import Responder, Responders
 from .rules import Rules
 from .timers import Expired, Timer, TimerTable
+from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
     "ROOT",
@@ -126,6 +136,12 @@ class Service(Generic[P]):
         self._configure_history(config)
         #: The processes that answer evidence requests, by job.
         self.responders = Responders()
+        #: The jobs' hangs, by fingerprint (`watchdogd.core.repeats`).
+        self.repeats = Repeats(
+            limit=daemon.repeat_limit,
+            window=daemon.repeat_window,
+            same_within=daemon.incident_window,
+        )
         self.incidents = IncidentLog(
             host,
             keep=daemon.incidents,
@@ -186,6 +202,13 @@ class Service(Generic[P]):
             metrics=self.metrics,
             wall=wall,
         )
+        self.hangs = JobHangs(
+            self.repeats,
+            self.incidents,
+            holds=self.fleet.holds,
+            events=self.events,
+            wall=wall,
+        )
         self.pages = Pages(
             self.rules,
             self.table,
@@ -237,6 +260,8 @@ class Service(Generic[P]):
         self.incidents.resize(daemon.incidents, daemon.incidents_per_uid)
         self.incidents.budget.resize(daemon.incident_bytes, daemon.incident_bytes_per_uid)
         self.incidents.window = daemon.incident_window
+        self.repeats.limit, self.repeats.window = daemon.repeat_limit, daemon.repeat_window
+        self.repeats.same_within = daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
         """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
@@ -288,7 +313,7 @@ class Service(Generic[P]):
             case Policies():
                 return self.pages.policies(request)
             case Metrics():
-                return MetricsReply(id=request.id, text=self.pages.metrics_text(caller.peer.uid))
+                return MetricsReply(id=request.id, text=self.metrics_text(caller.peer.uid))
             case Ping():
                 return Pong(id=request.id)
             case Hello():
@@ -298,7 +323,9 @@ class Service(Generic[P]):
             case Why():
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
-                return self.pages.incidents(request, caller.peer)
+                return self._flagged(self.pages.incidents(request, caller.peer))
+            case Hangs():
+                return self.hangs.hangs(request, caller.peer)
             case Respond() | Evidence():
                 return self._responding(request, caller)
             case _:
@@ -319,8 +346,17 @@ class Service(Generic[P]):
             )
         return Responding(id=request.id)
 
+    def _flagged(self, reply: IncidentsReply | IncidentReply) -> IncidentsReply | IncidentReply:
+        """``reply`` with each incident whose job repeats its hang flagged so."""
+        if isinstance(reply, IncidentsReply):
+            return msgspec.structs.replace(reply, incidents=self.hangs.flag(reply.incidents))
+        [flagged] = self.hangs.flag([reply.incident])
+        return msgspec.structs.replace(reply, incident=flagged)
+
     def metrics_text(self, reader: int | None = ROOT) -> str:
-        """`Pages.metrics_text`."""
+        """`Pages.metrics_text`, with the jobs marked repeating that ``reader`` may see."""
+        self.metrics.jobs_repeating = self.hangs.gauge(reader)
+        self.metrics.repeating = len(self.repeats.marked())
         return self.pages.metrics_text(reader)
 
     # Expiry, as the runtime's executor of policies calls it.
@@ -396,11 +432,17 @@ class Service(Generic[P]):
             ),
         )
 
-    def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:
-        """An incident's verdict settled: counted by kind, and an event of its owner's."""
+    def _verdict_settled(
+        self, incident: IncidentInfo, decision: Decision | None, ranks: list[RankInfo]
+    ) -> tuple[str, str]:
+        """An incident's verdict settled: counted by kind, an event of its owner's,
+        and its hang counted toward its job's repeats (`JobHangs.settled`)."""
+        if decision is None:
+            return self.hangs.settled(incident, decision, ranks)
+        verdict = for_viewer(decision, nobody)
         self.metrics.verdicts[verdict.kind] += 1
         here = [c for c in verdict.culprits if c.host == self.incidents.host]
-        self.events.record(
+        recorded = self.events.record(
             EventInfo(
                 seq=0,
                 kind="verdict",
@@ -416,6 +458,7 @@ class Service(Generic[P]):
                 outcome=verdict.kind,
             )
         )
+        return self.hangs.settled(incident, decision, ranks, recorded.seq)
 
     def evidence_in(self, incident_id: str, pid: int) -> bool:
         """`IncidentLog.evidence_in`."""
