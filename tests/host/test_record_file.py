@@ -16,7 +16,10 @@ import trio.lowlevel
 
 from watchdogd.core.counters import Counters
 from watchdogd.core.events import EventLog
+from watchdogd.core.fingerprint import Fingerprint
 from watchdogd.core.incidents import IncidentLog
+from watchdogd.core.repeats import Hang, Print, Repeats
+from watchdogd.storage.journal import RECORD
 from watchdogd.storage.record_file import RecordFile
 from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
 
@@ -118,6 +121,49 @@ def test_an_incident_keeps_its_ranks_readers_and_verdict(tmp_path: Path) -> None
                                            scope="step", rank=2), "timeout", 110.0
     )  # fmt: skip
     assert (joined, new) == (opened, False)
+
+
+def a_hang(table: Repeats, job: str, incident: str, at: float) -> None:
+    shown = Print(Fingerprint(id="f" * 16, kind="odd_frame", frames=["loader.py read_shard"]))
+    table.add((1000, job), "alice", Hang(incident, at, shown.fingerprint.id), shown)
+
+
+def tags(path: Path) -> list[str]:
+    """The kind of each record of the file at ``path``, in order."""
+    data = path.read_bytes()
+    found, offset = [], 0
+    while offset < len(data):
+        length, _ = RECORD.unpack_from(data, offset)
+        offset += RECORD.size
+        found.append(msgspec.msgpack.decode(data[offset : offset + length])[0])
+        offset += length
+    return found
+
+
+def test_the_jobs_hangs_come_back_written_first_and_a_dropped_row_stays_dropped(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    events, incidents = logs()
+    table = Repeats(limit=2, keep=2, per_uid=2)
+    record = RecordFile(str(path), events, incidents, repeats=table, wall=lambda: 110.0)
+    record.load()
+    written_scenario(events, incidents)
+    for job in ("a", "b"):
+        a_hang(table, job, f"{job}-1", 10.0)
+    record.write_now()  # the first write: the file whole
+    assert tags(path)[:3] == ["header", "job", "job"]
+    a_hang(table, "a", "a-2", 200.0)  # marks job a
+    a_hang(table, "c", "c-1", 300.0)  # job b, alice's oldest, gives way
+    record.write_now()  # appended
+    assert tags(path)[-2:] == ["job", "job_dropped"]
+    record.close()
+    again = Repeats(limit=2, keep=2, per_uid=2)
+    reloaded = RecordFile(str(path), *logs(), repeats=again, wall=lambda: 110.0)
+    reloaded.load()
+    reloaded.close()
+    assert again.everything() == table.everything()
+    assert again.marked() == [(1000, "a")]
 
 
 def test_a_write_the_daemon_died_in_is_cut_off_and_said_so(tmp_path: Path) -> None:

@@ -21,9 +21,10 @@ FORBIDDEN = (*LOADED, "threading", "time", "logging", "os")
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidence_budget",
-        "expiry", "firing", "frames", "heap", "history", "identity", "incidents", "lifecycle",
-        "logline", "pages", "policies", "ports", "ranks", "responders", "rules", "service",
-        "session", "shares", "slots", "starvation", "timers", "tomlkeys", "verdict")  # fmt: skip
+        "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
+        "incidents", "lifecycle", "logline", "pages", "policies", "ports", "ranks", "repeats",
+        "responders", "rules", "service", "session", "shares", "slots", "starvation", "timers",
+        "tomlkeys", "verdict")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

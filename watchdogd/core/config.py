@@ -63,6 +63,7 @@ from .policies import (
     Wait,
     signal_number,
 )
+from .repeats import MAX_HANGS
 from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 from .tomlkeys import line_of, split_path, value_of
 
@@ -169,6 +170,11 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: group down) before their stacks are taken. Never for another host's. 0
     #: signals at once.
     incident_evidence_wait: Annotated[float, Meta(ge=0, le=60)] = 3.0
+    #: A job whose incidents' verdicts name the same hang (one fingerprint) this
+    #: many times within ``repeat_window`` seconds is marked repeating
+    #: (`watchdogd.core.repeats`); at most the hangs a job's row keeps.
+    repeat_limit: Annotated[int, Meta(ge=1, le=MAX_HANGS)] = 3
+    repeat_window: Seconds = DAY
 
 
 class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -41,6 +41,10 @@ class Counters:
         self.fleet_unexpected = 0
         #: Processes with timers of each (owner uid, job), as last rendered.
         self.job_processes: dict[tuple[int, str], int] = {}
+        #: The jobs marked repeating (owner uid, job) a reader may see, and how
+        #: many are marked in all, as last rendered.
+        self.jobs_repeating: dict[tuple[int, str], int] = {}
+        self.repeating = 0
         self.exited = 0
         self.unkillable = 0
         #: Slots of the fast path: deadlines past the bound a look clamped, counts

@@ -62,6 +62,8 @@ class Kept:
     settled: bool = False
     #: The hosts the fleet says hold the job: each reports before it settles.
     hosts: frozenset[str] = frozenset()
+    #: The fingerprint it settled with (`IncidentLog`'s ``on_settled``).
+    fingerprint: str = ""
     #: The encoded size of each rank, and their sum.
     sizes: list[int] = field(default_factory=list)
     size: int = 0

@@ -33,10 +33,9 @@ Bytes are bounded the same way: the ranks of root's incidents take at most
 incidents, stacks first (`watchdogd.core.evidence_budget`). What changed is handed
 to the runtime as `StoredIncident` records (`changes`), which the state keeps, and a
 restarted daemon takes them back (`restore`): an incident still open goes on
-gathering, with its ranks, stacks, readers and verdict as they were. Root
-sees every incident; another uid, those of its own jobs, and of each the stacks
-only of the processes ptrace's read rule let it read when they were dumped
-(`may_read`): the decision is taken at the dump and kept with the rank.
+gathering, with its ranks, stacks, readers and verdict as they were. Root sees every
+incident; another uid, those of its own jobs, and of each the stacks only of the
+processes ptrace's read rule let it read when dumped (`may_read`, kept with the rank).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
-    Culprit,
     EventInfo,
     GroupState,
     IncidentInfo,
@@ -67,13 +65,14 @@ from .ranks import (
     clip,
     first_frame,
     may_read,
+    reported,
     shown_order,
     stack_of,
     state_of,
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer, reported
+from .verdict import Decision, decide, for_viewer, nobody
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -83,38 +82,40 @@ _MAX_ALIASES: Final = 4096
 _ENVELOPE_BYTES: Final = 64 * 1024
 
 JobKey = tuple[int, str]
+#: Told of each verdict that settles (None: no rank gave evidence for one), with
+#: the incident's ranks: the fingerprint it settles with and whether it counted.
+Settled = Callable[[IncidentInfo, Decision | None, list[RankInfo]], tuple[str, str]]
 
 
 class StoredIncident(msgspec.Struct, array_like=True, frozen=True):
     """An incident as the state keeps it: its head (``info``, without ranks), its
     ranks, and what decides how it goes on (the wall time its window closes,
     whether its verdict settled, the hosts it waits for). Its verdict is not
-    stored: the same ranks judge to the same verdict."""
+    stored: the same ranks judge to the same verdict; the fingerprint it settled
+    with is (and in ``info``, whether that counted: `watchdogd.core.hangs`)."""
 
     info: IncidentInfo
     ranks: list[RankInfo]
     open_until: float
     settled: bool
     hosts: list[str]
+    fingerprint: str = ""
 
 
 def _kept(stored: StoredIncident) -> Kept:
     """An incident as the state kept it."""
     incident = Kept(stored.info, [], stored.open_until, None, stored.settled)
     incident.hosts = frozenset(stored.hosts)
+    incident.fingerprint = stored.fingerprint
     incident.assign([bounded(rank) for rank in stored.ranks[:MAX_RANKS]])
     return incident
 
 
 def _stored(incident: Kept) -> StoredIncident:
     """``incident`` as the state keeps it."""
-    return StoredIncident(
-        incident.info,
-        list(incident.ranks),
-        incident.open_until,
-        incident.settled,
-        sorted(incident.hosts),
-    )
+    kept = incident
+    return StoredIncident(kept.info, list(kept.ranks), kept.open_until, kept.settled,
+                          sorted(kept.hosts), kept.fingerprint)  # fmt: skip
 
 
 class _Aliases(OrderedDict[str, str]):
@@ -163,7 +164,7 @@ class _Judge:
     def __init__(
         self,
         library: Library,
-        on_settled: Callable[[IncidentInfo, Verdict], object],
+        on_settled: Settled,
         touched: Callable[[Kept], object],
     ) -> None:
         self.library = library
@@ -193,8 +194,8 @@ class _Judge:
         incident.settled = True
         incident.decision = None
         decision = self.decided(incident)
-        if decision is not None:
-            self.on_settled(incident.info, for_viewer(decision, _nobody))
+        incident.fingerprint, repeat = self.on_settled(incident.info, decision, incident.ranks)
+        incident.info = msgspec.structs.replace(incident.info, repeat=repeat)
 
     def decided(self, incident: Kept) -> Decision | None:
         """The verdict on ``incident`` as its ranks say now (None: it has none)."""
@@ -217,7 +218,7 @@ class IncidentLog:
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
         library: Library | None = None,
-        on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
+        on_settled: Settled = lambda incident, decision, ranks: ("", ""),
         evidence: int = EVIDENCE_BYTES,
         evidence_per_uid: int | None = EVIDENCE_BYTES_PER_UID,
         on_trimmed: Callable[[int, int], object] = lambda uid, size: None,
@@ -662,17 +663,20 @@ def _viewed(
 ) -> Verdict | None:
     """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
     collective, and each frame only where ``viewer`` may see that rank's stack (a
-    listing, ``viewer_gid`` None, shows frames to root alone)."""
+    listing, ``viewer_gid`` None, shows frames to root alone), with the
+    fingerprint it settled with."""
     if decision is None:
         return None
     if viewer == ROOT:
-        return decision.verdict
-    if viewer_gid is None:
-        return for_viewer(decision, _nobody)
-    readable = {
-        (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
-    }
-    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+        verdict = decision.verdict
+    elif viewer_gid is None:
+        verdict = for_viewer(decision, nobody)
+    else:
+        readable = {(r.host, r.pid) for r in incident.ranks if may_read(r, viewer, viewer_gid)}
+        verdict = for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+    if incident.fingerprint:
+        return msgspec.structs.replace(verdict, fingerprint=incident.fingerprint)
+    return verdict
 
 
 def _whole(incident: Kept) -> IncidentInfo:
@@ -690,8 +694,3 @@ def _reported(incident: Kept) -> bool:
         and incident.hosts <= hosts
         and all(rank.state != "pending" for rank in incident.ranks)
     )
-
-
-def _nobody(culprit: Culprit) -> bool:
-    """A viewer who may see no rank's stack."""
-    return False

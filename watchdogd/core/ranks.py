@@ -42,6 +42,11 @@ def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
     return rank.reader_gid is None or rank.reader_gid == viewer_gid
 
 
+def reported(rank: RankInfo) -> bool:
+    """Whether ``rank``'s evidence has come: its policy has run, or it gave some."""
+    return rank.state != "pending" or bool(rank.flight or rank.stack or rank.evidence)
+
+
 def unread(rank: RankInfo) -> RankInfo:
     """``rank`` without what its viewer may not see, with a note why."""
     if not (rank.stack or rank.frame):

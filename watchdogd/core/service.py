@@ -19,7 +19,9 @@ Each part owns its state and is its own module:
 - `watchdogd.core.lifecycle`: restore after a restart, exits, the stop;
 - `watchdogd.core.slots`: the fast path's registrations and the looks at their
   slots;
-- `watchdogd.core.bridge`: what the fleet asks of the core and tells it.
+- `watchdogd.core.bridge`: what the fleet asks of the core and tells it;
+- `watchdogd.core.hangs`: each settled verdict's hang counted toward its job's
+  repeats (`watchdogd.core.repeats`), and the jobs' page.
 
 They share the timer table, the config in force (`watchdogd.core.rules`), the
 events ring, the incident log, the history and the counters, each passed to the
@@ -32,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, assert_never
 
+import msgspec
+
 from watchdogd_client.protocol import (
     Acquire,
     ErrorCode,
@@ -39,10 +43,13 @@ from watchdogd_client.protocol import (
     Events,
     Evidence,
     GroupState,
+    Hangs,
     Hello,
     Incident,
     IncidentInfo,
+    IncidentReply,
     Incidents,
+    IncidentsReply,
     MapPage,
     Metrics,
     MetricsReply,
@@ -50,6 +57,7 @@ from watchdogd_client.protocol import (
     Ping,
     Policies,
     Pong,
+    RankInfo,
     Release,
     ReplyMessage,
     RequestMessage,
@@ -57,8 +65,6 @@ from watchdogd_client.protocol import (
     Responding,
     Status,
     Suggest,
-    Verdict,
-    Welcome,
     Why,
 )
 
@@ -70,6 +76,7 @@ from .counters import Counters
 from .events import EventLog
 from .firing import Due, Firing
 from .frames import Library
+from .hangs import JobHangs
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
@@ -78,10 +85,12 @@ from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
-from .responders import Responder, Responders
+from .repeats import Repeats
+from .responders import Responders
 from .rules import Rules
 from .slots import Slots
 from .timers import Expired, Timer, TimerTable
+from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
     "ROOT",
@@ -135,6 +144,12 @@ class Service(Generic[P]):
         self._configure_history(config)
         #: The processes that answer evidence requests, by job.
         self.responders = Responders()
+        #: The jobs' hangs, by fingerprint (`watchdogd.core.repeats`).
+        self.repeats = Repeats(
+            limit=daemon.repeat_limit,
+            window=daemon.repeat_window,
+            same_within=daemon.incident_window,
+        )
         self.incidents = IncidentLog(
             host,
             keep=daemon.incidents,
@@ -212,6 +227,13 @@ class Service(Generic[P]):
             metrics=self.metrics,
             wall=wall,
         )
+        self.hangs = JobHangs(
+            self.repeats,
+            self.incidents,
+            holds=self.fleet.holds,
+            events=self.events,
+            wall=wall,
+        )
         self.pages = Pages(
             self.rules,
             self.table,
@@ -265,6 +287,8 @@ class Service(Generic[P]):
         self.incidents.budget.resize(daemon.incident_bytes, daemon.incident_bytes_per_uid)
         self.incidents.window = daemon.incident_window
         self.slots.offered = self._monotonic and daemon.fast_path
+        self.repeats.limit, self.repeats.window = daemon.repeat_limit, daemon.repeat_window
+        self.repeats.same_within = daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
         """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
@@ -295,10 +319,6 @@ class Service(Generic[P]):
         """`Arming.close_connection`."""
         self.arming.close_connection(caller)
 
-    def welcome(self, hello: Hello) -> Welcome:
-        """`Arming.welcome`."""
-        return self.arming.welcome(hello)
-
     # One branch per request type, by design: the whole dispatch reads in one place.
     def handle(  # noqa: PLR0912
         self, request: RequestMessage, caller: Caller[P], now: float
@@ -316,7 +336,7 @@ class Service(Generic[P]):
             case Policies():
                 return self.pages.policies(request)
             case Metrics():
-                return MetricsReply(id=request.id, text=self.pages.metrics_text(caller.peer.uid))
+                return MetricsReply(id=request.id, text=self.metrics_text(caller.peer.uid))
             case Ping():
                 return Pong(id=request.id)
             case Hello():
@@ -326,7 +346,9 @@ class Service(Generic[P]):
             case Why():
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
-                return self.pages.incidents(request, caller.peer)
+                return self._flagged(self.pages.incidents(request, caller.peer))
+            case Hangs():
+                return self.hangs.hangs(request, caller.peer)
             case Respond() | Evidence():
                 return self._responding(request, caller)
             case MapPage():
@@ -366,8 +388,17 @@ class Service(Generic[P]):
             )
         return Responding(id=request.id)
 
+    def _flagged(self, reply: IncidentsReply | IncidentReply) -> IncidentsReply | IncidentReply:
+        """``reply`` with each incident whose job repeats its hang flagged so."""
+        if isinstance(reply, IncidentsReply):
+            return msgspec.structs.replace(reply, incidents=self.hangs.flag(reply.incidents))
+        [flagged] = self.hangs.flag([reply.incident])
+        return msgspec.structs.replace(reply, incident=flagged)
+
     def metrics_text(self, reader: int | None = ROOT) -> str:
-        """`Pages.metrics_text`."""
+        """`Pages.metrics_text`, with the jobs marked repeating that ``reader`` may see."""
+        self.metrics.jobs_repeating = self.hangs.gauge(reader)
+        self.metrics.repeating = len(self.repeats.marked())
         return self.pages.metrics_text(reader)
 
     # Expiry, as the runtime's executor of policies calls it.
@@ -383,10 +414,6 @@ class Service(Generic[P]):
     def record_fired(self, due: Due[P]) -> Expired[P]:
         """`Firing.record`."""
         return self.expiries.record(due)
-
-    def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
-        """`Firing.step_started`."""
-        return self.expiries.step_started(timer, step, step_end)
 
     def expiry_finished(self, timer: Timer) -> None:
         """`Firing.finished`."""
@@ -411,26 +438,6 @@ class Service(Generic[P]):
         """`Firing.dump_taken`."""
         self.expiries.dump_taken(timer, reader, evidence, flight)
 
-    def take_asks(self) -> list[tuple[str, Responder]]:
-        """`Firing.take_asks`."""
-        return self.expiries.take_asks()
-
-    def evidence_given(
-        self,
-        incident: str,
-        pid: int,
-        stack: str,
-        *,
-        evidence: str,
-        flight: Sequence[GroupState],
-        reader: tuple[int, int] | None,
-        note: str = "",
-    ) -> None:
-        """`Firing.evidence_given`."""
-        self.expiries.evidence_given(
-            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
-        )
-
     def _evidence_trimmed(self, uid: int, size: int) -> None:
         """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
         counted, and a line (rate-limited per uid) says so."""
@@ -443,11 +450,17 @@ class Service(Generic[P]):
             ),
         )
 
-    def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:
-        """An incident's verdict settled: counted by kind, and an event of its owner's."""
+    def _verdict_settled(
+        self, incident: IncidentInfo, decision: Decision | None, ranks: list[RankInfo]
+    ) -> tuple[str, str]:
+        """An incident's verdict settled: counted by kind, an event of its owner's,
+        and its hang counted toward its job's repeats (`JobHangs.settled`)."""
+        if decision is None:
+            return self.hangs.settled(incident, decision, ranks)
+        verdict = for_viewer(decision, nobody)
         self.metrics.verdicts[verdict.kind] += 1
         here = [c for c in verdict.culprits if c.host == self.incidents.host]
-        self.events.record(
+        recorded = self.events.record(
             EventInfo(
                 seq=0,
                 kind="verdict",
@@ -463,22 +476,11 @@ class Service(Generic[P]):
                 outcome=verdict.kind,
             )
         )
-
-    def evidence_in(self, incident_id: str, pid: int) -> bool:
-        """`IncidentLog.evidence_in`."""
-        return self.incidents.evidence_in(incident_id, pid)
+        return self.hangs.settled(incident, decision, ranks, recorded.seq)
 
     def settle_incidents(self) -> None:
         """`IncidentLog.tick`, now."""
         self.incidents.tick(self._wall())
-
-    def record_unkillable(self, event: EventInfo) -> None:
-        """`Firing.record_unkillable`."""
-        self.expiries.record_unkillable(event)
-
-    def observe_lateness(self, seconds: float) -> None:
-        """The time from a deadline to its policy's first signal."""
-        self.metrics.observe_lateness(seconds)
 
     # The state, restarts and exits.
 

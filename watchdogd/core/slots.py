@@ -43,7 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic
 
@@ -468,12 +468,7 @@ class Slots(Generic[P]):
         if blocks == slot.blocks:
             return False
         counts = slot.page.counts(slot.index)
-        seen = slot.seen
-        added: dict[int, int] = {}
-        for bucket in range(BUCKETS):
-            count = counts[bucket]
-            if count != seen.get(bucket, 0):
-                added[bucket] = (count - seen.get(bucket, 0)) % 2**32
+        added = _added(counts, slot.seen)
         slot.blocks = blocks
         slot.seen = {bucket: count for bucket, count in enumerate(counts) if count}
         since, slot.harvested = slot.harvested, now
@@ -567,6 +562,17 @@ class Slots(Generic[P]):
         self._slots.clear()
         self._idle.clear()
         self._closing.clear()
+
+
+def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
+    """What ``counts`` (by bucket, each a 32-bit count that wraps) added since
+    ``seen`` was taken."""
+    added: dict[int, int] = {}
+    for bucket in range(BUCKETS):
+        count = counts[bucket]
+        if count != seen.get(bucket, 0):
+            added[bucket] = (count - seen.get(bucket, 0)) % 2**32
+    return added
 
 
 def _microseconds(seconds: float) -> int:

@@ -417,6 +417,7 @@ class Daemon:
             reserve=(lambda: 0) if store is None else store.room.wanted,
             state_failing=lambda: store is not None and store.degraded,
             metrics=self.service.metrics,
+            repeats=self.service.repeats,
         )
         if store is not None:
             store.room.make = record.give_way

@@ -83,6 +83,22 @@ class _Collector(Collector):
         for (uid, job), count in sorted(m.job_processes.items()):
             jobs.add_metric([str(uid), job], count)
         yield jobs
+        yield GaugeMetricFamily(
+            "watchdogd_jobs_repeating",
+            "Jobs marked repeating now: their hang repeated repeat_limit times within "
+            "repeat_window, and watchdogctl job exits 3 for each until --reset.",
+            value=m.repeating,
+        )
+        repeating = GaugeMetricFamily(
+            "watchdogd_job_repeating",
+            "1 for a job whose hang repeated repeat_limit times within repeat_window "
+            "(watchdogctl job exits 3 for it until --reset), by its owner's uid and job: "
+            f'the first {m.JOB_LABELS}, the count of the rest as job="(other)".',
+            labels=["uid", "job"],
+        )
+        for (uid, job), count in sorted(m.jobs_repeating.items()):
+            repeating.add_metric([str(uid), job], count)
+        yield repeating
         yield CounterMetricFamily(
             "watchdogd_exits", "Processes that exited with timers armed.", value=m.exited
         )

@@ -1,4 +1,5 @@
-"""The records of the record file (`watchdogd.storage.record_file`): their types,
+"""The records of the record file (`watchdogd.storage.record_file`): their types
+(events, incidents, the jobs' rows of hangs, and the dropping of either),
 their framing (a journal's: length, checksum, msgpack), and reading them back.
 
 Each record is typed and bounded as a reply is; a reading skips a damaged record
@@ -16,6 +17,7 @@ import msgspec
 from watchdogd_client.protocol import EventInfo
 
 from ..core.incidents import StoredIncident
+from ..core.repeats import JobKey, JobRow
 from .journal import RECORD
 
 #: The schema of the records; a file of another is moved aside, unread.
@@ -40,7 +42,16 @@ class DroppedRecord(msgspec.Struct, tag="dropped", array_like=True):
     id: str
 
 
-Entry = Header | EventRecord | IncidentRecord | DroppedRecord
+class RowRecord(msgspec.Struct, tag="job", array_like=True):
+    row: JobRow
+
+
+class RowDroppedRecord(msgspec.Struct, tag="job_dropped", array_like=True):
+    uid: int
+    job: str
+
+
+Entry = Header | EventRecord | IncidentRecord | DroppedRecord | RowRecord | RowDroppedRecord
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Entry)
 
@@ -73,11 +84,17 @@ class Reading(msgspec.Struct):
             self.problem = problem
 
 
-def read_records(
-    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> Reading:
-    """Read the records of ``file`` into ``events`` and ``incidents``; what was
-    read and what was not.
+class Read:
+    """What the records read say: the events, the incidents and the jobs' rows."""
+
+    def __init__(self) -> None:
+        self.events: list[EventInfo] = []
+        self.incidents: dict[str, StoredIncident] = {}
+        self.rows: dict[JobKey, JobRow] = {}
+
+
+def read_records(file: BinaryIO, read: Read) -> Reading:
+    """Read the records of ``file`` into ``read``; what was read and what was not.
 
     A record whose content does not decode, or whose checksum fails where its
     length leads to a whole record (or to the end of the file), is jumped over:
@@ -98,7 +115,7 @@ def read_records(
                 break
             file.seek(following)
             reading.skipped += 1
-        elif (problem := _entry(payload, offset, events, incidents)) is not None:
+        elif (problem := _entry(payload, offset, read)) is not None:
             reading.lost(offset, problem)
             if problem.startswith("schema"):
                 break
@@ -139,11 +156,9 @@ def _whole_at(file: BinaryIO, offset: int, size: int) -> bool:
     return not isinstance(frame, str) and zlib.crc32(frame[2]) == frame[1]
 
 
-def _entry(
-    payload: bytes, offset: int, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> str | None:
-    """Read one record's ``payload`` (its checksum good) into ``events`` or
-    ``incidents``; what is wrong with it, if anything."""
+def _entry(payload: bytes, offset: int, read: Read) -> str | None:
+    """Read one record's ``payload`` (its checksum good) into ``read``; what is
+    wrong with it, if anything."""
     try:
         entry = _decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -154,9 +169,14 @@ def _entry(
         case Header():
             pass
         case EventRecord(event=event):
-            events.append(event)
+            read.events.append(event)
         case IncidentRecord(incident=incident):
-            incidents[incident.info.id] = incident
+            read.incidents[incident.info.id] = incident
         case DroppedRecord(id=incident_id):
-            incidents.pop(incident_id, None)
+            read.incidents.pop(incident_id, None)
+        case RowRecord(row=row):
+            read.rows.pop(row.key, None)  # the order written is the order kept
+            read.rows[row.key] = row
+        case RowDroppedRecord(uid=uid, job=job):
+            read.rows.pop((uid, job), None)
     return None

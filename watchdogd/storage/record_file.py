@@ -1,23 +1,29 @@
 """What happened, kept beside the state (``STATE.record``): the events
-(`watchdogd.core.events`) and the incidents (`watchdogd.core.incidents`), so that
-``watchdogctl events`` and ``watchdogctl incident ID`` still explain a kill after the
-daemon restarted, and ``events --follow`` goes on from the number it saw.
+(`watchdogd.core.events`), the incidents (`watchdogd.core.incidents`) and the
+jobs' hangs (`watchdogd.core.repeats`), so that ``watchdogctl events`` and
+``watchdogctl incident ID`` still explain a kill after the daemon restarted,
+``events --follow`` goes on from the number it saw, and ``watchdogctl job`` still
+stops a hang that repeats.
 
 Invariants:
 
 - An append-only file of checksummed records, framed as the journal's are
   (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
-  then events, incidents as they now are (the last record of an incident is what
-  it is) and incidents dropped. What changed is written within `WRITE_INTERVAL`
-  of the change, in one ``write(2)``, and before any reply that shows an event's
-  number is sent (`RecordFile.through`): numbering goes on after the last event
-  read at start, so a number a client saw is never given to another event.
+  then jobs' rows of hangs, events, incidents as they now are (the last record
+  of an incident or a row is what it is) and incidents and rows dropped. What
+  changed is written within `WRITE_INTERVAL` of the change, in one ``write(2)``,
+  and before any reply that shows an event's number is sent
+  (`RecordFile.through`): numbering goes on after the last event read at start,
+  so a number a client saw is never given to another event; a row changes with
+  an event about it (a mark, a reset) in the same write.
   Nothing is fsynced: the page cache survives a kill of the daemon, as the
   journal's records do.
-- Bounded as the rings are: the file holds the kept events and incidents, and
-  the changes since it was last written whole. When it outgrows twice what it
-  held then (and `_SLACK`), it is written whole again, to a new file renamed over
-  it: a crash leaves the old or the new.
+- Bounded as the rings are: the file holds the kept events, incidents and rows,
+  and the changes since it was last written whole. The rows of hangs are bounded
+  by their own table alone, small, and written first: nothing that makes room
+  in this file drops or cuts them (a job whose hang repeats must stay marked).
+  When it outgrows twice what it held then (and `_SLACK`), it is written whole
+  again, to a new file renamed over it: a crash leaves the old or the new.
 - Bounded in bytes, and never in the room the timers' state needs: the file
   holds at most its ``bound`` (the config's ``record_bytes``), and at most half
   the room its disk has beyond what the state wants left free (``reserve``,
@@ -63,13 +69,12 @@ from typing import Final
 import msgspec
 import trio
 
-from watchdogd_client.protocol import EventInfo
-
 from ..core.counters import Counters
 from ..core.events import EventLog
 from ..core.identity import ROOT
-from ..core.incidents import IncidentLog, StoredIncident
+from ..core.incidents import IncidentLog
 from ..core.ranks import trimmed
+from ..core.repeats import Repeats
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file
@@ -81,7 +86,10 @@ from .record_entries import (
     EventRecord,
     Header,
     IncidentRecord,
+    Read,
     Reading,
+    RowDroppedRecord,
+    RowRecord,
     framed,
     read_records,
 )
@@ -231,7 +239,8 @@ class _Fit:
         entries = self.entries
         total = sum(small)
         events = [i for i, entry in enumerate(entries) if isinstance(entry, EventRecord)]
-        spared = {0, *events[-1:]}  # the header, and the newest event
+        rows = [i for i, entry in enumerate(entries) if isinstance(entry, RowRecord)]
+        spared = {0, *events[-1:], *rows}  # the header, the newest event, the jobs' rows
         order = sorted(range(len(entries)), key=lambda i: (*_first_left_off(entries[i]), i))
         kept = [True] * len(entries)
         for index in order:
@@ -278,8 +287,8 @@ class _Whole:
 
 
 class RecordFile:
-    """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
-    keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
+    """Reads ``path`` into ``events``, ``incidents`` and ``repeats`` at start;
+    writes what they keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
     ``slack``, the growth allowed past twice the last whole write; ``turn``, the
     CPU seconds a whole write is framed for before other tasks run. ``bound`` is
     the most the file may take (the config's ``record_bytes``, read at each
@@ -300,6 +309,7 @@ class RecordFile:
         reserve: Callable[[], int] = lambda: 0,
         state_failing: Callable[[], bool] = lambda: False,
         metrics: Counters | None = None,
+        repeats: Repeats | None = None,
     ) -> None:
         self.path = path
         self._slack = slack
@@ -310,6 +320,7 @@ class RecordFile:
         self._metrics = Counters() if metrics is None else metrics
         self._events = events
         self._incidents = incidents
+        self._repeats = Repeats() if repeats is None else repeats
         self._wall = wall
         self._fd: int | None = None
         #: The number of the last event written.
@@ -334,12 +345,11 @@ class RecordFile:
         """Read the file back into the rings (before anything records an event:
         numbering goes on after the last one read). What could not be read is
         said by an event (`_report`)."""
-        events: list[EventInfo] = []
-        incidents: dict[str, StoredIncident] = {}
+        read = Read()
         try:
             with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
-                reading = read_records(file, events, incidents)
+                reading = read_records(file, read)
         except FileNotFoundError:
             return
         except NotRegular as exc:
@@ -366,10 +376,19 @@ class RecordFile:
         else:
             self._whole = False
         self._size = self._base = reading.good
-        self._events.restore(events)
-        self._incidents.restore(list(incidents.values()), self._wall())
+        self._events.restore(read.events)
+        self._incidents.restore(list(read.incidents.values()), self._wall())
+        self._repeats.restore(read.rows.values())
         self._written = self._events.last
-        log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
+        log.info(
+            logfmt(
+                "record",
+                path=self.path,
+                events=len(read.events),
+                incidents=len(read.incidents),
+                jobs=len(read.rows),
+            )
+        )
         self._report(reading, moved_to)
 
     def _report(self, reading: Reading, moved_to: str) -> None:
@@ -549,9 +568,17 @@ class RecordFile:
         fresh = self._events.last != self._written
         events = self._events.since(self._written) if fresh else []
         changed, dropped = self._incidents.changes.take()
-        if not (events or changed or dropped):
+        rows, gone = self._repeats.take()
+        if not (events or changed or dropped or rows or gone):
             return
-        news = b"".join(framed(EventRecord(event)) for event in events)
+        # The rows first, with the events: what stops a hang that repeats, and
+        # what a reply shows.
+        first: list[Entry] = [
+            *(RowRecord(row) for row in rows),
+            *(RowDroppedRecord(uid, job) for uid, job in gone),
+            *(EventRecord(event) for event in events),
+        ]
+        news = b"".join(map(framed, first))
         cap = self._cap()
         # Stacks are the bulk of an incident: one that plainly does not fit is
         # not framed (megabytes, on the loop) to find it out.
@@ -567,7 +594,7 @@ class RecordFile:
             # Past its bound, or its room: the next whole write fits it. The
             # events go now if they fit, the numbers a reply shows among them.
             self._whole = True
-            if not events or self._size + len(news) > cap:
+            if not (events or rows or gone) or self._size + len(news) > cap:
                 return
             data = news
         try:
@@ -594,9 +621,12 @@ class RecordFile:
         """The whole file if it is written now (copies of the records as they are
         now: framing them may take many turns), to fit half of what it may hold."""
         self._incidents.changes.take()  # all of them are in it
+        self._repeats.take()
         events = self._events.since(0)
         entries: list[Entry] = [
             Header(SCHEMA),
+            # First, and never left off: what stops a hang that repeats.
+            *(RowRecord(row) for row in self._repeats.everything()),
             *(EventRecord(event) for event in events),
             *(IncidentRecord(incident) for incident in self._incidents.everything()),
         ]
