@@ -23,6 +23,7 @@ from watchdogd_client.protocol import (
     Acquired,
     Auto,
     ErrorCode,
+    MapPage,
     Release,
     Released,
     SlotGrant,
@@ -480,10 +481,12 @@ def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_di
     assert [(item.timer.scope, item.timer.deadline, item.timer.owner) for item in fired] == [
         ("step", 32.0, 0)
     ]
-    # Its own process registers the scope again: another slot.
+    # Its own process registers the scope again: another slot, on a new page (its
+    # only one held no slot any more, so it went).
     again = arm(world, world.alice, "step", 41.0).slot
     assert again is not None
-    assert again.index != grant.index
+    assert (again.page, again.index) != (grant.page, grant.index)
+    assert world.pages.made[grant.page].closed
 
 
 def test_a_release_by_the_process_itself_keeps_the_registration_and_says_if_armed() -> None:
@@ -512,6 +515,36 @@ def test_a_release_by_another_caller_drops_the_registration() -> None:
     assert world.service.table.get(ALICE.pid, "step") is None
     assert [timer.scope for timer in world.journal.drops] == ["step"]
     assert len(world.service.slots) == 0
+
+
+def test_a_process_whose_registrations_all_went_keeps_no_page_for_the_next_on_its_pid() -> None:
+    world = make_world()
+    grant, memory = registered(world, "step", now=1.0)
+    # Another caller releases it: the registration goes, and the process leaves
+    # the table, so its exit is watched no more.
+    world.service.handle(Release(id=5, scope="step", pid=ALICE.pid), world.root, 2.0)
+    assert world.pages.made[grant.page].closed
+    assert world.host.tracked == set()
+    # It exits unseen; another process takes its pid, and registers: a page of its
+    # own, never the one before (which a child of the first may still hold).
+    assert world.alice.process is not None
+    world.alice.process.exited = True
+    newcomer = world.service.open_connection(ALICE)
+    again = arm(world, newcomer, "step", 3.0).slot
+    assert again is not None
+    assert again.page != grant.page
+    with pytest.raises(Refusal):
+        world.service.handle(MapPage(id=6, page=grant.page), newcomer, 3.0)
+    assert memory.period(0) == 0
+
+
+def test_a_page_is_never_handed_over_a_connection_whose_process_exited() -> None:
+    world = make_world()
+    grant, _ = registered(world, "step", now=1.0)
+    assert world.alice.process is not None
+    world.alice.process.exited = True  # a child of it kept the connection
+    with pytest.raises(Refusal):
+        world.service.handle(MapPage(id=6, page=grant.page), world.alice, 2.0)
 
 
 def test_a_process_whose_uid_changed_loses_its_registration_at_the_next_look() -> None:

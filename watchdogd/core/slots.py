@@ -33,6 +33,11 @@ Invariants:
   --pid``: that arming is then a plain timer, which no store can disarm), when its
   process's uids changed (checked at each look), when it fires, and when the
   daemon stops for good.
+- A page is its process's alone: pages are kept by process (its pid and start
+  time), never by pid, so a process that holds a pid after another never gets a
+  page of the one before (whose descriptors a child of it may still hold); and a
+  process keeps its pages only while one of them holds an open or closing slot,
+  so one that left the table (its exit then unwatched) leaves none behind.
 - Everything read from a page is bounded: a deadline past ``max_timeout`` from
   the look is clamped to it and counted, counts that could not be real are
   dropped and counted. A page can never fault the daemon (its memfd is sealed).
@@ -55,7 +60,7 @@ from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
 from .counters import Counters
 from .history import History
 from .logline import Level, RateLimitedLog, logfmt
-from .ports import Journal, P, PagePort, PageRef, ProcessPort
+from .ports import Journal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .rules import Rules
 from .timers import Expired, Key, SlotRef, Timer, TimerTable
 
@@ -140,7 +145,7 @@ class Slots(Generic[P]):
         self._on_deadline = on_deadline
         self.offered = offered
         self._slots: dict[Key, Slot] = {}
-        self._pages: dict[int, _Pages] = {}
+        self._pages: dict[tuple[int, int], _Pages] = {}
         #: Registrations seen released at their last look, by uid, oldest first.
         self._idle: dict[int, dict[Key, None]] = {}
         #: Closing registrations by uid: retiring, so no longer counted at a limit.
@@ -162,14 +167,17 @@ class Slots(Generic[P]):
         period = period_of(timeout)
         if not self.offered or not period:
             return None
-        own = self._pages.get(process.pid)
+        key = _process_key(process)
+        own = self._pages.get(key)
         if own is None:
             if not self._port.shares_clock(process):
                 return None
-            own = self._pages[process.pid] = _Pages()
+            own = self._pages[key] = _Pages()
         if own.next_index >= SLOTS:
             page = self._port.new_page()
             if page is None:
+                if not own.pages:
+                    del self._pages[key]
                 return None
             own.pages.append(page)
             own.live[page.id] = 0
@@ -228,7 +236,7 @@ class Slots(Generic[P]):
         if slot is not None:
             self._slots.pop(timer.key, None)
             slot.page.write(slot.index, period=0)
-            self._let_go(timer, slot)
+            self._let_go(timer, process, slot)
 
     # Looks.
 
@@ -279,7 +287,7 @@ class Slots(Generic[P]):
             return None
         self._slots.pop(timer.key, None)
         slot.page.write(slot.index, period=0)
-        self._let_go(timer, slot)
+        self._let_go(timer, process, slot)
         fired = msgspec.structs.replace(
             timer, deadline=deadline, armed_at=min(timer.armed_at, deadline - timer.timeout)
         )
@@ -365,7 +373,7 @@ class Slots(Generic[P]):
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
         self._slots.pop(item.timer.key, None)
-        self._let_go(item.timer, slot)
+        self._let_go(item.timer, item.process, slot)
         self._metrics.slots_retired += 1
         self._gone(item)
 
@@ -386,20 +394,29 @@ class Slots(Generic[P]):
         if item.orphaned and self._table.process(item.timer.pid) is None:
             self._processes.untrack(item.process)
 
-    def _let_go(self, timer: Timer, slot: Slot) -> None:
+    def _let_go(self, timer: Timer, process: P, slot: Slot) -> None:
         """``slot`` is no longer a registration's: its page goes once it holds no
-        open or closing slot and gives no new one."""
+        open or closing slot and gives no new one, and every page of ``process``
+        goes once none holds one (it registers again on a new page)."""
         if slot.closing:
             self._count_closing(timer.owner, -1)
         self._busy(timer, slot, 0.0)
-        own = self._pages.get(timer.pid)
+        key = _process_key(process)
+        own = self._pages.get(key)
         if own is None:
             return
         page_id = slot.page.id
         live = own.live.get(page_id, 0) - 1
+        own.live[page_id] = max(live, 0)
+        if not any(own.live.values()):
+            # Its process may have left the table, and then its exit goes unseen:
+            # nothing of it may stay behind.
+            del self._pages[key]
+            for page in own.pages:
+                page.close()
+            return
         newest = own.pages[-1] if own.pages else None
         if live > 0 or (newest is slot.page and own.next_index < SLOTS):
-            own.live[page_id] = max(live, 0)
             return
         own.live.pop(page_id, None)
         own.pages = [page for page in own.pages if page is not slot.page]
@@ -413,19 +430,20 @@ class Slots(Generic[P]):
         taken as harvested: only blocks released from now on are added."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        own = self._pages.get(process.pid)
+        key = _process_key(process)
+        own = self._pages.get(key)
         page = None if own is None else next((p for p in own.pages if p.id == ref.page), None)
         if page is None:
             page = self._port.adopt(process, ref.page)
             if page is None:
                 return None
             if own is None:
-                own = self._pages[process.pid] = _Pages()
+                own = self._pages[key] = _Pages()
             # An adopted page gives no new slot: which of its indexes the daemon
             # before gave is not known.
             own.pages.insert(0, page)
             own.live[page.id] = 0
-        own = self._pages[process.pid]
+        own = self._pages[key]
         own.live[page.id] = own.live.get(page.id, 0) + 1
         slot = Slot(page, ref.index, ref.period, harvested=now)
         slot.blocks = page.blocks(ref.index)
@@ -495,7 +513,7 @@ class Slots(Generic[P]):
             if slot.closing:
                 self._count_closing(timer.owner, -1)
             self._busy(timer, slot, 0.0)
-        own = self._pages.pop(process.pid, None)
+        own = self._pages.pop(_process_key(process), None)
         for page in () if own is None else own.pages:
             page.close()
         return armed
@@ -516,9 +534,9 @@ class Slots(Generic[P]):
 
     def page_for(self, process: P, page: int) -> PageRef | None:
         """Page ``page`` of ``process``, for it to map; None when it has no such
-        page."""
-        own = self._pages.get(process.pid)
-        if own is None:
+        page, or has exited (whoever holds its connection now is not it)."""
+        own = self._pages.get(_process_key(process))
+        if own is None or self._processes.exited(process):
             return None
         return next((found for found in own.pages if found.id == page), None)
 
@@ -540,6 +558,12 @@ class Slots(Generic[P]):
         self._slots.clear()
         self._idle.clear()
         self._closing.clear()
+
+
+def _process_key(process: TargetProcess) -> tuple[int, int]:
+    """What keeps a process's pages: its pid, and its start time, which tells it
+    from every other process that held or will hold that pid."""
+    return process.pid, process.start_time
 
 
 def _microseconds(seconds: float) -> int:

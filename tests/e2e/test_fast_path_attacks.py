@@ -1,0 +1,667 @@
+"""The fast path under attack by hostile local users: processes of uid 65534 and
+uid 4321 (forked from the test and changed to those users) against a real daemon
+run as root whose socket anyone may reach (``socket_mode = 0o666``, the default).
+Each attack uses only what such a user has: its own registrations, its own page
+(its words and counts, its descriptor, the memfd behind it), its own descriptor
+table and its own processes. Meanwhile root's canaries (sleepers armed by root over
+the socket with a short timer) are signalled within 100 ms of their deadlines.
+
+Scaled down here (seconds each); ``WATCHDOGD_SOAK=1`` runs them at the issue's
+sizes: thousands of scopes, tens of thousands of descriptors and requests."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
+import json
+import mmap
+import os
+import random
+import resource
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from watchdogd_client import Client, RequestRefused
+from watchdogd_client.engine import Connection, Engine
+from watchdogd_client.fastpath import FastPath, _exchange, fast_path
+from watchdogd_client.protocol import (
+    Acquire,
+    Acquired,
+    MapPage,
+    PageMapped,
+    Release,
+    Released,
+    Welcome,
+)
+from watchdogd_client.protocol.slot_page import (
+    BLOCKS,
+    BUCKETS,
+    DEADLINE,
+    MAX_MICROSECONDS,
+    PAGE_BYTES,
+    SLOTS,
+    counts_of,
+    word_of,
+)
+from watchdogd_client.trio import open_client
+
+from helpers.daemon import RunningDaemon, configured_daemon
+from helpers.processes import become, death_time, fork_at_pid, reap, rss_mib, sleeper
+from helpers.users import NOBODY
+from helpers.waiting import PATIENCE, wait_until
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as other uids")
+
+SOAK = os.environ.get("WATCHDOGD_SOAK", "") == "1"
+#: How long an attack runs while root's canaries are timed.
+ATTACK_SECONDS = 20.0 if SOAK else 2.0
+#: Scopes one attacker registers (its uid's limit is 10,000).
+SCOPES = 8_000 if SOAK else 1_000
+#: Descriptors one attacker holds for a restart to search.
+DESCRIPTORS = 19_000 if SOAK else 3_000
+#: Requests of a service that registers a scope per request.
+REQUESTS = 20_000 if SOAK else 1_500
+#: A canary's timer, and how late it may be signalled.
+CANARY = 0.3
+ON_TIME = 0.1
+#: What /proc/PID/fd shows for a slot page's descriptor.
+PAGE_LINK = "/memfd:watchdogd-slots (deleted)"
+#: fcntl(2)'s F_ADD_SEALS and fallocate(2)'s FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE.
+F_ADD_SEALS = 1033
+PUNCH_HOLE = 0x01 | 0x02
+
+#: The daemon's descriptors beyond its own: those a connection or two may add.
+SPARE_DESCRIPTORS = 8
+
+
+@pytest.fixture
+def daemon(socket_path: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
+    with configured_daemon(socket_path, tmp_path, "[daemon]\n", for_everyone=True) as running:
+        yield running
+
+
+def daemon_with(config: str, socket_path: Path, tmp_path: Path) -> Any:
+    return configured_daemon(socket_path, tmp_path, config, for_everyone=True)
+
+
+def descriptors_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# Root's canaries.
+
+
+class Canaries:
+    """Root's canaries, one after another from a thread of the test while the
+    block runs: each a sleeper armed by root over the socket for `CANARY`
+    seconds, its death timed through a pidfd. On leaving the block every one
+    must have died within `ON_TIME` of its deadline."""
+
+    def __init__(self, daemon: RunningDaemon) -> None:
+        self._daemon = daemon
+        self._stop = threading.Event()
+        self.lates: list[float] = []
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Canaries:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(PATIENCE * 3)
+        if exc[0] is not None:
+            return
+        assert not self._thread.is_alive(), "a canary never died"
+        if self._failure is not None:
+            raise self._failure
+        assert self.lates, "no canary ran"
+        shown = [round(late * 1000, 1) for late in self.lates]
+        assert max(abs(late) for late in self.lates) < ON_TIME, f"canaries late (ms): {shown}"
+
+    def _run(self) -> None:
+        try:
+            with self._daemon.client(fast=False) as client:
+                while not self._stop.is_set() or not self.lates:
+                    victim = sleeper()
+                    try:
+                        sent = time.monotonic()
+                        remaining = client.acquire("canary", CANARY, pid=victim.pid)
+                        deadline = (sent + time.monotonic()) / 2 + remaining
+                        self.lates.append(death_time(victim) - deadline)
+                    finally:
+                        reap(victim)
+        except BaseException as exc:
+            self._failure = exc
+
+
+# The attackers: forked children of the test, each running as its user the
+# functions below that the test names, one at a time.
+
+_state: dict[str, Any] = {}
+
+
+class Actor:
+    """A forked child of the test process, running as ``uid``, that calls the
+    functions of this module it is told to and answers with what they return."""
+
+    def __init__(self, uid: int, socket: Path) -> None:
+        commands, self._commands = os.pipe()
+        said, say = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the actor, which never returns
+            try:
+                os.close(self._commands)
+                os.close(said)
+                become(uid)
+                _state["socket"] = str(socket)
+                _state["say"] = say
+                _serve(commands, say)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(0)
+        os.close(commands)
+        os.close(say)
+        self.pid = pid
+        self._said = os.fdopen(said)
+        self._pidfd = os.pidfd_open(pid)
+        #: Processes it made that outlive it, by pidfd: killed at `close`.
+        self.others: list[int] = []
+        self._reaped = False
+
+    def __call__(self, name: str, *args: object) -> Any:
+        os.write(self._commands, json.dumps([name, args]).encode() + b"\n")
+        return self.said()
+
+    def said(self) -> Any:
+        """The next answer on its pipe (its own, or a child's that holds it)."""
+        line = self._said.readline()
+        assert line, f"actor {self.pid} is gone"
+        outcome = json.loads(line)
+        if "error" in outcome:
+            raise AssertionError(f"in actor {self.pid}:\n{outcome['error']}")
+        return outcome["ok"]
+
+    def keep(self, pid: int) -> None:
+        """Kill ``pid`` (which it made) at `close`."""
+        self.others.append(os.pidfd_open(pid))
+
+    def exit(self) -> None:
+        """End it (what it forked lives on) and reap it: its pid is free."""
+        os.close(self._commands)
+        os.waitpid(self.pid, 0)
+        self._reaped = True
+
+    def close(self) -> None:
+        for pidfd in [self._pidfd, *self.others]:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+        if not self._reaped:
+            os.close(self._commands)
+            os.waitpid(self.pid, 0)
+        self._said.close()
+
+
+def _serve(commands: int, say: int) -> None:
+    with os.fdopen(commands) as reading:
+        for line in reading:
+            name, args = json.loads(line)
+            _answer(say, functools.partial(globals()[name], *args))
+
+
+def _answer(say: int, action: Callable[[], object]) -> None:
+    try:
+        outcome = {"ok": action()}
+    except BaseException:
+        outcome = {"error": traceback.format_exc()}
+    os.write(say, json.dumps(outcome).encode() + b"\n")
+
+
+def _client() -> Client:
+    client = _state.get("client")
+    if client is None:
+        client = _state["client"] = Client(_state["socket"], timeout=5.0, reconnect_timeout=0.0)
+    return client
+
+
+def _fast() -> FastPath:
+    path = fast_path(_state["socket"])
+    assert path is not None
+    return path
+
+
+def page_descriptors() -> list[int]:
+    """This process's descriptors of slot pages."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == PAGE_LINK:
+                found.append(int(name))
+    return found
+
+
+def _fork(work: Callable[[], object]) -> int:
+    """A child of this process, in a process group of its own (so that this
+    process's pid is free once it exits), running ``work``; its pid."""
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the attacker's child
+        try:
+            os.setpgid(0, 0)
+            work()
+        finally:
+            os._exit(0)
+    return child
+
+
+def _mapped(fds: list[int]) -> list[memoryview]:
+    """The pages of ``fds`` mapped again here (a child of fork() inherits a page's
+    descriptor, not its mapping), as 64-bit words."""
+    return [memoryview(mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED)).cast("Q") for fd in fds]
+
+
+def register(scope: str, timeout: float, policy: str = "kill") -> int:
+    """Arm ``scope`` over the socket, which registers it: the page id granted."""
+    _client().acquire(scope, timeout, policy=policy)
+    return _fast()._slots[scope].page.id
+
+
+def register_many(prefix: str, count: int, timeout: float, policy: str) -> list[str]:
+    """Register ``count`` scopes; the first refusals, if any."""
+    refused = []
+    for number in range(count):
+        try:
+            _client().acquire(f"{prefix}{number}", timeout, policy=policy)
+        except RequestRefused as exc:
+            refused.append(str(exc))
+    return refused[:3]
+
+
+def release_many(prefix: str, count: int) -> None:
+    """Release each of ``register_many``'s scopes by a store."""
+    for number in range(count):
+        _client().release(f"{prefix}{number}")
+
+
+def rearm_many(prefix: str, count: int, timeout: float, policy: str) -> None:
+    """Arm each over the socket again with ``timeout``, nearer than its period."""
+    for number in range(count):
+        _client().acquire(f"{prefix}{number}", timeout, policy=policy)
+
+
+def unregister(scope: str) -> bool:
+    """Release ``scope`` as another caller would (naming its pid): the registration
+    goes, and with its last one the process leaves the daemon's table."""
+    return _client().release(scope, pid=os.getpid())
+
+
+def store_everywhere(seconds: float) -> int:
+    """Store a deadline ``seconds`` from now into every slot of every page this
+    process holds, granted, open, closing or not: the pages."""
+    deadline = int((time.monotonic() + seconds) * 1_000_000)
+    for page in _fast()._pages.values():
+        for index in range(SLOTS):
+            page.words[word_of(index, DEADLINE)] = deadline
+    return len(_fast()._pages)
+
+
+def abuse_pages() -> dict[str, int]:
+    """Shrink, grow, seal and punch holes in every page this process holds: what
+    each attempt got (0, or the errno that refused it)."""
+    outcomes: dict[str, int] = {}
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd in page_descriptors():
+        attempts: dict[str, Callable[[int], object]] = {
+            "shrink": lambda page: os.ftruncate(page, PAGE_BYTES // 2),
+            "grow": lambda page: os.ftruncate(page, PAGE_BYTES * 2),
+            "write past the end": lambda page: os.pwrite(page, b"x", PAGE_BYTES),
+            "seal": lambda page: fcntl.fcntl(page, F_ADD_SEALS, 0x0008),
+        }
+        for name, attempt in attempts.items():
+            try:
+                attempt(fd)
+                outcomes[name] = 0
+            except OSError as exc:
+                outcomes[name] = exc.errno or 0
+        punched = libc.fallocate(fd, PUNCH_HOLE, ctypes.c_long(0), ctypes.c_long(PAGE_BYTES))
+        outcomes["punch a hole"] = ctypes.get_errno() if punched else 0
+    return outcomes
+
+
+def scribble(seconds: float) -> int:
+    """For ``seconds``, from a forked child (its pid): random words over every
+    page this process holds, absurd deadlines in every slot (the largest word,
+    past the largest deadline, the distant past) and counts no block made."""
+    fds = page_descriptors()
+
+    def work() -> None:
+        pages = _mapped(fds)
+        counts = [page.cast("B").cast("I") for page in pages]
+        rng = random.Random(0)
+        absurd = [2**64 - 1, MAX_MICROSECONDS + 1, MAX_MICROSECONDS, 1]
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            for page, count in zip(pages, counts, strict=True):
+                for _ in range(256):
+                    page[rng.randrange(len(page))] = rng.getrandbits(64)
+                for index in range(SLOTS):
+                    page[word_of(index, DEADLINE)] = rng.choice(absurd)
+                    page[word_of(index, BLOCKS)] = rng.getrandbits(64)
+                    count[counts_of(index) + rng.randrange(BUCKETS)] = rng.getrandbits(32)
+            time.sleep(0.001)
+
+    return _fork(work)
+
+
+def keep_releasing(seconds: float, first: int) -> int:
+    """A child (its pid) that keeps this process's pages and, for ``seconds``,
+    stores 0 (released) into the deadline of every slot from ``first`` on."""
+    fds = page_descriptors()
+
+    def work() -> None:
+        pages = _mapped(fds)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            for page in pages:
+                for index in range(first, SLOTS):
+                    page[word_of(index, DEADLINE)] = 0
+            time.sleep(0.001)
+
+    return _fork(work)
+
+
+def keep_ahead(seconds: float, ahead: float) -> int:
+    """A child (its pid) that keeps the deadline of every slot this process was
+    granted ``ahead`` seconds from now, for ``seconds``."""
+    granted = [(slot.page.id, slot.deadline) for slot in _fast()._slots.values()]
+    fds = {os.fstat(fd).st_ino: fd for fd in page_descriptors()}
+
+    def work() -> None:
+        pages = dict(zip(fds, _mapped(list(fds.values())), strict=True))
+        words = [(pages[page], at) for page, at in granted]
+        step = int(ahead * 1_000_000)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            deadline = int(time.monotonic() * 1_000_000) + step
+            for page, at in words:
+                page[at] = deadline
+
+    return _fork(work)
+
+
+def store_past_in_ungranted(granted: int) -> int:
+    """Store deadlines long past, and absurd ones, into every slot from
+    ``granted`` on of the page of this process: how many."""
+    [page] = _fast()._pages.values()
+    for index in range(granted, SLOTS):
+        page.words[word_of(index, DEADLINE)] = 1 if index % 2 else 2**64 - 1
+    return SLOTS - granted
+
+
+def crowd(count: int) -> dict[str, int]:
+    """Fill this process's descriptor table: ``count`` descriptors of memfds named
+    as pages are (one sealed and laid out as a page, its inode another), a FIFO
+    open for reading and writing, and its real page moved last by dup2 and closed
+    where it was."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    forged = os.memfd_create("watchdogd-slots", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(forged, PAGE_BYTES)
+    os.pwrite(forged, os.pread(page_descriptors()[0], 16, 0), 0)
+    fcntl.fcntl(forged, F_ADD_SEALS, 0x0001 | 0x0002 | 0x0004)
+    fifo = f"/tmp/fifo-{os.getpid()}"
+    os.mkfifo(fifo)
+    held = [os.open(fifo, os.O_RDWR | os.O_NONBLOCK), forged]
+    os.unlink(fifo)
+    plain = os.memfd_create("watchdogd-slots", os.MFD_CLOEXEC)
+    held += [os.dup(plain) for _ in range(min(count, hard - 256))]
+    last = hard - 1
+    for fd in page_descriptors():
+        os.dup2(fd, last)
+        os.close(fd)
+        last -= 1
+    _state["crowd"] = held
+    return {"held": len(held), "pages at": last + 1}
+
+
+def close_pages() -> int:
+    """Close every descriptor of a page this process holds (its mappings stay)."""
+    fds = page_descriptors()
+    for fd in fds:
+        os.close(fd)
+    return len(fds)
+
+
+def serve(count: int, after: float, rounds: int, pause: float) -> list[dict[str, int]]:
+    """A trio service that runs each of ``count`` requests in a task of its own,
+    inside ``expires(after)`` with its default scope (one per task), for
+    ``rounds`` rounds ``pause`` seconds apart: what it held after each (its
+    slots, its pages mapped, its descriptors of pages), or the first refusal."""
+    held = []
+
+    async def run() -> None:
+        async with open_client(_state["socket"], responder=False) as client:
+
+            async def handle() -> None:
+                async with client.expires(after):
+                    await trio.sleep(0)
+
+            for _ in range(rounds):
+                for _ in range(count):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(handle)
+                await trio.sleep(pause)
+                path = _fast()
+                held.append(
+                    {
+                        "slots": len(path._slots),
+                        "pages": len(path._pages),
+                        "descriptors": len(page_descriptors()),
+                    }
+                )
+
+    trio.run(run)
+    return held
+
+
+# Raw requests, as a client that skips the library's own checks sends them.
+
+
+def _raw() -> tuple[socket.socket, Engine, Connection]:
+    """A connection of its own to the daemon, greeted."""
+    engine = Engine(_state["socket"], client="attacker", reconnect_timeout=0.0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(PATIENCE)
+    sock.connect(_state["socket"])
+    connection = engine.connect()
+    answer, _ = _exchange(sock, connection, connection.hello_id, connection.hello)
+    answer.result(Welcome)
+    return sock, engine, connection
+
+
+def _ask(
+    raw: tuple[socket.socket, Engine, Connection], request: Any, expected: type
+) -> dict[str, Any]:
+    """``request`` on ``raw``: the reply (as a dict) and whether a descriptor came
+    with it, or the refusal's code."""
+    sock, _, connection = raw
+    try:
+        answer, fd = _exchange(sock, connection, request.id, connection.send(request, expected))
+    except ConnectionError as exc:
+        return {"closed": str(exc)}
+    if fd is not None:
+        os.close(fd)
+    if answer.error is not None:
+        return {"refused": getattr(answer.error, "code", repr(answer.error)), "descriptor": fd}
+    reply = answer.reply
+    assert reply is not None
+    return {"reply": {f: getattr(reply, f) for f in reply.__struct_fields__}, "descriptor": fd}
+
+
+def map_page(page: int) -> dict[str, Any]:
+    """Ask for page ``page`` on a connection of its own."""
+    raw = _raw()
+    try:
+        return _ask(raw, MapPage(id=raw[1].next_id(), page=page), PageMapped)
+    finally:
+        raw[0].close()
+
+
+def map_page_from_a_child(page: int) -> dict[str, Any]:
+    """A child of fork() (which inherited this process's descriptors) asks."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reports through the pipe
+        _answer(write_end, lambda: {**map_page(page), "inherited": page_descriptors()})
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        outcome = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    assert "ok" in outcome, outcome
+    result: dict[str, Any] = outcome["ok"]
+    return result
+
+
+def map_page_once_exited(page: int) -> int:
+    """Open a connection, then fork a child that keeps it and, once this process
+    exited, asks on it for page ``page`` and answers on this process's pipe; the
+    child's pid."""
+    raw = _raw()
+
+    def work() -> None:
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(0.01)
+        request = MapPage(id=raw[1].next_id(), page=page)
+        _answer(_state["say"], lambda: _ask(raw, request, PageMapped))
+
+    return _fork(work)
+
+
+def release_stored(scope: str) -> dict[str, Any]:
+    """Release ``scope`` as a block armed by a store whose slot closed would."""
+    raw = _raw()
+    try:
+        request = Release(id=raw[1].next_id(), scope=scope, stored=True)
+        return _ask(raw, request, Released)
+    finally:
+        raw[0].close()
+
+
+def acquire_slot(scope: str, timeout: float) -> dict[str, Any]:
+    """Ask for a slot with an arm of ``scope``, whatever this process's clock."""
+    raw = _raw()
+    try:
+        request = Acquire(id=raw[1].next_id(), scope=scope, timeout=timeout, slot=True)
+        return _ask(raw, request, Acquired)
+    finally:
+        raw[0].close()
+
+
+# Processes of root's, as workers.
+
+
+def hang_in_a_block(socket: str, after: float, hang: float) -> Callable[[], None]:
+    def work() -> None:
+        with Client(socket, timeout=5.0).expires(after, scope="victim"):
+            time.sleep(hang)
+
+    return work
+
+
+def own_timers(daemon: RunningDaemon, uid: int) -> list[str]:
+    """The scopes armed on ``uid``'s processes, as root's status lists them."""
+    with daemon.client(fast=False) as client:
+        return [timer.scope for timer in client.status().timers if timer.uid == uid]
+
+
+# The attacks.
+
+
+def test_a_worker_scribbling_on_its_page_and_registering_thousands_never_delays_a_root_canary(
+    daemon: RunningDaemon,
+) -> None:
+    before = rss_mib(daemon.pid)
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        assert attacker("register_many", "s", SCOPES, 60, "log") == []
+        registered = rss_mib(daemon.pid)
+        refused = attacker("abuse_pages")
+        assert {name: code for name, code in refused.items() if name != "punch a hole"} == {
+            "shrink": errno.EPERM,
+            "grow": errno.EPERM,
+            "write past the end": errno.EPERM,
+            "seal": errno.EPERM,
+        }
+        with Canaries(daemon):
+            attacker.keep(attacker("scribble", ATTACK_SECONDS))
+            time.sleep(ATTACK_SECONDS)
+        after = rss_mib(daemon.pid)
+        # Each registration's record, and each page's 64 KiB once read whole.
+        pages = SCOPES // SLOTS + 1
+        assert registered - before < 8 + SCOPES * 2 / 1024, (before, registered)
+        assert after - registered < 8 + pages / 16, (registered, after)
+        assert attacker("register", "still-served", 60, "log")
+    finally:
+        attacker.close()
+
+
+def test_a_page_of_a_process_that_exited_is_never_handed_to_the_next_process_on_its_pid(
+    daemon: RunningDaemon,
+) -> None:
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        attacker("register", "bait", 60)
+        # Its registration goes (the process leaves the daemon's table), a child
+        # keeps its page and releases whatever is stored in it, and it exits.
+        assert attacker("unregister", "bait")
+        attacker.keep(attacker("keep_releasing", 3 * PATIENCE, 1))
+        pid = attacker.pid
+        attacker.exit()
+        # A worker of root's takes its pid and hangs in a protected block.
+        victim = fork_at_pid(pid, hang_in_a_block(str(daemon.socket_path), 0.5, PATIENCE))
+        try:
+            entered = time.monotonic()
+            assert victim.wait() == -signal.SIGKILL
+            assert time.monotonic() - entered < 0.5 + 1.0
+        finally:
+            victim.close()
+    finally:
+        attacker.close()
+
+
+def test_the_daemon_keeps_nothing_of_a_process_whose_registrations_went_before_it_exited(
+    daemon: RunningDaemon,
+) -> None:
+    with daemon.client(fast=False) as client:
+        client.ping()
+        before = descriptors_of(daemon.pid)
+    for _ in range(200 if SOAK else 20):
+        attacker = Actor(NOBODY, daemon.socket_path)
+        try:
+            attacker("register", "bait", 60)
+            assert attacker("unregister", "bait")
+            attacker.exit()
+        finally:
+            attacker.close()
+    with daemon.client(fast=False) as client:
+        wait_until(
+            lambda: client.status_page(limit=1).daemon.processes == 0,
+            what="the attackers to leave the table",
+        )
+        assert descriptors_of(daemon.pid) <= before + SPARE_DESCRIPTORS
