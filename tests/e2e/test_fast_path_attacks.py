@@ -59,7 +59,7 @@ from watchdogd_client.trio import open_client
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.processes import become, death_time, fork_at_pid, reap, rss_mib, sleeper
-from helpers.users import NOBODY
+from helpers.users import NOBODY, OTHER
 from helpers.waiting import PATIENCE, wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as other uids")
@@ -665,3 +665,61 @@ def test_the_daemon_keeps_nothing_of_a_process_whose_registrations_went_before_i
             what="the attackers to leave the table",
         )
         assert descriptors_of(daemon.pid) <= before + SPARE_DESCRIPTORS
+
+
+#: The per-uid limit of the tests of limits, and how many rounds of registrations
+#: past it they make.
+LIMIT = 1_000 if SOAK else 50
+ROUNDS = 5
+
+
+def test_registrations_past_the_limit_reclaim_their_own_and_the_uid_stays_within_its_bound(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    config = f"[daemon]\nmax_timers_per_uid = {LIMIT}\n"
+    with daemon_with(config, socket_path, tmp_path) as daemon:
+        attacker = Actor(NOBODY, daemon.socket_path)
+        other = Actor(OTHER, daemon.socket_path)
+        try:
+            with Canaries(daemon):
+                for round_ in range(ROUNDS):
+                    # Registered with a period of days, looked at soon (an arm
+                    # nearer than the period), released: reclaimed at the next
+                    # round, whose registrations are never refused.
+                    prefix = f"r{round_}-"
+                    assert attacker("register_many", prefix, LIMIT, 1000, "log") == []
+                    attacker("rearm_many", prefix, LIMIT, 0.05, "log")
+                    attacker("release_many", prefix, LIMIT)
+                    time.sleep(0.3)
+                # Another user, meanwhile, has its own limit whole.
+                assert other("register_many", "o", LIMIT, 60, "log") == []
+            # Every slot it ever had, armed: what the daemon still holds is listed.
+            attacker("store_everywhere", 1000)
+            time.sleep(0.2)
+            assert len(own_timers(daemon, NOBODY)) <= 2 * LIMIT
+        finally:
+            attacker.close()
+            other.close()
+
+
+def test_stores_into_closed_slots_never_let_a_uid_hold_more_than_twice_its_limit(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    config = f"[daemon]\nmax_timers_per_uid = {LIMIT}\n"
+    with daemon_with(config, socket_path, tmp_path) as daemon:
+        attacker = Actor(NOBODY, daemon.socket_path)
+        try:
+            with Canaries(daemon):
+                for round_ in range(ROUNDS):
+                    # Each round reclaims the last one's, whose slots, closed, are
+                    # armed by stores at once, and never seen released again.
+                    prefix = f"r{round_}-"
+                    attacker("register_many", prefix, LIMIT, 0.2, "log")
+                    attacker("store_everywhere", 1000)
+                    attacker("release_many", prefix, LIMIT)
+                    time.sleep(0.4)
+            attacker("store_everywhere", 1000)
+            time.sleep(0.2)
+            assert len(own_timers(daemon, NOBODY)) <= 2 * LIMIT
+        finally:
+            attacker.close()

@@ -465,6 +465,41 @@ def test_a_uid_at_its_limit_registers_by_reclaiming_its_longest_released_slot() 
     assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
 
 
+def test_a_reclaimed_registration_is_read_after_the_closing_wait_not_a_period_on() -> None:
+    world = make_world(max_timers_per_uid=1)
+    _, memory = registered(world, "older", now=1.0)
+    memory.release(0)
+    run(world, 8.0)  # seen released at 8.0; its next look at 15.0
+    arm(world, world.alice, "newer", 9.0)
+    assert memory.period(0) == 0
+    assert look_at(world, "older") == 9.0 + CLOSING_WAIT
+    run(world, 9.0 + CLOSING_WAIT)
+    assert world.service.table.get(ALICE.pid, "older") is None
+    assert world.service.metrics.slots_retired == 1
+
+
+def test_closing_registrations_spare_a_uid_its_limit_no_more_than_once() -> None:
+    world = make_world(max_timers_per_uid=2)
+    _, memory = registered(world, "a", now=1.0)
+    registered(world, "b", now=1.0)
+    for index in (0, 1):
+        memory.release(index)
+    run(world, 8.0)
+    # Each new registration reclaims one; the process arms the closed slots by
+    # stores at once, so they never retire.
+    for number, now in enumerate((9.0, 9.01)):
+        arm(world, world.alice, f"new-{number}", now)
+    for index in (0, 1):
+        memory.store(index, 1000.0)
+    for index in (2, 3):
+        memory.release(index)
+    run(world, 20.0)
+    with pytest.raises(Refusal) as refused:
+        arm(world, world.alice, "past", 21.0)
+    assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
+    assert world.service.table.owned_by(ALICE.uid) == 4
+
+
 def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_disarms() -> None:
     world = make_world()
     grant, memory = registered(world, "step", now=1.0)

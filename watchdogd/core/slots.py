@@ -28,7 +28,8 @@ Invariants:
   is retired: its registration leaves the table and the state. Its index is never
   given again, so a late store of the old scope cannot land on a new one.
 - A slot closes when its registration is reclaimed (idle for ``slot_idle``
-  seconds, or the least recently idle of a uid at its limit), when another
+  seconds, or the least recently idle of a uid at its limit: then it is read
+  again once `CLOSING_WAIT` is over, not a period on), when another
   caller arms or releases its scope over the socket (root's ``watchdogctl arm
   --pid``: that arming is then a plain timer, which no store can disarm), when its
   process's uids changed (checked at each look), when it fires, and when the
@@ -38,6 +39,9 @@ Invariants:
   page of the one before (whose descriptors a child of it may still hold); and a
   process keeps its pages only while one of them holds an open or closing slot,
   so one that left the table (its exit then unwatched) leaves none behind.
+- A uid's closing registrations do not count at its limit (they are retiring),
+  but no more of them than its limit: a process that keeps its closed slots
+  armed by stores (so they never retire) holds at most twice its limit.
 - Everything read from a page is bounded: a deadline past ``max_timeout`` from
   the look is clamped to it and counted, counts that could not be real are
   dropped and counted. A page can never fault the daemon (its memfd is sealed).
@@ -155,8 +159,8 @@ class Slots(Generic[P]):
         return len(self._slots)
 
     def closing_of(self, uid: int) -> int:
-        """How many of ``uid``'s registrations are closing."""
-        return self._closing.get(uid, 0)
+        """How many of ``uid``'s registrations are closing, up to its limit."""
+        return min(self._closing.get(uid, 0), self._rules.daemon.max_timers_per_uid)
 
     # Registration, as arms and releases over the socket make and change it.
 
@@ -343,9 +347,10 @@ class Slots(Generic[P]):
 
     def reclaim(self, uid: int, now: float) -> bool:
         """Close the registration of ``uid`` seen released the longest (a uid at
-        its limit registers another); whether there was one."""
+        its limit registers another); whether there was one. There is none while
+        as many of its registrations as its limit are closing."""
         idle = self._idle.get(uid)
-        if not idle:
+        if not idle or self._closing.get(uid, 0) >= self._rules.daemon.max_timers_per_uid:
             return False
         key = next(iter(idle))
         slot = self._slots.get(key)
@@ -355,6 +360,12 @@ class Slots(Generic[P]):
             return bool(idle) and self.reclaim(uid, now)
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
+        process = self._table.process(timer.pid)
+        if process is not None and timer.deadline > now + CLOSING_WAIT:
+            # Its next look may be a period away, days for a long timeout: it
+            # would stay closing, and out of its uid's count, as long.
+            self._table.put(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
+            self._on_deadline(now + CLOSING_WAIT)
         return True
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
