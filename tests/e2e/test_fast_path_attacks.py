@@ -21,8 +21,11 @@ import mmap
 import os
 import random
 import resource
+import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -81,6 +84,8 @@ PAGE_LINK = "/memfd:watchdogd-slots (deleted)"
 #: fcntl(2)'s F_ADD_SEALS and fallocate(2)'s FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE.
 F_ADD_SEALS = 1033
 PUNCH_HOLE = 0x01 | 0x02
+#: setns(2)'s flag for a time namespace (Python 3.11 lacks os.setns).
+CLONE_NEWTIME = 0x80
 
 #: The daemon's descriptors beyond its own: those a connection or two may add.
 SPARE_DESCRIPTORS = 8
@@ -184,8 +189,19 @@ class Actor:
         self._reaped = False
 
     def __call__(self, name: str, *args: object) -> Any:
-        os.write(self._commands, json.dumps([name, args]).encode() + b"\n")
+        self.tell(name, *args)
         return self.said()
+
+    def tell(self, name: str, *args: object) -> None:
+        """Have it call ``name`` without waiting for it to return."""
+        os.write(self._commands, json.dumps([name, args]).encode() + b"\n")
+
+    def death_time(self, timeout: float = PATIENCE) -> float:
+        """When it exited, on CLOCK_MONOTONIC, seen through its pidfd."""
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        assert poller.poll(timeout * 1000), f"actor {self.pid} is still running"
+        return time.monotonic()
 
     def said(self) -> Any:
         """The next answer on its pipe (its own, or a child's that holds it)."""
@@ -202,7 +218,7 @@ class Actor:
 
     def exit(self) -> None:
         """End it (what it forked lives on) and reap it: its pid is free."""
-        os.close(self._commands)
+        self.tell("_leave")
         os.waitpid(self.pid, 0)
         self._reaped = True
 
@@ -211,8 +227,8 @@ class Actor:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             os.close(pidfd)
+        os.close(self._commands)
         if not self._reaped:
-            os.close(self._commands)
             os.waitpid(self.pid, 0)
         self._said.close()
 
@@ -222,6 +238,11 @@ def _serve(commands: int, say: int) -> None:
         for line in reading:
             name, args = json.loads(line)
             _answer(say, functools.partial(globals()[name], *args))
+
+
+def _leave() -> None:
+    """Exit now (actors made after this one hold its pipes: no end of file comes)."""
+    os._exit(0)
 
 
 def _answer(say: int, action: Callable[[], object]) -> None:
@@ -274,9 +295,13 @@ def _mapped(fds: list[int]) -> list[memoryview]:
     return [memoryview(mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED)).cast("Q") for fd in fds]
 
 
-def register(scope: str, timeout: float, policy: str = "kill") -> int:
-    """Arm ``scope`` over the socket, which registers it: the page id granted."""
-    _client().acquire(scope, timeout, policy=policy)
+def register(scope: str, timeout: float, policy: str | None = None) -> int:
+    """Arm ``scope`` over the socket, which registers it (for blocks of the same
+    arming: ``policy`` or none): the page id granted."""
+    if policy is None:
+        _client().acquire(scope, timeout)
+    else:
+        _client().acquire(scope, timeout, policy=policy)
     return _fast()._slots[scope].page.id
 
 
@@ -301,6 +326,41 @@ def rearm_many(prefix: str, count: int, timeout: float, policy: str) -> None:
     """Arm each over the socket again with ``timeout``, nearer than its period."""
     for number in range(count):
         _client().acquire(f"{prefix}{number}", timeout, policy=policy)
+
+
+def release(scope: str) -> bool:
+    """Release ``scope`` as a block's end does (by a store, if it may)."""
+    return _client().release(scope)
+
+
+def store(scope: str, word: int) -> None:
+    """Store ``word`` as the deadline of ``scope``'s slot, whatever its period says."""
+    slot = _fast()._slots[scope]
+    slot.words[slot.deadline] = word
+
+
+def give_up_root() -> int:
+    """Become uid 65534 for good (real, effective and saved): its uid now."""
+    become(NOBODY)
+    return os.getuid()
+
+
+def enter_time_namespace(pid: int) -> bool:
+    """Join the time namespace of ``pid`` (setns(2)): whether the clock moved."""
+    before = time.monotonic()
+    fd = os.open(f"/proc/{pid}/ns/time", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWTIME):
+            raise OSError(ctypes.get_errno(), "setns")
+    finally:
+        os.close(fd)
+    return time.monotonic() - before > 3600
+
+
+def hang(scope: str, after: float, seconds: float) -> None:
+    """A block of ``scope`` that outlives its timeout by far."""
+    with _client().expires(after, scope=scope):
+        time.sleep(seconds)
 
 
 def unregister(scope: str) -> bool:
@@ -430,7 +490,7 @@ def crowd(count: int) -> dict[str, int]:
     plain = os.memfd_create("watchdogd-slots", os.MFD_CLOEXEC)
     held += [os.dup(plain) for _ in range(min(count, hard - 256))]
     last = hard - 1
-    for fd in page_descriptors():
+    for fd in [fd for fd in page_descriptors() if os.fstat(fd).st_ino in _fast()._pages]:
         os.dup2(fd, last)
         os.close(fd)
         last -= 1
@@ -439,8 +499,9 @@ def crowd(count: int) -> dict[str, int]:
 
 
 def close_pages() -> int:
-    """Close every descriptor of a page this process holds (its mappings stay)."""
-    fds = page_descriptors()
+    """Close every descriptor of the pages this process was handed (their
+    mappings stay): how many."""
+    fds = [fd for fd in page_descriptors() if os.fstat(fd).st_ino in _fast()._pages]
     for fd in fds:
         os.close(fd)
     return len(fds)
@@ -553,6 +614,24 @@ def map_page_once_exited(page: int) -> int:
     return _fork(work)
 
 
+def flood_map_page(page: int, connections: int, requests: int) -> int:
+    """Ask for page ``page`` ``requests`` times on each of ``connections``
+    connections, reading no answer (each would bring a descriptor): how many
+    connections took them all."""
+    took = 0
+    for _ in range(connections):
+        sock, engine, connection = _raw()
+        sock.setblocking(False)
+        frames = b"".join(
+            connection.send(MapPage(id=engine.next_id(), page=page), PageMapped)
+            for _ in range(requests)
+        )
+        with contextlib.suppress(BlockingIOError):
+            took += sock.send(frames) == len(frames)
+        _state.setdefault("flood", []).append(sock)
+    return took
+
+
 def release_stored(scope: str) -> dict[str, Any]:
     """Release ``scope`` as a block armed by a store whose slot closed would."""
     raw = _raw()
@@ -582,6 +661,10 @@ def hang_in_a_block(socket: str, after: float, hang: float) -> Callable[[], None
             time.sleep(hang)
 
     return work
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def own_timers(daemon: RunningDaemon, uid: int) -> list[str]:
@@ -723,3 +806,222 @@ def test_stores_into_closed_slots_never_let_a_uid_hold_more_than_twice_its_limit
             assert len(own_timers(daemon, NOBODY)) <= 2 * LIMIT
         finally:
             attacker.close()
+
+
+def test_map_page_hands_a_process_its_own_pages_and_nobody_elses(daemon: RunningDaemon) -> None:
+    roots = Actor(0, daemon.socket_path)
+    attacker = Actor(NOBODY, daemon.socket_path)
+    sibling = Actor(NOBODY, daemon.socket_path)
+    try:
+        root_page = roots("register", "step", 60)
+        own_page = attacker("register", "step", 60)
+        assert attacker("map_page", own_page)["descriptor"] is not None
+        # Another user's page, and a page of its own user's other process.
+        for page in (root_page, own_page):
+            assert sibling("map_page", page)["refused"] == "invalid_request"
+        # A child of its fork holds its page's descriptor (inherited, as every
+        # descriptor is), but is not the process the page is for.
+        child = attacker("map_page_from_a_child", own_page)
+        assert child["refused"] == "invalid_request"
+        assert child["inherited"]
+        # A connection whose process exited, kept by a child of it.
+        attacker.keep(attacker("map_page_once_exited", own_page))
+        attacker.exit()
+        assert attacker.said()["refused"] == "no_such_process"
+    finally:
+        roots.close()
+        attacker.close()
+        sibling.close()
+
+
+def test_a_restart_that_searches_descriptor_tables_full_of_forgeries_never_delays_a_root_canary(
+    daemon: RunningDaemon,
+) -> None:
+    moved = Actor(NOBODY, daemon.socket_path)
+    lost = Actor(NOBODY, daemon.socket_path)
+    try:
+        for attacker in (moved, lost):
+            attacker("register_many", "c", 5, 60, "log")
+            # Thousands of memfds named as pages are (one sealed and laid out as
+            # one), a FIFO, and the real page moved last by dup2.
+            assert attacker("crowd", DESCRIPTORS)["held"] >= min(DESCRIPTORS, 1000)
+        assert lost("close_pages") == 1
+        for attacker in (moved, lost):
+            # Looked at a second from now, as the state will say; released.
+            attacker("rearm_many", "c", 5, 1.2, "log")
+            attacker("release_many", "c", 5)
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        with Canaries(daemon):
+            time.sleep(2.0)
+            # The page moved by dup2 was found again: its slots are read.
+            moved("store_everywhere", 1000)
+            wait_until(
+                lambda: len([s for s in own_timers(daemon, NOBODY) if s.startswith("c")]) == 5,
+                what="the moved page's slots to be read",
+            )
+    finally:
+        moved.close()
+        lost.close()
+
+
+def test_deadlines_stored_in_slots_never_granted_fire_nothing(daemon: RunningDaemon) -> None:
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        with Canaries(daemon):
+            attacker("register", "granted", 0.5)
+            assert attacker("release", "granted")
+            # Long past, and past every bound, in the 62 slots of its page it was
+            # never granted; under the default policy, SIGKILL.
+            assert attacker("store_past_in_ungranted", 1) == SLOTS - 1
+            time.sleep(1.0)  # two looks at its granted slot, and more
+            # Its next registration takes one of them: what it stored there is
+            # overwritten by the arm.
+            attacker("register", "second", 0.5)
+            assert attacker("release", "second")
+            time.sleep(1.0)
+        with daemon.client(fast=False) as client:
+            assert [e for e in client.events(limit=1000).events if e.pid == attacker.pid] == []
+        assert attacker("register", "third", 60)  # alive, and served
+    finally:
+        attacker.close()
+
+
+def test_a_release_sent_as_stored_never_disarms_what_root_armed_on_the_worker(
+    daemon: RunningDaemon,
+) -> None:
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        attacker("register", "step", 60)
+        with daemon.client(fast=False) as client:
+            client.acquire("step", 600, pid=attacker.pid, policy="term")
+        assert attacker("release_stored", "step")["reply"]["found"] is False
+        # Its old slot, stored into: closed, so the client says so over the socket.
+        assert attacker("release", "step") is False
+        with daemon.client(fast=False) as client:
+            [timer] = [t for t in client.status().timers if t.pid == attacker.pid]
+        assert (timer.scope, timer.policy) == ("step", "term")
+        assert timer.remaining > 590
+    finally:
+        attacker.close()
+
+
+def test_a_process_that_gives_up_root_after_registering_never_fires_roots_policy_by_a_store(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    config = '[policies.rooted]\nsteps = [ { signal = "SIGUSR1" } ]\nroot_only = true\n'
+    with daemon_with(config, socket_path, tmp_path) as daemon:
+        worker = Actor(0, daemon.socket_path)
+        try:
+            with Canaries(daemon):
+                worker("register", "step", 0.5, "rooted")
+                assert worker("release", "step")
+                assert worker("give_up_root") == NOBODY
+                worker("store", "step", 1)  # long past
+                time.sleep(1.0)  # two looks
+            assert worker("register", "again", 60)  # alive: no SIGUSR1 came
+            with daemon.client(fast=False) as client:
+                assert [e for e in client.events(limit=1000).events if e.pid == worker.pid] == []
+        finally:
+            worker.close()
+
+
+#: A process that asks the daemon itself for a slot, from wherever it runs.
+ASK_FOR_A_SLOT = """
+import json, socket, sys
+from watchdogd_client.engine import Engine
+from watchdogd_client.fastpath import _exchange
+from watchdogd_client.protocol import Acquire, Acquired, Welcome
+engine = Engine(sys.argv[1], client="attacker", reconnect_timeout=0.0)
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+connection = engine.connect()
+_exchange(sock, connection, connection.hello_id, connection.hello)[0].result(Welcome)
+request = Acquire(id=engine.next_id(), scope="step", timeout=60, slot=True, policy="log")
+reply = _exchange(sock, connection, request.id, connection.send(request, Acquired))[0]
+print(json.dumps(reply.result(Acquired).slot is not None), flush=True)
+"""
+
+
+def test_a_process_in_another_time_namespace_gets_no_slot_even_when_it_asks_itself(
+    daemon: RunningDaemon,
+) -> None:
+    command = ["unshare", "--time", "--monotonic", "86400", "--fork", sys.executable, "-c"]
+    asked = subprocess.run(
+        [*command, ASK_FOR_A_SLOT, str(daemon.socket_path)],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE * 3,
+        check=True,
+    )
+    assert json.loads(asked.stdout) is False
+
+
+def test_a_process_that_moves_to_another_time_namespace_after_registering_is_still_on_time(
+    daemon: RunningDaemon,
+) -> None:
+    elsewhere = subprocess.Popen(
+        ["unshare", "--time", "--monotonic", "86400", "--fork", "sleep", "60"]
+    )
+    worker = Actor(0, daemon.socket_path)
+    try:
+        wait_until(
+            lambda: any(
+                os.readlink(f"/proc/{pid}/ns/time") != os.readlink("/proc/self/ns/time")
+                for pid in _children(elsewhere.pid)
+            ),
+            what="a process in another time namespace",
+        )
+        [moved] = _children(elsewhere.pid)
+        worker("register", "step", 0.5)
+        assert worker("release", "step")
+        assert worker("enter_time_namespace", moved)
+        entered = time.monotonic()
+        worker.tell("hang", "step", 0.5, PATIENCE)
+        died = worker.death_time(timeout=2.0)
+        assert died - entered < 0.5 + ON_TIME
+    finally:
+        worker.close()
+        reap(elsewhere)
+
+
+#: Registrations whose deadlines a process keeps just ahead of the daemon's looks.
+STORMED = 8_000 if SOAK else 2_000
+
+
+def test_deadlines_kept_just_ahead_of_every_look_never_delay_a_root_canary(
+    daemon: RunningDaemon,
+) -> None:
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        assert attacker("register_many", "s", STORMED, 3.0, "log") == []
+        # Each look finds the slot's deadline 50 ms on, so the next look is then:
+        # twenty looks a second at each slot, however long their periods.
+        attacker.keep(attacker("keep_ahead", ATTACK_SECONDS + 5, 0.05))
+        time.sleep(2.5)  # the first looks, a period after the registrations
+        with Canaries(daemon):
+            time.sleep(ATTACK_SECONDS)
+    finally:
+        attacker.close()
+
+
+def test_map_pages_left_unread_hold_nothing_in_the_daemon(daemon: RunningDaemon) -> None:
+    before = descriptors_of(daemon.pid), rss_mib(daemon.pid)
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        page = attacker("register", "step", 60, "log")
+        with Canaries(daemon):
+            attacker("flood_map_page", page, 64, 2_000)
+            time.sleep(ATTACK_SECONDS / 2)
+            # A connection's own descriptors (its socket, its caller's pidfds),
+            # never one per page it was sent.
+            assert descriptors_of(daemon.pid) <= before[0] + SPARE_DESCRIPTORS + 64 * 3 + 2
+        assert rss_mib(daemon.pid) - before[1] < 16
+    finally:
+        attacker.close()
+    with daemon.client(fast=False) as client:
+        wait_until(
+            lambda: client.status_page(limit=1).daemon.connections <= 1,
+            what="the flood's connections to close",
+        )
+        assert descriptors_of(daemon.pid) <= before[0] + SPARE_DESCRIPTORS
