@@ -985,6 +985,33 @@ def test_a_process_that_moves_to_another_time_namespace_after_registering_is_sti
         reap(elsewhere)
 
 
+def test_a_service_registering_a_scope_per_request_keeps_the_daemon_and_itself_bounded(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    # Released registrations are seen idle within a period (0.175 s), closed
+    # after slot_idle and retired after the closing wait: all within a round.
+    config = "[daemon]\nslot_idle = 0.3\n"
+    rounds = 4
+    per_round = REQUESTS // rounds
+    with daemon_with(config, socket_path, tmp_path) as daemon:
+        before = descriptors_of(daemon.pid)
+        service = Actor(NOBODY, daemon.socket_path)
+        try:
+            with Canaries(daemon):
+                held = service("serve", per_round, 0.2, rounds, 0.8)
+            assert descriptors_of(daemon.pid) <= before + SPARE_DESCRIPTORS + 2 * (
+                per_round // SLOTS + 2
+            )
+            # What the service holds is what the daemon still reads, not every
+            # scope it ever registered.
+            last = held[-1]
+            assert last["slots"] <= 2 * per_round, held
+            assert last["descriptors"] <= 2 * (per_round // SLOTS + 2), held
+            assert last["pages"] <= 2 * (per_round // SLOTS + 2), held
+        finally:
+            service.close()
+
+
 #: Registrations whose deadlines a process keeps just ahead of the daemon's looks.
 STORMED = 8_000 if SOAK else 2_000
 
