@@ -1052,3 +1052,19 @@ def test_map_pages_left_unread_hold_nothing_in_the_daemon(daemon: RunningDaemon)
             what="the flood's connections to close",
         )
         assert descriptors_of(daemon.pid) <= before[0] + SPARE_DESCRIPTORS
+
+
+def test_a_service_registering_a_scope_per_request_past_its_limit_is_never_refused(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    # A limit its requests pass within a second: each registration is released
+    # at once, and the daemon's first look at it comes most of a second later.
+    limit = 500
+    config = f"[daemon]\nmax_timers_per_uid = {limit}\n"
+    with daemon_with(config, socket_path, tmp_path) as daemon:
+        service = Actor(NOBODY, daemon.socket_path)
+        try:
+            service("serve", 4 * limit, 1.0, 1, 0.0)
+            assert len(own_timers(daemon, NOBODY)) <= 2 * limit
+        finally:
+            service.close()

@@ -465,6 +465,20 @@ def test_a_uid_at_its_limit_registers_by_reclaiming_its_longest_released_slot() 
     assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
 
 
+def test_a_uid_at_its_limit_reclaims_one_released_before_any_look_saw_it() -> None:
+    world = make_world(max_timers_per_uid=2)
+    _, memory = registered(world, "older", now=1.0)
+    registered(world, "newer", now=1.1)
+    memory.release(1)  # "newer" released, "older" still armed: no look yet
+    assert arm(world, world.alice, "third", 1.5).slot is not None
+    assert (memory.period(0), memory.period(1)) == (microseconds(PERIOD), 0)
+    memory.store(2, 100.0)  # "third" armed by a store
+    with pytest.raises(Refusal) as refused:
+        arm(world, world.alice, "fourth", 1.6)  # nothing released to take
+    assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
+    assert memory.period(0) == microseconds(PERIOD)
+
+
 def test_a_reclaimed_registration_is_read_after_the_closing_wait_not_a_period_on() -> None:
     world = make_world(max_timers_per_uid=1)
     _, memory = registered(world, "older", now=1.0)

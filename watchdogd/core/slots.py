@@ -39,6 +39,10 @@ Invariants:
   page of the one before (whose descriptors a child of it may still hold); and a
   process keeps its pages only while one of them holds an open or closing slot,
   so one that left the table (its exit then unwatched) leaves none behind.
+- A uid at its limit that registers another reclaims its registration seen
+  released the longest, or else one of its least recently armed over the socket
+  that its slot shows released now (a service that registers a scope per
+  request does it faster than looks see them released).
 - A uid's closing registrations do not count at its limit (they are retiring),
   but no more of them than its limit: a process that keeps its closed slots
   armed by stores (so they never retire) holds at most twice its limit.
@@ -51,6 +55,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +81,10 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
+#: How many of a uid's least recently armed registrations a reclaim reads at most
+#: for one released now (when none was seen released at a look): its cost is
+#: bounded however many a uid keeps armed.
+RECLAIM_READS: Final = 16
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
 _BLOCKS_A_SECOND: Final = 5_000_000
@@ -152,6 +161,8 @@ class Slots(Generic[P]):
         self._pages: dict[tuple[int, int], _Pages] = {}
         #: Registrations seen released at their last look, by uid, oldest first.
         self._idle: dict[int, dict[Key, None]] = {}
+        #: Every registration by uid, least recently armed over the socket first.
+        self._owned: dict[int, dict[Key, None]] = {}
         #: Closing registrations by uid: retiring, so no longer counted at a limit.
         self._closing: dict[int, int] = {}
 
@@ -215,6 +226,9 @@ class Slots(Generic[P]):
             slot.closing = 0.0
             self._count_closing(timer.owner, -1)
         self._busy(timer, slot, deadline)
+        owned = self._owned.setdefault(timer.owner, {})
+        owned.pop(timer.key, None)
+        owned[timer.key] = None
         return SlotGrant(page=slot.page.id, index=index, period=period)
 
     def released(self, timer: Timer, slot: Slot) -> bool:
@@ -238,7 +252,7 @@ class Slots(Generic[P]):
         again first, so that it closes too."""
         slot = self.slot_of(timer, process, now)
         if slot is not None:
-            self._slots.pop(timer.key, None)
+            self._forget(timer)
             slot.page.write(slot.index, period=0)
             self._let_go(timer, process, slot)
 
@@ -289,7 +303,7 @@ class Slots(Generic[P]):
         if deadline > now:
             self._put(item, min(deadline, now + slot.period))
             return None
-        self._slots.pop(timer.key, None)
+        self._forget(timer)
         slot.page.write(slot.index, period=0)
         self._let_go(timer, process, slot)
         fired = msgspec.structs.replace(
@@ -346,18 +360,16 @@ class Slots(Generic[P]):
     # Closing, retiring, dropping.
 
     def reclaim(self, uid: int, now: float) -> bool:
-        """Close the registration of ``uid`` seen released the longest (a uid at
-        its limit registers another); whether there was one. There is none while
-        as many of its registrations as its limit are closing."""
-        idle = self._idle.get(uid)
-        if not idle or self._closing.get(uid, 0) >= self._rules.daemon.max_timers_per_uid:
+        """Close a registration of ``uid`` that holds no block (a uid at its limit
+        registers another): the one seen released the longest, or else one found
+        released now; whether there was one. There is none while as many of its
+        registrations as its limit are closing."""
+        if self._closing.get(uid, 0) >= self._rules.daemon.max_timers_per_uid:
             return False
-        key = next(iter(idle))
-        slot = self._slots.get(key)
-        timer = self._table.get(*key)
-        if slot is None or timer is None:
-            del idle[key]
-            return bool(idle) and self.reclaim(uid, now)
+        found = self._idle_one(uid) or self._released_one(uid)
+        if found is None:
+            return False
+        timer, slot = found
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
         process = self._table.process(timer.pid)
@@ -367,6 +379,43 @@ class Slots(Generic[P]):
             self._table.put(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
             self._on_deadline(now + CLOSING_WAIT)
         return True
+
+    def _idle_one(self, uid: int) -> tuple[Timer, Slot] | None:
+        """``uid``'s registration seen released the longest, if any."""
+        idle = self._idle.get(uid)
+        while idle:
+            key = next(iter(idle))
+            slot, timer = self._slots.get(key), self._table.get(*key)
+            if slot is not None and timer is not None:
+                return timer, slot
+            del idle[key]
+        self._idle.pop(uid, None)
+        return None
+
+    def _released_one(self, uid: int) -> tuple[Timer, Slot] | None:
+        """One of ``uid``'s least recently armed registrations (at most
+        `RECLAIM_READS` of them read) whose slot holds no block now; each read
+        goes last, so that the next reclaim reads others."""
+        owned = self._owned.get(uid)
+        for key in list(itertools.islice(owned or (), RECLAIM_READS)):
+            assert owned is not None
+            del owned[key]
+            slot, timer = self._slots.get(key), self._table.get(*key)
+            if slot is None or timer is None or timer.owner != uid:
+                continue
+            owned[key] = None
+            if not slot.closing and not slot.page.read(slot.index):
+                return timer, slot
+        return None
+
+    def _forget(self, timer: Timer) -> Slot | None:
+        """``timer``'s registration is no longer kept: its slot, if it had one."""
+        owned = self._owned.get(timer.owner)
+        if owned is not None:
+            owned.pop(timer.key, None)
+            if not owned:
+                del self._owned[timer.owner]
+        return self._slots.pop(timer.key, None)
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
         slot.page.write(slot.index, period=0)
@@ -383,7 +432,7 @@ class Slots(Generic[P]):
 
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
-        self._slots.pop(item.timer.key, None)
+        self._forget(item.timer)
         self._let_go(item.timer, item.process, slot)
         self._metrics.slots_retired += 1
         self._gone(item)
@@ -460,6 +509,7 @@ class Slots(Generic[P]):
         slot.blocks = page.blocks(ref.index)
         slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
         self._slots[timer.key] = slot
+        self._owned.setdefault(timer.owner, {})[timer.key] = None
         return slot
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> None:
@@ -511,7 +561,7 @@ class Slots(Generic[P]):
         then (a registration only while its slot held a block)."""
         armed: list[Timer] = []
         for timer in timers:
-            slot = self._slots.pop(timer.key, None)
+            slot = self._forget(timer)
             if slot is None:
                 # A registration not read since a restart: what its slot held is
                 # not known (its process's descriptors are gone), so not counted.
@@ -568,6 +618,7 @@ class Slots(Generic[P]):
         self._pages.clear()
         self._slots.clear()
         self._idle.clear()
+        self._owned.clear()
         self._closing.clear()
 
 
