@@ -73,7 +73,7 @@ ATTACK_SECONDS = 20.0 if SOAK else 2.0
 #: Scopes one attacker registers (its uid's limit is 10,000).
 SCOPES = 8_000 if SOAK else 1_000
 #: Descriptors one attacker holds for a restart to search.
-DESCRIPTORS = 19_000 if SOAK else 3_000
+DESCRIPTORS = 19_000 if SOAK else 8_000
 #: Requests of a service that registers a scope per request.
 REQUESTS = 20_000 if SOAK else 1_500
 #: A canary's timer, and how late it may be signalled.
@@ -850,10 +850,21 @@ def test_a_restart_that_searches_descriptor_tables_full_of_forgeries_never_delay
             # Looked at a second from now, as the state will say; released.
             attacker("rearm_many", "c", 5, 1.2, "log")
             attacker("release_many", "c", 5)
+        looked = time.monotonic() + 1.2
         daemon.stop(signal.SIGKILL)
         daemon.start()
-        with Canaries(daemon):
-            time.sleep(2.0)
+        with Canaries(daemon), daemon.client(fast=False) as client:
+            # One more canary, due as the looks that search begin.
+            victim = sleeper()
+            try:
+                remaining = client.acquire("due", looked + 0.02 - time.monotonic(), pid=victim.pid)
+                deadline = time.monotonic() + remaining
+                late = death_time(victim) - deadline
+            finally:
+                reap(victim)
+            assert late < ON_TIME, (
+                f"a canary due as the search began died {late * 1000:.0f} ms late"
+            )
             # The page moved by dup2 was found again: its slots are read.
             moved("store_everywhere", 1000)
             wait_until(

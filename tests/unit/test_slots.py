@@ -685,6 +685,18 @@ def test_a_restored_registration_whose_page_is_lost_is_dropped_logged_and_counte
     assert world.host.tracked == set()
 
 
+def test_a_lost_page_is_searched_for_once_for_every_registration_on_it() -> None:
+    before = make_world()
+    for scope in ("a", "b", "c"):
+        registered(before, scope, now=1.0)
+    before.pages.held.clear()  # the process closed its page's descriptor
+    world = restarted(before, now=50.0)
+    assert run(world, 60.0) == []
+    assert len(world.pages.adoptions) == 1  # each search reads all its descriptors
+    assert world.service.metrics.slots_lost == 3
+    assert world.host.tracked == set()
+
+
 def test_another_callers_arm_before_the_first_look_after_a_restart_closes_the_slot() -> None:
     """Revoked before its page was found again: the process must still see its
     slot closed, or its later blocks store where no daemon reads."""

@@ -163,6 +163,9 @@ class Slots(Generic[P]):
         self._idle: dict[int, dict[Key, None]] = {}
         #: Every registration by uid, least recently armed over the socket first.
         self._owned: dict[int, dict[Key, None]] = {}
+        #: Pages searched for among a process's descriptors and not found, by
+        #: process: a search reads every descriptor, so it is made once a page.
+        self._lost: dict[tuple[int, int], set[int]] = {}
         #: Closing registrations by uid: retiring, so no longer counted at a limit.
         self._closing: dict[int, int] = {}
 
@@ -452,6 +455,7 @@ class Slots(Generic[P]):
         self._journal.drop(item.timer)
         self._journal.commit_soon()
         if item.orphaned and self._table.process(item.timer.pid) is None:
+            self._lost.pop(_process_key(item.process), None)
             self._processes.untrack(item.process)
 
     def _let_go(self, timer: Timer, process: P, slot: Slot) -> None:
@@ -494,8 +498,10 @@ class Slots(Generic[P]):
         own = self._pages.get(key)
         page = None if own is None else next((p for p in own.pages if p.id == ref.page), None)
         if page is None:
-            page = self._port.adopt(process, ref.page)
+            lost = self._lost.get(key, ())
+            page = None if ref.page in lost else self._port.adopt(process, ref.page)
             if page is None:
+                self._lost.setdefault(key, set()).add(ref.page)
                 return None
             if own is None:
                 own = self._pages[key] = _Pages()
@@ -574,6 +580,7 @@ class Slots(Generic[P]):
             if slot.closing:
                 self._count_closing(timer.owner, -1)
             self._busy(timer, slot, 0.0)
+        self._lost.pop(_process_key(process), None)
         own = self._pages.pop(_process_key(process), None)
         for page in () if own is None else own.pages:
             page.close()
@@ -619,6 +626,7 @@ class Slots(Generic[P]):
         self._slots.clear()
         self._idle.clear()
         self._owned.clear()
+        self._lost.clear()
         self._closing.clear()
 
 
