@@ -316,6 +316,19 @@ def register_many(prefix: str, count: int, timeout: float, policy: str) -> list[
     return refused[:3]
 
 
+def register_released(prefix: str, count: int, timeout: float) -> list[str]:
+    """Register ``count`` scopes of ``timeout`` seconds, each released by a store
+    as soon as it is granted; the first refusals, if any."""
+    refused = []
+    for number in range(count):
+        try:
+            _client().acquire(f"{prefix}{number}", timeout, policy="log")
+        except RequestRefused as exc:
+            refused.append(str(exc))
+        _client().release(f"{prefix}{number}")
+    return refused[:3]
+
+
 def release_many(prefix: str, count: int) -> None:
     """Release each of ``register_many``'s scopes by a store."""
     for number in range(count):
@@ -1038,6 +1051,20 @@ def test_deadlines_kept_just_ahead_of_every_look_never_delay_a_root_canary(
         attacker.keep(attacker("keep_ahead", ATTACK_SECONDS + 5, 0.05))
         time.sleep(2.5)  # the first looks, a period after the registrations
         with Canaries(daemon):
+            time.sleep(ATTACK_SECONDS)
+    finally:
+        attacker.close()
+
+
+def test_registrations_with_the_shortest_period_left_released_never_delay_a_root_canary(
+    daemon: RunningDaemon,
+) -> None:
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        with Canaries(daemon):
+            # Each released at once by a store, and then looked at every period
+            # (2 ms) for as long as it idles: a request buys thousands of looks.
+            assert attacker("register_released", "s", STORMED, 0.0025) == []
             time.sleep(ATTACK_SECONDS)
     finally:
         attacker.close()

@@ -14,7 +14,7 @@ import pytest
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD
+from watchdogd.core.slots import CLOSING_WAIT, LOOKS_PER_UID, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -330,6 +330,37 @@ def test_a_stored_later_deadline_moves_the_next_look_and_no_look_is_journaled() 
     # Each look at min(deadline, now + period); never past the block's deadline.
     assert looks == [15.0, 22.0, 29.0, 30.0]
     assert (len(world.journal.puts), len(world.journal.drops)) == (puts, drops)
+
+
+def test_deadlines_stored_ever_nearer_than_a_period_are_read_twice_a_period_at_most() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)  # first looked at 8.0
+    memory.store(0, 9.5)  # a block entered at 1.5: 8 s on, as the client stores
+    assert run(world, 8.0) == []
+    assert look_at(world, "step") == 9.5
+    # From here on, each look finds a deadline 0.1 s on, stored since the last.
+    looks = []
+    for _ in range(4):
+        at = look_at(world, "step")
+        memory.store(0, at + 0.1)
+        assert run(world, at) == []
+        looks.append(look_at(world, "step"))
+    assert looks == [8.0 + PERIOD, 9.5 + PERIOD, 15.0 + PERIOD, 16.5 + PERIOD]
+    # One left where it was fires at its look, on the deadline it said.
+    [fired] = run(world, 30.0)
+    assert fired.timer.scope == "step"
+    assert fired.timer.deadline == pytest.approx(22.1)
+
+
+def test_a_uids_registrations_ask_for_at_most_its_reads_a_second() -> None:
+    # Four registrations of this timeout ask for all of them.
+    timeout = 8 / LOOKS_PER_UID / PERIOD_SHARE
+    world = make_world()
+    grants = [arm(world, world.alice, f"s{n}", 1.0, timeout=timeout).slot for n in range(5)]
+    assert [grant is not None for grant in grants] == [True, True, True, True, False]
+    assert arm(world, world.root, "own", 1.0, timeout=timeout).slot is not None  # not root's
+    world.service.handle(Release(id=5, scope="s0", pid=ALICE.pid), world.root, 1.5)
+    assert arm(world, world.alice, "s5", 2.0, timeout=timeout).slot is not None
 
 
 def test_a_deadline_that_passed_fires_on_its_own_deadline_and_closes_the_slot() -> None:

@@ -14,7 +14,10 @@ The rule that makes the looks lazy, and sound: the process stores only deadlines
 at least one period away, and the daemon reads a slot at least once a period and
 never later than the deadline it last read there. A store made after a look is
 then seen at the next look, which comes before its deadline; a later deadline
-needs no wake, an earlier one goes over the socket. The same holds across a
+needs no wake, an earlier one goes over the socket. So a deadline stored since
+the last look is never looked for before a period after that look: one nearer
+breaks the rule (only its own block may be late), and looking for it would let a
+process have the daemon look as often as it likes. The same holds across a
 restart: a journaled look is never later than the look it stands for, and a store
 made while the daemon was down is read at the first look of the next.
 
@@ -39,6 +42,10 @@ Invariants:
   page of the one before (whose descriptors a child of it may still hold); and a
   process keeps its pages only while one of them holds an open or closing slot,
   so one that left the table (its exit then unwatched) leaves none behind.
+- A slot is read at most twice a period while its process stores, once while
+  it idles; a non-root uid's registrations ask for at most `LOOKS_PER_UID` reads a
+  second, counting two a period each: an arm past it gets a plain timer, not a
+  slot.
 - A uid at its limit that registers another reclaims its registration seen
   released the longest, or else one of its least recently armed over the socket
   that its slot shows released now (a service that registers a scope per
@@ -68,6 +75,7 @@ from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
 
 from .counters import Counters
 from .history import History
+from .identity import ROOT
 from .logline import Level, RateLimitedLog, logfmt
 from .ports import Journal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .rules import Rules
@@ -81,6 +89,9 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
+#: The reads a second a non-root uid's registrations may ask for, at two a period
+#: each (what a registration with a timeout of 10 s asks for is 0.23).
+LOOKS_PER_UID: Final = 2_000
 #: How many of a uid's least recently armed registrations a reclaim reads at most
 #: for one released now (when none was seen released at a look): its cost is
 #: bounded however many a uid keeps armed.
@@ -112,6 +123,10 @@ class Slot:
     idle_since: float = 0.0
     #: When it closed (0.0: open).
     closing: float = 0.0
+    #: When its word was last read, or written over the socket (-inf: not yet).
+    looked: float = -math.inf
+    #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
+    budget: int | None = None
     #: The blocks its process counted, and their counts by bucket, as last taken.
     blocks: int = 0
     seen: dict[int, int] = field(default_factory=dict)
@@ -163,6 +178,8 @@ class Slots(Generic[P]):
         self._idle: dict[int, dict[Key, None]] = {}
         #: Every registration by uid, least recently armed over the socket first.
         self._owned: dict[int, dict[Key, None]] = {}
+        #: The reads a second each non-root uid's registrations ask for.
+        self._looks: dict[int, float] = {}
         #: Pages searched for among a process's descriptors and not found, by
         #: process: a search reads every descriptor, so it is made once a page.
         self._lost: dict[tuple[int, int], set[int]] = {}
@@ -178,12 +195,18 @@ class Slots(Generic[P]):
 
     # Registration, as arms and releases over the socket make and change it.
 
-    def register(self, process: P, scope: str, timeout: float, now: float) -> SlotRef | None:
-        """A slot for ``scope`` of ``process``, registered with ``timeout``; None
-        when none is offered to it (no fast path here, a timeout whose period
-        would be under `MIN_PERIOD`, another clock, no page to be had)."""
+    def register(
+        self, process: P, scope: str, timeout: float, now: float, owner: int
+    ) -> SlotRef | None:
+        """A slot for ``scope`` of ``process``, registered by ``owner`` with
+        ``timeout``; None when none is offered to it (no fast path here, a timeout
+        whose period would be under `MIN_PERIOD`, an owner at its `LOOKS_PER_UID`,
+        another clock, no page to be had)."""
         period = period_of(timeout)
         if not self.offered or not period:
+            return None
+        budget = None if owner == ROOT else owner
+        if budget is not None and self._looks.get(budget, 0.0) + 2 / period > LOOKS_PER_UID:
             return None
         key = _process_key(process)
         own = self._pages.get(key)
@@ -204,7 +227,9 @@ class Slots(Generic[P]):
         index = own.next_index
         own.next_index += 1
         own.live[page.id] += 1
-        self._slots[(process.pid, scope)] = Slot(page, index, period, harvested=now)
+        slot = Slot(page, index, period, harvested=now)
+        self._slots[(process.pid, scope)] = slot
+        self._count_looks(slot, budget)
         return SlotRef(page=page.id, index=index, period=period)
 
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
@@ -222,7 +247,9 @@ class Slots(Generic[P]):
         written to its slot, which opens again if it was closing."""
         index = slot.index
         period = _microseconds(slot.period)
-        slot.page.write(index, deadline=_microseconds(deadline), period=period)
+        slot.word = _microseconds(deadline)
+        slot.looked = timer.armed_at
+        slot.page.write(index, deadline=slot.word, period=period)
         if auto is not None:
             slot.page.write_auto(index, _microseconds(auto))
         if slot.closing:
@@ -240,6 +267,7 @@ class Slots(Generic[P]):
         armed = slot.page.read(slot.index) != 0
         slot.page.write(slot.index, deadline=0)
         slot.due = 0.0
+        slot.word = 0
         return armed
 
     def block_began(self, timer: Timer, slot: Slot) -> float:
@@ -295,16 +323,21 @@ class Slots(Generic[P]):
             self._drop(item, f"its process's uid changed to {process.uid}")
             return None
         word = slot.page.read(slot.index)
+        looked, slot.looked = slot.looked, now
         self._harvest(timer, process, slot, now)
         if not word:
             slot.word = 0
             self._idle_look(item, slot, now)
             return None
-        deadline = slot.due if word == slot.word and slot.due else self._bounded(word, now)
+        stored = word != slot.word
+        deadline = slot.due if not stored and slot.due else self._bounded(word, now)
         slot.word = word
         self._busy(timer, slot, deadline)
         if deadline > now:
-            self._put(item, min(deadline, now + slot.period))
+            # A deadline stored since the last look is looked for a period after
+            # that look at the soonest (see the module docstring).
+            soonest = looked + slot.period if stored else now
+            self._put(item, max(min(deadline, now + slot.period), soonest))
             return None
         self._forget(timer)
         slot.page.write(slot.index, period=0)
@@ -418,7 +451,21 @@ class Slots(Generic[P]):
             owned.pop(timer.key, None)
             if not owned:
                 del self._owned[timer.owner]
-        return self._slots.pop(timer.key, None)
+        slot = self._slots.pop(timer.key, None)
+        if slot is not None and slot.budget is not None:
+            left = self._looks.get(slot.budget, 0.0) - 2 / slot.period
+            if left > 1e-9:
+                self._looks[slot.budget] = left
+            else:
+                self._looks.pop(slot.budget, None)
+        return slot
+
+    def _count_looks(self, slot: Slot, budget: int | None) -> None:
+        """Count ``slot``'s reads against ``budget``'s `LOOKS_PER_UID` (None: root's
+        are not counted)."""
+        slot.budget = budget
+        if budget is not None:
+            self._looks[budget] = self._looks.get(budget, 0.0) + 2 / slot.period
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
         slot.page.write(slot.index, period=0)
@@ -516,6 +563,7 @@ class Slots(Generic[P]):
         slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
         self._slots[timer.key] = slot
         self._owned.setdefault(timer.owner, {})[timer.key] = None
+        self._count_looks(slot, None if timer.owner == ROOT else timer.owner)
         return slot
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> None:
@@ -627,6 +675,7 @@ class Slots(Generic[P]):
         self._idle.clear()
         self._owned.clear()
         self._lost.clear()
+        self._looks.clear()
         self._closing.clear()
 
 
