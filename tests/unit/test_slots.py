@@ -510,6 +510,22 @@ def test_a_uid_at_its_limit_reclaims_one_released_before_any_look_saw_it() -> No
     assert memory.period(0) == microseconds(PERIOD)
 
 
+def test_registrations_reclaimed_once_seen_idle_never_hide_one_released_since() -> None:
+    world = make_world(max_timers_per_uid=20)
+    _, memory = registered(world, "old-0", now=1.0)
+    for number in range(1, 20):
+        arm(world, world.alice, f"old-{number}", 1.0)
+    for index in range(17):
+        memory.release(index)  # three stay armed
+    run(world, 8.5)  # seventeen seen released
+    for number in range(17):
+        arm(world, world.alice, f"new-{number}", 9.0)  # each reclaims one of them
+    for index in range(20, 37):
+        memory.release(index)  # none seen released yet; the reclaimed still closing
+    assert arm(world, world.alice, "one-more", 9.05).slot is not None
+    assert memory.period(20) == 0
+
+
 def test_a_reclaimed_registration_is_read_after_the_closing_wait_not_a_period_on() -> None:
     world = make_world(max_timers_per_uid=1)
     _, memory = registered(world, "older", now=1.0)

@@ -472,6 +472,11 @@ class Slots(Generic[P]):
         slot.closing = now
         self._count_closing(timer.owner, 1)
         self._busy(timer, slot, slot.due)
+        # Never to be reclaimed again; an arm over the socket that opens it again
+        # puts it back.
+        owned = self._owned.get(timer.owner)
+        if owned is not None:
+            owned.pop(timer.key, None)
 
     def _count_closing(self, uid: int, step: int) -> None:
         left = self._closing.get(uid, 0) + step
