@@ -741,6 +741,34 @@ def test_a_page_of_a_process_that_exited_is_never_handed_to_the_next_process_on_
         attacker.close()
 
 
+def test_a_process_that_takes_the_pid_of_roots_worker_never_gets_its_page(
+    daemon: RunningDaemon,
+) -> None:
+    worker = Actor(0, daemon.socket_path)
+    try:
+        page = worker("register", "step", 60)
+        assert worker("unregister", "step")  # its process leaves the table
+        pid = worker.pid
+        worker.exit()
+    finally:
+        worker.close()
+    said, say = os.pipe()
+
+    def ask() -> None:
+        _state["socket"] = str(daemon.socket_path)
+        _answer(say, lambda: map_page(page))
+
+    taker = fork_at_pid(pid, ask, uid=NOBODY)
+    try:
+        os.close(say)
+        with os.fdopen(said) as pipe:
+            outcome = json.loads(pipe.readline())
+        assert outcome["ok"]["refused"] == "invalid_request", outcome
+        assert taker.wait() == 0
+    finally:
+        taker.close()
+
+
 def test_the_daemon_keeps_nothing_of_a_process_whose_registrations_went_before_it_exited(
     daemon: RunningDaemon,
 ) -> None:
