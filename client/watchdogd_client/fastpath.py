@@ -30,6 +30,12 @@ Invariants:
   child, whose unmapping would hit whatever the child maps at their addresses.
 - Threads share the slots: two threads that arm one explicit scope share its
   timer, and the last store wins, as the last request would over the socket.
+- What it holds is what the daemon still reads: each time a page is mapped, the
+  slots the daemon closed that hold no block are forgotten, and the pages no
+  slot is on any more are unmapped (a service whose default scope is one per
+  task registers a scope per request, and the daemon retires each once idle). A
+  store that meets a page unmapped meanwhile by another thread goes over the
+  socket, as one into a closed slot does.
 """
 
 from __future__ import annotations
@@ -101,6 +107,16 @@ class _Page:
         self.words = memoryview(mapping).cast("Q")
         self.counts = memoryview(mapping).cast("I")
 
+    def unmap(self) -> None:
+        """Unmap it and close its descriptor: a store through a view of it raises
+        ValueError from now on."""
+        self.words.release()
+        self.counts.release()
+        try:
+            self.mapping.close()
+        except BufferError:
+            _inherited.append(self.mapping)  # still viewed somewhere: left mapped
+
 
 class _Slot:
     """One registered scope as this process sees it: where its words are, the
@@ -149,14 +165,17 @@ class FastPath:
             return None
         words, at = slot.words, slot.deadline
         period = slot.period
-        if words[at + PERIOD] != period:
-            return None
-        timeout = words[at + AUTO] if after == "auto" else int(after * 1_000_000)
-        if timeout < period:
-            return None
-        now = int(time.monotonic() * 1_000_000)
-        words[at] = now + timeout
-        if words[at + PERIOD] != period:
+        try:
+            if words[at + PERIOD] != period:
+                return None
+            timeout = words[at + AUTO] if after == "auto" else int(after * 1_000_000)
+            if timeout < period:
+                return None
+            now = int(time.monotonic() * 1_000_000)
+            words[at] = now + timeout
+            if words[at + PERIOD] != period:
+                return None
+        except ValueError:  # its page was unmapped meanwhile, or no word holds it
             return None
         slot.entered = now
         return timeout / 1_000_000
@@ -171,28 +190,32 @@ class FastPath:
             return None
         words, at = slot.words, slot.deadline
         period = slot.period
-        if words[at + PERIOD] != period:
-            self._slots.pop(scope, None)
-            return "closed"
-        armed = words[at] != 0
-        entered = slot.entered
-        if entered:
-            slot.entered = 0
-            held = int(time.monotonic() * 1_000_000) - entered
-            # `slot_page.bucket_of`, inline: this runs at every block's end.
-            if held <= SMALLEST_MICROSECONDS:
-                bucket = slot.counts_at
-            else:
-                bucket = slot.counts_at + min(
-                    BUCKETS - 1, math.ceil(BUCKETS_PER_DOUBLING * math.log2(held / 1000.0))
-                )
-            counts = slot.counts
-            counts[bucket] = (counts[bucket] + 1) & _COUNT
-            if held > words[at + LARGEST]:  # noqa: PLR1730 (max() would store at every block)
-                words[at + LARGEST] = held
-            words[at + BLOCKS] = (words[at + BLOCKS] + 1) & _WORD
-        words[at] = 0
-        if words[at + PERIOD] != period:
+        try:
+            if words[at + PERIOD] != period:
+                self._slots.pop(scope, None)
+                return "closed"
+            armed = words[at] != 0
+            entered = slot.entered
+            if entered:
+                slot.entered = 0
+                held = int(time.monotonic() * 1_000_000) - entered
+                # `slot_page.bucket_of`, inline: this runs at every block's end.
+                if held <= SMALLEST_MICROSECONDS:
+                    bucket = slot.counts_at
+                else:
+                    bucket = slot.counts_at + min(
+                        BUCKETS - 1, math.ceil(BUCKETS_PER_DOUBLING * math.log2(held / 1000.0))
+                    )
+                counts = slot.counts
+                counts[bucket] = (counts[bucket] + 1) & _COUNT
+                if held > words[at + LARGEST]:  # noqa: PLR1730 (max() would store at every block)
+                    words[at + LARGEST] = held
+                words[at + BLOCKS] = (words[at + BLOCKS] + 1) & _WORD
+            words[at] = 0
+            if words[at + PERIOD] != period:
+                self._slots.pop(scope, None)
+                return "closed"
+        except ValueError:  # its page was unmapped meanwhile: it was closed
             self._slots.pop(scope, None)
             return "closed"
         return armed
@@ -230,20 +253,33 @@ class FastPath:
         gets a page not mapped yet: its descriptor and the daemon's answer. A page
         that cannot be mapped, that the daemon's clock disagrees on, or whose slot
         closed already leaves the scope on the socket: False."""
-        page = self._pages.get(grant.page)
-        if page is None:
-            with self._lock:
-                page = self._pages.get(grant.page) or self._map(grant.page, map_page)
+        with self._lock:
+            page = self._pages.get(grant.page)
             if page is None:
+                page = self._map(grant.page, map_page)
+                if page is None:
+                    self._slots.pop(scope, None)
+                    return False
+                self._prune(page)
+            slot = _Slot(page, grant.index, grant.period, arming.copy())
+            if page.words[slot.deadline + PERIOD] != grant.period:
                 self._slots.pop(scope, None)
                 return False
-        slot = _Slot(page, grant.index, grant.period, arming.copy())
-        if page.words[slot.deadline + PERIOD] != grant.period:
-            self._slots.pop(scope, None)
-            return False
-        slot.entered = int(time.monotonic() * 1_000_000)
-        self._slots[scope] = slot
-        return True
+            slot.entered = int(time.monotonic() * 1_000_000)
+            self._slots[scope] = slot
+            return True
+
+    def _prune(self, kept: _Page) -> None:
+        """Forget the slots the daemon closed that hold no block, and unmap every
+        page but ``kept`` that no slot is on any more."""
+        used = {kept.id}
+        for scope, slot in list(self._slots.items()):
+            if slot.entered or slot.words[slot.deadline + PERIOD] == slot.period:
+                used.add(slot.page.id)
+            elif self._slots.get(scope) is slot:
+                del self._slots[scope]
+        for page_id in [page_id for page_id in self._pages if page_id not in used]:
+            self._pages.pop(page_id).unmap()
 
     def mapped(self, page: int) -> bool:
         """Whether page ``page`` is mapped already."""

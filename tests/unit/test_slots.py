@@ -14,7 +14,7 @@ import pytest
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD
+from watchdogd.core.slots import CLOSING_WAIT, LOOKS_PER_UID, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -23,6 +23,7 @@ from watchdogd_client.protocol import (
     Acquired,
     Auto,
     ErrorCode,
+    MapPage,
     Release,
     Released,
     SlotGrant,
@@ -331,6 +332,37 @@ def test_a_stored_later_deadline_moves_the_next_look_and_no_look_is_journaled() 
     assert (len(world.journal.puts), len(world.journal.drops)) == (puts, drops)
 
 
+def test_deadlines_stored_ever_nearer_than_a_period_are_read_twice_a_period_at_most() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)  # first looked at 8.0
+    memory.store(0, 9.5)  # a block entered at 1.5: 8 s on, as the client stores
+    assert run(world, 8.0) == []
+    assert look_at(world, "step") == 9.5
+    # From here on, each look finds a deadline 0.1 s on, stored since the last.
+    looks = []
+    for _ in range(4):
+        at = look_at(world, "step")
+        memory.store(0, at + 0.1)
+        assert run(world, at) == []
+        looks.append(look_at(world, "step"))
+    assert looks == [8.0 + PERIOD, 9.5 + PERIOD, 15.0 + PERIOD, 16.5 + PERIOD]
+    # One left where it was fires at its look, on the deadline it said.
+    [fired] = run(world, 30.0)
+    assert fired.timer.scope == "step"
+    assert fired.timer.deadline == pytest.approx(22.1)
+
+
+def test_a_uids_registrations_ask_for_at_most_its_reads_a_second() -> None:
+    # Four registrations of this timeout ask for all of them.
+    timeout = 8 / LOOKS_PER_UID / PERIOD_SHARE
+    world = make_world()
+    grants = [arm(world, world.alice, f"s{n}", 1.0, timeout=timeout).slot for n in range(5)]
+    assert [grant is not None for grant in grants] == [True, True, True, True, False]
+    assert arm(world, world.root, "own", 1.0, timeout=timeout).slot is not None  # not root's
+    world.service.handle(Release(id=5, scope="s0", pid=ALICE.pid), world.root, 1.5)
+    assert arm(world, world.alice, "s5", 2.0, timeout=timeout).slot is not None
+
+
 def test_a_deadline_that_passed_fires_on_its_own_deadline_and_closes_the_slot() -> None:
     world = make_world()
     _, memory = registered(world, "step", now=1.0)
@@ -479,6 +511,71 @@ def test_a_uid_at_its_limit_registers_by_reclaiming_its_longest_released_slot() 
     assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
 
 
+def test_a_uid_at_its_limit_reclaims_one_released_before_any_look_saw_it() -> None:
+    world = make_world(max_timers_per_uid=2)
+    _, memory = registered(world, "older", now=1.0)
+    registered(world, "newer", now=1.1)
+    memory.release(1)  # "newer" released, "older" still armed: no look yet
+    assert arm(world, world.alice, "third", 1.5).slot is not None
+    assert (memory.period(0), memory.period(1)) == (microseconds(PERIOD), 0)
+    memory.store(2, 100.0)  # "third" armed by a store
+    with pytest.raises(Refusal) as refused:
+        arm(world, world.alice, "fourth", 1.6)  # nothing released to take
+    assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
+    assert memory.period(0) == microseconds(PERIOD)
+
+
+def test_registrations_reclaimed_once_seen_idle_never_hide_one_released_since() -> None:
+    world = make_world(max_timers_per_uid=20)
+    _, memory = registered(world, "old-0", now=1.0)
+    for number in range(1, 20):
+        arm(world, world.alice, f"old-{number}", 1.0)
+    for index in range(17):
+        memory.release(index)  # three stay armed
+    run(world, 8.5)  # seventeen seen released
+    for number in range(17):
+        arm(world, world.alice, f"new-{number}", 9.0)  # each reclaims one of them
+    for index in range(20, 37):
+        memory.release(index)  # none seen released yet; the reclaimed still closing
+    assert arm(world, world.alice, "one-more", 9.05).slot is not None
+    assert memory.period(20) == 0
+
+
+def test_a_reclaimed_registration_is_read_after_the_closing_wait_not_a_period_on() -> None:
+    world = make_world(max_timers_per_uid=1)
+    _, memory = registered(world, "older", now=1.0)
+    memory.release(0)
+    run(world, 8.0)  # seen released at 8.0; its next look at 15.0
+    arm(world, world.alice, "newer", 9.0)
+    assert memory.period(0) == 0
+    assert look_at(world, "older") == 9.0 + CLOSING_WAIT
+    run(world, 9.0 + CLOSING_WAIT)
+    assert world.service.table.get(ALICE.pid, "older") is None
+    assert world.service.metrics.slots_retired == 1
+
+
+def test_closing_registrations_spare_a_uid_its_limit_no_more_than_once() -> None:
+    world = make_world(max_timers_per_uid=2)
+    _, memory = registered(world, "a", now=1.0)
+    registered(world, "b", now=1.0)
+    for index in (0, 1):
+        memory.release(index)
+    run(world, 8.0)
+    # Each new registration reclaims one; the process arms the closed slots by
+    # stores at once, so they never retire.
+    for number, now in enumerate((9.0, 9.01)):
+        arm(world, world.alice, f"new-{number}", now)
+    for index in (0, 1):
+        memory.store(index, 1000.0)
+    for index in (2, 3):
+        memory.release(index)
+    run(world, 20.0)
+    with pytest.raises(Refusal) as refused:
+        arm(world, world.alice, "past", 21.0)
+    assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
+    assert world.service.table.owned_by(ALICE.uid) == 4
+
+
 def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_disarms() -> None:
     world = make_world()
     grant, memory = registered(world, "step", now=1.0)
@@ -495,10 +592,12 @@ def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_di
     assert [(item.timer.scope, item.timer.deadline, item.timer.owner) for item in fired] == [
         ("step", 32.0, 0)
     ]
-    # Its own process registers the scope again: another slot.
+    # Its own process registers the scope again: another slot, on a new page (its
+    # only one held no slot any more, so it went).
     again = arm(world, world.alice, "step", 41.0).slot
     assert again is not None
-    assert again.index != grant.index
+    assert (again.page, again.index) != (grant.page, grant.index)
+    assert world.pages.made[grant.page].closed
 
 
 def test_a_release_by_the_process_itself_keeps_the_registration_and_says_if_armed() -> None:
@@ -527,6 +626,36 @@ def test_a_release_by_another_caller_drops_the_registration() -> None:
     assert world.service.table.get(ALICE.pid, "step") is None
     assert [timer.scope for timer in world.journal.drops] == ["step"]
     assert len(world.service.slots) == 0
+
+
+def test_a_process_whose_registrations_all_went_keeps_no_page_for_the_next_on_its_pid() -> None:
+    world = make_world()
+    grant, memory = registered(world, "step", now=1.0)
+    # Another caller releases it: the registration goes, and the process leaves
+    # the table, so its exit is watched no more.
+    world.service.handle(Release(id=5, scope="step", pid=ALICE.pid), world.root, 2.0)
+    assert world.pages.made[grant.page].closed
+    assert world.host.tracked == set()
+    # It exits unseen; another process takes its pid, and registers: a page of its
+    # own, never the one before (which a child of the first may still hold).
+    assert world.alice.process is not None
+    world.alice.process.exited = True
+    newcomer = world.service.open_connection(ALICE)
+    again = arm(world, newcomer, "step", 3.0).slot
+    assert again is not None
+    assert again.page != grant.page
+    with pytest.raises(Refusal):
+        world.service.handle(MapPage(id=6, page=grant.page), newcomer, 3.0)
+    assert memory.period(0) == 0
+
+
+def test_a_page_is_never_handed_over_a_connection_whose_process_exited() -> None:
+    world = make_world()
+    grant, _ = registered(world, "step", now=1.0)
+    assert world.alice.process is not None
+    world.alice.process.exited = True  # a child of it kept the connection
+    with pytest.raises(Refusal):
+        world.service.handle(MapPage(id=6, page=grant.page), world.alice, 2.0)
 
 
 def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() -> None:
@@ -630,6 +759,18 @@ def test_a_restored_registration_whose_page_is_lost_is_dropped_logged_and_counte
     assert world.service.metrics.slots_lost == 1
     assert [timer.scope for timer in world.journal.drops] == ["step"]
     assert any("slot_dropped" in line for line in world.log.lines)
+    assert world.host.tracked == set()
+
+
+def test_a_lost_page_is_searched_for_once_for_every_registration_on_it() -> None:
+    before = make_world()
+    for scope in ("a", "b", "c"):
+        registered(before, scope, now=1.0)
+    before.pages.held.clear()  # the process closed its page's descriptor
+    world = restarted(before, now=50.0)
+    assert run(world, 60.0) == []
+    assert len(world.pages.adoptions) == 1  # each search reads all its descriptors
+    assert world.service.metrics.slots_lost == 3
     assert world.host.tracked == set()
 
 

@@ -207,7 +207,7 @@ class Arming(Generic[P]):
                 )
             ref = kept
             if ref is None and wants_slot:
-                ref = self._slots.register(process, request.scope, timeout, now)
+                ref = self._slots.register(process, request.scope, timeout, now, caller.peer.uid)
             deadline = now + timeout
             watch = None
             if request.progress is not None or chosen.stall or timeout_from or request.job or ref:

@@ -14,7 +14,10 @@ The rule that makes the looks lazy, and sound: the process stores only deadlines
 at least one period away, and the daemon reads a slot at least once a period and
 never later than the deadline it last read there. A store made after a look is
 then seen at the next look, which comes before its deadline; a later deadline
-needs no wake, an earlier one goes over the socket. The same holds across a
+needs no wake, an earlier one goes over the socket. So a deadline stored since
+the last look is never looked for before a period after that look: one nearer
+breaks the rule (only its own block may be late), and looking for it would let a
+process have the daemon look as often as it likes. The same holds across a
 restart: a journaled look is never later than the look it stands for, and a store
 made while the daemon was down is read at the first look of the next.
 
@@ -28,11 +31,28 @@ Invariants:
   is retired: its registration leaves the table and the state. Its index is never
   given again, so a late store of the old scope cannot land on a new one.
 - A slot closes when its registration is reclaimed (idle for ``slot_idle``
-  seconds, or the least recently idle of a uid at its limit), when another
+  seconds, or the least recently idle of a uid at its limit: then it is read
+  again once `CLOSING_WAIT` is over, not a period on), when another
   caller arms or releases its scope over the socket (root's ``watchdogctl arm
   --pid``: that arming is then a plain timer, which no store can disarm), when its
   process's uids changed (checked at each look), when it fires, and when the
   daemon stops for good.
+- A page is its process's alone: pages are kept by process (its pid and start
+  time), never by pid, so a process that holds a pid after another never gets a
+  page of the one before (whose descriptors a child of it may still hold); and a
+  process keeps its pages only while one of them holds an open or closing slot,
+  so one that left the table (its exit then unwatched) leaves none behind.
+- A slot is read at most twice a period while its process stores, once while
+  it idles; a non-root uid's registrations ask for at most `LOOKS_PER_UID` reads a
+  second, counting two a period each: an arm past it gets a plain timer, not a
+  slot.
+- A uid at its limit that registers another reclaims its registration seen
+  released the longest, or else one of its least recently armed over the socket
+  that its slot shows released now (a service that registers a scope per
+  request does it faster than looks see them released).
+- A uid's closing registrations do not count at its limit (they are retiring),
+  but no more of them than its limit: a process that keeps its closed slots
+  armed by stores (so they never retire) holds at most twice its limit.
 - Everything read from a page is bounded: a deadline past ``max_timeout`` from
   the look is clamped to it and counted, counts that could not be real are
   dropped and counted. A page can never fault the daemon (its memfd is sealed).
@@ -42,6 +62,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,8 +75,9 @@ from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
 
 from .counters import Counters
 from .history import History
+from .identity import ROOT
 from .logline import Level, RateLimitedLog, logfmt
-from .ports import Journal, P, PagePort, PageRef, ProcessPort
+from .ports import Journal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .rules import Rules
 from .timers import Expired, Key, SlotRef, Timer, TimerTable
 
@@ -67,6 +89,13 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
+#: The reads a second a non-root uid's registrations may ask for, at two a period
+#: each (what a registration with a timeout of 10 s asks for is 0.23).
+LOOKS_PER_UID: Final = 2_000
+#: How many of a uid's least recently armed registrations a reclaim reads at most
+#: for one released now (when none was seen released at a look): its cost is
+#: bounded however many a uid keeps armed.
+RECLAIM_READS: Final = 16
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
 _BLOCKS_A_SECOND: Final = 5_000_000
@@ -98,6 +127,10 @@ class Slot:
     idle_since: float = 0.0
     #: When it closed (0.0: open).
     closing: float = 0.0
+    #: When its word was last read, or written over the socket (-inf: not yet).
+    looked: float = -math.inf
+    #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
+    budget: int | None = None
     #: The blocks its process counted, and their counts by bucket, as last taken.
     blocks: int = 0
     seen: dict[int, int] = field(default_factory=dict)
@@ -144,9 +177,16 @@ class Slots(Generic[P]):
         self._on_deadline = on_deadline
         self.offered = offered
         self._slots: dict[Key, Slot] = {}
-        self._pages: dict[int, _Pages] = {}
+        self._pages: dict[tuple[int, int], _Pages] = {}
         #: Registrations seen released at their last look, by uid, oldest first.
         self._idle: dict[int, dict[Key, None]] = {}
+        #: Every registration by uid, least recently armed over the socket first.
+        self._owned: dict[int, dict[Key, None]] = {}
+        #: The reads a second each non-root uid's registrations ask for.
+        self._looks: dict[int, float] = {}
+        #: Pages searched for among a process's descriptors and not found, by
+        #: process: a search reads every descriptor, so it is made once a page.
+        self._lost: dict[tuple[int, int], set[int]] = {}
         #: Closing registrations by uid: retiring, so no longer counted at a limit.
         self._closing: dict[int, int] = {}
 
@@ -154,26 +194,35 @@ class Slots(Generic[P]):
         return len(self._slots)
 
     def closing_of(self, uid: int) -> int:
-        """How many of ``uid``'s registrations are closing."""
-        return self._closing.get(uid, 0)
+        """How many of ``uid``'s registrations are closing, up to its limit."""
+        return min(self._closing.get(uid, 0), self._rules.daemon.max_timers_per_uid)
 
     # Registration, as arms and releases over the socket make and change it.
 
-    def register(self, process: P, scope: str, timeout: float, now: float) -> SlotRef | None:
-        """A slot for ``scope`` of ``process``, registered with ``timeout``; None
-        when none is offered to it (no fast path here, a timeout whose period
-        would be under `MIN_PERIOD`, another clock, no page to be had)."""
+    def register(
+        self, process: P, scope: str, timeout: float, now: float, owner: int
+    ) -> SlotRef | None:
+        """A slot for ``scope`` of ``process``, registered by ``owner`` with
+        ``timeout``; None when none is offered to it (no fast path here, a timeout
+        whose period would be under `MIN_PERIOD`, an owner at its `LOOKS_PER_UID`,
+        another clock, no page to be had)."""
         period = period_of(timeout)
         if not self.offered or not period:
             return None
-        own = self._pages.get(process.pid)
+        budget = None if owner == ROOT else owner
+        if budget is not None and self._looks.get(budget, 0.0) + 2 / period > LOOKS_PER_UID:
+            return None
+        key = _process_key(process)
+        own = self._pages.get(key)
         if own is None:
             if not self._port.shares_clock(process):
                 return None
-            own = self._pages[process.pid] = _Pages()
+            own = self._pages[key] = _Pages()
         if own.next_index >= SLOTS:
             page = self._port.new_page()
             if page is None:
+                if not own.pages:
+                    del self._pages[key]
                 return None
             own.pages.append(page)
             own.live[page.id] = 0
@@ -183,7 +232,9 @@ class Slots(Generic[P]):
         own.next_index += 1
         own.live[page.id] += 1
         executable = self._processes.executable(process)
-        self._slots[(process.pid, scope)] = Slot(page, index, period, executable, harvested=now)
+        slot = Slot(page, index, period, executable, harvested=now)
+        self._slots[(process.pid, scope)] = slot
+        self._count_looks(slot, budget)
         return SlotRef(page=page.id, index=index, period=period)
 
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
@@ -201,13 +252,18 @@ class Slots(Generic[P]):
         written to its slot, which opens again if it was closing."""
         index = slot.index
         period = _microseconds(slot.period)
-        slot.page.write(index, deadline=_microseconds(deadline), period=period)
+        slot.word = _microseconds(deadline)
+        slot.looked = timer.armed_at
+        slot.page.write(index, deadline=slot.word, period=period)
         if auto is not None:
             slot.page.write_auto(index, _microseconds(auto))
         if slot.closing:
             slot.closing = 0.0
             self._count_closing(timer.owner, -1)
         self._busy(timer, slot, deadline)
+        owned = self._owned.setdefault(timer.owner, {})
+        owned.pop(timer.key, None)
+        owned[timer.key] = None
         return SlotGrant(page=slot.page.id, index=index, period=period)
 
     def released(self, timer: Timer, slot: Slot) -> bool:
@@ -216,6 +272,7 @@ class Slots(Generic[P]):
         armed = slot.page.read(slot.index) != 0
         slot.page.write(slot.index, deadline=0)
         slot.due = 0.0
+        slot.word = 0
         return armed
 
     def block_began(self, timer: Timer, slot: Slot) -> float:
@@ -231,9 +288,9 @@ class Slots(Generic[P]):
         again first, so that it closes too."""
         slot = self.slot_of(timer, process, now)
         if slot is not None:
-            self._slots.pop(timer.key, None)
+            self._forget(timer)
             slot.page.write(slot.index, period=0)
-            self._let_go(timer, slot)
+            self._let_go(timer, process, slot)
 
     # Looks.
 
@@ -268,20 +325,25 @@ class Slots(Generic[P]):
         if process.uid != timer.uid:
             self._unregister(item, slot, word, now)
             return None
+        looked, slot.looked = slot.looked, now
         active = self._harvest(timer, process, slot, now)
         if not word:
             slot.word = 0
             self._idle_look(item, slot, now, active)
             return None
-        deadline = slot.due if word == slot.word and slot.due else self._bounded(word, now)
+        stored = word != slot.word
+        deadline = slot.due if not stored and slot.due else self._bounded(word, now)
         slot.word = word
         self._busy(timer, slot, deadline)
         if deadline > now:
-            self._put(item, min(deadline, now + slot.period))
+            # A deadline stored since the last look is looked for a period after
+            # that look at the soonest (see the module docstring).
+            soonest = looked + slot.period if stored else now
+            self._put(item, max(min(deadline, now + slot.period), soonest))
             return None
-        self._slots.pop(timer.key, None)
+        self._forget(timer)
         slot.page.write(slot.index, period=0)
-        self._let_go(timer, slot)
+        self._let_go(timer, process, slot)
         fired = msgspec.structs.replace(
             timer, deadline=deadline, armed_at=min(timer.armed_at, deadline - timer.timeout)
         )
@@ -361,26 +423,87 @@ class Slots(Generic[P]):
     # Closing, retiring, dropping.
 
     def reclaim(self, uid: int, now: float) -> bool:
-        """Close the registration of ``uid`` seen released the longest (a uid at
-        its limit registers another); whether there was one."""
-        idle = self._idle.get(uid)
-        if not idle:
+        """Close a registration of ``uid`` that holds no block (a uid at its limit
+        registers another): the one seen released the longest, or else one found
+        released now; whether there was one. There is none while as many of its
+        registrations as its limit are closing."""
+        if self._closing.get(uid, 0) >= self._rules.daemon.max_timers_per_uid:
             return False
-        key = next(iter(idle))
-        slot = self._slots.get(key)
-        timer = self._table.get(*key)
-        if slot is None or timer is None:
-            del idle[key]
-            return bool(idle) and self.reclaim(uid, now)
+        found = self._idle_one(uid) or self._released_one(uid)
+        if found is None:
+            return False
+        timer, slot = found
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
+        process = self._table.process(timer.pid)
+        if process is not None and timer.deadline > now + CLOSING_WAIT:
+            # Its next look may be a period away, days for a long timeout: it
+            # would stay closing, and out of its uid's count, as long.
+            self._table.put(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
+            self._on_deadline(now + CLOSING_WAIT)
         return True
+
+    def _idle_one(self, uid: int) -> tuple[Timer, Slot] | None:
+        """``uid``'s registration seen released the longest, if any."""
+        idle = self._idle.get(uid)
+        while idle:
+            key = next(iter(idle))
+            slot, timer = self._slots.get(key), self._table.get(*key)
+            if slot is not None and timer is not None:
+                return timer, slot
+            del idle[key]
+        self._idle.pop(uid, None)
+        return None
+
+    def _released_one(self, uid: int) -> tuple[Timer, Slot] | None:
+        """One of ``uid``'s least recently armed registrations (at most
+        `RECLAIM_READS` of them read) whose slot holds no block now; each read
+        goes last, so that the next reclaim reads others."""
+        owned = self._owned.get(uid)
+        for key in list(itertools.islice(owned or (), RECLAIM_READS)):
+            assert owned is not None
+            del owned[key]
+            slot, timer = self._slots.get(key), self._table.get(*key)
+            if slot is None or timer is None or timer.owner != uid:
+                continue
+            owned[key] = None
+            if not slot.closing and not slot.page.read(slot.index):
+                return timer, slot
+        return None
+
+    def _forget(self, timer: Timer) -> Slot | None:
+        """``timer``'s registration is no longer kept: its slot, if it had one."""
+        owned = self._owned.get(timer.owner)
+        if owned is not None:
+            owned.pop(timer.key, None)
+            if not owned:
+                del self._owned[timer.owner]
+        slot = self._slots.pop(timer.key, None)
+        if slot is not None and slot.budget is not None:
+            left = self._looks.get(slot.budget, 0.0) - 2 / slot.period
+            if left > 1e-9:
+                self._looks[slot.budget] = left
+            else:
+                self._looks.pop(slot.budget, None)
+        return slot
+
+    def _count_looks(self, slot: Slot, budget: int | None) -> None:
+        """Count ``slot``'s reads against ``budget``'s `LOOKS_PER_UID` (None: root's
+        are not counted)."""
+        slot.budget = budget
+        if budget is not None:
+            self._looks[budget] = self._looks.get(budget, 0.0) + 2 / slot.period
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
         slot.page.write(slot.index, period=0)
         slot.closing = now
         self._count_closing(timer.owner, 1)
         self._busy(timer, slot, slot.due)
+        # Never to be reclaimed again; an arm over the socket that opens it again
+        # puts it back.
+        owned = self._owned.get(timer.owner)
+        if owned is not None:
+            owned.pop(timer.key, None)
 
     def _count_closing(self, uid: int, step: int) -> None:
         left = self._closing.get(uid, 0) + step
@@ -391,8 +514,8 @@ class Slots(Generic[P]):
 
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
-        self._slots.pop(item.timer.key, None)
-        self._let_go(item.timer, slot)
+        self._forget(item.timer)
+        self._let_go(item.timer, item.process, slot)
         self._metrics.slots_retired += 1
         self._gone(item)
 
@@ -411,22 +534,32 @@ class Slots(Generic[P]):
         self._journal.drop(item.timer)
         self._journal.commit_soon()
         if item.orphaned and self._table.process(item.timer.pid) is None:
+            self._lost.pop(_process_key(item.process), None)
             self._processes.untrack(item.process)
 
-    def _let_go(self, timer: Timer, slot: Slot) -> None:
+    def _let_go(self, timer: Timer, process: P, slot: Slot) -> None:
         """``slot`` is no longer a registration's: its page goes once it holds no
-        open or closing slot and gives no new one."""
+        open or closing slot and gives no new one, and every page of ``process``
+        goes once none holds one (it registers again on a new page)."""
         if slot.closing:
             self._count_closing(timer.owner, -1)
         self._busy(timer, slot, 0.0)
-        own = self._pages.get(timer.pid)
+        key = _process_key(process)
+        own = self._pages.get(key)
         if own is None:
             return
         page_id = slot.page.id
         live = own.live.get(page_id, 0) - 1
+        own.live[page_id] = max(live, 0)
+        if not any(own.live.values()):
+            # Its process may have left the table, and then its exit goes unseen:
+            # nothing of it may stay behind.
+            del self._pages[key]
+            for page in own.pages:
+                page.close()
+            return
         newest = own.pages[-1] if own.pages else None
         if live > 0 or (newest is slot.page and own.next_index < SLOTS):
-            own.live[page_id] = max(live, 0)
             return
         own.live.pop(page_id, None)
         own.pages = [page for page in own.pages if page is not slot.page]
@@ -440,25 +573,30 @@ class Slots(Generic[P]):
         taken as harvested: only blocks released from now on are added."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        own = self._pages.get(process.pid)
+        key = _process_key(process)
+        own = self._pages.get(key)
         page = None if own is None else next((p for p in own.pages if p.id == ref.page), None)
         if page is None:
-            page = self._port.adopt(process, ref.page)
+            lost = self._lost.get(key, ())
+            page = None if ref.page in lost else self._port.adopt(process, ref.page)
             if page is None:
+                self._lost.setdefault(key, set()).add(ref.page)
                 return None
             if own is None:
-                own = self._pages[process.pid] = _Pages()
+                own = self._pages[key] = _Pages()
             # An adopted page gives no new slot: which of its indexes the daemon
             # before gave is not known.
             own.pages.insert(0, page)
             own.live[page.id] = 0
-        own = self._pages[process.pid]
+        own = self._pages[key]
         own.live[page.id] = own.live.get(page.id, 0) + 1
         executable = self._processes.executable(process)
         slot = Slot(page, ref.index, ref.period, executable, harvested=now)
         slot.blocks = page.blocks(ref.index)
         slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
         self._slots[timer.key] = slot
+        self._owned.setdefault(timer.owner, {})[timer.key] = None
+        self._count_looks(slot, None if timer.owner == ROOT else timer.owner)
         return slot
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
@@ -504,7 +642,7 @@ class Slots(Generic[P]):
         then (a registration only while its slot held a block)."""
         armed: list[Timer] = []
         for timer in timers:
-            slot = self._slots.pop(timer.key, None)
+            slot = self._forget(timer)
             if slot is None:
                 # A registration not read since a restart: what its slot held is
                 # not known (its process's descriptors are gone), so not counted.
@@ -517,7 +655,8 @@ class Slots(Generic[P]):
             if slot.closing:
                 self._count_closing(timer.owner, -1)
             self._busy(timer, slot, 0.0)
-        own = self._pages.pop(process.pid, None)
+        self._lost.pop(_process_key(process), None)
+        own = self._pages.pop(_process_key(process), None)
         for page in () if own is None else own.pages:
             page.close()
         return armed
@@ -538,9 +677,9 @@ class Slots(Generic[P]):
 
     def page_for(self, process: P, page: int) -> PageRef | None:
         """Page ``page`` of ``process``, for it to map; None when it has no such
-        page."""
-        own = self._pages.get(process.pid)
-        if own is None:
+        page, or has exited (whoever holds its connection now is not it)."""
+        own = self._pages.get(_process_key(process))
+        if own is None or self._processes.exited(process):
             return None
         return next((found for found in own.pages if found.id == page), None)
 
@@ -561,6 +700,9 @@ class Slots(Generic[P]):
         self._pages.clear()
         self._slots.clear()
         self._idle.clear()
+        self._owned.clear()
+        self._lost.clear()
+        self._looks.clear()
         self._closing.clear()
 
 
@@ -573,6 +715,12 @@ def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
         if count != seen.get(bucket, 0):
             added[bucket] = (count - seen.get(bucket, 0)) % 2**32
     return added
+
+
+def _process_key(process: TargetProcess) -> tuple[int, int]:
+    """What keeps a process's pages: its pid, and its start time, which tells it
+    from every other process that held or will hold that pid."""
+    return process.pid, process.start_time
 
 
 def _microseconds(seconds: float) -> int:
