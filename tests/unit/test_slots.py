@@ -14,7 +14,8 @@ import pytest
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.slots import CLOSING_WAIT, LOOKS_PER_UID, MIN_PERIOD, PERIOD_SHARE
+from watchdogd.core.slot_shares import LOOKS_PER_UID
+from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -660,12 +661,14 @@ def test_a_page_is_never_handed_over_a_connection_whose_process_exited() -> None
 
 def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() -> None:
     """Its slot closes (its next arm is judged anew over the socket); the block it
-    armed while it was authorized stays armed, on its deadline, as a plain timer."""
+    armed while it was authorized, seen by a look then, stays armed, on its
+    deadline, as a plain timer."""
     world = make_world()
     _, memory = registered(world, "step", now=1.0)
     memory.store(0, 50.0)
-    world.host.processes[ALICE.pid] = (3000, 3000)  # setuid(2)
     assert run(world, 8.0) == []
+    world.host.processes[ALICE.pid] = (3000, 3000)  # setuid(2)
+    assert run(world, 16.0) == []
     kept = world.service.table.get(ALICE.pid, "step")
     assert kept is not None
     assert kept.deadline == 50.0
@@ -673,6 +676,20 @@ def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() ->
     assert memory.period(0) == 0
     assert [timer.scope for timer in world.journal.puts][-1] == "step"
     assert [expired.timer.scope for expired in run(world, 50.0)] == ["step"]
+
+
+def test_a_block_stored_since_the_last_look_of_a_process_whose_uid_changed_never_fires() -> None:
+    """No look saw it before the change: it may be the new uid's, whom the scope's
+    policy (root's, say) may not be run for; the registration goes, logged."""
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.release(0, held=0.5)
+    assert run(world, 8.0) == []
+    world.host.processes[ALICE.pid] = (3000, 3000)  # setuid(2)
+    memory.store(0, 9.0)
+    assert run(world, 60.0) == []
+    assert world.service.table.get(ALICE.pid, "step") is None
+    assert world.service.metrics.slots_lost == 1
 
 
 def test_a_process_whose_uid_changed_loses_its_released_registration() -> None:

@@ -37,11 +37,8 @@ Invariants:
   --pid``: that arming is then a plain timer, which no store can disarm), when its
   process's uids changed (checked at each look), when it fires, and when the
   daemon stops for good.
-- A page is its process's alone: pages are kept by process (its pid and start
-  time), never by pid, so a process that holds a pid after another never gets a
-  page of the one before (whose descriptors a child of it may still hold); and a
-  process keeps its pages only while one of them holds an open or closing slot,
-  so one that left the table (its exit then unwatched) leaves none behind.
+- A page is its process's alone, and goes with its last slot
+  (`watchdogd.core.process_pages`).
 - A slot is read at most twice a period while its process stores, once while
   it idles; a non-root uid's registrations ask for at most `LOOKS_PER_UID` reads a
   second, counting two a period each: an arm past it gets a plain timer, not a
@@ -62,7 +59,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -75,10 +71,11 @@ from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
 
 from .counters import Counters
 from .history import History
-from .identity import ROOT
 from .logline import Level, RateLimitedLog, logfmt
-from .ports import Journal, P, PagePort, PageRef, ProcessPort, TargetProcess
+from .ports import Journal, P, PagePort, PageRef, ProcessPort
+from .process_pages import ProcessPages
 from .rules import Rules
+from .slot_shares import SlotShares
 from .timers import Expired, Key, SlotRef, Timer, TimerTable
 
 #: A slot's period as a share of the timeout it was registered with: a block whose
@@ -89,9 +86,6 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
-#: The reads a second a non-root uid's registrations may ask for, at two a period
-#: each (what a registration with a timeout of 10 s asks for is 0.23).
-LOOKS_PER_UID: Final = 2_000
 #: How many of a uid's least recently armed registrations a reclaim reads at most
 #: for one released now (when none was seen released at a look): its cost is
 #: bounded however many a uid keeps armed.
@@ -137,16 +131,6 @@ class Slot:
     harvested: float = 0.0
 
 
-@dataclass(slots=True, eq=False)
-class _Pages:
-    """A process's pages, the newest last, and the next index of the newest."""
-
-    pages: list[PageRef] = field(default_factory=list)
-    next_index: int = SLOTS
-    #: Open or closing slots on each page, by page id.
-    live: dict[int, int] = field(default_factory=dict)
-
-
 class Slots(Generic[P]):
     """Every registration's slot, the looks at them and their harvests."""
 
@@ -164,12 +148,10 @@ class Slots(Generic[P]):
         on_deadline: Callable[[float], None],
         offered: bool,
     ) -> None:
-        """``offered``: whether this daemon offers slots at all (its clock is
-        CLOCK_MONOTONIC and ``[daemon] fast_path`` is on)."""
+        """``offered``: whether slots are offered at all (``fast_path`` on, clock shared)."""
         self._rules = rules
         self._table = table
         self._processes = processes
-        self._port = pages
         self._journal = journal
         self._history = history
         self._metrics = metrics
@@ -177,25 +159,15 @@ class Slots(Generic[P]):
         self._on_deadline = on_deadline
         self.offered = offered
         self._slots: dict[Key, Slot] = {}
-        self._pages: dict[tuple[int, int], _Pages] = {}
-        #: Registrations seen released at their last look, by uid, oldest first.
-        self._idle: dict[int, dict[Key, None]] = {}
-        #: Every registration by uid, least recently armed over the socket first.
-        self._owned: dict[int, dict[Key, None]] = {}
-        #: The reads a second each non-root uid's registrations ask for.
-        self._looks: dict[int, float] = {}
-        #: Pages searched for among a process's descriptors and not found, by
-        #: process: a search reads every descriptor, so it is made once a page.
-        self._lost: dict[tuple[int, int], set[int]] = {}
-        #: Closing registrations by uid: retiring, so no longer counted at a limit.
-        self._closing: dict[int, int] = {}
+        self._pages: ProcessPages[P] = ProcessPages(pages)
+        self._shares = SlotShares()
 
     def __len__(self) -> int:
         return len(self._slots)
 
     def closing_of(self, uid: int) -> int:
         """How many of ``uid``'s registrations are closing, up to its limit."""
-        return min(self._closing.get(uid, 0), self._rules.daemon.max_timers_per_uid)
+        return self._shares.closing_of(uid, self._rules.daemon.max_timers_per_uid)
 
     # Registration, as arms and releases over the socket make and change it.
 
@@ -209,32 +181,18 @@ class Slots(Generic[P]):
         period = period_of(timeout)
         if not self.offered or not period:
             return None
-        budget = None if owner == ROOT else owner
-        if budget is not None and self._looks.get(budget, 0.0) + 2 / period > LOOKS_PER_UID:
+        budget = self._shares.budget(owner)
+        if not self._shares.room_for(budget, period):
             return None
-        key = _process_key(process)
-        own = self._pages.get(key)
-        if own is None:
-            if not self._port.shares_clock(process):
-                return None
-            own = self._pages[key] = _Pages()
-        if own.next_index >= SLOTS:
-            page = self._port.new_page()
-            if page is None:
-                if not own.pages:
-                    del self._pages[key]
-                return None
-            own.pages.append(page)
-            own.live[page.id] = 0
-            own.next_index = 0
-        page = own.pages[-1]
-        index = own.next_index
-        own.next_index += 1
-        own.live[page.id] += 1
+        taken = self._pages.new_slot(process)
+        if taken is None:
+            return None
+        page, index = taken
         executable = self._processes.executable(process)
         slot = Slot(page, index, period, executable, harvested=now)
         self._slots[(process.pid, scope)] = slot
-        self._count_looks(slot, budget)
+        slot.budget = budget
+        self._shares.count_looks(budget, period, 1)
         return SlotRef(page=page.id, index=index, period=period)
 
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
@@ -259,11 +217,9 @@ class Slots(Generic[P]):
             slot.page.write_auto(index, _microseconds(auto))
         if slot.closing:
             slot.closing = 0.0
-            self._count_closing(timer.owner, -1)
+            self._shares.count_closing(timer.owner, -1)
         self._busy(timer, slot, deadline)
-        owned = self._owned.setdefault(timer.owner, {})
-        owned.pop(timer.key, None)
-        owned[timer.key] = None
+        self._shares.armed(timer.owner, timer.key)
         return SlotGrant(page=slot.page.id, index=index, period=period)
 
     def released(self, timer: Timer, slot: Slot) -> bool:
@@ -350,15 +306,18 @@ class Slots(Generic[P]):
         return Expired(fired, process, item.orphaned)
 
     def _unregister(self, item: Expired[P], slot: Slot, word: int, now: float) -> None:
-        """``item``'s process changed its uids: its slot closes (its next arm goes
-        over the socket, where it is judged anew), and the block its slot holds,
-        armed while it was authorized, stays armed as a plain timer on its
-        deadline; a slot holding none takes its registration with it."""
+        """``item``'s process changed its uids: its slot closes (its next arm is
+        judged anew over the socket). A block the last look saw (stored while it
+        was authorized) stays armed as a plain timer; none, or one stored since
+        (perhaps by the new uid, for whom the policy may not run), goes."""
         timer = item.timer
         self.revoke(timer, item.process, now)
         if not word:
             self._metrics.slots_lost += 1
             self._gone(item)
+            return
+        if word != slot.word:
+            self._drop(item, "its process changed uids; a block stored since the last look")
             return
         deadline = self._bounded(word, now)
         assert timer.watch is not None
@@ -385,7 +344,7 @@ class Slots(Generic[P]):
             return
         if not slot.idle_since:
             slot.idle_since = now
-            self._idle.setdefault(timer.owner, {})[timer.key] = None
+            self._shares.idle(timer.owner, timer.key)
         elif now - slot.idle_since >= self._rules.daemon.slot_idle:
             self._close(timer, slot, now)
             self._put(item, now + CLOSING_WAIT)
@@ -407,11 +366,7 @@ class Slots(Generic[P]):
         slot.due = deadline
         if slot.idle_since:
             slot.idle_since = 0.0
-            idle = self._idle.get(timer.owner)
-            if idle is not None:
-                idle.pop(timer.key, None)
-                if not idle:
-                    del self._idle[timer.owner]
+            self._shares.busy(timer.owner, timer.key)
 
     def _put(self, item: Expired[P], look: float) -> None:
         """Back in the table until ``look`` (in memory only: the state keeps an
@@ -427,9 +382,10 @@ class Slots(Generic[P]):
         registers another): the one seen released the longest, or else one found
         released now; whether there was one. There is none while as many of its
         registrations as its limit are closing."""
-        if self._closing.get(uid, 0) >= self._rules.daemon.max_timers_per_uid:
+        limit = self._rules.daemon.max_timers_per_uid
+        if self._shares.closing_of(uid, limit) >= limit:
             return False
-        found = self._idle_one(uid) or self._released_one(uid)
+        found = self._reclaimable(uid)
         if found is None:
             return False
         timer, slot = found
@@ -443,74 +399,39 @@ class Slots(Generic[P]):
             self._on_deadline(now + CLOSING_WAIT)
         return True
 
-    def _idle_one(self, uid: int) -> tuple[Timer, Slot] | None:
-        """``uid``'s registration seen released the longest, if any."""
-        idle = self._idle.get(uid)
-        while idle:
-            key = next(iter(idle))
+    def _reclaimable(self, uid: int) -> tuple[Timer, Slot] | None:
+        """``uid``'s registration seen released the longest, or else one of its
+        least recently armed (at most `RECLAIM_READS` of them read) whose slot
+        holds no block now; each read goes last, so the next reclaim reads others."""
+        while (key := self._shares.idle_first(uid)) is not None:
             slot, timer = self._slots.get(key), self._table.get(*key)
             if slot is not None and timer is not None:
                 return timer, slot
-            del idle[key]
-        self._idle.pop(uid, None)
-        return None
-
-    def _released_one(self, uid: int) -> tuple[Timer, Slot] | None:
-        """One of ``uid``'s least recently armed registrations (at most
-        `RECLAIM_READS` of them read) whose slot holds no block now; each read
-        goes last, so that the next reclaim reads others."""
-        owned = self._owned.get(uid)
-        for key in list(itertools.islice(owned or (), RECLAIM_READS)):
-            assert owned is not None
-            del owned[key]
+            self._shares.busy(uid, key)
+        for key in self._shares.owned_first(uid, RECLAIM_READS):
             slot, timer = self._slots.get(key), self._table.get(*key)
             if slot is None or timer is None or timer.owner != uid:
-                continue
-            owned[key] = None
-            if not slot.closing and not slot.page.read(slot.index):
+                self._shares.disowned(uid, key)
+            elif not slot.closing and not slot.page.read(slot.index):
                 return timer, slot
         return None
 
     def _forget(self, timer: Timer) -> Slot | None:
         """``timer``'s registration is no longer kept: its slot, if it had one."""
-        owned = self._owned.get(timer.owner)
-        if owned is not None:
-            owned.pop(timer.key, None)
-            if not owned:
-                del self._owned[timer.owner]
+        self._shares.disowned(timer.owner, timer.key)
         slot = self._slots.pop(timer.key, None)
-        if slot is not None and slot.budget is not None:
-            left = self._looks.get(slot.budget, 0.0) - 2 / slot.period
-            if left > 1e-9:
-                self._looks[slot.budget] = left
-            else:
-                self._looks.pop(slot.budget, None)
+        if slot is not None:
+            self._shares.count_looks(slot.budget, slot.period, -1)
         return slot
-
-    def _count_looks(self, slot: Slot, budget: int | None) -> None:
-        """Count ``slot``'s reads against ``budget``'s `LOOKS_PER_UID` (None: root's
-        are not counted)."""
-        slot.budget = budget
-        if budget is not None:
-            self._looks[budget] = self._looks.get(budget, 0.0) + 2 / slot.period
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
         slot.page.write(slot.index, period=0)
         slot.closing = now
-        self._count_closing(timer.owner, 1)
+        self._shares.count_closing(timer.owner, 1)
         self._busy(timer, slot, slot.due)
         # Never to be reclaimed again; an arm over the socket that opens it again
         # puts it back.
-        owned = self._owned.get(timer.owner)
-        if owned is not None:
-            owned.pop(timer.key, None)
-
-    def _count_closing(self, uid: int, step: int) -> None:
-        left = self._closing.get(uid, 0) + step
-        if left > 0:
-            self._closing[uid] = left
-        else:
-            self._closing.pop(uid, None)
+        self._shares.disowned(timer.owner, timer.key)
 
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
@@ -534,7 +455,7 @@ class Slots(Generic[P]):
         self._journal.drop(item.timer)
         self._journal.commit_soon()
         if item.orphaned and self._table.process(item.timer.pid) is None:
-            self._lost.pop(_process_key(item.process), None)
+            self._pages.forget_lost(item.process)
             self._processes.untrack(item.process)
 
     def _let_go(self, timer: Timer, process: P, slot: Slot) -> None:
@@ -542,28 +463,9 @@ class Slots(Generic[P]):
         open or closing slot and gives no new one, and every page of ``process``
         goes once none holds one (it registers again on a new page)."""
         if slot.closing:
-            self._count_closing(timer.owner, -1)
+            self._shares.count_closing(timer.owner, -1)
         self._busy(timer, slot, 0.0)
-        key = _process_key(process)
-        own = self._pages.get(key)
-        if own is None:
-            return
-        page_id = slot.page.id
-        live = own.live.get(page_id, 0) - 1
-        own.live[page_id] = max(live, 0)
-        if not any(own.live.values()):
-            # Its process may have left the table, and then its exit goes unseen:
-            # nothing of it may stay behind.
-            del self._pages[key]
-            for page in own.pages:
-                page.close()
-            return
-        newest = own.pages[-1] if own.pages else None
-        if live > 0 or (newest is slot.page and own.next_index < SLOTS):
-            return
-        own.live.pop(page_id, None)
-        own.pages = [page for page in own.pages if page is not slot.page]
-        slot.page.close()
+        self._pages.let_go(process, slot.page)
 
     # After a restart, and at the end.
 
@@ -573,30 +475,17 @@ class Slots(Generic[P]):
         taken as harvested: only blocks released from now on are added."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        key = _process_key(process)
-        own = self._pages.get(key)
-        page = None if own is None else next((p for p in own.pages if p.id == ref.page), None)
+        page = self._pages.found(process, ref.page)
         if page is None:
-            lost = self._lost.get(key, ())
-            page = None if ref.page in lost else self._port.adopt(process, ref.page)
-            if page is None:
-                self._lost.setdefault(key, set()).add(ref.page)
-                return None
-            if own is None:
-                own = self._pages[key] = _Pages()
-            # An adopted page gives no new slot: which of its indexes the daemon
-            # before gave is not known.
-            own.pages.insert(0, page)
-            own.live[page.id] = 0
-        own = self._pages[key]
-        own.live[page.id] = own.live.get(page.id, 0) + 1
+            return None
         executable = self._processes.executable(process)
         slot = Slot(page, ref.index, ref.period, executable, harvested=now)
         slot.blocks = page.blocks(ref.index)
         slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
         self._slots[timer.key] = slot
-        self._owned.setdefault(timer.owner, {})[timer.key] = None
-        self._count_looks(slot, None if timer.owner == ROOT else timer.owner)
+        self._shares.armed(timer.owner, timer.key)
+        slot.budget = self._shares.budget(timer.owner)
+        self._shares.count_looks(slot.budget, slot.period, 1)
         return slot
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
@@ -653,12 +542,9 @@ class Slots(Generic[P]):
             if slot.page.read(slot.index):
                 armed.append(timer)
             if slot.closing:
-                self._count_closing(timer.owner, -1)
+                self._shares.count_closing(timer.owner, -1)
             self._busy(timer, slot, 0.0)
-        self._lost.pop(_process_key(process), None)
-        own = self._pages.pop(_process_key(process), None)
-        for page in () if own is None else own.pages:
-            page.close()
+        self._pages.forget(process)
         return armed
 
     def deadline_of(self, timer: Timer) -> float | None:
@@ -678,10 +564,9 @@ class Slots(Generic[P]):
     def page_for(self, process: P, page: int) -> PageRef | None:
         """Page ``page`` of ``process``, for it to map; None when it has no such
         page, or has exited (whoever holds its connection now is not it)."""
-        own = self._pages.get(_process_key(process))
-        if own is None or self._processes.exited(process):
+        if self._processes.exited(process):
             return None
-        return next((found for found in own.pages if found.id == page), None)
+        return self._pages.page_for(process, page)
 
     def close_all(self) -> None:
         """The daemon stops: every slot closes (blocks go over the socket, to a
@@ -693,17 +578,9 @@ class Slots(Generic[P]):
             watch, process = timer.watch, self._table.process(timer.pid)
             if watch is not None and watch.slot is not None and process is not None:
                 self.slot_of(timer, process, timer.deadline)
-        for own in self._pages.values():
-            for page in own.pages:
-                page.close_all()
-                page.close()
-        self._pages.clear()
+        self._pages.close_all()
         self._slots.clear()
-        self._idle.clear()
-        self._owned.clear()
-        self._lost.clear()
-        self._looks.clear()
-        self._closing.clear()
+        self._shares.clear()
 
 
 def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
@@ -715,12 +592,6 @@ def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
         if count != seen.get(bucket, 0):
             added[bucket] = (count - seen.get(bucket, 0)) % 2**32
     return added
-
-
-def _process_key(process: TargetProcess) -> tuple[int, int]:
-    """What keeps a process's pages: its pid, and its start time, which tells it
-    from every other process that held or will hold that pid."""
-    return process.pid, process.start_time
 
 
 def _microseconds(seconds: float) -> int:
