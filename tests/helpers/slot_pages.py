@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from watchdogd.core.ports import PageRef, TargetProcess
+from watchdogd.core.ports import SEARCHING, PageRef, Searching, TargetProcess
 from watchdogd_client.protocol.slot_page import (
     AUTO,
     BLOCKS,
@@ -151,6 +151,25 @@ class FakePage:
         self.closed = True
 
 
+class FakeSearch:
+    """A search of `FakePages`: it ends at its last step, whatever the clock."""
+
+    def __init__(self, port: FakePages, pid: int, page: int, steps: int) -> None:
+        self._port, self._pid, self._page = port, pid, page
+        self.steps_left = steps
+        self.closed = False
+
+    def step(self, until: float) -> PageRef | Searching | None:
+        assert not self.closed, "a search stepped after it was closed"
+        self.steps_left -= 1
+        if self.steps_left > 0:
+            return SEARCHING
+        return self._port.found(self._pid, self._page)
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class FakePages:
     """A page port (`watchdogd.core.ports.PagePort`) on plain memory."""
 
@@ -162,15 +181,25 @@ class FakePages:
         self.held: dict[int, dict[int, Memory]] = {}
         #: Pids in another time namespace: offered no page.
         self.other_clock: set[int] = set()
+        #: How far each process's clock reads ahead of the daemon's, by pid
+        #: (after it moved to another time namespace; None: not known).
+        self.offsets: dict[int, float | None] = {}
         #: Whether no page can be made now (memfd_create failing).
         self.exhausted = False
         #: The adoptions asked for, in turn: (pid, page id).
         self.adoptions: list[tuple[int, int]] = []
-        #: The handles `adopt` gave.
+        #: The handles searches gave.
         self.adopted: list[FakePage] = []
+        #: How many steps a search takes (a process with many descriptors).
+        self.search_steps = 1
+        #: Every search begun, in turn.
+        self.searches: list[FakeSearch] = []
 
     def shares_clock(self, process: TargetProcess) -> bool:
         return process.pid not in self.other_clock
+
+    def clock_offset(self, process: TargetProcess) -> float | None:
+        return self.offsets.get(process.pid, 0.0)
 
     def new_page(self) -> PageRef | None:
         if self.exhausted:
@@ -179,9 +208,15 @@ class FakePages:
         self.made[page.id] = page
         return page
 
-    def adopt(self, process: TargetProcess, page: int) -> PageRef | None:
+    def search(self, process: TargetProcess, page: int) -> FakeSearch:
         self.adoptions.append((process.pid, page))
-        memory = self.held.get(process.pid, {}).get(page)
+        search = FakeSearch(self, process.pid, page, self.search_steps)
+        self.searches.append(search)
+        return search
+
+    def found(self, pid: int, page: int) -> PageRef | None:
+        """Page ``page`` as process ``pid`` holds it now: what a search finds."""
+        memory = self.held.get(pid, {}).get(page)
         if memory is None:
             return None
         found = FakePage(page, memory)
@@ -208,4 +243,5 @@ class FakePages:
         port = FakePages(first_id=max([*self.made, *(p.id for p in self.adopted), 0]) + 1)
         port.held = {pid: dict(pages) for pid, pages in self.held.items()}
         port.other_clock = set(self.other_clock)
+        port.offsets = dict(self.offsets)
         return port

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,16 @@ from pathlib import Path
 import pytest
 
 from watchdogd.host.process import open_process
-from watchdogd.host.slot_pages import MEMFD_NAME, PageError, SlotPage, adopt, new_page, shares_clock
+from watchdogd.host.slot_pages import (
+    MEMFD_NAME,
+    PageError,
+    Search,
+    SlotPage,
+    adopt,
+    clock_offset,
+    new_page,
+    shares_clock,
+)
 from watchdogd_client.protocol.slot_page import DEADLINE, MAGIC, PAGE_BYTES, SLOTS, word_of
 
 from helpers.processes import reap, sleeper
@@ -63,9 +73,19 @@ def holder(
     """A child holding descriptors ``writes`` (each written as ``(word, value)``)
     and ``kept`` (only held), at the numbers they have here."""
     specs = [f"{fd}:{word}:{value}" for fd, (word, value) in writes.items()]
+    with ready_child(HOLDER, specs, (*writes, *kept)) as child:
+        yield child
+
+
+@contextlib.contextmanager
+def ready_child(
+    script: str, args: list[str], fds: tuple[int, ...]
+) -> Iterator[subprocess.Popen[str]]:
+    """A child running ``script`` with ``args``, holding ``fds``, once it says it
+    is ready; it waits for its stdin to close."""
     child = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, *specs],
-        pass_fds=(*writes, *kept),
+        [sys.executable, "-c", script, *args],
+        pass_fds=fds,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -273,7 +293,7 @@ def test_shares_clock_for_an_ordinary_child() -> None:
         reap(child)
 
 
-def test_shares_clock_is_false_for_a_process_in_another_time_namespace() -> None:
+def test_a_process_in_another_time_namespace_shares_no_clock_and_its_offset_is_read() -> None:
     child = subprocess.Popen(["unshare", "--time", "--monotonic", "86400", "sleep", "60"])
     ours = os.readlink("/proc/self/ns/time")
 
@@ -286,10 +306,16 @@ def test_shares_clock_is_false_for_a_process_in_another_time_namespace() -> None
         wait_until(moved, what="unshare to exec sleep in its time namespace")
         assert os.readlink(f"/proc/{child.pid}/ns/time") != ours
         process = open_process(child.pid)
+        ours_too = open_process(os.getpid())
         try:
             assert not shares_clock(process)
+            assert clock_offset(process) == 86400.0
+            assert clock_offset(ours_too) == 0.0
+            reap(child)
+            assert clock_offset(process) is None  # it exited
         finally:
             process.close()
+            ours_too.close()
     finally:
         reap(child)
 
@@ -322,3 +348,61 @@ def test_shares_clock_is_false_for_a_process_the_daemon_may_not_read() -> None:
             process.close()
         reap(roots)
         reap(nobodys)
+
+
+#: A process that holds `CROWD` descriptors of /dev/null, then the page it was
+#: given (descriptor ``argv[1]``) moved past them, and waits for its stdin to close.
+CROWDED = textwrap.dedent(
+    """
+    import os, resource, sys
+    from watchdogd.host.slot_pages import MEMFD_NAME
+    crowd = int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (crowd + 64, crowd + 64))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(crowd)]
+    os.dup2(int(sys.argv[1]), crowd + 32)
+    os.close(int(sys.argv[1]))
+    print("ready", flush=True)
+    sys.stdin.read()
+    """
+)
+CROWD = 3000
+
+
+def test_a_search_goes_a_slice_at_a_time_through_a_crowd_of_descriptors() -> None:
+    """Searched with a slice already over, each step reads one descriptor: a
+    process holding thousands holds the daemon's loop up for none of them."""
+    page = new_page()
+    page_id = page.id
+    with ready_child(CROWDED, [str(page.fd), str(CROWD)], (page.fd,)) as child:
+        page.close()
+        process = open_process(child.pid)
+        search = Search(process, page_id)
+        try:
+            steps = 0
+            while (found := search.step(-math.inf)) is None:
+                steps += 1
+            assert steps >= CROWD
+            assert found.id == page_id
+            found.close()
+        finally:
+            search.close()
+            process.close()
+
+
+def test_a_search_of_a_process_that_holds_no_page_ends_in_a_page_error() -> None:
+    victim = sleeper()
+    process = open_process(victim.pid)
+    search = Search(process, 12345)
+    try:
+        with pytest.raises(PageError, match="holds no descriptor"):
+            _search_to_the_end(search)
+    finally:
+        search.close()
+        process.close()
+        reap(victim)
+
+
+def _search_to_the_end(search: Search) -> SlotPage:
+    while (found := search.step(-math.inf)) is None:
+        pass
+    return found

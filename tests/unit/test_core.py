@@ -23,7 +23,7 @@ CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidence_budget",
         "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
         "incidents", "lifecycle", "logline", "pages", "policies", "ports", "process_pages",
-        "ranks", "repeats", "responders", "rules", "service", "session", "shares",
+        "ranks", "repeats", "responders", "rules", "service", "session", "shares", "slot",
         "slot_shares", "slots", "starvation", "timers", "tomlkeys", "verdict")  # fmt: skip
 
 

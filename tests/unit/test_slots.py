@@ -15,7 +15,7 @@ from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
-from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
+from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -692,6 +692,46 @@ def test_a_block_stored_since_the_last_look_of_a_process_whose_uid_changed_never
     assert world.service.metrics.slots_lost == 1
 
 
+def test_a_process_that_moved_to_another_clock_has_its_block_read_on_that_clock() -> None:
+    """Its slot closes (its next arm goes over the socket); the block it stored
+    on its new clock, a day ahead of the daemon's, stays armed as a plain timer
+    on its deadline read on the daemon's."""
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.release(0, held=0.5)
+    world.pages.offsets[ALICE.pid] = 86_400.0  # setns(2) into a time namespace
+    memory.store(0, 86_400.0 + 10.0)
+    assert run(world, 8.0) == []
+    kept = world.service.table.get(ALICE.pid, "step")
+    assert kept is not None
+    assert kept.deadline == pytest.approx(10.0)
+    assert kept.watch is None or kept.watch.slot is None
+    assert memory.period(0) == 0
+    assert [expired.timer.scope for expired in run(world, 10.0)] == ["step"]
+
+
+def test_a_process_on_a_clock_whose_offset_cannot_be_read_keeps_its_block_a_timeout_on() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.store(0, 5_000.0)
+    world.pages.offsets[ALICE.pid] = None
+    assert run(world, 8.0) == []
+    kept = world.service.table.get(ALICE.pid, "step")
+    assert kept is not None
+    assert kept.deadline == 8.0 + TIMEOUT
+
+
+def test_a_process_that_moved_to_another_clock_while_released_loses_its_registration() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.release(0, held=0.5)
+    world.pages.offsets[ALICE.pid] = -50.0
+    assert run(world, 8.0) == []
+    assert world.service.table.get(ALICE.pid, "step") is None
+    assert world.service.metrics.slots_lost == 1
+    assert memory.period(0) == 0
+
+
 def test_a_process_whose_uid_changed_loses_its_released_registration() -> None:
     world = make_world()
     _, memory = registered(world, "step", now=1.0)
@@ -800,6 +840,74 @@ def test_another_callers_arm_before_the_first_look_after_a_restart_closes_the_sl
     reply = arm(world, world.root, "step", 5.0, timeout=30.0, pid=ALICE.pid)
     assert reply.slot is None
     assert memory.period(0) == 0
+
+
+def test_a_page_searched_for_over_several_slices_keeps_its_looks_waiting() -> None:
+    """A process holding many descriptors: its search goes a slice at a time
+    between passes, and its registrations' looks wait for it, dropping nothing."""
+    before = make_world()
+    _, memory = registered(before, "step", now=1.0)
+    registered(before, "other", now=1.0)
+    memory.store(0, 60.0)
+    memory.release(1)
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 3
+    assert world.service.expire_due(50.0) == []
+    assert look_at(world, "step") == look_at(world, "other") == 50.0 + SEARCH_PAUSE
+    [search] = world.pages.searches  # one for the page, begun by the first look
+    assert world.service.slots.search(50.001) is True
+    assert world.service.slots.search(50.002) is False
+    assert search.closed
+    assert run(world, 50.5) == []
+    assert world.service.metrics.slots_lost == 0
+    [fired] = run(world, 60.0)
+    assert (fired.timer.scope, fired.timer.deadline) == ("step", 60.0)
+
+
+def test_a_page_a_search_never_finds_drops_its_registrations_once_it_ends() -> None:
+    before = make_world()
+    registered(before, "step", now=1.0)
+    before.pages.held.clear()  # the process closed its page's descriptor
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 2
+    assert run(world, 50.0) == []
+    assert world.service.table.get(ALICE.pid, "step") is not None
+    assert world.service.slots.search(50.001) is False
+    assert run(world, 50.5) == []
+    assert world.service.table.get(ALICE.pid, "step") is None
+    assert world.service.metrics.slots_lost == 1
+
+
+def test_a_slot_revoked_while_its_page_is_searched_for_closes_once_it_is_found() -> None:
+    """Another caller arms the scope while the search goes on: the process must
+    still see its slot closed, or its later blocks store where no daemon reads;
+    the page, which no registration holds any more, is let go."""
+    before = make_world()
+    _, memory = registered(before, "step", now=1.0)
+    world = restarted(before, now=5.0)
+    world.pages.search_steps = 2
+    reply = arm(world, world.root, "step", 5.0, timeout=30.0, pid=ALICE.pid)
+    assert reply.slot is None
+    assert memory.period(0) != 0  # not found yet
+    assert world.service.slots.search(5.001) is False
+    assert memory.period(0) == 0
+    [page] = world.pages.adopted
+    assert page.closed
+
+
+def test_a_search_is_given_up_when_its_process_exits() -> None:
+    before = make_world()
+    registered(before, "step", now=1.0)
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 5
+    assert run(world, 50.0) == []
+    [search] = world.pages.searches
+    process = world.service.table.process(ALICE.pid)
+    assert process is not None
+    process.exited = True
+    world.service.process_exited(process)
+    assert search.closed
+    assert world.service.slots.search(51.0) is False
 
 
 def test_close_all_at_the_stop_writes_period_0_in_every_slot() -> None:

@@ -10,8 +10,9 @@ on a fake host in tests.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 from .identity import Peer
 from .starvation import Sample
@@ -163,6 +164,27 @@ class PageRef(Protocol):
         """Let go of the page."""
 
 
+class Searching(enum.Enum):
+    """What a search for a page says while it goes on."""
+
+    SEARCHING = "searching"
+
+
+SEARCHING: Final = Searching.SEARCHING
+
+
+class PageSearch(Protocol):
+    """A search for a page among a process's descriptors, a slice at a time."""
+
+    def step(self, until: float) -> PageRef | Searching | None:
+        """Search on until the clock reads ``until`` (a little further at least):
+        the page found, None (said in the log) once it is known the process holds
+        none, or `SEARCHING`."""
+
+    def close(self) -> None:
+        """Give the search up (or let go of what it read once it ended)."""
+
+
 class PagePort(Protocol[P_contra]):
     """Slot pages: made for a process, found again after a restart."""
 
@@ -170,12 +192,16 @@ class PagePort(Protocol[P_contra]):
         """Whether the process may have a page: its CLOCK_MONOTONIC is the
         daemon's, and its page could be found again after a restart."""
 
+    def clock_offset(self, process: P_contra) -> float | None:
+        """How far the process's CLOCK_MONOTONIC reads ahead of the daemon's now
+        (0.0 in the daemon's time namespace; None when it cannot be known)."""
+
     def new_page(self) -> PageRef | None:
         """A fresh page; None when none can be made now (said in the log)."""
 
-    def adopt(self, process: P_contra, page: int) -> PageRef | None:
-        """Page ``page`` again, from the process's descriptors; None (said in the
-        log) when it holds none."""
+    def search(self, process: P_contra, page: int) -> PageSearch:
+        """A search for page ``page`` among the process's descriptors (a
+        restart), not begun yet."""
 
 
 class NoPages:
@@ -184,8 +210,21 @@ class NoPages:
     def shares_clock(self, process: object) -> bool:
         return False
 
+    def clock_offset(self, process: object) -> float | None:
+        return 0.0
+
     def new_page(self) -> PageRef | None:
         return None
 
-    def adopt(self, process: object, page: int) -> PageRef | None:
+    def search(self, process: object, page: int) -> PageSearch:
+        return _NothingFound()
+
+
+class _NothingFound:
+    """The search of a daemon that offers no fast path: it finds nothing."""
+
+    def step(self, until: float) -> PageRef | Searching | None:
         return None
+
+    def close(self) -> None:
+        pass

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Final
 
 from .identity import ROOT
@@ -25,6 +26,10 @@ from .timers import Key
 #: The reads a second a non-root uid's registrations may ask for, at two a period
 #: each (what a registration with a timeout of 10 s asks for is 0.23).
 LOOKS_PER_UID: Final = 2_000
+#: How many of a uid's least recently armed registrations a reclaim reads at most
+#: for one released now (when none was seen released at a look): its cost is
+#: bounded however many a uid keeps armed.
+RECLAIM_READS: Final = 16
 
 
 class SlotShares:
@@ -117,6 +122,24 @@ class SlotShares:
         for key in keys:
             self.armed(uid, key)
         return keys
+
+    def reclaimable(self, uid: int, held: Callable[[Key], bool | None]) -> Key | None:
+        """The registration of ``uid`` a reclaim closes: the one seen released the
+        longest, or else one of its least recently armed (at most `RECLAIM_READS`
+        of them read) that holds no block now; each read goes last, so the next
+        reclaim reads others. ``held(key)``: whether ``key`` holds a block or
+        closes, None when it is no registration of ``uid`` now."""
+        while (key := self.idle_first(uid)) is not None:
+            if held(key) is not None:
+                return key
+            self.busy(uid, key)
+        for key in self.owned_first(uid, RECLAIM_READS):
+            state = held(key)
+            if state is None:
+                self.disowned(uid, key)
+            elif not state:
+                return key
+        return None
 
     def clear(self) -> None:
         self._idle.clear()

@@ -59,22 +59,23 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Final, Generic
 
 import msgspec
 
 from watchdogd_client.protocol import SlotGrant
-from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS, SLOTS
+from watchdogd_client.protocol.slot_page import MAX_MICROSECONDS, SLOTS
 
 from .counters import Counters
 from .history import History
 from .logline import Level, RateLimitedLog, logfmt
-from .ports import Journal, P, PagePort, PageRef, ProcessPort
+from .ports import SEARCHING, Journal, P, PagePort, PageRef, ProcessPort, Searching
 from .process_pages import ProcessPages
 from .rules import Rules
+from .slot import Slot
 from .slot_shares import SlotShares
 from .timers import Expired, Key, SlotRef, Timer, TimerTable
 
@@ -86,49 +87,14 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
-#: How many of a uid's least recently armed registrations a reclaim reads at most
-#: for one released now (when none was seen released at a look): its cost is
-#: bounded however many a uid keeps armed.
-RECLAIM_READS: Final = 16
-#: The most blocks a harvest takes for each second since the last: more than any
-#: process can run, so a count past it was scribbled, not counted.
-_BLOCKS_A_SECOND: Final = 5_000_000
+#: How soon a look whose page is being searched for after a restart comes again.
+SEARCH_PAUSE: Final = 0.01
 
 
 def period_of(timeout: float) -> float:
     """The period of a slot registered with ``timeout`` seconds; 0 for none."""
     period = timeout * PERIOD_SHARE
     return period if period >= MIN_PERIOD else 0.0
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    """What the daemon knows of one registration between its looks."""
-
-    page: PageRef
-    index: int
-    period: float
-    #: The executable its process ran when the slot was made: the key of its
-    #: history, read while the process is known to be there (its last harvest
-    #: comes after its exit, when its pidfd may be closed).
-    executable: str
-    #: The block's deadline as last read (bounded); 0.0 while released.
-    due: float = 0.0
-    #: The deadline word it was read from: while the word stays, so does ``due``
-    #: (a deadline clamped once stays where it was clamped).
-    word: int = 0
-    #: When it was first seen released, since it last was armed (0.0: armed).
-    idle_since: float = 0.0
-    #: When it closed (0.0: open).
-    closing: float = 0.0
-    #: When its word was last read, or written over the socket (-inf: not yet).
-    looked: float = -math.inf
-    #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
-    budget: int | None = None
-    #: The blocks its process counted, and their counts by bucket, as last taken.
-    blocks: int = 0
-    seen: dict[int, int] = field(default_factory=dict)
-    harvested: float = 0.0
 
 
 class Slots(Generic[P]):
@@ -152,6 +118,7 @@ class Slots(Generic[P]):
         self._rules = rules
         self._table = table
         self._processes = processes
+        self._port = pages
         self._journal = journal
         self._history = history
         self._metrics = metrics
@@ -202,34 +169,24 @@ class Slots(Generic[P]):
         if slot is not None:
             return slot
         ref = None if timer.watch is None else timer.watch.slot
-        return None if ref is None else self._adopt(timer, process, ref, now)
+        found = None if ref is None else self._adopt(timer, process, ref, now)
+        return None if found is SEARCHING else found
 
     def armed(self, timer: Timer, slot: Slot, deadline: float, auto: float | None) -> SlotGrant:
         """Registered ``timer`` was armed over the socket by its own process until
         ``deadline`` (``auto``: the timeout it learned, for ``after="auto"``):
         written to its slot, which opens again if it was closing."""
-        index = slot.index
-        period = _microseconds(slot.period)
-        slot.word = _microseconds(deadline)
-        slot.looked = timer.armed_at
-        slot.page.write(index, deadline=slot.word, period=period)
-        if auto is not None:
-            slot.page.write_auto(index, _microseconds(auto))
         if slot.closing:
-            slot.closing = 0.0
             self._shares.count_closing(timer.owner, -1)
+        grant = slot.arm(deadline, auto, timer.armed_at)
         self._busy(timer, slot, deadline)
         self._shares.armed(timer.owner, timer.key)
-        return SlotGrant(page=slot.page.id, index=index, period=period)
+        return grant
 
     def released(self, timer: Timer, slot: Slot) -> bool:
         """Registered ``timer`` was released over the socket by its own process:
         whether its slot was armed. It stays registered."""
-        armed = slot.page.read(slot.index) != 0
-        slot.page.write(slot.index, deadline=0)
-        slot.due = 0.0
-        slot.word = 0
-        return armed
+        return slot.release()
 
     def block_began(self, timer: Timer, slot: Slot) -> float:
         """When the block in ``timer``'s slot began, as near as its deadline tells
@@ -240,13 +197,15 @@ class Slots(Generic[P]):
         """Another caller armed or released ``timer``'s scope over the socket (or
         its process's uids changed): its slot closes and is forgotten at once (the
         caller replaces or drops the registration), so no store of the process
-        can disarm what was armed. A slot not read yet since a restart is found
-        again first, so that it closes too."""
+        can disarm what was armed. A slot not read yet since a restart closes
+        too, once its page is found again."""
         slot = self.slot_of(timer, process, now)
         if slot is not None:
             self._forget(timer)
             slot.page.write(slot.index, period=0)
             self._let_go(timer, process, slot)
+        elif timer.watch is not None and timer.watch.slot is not None:
+            self._pages.close_found(process, timer.watch.slot.page, timer.watch.slot.index)
 
     # Looks.
 
@@ -271,6 +230,9 @@ class Slots(Generic[P]):
     def _look(self, item: Expired[P], ref: SlotRef, now: float) -> Expired[P] | None:
         timer, process = item.timer, item.process
         slot = self._slots.get(timer.key) or self._adopt(timer, process, ref, now)
+        if slot is SEARCHING:
+            self._put(item, now + SEARCH_PAUSE)
+            return None
         if slot is None:
             self._drop(item, "its slot page is not among its process's descriptors")
             return None
@@ -279,7 +241,17 @@ class Slots(Generic[P]):
             return None
         word = slot.page.read(slot.index)
         if process.uid != timer.uid:
-            self._unregister(item, slot, word, now)
+            # A block the last look saw was stored while the process was
+            # authorized; one stored since may be the new uid's.
+            self._changed(item, word, self._bounded(word, now) if word == slot.word else None, now)
+            return None
+        offset = self._port.clock_offset(process)
+        if offset != 0.0:
+            # It moved to another time namespace: its block read on its new clock
+            # (a timeout from now when that clock's offset is not known).
+            moved = word - int((offset or 0.0) * 1_000_000)
+            deadline = now + timer.timeout if offset is None else self._bounded(max(1, moved), now)
+            self._changed(item, word, deadline, now)
             return None
         looked, slot.looked = slot.looked, now
         active = self._harvest(timer, process, slot, now)
@@ -305,21 +277,23 @@ class Slots(Generic[P]):
         )
         return Expired(fired, process, item.orphaned)
 
-    def _unregister(self, item: Expired[P], slot: Slot, word: int, now: float) -> None:
-        """``item``'s process changed its uids: its slot closes (its next arm is
-        judged anew over the socket). A block the last look saw (stored while it
-        was authorized) stays armed as a plain timer; none, or one stored since
-        (perhaps by the new uid, for whom the policy may not run), goes."""
-        timer = item.timer
-        self.revoke(timer, item.process, now)
+    def _changed(self, item: Expired[P], word: int, deadline: float | None, now: float) -> None:
+        """``item``'s process changed its uids or its clock: its slot closes (its
+        next arm is judged anew over the socket) and its registration goes. The
+        block its slot holds (``word``) stays armed as a plain timer until
+        ``deadline``; None: it may not be kept, which the log says."""
+        self.revoke(item.timer, item.process, now)
         if not word:
             self._metrics.slots_lost += 1
             self._gone(item)
-            return
-        if word != slot.word:
+        elif deadline is None:
             self._drop(item, "its process changed uids; a block stored since the last look")
-            return
-        deadline = self._bounded(word, now)
+        else:
+            self._keep_plain(item, deadline)
+
+    def _keep_plain(self, item: Expired[P], deadline: float) -> None:
+        """``item``'s registration goes; its block stays armed until ``deadline``."""
+        timer = item.timer
         assert timer.watch is not None
         watch = msgspec.structs.replace(timer.watch, slot=None)
         plain = self._table.put(
@@ -379,16 +353,15 @@ class Slots(Generic[P]):
 
     def reclaim(self, uid: int, now: float) -> bool:
         """Close a registration of ``uid`` that holds no block (a uid at its limit
-        registers another): the one seen released the longest, or else one found
-        released now; whether there was one. There is none while as many of its
-        registrations as its limit are closing."""
+        registers another; `SlotShares.reclaimable`); whether there was one (none
+        while as many of its registrations as its limit are closing)."""
         limit = self._rules.daemon.max_timers_per_uid
         if self._shares.closing_of(uid, limit) >= limit:
             return False
-        found = self._reclaimable(uid)
-        if found is None:
+        key = self._shares.reclaimable(uid, functools.partial(self._held, uid))
+        timer, slot = (None, None) if key is None else (self._table.get(*key), self._slots.get(key))
+        if timer is None or slot is None:
             return False
-        timer, slot = found
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
         process = self._table.process(timer.pid)
@@ -399,22 +372,13 @@ class Slots(Generic[P]):
             self._on_deadline(now + CLOSING_WAIT)
         return True
 
-    def _reclaimable(self, uid: int) -> tuple[Timer, Slot] | None:
-        """``uid``'s registration seen released the longest, or else one of its
-        least recently armed (at most `RECLAIM_READS` of them read) whose slot
-        holds no block now; each read goes last, so the next reclaim reads others."""
-        while (key := self._shares.idle_first(uid)) is not None:
-            slot, timer = self._slots.get(key), self._table.get(*key)
-            if slot is not None and timer is not None:
-                return timer, slot
-            self._shares.busy(uid, key)
-        for key in self._shares.owned_first(uid, RECLAIM_READS):
-            slot, timer = self._slots.get(key), self._table.get(*key)
-            if slot is None or timer is None or timer.owner != uid:
-                self._shares.disowned(uid, key)
-            elif not slot.closing and not slot.page.read(slot.index):
-                return timer, slot
-        return None
+    def _held(self, uid: int, key: Key) -> bool | None:
+        """Whether registration ``key`` holds a block or closes; None when it is
+        no registration of ``uid`` now."""
+        slot, timer = self._slots.get(key), self._table.get(*key)
+        if slot is None or timer is None or timer.owner != uid:
+            return None
+        return bool(slot.closing) or slot.page.read(slot.index) != 0
 
     def _forget(self, timer: Timer) -> Slot | None:
         """``timer``'s registration is no longer kept: its slot, if it had one."""
@@ -469,15 +433,16 @@ class Slots(Generic[P]):
 
     # After a restart, and at the end.
 
-    def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | None:
+    def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | Searching | None:
         """The slot of a registration read from the state: its page found again
-        among the process's descriptors (once per page). What its counts hold is
-        taken as harvested: only blocks released from now on are added."""
+        among the process's descriptors (once per page, `search`). What its
+        counts hold is taken as harvested: only blocks released from now on are
+        added."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        page = self._pages.found(process, ref.page)
-        if page is None:
-            return None
+        page = self._pages.found(process, ref.page, ref.index)
+        if page is None or page is SEARCHING:
+            return page
         executable = self._processes.executable(process)
         slot = Slot(page, ref.index, ref.period, executable, harvested=now)
         slot.blocks = page.blocks(ref.index)
@@ -491,21 +456,15 @@ class Slots(Generic[P]):
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
         """Add to the scope's history the blocks its process released by a store
         since the last harvest, as its slot counts them; whether it released any."""
-        blocks = slot.page.blocks(slot.index)
-        if blocks == slot.blocks:
+        taken = slot.take(now)
+        if taken is None:
             return False
-        counts = slot.page.counts(slot.index)
-        added = _added(counts, slot.seen)
-        slot.blocks = blocks
-        slot.seen = {bucket: count for bucket, count in enumerate(counts) if count}
-        since, slot.harvested = slot.harvested, now
-        total = sum(added.values())
-        if total > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
+        if taken.scribbled:
             self._metrics.slots_scribbled += 1
-        elif total:
+        elif taken.added:
             largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
             key = (process.uid, slot.executable, timer.scope)
-            self._history.record_counts(key, added, largest)
+            self._history.record_counts(key, taken.added, largest)
         return True
 
     def harvest(self, timer: Timer, process: P, now: float) -> None:
@@ -557,6 +516,12 @@ class Slots(Generic[P]):
         word = slot.page.read(slot.index)
         return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
 
+    def search(self, until: float) -> bool:
+        """Search for the pages of registrations read from the state until the
+        clock reads ``until`` (between passes that fire timers); whether any is
+        still searched for."""
+        return self._pages.search(until)
+
     def released_count(self) -> int:
         """How many registrations hold no block now, read from their slots."""
         return sum(not slot.page.read(slot.index) for slot in self._slots.values())
@@ -572,8 +537,9 @@ class Slots(Generic[P]):
         """The daemon stops: every slot closes (blocks go over the socket, to a
         daemon that restarts or to none, as DESIGN's rule for a daemon gone at a
         block's exit says), and every page is let go. The state keeps the
-        registrations for the next start; those not read yet since a restart
-        are found again to be closed too."""
+        registrations for the next start; those whose page is not found yet
+        since a restart stay open (no search holds a stop up): the next start
+        reads them."""
         for timer in list(self._table.timers()):
             watch, process = timer.watch, self._table.process(timer.pid)
             if watch is not None and watch.slot is not None and process is not None:
@@ -581,18 +547,3 @@ class Slots(Generic[P]):
         self._pages.close_all()
         self._slots.clear()
         self._shares.clear()
-
-
-def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
-    """What ``counts`` (by bucket, each a 32-bit count that wraps) added since
-    ``seen`` was taken."""
-    added: dict[int, int] = {}
-    for bucket in range(BUCKETS):
-        count = counts[bucket]
-        if count != seen.get(bucket, 0):
-            added[bucket] = (count - seen.get(bucket, 0)) % 2**32
-    return added
-
-
-def _microseconds(seconds: float) -> int:
-    return max(0, min(int(seconds * 1_000_000), MAX_MICROSECONDS))

@@ -6,7 +6,7 @@ that neither side can shrink or grow it (so no mapping of it can ever fault), an
 mapped here. Its descriptor goes to its process over the socket (`MapPage`), which
 maps it too and keeps a descriptor of it open. That descriptor is what makes a
 page outlive the daemon: after a crash or a restart, the next daemon finds the page
-among the process's open descriptors (`SlotPages.adopt`) by its inode, as
+among the process's open descriptors (`Search`, a slice at a time) by its inode, as
 /proc/PID/fd shows them to anyone who may read the process's memory (root, the
 shipped unit's CAP_SYS_PTRACE, or the process's own user), checks that it is the
 same sealed memfd, and maps it again. So a page lives exactly as long as its
@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import math
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from watchdogd_client.protocol.slot_page import (
@@ -63,6 +65,11 @@ _SEALS: Final = _F_SEAL_SEAL | _F_SEAL_SHRINK | _F_SEAL_GROW
 #: The most descriptors of one process looked at to find its page again: a search
 #: costs a readlink(2) each, on the event loop.
 _SEARCHED: Final = 65_536
+#: More than a timens_offsets file ever holds (two short lines).
+_OFFSETS_BYTES: Final = 512
+#: The largest offset a time namespace may have (the kernel bounds it by
+#: KTIME_SEC_MAX / 2; anything past ~146 years is no clock to read deadlines by).
+_MOST_OFFSET: Final = 2**32
 
 
 class PageError(Exception):
@@ -149,41 +156,90 @@ def new_page() -> SlotPage:
     return SlotPage(fd, mapping)
 
 
+class Search:
+    """A search for page ``page`` (its inode) among the descriptors ``process``
+    holds (a restart), a slice at a time: a process may hold tens of thousands of
+    descriptors, and each costs a readlink(2), so no search holds the event loop
+    for more than a slice whatever the process holds."""
+
+    def __init__(self, process: Process, page: int) -> None:
+        self._process = process
+        self._page = page
+        self._directory = f"/proc/{process.pid}/fd"
+        self._entries: Iterator[os.DirEntry[str]] = iter(())
+        self._close_entries: Callable[[], None] | None = None
+        self._searched = 0
+
+    def step(self, until: float) -> SlotPage | None:
+        """Search on until CLOCK_MONOTONIC reads ``until`` (one descriptor at
+        least): the page found, or None while the search goes on. Raises
+        `PageError` once it is known that the process holds no such page."""
+        try:
+            if self._close_entries is None:
+                entries = os.scandir(self._directory)
+                self._entries, self._close_entries = entries, entries.close
+            while True:
+                entry = next(self._entries, None)
+                if entry is None:
+                    break
+                self._searched += 1
+                if self._searched > _SEARCHED:
+                    break
+                fd = _opened(entry.path, self._page)
+                if fd is not None:
+                    self.close()
+                    if not self._process.alive():
+                        os.close(fd)
+                        raise PageError(
+                            f"pid {self._process.pid} exited while its page was searched for"
+                        )
+                    return _checked(fd, self._page)
+                if time.monotonic() >= until:
+                    return None
+        except OSError as exc:
+            self.close()
+            raise PageError(f"{self._directory}: {exc.strerror}") from None
+        self.close()
+        raise PageError(f"pid {self._process.pid} holds no descriptor of slot page {self._page}")
+
+    def close(self) -> None:
+        """Let go of the directory it reads (at its end, or when given up)."""
+        if self._close_entries is not None:
+            self._close_entries()
+        self._entries = iter(())
+
+
 def adopt(process: Process, page: int) -> SlotPage:
-    """Page ``page`` (its inode) again, from the descriptors ``process`` holds (a
-    restart). Raises `PageError` when it holds none, or it is not a slot page."""
-    directory = f"/proc/{process.pid}/fd"
+    """Page ``page`` again, from the descriptors ``process`` holds, searched in
+    one go. Raises `PageError` when it holds none, or it is not a slot page."""
+    search = Search(process, page)
     try:
-        names = os.listdir(directory)
-    except OSError as exc:
-        raise PageError(f"{directory}: {exc.strerror}") from None
-    for name in names[:_SEARCHED]:
-        path = f"{directory}/{name}"
-        try:
-            if os.readlink(path) != _LINK:
-                continue
-            # O_PATH opens nothing: it only names what the link points to.
-            found = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(found)
-            if (
-                info.st_ino != page
-                or info.st_dev != _memfd_device()
-                or not stat.S_ISREG(info.st_mode)
-            ):
-                continue
-            fd = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        finally:
-            os.close(found)
-        if not process.alive():
-            os.close(fd)
-            raise PageError(f"pid {process.pid} exited while its page was searched for")
-        return _checked(fd, page)
-    raise PageError(f"pid {process.pid} holds no descriptor of slot page {page}")
+        while (found := search.step(math.inf)) is None:
+            pass
+        return found
+    finally:
+        search.close()
+
+
+def _opened(path: str, page: int) -> int | None:
+    """A read-write descriptor of the memfd at descriptor link ``path`` when it is
+    a memfd of a slot page with inode ``page``; None otherwise."""
+    try:
+        if os.readlink(path) != _LINK:
+            return None
+        # O_PATH opens nothing: it only names what the link points to.
+        found = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(found)
+        if info.st_ino != page or info.st_dev != _memfd_device() or not stat.S_ISREG(info.st_mode):
+            return None
+        return os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    finally:
+        os.close(found)
 
 
 @functools.cache
@@ -242,3 +298,43 @@ def shares_clock(process: Process) -> bool:
         return False
     os.close(directory)
     return same and process.alive()
+
+
+def clock_offset(process: Process) -> float | None:
+    """How far ``process``'s CLOCK_MONOTONIC reads ahead of the daemon's, in
+    seconds: 0.0 while it is in the daemon's time namespace (a readlink(2), cheap
+    enough for every look at its slots), else what the two namespaces' offsets
+    say; None when that cannot be read (it exited, or its offsets make no sense)."""
+    try:
+        if os.readlink(f"/proc/{process.pid}/ns/time") == _own_time_namespace():
+            return 0.0
+        theirs = _monotonic_offset(f"/proc/{process.pid}/timens_offsets")
+        ours = _monotonic_offset("/proc/self/timens_offsets")
+    except OSError:
+        return None
+    if theirs is None or ours is None or not process.alive():
+        return None
+    return theirs - ours
+
+
+@functools.cache
+def _own_time_namespace() -> str:
+    return os.readlink("/proc/self/ns/time")
+
+
+def _monotonic_offset(path: str) -> float | None:
+    """The CLOCK_MONOTONIC offset a timens_offsets file (time_namespaces(7))
+    gives, in seconds; None when it gives none that makes sense."""
+    with open(path, "rb") as file:
+        text = file.read(_OFFSETS_BYTES)
+    for line in text.decode("ascii", "replace").splitlines():
+        fields = line.split()
+        if len(fields) == 3 and fields[0] in ("monotonic", "1"):
+            try:
+                seconds, nanoseconds = int(fields[1]), int(fields[2])
+            except ValueError:
+                return None
+            if abs(seconds) > _MOST_OFFSET or not 0 <= nanoseconds < 1_000_000_000:
+                return None
+            return seconds + nanoseconds / 1e9
+    return None

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import math
 import os
 import resource
 import secrets
@@ -51,12 +50,10 @@ from ..core.config import Config
 from ..core.firing import Due
 from ..core.identity import ROOT, Peer
 from ..core.logline import Level
-from ..core.ports import PageRef
 from ..core.service import Later, Restored, Service
 from ..core.starvation import Sample
 from ..core.timers import Expired, Timer
 from ..errors import ConfigError
-from ..host import slot_pages
 from ..host.exits import ExitWatcher
 from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process
@@ -67,6 +64,7 @@ from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
+from .host_pages import HostPages
 from .reload import Reloads
 from .responders import Asks
 from .scheduler import Scheduler
@@ -117,37 +115,6 @@ class HostProcesses:
 
     def sample(self, process: Process) -> Sample | None:
         return self._pressure.sample(process)
-
-
-class HostPages:
-    """The service's page port on a real host: sealed memfds
-    (`watchdogd.host.slot_pages`), each failure said in the log once a minute."""
-
-    def __init__(self) -> None:
-        self._said: dict[str, float] = {}
-
-    def shares_clock(self, process: Process) -> bool:
-        return slot_pages.shares_clock(process)
-
-    def new_page(self) -> PageRef | None:
-        try:
-            return slot_pages.new_page()
-        except slot_pages.PageError as exc:
-            self._say("slot_page_failed", str(exc))
-            return None
-
-    def adopt(self, process: Process, page: int) -> PageRef | None:
-        try:
-            return slot_pages.adopt(process, page)
-        except slot_pages.PageError as exc:
-            self._say("slot_page_lost", str(exc))
-            return None
-
-    def _say(self, event: str, error: str) -> None:
-        now = time.monotonic()
-        if now >= self._said.get(event, -math.inf) + 60.0:
-            self._said[event] = now
-            log.warning(logfmt(event, error=error))
 
 
 #: Seconds a thread may run before Python offers the GIL to another (Python's
@@ -562,7 +529,8 @@ class Daemon:
         return len(expired) == BATCH
 
     def _settle(self, until: float) -> bool:
-        """Settle expiries until ``until``; whether more wait."""
+        """Settle expiries, then search for pages after a restart, until
+        ``until``; whether more wait."""
         try:
             more = self.executor is not None and self.executor.settle(until)
         except Exception:
@@ -570,7 +538,11 @@ class Daemon:
             more = False
         if not more:
             self.collector.release()
-        return more
+        try:
+            return self.service.slots.search(until) or more
+        except Exception:
+            log.exception("searching for slot pages failed")
+            return more
 
     def _storage_changed(self, degraded: bool, reason: str) -> None:
         self.service.storage_changed(degraded, reason)
