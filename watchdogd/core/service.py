@@ -53,6 +53,7 @@ from watchdogd_client.protocol import (
     Responding,
     Status,
     Suggest,
+    Unblocked,
     Verdict,
     Welcome,
     Why,
@@ -295,23 +296,24 @@ class Service(Generic[P]):
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
                 return self.pages.incidents(request, caller.peer)
-            case Respond() | Evidence():
+            case Respond() | Evidence() | Unblocked():
                 return self._responding(request, caller)
             case _:
                 assert_never(request)
 
-    def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
+    def _responding(self, request: Respond | Evidence | Unblocked, caller: Caller[P]) -> Responding:
         """A responder's `Respond`, which binds it to the exact process that opened
-        its connection, alive (`Arming.connecting_process`); or its `Evidence`,
-        taken only on the connection its process responds on now (whoever asked
-        for it takes it from there: `watchdogd.runtime.responders`)."""
+        its connection, alive (`Arming.connecting_process`); or its `Evidence` or
+        `Unblocked`, taken only on the connection its process responds on now
+        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
         if isinstance(request, Respond):
             process = self.arming.connecting_process(caller)
             self.responders.register(process, caller.peer.uid, request)
         elif caller.process is None or not self.responders.registered(caller.process):
             raise Refusal(
                 ErrorCode.INVALID_REQUEST,
-                "evidence is taken only on the connection a process responds on, after respond",
+                "an answer to the daemon's ask is taken only on the connection a process "
+                "responds on, after respond",
             )
         return Responding(id=request.id)
 
