@@ -23,7 +23,7 @@ CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "expiry", "firing",
         "frames", "heap", "history", "identity", "incidents", "lifecycle", "logline", "pages",
         "policies", "ports", "ranks", "responders", "rules", "service", "session", "shares",
-        "starvation", "timers", "tomlkeys", "verdict")  # fmt: skip
+        "starvation", "timers", "tomlkeys", "unblocks", "verdict")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

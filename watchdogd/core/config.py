@@ -205,6 +205,10 @@ class FleetConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9_./-]{0,200}$")] = "/watchdogd"
     #: Seconds without this host's keepalive before the others call it lost.
     lease: Annotated[int, Meta(ge=2, le=3600)] = 10
+    #: Seconds a rank must have waited in one collective, by its own Flight
+    #: Recorder, before its responder cuts it out (`watchdogd.core.unblocks`):
+    #: longer than any collective of a healthy job takes.
+    unblock_after: Annotated[float, Meta(gt=0, le=DAY)] = 10.0
     #: TLS: the CA that signed etcd's certificate, and this host's client
     #: certificate and key.
     ca: str | None = None

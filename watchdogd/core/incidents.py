@@ -13,7 +13,9 @@ within the window (torchrun's ``--max-restarts``) are seen too, and none twice.
 
 Each process of an incident is a `RankInfo`: ``pending`` until its policy has run,
 then ``done`` (or ``gone``, ``denied``), with the stack its dump step captured and
-the innermost frame of its main thread (`first_frame`). Incidents of other hosts
+the innermost frame of its main thread (`first_frame`); what is said of a rank
+later (it asks for its peers to be unblocked, it was cut out of its collective:
+`watchdogd.core.unblocks`) amends it (`IncidentLog.amend`). Incidents of other hosts
 of the job arrive from the fleet (`IncidentLog.merge`) and are kept beside this
 host's.
 
@@ -46,7 +48,6 @@ import msgspec
 
 from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
-    Culprit,
     EventInfo,
     GroupState,
     IncidentInfo,
@@ -68,7 +69,7 @@ from .ranks import (
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer, reported
+from .verdict import Decision, decide, for_viewer, nobody, reported, viewed
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -195,7 +196,7 @@ class _Judge:
         incident.decision = None
         decision = self.decided(incident)
         if decision is not None:
-            self.on_settled(incident.info, for_viewer(decision, _nobody))
+            self.on_settled(incident.info, for_viewer(decision, nobody))
 
     def decided(self, incident: _Incident) -> Decision | None:
         """The verdict on ``incident`` as its ranks say now (None: it has none)."""
@@ -278,7 +279,16 @@ class IncidentLog:
                     return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
-        info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
+        info = _head(
+            self._new_id(),
+            self.host,
+            job,
+            user,
+            wall,
+            scope=rank.scope,
+            reason=reason,
+            rank=rank.rank,
+        )
         incident = _Incident(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
@@ -289,7 +299,7 @@ class IncidentLog:
     def opened(self, kind: str, job: JobKey, user: str, note: str, wall: float) -> str:
         """An incident of ``job`` that no expiry opened (``kind``, e.g.
         ``host_lost``); its id."""
-        info = self._head(job, user, wall, scope="", reason=note, kind=kind)
+        info = _head(self._new_id(), self.host, job, user, wall, scope="", reason=note, kind=kind)
         incident = _Incident(info)
         self._keep(incident)
         self._listener(self._whole(incident))
@@ -301,31 +311,6 @@ class IncidentLog:
         if incident is None:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
-
-    def _head(
-        self,
-        job: JobKey,
-        user: str,
-        wall: float,
-        *,
-        scope: str,
-        reason: str,
-        rank: int | None = None,
-        kind: str = "expired",
-    ) -> IncidentInfo:
-        """A new incident of ``job`` opened on this host at ``wall``."""
-        return IncidentInfo(
-            id=self._new_id(),
-            job=job[1],
-            user=user,
-            uid=job[0],
-            host=self.host,
-            scope=scope,
-            reason=reason,
-            time=wall,
-            rank=rank,
-            kind=kind,
-        )
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
@@ -449,6 +434,21 @@ class IncidentLog:
             if (rank.host, rank.pid, rank.role, rank.state) == (self.host, pid, role, "pending"):
                 return incident, index
         return None
+
+    def amend(
+        self, incident_id: str, pid: int, change: Callable[[RankInfo | None], RankInfo]
+    ) -> None:
+        """This host's rank ``pid`` of the incident becomes ``change(rank)``, or
+        ``change(None)`` joins it where it lists none; published either way."""
+        incident = self._incidents.get(self.resolve(incident_id))
+        if incident is not None:
+            here = [i for i, r in enumerate(incident.ranks) if (r.host, r.pid) == (self.host, pid)]
+            if not here:
+                self._add(incident, change(None))
+                return
+            incident.ranks[here[0]] = change(incident.ranks[here[0]])
+            self._judges.judge(incident)
+            self._listener(self._whole(incident))
 
     def __contains__(self, incident_id: object) -> bool:
         return incident_id in self._incidents or incident_id in self._aliases
@@ -574,7 +574,7 @@ class IncidentLog:
             msgspec.structs.replace(
                 incident.info,
                 count=len(incident.ranks),
-                verdict=_viewed(incident, self._judges.decided(incident), viewer),
+                verdict=viewed(self._judges.decided(incident), incident.ranks, viewer),
             )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
@@ -614,7 +614,7 @@ class IncidentLog:
             incident.info,
             ranks=ranks,
             count=len(ranks),
-            verdict=_viewed(incident, self._judges.decided(incident), viewer, viewer_gid),
+            verdict=viewed(self._judges.decided(incident), incident.ranks, viewer, viewer_gid),
         )
 
     def _whole(self, incident: _Incident) -> IncidentInfo:
@@ -658,22 +658,32 @@ class IncidentLog:
             del self._open[job]
 
 
-def _viewed(
-    incident: _Incident, decision: Decision | None, viewer: int, viewer_gid: int | None = None
-) -> Verdict | None:
-    """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
-    collective, and each frame only where ``viewer`` may see that rank's stack (a
-    listing, ``viewer_gid`` None, shows frames to root alone)."""
-    if decision is None:
-        return None
-    if viewer == ROOT:
-        return decision.verdict
-    if viewer_gid is None:
-        return for_viewer(decision, _nobody)
-    readable = {
-        (rank.host, rank.pid) for rank in incident.ranks if may_read(rank, viewer, viewer_gid)
-    }
-    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+def _head(
+    incident_id: str,
+    host: str,
+    job: JobKey,
+    user: str,
+    wall: float,
+    *,
+    scope: str,
+    reason: str,
+    rank: int | None = None,
+    kind: str = "expired",
+) -> IncidentInfo:
+    """A new incident of ``job`` opened on ``host`` at ``wall``."""
+    uid, name = job
+    return IncidentInfo(
+        id=incident_id,
+        job=name,
+        user=user,
+        uid=uid,
+        host=host,
+        scope=scope,
+        reason=reason,
+        time=wall,
+        rank=rank,
+        kind=kind,
+    )
 
 
 def _reported(incident: _Incident) -> bool:
@@ -684,8 +694,3 @@ def _reported(incident: _Incident) -> bool:
         and incident.hosts <= hosts
         and all(rank.state != "pending" for rank in incident.ranks)
     )
-
-
-def _nobody(culprit: Culprit) -> bool:
-    """A viewer who may see no rank's stack."""
-    return False

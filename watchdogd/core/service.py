@@ -78,6 +78,7 @@ from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
 from .responders import Responder, Responders
 from .rules import Rules
 from .timers import Expired, Timer, TimerTable
+from .unblocks import Unblocks
 
 __all__ = [
     "ROOT",
@@ -139,6 +140,15 @@ class Service(Generic[P]):
         self.daemon_pid = daemon_pid
         self.started = now
         self._wall = wall
+        #: This host's ranks owed a cut out of the collective they wait in.
+        self.unblocks = Unblocks(
+            self.incidents,
+            self.responders,
+            self.events,
+            self.metrics,
+            wall=wall,
+            waited=config.fleet.unblock_after,
+        )
         self.expiries = Firing(
             self.rules,
             self.table,
@@ -178,6 +188,7 @@ class Service(Generic[P]):
             self.table,
             self.expiries,
             self.incidents,
+            unblocks=self.unblocks,
             responders=self.responders,
             daemon_pid=daemon_pid,
             events=self.events,

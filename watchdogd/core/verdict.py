@@ -61,6 +61,8 @@ from watchdogd_client.protocol import (
 )
 
 from .frames import Library, frame_line, name_text, number_text, pick, where
+from .identity import ROOT
+from .ranks import may_read
 
 #: The most ranks a verdict names as culprits.
 MAX_CULPRITS: Final = 32
@@ -119,6 +121,31 @@ def for_viewer(decision: Decision, may_see_stack_of: Callable[[Culprit], bool]) 
     text = "; ".join([decision.said, *clauses])
     groups = [text for text in map(shown, decision.groups) if text]
     return msgspec.structs.replace(decision.head, text=text, groups=groups)
+
+
+def nobody(culprit: Culprit) -> bool:
+    """A viewer who may see no rank's stack (`for_viewer`)."""
+    return False
+
+
+def viewed(
+    decision: Decision | None,
+    ranks: Sequence[RankInfo],
+    viewer: int,
+    viewer_gid: int | None = None,
+) -> Verdict | None:
+    """``decision`` on an incident of ``ranks`` as ``viewer`` may see it: the
+    culprits and the collective, and each frame only where ``viewer`` may see that
+    rank's stack (`may_read`; a listing, ``viewer_gid`` None, shows frames to root
+    alone)."""
+    if decision is None:
+        return None
+    if viewer == ROOT:
+        return decision.verdict
+    if viewer_gid is None:
+        return for_viewer(decision, nobody)
+    readable = {(rank.host, rank.pid) for rank in ranks if may_read(rank, viewer, viewer_gid)}
+    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
 
 
 def decide(

@@ -507,7 +507,7 @@ class FleetMember(Generic[P]):
         for user, job in sorted(jobs & await self.held()):
             uid = await self.names.resolve_uid(user)
             if uid is not None:
-                self.core.host_lost(host, user, [(uid, job)])
+                self.core.host_lost(host, user, [(uid, job)], self._clock())
 
     async def _head_seen(self, incident: IncidentInfo, revision: int, *, initial: bool) -> None:
         # A lost host is seen by each of its peers, which opens an incident of its

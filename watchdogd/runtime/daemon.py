@@ -1,4 +1,5 @@
-"""The daemon: listener, exit watcher, scheduler, executor and requests, wired together.
+"""The daemon: listener, exit watcher, scheduler, executor, unblocker and requests,
+wired together.
 
 `run` is the whole daemon and is callable in-process (tests start it in a nursery and
 cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
@@ -69,6 +70,7 @@ from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile
+from .unblocker import Unblocker
 
 if TYPE_CHECKING:
     from ..core.counters import Counters
@@ -372,6 +374,7 @@ class Daemon:
             self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake, asks=asks
         )
         await nursery.start(self.executor.run)
+        await nursery.start(Unblocker(self.service, asks, clock=self.clock).run)
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
@@ -450,7 +453,11 @@ class Daemon:
 
         try:
             self.fleet = FleetMember(
-                self.config.fleet, self.service.fleet, self.executor.carry_out, self.names
+                self.config.fleet,
+                self.service.fleet,
+                self.executor.carry_out,
+                self.names,
+                clock=self.clock,
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))

@@ -182,10 +182,12 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     """One recorded event. ``kind`` is ``expired``, ``peer`` (a job's peer policy
     run on a process of an incident's job), ``extended`` (a timer given
     more time because its process was starved; ``deadline`` is its new one),
-    ``exited``, ``unkillable``, ``reloaded``, ``reload_failed`` or ``verdict`` (an
+    ``exited``, ``unkillable``, ``reloaded``, ``reload_failed``, ``verdict`` (an
     incident's verdict settled: ``outcome`` is its kind, ``note`` its sentence
     without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
-    here); times are Unix
+    here) or ``unblocked`` (a rank's responder cut it out of a collective: ``pid``,
+    ``job``, ``rank`` and ``incident`` are whose and why, ``outcome`` is
+    ``host_lost`` or ``peers``, ``note`` says what and why); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
     ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
     policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
@@ -361,6 +363,13 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     evidence: str = ""
     #: Its Flight Recorder's groups, where it has one (`GroupState`).
     flight: list[GroupState] = []
+    #: ``peers``: its policy asked that every other rank of the job waiting in the
+    #: collective the verdict names be unblocked (a step ``unblock = "peers"``).
+    unblock: str = ""
+    #: Its responder cut it out of a collective, on its host's request: what it
+    #: was cut out of, and why; and when (Unix seconds).
+    unblocked: str = ""
+    unblocked_at: float | None = None
 
 
 class Culprit(Struct, frozen=True, kw_only=True, omit_defaults=True):
