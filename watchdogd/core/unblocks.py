@@ -207,9 +207,8 @@ class Unblocks:
         is waited for no more."""
         ordered = 0
         for incident, until in list(self._wanted.items()):
-            info = self._incidents.get(incident, ROOT, ROOT)
-            verdict = None if info is None else info.verdict
-            if info is not None and verdict is not None and verdict.culprits and verdict.collective:
+            info, verdict = self._verdict(incident)
+            if info is not None and verdict is not None:
                 ordered += self._peers(info, verdict, now)
             elif info is not None and now < until:
                 continue
@@ -218,6 +217,34 @@ class Unblocks:
             while len(self._done) > MAX_WANTED:
                 self._done.popitem(last=False)
         return ordered
+
+    def _verdict(self, incident: str) -> tuple[IncidentInfo | None, Verdict | None]:
+        """The incident, if kept, and its verdict once it names its culprits and a
+        collective."""
+        info = self._incidents.get(incident, ROOT, ROOT)
+        verdict = None if info is None else info.verdict
+        if verdict is None or not verdict.culprits or verdict.collective is None:
+            return info, None
+        return info, verdict
+
+    def named(self, incident: str) -> Verdict | None:
+        """The verdict on ``incident`` once it names its culprits and a collective."""
+        return self._verdict(incident)[1]
+
+    def unanswered(self, incident: str, verdict: Verdict, pid: int) -> list[RankInfo]:
+        """This host's ranks of ``incident`` that no responder of theirs can
+        unblock, but the culprits of ``verdict`` and process ``pid``: those the
+        fallback signal of ``pid``'s unblock step is for."""
+        info = self._incidents.get(incident, ROOT, ROOT)
+        host, named = self._incidents.host, {(c.host, c.pid) for c in verdict.culprits}
+        return [
+            rank
+            for rank in ([] if info is None else info.ranks)
+            if rank.host == host
+            and rank.pid != pid
+            and (host, rank.pid) not in named
+            and not ((responder := self._responders.get(rank.pid)) and responder.unblock)
+        ]
 
     def _peers(self, incident: IncidentInfo, verdict: Verdict, now: float) -> int:
         collective = verdict.collective

@@ -11,15 +11,23 @@ alive), handing the answer back to the core. An ask waits for its answer at most
 ``evidence_timeout`` seconds: a responder that does not answer (its process
 stopped, a thread holding the GIL) costs that and nothing else, and is not asked
 again. Nothing here raises into the daemon: a bug costs the unblock it was about.
+
+A policy's unblock step is carried out here too (`unblock_step`), for the
+executor: it asks for the job's waiting ranks to be unblocked and waits, up to
+its timeout, for the verdict to name their collective; its fallback signal goes
+only to ranks of this host that hold a timer of the job, through that timer's
+pidfd, and that the timer's owner may still signal.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Final
 
 import trio
 
+from ..core.expiry import SENT, Run, UnblockPeers
 from ..core.service import Service
 from ..core.unblocks import Unblock
 from ..host.process import Process
@@ -29,6 +37,8 @@ from .responders import Asks
 #: How often an incident whose ranks are to be unblocked is looked at while its
 #: verdict does not name what to cut yet: every change of its evidence may.
 _LOOK_EVERY: Final = 0.25
+#: How often an unblock step looks whether the verdict names the collective yet.
+_STEP_POLL: Final = 0.05
 
 
 class Unblocker:
@@ -93,3 +103,58 @@ class Unblocker:
                     waited=round(answer.waited, 3),
                 )
             )
+
+
+async def unblock_step(
+    service: Service[Process], run: Run, effect: UnblockPeers, clock: Callable[[], float]
+) -> None:
+    """An ``unblock = "peers"`` step of ``run``: the incident asks, on every host,
+    for its job's ranks waiting in the collective its verdict names to be unblocked
+    (`watchdogd.core.unblocks`, which orders them once it does). The step waits for
+    that, up to its timeout, looking every `_STEP_POLL` seconds, then sends its
+    fallback signal to the ranks here that no responder can unblock."""
+    unblocks, timer = service.unblocks, run.timer
+    if not effect.incident:
+        run.unblocked("skipped: its timer names no job, so there is no incident")
+        return
+    unblocks.want(effect.incident, timer.pid, timer.uid, clock())
+    until = clock() + effect.step.timeout
+    while (verdict := unblocks.named(effect.incident)) is None and clock() < until:
+        await trio.sleep(_STEP_POLL)
+    if verdict is None or verdict.collective is None:
+        run.unblocked(
+            f"asked; the verdict named no collective within {effect.step.timeout:g}s "
+            "(the ranks waiting in it are unblocked if it comes to)"
+        )
+        return
+    collective = verdict.collective
+    said = (
+        f"asked for the ranks waiting in {collective.op} #{collective.seq} of group "
+        f"{collective.group} to be unblocked"
+    )
+    fallback = effect.step.fallback
+    if fallback is not None:
+        sent = [
+            f"rank {'?' if rank.rank is None else rank.rank} (pid {rank.pid}): "
+            + _signal_rank(service, rank.pid, timer.owner, fallback)
+            for rank in unblocks.unanswered(effect.incident, verdict, timer.pid)
+        ]
+        said += "; without a responder that unblocks, " + (", ".join(sent) or "none")
+    run.unblocked(said)
+
+
+def _signal_rank(service: Service[Process], pid: int, owner: int, signum: int) -> str:
+    """Send ``signum`` to process ``pid`` of a job, through the pidfd its timer
+    holds, if ``owner`` may still signal it; what came of it."""
+    process = service.table.process(pid)
+    if process is None:
+        return "holds no timer here: not signalled"
+    if owner and not process.signallable_by(owner):
+        return "not permitted"
+    try:
+        signal.pidfd_send_signal(process.fd, signum)
+    except ProcessLookupError:
+        return "gone"
+    except OSError as exc:
+        return f"not signalled: {exc.strerror}"
+    return SENT.get(signum, f"sent {signum}")
