@@ -194,7 +194,10 @@ class Executor:
     def carry_out(self, expired: Sequence[Expired[Process] | Due[Process]]) -> None:
         """Start carrying out each expiry (or resuming it, from the step its timer
         records): send first signals now, leave the rest to `settle`. A `Due`'s
-        firing record is made once its signal is out, when it settles."""
+        firing record is made once its signal is out, when it settles. Then ask for
+        the evidence of each rank of an incident that no policy dumps (it holds no
+        timer of the job but responds: `Service.take_asks`), with ``expired`` empty
+        too: another host's incident may bring only such ranks."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for taken in expired:
             try:
