@@ -327,10 +327,12 @@ class Unblocks:
         responder, wall = unblock.responder, self._wall()
         cut = answer.collective
         what = "its collective" if cut is None else f"{cut.op} #{cut.seq} of group {cut.group}"
-        note = (
-            f"cut out of {what} after waiting {answer.waited:.1f} s "
-            f"({answer.cut} connections shut or groups aborted): {unblock.why}"
+        how = (
+            f"{answer.cut} group{'s' if answer.cut != 1 else ''} aborted"
+            if cut is not None and cut.op.startswith("nccl")
+            else f"{answer.cut} connection{'s' if answer.cut != 1 else ''} shut"
         )
+        note = f"cut out of {what} after waiting {answer.waited:.1f} s ({how}): {unblock.why}"
         self._events.record(
             EventInfo(
                 seq=0,
