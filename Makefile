@@ -79,6 +79,7 @@ bench: $(TEST_STAMP)
 	$(CACHED) $(BIN)/python bench/torch_side.py
 	$(CACHED) $(BIN)/python bench/fleet.py
 	$(CACHED) $(BIN)/python bench/fleet_attack.py
+	$(CACHED) $(BIN)/python bench/unblock.py
 	$(CACHED) $(BIN)/python bench/worker.py
 	$(CACHED) $(BIN)/python bench/priority.py
 
