@@ -26,8 +26,9 @@ COLLECTIVE_TIMEOUT = 300
 
 #: One rank. ``argv[1]`` says what it does after a first all_reduce of every rank:
 #: ``steps`` (all_reduces outside any block, a short pause between two), ``waits``
-#: (all_reduces outside any block, none between) or ``hangs`` (stuck in read_shard
-#: inside a block of ``argv[3]`` seconds under policy ``kept``, then as ``waits``).
+#: (all_reduces outside any block, none between), ``blocked`` (each all_reduce inside
+#: a block of ten minutes) or ``hangs`` (stuck in read_shard inside a block of
+#: ``argv[3]`` seconds under policy ``kept``, then as ``waits``).
 #: ``argv[2]`` is where it writes its steps (``.steps``) and what it raised
 #: (``.raised``: the wall time, then the exception's first line); ``argv[4]`` is its
 #: collective timeout.
@@ -64,7 +65,11 @@ RANK = """
             with expires(after=after, scope="step", policy="kept"):
                 read_shard()
         while True:
-            dist.all_reduce(tensor)
+            if how == "blocked":
+                with expires(after=600, scope="step"):
+                    dist.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor)
             steps += 1
             if how == "steps":
                 time.sleep(0.01)
@@ -114,10 +119,12 @@ def gloo_job(
     placement: Mapping[int, tuple[RunningDaemon, str]],
     *,
     hang_after: float = 3.0,
+    env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> Iterator[dict[int, Rank]]:
     """The ranks of ``job``, each on the daemon ``placement`` gives it and doing
-    what it says (`RANK`), started together and ready (each done with its first
-    all_reduce); every one of them killed at the end."""
+    what it says (`RANK`), with what ``env`` adds to its environment, started
+    together and ready (each done with its first all_reduce); every one of them
+    killed at the end."""
     [port] = free_ports(1)
     common = {
         "MASTER_ADDR": "127.0.0.1",
@@ -129,8 +136,9 @@ def gloo_job(
     ranks: dict[int, Rank] = {}
     try:
         for number, (daemon, how) in sorted(placement.items()):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("WATCHDOGD_")}
-            env |= common | {"RANK": str(number), "WATCHDOGD_SOCKET": str(daemon.socket_path)}
+            given = {k: v for k, v in os.environ.items() if not k.startswith("WATCHDOGD_")}
+            given |= common | {"RANK": str(number), "WATCHDOGD_SOCKET": str(daemon.socket_path)}
+            given |= (env or {}).get(number, {})
             out = directory / f"rank-{number}"
             with open(directory / f"rank-{number}.log", "w") as log:
                 process = subprocess.Popen(
@@ -143,7 +151,7 @@ def gloo_job(
                         str(hang_after),
                         str(COLLECTIVE_TIMEOUT),
                     ],
-                    env=env,
+                    env=given,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,

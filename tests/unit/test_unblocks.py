@@ -3,6 +3,8 @@ host: who is asked, for what, when again, and what is recorded of a rank cut out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from watchdogd.core.identity import Peer
@@ -33,10 +35,15 @@ def responder(
     return caller
 
 
-def waiting_in(seq: int) -> list[GroupState]:
-    """A Flight Recorder's default group of three ranks, waiting in all_reduce ``seq``."""
+def waiting_in(seq: int, size: int = 3) -> list[GroupState]:
+    """A Flight Recorder's default group of ``size`` ranks, waiting in all_reduce ``seq``."""
     entered = Collective(group="0", seq=seq, op="gloo:all_reduce", state="scheduled")
-    return [GroupState(group="0", desc="default_pg", size=3, entered=entered, completed=seq - 1)]
+    return [GroupState(group="0", desc="default_pg", size=size, entered=entered, completed=seq - 1)]
+
+
+def as_it_is(rank: RankInfo) -> Callable[[RankInfo | None], RankInfo]:
+    """What `IncidentLog.amend` makes of a rank: ``rank``, whatever was there."""
+    return lambda _: rank
 
 
 def answer(unblock: Unblock, outcome: str, **fields: object) -> Unblocked:
@@ -186,3 +193,39 @@ def test_a_verdict_that_never_names_a_collective_is_waited_for_no_longer_than_it
     assert service.unblocks.waiting
     assert service.unblocks.check(1000.0) == 0
     assert not service.unblocks.waiting
+
+
+def test_the_fallback_signal_is_for_ranks_here_that_no_responder_unblocks() -> None:
+    """Ranks 0 (a responder that unblocks), 1 (one that does not), 2 (none: its
+    stack from py-spy) and 3 (none, and the culprit whose policy runs the step) of
+    another host's incident, besides rank 4 there, the culprit for cause."""
+    service = make_world().service
+    responder(service, 200, 0)
+    responder(service, 201, 1, unblock=False)
+    head = IncidentInfo(
+        id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
+    )
+    service.fleet.fleet_incident(head, ALICE, 1.0)
+    service.take_asks()
+    for pid in (200, 201):
+        waiting = waiting_in(5, size=5)
+        service.evidence_given("b-1", pid, "", evidence="worker", flight=waiting, reader=None)
+    here = service.incidents.host
+    for pid, number in ((202, 2), (203, 3)):
+        rank = RankInfo(
+            host=here, pid=pid, uid=ALICE, role="peer", scope="s", state="done", rank=number,
+            evidence="py-spy", stack='Thread 1 (idle): "MainThread"\n    wait (x.py:1)\n',
+        )  # fmt: skip
+        service.incidents.amend("b-1", pid, as_it_is(rank))
+    behind = [msgspec.structs.replace(waiting_in(5, size=5)[0], entered=None, completed=4)]
+    culprit = RankInfo(
+        host="b", pid=900, uid=ALICE, role="expired", scope="s", state="done", rank=4,
+        flight=behind,
+    )  # fmt: skip
+    service.fleet.fleet_ranks("b-1", "b", [culprit], 2.0)
+    verdict = service.unblocks.named("b-1")
+    assert verdict is not None
+    # Ranks 2 and 3 have no record: the verdict names them missing too.
+    assert {c.rank for c in verdict.culprits} == {2, 3, 4}
+    fallback = service.unblocks.unanswered("b-1", verdict, 203)
+    assert sorted(rank.rank or 0 for rank in fallback) == [1, 2]

@@ -232,9 +232,12 @@ class Unblocks:
         return self._verdict(incident)[1]
 
     def unanswered(self, incident: str, verdict: Verdict, pid: int) -> list[RankInfo]:
-        """This host's ranks of ``incident`` that no responder of theirs can
-        unblock, but the culprits of ``verdict`` and process ``pid``: those the
-        fallback signal of ``pid``'s unblock step is for."""
+        """This host's ranks of ``incident`` that no responder of theirs can unblock,
+        but process ``pid`` and the culprits ``verdict`` names from their own Flight
+        Recorder: those the fallback signal of ``pid``'s unblock step is for. A rank
+        with no Flight Recorder (no responder gave one) is named ``missing`` for want
+        of a record, not for cause, and nothing says whether it waits: the policy's
+        author chose to signal it."""
         info = self._incidents.get(incident, ROOT, ROOT)
         host, named = self._incidents.host, {(c.host, c.pid) for c in verdict.culprits}
         return [
@@ -242,7 +245,7 @@ class Unblocks:
             for rank in ([] if info is None else info.ranks)
             if rank.host == host
             and rank.pid != pid
-            and (host, rank.pid) not in named
+            and not ((host, rank.pid) in named and rank.flight)
             and not ((responder := self._responders.get(rank.pid)) and responder.unblock)
         ]
 
