@@ -112,6 +112,28 @@ class Rank:
         self.process.send_signal(signal.SIGSTOP)
 
 
+def _start(how: str, out: Path, hang_after: float, env: dict[str, str]) -> subprocess.Popen[str]:
+    """A `RANK` process, doing ``how``, saying how far it got in ``out``."""
+    with open(out.with_suffix(".log"), "w") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(RANK),
+                how,
+                str(out),
+                str(hang_after),
+                str(COLLECTIVE_TIMEOUT),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+
+
 @contextlib.contextmanager
 def gloo_job(
     job: str,
@@ -140,24 +162,7 @@ def gloo_job(
             given |= common | {"RANK": str(number), "WATCHDOGD_SOCKET": str(daemon.socket_path)}
             given |= (env or {}).get(number, {})
             out = directory / f"rank-{number}"
-            with open(directory / f"rank-{number}.log", "w") as log:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        textwrap.dedent(RANK),
-                        how,
-                        str(out),
-                        str(hang_after),
-                        str(COLLECTIVE_TIMEOUT),
-                    ],
-                    env=given,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    text=True,
-                    start_new_session=True,
-                )
+            process = _start(how, out, hang_after, given)
             ranks[number] = Rank(number, daemon, process, out)
         for rank in ranks.values():
             assert rank.process.stdout is not None

@@ -417,14 +417,13 @@ class Daemon:
             page = Page(lambda: self.service.metrics_text(reader), self.clock)
             await nursery.start(serve_scrapes, self.metrics.listeners, page)
         nursery.start_soon(_settle_incidents, self.service)
-        state = "none" if self.store is None else self.store.path
         log.info(
             logfmt(
                 "listening",
                 socket=self.listener.path,
                 pid=os.getpid(),
                 version=__version__,
-                state=state,
+                state="none" if self.store is None else self.store.path,
             )
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
