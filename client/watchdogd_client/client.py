@@ -40,6 +40,8 @@ from .protocol import (
     Acquired,
     Events,
     EventsReply,
+    Hangs,
+    HangsReply,
     Incident,
     IncidentInfo,
     IncidentReply,
@@ -328,6 +330,13 @@ class Client(BaseClient):
         return self._call(
             Incident(id=self._engine.next_id(), incident=incident), IncidentReply
         ).incident
+
+    def hangs(self, job: str, *, uid: int | None = None, reset: bool = False) -> HangsReply:
+        """The hangs of your job ``job`` (root: of the user ``uid``) and whether it
+        may be restarted; with ``reset``, after its repeating mark is cleared."""
+        return self._call(
+            Hangs(id=self._engine.next_id(), job=job, uid=uid, reset=reset), HangsReply
+        )
 
     def why(self, pid: int, *, limit: int = 100) -> WhyReply:
         """Everything the daemon knows about why process ``pid`` was, or would be,

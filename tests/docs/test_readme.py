@@ -8,7 +8,8 @@ suite's venv first on PATH, ``WATCHDOGD_SOCKET`` naming a daemon on a temporary
 socket and HOME a scratch directory. A ```python block runs in a fresh interpreter
 after a prelude that defines what the examples call (``train_one_epoch`` and the
 like), and must leave no timer armed. A ```toml block must be a config the daemon
-accepts. Commands that cannot run here are listed in `SKIPPED`, and commands that
+accepts; a ```bash block is a whole script, run by tests/docs/test_job_scripts.py.
+Commands that cannot run here are listed in `SKIPPED`, and commands that
 run changed in `ADAPTED`, each with its reason; an entry that no longer matches a
 README line fails the suite, so neither list goes stale. The Installing section's
 commands build the wheels and have pip check every install command.
@@ -72,6 +73,8 @@ SKIPPED = {
     "in a mount namespace of its own",
     "srun ": "needs a Slurm cluster; tests/unit/test_jobs.py checks the job and ranks "
     "taken from what Slurm sets",
+    "watchdogctl job run-7": "asks about a job that hung: tests/docs/test_job_scripts.py "
+    "runs these lines after job run-7 hung, each with the exit status the page gives it",
 }
 
 #: Rewrites of commands that run, as (pattern, replacement, reason).
@@ -427,8 +430,9 @@ def test_every_skip_and_adaptation_still_matches_a_readme_line() -> None:
 
 
 def test_every_block_is_of_a_kind_this_suite_knows() -> None:
-    # ini blocks are systemd drop-ins, shown, not run.
-    assert {block.lang for block in ALL} <= {"sh", "console", "python", "toml", "ini"}
+    # ini blocks are systemd drop-ins, shown, not run; bash blocks are whole
+    # scripts, which tests/docs/test_job_scripts.py runs.
+    assert {block.lang for block in ALL} <= {"sh", "console", "python", "toml", "ini", "bash"}
 
 
 def _installing() -> list[str]:

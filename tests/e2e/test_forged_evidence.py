@@ -321,6 +321,6 @@ def test_a_workers_responder_is_replaced_by_no_connection_but_its_own(
     finally:
         forger.close()
     dump, _ = event.steps
-    assert dump.result == "ok: from the worker's responder", dump.output
+    assert (dump.step, dump.result) == ("dump by the worker's responder", "ok"), dump.output
     assert "worker_real_work" in dump.output
     assert PLANTED not in dump.output

@@ -330,3 +330,49 @@ def test_a_fifo_beside_the_database_on_a_read_only_disk_is_never_opened(
     assert store.recover()
     store.close()
     moved_aside(rollback, "fifo", caplog.text)
+
+
+def armed(scope: str, now: float) -> Timer:
+    return Timer(pid=4242, scope=scope, policy="kill", uid=0, owner=0, timeout=60.0,
+                 armed_at=now, deadline=now + 60, start_time=1)  # fmt: skip
+
+
+def test_a_write_the_full_disk_refuses_first_has_the_record_give_its_room_back() -> None:
+    """The record beside the state filled its disk: the state's next write has it
+    give its room back and is written, durable, where a disk filled by anything
+    else degrades the store as before. The journal of a state on a small disk is
+    folded at a sixteenth of it, and what the state may still take is left free."""
+    with tmpfs(size="2m", inodes=64) as disk:
+        store, _ = Store.open(str(disk / "state.db"))
+        assert store.room.journal_bytes == 2 * 1024 * 1024 // 16
+        assert store.room.wanted() >= 2 * store.room.journal_bytes + 2 * os.path.getsize(
+            disk / "state.db"
+        )
+        record = disk / "state.db.record"
+        fill_space(disk).rename(record)
+        given_back: list[int] = []
+
+        def give_way() -> bool:
+            given_back.append(record.stat().st_size)
+            record.unlink()
+            return True
+
+        store.room.make = give_way
+        now = time.monotonic()
+        for index in range(200):  # some 20 KiB: pages the full disk has no room for
+            store.put(armed(f"s{index}", now))
+            assert store.commit(store.generation), index
+        assert not store.degraded
+        assert len(given_back) == 1
+        filler = fill_space(disk)
+        store.room.make = lambda: False
+        for index in range(200):
+            store.put(armed(f"t{index}", now))
+            if not store.commit(store.generation):
+                break
+        assert store.degraded
+        filler.unlink()
+        store.close()
+        store, loaded = Store.open(str(disk / "state.db"))
+        store.close()
+        assert {f"s{index}" for index in range(200)} <= {t.scope for t in loaded.timers}

@@ -66,8 +66,9 @@ def gathered(socket: Path) -> bool:
 #: block, as a rank that never reached the collective its peers wait in; with
 #: "outside", it waits in ``wait_in_all_reduce`` so, outside any block (a rank that
 #: protects its data loading, not its collective); with "hangs", it is stuck in
-#: ``read_shard`` inside its block; with "regex" it holds the GIL in a catastrophic
-#: regular expression instead.
+#: ``read_shard`` inside its block; with "loads" it is stuck in ``load_batch``
+#: instead (another hang); with "regex" it holds the GIL in a catastrophic regular
+#: expression instead.
 JOB_RANK = """
     import re, sys, time
     from watchdogd_client import expires
@@ -81,6 +82,9 @@ JOB_RANK = """
     def read_shard():
         time.sleep(300)
 
+    def load_batch():
+        time.sleep(300)
+
     def parse_header():
         re.match(r"(a+)+$", "a" * 64 + "b")
 
@@ -92,7 +96,9 @@ JOB_RANK = """
         pass
     time.sleep(0.3)  # its responder connects and responds
     print("ready", flush=True)
-    {"elsewhere": read_shard, "outside": wait_in_all_reduce}.get(how, parse_header)()
+    {"elsewhere": read_shard, "outside": wait_in_all_reduce, "loads": load_batch}.get(
+        how, parse_header
+    )()
 """
 
 
@@ -125,12 +131,31 @@ def settled(socket: Path, ranks: int) -> IncidentInfo:
     return found[0]
 
 
+def settled_after(socket: Path, known: set[str], ranks: int) -> IncidentInfo:
+    """The one incident kept besides those in ``known``, once its verdict has
+    settled over ``ranks`` ranks and whether it counts is said."""
+    found: list[IncidentInfo] = []
+
+    def done() -> bool:
+        fresh = [i for i in incidents(socket) if i.id not in known]
+        if len(fresh) != 1:
+            return False
+        incident = whole(socket, fresh[0].id)
+        found[:] = [incident]
+        return len(incident.ranks) == ranks and bool(incident.repeat)
+
+    wait_until(done, what=f"a new incident of {ranks} ranks with a settled verdict")
+    return found[0]
+
+
 def run_job(socket: Path, job: str, culprit: str) -> list[subprocess.Popen[str]]:
-    """Ranks 1 (waits, long timer) and 2 (``culprit``), then rank 0 whose timer
-    expires in a second."""
+    """Ranks 1 (waits, long timer) and 2 (``culprit``), started together, then
+    rank 0 whose timer expires in a second."""
     ranks = [
-        start_job_rank(socket, job, 1, 60, "waits"),
-        start_job_rank(socket, job, 2, 60, culprit),
+        python_worker(JOB_RANK, job, "1", "60", "waits", socket=socket),
+        python_worker(JOB_RANK, job, "2", "60", culprit, socket=socket),
     ]
+    for rank in ranks:
+        wait_ready(rank)
     ranks.append(start_job_rank(socket, job, 0, 1.0, "waits"))
     return ranks

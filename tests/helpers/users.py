@@ -12,6 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner
+
+from watchdogd.cli.watchdogctl import main as ctl_main
 from watchdogd_client import Client, RequestRefused
 
 from helpers.processes import forked
@@ -39,6 +42,19 @@ def run_as(uid: int, action: Callable[[], Any]) -> Any:
         return action()
 
     return forked(as_user)
+
+
+def ctl_as(uid: int, socket: Path, *args: str) -> tuple[int, str, str]:
+    """``watchdogctl --socket SOCKET ARGS`` run by ``uid`` in a fork of this process
+    (which has the interpreter loaded, that ``uid`` may not read from where it
+    lives): its exit status, stdout and stderr."""
+
+    def run() -> list[Any]:
+        result = CliRunner().invoke(ctl_main, ["--socket", str(socket), *args])
+        return [result.exit_code, result.stdout, result.stderr]
+
+    status, out, err = run_as(uid, run)
+    return int(status), str(out), str(err)
 
 
 def as_nobody(action: Callable[[Client], Any], socket: Path) -> dict[str, Any]:

@@ -7,14 +7,19 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import trio
 import trio.lowlevel
 
+from watchdogd.core.counters import Counters
 from watchdogd.core.events import EventLog
+from watchdogd.core.fingerprint import Fingerprint
 from watchdogd.core.incidents import IncidentLog
+from watchdogd.core.repeats import Hang, Print, Repeats
+from watchdogd.storage.journal import RECORD
 from watchdogd.storage.record_file import RecordFile
 from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
 
@@ -34,7 +39,7 @@ def logs() -> tuple[EventLog, IncidentLog]:
     return EventLog(100, per_uid=50), IncidentLog("a", window=30.0)
 
 
-def reopened(path: Path, **options: int) -> tuple[EventLog, IncidentLog, RecordFile]:
+def reopened(path: Path, **options: Any) -> tuple[EventLog, IncidentLog, RecordFile]:
     events, incidents = logs()
     record = RecordFile(str(path), events, incidents, wall=lambda: 110.0, **options)
     record.load()
@@ -116,6 +121,49 @@ def test_an_incident_keeps_its_ranks_readers_and_verdict(tmp_path: Path) -> None
                                            scope="step", rank=2), "timeout", 110.0
     )  # fmt: skip
     assert (joined, new) == (opened, False)
+
+
+def a_hang(table: Repeats, job: str, incident: str, at: float) -> None:
+    shown = Print(Fingerprint(id="f" * 16, kind="odd_frame", frames=["loader.py read_shard"]))
+    table.add((1000, job), "alice", Hang(incident, at, shown.fingerprint.id), shown)
+
+
+def tags(path: Path) -> list[str]:
+    """The kind of each record of the file at ``path``, in order."""
+    data = path.read_bytes()
+    found, offset = [], 0
+    while offset < len(data):
+        length, _ = RECORD.unpack_from(data, offset)
+        offset += RECORD.size
+        found.append(msgspec.msgpack.decode(data[offset : offset + length])[0])
+        offset += length
+    return found
+
+
+def test_the_jobs_hangs_come_back_written_first_and_a_dropped_row_stays_dropped(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    events, incidents = logs()
+    table = Repeats(limit=2, keep=2, per_uid=2)
+    record = RecordFile(str(path), events, incidents, repeats=table, wall=lambda: 110.0)
+    record.load()
+    written_scenario(events, incidents)
+    for job in ("a", "b"):
+        a_hang(table, job, f"{job}-1", 10.0)
+    record.write_now()  # the first write: the file whole
+    assert tags(path)[:3] == ["header", "job", "job"]
+    a_hang(table, "a", "a-2", 200.0)  # marks job a
+    a_hang(table, "c", "c-1", 300.0)  # job b, alice's oldest, gives way
+    record.write_now()  # appended
+    assert tags(path)[-2:] == ["job", "job_dropped"]
+    record.close()
+    again = Repeats(limit=2, keep=2, per_uid=2)
+    reloaded = RecordFile(str(path), *logs(), repeats=again, wall=lambda: 110.0)
+    reloaded.load()
+    reloaded.close()
+    assert again.everything() == table.everything()
+    assert again.marked() == [(1000, "a")]
 
 
 def test_a_write_the_daemon_died_in_is_cut_off_and_said_so(tmp_path: Path) -> None:
@@ -324,3 +372,72 @@ def test_a_full_disk_keeps_everything_in_memory_and_writes_it_whole_after() -> N
         record.write_now()
         record.close()
         assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == list(range(10, 40))
+
+
+def flooded(events: EventLog, uid: int, pids: range, size: int = 40 * 1024) -> None:
+    """Events of ``uid``'s processes, each with a dump of ``size`` bytes."""
+    for pid in pids:
+        stack = 'Thread 1 (idle): "MainThread"\n' + f"    wait (/srv/{'w' * 60}.py:{pid})\n" * (
+            size // 80
+        )
+        events.record(msgspec.structs.replace(event(pid, output=stack), uid=uid))
+
+
+def test_the_file_keeps_within_its_bound_cutting_other_users_stacks_before_roots(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    metrics = Counters()
+    events, incidents = logs()
+    record = RecordFile(str(path), events, incidents, bound=lambda: 1024 * 1024,
+                        metrics=metrics)  # fmt: skip
+    record.load()
+    largest = 0
+    for start in range(0, 400, 20):
+        flooded(events, 0 if start % 40 else 65534, range(start, start + 20))
+        record.write_now()
+        largest = max(largest, path.stat().st_size)
+    record.close()
+    assert largest <= 1024 * 1024
+    assert metrics.record_left_off > 0
+    back = reopened(path)[0].page(None, 200, 0)
+    assert back[-1].pid == 399  # the newest event, whatever else went
+    whole = {e.pid for e in back if "...(trimmed)" not in e.steps[0].output}
+    cut = {e.pid for e in back if "...(trimmed)" in e.steps[0].output}
+    assert cut
+    assert all("left off the record" in e.note for e in back if e.pid in cut)
+    # Root's newest dumps are kept whole before any other user's is.
+    roots = [e.pid for e in back if e.uid == 0]
+    assert whole <= set(roots)
+    assert sorted(whole) == roots[-len(whole) :]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_the_file_leaves_the_room_the_state_wants_and_gives_it_back_when_asked() -> None:
+    with tmpfs(size="2m") as disk:
+        path = disk / "state.db.record"
+        events, incidents = logs()
+        failing = [False]
+        record = RecordFile(str(path), events, incidents, reserve=lambda: 1024 * 1024,
+                            state_failing=lambda: failing[0])  # fmt: skip
+        record.load()
+        for start in range(0, 200, 10):
+            flooded(events, 65534, range(start, start + 10))
+            record.write_now()
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            assert free >= 1024 * 1024
+            assert path.stat().st_size <= (2 * 1024 * 1024 - 1024 * 1024) // 2
+        # The state cannot be written: nothing is, here, until it can.
+        failing[0] = True
+        written = path.read_bytes()
+        flooded(events, 65534, range(200, 210))
+        record.write_now()
+        assert path.read_bytes() == written
+        # The state found its disk full: the file goes, its records stay.
+        assert record.give_way()
+        assert not path.exists()
+        assert not record.give_way()  # nothing more to give
+        failing[0] = False
+        record.write_now()
+        record.close()
+        assert reopened(path)[0].page(None, 1, 0)[0].pid == 209

@@ -23,6 +23,7 @@ import trio
 from watchdogd.core.timers import Run, Timer, Watch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
+from watchdogd.storage import room as room_module
 from watchdogd.storage import store as store_module
 from watchdogd.storage.journal import RECORD, Record, encode, records, write_all
 from watchdogd.storage.store import StateError, Store, default_state_path
@@ -138,7 +139,7 @@ async def test_one_write_serves_every_change_of_a_turn(
         writes.append(len(data))
         write_all(fd, data)
 
-    monkeypatch.setattr(store_module, "write_all", counting)
+    monkeypatch.setattr(room_module, "write_all", counting)
     acknowledged: list[int] = []
 
     async def acknowledge(pid: int) -> None:

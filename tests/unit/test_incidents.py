@@ -12,6 +12,7 @@ from watchdogd_client.protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,
+    GroupState,
     IncidentInfo,
     RankInfo,
     StepResult,
@@ -461,3 +462,132 @@ def test_a_verdicts_frame_is_shown_only_to_who_may_see_that_ranks_stack() -> Non
     assert "read_shard" not in as_alice.verdict.text
     assert "train_step" in as_alice.verdict.text  # the ranks she may read
     assert "rank 2" in as_alice.verdict.text
+
+
+#: A thread beside the main one that makes a stack as large as a dump keeps.
+BULK = "".join(f"    work_{n} (/srv/{'p' * 900}.py:{n})\n" for n in range(60))
+BIG = DUMP + 'Thread 4244 (idle): "bulk"\n' + BULK
+KIB = 1024
+
+
+def with_evidence(log: IncidentLog, uid: int, job: str, ranks: int, stack: str = BIG) -> str:
+    """A new incident of ``uid``'s ``job`` whose ``ranks`` peers each gave ``stack``
+    (the expired rank gives none)."""
+    incident = opened(log, uid, job)
+    for pid in range(100, 100 + ranks):
+        log.add(incident, rank(pid, pid, role="peer", uid=uid))
+        log.given(incident, pid, stack, evidence="worker", flight=[], reader=None)
+    return incident
+
+
+def stacks(log: IncidentLog, incident: str) -> list[int]:
+    shown = log.get(incident, 0, 0)
+    assert shown is not None
+    return [len(r.stack.encode()) for r in shown.ranks if r.role == "peer"]
+
+
+def test_a_uids_evidence_past_its_budget_loses_its_oldest_stacks_first_and_says_so() -> None:
+    told: list[tuple[int, int]] = []
+    log = IncidentLog("a", evidence_per_uid=1024 * KIB, on_trimmed=lambda *a: told.append(a))
+    ids = [with_evidence(log, 1000, f"job{n}", 8) for n in range(4)]
+    assert len(BIG.encode()) > 50 * KIB
+    assert log.budget.held(1000) <= 1024 * KIB
+    # 32 stacks of 54.5 KiB given, 1 MiB kept: 14 stacks cut (each cut keeps
+    # 2 KiB), the oldest incident's, then the next one's.
+    cut = [n for n in ids for size in stacks(log, n) if size <= 2 * KIB]
+    assert cut == [ids[0]] * 8 + [ids[1]] * 6
+    assert stacks(log, ids[3]) == [len(BIG.encode())] * 8
+    oldest = log.get(ids[0], 0, 0)
+    assert oldest is not None
+    peer = oldest.ranks[1]
+    assert peer.stack.startswith('Thread 4242 (idle): "MainThread"\n    all_reduce')
+    assert "train_step (train.py:88)" in peer.stack
+    assert "work_" not in peer.stack
+    assert "passed their bytes of evidence" in peer.note
+    assert peer.frame == "all_reduce (torch/distributed/distributed_c10d.py:2288)"
+    # What went is counted, on the incident and to the daemon.
+    assert oldest.trimmed > 8 * 50 * KIB
+    assert sum(size for _, size in told) == sum(
+        i.trimmed for i in (log.get(n, 0, 0) for n in ids) if i is not None
+    )
+    assert {uid for uid, _ in told} == {1000}
+
+
+def test_a_verdict_by_the_stacks_stays_the_same_once_they_are_cut() -> None:
+    log = IncidentLog("a", evidence_per_uid=1024 * KIB)
+    incident = opened(log, 1000, "train")
+    elsewhere = BIG.replace("train_step (train.py:88)", "read_shard (loader.py:42)")
+    for pid, stack in ((11, BIG), (12, BIG), (13, BIG), (14, elsewhere)):
+        log.add(incident, rank(pid, pid, role="peer"))
+        log.given(incident, pid, stack, evidence="worker", flight=[], reader=None)
+    before = log.get(incident, 0, 0)
+    assert before is not None
+    assert before.verdict is not None
+    assert before.verdict.kind == "odd_frame"
+    for n in range(30):
+        with_evidence(log, 1000, f"later{n}", 2)
+    after = log.get(incident, 0, 0)
+    assert after is not None
+    assert all(len(r.stack.encode()) <= 2 * KIB for r in after.ranks)
+    assert after.verdict == before.verdict
+
+
+def test_past_its_stacks_a_uids_oldest_incidents_go_whole_and_its_newest_stays() -> None:
+    log = IncidentLog("a", evidence_per_uid=1024 * KIB)
+    ids = [with_evidence(log, 1000, f"job{n}", 200, stack=DUMP * 3) for n in range(6)]
+    assert log.budget.held(1000) <= 1024 * KIB
+    kept = [i.id for i in log.listing(0, 100)]
+    assert kept == ids[-len(kept) :]
+    assert 1 <= len(kept) < 6
+    newest = log.get(ids[-1], 0, 0)
+    assert newest is not None
+    assert len(newest.ranks) == 201  # every rank listed, whatever was cut
+
+
+def test_one_incident_alone_over_the_budget_gives_its_summaries_last() -> None:
+    log = IncidentLog("a", evidence_per_uid=1024 * KIB)
+    incident = opened(log, 1000, "huge")
+    # Summaries of groups of 4,000 members listed one by one: 90 KiB a rank.
+    groups = [GroupState(group=str(n), ranks=list(range(0, 8000, 2))) for n in range(8)]
+    for pid in range(100, 130):
+        log.add(incident, rank(pid, pid, role="peer"))
+        log.given(incident, pid, BIG, evidence="worker", flight=groups, reader=None)
+    assert log.budget.held(1000) <= 1024 * KIB
+    shown = log.get(incident, 0, 0)
+    assert shown is not None
+    peers = [r for r in shown.ranks if r.role == "peer"]
+    # Every stack was cut before any summary went; then the oldest ranks' went.
+    assert all(len(r.stack.encode()) <= 2 * KIB for r in peers)
+    dropped = [r.pid for r in peers if not r.flight]
+    assert dropped == list(range(100, 100 + len(dropped)))
+    assert 0 < len(dropped) < 30
+    assert all(r.flight == groups for r in peers if r.pid not in dropped)
+
+
+def test_one_uids_evidence_never_trims_another_uids_or_roots() -> None:
+    log = IncidentLog("a", evidence=2048 * KIB, evidence_per_uid=1024 * KIB)
+    roots = with_evidence(log, 0, "root-job", 4)
+    alices = with_evidence(log, 1001, "alice-job", 4)
+    for n in range(20):
+        with_evidence(log, 65534, f"flood{n}", 8)
+    assert stacks(log, roots) == stacks(log, alices) == [len(BIG.encode())] * 4
+    assert log.budget.held(65534) <= 1024 * KIB
+    # Past the shared total, whoever holds the most gives back: the flood again.
+    for n in range(20):
+        with_evidence(log, 1002, f"bob{n}", 8)
+    assert stacks(log, alices) == [len(BIG.encode())] * 4
+    assert log.budget.held(1001) + log.budget.held(1002) + log.budget.held(65534) <= 2048 * KIB
+    # Root's own share is root's: its own flood trims its own oldest.
+    for n in range(60):
+        with_evidence(log, 0, f"root{n}", 8)
+    assert stacks(log, alices) == [len(BIG.encode())] * 4
+    assert log.budget.held(0) <= 2048 * KIB
+
+
+def test_a_lowered_budget_trims_at_the_reload() -> None:
+    log = IncidentLog("a")
+    ids = [with_evidence(log, 1000, f"job{n}", 8) for n in range(4)]
+    assert log.budget.held(1000) > 1024 * KIB
+    log.budget.resize(64 * 1024 * KIB, 1024 * KIB)
+    assert log.budget.held(1000) <= 1024 * KIB
+    assert stacks(log, ids[3]) == [len(BIG.encode())] * 8

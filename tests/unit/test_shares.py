@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from watchdogd.core.identity import ROOT
-from watchdogd.core.shares import Shares
+from watchdogd.core.shares import ByteShares, Shares
 
 UIDS = st.sampled_from([ROOT, 1000, 1001, 1002, 1003, 65534])
 
@@ -95,3 +95,34 @@ def test_a_uid_within_its_fair_share_never_gives_way() -> None:
     assert sorted(shares.held(uid) for uid in (1000, 1001, 1002, 1003)) == [3, 3, 3, 3]
     assert [shares.add(ROOT) for _ in range(12)] == [None] * 12
     assert shares.add(ROOT) == ROOT
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    changes=st.lists(st.tuples(UIDS, st.integers(-50, 200)), max_size=60),
+    size=st.integers(50, 400),
+    per_uid=st.integers(10, 200),
+)
+def test_bytes_given_back_as_named_fit_every_bound(
+    changes: list[tuple[int, int]], size: int, per_uid: int
+) -> None:
+    """Each uid gives back a byte at a time whenever `ByteShares.over` names it:
+    root within its own bound, every other uid within its own, all of them
+    within the shared one, and a uid over nothing is never named."""
+    shares = ByteShares(size, per_uid)
+    held: dict[int, int] = {}
+    for uid, wanted in changes:
+        delta = max(wanted, -held.get(uid, 0))
+        shares.add(uid, delta)
+        held[uid] = held.get(uid, 0) + delta
+        while (named := shares.over(uid)) is not None:
+            others = sum(h for u, h in held.items() if u != ROOT)
+            own = size if named == ROOT else min(per_uid, size)
+            most = max((h for u, h in held.items() if u != ROOT), default=0)
+            assert held[named] > own or (named != ROOT and others > size and held[named] == most)
+            shares.add(named, -1)
+            held[named] -= 1
+    assert all(shares.held(uid) == count for uid, count in held.items())
+    assert held.get(ROOT, 0) <= size
+    assert sum(h for u, h in held.items() if u != ROOT) <= size
+    assert all(h <= min(per_uid, size) for u, h in held.items() if u != ROOT)

@@ -89,6 +89,10 @@ _WATCHDOGCTL_SECTIONS: Final = (
             "with one line on standard error; 2 for a command line click cannot parse. "
             "run exits with its command's status (128+N when signal N ended it), or 125 "
             "when it could not run the command under a timer.",
+            "job exits 0 when the job may be restarted, 3 when its hang repeats (not to "
+            "be restarted until a fix and --reset), 4 when the daemon knows no timer, "
+            "incident or hang of the job, 5 when no daemon answers, and 1 for any other "
+            "error (a refusal: another user's job, for a user other than root).",
         ],
     ),
     (
@@ -108,8 +112,8 @@ _WATCHDOGCTL_SECTIONS: Final = (
             ".BR watchdogd (8)",
             _REFERENCE.replace("watchdogd --docs-path", "watchdogctl --docs-path"),
             "operations.md: every command with an example, its text and its JSON; "
-            "jobs.md: jobs, incidents and their verdicts; client.md: arming timers from "
-            "a worker.",
+            "jobs.md: jobs, incidents, their verdicts and a hang that repeats; client.md: "
+            "arming timers from a worker.",
         ],
     ),
 )

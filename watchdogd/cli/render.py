@@ -27,6 +27,8 @@ from watchdogd_client import DaemonStatus
 from watchdogd_client.protocol import (
     DaemonInfo,
     EventInfo,
+    FingerprintInfo,
+    HangsReply,
     IncidentInfo,
     PoliciesReply,
     SuggestionInfo,
@@ -297,7 +299,10 @@ def incidents_text(rows: Sequence[IncidentInfo], *, width: int | None = None) ->
     """``watchdogctl incidents``: one row an incident."""
     if not rows:
         return "No incidents."
-    table = [("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS", "VERDICT")]
+    table = [
+        ("ID", "TIME", "USER", "JOB", "HOST", "RANK", "SCOPE", "REASON", "RANKS", "VERDICT",
+         "HANG")
+    ]  # fmt: skip
     for row in rows:
         table.append(
             (
@@ -311,9 +316,92 @@ def incidents_text(rows: Sequence[IncidentInfo], *, width: int | None = None) ->
                 row.reason if row.kind == "expired" else f"{row.kind}: {row.reason}",
                 str(row.count),
                 "-" if row.verdict is None else row.verdict.kind,
+                _hang(row),
             )
         )
     return _columns(table, width, {3: "end", 6: "start", 7: "end"})
+
+
+#: The characters of a fingerprint's id a table shows.
+_SHORT: Final = 8
+
+
+def _hang(incident: IncidentInfo) -> str:
+    """An incident's hang as a table shows it: its fingerprint, short, marked
+    ``repeating`` when its job is, ``(not counted)`` when it did not count."""
+    verdict = incident.verdict
+    if verdict is None or not verdict.fingerprint:
+        return "-"
+    short = verdict.fingerprint[:_SHORT]
+    if incident.repeating:
+        return f"{short} repeating"
+    return short if incident.repeat in ("", "counted") else f"{short} (not counted)"
+
+
+def hangs_text(reply: HangsReply, *, width: int | None = None) -> str:
+    """``watchdogctl job``: whether the job may be restarted, its fingerprints and
+    its incidents, each a table (fitted to ``width``, if given)."""
+    owner = f"{reply.user} (uid {reply.uid})" if reply.user else f"uid {reply.uid}"
+    within = f"{reply.limit} times within {format_duration(reply.window)}"
+    if reply.repeating:
+        head = (
+            f"job {reply.job} of {owner}: repeating since {_when(reply.marked)}: its hang "
+            f"{reply.repeating} came {within}; not to be restarted until a fix (then "
+            f"watchdogctl job {reply.job} --reset)"
+        )
+    else:
+        head = f"job {reply.job} of {owner}: may be restarted: no hang of it came {within}"
+    if reply.reset:
+        head += f"; hangs count from {_when(reply.reset)} (reset)"
+    lines = [_folded(head, width)]
+    if reply.fingerprints:
+        lines += ["", _prints_table(reply.fingerprints, width)]
+    if reply.incidents:
+        lines += ["", _job_incidents_table(reply.incidents, width)]
+    return "\n".join(lines)
+
+
+def _prints_table(prints: Sequence[FingerprintInfo], width: int | None) -> str:
+    table = [("FINGERPRINT", "HANGS", "LAST", "HANG")]
+    for shown in prints:
+        last = _when(shown.last) if shown.last else "-"
+        table.append((shown.id, str(shown.hangs), last, _fingerprint_words(shown)))
+    return _columns(table, width, {3: "end"})
+
+
+def _job_incidents_table(incidents: Sequence[IncidentInfo], width: int | None) -> str:
+    table = [("INCIDENT", "TIME", "KIND", "VERDICT", "FINGERPRINT", "REPEATS")]
+    for incident in incidents:
+        verdict = incident.verdict
+        table.append(
+            (
+                incident.id,
+                _when(incident.time),
+                incident.kind,
+                "-" if verdict is None else verdict.kind,
+                (verdict.fingerprint if verdict is not None else "") or "-",
+                incident.repeat or _unsaid(incident),
+            )
+        )
+    return _columns(table, width, {5: "end"})
+
+
+def _unsaid(incident: IncidentInfo) -> str:
+    """Why an incident says nothing of its hang: its verdict has not settled, or it
+    was settled by a daemon that counted no hangs."""
+    return "-" if incident.verdict is not None and incident.verdict.settled else "not settled yet"
+
+
+def _fingerprint_words(shown: FingerprintInfo) -> str:
+    """What a fingerprint stands for, in words."""
+    words = shown.kind
+    if shown.op or shown.group:
+        words += f" in {shown.op or '?'} of group {shown.group or '?'}"
+    if shown.frames:
+        words += f" at {', '.join(shown.frames)}"
+    elif shown.hidden:
+        words += " (its frames are shown to who may read those ranks' stacks)"
+    return words
 
 
 def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[str]:
@@ -322,12 +410,21 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
     and stack."""
     rank = "" if incident.rank is None else f" rank {incident.rank}"
     lines = [verdict_line(incident.verdict)] if incident.verdict is not None else []
+    if incident.verdict is not None and incident.verdict.fingerprint:
+        repeat = incident.repeat or _unsaid(incident)
+        marked = "; its job is marked repeating on it" if incident.repeating else ""
+        lines.append(f"hang {incident.verdict.fingerprint}: {repeat}{marked}")
     lines.append(
         f"incident {incident.id}: job {incident.job} of {incident.user}, "
         f"{_kind_where(incident.kind, incident.host)}{rank} at {_when(incident.time)}"
         + (f", scope {shown_scope(incident.scope)}" if incident.scope else "")
         + f" ({incident.reason})"
     )
+    if incident.trimmed:
+        lines.append(
+            f"({incident.trimmed} bytes of its evidence trimmed: its owner's incidents passed "
+            "their budget, incident_bytes_per_uid)"
+        )
     if incident.ranks:
         table = [("HOST", "RANK", "PID", "ROLE", "STATE", "EVIDENCE", "WAITING IN")]
         for member in incident.ranks:

@@ -14,6 +14,7 @@ errors become exit statuses. The text is made by `watchdogd.cli.render`; the chi
 from __future__ import annotations
 
 import os
+import pwd
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +24,9 @@ import click
 import msgspec
 from click.shell_completion import CompletionItem
 
-from watchdogd_client import Client, DaemonUnavailable, WatchdogdError
+from watchdogd_client import Client, DaemonUnavailable, RequestRefused, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
-from watchdogd_client.protocol import EventInfo
+from watchdogd_client.protocol import ErrorCode, EventInfo, HangsReply, IncidentInfo
 
 from .._version import __version__
 from ..core.policies import TargetKind
@@ -34,6 +35,7 @@ from .render import (
     event_text,
     expiry_report,
     format_duration,
+    hangs_text,
     incident_lines,
     incidents_text,
     parse_metrics,
@@ -319,6 +321,108 @@ def incident(incident: str) -> None:
         _print_json(found)
     else:
         click.echo("\n".join(incident_lines(found, width=_width())))
+
+
+#: ``watchdogctl job``'s exit statuses besides 0 (the job may be restarted), 1 (a
+#: refusal, or another error) and 2 (a command line click cannot parse).
+JOB_REPEATING: Final = 3
+JOB_UNKNOWN: Final = 4
+JOB_UNREACHABLE: Final = 5
+#: Seconds between asks while an incident of the job gathers its verdict.
+_JOB_POLL: Final = 0.25
+
+
+def _uid_of(user: str | None) -> int | None:
+    """The uid ``--user`` names (a name, or a number), None for none given."""
+    if user is None:
+        return None
+    if user.isdecimal():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise click.BadParameter(f"no user {user!r} on this host", param_hint="--user") from None
+
+
+@main.command()
+@click.argument("job_name", metavar="JOB")
+@click.option(
+    "--user",
+    metavar="USER",
+    help="The job's owner, a name or a uid (root only; by default your own jobs).",
+)
+@click.option(
+    "--reset",
+    is_flag=True,
+    help="Clear the job's repeating mark, after a fix: its hangs count anew from now.",
+)
+@click.option(
+    "--wait",
+    metavar="SECONDS",
+    type=click.FloatRange(min=0, max=3600),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait first for the verdict of an incident of the job still "
+    "gathering (0: answer at once).",
+)
+@_common_options()
+def job(job_name: str, user: str | None, reset: bool, wait: float) -> None:
+    """Whether job JOB may be restarted: its hangs, the fingerprint of each (the
+    verdict's kind, the culprits' frames, the collective), and its incidents.
+
+    A job whose incidents' verdicts name the same hang repeat_limit times within
+    repeat_window (3 times in a day by default) is marked repeating: a launcher's
+    retry loop, or a Slurm requeue script, stops restarting it. --reset clears
+    the mark once the cause is fixed. A job is its owner's: root names the
+    owner with --user. An incident of the job still gathering its evidence is
+    waited for first, up to --wait seconds.
+
+    Exit status: 0 the job may be restarted; 3 its hang repeats (not to be
+    restarted); 4 the daemon knows no timer, incident or hang of the job; 5 no
+    daemon answers; 1 any other error (a refusal, with one line on stderr).
+    """
+    uid = _uid_of(user)
+    try:
+        reply = _job_settled(job_name, uid, wait)
+        if reset:
+            reply = _client().hangs(job_name, uid=uid, reset=True)
+    except DaemonUnavailable as exc:
+        click.echo(f"watchdogctl: {exc}", err=True)
+        sys.exit(JOB_UNREACHABLE)
+    except RequestRefused as exc:
+        if exc.code != ErrorCode.NO_SUCH_JOB:
+            raise
+        click.echo(f"watchdogctl: {exc}", err=True)
+        sys.exit(JOB_UNKNOWN)
+    if _settings().as_json:
+        _print_json(reply)
+    else:
+        click.echo(hangs_text(reply, width=_width()))
+    sys.exit(JOB_REPEATING if reply.repeating else 0)
+
+
+def _job_settled(job_name: str, uid: int | None, wait: float) -> HangsReply:
+    """The job's hangs, once no incident of it is still gathering, or after
+    ``wait`` seconds."""
+    client = _client()
+    until = time.monotonic() + wait
+    told = False
+    while True:
+        reply = client.hangs(job_name, uid=uid)
+        gathering = [i.id for i in reply.incidents if _gathering(i)]
+        if not gathering or time.monotonic() >= until:
+            return reply
+        if not told:
+            click.echo(f"watchdogctl: waiting for the verdict of incident {gathering[0]}", err=True)
+            told = True
+        time.sleep(_JOB_POLL)
+
+
+def _gathering(incident: IncidentInfo) -> bool:
+    """Whether an expiry's incident has yet to settle its verdict (one a daemon
+    kept from before it counted hangs has settled, with no word on its hang)."""
+    settled = incident.repeat or (incident.verdict is not None and incident.verdict.settled)
+    return incident.kind == "expired" and not settled
 
 
 @main.command()

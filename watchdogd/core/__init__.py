@@ -8,7 +8,10 @@ bridge (`bridge`), on the config in force (`rules`); the state machine of a
 policy run (`expiry`), whose effects the runtime's executor carries out; one
 connection's protocol state (`session`); policies (`policies`) and the
 starvation rule (`starvation`), the events ring (`events`) and the incident log
-(`incidents`) with the per-uid shares they keep (`shares`), the history of
+(`incidents`) with the per-uid shares they keep (`shares`) and the bytes of
+evidence it keeps (`evidence_budget`), each hang's fingerprint (`fingerprint`),
+the jobs' table of hangs (`repeats`) and what is done with them (`hangs`), the
+history of
 timeouts (`history`), the counters (`counters`), the config model (`config`), who
 calls and whom it may signal (`identity`), and what it wants logged (`logline`).
 

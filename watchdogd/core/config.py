@@ -48,6 +48,7 @@ from msgspec import Meta, Struct
 from watchdogd_client.protocol import MAX_REQUEST_FRAME
 
 from ..errors import ConfigError
+from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID
 from .policies import (
     BUILTIN,
     DEFAULT_STEP_TIMEOUT,
@@ -64,10 +65,12 @@ from .policies import (
     Wait,
     signal_number,
 )
+from .repeats import MAX_HANGS
 from .starvation import DEFAULT_CPU, DEFAULT_PRESSURE
 from .tomlkeys import line_of, split_path, value_of
 
 DAY: Final = 86_400.0
+MIB: Final = 1024 * 1024
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 Seconds = Annotated[float, Meta(gt=0, le=365 * DAY)]
@@ -142,6 +145,18 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: Incidents kept of one non-root uid's jobs at most; past the shared total,
     #: whoever holds the most loses its oldest, so no uid evicts another's.
     incidents_per_uid: Count = 100
+    #: Bytes of evidence kept in memory (the ranks of incidents, their stacks and
+    #: Flight Recorder summaries, as the state encodes them): this many of root's
+    #: incidents, and this many in all of other users' (`watchdogd.core.incidents`).
+    incident_bytes: Annotated[int, Meta(ge=MIB, le=16 * 1024 * MIB)] = EVIDENCE_BYTES
+    #: The same of one non-root uid's incidents at most: past it, its own stacks
+    #: are cut first, oldest incident first, then its oldest incidents go whole.
+    incident_bytes_per_uid: Annotated[int, Meta(ge=MIB, le=16 * 1024 * MIB)] = (
+        EVIDENCE_BYTES_PER_UID
+    )
+    #: The most the record of events and incidents beside the state takes on disk
+    #: (`watchdogd.storage.record_file`), and never the room the timers' state needs.
+    record_bytes: Annotated[int, Meta(ge=MIB, le=64 * 1024 * MIB)] = 256 * MIB
     #: How long after its first expiry an incident takes in further expiries of
     #: its job.
     incident_window: Seconds = 30.0
@@ -151,6 +166,11 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     #: group down) before their stacks are taken. Never for another host's. 0
     #: signals at once.
     incident_evidence_wait: Annotated[float, Meta(ge=0, le=60)] = 3.0
+    #: A job whose incidents' verdicts name the same hang (one fingerprint) this
+    #: many times within ``repeat_window`` seconds is marked repeating
+    #: (`watchdogd.core.repeats`); at most the hangs a job's row keeps.
+    repeat_limit: Annotated[int, Meta(ge=1, le=MAX_HANGS)] = 3
+    repeat_window: Seconds = DAY
 
 
 class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -45,6 +45,10 @@ class Counters:
         self.fleet_unexpected = 0
         #: Processes with timers of each (owner uid, job), as last rendered.
         self.job_processes: dict[tuple[int, str], int] = {}
+        #: The jobs marked repeating (owner uid, job) a reader may see, and how
+        #: many are marked in all, as last rendered.
+        self.jobs_repeating: dict[tuple[int, str], int] = {}
+        self.repeating = 0
         self.exited = 0
         self.unkillable = 0
         #: Dump steps running and waiting for a turn now (`watchdogd.runtime.hooks.DumpPool`),
@@ -52,6 +56,13 @@ class Counters:
         self.dumps_running = 0
         self.dumps_waiting = 0
         self.dumps_not_run = 0
+        #: Bytes of incidents' evidence trimmed to their owners' budgets
+        #: (`watchdogd.core.incidents`); and bytes of the events and incidents in
+        #: memory that the record's file left off at its last whole write, to keep
+        #: within its bound and out of the room the state needs
+        #: (`watchdogd.storage.record_file`).
+        self.evidence_trimmed = 0
+        self.record_left_off = 0
         self._lateness = [0] * (len(LATENESS_BUCKETS) + 1)
         self._lateness_sum = 0.0
 

@@ -27,13 +27,17 @@ every other uid's together, and ``per_uid`` of any one uid's. Past that the olde
 incident of the uid holding the most goes (the opening uid on a tie), so one uid's
 flood evicts only its own older incidents once it holds the most, and a uid
 holding no more than its fair share keeps all of its. At most `MAX_RANKS`
-processes an incident, each stack cut to `MAX_STACK_BYTES`. What changed is handed
+processes an incident, each stack cut to `MAX_STACK_BYTES`.
+
+Bytes are bounded the same way: the ranks of root's incidents take at most
+``evidence`` bytes, those of every other uid's together as much, and
+``evidence_per_uid`` of any one uid's; the excess is trimmed from the uid's own
+incidents, stacks first (`watchdogd.core.evidence_budget`). What changed is handed
 to the runtime as `StoredIncident` records (`changes`), which the state keeps, and a
 restarted daemon takes them back (`restore`): an incident still open goes on
-gathering, with its ranks, stacks, readers and verdict as they were. Root
-sees every incident; another uid, those of its own jobs, and of each the stacks
-only of the processes ptrace's read rule let it read when they were dumped
-(`may_read`): the decision is taken at the dump and kept with the rank.
+gathering, with its ranks, stacks, readers and verdict as they were. Root sees every
+incident; another uid, those of its own jobs, and of each the stacks only of the
+processes ptrace's read rule let it read when dumped (`may_read`, kept with the rank).
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
@@ -55,6 +58,7 @@ from watchdogd_client.protocol import (
     Verdict,
 )
 
+from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID, EvidenceBudget, Kept
 from .frames import Library
 from .identity import ROOT
 from .ranks import (
@@ -63,13 +67,14 @@ from .ranks import (
     clip,
     first_frame,
     may_read,
+    reported,
     shown_order,
     stack_of,
     state_of,
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer, nobody, reported, viewed
+from .verdict import Decision, decide, for_viewer, nobody
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -79,47 +84,40 @@ _MAX_ALIASES: Final = 4096
 _ENVELOPE_BYTES: Final = 64 * 1024
 
 JobKey = tuple[int, str]
+#: Told of each verdict that settles (None: no rank gave evidence for one), with
+#: the incident's ranks: the fingerprint it settles with and whether it counted.
+Settled = Callable[[IncidentInfo, Decision | None, list[RankInfo]], tuple[str, str]]
 
 
 class StoredIncident(msgspec.Struct, array_like=True, frozen=True):
     """An incident as the state keeps it: its head (``info``, without ranks), its
     ranks, and what decides how it goes on (the wall time its window closes,
     whether its verdict settled, the hosts it waits for). Its verdict is not
-    stored: the same ranks judge to the same verdict."""
+    stored: the same ranks judge to the same verdict; the fingerprint it settled
+    with is (and in ``info``, whether that counted: `watchdogd.core.hangs`)."""
 
     info: IncidentInfo
     ranks: list[RankInfo]
     open_until: float
     settled: bool
     hosts: list[str]
+    fingerprint: str = ""
 
 
-@dataclass(slots=True, eq=False)
-class _Incident:
-    info: IncidentInfo
-    ranks: list[RankInfo] = field(default_factory=list)
-    #: Wall time until which expiries of its job join it (0: none do, a remote one).
-    open_until: float = 0.0
-    #: Who its job waits for, as the ranks known so far say (`watchdogd.core.verdict`).
-    decision: Decision | None = None
-    #: Every host of the job has reported, or its window has closed: the verdict
-    #: is counted and recorded once, then, and only refined after.
-    settled: bool = False
-    #: The hosts the fleet says hold the job: each reports before it settles.
-    hosts: frozenset[str] = frozenset()
+def _kept(stored: StoredIncident) -> Kept:
+    """An incident as the state kept it."""
+    incident = Kept(stored.info, [], stored.open_until, None, stored.settled)
+    incident.hosts = frozenset(stored.hosts)
+    incident.fingerprint = stored.fingerprint
+    incident.assign([bounded(rank) for rank in stored.ranks[:MAX_RANKS]])
+    return incident
 
-    @classmethod
-    def of(cls, stored: StoredIncident) -> _Incident:
-        """An incident as the state kept it."""
-        ranks = [bounded(rank) for rank in stored.ranks[:MAX_RANKS]]
-        hosts = frozenset(stored.hosts)
-        return cls(stored.info, ranks, stored.open_until, None, stored.settled, hosts)
 
-    def stored(self) -> StoredIncident:
-        """This incident as the state keeps it."""
-        return StoredIncident(
-            self.info, list(self.ranks), self.open_until, self.settled, sorted(self.hosts)
-        )
+def _stored(incident: Kept) -> StoredIncident:
+    """``incident`` as the state keeps it."""
+    kept = incident
+    return StoredIncident(kept.info, list(kept.ranks), kept.open_until, kept.settled,
+                          sorted(kept.hosts), kept.fingerprint)  # fmt: skip
 
 
 class _Aliases(OrderedDict[str, str]):
@@ -140,12 +138,15 @@ class Changes:
     the incidents changed, the ids of those dropped. Bounded: an incident is in it
     once, and a drop only of one that was kept."""
 
-    def __init__(self) -> None:
-        self._changed: dict[str, _Incident] = {}
+    def __init__(self, count: Callable[[Kept], object] = lambda incident: None) -> None:
+        self._changed: dict[str, Kept] = {}
         self._dropped: list[str] = []
+        #: Told of each change too: its bytes count (`watchdogd.core.evidence_budget`).
+        self.count = count
 
-    def touch(self, incident: _Incident) -> None:
+    def touch(self, incident: Kept) -> None:
         self._changed[incident.info.id] = incident
+        self.count(incident)
 
     def gone(self, incident_id: str) -> None:
         self._changed.pop(incident_id, None)
@@ -153,7 +154,7 @@ class Changes:
 
     def take(self) -> tuple[list[StoredIncident], list[str]]:
         """The incidents changed, as the state keeps them, and the ids dropped."""
-        changed = [incident.stored() for incident in self._changed.values()]
+        changed = [_stored(incident) for incident in self._changed.values()]
         dropped, self._changed, self._dropped = self._dropped, {}, []
         return changed, dropped
 
@@ -165,8 +166,8 @@ class _Judge:
     def __init__(
         self,
         library: Library,
-        on_settled: Callable[[IncidentInfo, Verdict], object],
-        touched: Callable[[_Incident], object],
+        on_settled: Settled,
+        touched: Callable[[Kept], object],
     ) -> None:
         self.library = library
         self.on_settled = on_settled
@@ -176,7 +177,7 @@ class _Judge:
         #: (`IncidentLog.expect`) or its window, not only for this host's ranks.
         self.fleet = False
 
-    def judge(self, incident: _Incident) -> None:
+    def judge(self, incident: Kept) -> None:
         """What is known of ``incident`` changed: its verdict is judged anew when it
         is next read (judging it at every rank's word would cost an incident of many
         ranks time squared, on the loop); once it settles, it is recorded
@@ -190,15 +191,15 @@ class _Judge:
         ):
             self.settle(incident)
 
-    def settle(self, incident: _Incident) -> None:
+    def settle(self, incident: Kept) -> None:
         self.touched(incident)
         incident.settled = True
         incident.decision = None
         decision = self.decided(incident)
-        if decision is not None:
-            self.on_settled(incident.info, for_viewer(decision, nobody))
+        incident.fingerprint, repeat = self.on_settled(incident.info, decision, incident.ranks)
+        incident.info = msgspec.structs.replace(incident.info, repeat=repeat)
 
-    def decided(self, incident: _Incident) -> Decision | None:
+    def decided(self, incident: Kept) -> Decision | None:
         """The verdict on ``incident`` as its ranks say now (None: it has none)."""
         if incident.decision is None and incident.ranks:
             incident.decision = decide(
@@ -219,12 +220,23 @@ class IncidentLog:
         window: float = 30.0,
         new_id: Callable[[], str] | None = None,
         library: Library | None = None,
-        on_settled: Callable[[IncidentInfo, Verdict], object] = lambda incident, verdict: None,
+        on_settled: Settled = lambda incident, decision, ranks: ("", ""),
+        evidence: int = EVIDENCE_BYTES,
+        evidence_per_uid: int | None = EVIDENCE_BYTES_PER_UID,
+        on_trimmed: Callable[[int, int], object] = lambda uid, size: None,
     ) -> None:
         self.host = host
         self.window = window
+        self.budget = EvidenceBudget(
+            evidence,
+            evidence_per_uid,
+            owned=lambda uid: [self._incidents[i] for i in self._owned.get(uid, ())],
+            drop_oldest=self._drop_oldest,
+            touch=lambda incident: self.changes.touch(incident),  # noqa: PLW0108 (made next)
+            on_trimmed=on_trimmed,
+        )
         #: What the state has still to take (`watchdogd.storage.record_file`).
-        self.changes = Changes()
+        self.changes = Changes(self.budget.count)
         library = Library(frozenset()) if library is None else library
         self._judges = _Judge(library, on_settled, self.changes.touch)
         self._shares = Shares(keep, per_uid)
@@ -232,7 +244,7 @@ class IncidentLog:
         # The runtime passes ids that differ from one run of the daemon to the
         # next (`watchdogd.runtime.daemon`); these only count.
         self._new_id = new_id or (lambda: f"{host}-{next(numbers)}")
-        self._incidents: OrderedDict[str, _Incident] = OrderedDict()
+        self._incidents: OrderedDict[str, Kept] = OrderedDict()
         #: The ids of each uid's incidents, oldest first: whose oldest gives way.
         self._owned: dict[int, deque[str]] = {}
         #: The incident still open to more expiries, by job.
@@ -273,23 +285,14 @@ class IncidentLog:
             # another host first) is listed once: as expired, from now on.
             for index, listed in enumerate(held.ranks):
                 if (listed.host, listed.pid) == (rank.host, rank.pid):
-                    held.ranks[index] = rank
+                    held.put(index, rank)
                     self._judges.judge(held)
-                    self._listener(self._whole(held))
+                    self._listener(_whole(held))
                     return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
-        info = _head(
-            self._new_id(),
-            self.host,
-            job,
-            user,
-            wall,
-            scope=rank.scope,
-            reason=reason,
-            rank=rank.rank,
-        )
-        incident = _Incident(info, open_until=wall + self.window)
+        info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
+        incident = Kept(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
         self.windows_opened += 1
@@ -299,10 +302,10 @@ class IncidentLog:
     def opened(self, kind: str, job: JobKey, user: str, note: str, wall: float) -> str:
         """An incident of ``job`` that no expiry opened (``kind``, e.g.
         ``host_lost``); its id."""
-        info = _head(self._new_id(), self.host, job, user, wall, scope="", reason=note, kind=kind)
-        incident = _Incident(info)
+        info = self._head(job, user, wall, scope="", reason=note, kind=kind)
+        incident = Kept(info)
         self._keep(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
         return info.id
 
     def pids(self, incident_id: str) -> set[int]:
@@ -312,17 +315,42 @@ class IncidentLog:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
 
+    def _head(
+        self,
+        job: JobKey,
+        user: str,
+        wall: float,
+        *,
+        scope: str,
+        reason: str,
+        rank: int | None = None,
+        kind: str = "expired",
+    ) -> IncidentInfo:
+        """A new incident of ``job`` opened on this host at ``wall``."""
+        return IncidentInfo(
+            id=self._new_id(),
+            job=job[1],
+            user=user,
+            uid=job[0],
+            host=self.host,
+            scope=scope,
+            reason=reason,
+            time=wall,
+            rank=rank,
+            kind=kind,
+        )
+
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
         incident = self._incidents.get(self.resolve(incident_id))
         if incident is not None:
             self._add(incident, rank)
 
-    def _add(self, incident: _Incident, rank: RankInfo) -> None:
+    def _add(self, incident: Kept, rank: RankInfo) -> None:
         if len(incident.ranks) < MAX_RANKS:
-            incident.ranks.append(rank)
+            incident.append(rank)
             self._judges.judge(incident)
-            self._listener(self._whole(incident))
+            self._listener(_whole(incident))
 
     def evidence_in(self, incident_id: str, pid: int) -> bool:
         """Whether every rank of ``incident_id`` on this host but ``pid`` reported."""
@@ -362,12 +390,8 @@ class IncidentLog:
         if found is not None:
             incident, index = found
             uid, gid = (None, None) if reader is None else reader
-            incident.ranks[index] = msgspec.structs.replace(
-                incident.ranks[index],
-                reader_uid=uid,
-                reader_gid=gid,
-                evidence=evidence,
-                flight=list(flight),
+            incident.update(
+                index, reader_uid=uid, reader_gid=gid, evidence=evidence, flight=list(flight)
             )
             self.changes.touch(incident)
 
@@ -391,8 +415,8 @@ class IncidentLog:
         incident, index = found
         uid, gid = (None, None) if reader is None else reader
         rank = incident.ranks[index]
-        incident.ranks[index] = msgspec.structs.replace(
-            rank,
+        incident.update(
+            index,
             state="done",
             stack=clip(stack, MAX_STACK_BYTES),
             frame=first_frame(stack),
@@ -403,7 +427,7 @@ class IncidentLog:
             note=f"{rank.note}; {note}" if note else rank.note,
         )
         self._judges.judge(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
 
     def finished(self, event: EventInfo) -> None:
         """The policy of a process of an incident has run: its ``expired`` or
@@ -414,17 +438,13 @@ class IncidentLog:
             return
         incident, index = found
         stack = stack_of(event)
-        incident.ranks[index] = msgspec.structs.replace(
-            incident.ranks[index],
-            state=state_of(event),
-            stack=stack,
-            frame=first_frame(stack),
-            note=event.note,
+        incident.update(
+            index, state=state_of(event), stack=stack, frame=first_frame(stack), note=event.note
         )
         self._judges.judge(incident)
-        self._listener(self._whole(incident))
+        self._listener(_whole(incident))
 
-    def _pending(self, incident_id: str, pid: int, role: str) -> tuple[_Incident, int] | None:
+    def _pending(self, incident_id: str, pid: int, role: str) -> tuple[Kept, int] | None:
         """The kept incident and the index of this host's rank ``pid`` in ``role``
         whose policy has not run yet, if there is one."""
         incident = self._incidents.get(self.resolve(incident_id))
@@ -448,7 +468,7 @@ class IncidentLog:
                 return
             incident.ranks[here[0]] = change(incident.ranks[here[0]])
             self._judges.judge(incident)
-            self._listener(self._whole(incident))
+            self._listener(_whole(incident))
 
     def __contains__(self, incident_id: object) -> bool:
         return incident_id in self._incidents or incident_id in self._aliases
@@ -471,23 +491,23 @@ class IncidentLog:
         if rival is not None and (rival.info.time, rival.info.id) < (remote.time, remote.id):
             self._aliases.add(remote.id, rival.info.id)
             return rival.info.id
-        head = msgspec.structs.replace(remote, ranks=[], count=0)
-        incident = _Incident(head, open_until=remote.time + self.window)
+        head = msgspec.structs.replace(remote, ranks=[], count=0, trimmed=0)
+        incident = Kept(head, open_until=remote.time + self.window)
         self._keep(incident)
         if rival is not None:
-            incident.ranks = rival.ranks[:MAX_RANKS]
-            self._aliases.add(rival.info.id, remote.id)
             self._forget(rival.info.id)
+            incident.assign(rival.ranks[:MAX_RANKS])
+            self._aliases.add(rival.info.id, remote.id)
         if remote.kind == "expired":
             # Any rival lost to it: expiries of the job here join it from now on.
             self._open[job] = remote.id
             self.windows_opened += 1
         self._judges.judge(incident)
         if rival is not None:
-            self._listener(self._whole(incident))
+            self._listener(_whole(incident))
         return remote.id
 
-    def _rival(self, job: JobKey, time: float, host: str) -> _Incident | None:
+    def _rival(self, job: JobKey, time: float, host: str) -> Kept | None:
         """An incident of ``job`` kept here that another host than ``host`` opened
         within a window of ``time``: two hosts' takes on one expiry. Two incidents
         of one host are two: that host's window kept them apart."""
@@ -528,6 +548,7 @@ class IncidentLog:
             if not owned:
                 del self._owned[uid]
         self._shares.remove(uid)
+        self.budget.forget(incident)
         job = (uid, incident.info.job)
         if self._open.get(job) == incident_id:
             del self._open[job]
@@ -545,7 +566,7 @@ class IncidentLog:
         else:
             expired = {r.pid for r in incident.ranks if r.host == host and r.role == "expired"}
         kept = [rank for rank in incident.ranks if rank.host != host]
-        incident.ranks = (kept + [bounded(rank) for rank in ranks if rank.host == host])[:MAX_RANKS]
+        incident.assign((kept + [bounded(rank) for rank in ranks if rank.host == host])[:MAX_RANKS])
         self._judges.judge(incident)
         return any(
             rank.role == "expired" and rank.pid not in expired
@@ -574,7 +595,7 @@ class IncidentLog:
             msgspec.structs.replace(
                 incident.info,
                 count=len(incident.ranks),
-                verdict=viewed(self._judges.decided(incident), incident.ranks, viewer),
+                verdict=_viewed(incident, self._judges.decided(incident), viewer),
             )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
@@ -614,15 +635,10 @@ class IncidentLog:
             incident.info,
             ranks=ranks,
             count=len(ranks),
-            verdict=viewed(self._judges.decided(incident), incident.ranks, viewer, viewer_gid),
+            verdict=_viewed(incident, self._judges.decided(incident), viewer, viewer_gid),
         )
 
-    def _whole(self, incident: _Incident) -> IncidentInfo:
-        return msgspec.structs.replace(
-            incident.info, ranks=list(incident.ranks), count=len(incident.ranks)
-        )
-
-    def _keep(self, incident: _Incident) -> None:
+    def _keep(self, incident: Kept) -> None:
         uid = incident.info.uid
         victim = self._shares.add(uid)
         if victim is not None:
@@ -633,14 +649,14 @@ class IncidentLog:
 
     def everything(self) -> list[StoredIncident]:
         """Every kept incident as the state keeps it, oldest first."""
-        return [incident.stored() for incident in self._incidents.values()]
+        return [_stored(incident) for incident in self._incidents.values()]
 
     def restore(self, stored: Sequence[StoredIncident], wall: float) -> None:
         """Keep ``stored`` (read back from the state, oldest first) under the bounds;
         one whose window is open at ``wall`` takes its job's expiries again."""
         for record in stored:
             if record.info.id not in self._incidents:
-                self._keep(_Incident.of(record))
+                self._keep(_kept(record))
                 if record.info.kind == "expired" and wall < record.open_until:
                     self._open[(record.info.uid, record.info.job)] = record.info.id
                     self.windows_opened += 1
@@ -651,42 +667,43 @@ class IncidentLog:
         oldest = owned.popleft()
         if not owned:
             del self._owned[uid]
-        info = self._incidents.pop(oldest).info
+        dropped = self._incidents.pop(oldest)
+        self.budget.forget(dropped)
         self.changes.gone(oldest)
-        job = (info.uid, info.job)
+        job = (dropped.info.uid, dropped.info.job)
         if self._open.get(job) == oldest:
             del self._open[job]
 
 
-def _head(
-    incident_id: str,
-    host: str,
-    job: JobKey,
-    user: str,
-    wall: float,
-    *,
-    scope: str,
-    reason: str,
-    rank: int | None = None,
-    kind: str = "expired",
-) -> IncidentInfo:
-    """A new incident of ``job`` opened on ``host`` at ``wall``."""
-    uid, name = job
-    return IncidentInfo(
-        id=incident_id,
-        job=name,
-        user=user,
-        uid=uid,
-        host=host,
-        scope=scope,
-        reason=reason,
-        time=wall,
-        rank=rank,
-        kind=kind,
+def _viewed(
+    incident: Kept, decision: Decision | None, viewer: int, viewer_gid: int | None = None
+) -> Verdict | None:
+    """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
+    collective, and each frame only where ``viewer`` may see that rank's stack (a
+    listing, ``viewer_gid`` None, shows frames to root alone), with the
+    fingerprint it settled with."""
+    if decision is None:
+        return None
+    if viewer == ROOT:
+        verdict = decision.verdict
+    elif viewer_gid is None:
+        verdict = for_viewer(decision, nobody)
+    else:
+        readable = {(r.host, r.pid) for r in incident.ranks if may_read(r, viewer, viewer_gid)}
+        verdict = for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
+    if incident.fingerprint:
+        return msgspec.structs.replace(verdict, fingerprint=incident.fingerprint)
+    return verdict
+
+
+def _whole(incident: Kept) -> IncidentInfo:
+    """``incident`` with its ranks, as the fleet publishes it."""
+    return msgspec.structs.replace(
+        incident.info, ranks=list(incident.ranks), count=len(incident.ranks)
     )
 
 
-def _reported(incident: _Incident) -> bool:
+def _reported(incident: Kept) -> bool:
     """Whether every rank known has reported and every host of the job too."""
     hosts = {rank.host for rank in incident.ranks}
     return (

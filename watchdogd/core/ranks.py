@@ -17,7 +17,14 @@ from .identity import ROOT
 
 #: The most of one stack an incident keeps.
 MAX_STACK_BYTES: Final = 64 * 1024
+#: What a stack trimmed to its owner's evidence budget keeps (`trimmed`): room
+#: for a main thread's innermost frames down to the user's own, where the verdict
+#: reads where the rank waits (`watchdogd.core.frames.pick`).
+TRIMMED_STACK_BYTES: Final = 2 * 1024
 _CLIPPED: Final = "\n…(cut)\n"
+#: ASCII, as the frames it follows most often are: a str of one non-ASCII
+#: character takes two or four bytes for each of them.
+_TRIMMED: Final = "    ...(trimmed)\n"
 #: A thread's header in py-spy's dump: ``Thread 4242 (idle): "MainThread"``.
 _THREAD: Final = re.compile(r'^Thread \S+ \([^)]*\): "(?P<name>[^"]*)"')
 
@@ -33,6 +40,11 @@ def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
     if rank.reader_uid is None or rank.reader_uid != viewer:
         return False
     return rank.reader_gid is None or rank.reader_gid == viewer_gid
+
+
+def reported(rank: RankInfo) -> bool:
+    """Whether ``rank``'s evidence has come: its policy has run, or it gave some."""
+    return rank.state != "pending" or bool(rank.flight or rank.stack or rank.evidence)
 
 
 def unread(rank: RankInfo) -> RankInfo:
@@ -82,6 +94,36 @@ def bounded(rank: RankInfo) -> RankInfo:
     if len(rank.stack.encode()) <= MAX_STACK_BYTES:
         return rank
     return msgspec.structs.replace(rank, stack=clip(rank.stack, MAX_STACK_BYTES))
+
+
+def trimmed(stack: str, limit: int = TRIMMED_STACK_BYTES) -> str:
+    """``stack`` (py-spy's layout) cut to its main thread (the thread named
+    MainThread, else the first) in at most ``limit`` UTF-8 bytes, whole lines
+    only, marked: the verdict finds the same frame in it as in the whole
+    (`watchdogd.core.frames.pick`), unless the user's frame was past the limit.
+    A stack within ``limit`` is kept as it is."""
+    if len(stack.encode()) <= limit:
+        return stack
+    blocks: list[list[str]] = []
+    for line in stack.splitlines():
+        match = _THREAD.match(line)
+        if match is not None or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    main = next((b for b in blocks if _named(b[0]) == "MainThread"), blocks[0])
+    kept: list[str] = []
+    room = limit - len(_TRIMMED.encode())
+    for line in main:
+        room -= len(line.encode()) + 1
+        if room < 0:
+            break
+        kept.append(line)
+    return "".join(f"{line}\n" for line in kept) + _TRIMMED
+
+
+def _named(line: str) -> str:
+    match = _THREAD.match(line)
+    return "" if match is None else match["name"]
 
 
 def clip(text: str, limit: int) -> str:

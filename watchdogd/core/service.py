@@ -17,7 +17,9 @@ Each part owns its state and is its own module:
 - `watchdogd.core.firing`: expiry, the starvation rule and incident peers, and the
   firing timers until their policy has run;
 - `watchdogd.core.lifecycle`: restore after a restart, exits, the stop;
-- `watchdogd.core.bridge`: what the fleet asks of the core and tells it.
+- `watchdogd.core.bridge`: what the fleet asks of the core and tells it;
+- `watchdogd.core.hangs`: each settled verdict's hang counted toward its job's
+  repeats (`watchdogd.core.repeats`), and the jobs' page.
 
 They share the timer table, the config in force (`watchdogd.core.rules`), the
 events ring, the incident log, the history and the counters, each passed to the
@@ -30,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, assert_never
 
+import msgspec
+
 from watchdogd_client.protocol import (
     Acquire,
     ErrorCode,
@@ -37,15 +41,19 @@ from watchdogd_client.protocol import (
     Events,
     Evidence,
     GroupState,
+    Hangs,
     Hello,
     Incident,
     IncidentInfo,
+    IncidentReply,
     Incidents,
+    IncidentsReply,
     Metrics,
     MetricsReply,
     Ping,
     Policies,
     Pong,
+    RankInfo,
     Release,
     ReplyMessage,
     RequestMessage,
@@ -54,7 +62,6 @@ from watchdogd_client.protocol import (
     Status,
     Suggest,
     Unblocked,
-    Verdict,
     Welcome,
     Why,
 )
@@ -67,6 +74,7 @@ from .counters import Counters
 from .events import EventLog
 from .firing import Due, Firing
 from .frames import Library
+from .hangs import JobHangs
 from .history import History
 from .identity import ROOT, Peer
 from .incidents import IncidentLog
@@ -75,10 +83,12 @@ from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
 from .policies import Policy
 from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .repeats import Repeats
 from .responders import Responder, Responders
 from .rules import Rules
 from .timers import Expired, Timer, TimerTable
 from .unblocks import Unblocks
+from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
     "ROOT",
@@ -128,6 +138,12 @@ class Service(Generic[P]):
         self._configure_history(config)
         #: The processes that answer evidence requests, by job.
         self.responders = Responders()
+        #: The jobs' hangs, by fingerprint (`watchdogd.core.repeats`).
+        self.repeats = Repeats(
+            limit=daemon.repeat_limit,
+            window=daemon.repeat_window,
+            same_within=daemon.incident_window,
+        )
         self.incidents = IncidentLog(
             host,
             keep=daemon.incidents,
@@ -136,6 +152,9 @@ class Service(Generic[P]):
             new_id=new_id,
             library=Library(stdlib),
             on_settled=self._verdict_settled,
+            evidence=daemon.incident_bytes,
+            evidence_per_uid=daemon.incident_bytes_per_uid,
+            on_trimmed=self._evidence_trimmed,
         )
         self.daemon_pid = daemon_pid
         self.started = now
@@ -195,6 +214,13 @@ class Service(Generic[P]):
             metrics=self.metrics,
             wall=wall,
         )
+        self.hangs = JobHangs(
+            self.repeats,
+            self.incidents,
+            holds=self.fleet.holds,
+            events=self.events,
+            wall=wall,
+        )
         self.pages = Pages(
             self.rules,
             self.table,
@@ -244,7 +270,10 @@ class Service(Generic[P]):
         self.events.resize(daemon.events, daemon.events_per_uid)
         self._configure_history(config)
         self.incidents.resize(daemon.incidents, daemon.incidents_per_uid)
+        self.incidents.budget.resize(daemon.incident_bytes, daemon.incident_bytes_per_uid)
         self.incidents.window = daemon.incident_window
+        self.repeats.limit, self.repeats.window = daemon.repeat_limit, daemon.repeat_window
+        self.repeats.same_within = daemon.incident_window
 
     def _configure_history(self, config: Config) -> None:
         """Apply the ``[history]`` bounds (lowered bounds apply as keys are added)."""
@@ -296,7 +325,7 @@ class Service(Generic[P]):
             case Policies():
                 return self.pages.policies(request)
             case Metrics():
-                return MetricsReply(id=request.id, text=self.pages.metrics_text(caller.peer.uid))
+                return MetricsReply(id=request.id, text=self.metrics_text(caller.peer.uid))
             case Ping():
                 return Pong(id=request.id)
             case Hello():
@@ -306,7 +335,9 @@ class Service(Generic[P]):
             case Why():
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
-                return self.pages.incidents(request, caller.peer)
+                return self._flagged(self.pages.incidents(request, caller.peer))
+            case Hangs():
+                return self.hangs.hangs(request, caller.peer)
             case Respond() | Evidence() | Unblocked():
                 return self._responding(request, caller)
             case _:
@@ -328,8 +359,17 @@ class Service(Generic[P]):
             )
         return Responding(id=request.id)
 
+    def _flagged(self, reply: IncidentsReply | IncidentReply) -> IncidentsReply | IncidentReply:
+        """``reply`` with each incident whose job repeats its hang flagged so."""
+        if isinstance(reply, IncidentsReply):
+            return msgspec.structs.replace(reply, incidents=self.hangs.flag(reply.incidents))
+        [flagged] = self.hangs.flag([reply.incident])
+        return msgspec.structs.replace(reply, incident=flagged)
+
     def metrics_text(self, reader: int | None = ROOT) -> str:
-        """`Pages.metrics_text`."""
+        """`Pages.metrics_text`, with the jobs marked repeating that ``reader`` may see."""
+        self.metrics.jobs_repeating = self.hangs.gauge(reader)
+        self.metrics.repeating = len(self.repeats.marked())
         return self.pages.metrics_text(reader)
 
     # Expiry, as the runtime's executor of policies calls it.
@@ -393,11 +433,29 @@ class Service(Generic[P]):
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
         )
 
-    def _verdict_settled(self, incident: IncidentInfo, verdict: Verdict) -> None:
-        """An incident's verdict settled: counted by kind, and an event of its owner's."""
+    def _evidence_trimmed(self, uid: int, size: int) -> None:
+        """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
+        counted, and a line (rate-limited per uid) says so."""
+        self.metrics.evidence_trimmed += size
+        self.log.log(
+            (uid, "evidence_trimmed"),
+            Level.WARNING,
+            lambda: logfmt(
+                "evidence_trimmed", uid=uid, bytes=size, kept=self.incidents.budget.held(uid)
+            ),
+        )
+
+    def _verdict_settled(
+        self, incident: IncidentInfo, decision: Decision | None, ranks: list[RankInfo]
+    ) -> tuple[str, str]:
+        """An incident's verdict settled: counted by kind, an event of its owner's,
+        and its hang counted toward its job's repeats (`JobHangs.settled`)."""
+        if decision is None:
+            return self.hangs.settled(incident, decision, ranks)
+        verdict = for_viewer(decision, nobody)
         self.metrics.verdicts[verdict.kind] += 1
         here = [c for c in verdict.culprits if c.host == self.incidents.host]
-        self.events.record(
+        recorded = self.events.record(
             EventInfo(
                 seq=0,
                 kind="verdict",
@@ -413,6 +471,7 @@ class Service(Generic[P]):
                 outcome=verdict.kind,
             )
         )
+        return self.hangs.settled(incident, decision, ranks, recorded.seq)
 
     def evidence_in(self, incident_id: str, pid: int) -> bool:
         """`IncidentLog.evidence_in`."""

@@ -15,7 +15,8 @@ buffer, and says when the connection must close. Invariants:
   the code and why; at the info level it costs one attribute read.
 - Every request is counted once, by op and result, when it is answered.
 - ``shown`` is the highest event number a reply of the connection carried (its
-  runtime sends the reply once that event is written: `watchdogd.runtime.server`).
+  runtime sends the reply once that event is written: `watchdogd.runtime.server`);
+  a `HangsReply` carries the number of its job's latest mark or reset.
 - A connection whose `Respond` was taken is a responder's (``responder``): each
   `Respond` taken, and each `Evidence` or `Unblocked` it sends, is answered and
   handed back to the connection, which binds its asks to the process
@@ -34,6 +35,7 @@ from watchdogd_client.protocol import (
     Events,
     EventsReply,
     Evidence,
+    HangsReply,
     Hello,
     ReplyMessage,
     RequestMessage,
@@ -148,7 +150,7 @@ class Session:
             return request
         self.service.metrics.count_request(_OPS[type(request)], result)
         encode_frame_into(reply, out)
-        if isinstance(reply, EventsReply | WhyReply):
+        if isinstance(reply, EventsReply | WhyReply | HangsReply):
             self.shown = max(self.shown, _shown(reply))
         if isinstance(reply, Responding) and isinstance(request, Respond | Evidence | Unblocked):
             if isinstance(request, Respond):
@@ -165,8 +167,10 @@ class Session:
         self.service.log.log((peer.uid, "refused"), Level.DEBUG, line)
 
 
-def _shown(reply: EventsReply | WhyReply) -> int:
+def _shown(reply: EventsReply | WhyReply | HangsReply) -> int:
     """The highest event number ``reply`` shows."""
+    if isinstance(reply, HangsReply):
+        return reply.event
     last = reply.last if isinstance(reply, EventsReply) else 0
     return max(last, reply.events[-1].seq) if reply.events else last
 

@@ -15,6 +15,15 @@ go to make room:
 
 Pure bookkeeping, constant time an item whatever the number of uids: the store
 keeps the items and drops the oldest of the uid it is told.
+
+`ByteShares` bounds the bytes the items hold by the same rule (the incident log's
+evidence, `watchdogd.core.incidents`): root's own ``size``, ``size`` for every
+other uid together and ``per_uid`` for any one. An item's bytes change after it
+is kept (a rank's stack comes later), so instead of a victim per addition it names
+the uid that must give bytes back (`ByteShares.over`), until none must: a uid over
+its own bound first, then, when the other uids together hold more than ``size``,
+the one holding the most. A scan of the uids holding any: the stores it serves
+keep a bounded number of items, so of uids.
 """
 
 from __future__ import annotations
@@ -106,3 +115,55 @@ class Shares:
         # the most steps down, the most is one less.
         if after > self._most or (before == self._most and before not in self._holding):
             self._most = after
+
+
+class ByteShares:
+    """The bytes each uid holds of a store bounded as the module says."""
+
+    def __init__(self, size: int, per_uid: int | None = None) -> None:
+        self._size = size
+        self._per_uid = size if per_uid is None else per_uid
+        self._held: dict[int, int] = {}
+        self._others = 0
+
+    def held(self, uid: int) -> int:
+        """How many bytes ``uid`` holds."""
+        return self._held.get(uid, 0)
+
+    def bound(self, uid: int) -> int:
+        """The most bytes ``uid`` may hold."""
+        return self._size if uid == ROOT else min(self._per_uid, self._size)
+
+    def add(self, uid: int, delta: int) -> None:
+        """``uid`` holds ``delta`` bytes more (fewer, when negative)."""
+        if not delta:
+            return
+        after = self.held(uid) + delta
+        if after > 0:
+            self._held[uid] = after
+        else:
+            self._held.pop(uid, None)
+        if uid != ROOT:
+            self._others += delta
+
+    def over(self, first: int | None = None) -> int | None:
+        """The uid that must give bytes back for the store to fit, or None: ``first``
+        when it is over its own bound, else any uid that is, else, when the other
+        uids hold more than ``size`` together, the one holding the most (``first``
+        on a tie)."""
+        if first is not None and self.held(first) > self.bound(first):
+            return first
+        for uid, held in self._held.items():
+            if held > self.bound(uid):
+                return uid
+        if self._others <= self._size:
+            return None
+        most = max(held for uid, held in self._held.items() if uid != ROOT)
+        if first is not None and first != ROOT and self.held(first) == most:
+            return first
+        return next(uid for uid, held in self._held.items() if uid != ROOT and held == most)
+
+    def resize(self, size: int, per_uid: int | None = None) -> None:
+        """Bound the store anew (`over` then names who must give bytes back)."""
+        self._size = size
+        self._per_uid = size if per_uid is None else per_uid

@@ -29,6 +29,9 @@ ranks cannot outvote anyone, and a bigger minority is as likely to be right as
 the majority. Anything else is ``undecided``, with each frame and its ranks.
 
 What is not the user's frame is `watchdogd.core.frames`'s to say (`Library`).
+A verdict that names culprits carries its hang's fingerprint
+(`watchdogd.core.fingerprint`): its kind, its collective's op and group, its
+culprits' frames.
 
 Each rank's frame is shown only to a viewer who may see that rank's stack: a
 `Decision` keeps the sentence without any frame and each frame beside it with the
@@ -60,9 +63,9 @@ from watchdogd_client.protocol import (
     Verdict,
 )
 
+from .fingerprint import Fingerprint, fingerprint_of
 from .frames import Library, frame_line, name_text, number_text, pick, where
-from .identity import ROOT
-from .ranks import may_read
+from .ranks import reported
 
 #: The most ranks a verdict names as culprits.
 MAX_CULPRITS: Final = 32
@@ -95,13 +98,16 @@ class Decision:
     """A verdict and what it takes to show it to each viewer: ``head`` without its
     text and groups, ``said`` (the sentence with no frame in it), ``parts`` (the
     clauses that name frames, each put after it) and ``groups`` (each frame the
-    ranks wait in, for an ``undecided`` verdict). `verdict` is it with every
-    frame, as root sees it; `for_viewer` as another viewer may."""
+    ranks wait in, for an ``undecided`` verdict); a verdict that names culprits,
+    its ``fingerprint`` (`watchdogd.core.fingerprint`, whose id the head
+    carries). `verdict` is it with every frame, as root sees it; `for_viewer` as
+    another viewer may."""
 
     head: Verdict
     said: str
     parts: tuple[Part, ...] = ()
     groups: tuple[Part, ...] = ()
+    fingerprint: Fingerprint | None = None
 
     @property
     def verdict(self) -> Verdict:
@@ -124,28 +130,8 @@ def for_viewer(decision: Decision, may_see_stack_of: Callable[[Culprit], bool]) 
 
 
 def nobody(culprit: Culprit) -> bool:
-    """A viewer who may see no rank's stack (`for_viewer`)."""
+    """A viewer who may see no rank's stack (for `for_viewer`)."""
     return False
-
-
-def viewed(
-    decision: Decision | None,
-    ranks: Sequence[RankInfo],
-    viewer: int,
-    viewer_gid: int | None = None,
-) -> Verdict | None:
-    """``decision`` on an incident of ``ranks`` as ``viewer`` may see it: the
-    culprits and the collective, and each frame only where ``viewer`` may see that
-    rank's stack (`may_read`; a listing, ``viewer_gid`` None, shows frames to root
-    alone)."""
-    if decision is None:
-        return None
-    if viewer == ROOT:
-        return decision.verdict
-    if viewer_gid is None:
-        return for_viewer(decision, nobody)
-    readable = {(rank.host, rank.pid) for rank in ranks if may_read(rank, viewer, viewer_gid)}
-    return for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
 
 
 def decide(
@@ -241,11 +227,6 @@ def _says(rank: RankInfo) -> tuple[bool, bool, bool]:
 
 def _order(rank: RankInfo | Culprit) -> tuple[bool, int, str, int]:
     return (rank.rank is None, rank.rank or 0, rank.host, rank.pid)
-
-
-def reported(rank: RankInfo) -> bool:
-    """Whether ``rank``'s evidence has come: its policy has run, or it gave some."""
-    return rank.state != "pending" or bool(rank.flight or rank.stack or rank.evidence)
 
 
 def _culprit(rank: RankInfo) -> Culprit:
@@ -408,14 +389,17 @@ class _Jury:
         return self._named("missing", found, found.missing, said)
 
     def _named(self, kind: str, found: _Collective, culprits: list[Culprit], said: str) -> Decision:
+        named = culprits[:MAX_CULPRITS]
+        hang = fingerprint_of(kind, found.ref, map(self._frame_of, named))
         head = Verdict(
             kind=kind,
             basis="flight_recorder",
-            culprits=culprits[:MAX_CULPRITS],
+            culprits=named,
             collective=found.ref,
             settled=self.settled,
+            fingerprint=hang.id,
         )
-        return Decision(head=head, said=said, parts=self._places(culprits))
+        return Decision(head=head, said=said, parts=self._places(culprits), fingerprint=hang)
 
     def _places(self, culprits: list[Culprit]) -> tuple[Part, ...]:
         """Where each named culprit is, a clause each (the first few)."""
@@ -492,10 +476,16 @@ class _Jury:
         places = [_place(culprit, frames[culprit], alone=len(odd) == 1) for culprit in odd[:_NAMED]]
         they = "they are" if len(usual) > 1 else "it is"
         places.append(Part(f"{they} in {where(majority[0][1])}", "", tuple(usual)))
+        named = odd[:MAX_CULPRITS]
+        hang = fingerprint_of("odd_frame", None, (frames[culprit] for culprit in named))
         head = Verdict(
-            kind="odd_frame", basis="stacks", culprits=odd[:MAX_CULPRITS], settled=self.settled
+            kind="odd_frame",
+            basis="stacks",
+            culprits=named,
+            settled=self.settled,
+            fingerprint=hang.id,
         )
-        return Decision(head=head, said=said, parts=tuple(places))
+        return Decision(head=head, said=said, parts=tuple(places), fingerprint=hang)
 
     def _undecided(self, ordered: list[list[tuple[Culprit, Frame]]], placed: int) -> Decision:
         if placed == 1:

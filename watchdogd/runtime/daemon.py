@@ -170,6 +170,26 @@ def _trim_heap() -> None:
     trim(0)
 
 
+#: glibc's mallopt(3) parameter for the size from which an allocation is a
+#: mapping of its own, and the size the daemon sets.
+_M_MMAP_THRESHOLD: Final = -3
+_MAPPED_FROM: Final = 256 * 1024
+
+
+def _map_large_allocations() -> None:
+    """Have glibc map every allocation from `_MAPPED_FROM` on, and unmap it when
+    freed. By default it raises that threshold to the largest block freed so far,
+    so the megabytes an incident's record is framed in land in the heap and stay
+    there: the daemon's resident memory would follow its largest transient
+    buffers, not what it holds (its evidence budget). Elsewhere, nothing."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)
+
+
 def raise_nofile_limit() -> None:
     """Lift the soft RLIMIT_NOFILE to the hard limit: every tracked process and every
     connection holds a descriptor."""
@@ -204,6 +224,7 @@ async def run(
     the socket accepts connections and the state is loaded.
     """
     raise_nofile_limit()
+    _map_large_allocations()
     # A worker thread (a fold of the state, the metrics file) holds the GIL for up
     # to this long before the event loop, which fires the timers, gets it back.
     sys.setswitchinterval(_SWITCH_INTERVAL)
@@ -321,9 +342,7 @@ class Daemon:
         self.record_file: RecordFile | None = None
         if state_path is not None:
             # Before anything is recorded: event numbers go on from the last one kept.
-            self.record_file = RecordFile(
-                record_path(state_path), self.service.events, self.service.incidents
-            )
+            self.record_file = self._record_file(state_path, self.store)
             self.record_file.load()
             self.history_file = HistoryFile(history_path(state_path), self.service.history)
             self.history_file.load()
@@ -352,6 +371,24 @@ class Daemon:
             else:
                 self._log_state(self.store)
 
+    def _record_file(self, state_path: str, store: Store | None) -> RecordFile:
+        """The record beside the state, which leaves the state the room it wants
+        on their disk, writes nothing while the state cannot be written, and
+        gives its room back when the state's disk is full."""
+        record = RecordFile(
+            record_path(state_path),
+            self.service.events,
+            self.service.incidents,
+            bound=lambda: self.service.config.record_bytes,
+            reserve=(lambda: 0) if store is None else store.room.wanted,
+            state_failing=lambda: store is not None and store.degraded,
+            metrics=self.service.metrics,
+            repeats=self.service.repeats,
+        )
+        if store is not None:
+            store.room.make = record.give_way
+        return record
+
     def _log_state(self, store: Store) -> None:
         log.info(
             logfmt(
@@ -371,7 +408,12 @@ class Daemon:
         """Start every task in ``nursery``; returns once the socket is served."""
         asks = Asks()
         self.executor = Executor(
-            self.service, nursery, clock=self.clock, on_settle=self.scheduler.wake, asks=asks
+            self.service,
+            nursery,
+            clock=self.clock,
+            on_settle=self.scheduler.wake,
+            asks=asks,
+            tick=self.scheduler.poll,
         )
         await nursery.start(self.executor.run)
         await nursery.start(Unblocker(self.service, asks, clock=self.clock).run)

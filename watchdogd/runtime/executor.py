@@ -161,11 +161,13 @@ class Executor:
         wall: Callable[[], float] = time.time,
         on_settle: Callable[[], object] = lambda: None,
         asks: Asks | None = None,
+        tick: Callable[[float], object] = lambda now: None,
     ) -> None:
         """``on_settle`` is called when expiries are waiting for `settle`; ``asks``
-        reach the workers' responders."""
+        reach the workers' responders; ``tick`` fires what is due (at a time of
+        ``clock``), as a busy connection does between its requests."""
         self._service = service
-        self._gatherer = Gatherer(service, Asks() if asks is None else asks)
+        self._gatherer = Gatherer(service, Asks() if asks is None else asks, lambda: tick(clock()))
         self._nursery = nursery
         self._clock = clock
         self._wall = wall

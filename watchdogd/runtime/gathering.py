@@ -17,11 +17,15 @@ Invariants:
   resized at each dump step after a reload).
 - What was taken is handed to the service as it comes (`Service.dump_taken`,
   `Service.evidence_given`), never raised: a dumper that fails is a result.
+- What is due fires (``tick``) before an answer is made into an incident's
+  evidence: hundreds of ranks answering at once are as many tasks of a few
+  milliseconds each, which a due timer would otherwise wait behind.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ..core.evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.expiry import Run, TakeDump
@@ -34,11 +38,14 @@ from .responders import Asks
 
 class Gatherer:
     """Takes the evidence of the service's ranks, through ``asks`` (the workers'
-    responders) and one pool of dumpers."""
+    responders) and one pool of dumpers; ``tick`` fires what is due."""
 
-    def __init__(self, service: Service[Process], asks: Asks) -> None:
+    def __init__(
+        self, service: Service[Process], asks: Asks, tick: Callable[[], object] = lambda: None
+    ) -> None:
         self._service = service
         self._asks = asks
+        self._tick = tick
         self._dumps = DumpPool(service.config.max_dumps, service.metrics)
 
     async def ask_rank(self, incident: str, pid: int, start_time: int) -> None:
@@ -48,6 +55,7 @@ class Gatherer:
         before = ptrace_reader(pid)
         timeout = self._service.config.evidence_timeout
         given = await self._asks.ask(pid, start_time, incident, timeout)
+        self._tick()
         if given is not None:
             stack, taken, flight, note = stack_text(given), WORKER, flight_groups(given), ""
         else:
@@ -79,6 +87,7 @@ class Gatherer:
         before = ptrace_reader(pid)
         incident = "" if run.timer.run is None else run.timer.run.incident
         given = await self._asks.ask(pid, run.timer.start_time, incident, config.evidence_timeout)
+        self._tick()
         if given is not None and effect.step.argv == DEFAULT_DUMPER:
             after = ptrace_reader(pid)
             reader = before if before == after else None

@@ -92,6 +92,22 @@ class _Collector(Collector):
         for (uid, job), count in sorted(m.job_processes.items()):
             jobs.add_metric([str(uid), job], count)
         yield jobs
+        yield GaugeMetricFamily(
+            "watchdogd_jobs_repeating",
+            "Jobs marked repeating now: their hang repeated repeat_limit times within "
+            "repeat_window, and watchdogctl job exits 3 for each until --reset.",
+            value=m.repeating,
+        )
+        repeating = GaugeMetricFamily(
+            "watchdogd_job_repeating",
+            "1 for a job whose hang repeated repeat_limit times within repeat_window "
+            "(watchdogctl job exits 3 for it until --reset), by its owner's uid and job: "
+            f'the first {m.JOB_LABELS}, the count of the rest as job="(other)".',
+            labels=["uid", "job"],
+        )
+        for (uid, job), count in sorted(m.jobs_repeating.items()):
+            repeating.add_metric([str(uid), job], count)
+        yield repeating
         yield CounterMetricFamily(
             "watchdogd_exits", "Processes that exited with timers armed.", value=m.exited
         )
@@ -102,6 +118,19 @@ class _Collector(Collector):
             "watchdogd_dumps_not_run",
             "Dump steps that got no turn among max_dumps within their timeout.",
             value=m.dumps_not_run,
+        )
+        yield CounterMetricFamily(
+            "watchdogd_evidence_trimmed_bytes",
+            "Bytes of incidents' evidence trimmed to their owners' budgets "
+            "(incident_bytes_per_uid, incident_bytes), stacks first.",
+            value=m.evidence_trimmed,
+        )
+        yield GaugeMetricFamily(
+            "watchdogd_record_left_off_bytes",
+            "Bytes of the events and incidents in memory that the record file left off at "
+            "its last whole write, to keep within record_bytes and out of the room the "
+            "timers' state needs (stacks cut first).",
+            value=m.record_left_off,
         )
         yield CounterMetricFamily(
             "watchdogd_connections", "Connections accepted.", value=m.connections_total

@@ -1,23 +1,43 @@
 """What happened, kept beside the state (``STATE.record``): the events
-(`watchdogd.core.events`) and the incidents (`watchdogd.core.incidents`), so that
-``watchdogctl events`` and ``watchdogctl incident ID`` still explain a kill after the
-daemon restarted, and ``events --follow`` goes on from the number it saw.
+(`watchdogd.core.events`), the incidents (`watchdogd.core.incidents`) and the
+jobs' hangs (`watchdogd.core.repeats`), so that ``watchdogctl events`` and
+``watchdogctl incident ID`` still explain a kill after the daemon restarted,
+``events --follow`` goes on from the number it saw, and ``watchdogctl job`` still
+stops a hang that repeats.
 
 Invariants:
 
 - An append-only file of checksummed records, framed as the journal's are
   (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
-  then events, incidents as they now are (the last record of an incident is what
-  it is) and incidents dropped. What changed is written within `WRITE_INTERVAL`
-  of the change, in one ``write(2)``, and before any reply that shows an event's
-  number is sent (`RecordFile.through`): numbering goes on after the last event
-  read at start, so a number a client saw is never given to another event.
+  then jobs' rows of hangs, events, incidents as they now are (the last record
+  of an incident or a row is what it is) and incidents and rows dropped. What
+  changed is written within `WRITE_INTERVAL` of the change, in one ``write(2)``,
+  and before any reply that shows an event's number is sent
+  (`RecordFile.through`): numbering goes on after the last event read at start,
+  so a number a client saw is never given to another event; a row changes with
+  an event about it (a mark, a reset) in the same write.
   Nothing is fsynced: the page cache survives a kill of the daemon, as the
   journal's records do.
-- Bounded as the rings are: the file holds the kept events and incidents, and
-  the changes since it was last written whole. When it outgrows twice what it
-  held then (and `_SLACK`), it is written whole again, to a new file renamed over
-  it: a crash leaves the old or the new.
+- Bounded as the rings are: the file holds the kept events, incidents and rows,
+  and the changes since it was last written whole. The rows of hangs are bounded
+  by their own table alone, small, and written first: nothing that makes room
+  in this file drops or cuts them (a job whose hang repeats must stay marked).
+  When it outgrows twice what it held then (and `_SLACK`), it is written whole
+  again, to a new file renamed over it: a crash leaves the old or the new.
+- Bounded in bytes, and never in the room the timers' state needs: the file
+  holds at most its ``bound`` (the config's ``record_bytes``), and at most half
+  the room its disk has beyond what the state wants left free (``reserve``,
+  `watchdogd.storage.room.Room.wanted`), so that a whole write fits beside
+  the file it replaces. What would pass that is not appended; the next whole
+  write (at most every `RETRY` while it must leave things out) fits half of it:
+  stacks cut to their main thread first, other users' before root's and the
+  oldest first, then whole records by the same order, never the newest event
+  (numbering goes on from it). What it left off is logged, and shown as the
+  ``watchdogd_record_left_off_bytes`` metric; memory keeps it all.
+- The timers' state is written first: nothing is written here while it cannot
+  be written (``state_failing``), and when it finds its disk full, this file
+  gives its room back at once (`give_way`: it is removed, its records kept in
+  memory and written whole again, within the room left, once the state is).
 - Read at start, in order, each record typed and bounded as a reply is, and
   only from a regular file (`watchdogd.storage.files.open_regular`: anything
   else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
@@ -43,33 +63,44 @@ import errno
 import math
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO, Final
+from typing import Final
 
 import msgspec
 import trio
 
-from watchdogd_client.protocol import EventInfo
-
+from ..core.counters import Counters
 from ..core.events import EventLog
-from ..core.incidents import IncidentLog, StoredIncident
+from ..core.identity import ROOT
+from ..core.incidents import IncidentLog
+from ..core.ranks import trimmed
+from ..core.repeats import Repeats
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file
-from .journal import RECORD, close, write_all
+from .journal import close, write_all
+from .record_entries import (
+    SCHEMA,
+    DroppedRecord,
+    Entry,
+    EventRecord,
+    Header,
+    IncidentRecord,
+    Read,
+    Reading,
+    RowDroppedRecord,
+    RowRecord,
+    framed,
+    read_records,
+)
 
 #: Seconds between a change and its write, at most (changes of one interval share
 #: one write: an incident whose ranks report one by one is not written per rank).
 WRITE_INTERVAL: Final = 0.1
 #: Seconds between tries of a disk that refused a write.
 RETRY: Final = 1.0
-#: The schema of the records; a file of another is moved aside, unread.
-SCHEMA: Final = 1
 #: Growth allowed past twice the size of the last whole write.
 _SLACK: Final = 4 * 1024 * 1024
-#: No record is larger: an incident of 1,024 ranks with 64 KiB stacks is 64 MiB.
-_MAX_RECORD: Final = 128 * 1024 * 1024
 #: A whole write is framed in the loop's turns, each this long at most (CPU
 #: seconds): the file may hold hundreds of MiB of stacks, and a due timer's signal
 #: waits for the turn in progress.
@@ -77,36 +108,14 @@ _TURN: Final = 0.002
 #: The frames of a whole write are joined into parts of about this size, which the
 #: worker thread writes in turn (no copy of the whole file in one piece).
 _PART: Final = 1024 * 1024
-
-
-class _Header(msgspec.Struct, tag="header", array_like=True):
-    schema: int
-
-
-class _Event(msgspec.Struct, tag="event", array_like=True):
-    event: EventInfo
-
-
-class _Incident(msgspec.Struct, tag="incident", array_like=True):
-    incident: StoredIncident
-
-
-class _Dropped(msgspec.Struct, tag="dropped", array_like=True):
-    id: str
-
-
-_Entry = _Header | _Event | _Incident | _Dropped
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Entry)
+#: The config's ``record_bytes`` default: the most the file takes on disk.
+RECORD_BYTES: Final = 256 * 1024 * 1024
+#: In a step's output, where the record left it off.
+_LEFT_OFF: Final = "…(left off the record: its bound, or its disk's room)"
 
 
 def record_path(state_path: str) -> str:
     return state_path + ".record"
-
-
-def _frame(entry: _Entry) -> bytes:
-    payload = _encoder.encode(entry)
-    return RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class _Parts:
@@ -115,18 +124,21 @@ class _Parts:
     def __init__(self) -> None:
         self.parts: list[bytes] = []
         self.size = 0
+        #: The framed size of each entry added, in order.
+        self.sizes: list[int] = []
         self._batch: list[bytes] = []
         self._batched = 0
 
-    def add(self, entry: _Entry) -> None:
-        frame = _frame(entry)
+    def add(self, entry: Entry) -> None:
+        frame = framed(entry)
         self._batch.append(frame)
         self._batched += len(frame)
         self.size += len(frame)
+        self.sizes.append(len(frame))
         if self._batched >= _PART:
             self.done()
 
-    def frame(self, entries: Iterable[_Entry], turn: float) -> Iterator[None]:
+    def framed(self, entries: Iterable[Entry], turn: float) -> Iterator[None]:
         """Frame ``entries`` in, pausing (a yield) whenever ``turn`` seconds of this
         thread's CPU have gone since the last pause."""
         turn_ends = time.thread_time() + turn
@@ -143,11 +155,146 @@ class _Parts:
         return self.parts
 
 
+def _paced(turn: float) -> Callable[[], bool]:
+    """Whether ``turn`` seconds of this thread's CPU have gone since it last said so."""
+    ends = time.thread_time() + turn
+
+    def due() -> bool:
+        nonlocal ends
+        if time.thread_time() < ends:
+            return False
+        ends = time.thread_time() + turn
+        return True
+
+    return due
+
+
+def _cut(entry: Entry) -> Entry | None:
+    """``entry`` with each stack or output cut to its main thread's innermost
+    frames (`watchdogd.core.ranks.trimmed`), or None when nothing is to cut."""
+    match entry:
+        case EventRecord(event=event) if any(step.output for step in event.steps):
+            steps = [
+                msgspec.structs.replace(step, output=trimmed(step.output)) for step in event.steps
+            ]
+            if steps == event.steps:
+                return None
+            return EventRecord(msgspec.structs.replace(event, steps=steps, note=_noted(event.note)))
+        case IncidentRecord(incident=stored):
+            ranks = [
+                msgspec.structs.replace(rank, stack=cut, note=_noted(rank.note))
+                if (cut := trimmed(rank.stack)) != rank.stack
+                else rank
+                for rank in stored.ranks
+            ]
+            if ranks == stored.ranks:
+                return None
+            return IncidentRecord(msgspec.structs.replace(stored, ranks=ranks))
+    return None
+
+
+def _noted(note: str) -> str:
+    return f"{note}; {_LEFT_OFF}" if note else _LEFT_OFF
+
+
+def _first_left_off(entry: Entry) -> tuple[bool, bool]:
+    """The order whole records are left off in: other users' before root's, their
+    incidents before their events (then the oldest first)."""
+    match entry:
+        case EventRecord(event=event):
+            return (event.uid == ROOT, True)
+        case IncidentRecord(incident=stored):
+            return (stored.info.uid == ROOT, False)
+    return (True, True)
+
+
+class _Fit:
+    """Which of a whole write's ``entries`` (framed to ``sizes``) fit ``target``
+    bytes, and how: the module says in which order stacks are cut and records
+    left off. ``chosen`` are the entries to write, ``left`` the bytes left off."""
+
+    def __init__(self, entries: list[Entry], sizes: list[int], target: int) -> None:
+        self.entries = entries
+        self.sizes = sizes
+        self.target = target
+        self.chosen: list[Entry] = []
+        self.left = 0
+
+    def run(self, turn: float) -> Iterator[None]:
+        """Choose, pausing (a yield) every ``turn`` CPU seconds."""
+        due = _paced(turn)
+        cuts: list[Entry | None] = []
+        small: list[int] = []
+        for entry, size in zip(self.entries, self.sizes, strict=True):
+            cut = _cut(entry)
+            cuts.append(cut)
+            small.append(size if cut is None else len(framed(cut)))
+            if due():
+                yield
+        self._choose(cuts, small)
+
+    def _choose(self, cuts: list[Entry | None], small: list[int]) -> None:
+        """Leave off whole records, in order, until the cut ones fit; then put
+        back whole the cut ones that still fit, the other way round."""
+        entries = self.entries
+        total = sum(small)
+        events = [i for i, entry in enumerate(entries) if isinstance(entry, EventRecord)]
+        rows = [i for i, entry in enumerate(entries) if isinstance(entry, RowRecord)]
+        spared = {0, *events[-1:], *rows}  # the header, the newest event, the jobs' rows
+        order = sorted(range(len(entries)), key=lambda i: (*_first_left_off(entries[i]), i))
+        kept = [True] * len(entries)
+        for index in order:
+            if total <= self.target:
+                break
+            if index not in spared:
+                kept[index] = False
+                total -= small[index]
+        whole = [cut is None for cut in cuts]
+        for index in reversed(order):
+            grown = total - small[index] + self.sizes[index]
+            if kept[index] and not whole[index] and grown <= self.target:
+                whole[index], total = True, grown
+        self.chosen = [
+            entry if whole[index] else cuts[index] or entry
+            for index, entry in enumerate(entries)
+            if kept[index]
+        ]
+        self.left = sum(self.sizes) - total
+
+
+class _Whole:
+    """A whole write of the file: ``entries`` framed into ``parts``, cut to fit
+    ``target`` bytes when they do not (``left``: the bytes left off), the last
+    event in it numbered ``written``."""
+
+    def __init__(self, entries: list[Entry], written: int, target: int) -> None:
+        self.entries = entries
+        self.written = written
+        self.target = target
+        self.parts = _Parts()
+        self.left = 0
+
+    def framed(self, turn: float) -> Iterator[None]:
+        """Frame it, pausing (a yield) every ``turn`` CPU seconds."""
+        yield from self.parts.framed(self.entries, turn)
+        if self.parts.size > self.target:
+            fit = _Fit(self.entries, self.parts.sizes, self.target)
+            yield from fit.run(turn)
+            self.left = fit.left
+            self.parts = _Parts()
+            yield from self.parts.framed(fit.chosen, turn)
+        self.entries = []
+
+
 class RecordFile:
-    """Reads ``path`` into ``events`` and ``incidents`` at start; writes what they
-    keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
+    """Reads ``path`` into ``events``, ``incidents`` and ``repeats`` at start;
+    writes what they keep as it changes. ``wall`` is the wall clock (an incident's window is on it);
     ``slack``, the growth allowed past twice the last whole write; ``turn``, the
-    CPU seconds a whole write is framed for before other tasks run."""
+    CPU seconds a whole write is framed for before other tasks run. ``bound`` is
+    the most the file may take (the config's ``record_bytes``, read at each
+    write), ``reserve`` the bytes of its disk the state wants left free, and
+    ``state_failing`` whether the state cannot be written now; ``metrics`` shows
+    what the file leaves off."""
 
     def __init__(
         self,
@@ -158,12 +305,22 @@ class RecordFile:
         wall: Callable[[], float] = time.time,
         slack: int = _SLACK,
         turn: float = _TURN,
+        bound: Callable[[], int] = lambda: RECORD_BYTES,
+        reserve: Callable[[], int] = lambda: 0,
+        state_failing: Callable[[], bool] = lambda: False,
+        metrics: Counters | None = None,
+        repeats: Repeats | None = None,
     ) -> None:
         self.path = path
         self._slack = slack
         self._turn = turn
+        self._bound = bound
+        self._reserve = reserve
+        self._state_failing = state_failing
+        self._metrics = Counters() if metrics is None else metrics
         self._events = events
         self._incidents = incidents
+        self._repeats = Repeats() if repeats is None else repeats
         self._wall = wall
         self._fd: int | None = None
         #: The number of the last event written.
@@ -177,6 +334,10 @@ class RecordFile:
         self._failing = False
         #: Set when a whole write, under way in a worker thread, has ended.
         self._replacing: trio.Event | None = None
+        #: No whole write before this (monotonic): the last one left records off.
+        self._next_whole = 0.0
+        #: The last whole write found no room for the file.
+        self._roomless = False
 
     # Loading.
 
@@ -184,12 +345,11 @@ class RecordFile:
         """Read the file back into the rings (before anything records an event:
         numbering goes on after the last one read). What could not be read is
         said by an event (`_report`)."""
-        events: list[EventInfo] = []
-        incidents: dict[str, StoredIncident] = {}
+        read = Read()
         try:
             with open(open_regular(self.path), "rb") as file:
                 # Record by record: what loading holds at once is one record.
-                reading = _read(file, events, incidents)
+                reading = read_records(file, read)
         except FileNotFoundError:
             return
         except NotRegular as exc:
@@ -216,13 +376,22 @@ class RecordFile:
         else:
             self._whole = False
         self._size = self._base = reading.good
-        self._events.restore(events)
-        self._incidents.restore(list(incidents.values()), self._wall())
+        self._events.restore(read.events)
+        self._incidents.restore(list(read.incidents.values()), self._wall())
+        self._repeats.restore(read.rows.values())
         self._written = self._events.last
-        log.info(logfmt("record", path=self.path, events=len(events), incidents=len(incidents)))
+        log.info(
+            logfmt(
+                "record",
+                path=self.path,
+                events=len(read.events),
+                incidents=len(read.incidents),
+                jobs=len(read.rows),
+            )
+        )
         self._report(reading, moved_to)
 
-    def _report(self, reading: _Reading, moved_to: str) -> None:
+    def _report(self, reading: Reading, moved_to: str) -> None:
         """Say what the file held that was not read back: an event of the daemon
         (``record_damaged``, ``record_cut``), and so its log line, written to the
         file with the rest."""
@@ -252,22 +421,31 @@ class RecordFile:
         task_status.started()
         while True:
             await trio.sleep(WRITE_INTERVAL if not self._failing else RETRY)
-            if self._whole or self._outgrown():
-                # Set first: an event appended while the whole file is framed would
-                # be lost with the file it replaces (`through` waits instead).
-                self._replacing = trio.Event()
-                try:
-                    entries, written = self._everything()
-                    parts = _Parts()
-                    for _ in parts.frame(entries, self._turn):
-                        await trio.lowlevel.checkpoint()
-                    if await trio.to_thread.run_sync(self._replace, parts.done()):
-                        self._wrote_whole(parts.size, written)
-                finally:
-                    self._replacing.set()
-                    self._replacing = None
+            if self._state_failing():
+                continue  # the state's own full write has the disk's room first
+            if self._whole_due():
+                await self._write_whole()
             else:
                 self._append()
+
+    async def _write_whole(self) -> None:
+        """Write the file whole, framed in turns, in a worker thread; what it was
+        framed into is let go once written (up to half of ``bound``)."""
+        # Set first: an event appended while the whole file is framed would be
+        # lost with the file it replaces (`through` waits instead).
+        self._replacing = trio.Event()
+        try:
+            whole = self._everything()
+            if whole.target <= 0:
+                self._no_room()
+                return
+            for _ in whole.framed(self._turn):
+                await trio.lowlevel.checkpoint()
+            if await trio.to_thread.run_sync(self._replace, whole.parts.done()):
+                self._wrote_whole(whole)
+        finally:
+            self._replacing.set()
+            self._replacing = None
 
     @property
     def written(self) -> int:
@@ -280,7 +458,7 @@ class RecordFile:
         number a client saw goes to another event after a crash. Returns at once
         while the disk refuses writes (numbers seen then may come again after a
         crash, as the events themselves are lost)."""
-        while self._written < seq and not self._failing:
+        while self._written < seq and not self._failing and not self._state_failing():
             if self._replacing is not None:
                 # Appended to the file being replaced, they would be lost with it.
                 await self._replacing.wait()
@@ -290,18 +468,93 @@ class RecordFile:
 
     def write_now(self) -> None:
         """Write what changed, on the spot (the daemon stops)."""
-        if self._whole or self._outgrown():
-            entries, written = self._everything()
-            parts = _Parts()
-            for _ in parts.frame(entries, math.inf):  # the daemon stops: no turns
-                pass
-            if self._replace(parts.done()):
-                self._wrote_whole(parts.size, written)
-        else:
+        if self._state_failing():
+            return
+        if not (self._whole or self._outgrown(self._cap())):
             self._append()
+            if not self._whole:
+                return  # else what changed did not fit: the file is written whole
+        whole = self._everything()
+        if whole.target <= 0:
+            self._no_room()
+            return
+        for _ in whole.framed(math.inf):  # the daemon stops: no turns
+            pass
+        if self._replace(whole.parts.done()):
+            self._wrote_whole(whole)
 
-    def _outgrown(self) -> bool:
-        return self._size > 2 * self._base + self._slack
+    def _whole_due(self) -> bool:
+        """Whether the file is to be written whole now: it must be (a write
+        failed, it was damaged or gave way), or it outgrew its bounds; not
+        sooner than `RETRY` after a whole write that left records off."""
+        if time.monotonic() < self._next_whole:
+            return False
+        return self._whole or self._outgrown(self._cap())
+
+    def _outgrown(self, cap: int) -> bool:
+        return self._size > min(2 * self._base + self._slack, cap)
+
+    def _room(self) -> int | None:
+        """What the file may take of its disk in all: what is free and what it
+        holds, less what the state wants left free (None: the disk says nothing)."""
+        try:
+            disk = os.statvfs(os.path.dirname(self.path) or ".")
+        except OSError:
+            return None
+        return disk.f_bavail * disk.f_frsize + self._size - self._reserve()
+
+    def _cap(self) -> int:
+        """The most the file may hold now: its bound, and half its room: half, so
+        that a whole write fits beside the file it replaces."""
+        room = self._room()
+        return self._bound() if room is None else max(0, min(self._bound(), room // 2))
+
+    def _target(self) -> int:
+        """What a whole write may hold: half of `_cap`, so that the file may grow
+        before the next, and no more than the room beside the file it replaces."""
+        room = self._room()
+        if room is None:
+            return self._bound() // 2
+        return min(min(self._bound(), room // 2) // 2, room - self._size)
+
+    def _no_room(self) -> None:
+        """No room beside the file for a whole write, beyond what the state wants:
+        the file gives way (its records stay in memory) until there is."""
+        self._next_whole = time.monotonic() + RETRY
+        if not self.give_way() and not self._roomless:
+            log.warning(
+                logfmt(
+                    "record_not_written",
+                    path=self.path,
+                    note="no room beyond what the timers' state needs; kept in memory",
+                )
+            )
+        self._roomless = True
+
+    def give_way(self) -> bool:
+        """The state found its disk full: this file goes, so that the state is
+        written (its records stay in memory, and are written whole, within the
+        room left, once the state is written again). Whether it freed anything."""
+        freed = 0
+        for path in (self.path, self.path + ".new"):
+            with contextlib.suppress(OSError):
+                size = os.stat(path).st_size
+                os.unlink(path)
+                freed += size
+        self.close()
+        self._whole = True
+        self._size = self._base = 0
+        if freed:
+            self._metrics.record_left_off += freed
+            log.warning(
+                logfmt(
+                    "record_dropped",
+                    path=self.path,
+                    bytes=freed,
+                    note="the timers' state needed the room; kept in memory",
+                )
+            )
+        return freed > 0
 
     def close(self) -> None:
         if self._fd is not None:
@@ -309,18 +562,41 @@ class RecordFile:
             self._fd = None
 
     def _append(self) -> None:
+        if self._state_failing():
+            return
         # Nothing new, most turns: no walk of the rings then.
         fresh = self._events.last != self._written
         events = self._events.since(self._written) if fresh else []
         changed, dropped = self._incidents.changes.take()
-        if not (events or changed or dropped):
+        rows, gone = self._repeats.take()
+        if not (events or changed or dropped or rows or gone):
             return
-        entries: Iterable[_Entry] = (
-            *(_Event(event) for event in events),
-            *(_Incident(incident) for incident in changed),
-            *(_Dropped(incident_id) for incident_id in dropped),
-        )
-        data = b"".join(map(_frame, entries))
+        # The rows first, with the events: what stops a hang that repeats, and
+        # what a reply shows.
+        first: list[Entry] = [
+            *(RowRecord(row) for row in rows),
+            *(RowDroppedRecord(uid, job) for uid, job in gone),
+            *(EventRecord(event) for event in events),
+        ]
+        news = b"".join(map(framed, first))
+        cap = self._cap()
+        # Stacks are the bulk of an incident: one that plainly does not fit is
+        # not framed (megabytes, on the loop) to find it out.
+        stacks = sum(len(rank.stack) for incident in changed for rank in incident.ranks)
+        data, fits = news, self._size + len(news) + stacks <= cap
+        if fits:
+            entries: Iterable[Entry] = (
+                *(IncidentRecord(incident) for incident in changed),
+                *(DroppedRecord(incident_id) for incident_id in dropped),
+            )
+            data += b"".join(map(framed, entries))
+        if not fits or self._size + len(data) > cap:
+            # Past its bound, or its room: the next whole write fits it. The
+            # events go now if they fit, the numbers a reply shows among them.
+            self._whole = True
+            if not (events or rows or gone) or self._size + len(news) > cap:
+                return
+            data = news
         try:
             if self._fd is None:
                 self._fd = self._open_append()
@@ -341,18 +617,20 @@ class RecordFile:
             return
         self._recovered()
 
-    def _everything(self) -> tuple[list[_Entry], int]:
-        """What the whole file holds if it is written now (copies of the records
-        as they are now: framing them may take many turns), and the last event in
-        it."""
+    def _everything(self) -> _Whole:
+        """The whole file if it is written now (copies of the records as they are
+        now: framing them may take many turns), to fit half of what it may hold."""
         self._incidents.changes.take()  # all of them are in it
+        self._repeats.take()
         events = self._events.since(0)
-        entries: list[_Entry] = [
-            _Header(SCHEMA),
-            *(_Event(event) for event in events),
-            *(_Incident(incident) for incident in self._incidents.everything()),
+        entries: list[Entry] = [
+            Header(SCHEMA),
+            # First, and never left off: what stops a hang that repeats.
+            *(RowRecord(row) for row in self._repeats.everything()),
+            *(EventRecord(event) for event in events),
+            *(IncidentRecord(incident) for incident in self._incidents.everything()),
         ]
-        return entries, self._events.last
+        return _Whole(entries, self._events.last, self._target())
 
     def _replace(self, parts: list[bytes]) -> bool:
         """Write ``parts`` as the whole file (possibly in a worker thread)."""
@@ -363,14 +641,28 @@ class RecordFile:
             return False
         return True
 
-    def _wrote_whole(self, size: int, written: int) -> None:
+    def _wrote_whole(self, whole: _Whole) -> None:
         if self._fd is not None:
             close(self._fd)  # of the file replaced
             self._fd = None
-        self._written = written
-        self._size = self._base = size
-        self._whole = False
+        self._written = whole.written
+        self._size = self._base = whole.parts.size
+        self._whole = self._roomless = False
         self._recovered()
+        was, self._metrics.record_left_off = self._metrics.record_left_off, whole.left
+        self._next_whole = time.monotonic() + RETRY if whole.left else 0.0
+        if whole.left and not was:
+            log.warning(
+                logfmt(
+                    "record_trimmed",
+                    path=self.path,
+                    kept=whole.parts.size,
+                    left_off=whole.left,
+                    note="within record_bytes and the room the state leaves; kept in memory",
+                )
+            )
+        elif was and not whole.left:
+            log.info(logfmt("record_whole", path=self.path, bytes=whole.parts.size))
 
     def _open_append(self) -> int:
         try:
@@ -380,7 +672,7 @@ class RecordFile:
             raise OSError(errno.EINVAL, f"{self.path} is {exc}") from None
         if os.fstat(fd).st_size == 0:
             try:
-                write_all(fd, _frame(_Header(SCHEMA)))
+                write_all(fd, framed(Header(SCHEMA)))
             except OSError:
                 close(fd)
                 raise
@@ -403,115 +695,3 @@ class RecordFile:
         if self._failing:
             self._failing = False
             log.info(logfmt("record_written", path=self.path))
-
-
-class _Reading(msgspec.Struct):
-    """What reading the file found: ``size`` bytes, ``read`` of them read back
-    in ``records`` records, which end at byte ``good`` (where an append goes
-    on); ``skipped`` damaged records jumped over; the first byte not read back
-    (``first_lost``, -1: none); and the first damage (None: none, though the
-    end may have been cut short)."""
-
-    size: int
-    good: int = 0
-    read: int = 0
-    records: int = 0
-    skipped: int = 0
-    first_lost: int = -1
-    problem: str | None = None
-
-    def lost(self, offset: int, problem: str | None) -> None:
-        """The bytes from ``offset`` are not read back, for ``problem``."""
-        if self.first_lost < 0:
-            self.first_lost = offset
-        if self.problem is None:
-            self.problem = problem
-
-
-def _read(
-    file: BinaryIO, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> _Reading:
-    """Read the records of ``file`` into ``events`` and ``incidents``; what was
-    read and what was not.
-
-    A record whose content does not decode, or whose checksum fails where its
-    length leads to a whole record (or to the end of the file), is jumped over:
-    a flipped byte costs that record alone. A length that leads nowhere, or a
-    schema this daemon does not read, ends the reading there."""
-    reading = _Reading(size=os.fstat(file.fileno()).st_size)
-    offset = 0
-    while offset < reading.size:
-        frame = _frame_at(file, offset)
-        if isinstance(frame, str):
-            reading.lost(offset, frame or None)
-            break
-        length, checksum, payload = frame
-        following = offset + RECORD.size + length
-        if zlib.crc32(payload) != checksum:
-            reading.lost(offset, f"bad checksum in the record at byte {offset}")
-            if not _whole_at(file, following, reading.size):
-                break
-            file.seek(following)
-            reading.skipped += 1
-        elif (problem := _entry(payload, offset, events, incidents)) is not None:
-            reading.lost(offset, problem)
-            if problem.startswith("schema"):
-                break
-            reading.skipped += 1
-        else:
-            reading.records += 1
-            reading.read += following - offset
-            reading.good = following
-        offset = following
-    return reading
-
-
-def _frame_at(file: BinaryIO, offset: int) -> tuple[int, int, bytes] | str:
-    """The record at ``offset`` (``file`` is there): its length, its checksum
-    and its payload; or why there is none: damage, or "" for a record cut short
-    by the end of the file."""
-    header = file.read(RECORD.size)
-    if len(header) < RECORD.size:
-        return ""
-    length, checksum = RECORD.unpack(header)
-    if length > _MAX_RECORD:
-        return f"a record of {length} bytes at byte {offset}"
-    payload = file.read(length)
-    if len(payload) < length:
-        return ""
-    return length, checksum, payload
-
-
-def _whole_at(file: BinaryIO, offset: int, size: int) -> bool:
-    """Whether a whole record, its checksum good, starts at ``offset`` (or the
-    file ends there)."""
-    if offset == size:
-        return True
-    if offset > size:
-        return False
-    file.seek(offset)
-    frame = _frame_at(file, offset)
-    return not isinstance(frame, str) and zlib.crc32(frame[2]) == frame[1]
-
-
-def _entry(
-    payload: bytes, offset: int, events: list[EventInfo], incidents: dict[str, StoredIncident]
-) -> str | None:
-    """Read one record's ``payload`` (its checksum good) into ``events`` or
-    ``incidents``; what is wrong with it, if anything."""
-    try:
-        entry = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return f"unreadable record at byte {offset}: {exc}"
-    match entry:
-        case _Header(schema=schema) if schema != SCHEMA:
-            return f"schema {schema}, this daemon reads {SCHEMA}"
-        case _Header():
-            pass
-        case _Event(event=event):
-            events.append(event)
-        case _Incident(incident=incident):
-            incidents[incident.info.id] = incident
-        case _Dropped(id=incident_id):
-            incidents.pop(incident_id, None)
-    return None

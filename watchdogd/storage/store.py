@@ -55,6 +55,12 @@ Invariants:
   again, and writes the whole state there.
 - Deadlines are stored on CLOCK_MONOTONIC, which keeps running while the daemon is
   down, so its downtime counts against them.
+- The state has the room it needs on its disk before anything else the daemon
+  writes there (`watchdogd.storage.room`): its journals are folded before they
+  fill a small disk, the record beside it leaves free what the state may still
+  take, and a write the disk refuses for lack of room first has the record give
+  its room back (``room.make``), and is tried once more, before the store is
+  degraded: another user's evidence never costs a timer its durability.
 """
 
 from __future__ import annotations
@@ -86,8 +92,8 @@ from .journal import (
     path_of,
     replay,
     unlinked,
-    write_all,
 )
+from .room import JOURNAL_BYTES, Room
 from .schema import Changes, Shared, boot_id
 
 __all__ = [
@@ -100,8 +106,6 @@ __all__ = [
     "default_state_path",
 ]
 
-#: A journal this large is folded into the database and a new one started.
-JOURNAL_BYTES: Final = 8 * 1024 * 1024
 #: Retries of a failing disk wait this long at first, doubling up to the maximum.
 RETRY_FIRST: Final = 0.1
 RETRY_MAX: Final = 10.0
@@ -138,7 +142,7 @@ class Store:
 
     def __init__(self, path: str, journal_bytes: int = JOURNAL_BYTES) -> None:
         self.path = path
-        self._journal_bytes = journal_bytes
+        self.room = Room(path, journal_bytes)
         self._fd: int | None = None
         self._aside = Aside()
         self._database = Database(path, self._aside, self._enter_degraded)
@@ -189,9 +193,9 @@ class Store:
         refuses writes leaves the store degraded, holding what could be read. The
         database is not written here: the journals read are folded into it by the
         background task, so a start costs one read of the state."""
-        store = cls(path, journal_bytes)
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        store = cls(path, journal_bytes)
         until = time.monotonic() + load_ahead
         stored, kind, later = store._database.read(store._shared, until)
         changes, reset, store._number = replay(
@@ -285,7 +289,7 @@ class Store:
         if fd is None:
             return None
         try:
-            write_all(fd, record)
+            self.room.append(fd, record, 0)
         except OSError as exc:
             close(fd)
             with contextlib.suppress(OSError):
@@ -337,14 +341,14 @@ class Store:
         if batch:
             record = encode(CHANGES, batch)
             try:
-                write_all(self._fd, record)
+                self.room.append(self._fd, record, self._written)
             except OSError as exc:
                 self._enter_degraded(reason(exc))
                 return
             self._written += len(record)
             if not self._rebuild:
                 self._unfolded.update(batch)
-            if self._written >= self._journal_bytes:
+            if self._written >= self.room.journal_bytes:
                 self._wakeup.set()
             if self._name_watch.stirred(self._number, self._fd) and self._journal_lost():
                 return
@@ -390,10 +394,10 @@ class Store:
             self._append_pending()
             if self.loading:
                 continue
-            if self._rebuild and self._written >= 4 * self._journal_bytes:
+            if self._rebuild and self._written >= 4 * self.room.journal_bytes:
                 self._rebase()  # the database refuses folds: keep the journals bounded
             if (
-                (self._fold_wanted or self._written >= self._journal_bytes)
+                (self._fold_wanted or self._written >= self.room.journal_bytes)
                 and not self._folding
                 and time.monotonic() >= self._fold_retry_at
             ):

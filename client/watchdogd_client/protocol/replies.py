@@ -44,6 +44,9 @@ class ErrorCode(enum.StrEnum):
     NO_SUCH_PROCESS = "no_such_process"
     #: No incident of that id is kept that the caller may see.
     NO_SUCH_INCIDENT = "no_such_incident"
+    #: The daemon knows nothing of that job of that user: no timer, no incident, no
+    #: hang of it.
+    NO_SUCH_JOB = "no_such_job"
     #: The target pid is a thread, not a process (not its thread-group leader); the
     #: message names the process it belongs to, which is what to name instead.
     NOT_A_PROCESS = "not_a_process"
@@ -185,9 +188,11 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     ``exited``, ``unkillable``, ``reloaded``, ``reload_failed``, ``verdict`` (an
     incident's verdict settled: ``outcome`` is its kind, ``note`` its sentence
     without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
-    here) or ``unblocked`` (a rank's responder cut it out of a collective: ``pid``,
-    ``job``, ``rank`` and ``incident`` are whose and why, ``outcome`` is
-    ``host_lost`` or ``peers``, ``note`` says what and why); times are Unix
+    here), ``repeating`` (a job's hang repeated: ``outcome`` is its fingerprint,
+    ``incident`` the last of them), ``repeat_reset`` (that mark cleared) or
+    ``unblocked`` (a rank's responder cut it out of a collective: ``pid``, ``job``,
+    ``rank`` and ``incident`` are whose and why, ``outcome`` is ``host_lost`` or
+    ``peers``, ``note`` says what and why); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
     ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
     policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
@@ -396,7 +401,9 @@ class Verdict(Struct, frozen=True, kw_only=True, omit_defaults=True):
     (``flight_recorder``, ``stacks``), ``text`` says it in one sentence, and
     ``settled`` that every host has reported or the incident's window has closed.
     ``groups`` (``undecided``) lists each frame the ranks wait in with the ranks
-    there."""
+    there. ``fingerprint`` names the hang of a verdict that names culprits: the
+    same on every host and in every run of the job that hangs the same way
+    (`HangsReply`)."""
 
     kind: str
     basis: str = ""
@@ -405,6 +412,7 @@ class Verdict(Struct, frozen=True, kw_only=True, omit_defaults=True):
     text: str = ""
     settled: bool = False
     groups: list[str] = []
+    fingerprint: str = ""
 
 
 class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -427,6 +435,14 @@ class IncidentInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: How many ranks the incident has, when ``ranks`` is left out (a listing).
     count: int = 0
     verdict: Verdict | None = None
+    #: Bytes of evidence the daemon no longer keeps of it: trimmed to its
+    #: owner's budget (the daemon's ``incident_bytes_per_uid``), stacks first.
+    trimmed: int = 0
+    #: Whether its hang counts toward its job's repeats (`HangsReply`): ``counted``,
+    #: else why not; "" until its verdict settles.
+    repeat: str = ""
+    #: Its job is marked repeating, on this incident's fingerprint.
+    repeating: bool = False
 
 
 class IncidentsReply(Reply, tag="incidents", frozen=True, kw_only=True):
@@ -439,6 +455,55 @@ class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
     """Answer to `Incident`."""
 
     incident: IncidentInfo
+
+
+class HangInfo(Struct, frozen=True, kw_only=True):
+    """One hang counted toward a job's repeats: its incident, when it opened (Unix
+    seconds) and its verdict's fingerprint."""
+
+    incident: str
+    time: float
+    fingerprint: str
+
+
+class FingerprintInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a fingerprint stands for: the verdict's ``kind``, the collective's
+    ``op`` and ``group``, and the culprits' ``frames`` (``file function``), left
+    out (``hidden``) for a caller who may not see those ranks' stacks; ``hangs``
+    of the job with it within the repeat window since the last reset, the
+    ``last`` at that time (Unix seconds)."""
+
+    id: str
+    kind: str
+    op: str = ""
+    group: str = ""
+    frames: list[str] = []
+    hidden: bool = False
+    hangs: int = 0
+    last: float = 0.0
+
+
+class HangsReply(Reply, tag="hangs", frozen=True, kw_only=True):
+    """Answer to `Hangs`: the job's hangs and whether it may be restarted.
+    ``repeating`` is the fingerprint its hangs repeated ``limit`` times within
+    ``window`` seconds ("" while none did), since ``marked``; ``reset`` is when a
+    reset last cleared it (Unix seconds; 0: never). ``hangs`` are the latest it
+    counted, oldest first, ``fingerprints`` what they stand for, ``incidents``
+    the incidents of the job kept here (summaries), oldest first. ``event`` is
+    the number of the latest event about its repeats (0: none)."""
+
+    job: str
+    uid: int
+    user: str = ""
+    repeating: str = ""
+    marked: float = 0.0
+    reset: float = 0.0
+    limit: int = 0
+    window: float = 0.0
+    hangs: list[HangInfo] = []
+    fingerprints: list[FingerprintInfo] = []
+    incidents: list[IncidentInfo] = []
+    event: int = 0
 
 
 class Responding(Reply, tag="responding", frozen=True, kw_only=True):
@@ -466,6 +531,7 @@ ReplyMessage = (
     | WhyReply
     | IncidentsReply
     | IncidentReply
+    | HangsReply
     | Responding
     | Error
 )

@@ -188,6 +188,16 @@ class Incident(Request, tag="incident", frozen=True, kw_only=True):
     incident: Annotated[str, Meta(min_length=1, max_length=128)]
 
 
+class Hangs(Request, tag="hangs", frozen=True, kw_only=True):
+    """A job's hangs and whether it may be restarted (`HangsReply`); with ``reset``,
+    after its repeating mark is cleared (a fix went in). A job is its owner's:
+    ``uid`` (root only) names another user's; by default the caller's own."""
+
+    job: Job
+    uid: Annotated[int, Meta(ge=0, le=2**32 - 1)] | None = None
+    reset: bool = False
+
+
 class Respond(Request, tag="respond", frozen=True, kw_only=True):
     """On a responder's connection, after `Hello`: this process (the kernel says
     which) answers `EvidenceWanted`, and is a rank of ``job`` (None: of none).
@@ -242,6 +252,7 @@ RequestMessage = (
     | Why
     | Incidents
     | Incident
+    | Hangs
     | Respond
     | Evidence
     | Unblocked
