@@ -24,7 +24,7 @@ CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidenc
         "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
         "incidents", "lifecycle", "logline", "pages", "policies", "ports", "ranks", "repeats",
         "responders", "rules", "service", "session", "shares", "starvation", "timers",
-        "tomlkeys", "verdict")  # fmt: skip
+        "tomlkeys", "unblocks", "verdict", "viewing")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

@@ -19,9 +19,9 @@ Invariants the daemon and the client both rely on:
 
 Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
 daemon answers, and the codes of its refusals), `protocol.evidence` (what a
-worker's responder answers from inside it) and `protocol.frames` (framing, the
-bounds on a frame, one decoder per direction). Every name is imported from here, by
-the daemon and the clients alike.
+worker's responder answers from inside it, and what it is asked to unblock) and
+`protocol.frames` (framing, the bounds on a frame, one decoder per direction).
+Every name is imported from here, by the daemon and the clients alike.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from .evidence import (
     Frame,
     GroupState,
     ThreadStack,
+    UnblockOutcome,
+    UnblockWanted,
 )
 from .frames import (
     HEADER_SIZE,
@@ -41,6 +43,7 @@ from .frames import (
     MAX_REPLY_FRAME,
     MAX_REQUEST_FRAME,
     FrameReader,
+    Wanted,
     decode_for_responder,
     decode_reply,
     decode_request,
@@ -113,6 +116,7 @@ from .requests import (
     Status,
     Suggest,
     Timeout,
+    Unblocked,
     Why,
 )
 
@@ -188,7 +192,11 @@ __all__ = [
     "ThreadStack",
     "Timeout",
     "TimerInfo",
+    "UnblockOutcome",
+    "UnblockWanted",
+    "Unblocked",
     "Verdict",
+    "Wanted",
     "Welcome",
     "Why",
     "WhyReply",
