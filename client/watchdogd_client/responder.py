@@ -15,7 +15,10 @@ each connection it
    of the timer that started it (by default from the environment,
    `watchdogd_client.arming.job_of`), and reads `Responding`;
 3. answers every `EvidenceWanted` with `Evidence` for the same ``ask``
-   (`take_evidence`), for as long as the connection lasts, reading the daemon's
+   (`take_evidence`), and every `UnblockWanted` with `Unblocked`
+   (`watchdogd_client.unblocking.unblock`: the process is cut out of the
+   collective it waits in only where its own Flight Recorder confirms the
+   request's bounds), for as long as the connection lasts, reading the daemon's
    `Responding` to each without waiting for it.
 
 It also makes sure that no release of an ``expires()`` block is lost
@@ -46,6 +49,8 @@ Invariants:
   imported ``torch.distributed`` and initialised it.
 - ``WATCHDOGD_RESPONDER=0`` (`watchdogd_client.switches.RESPONDER`), or a timer armed
   by a client made with ``responder=False``, means the process has none.
+  ``WATCHDOGD_UNBLOCK=0`` (`watchdogd_client.switches.UNBLOCK`) keeps the responder
+  but says in `Respond` that it does not unblock: the daemon never asks it to.
 """
 
 from __future__ import annotations
@@ -71,15 +76,19 @@ from .protocol import (
     Acquire,
     ErrorCode,
     Evidence,
-    EvidenceWanted,
     Release,
     Released,
     Respond,
     Responding,
+    Unblocked,
+    UnblockOutcome,
+    UnblockWanted,
+    Wanted,
     Welcome,
 )
-from .switches import RESPONDER, env_switch
+from .switches import RESPONDER, UNBLOCK, env_switch
 from .trust import vet
+from .unblocking import unblock
 
 __all__ = [
     "Responder",
@@ -124,6 +133,8 @@ class Responder:
         self.place = find_socket(socket_path)
         self.socket_path = self.place.path
         self.labels = labels
+        #: Whether the daemon may ask it to unblock its process (`UNBLOCK`).
+        self.unblocks = env_switch(UNBLOCK, default=True)
         self.pid = os.getpid()
         # An engine of its own: its ids and its version are this connection's alone.
         self._engine = Engine(
@@ -272,6 +283,7 @@ class Responder:
             rank=labels.rank,
             local_rank=labels.local_rank,
             group_rank=labels.group_rank,
+            unblock=self.unblocks,
         )
         try:
             self._exchange(sock, connection, connection.hello_id, connection.hello).result(Welcome)
@@ -341,20 +353,52 @@ class Responder:
                 releases.settle(token, answer.error)
         return rest
 
-    def _answer(self, sock: socket.socket, connection: Connection, wanted: EvidenceWanted) -> None:
+    def _answer(self, sock: socket.socket, connection: Connection, wanted: Wanted) -> None:
         if connection.state != "open":
             return
         request_id = self._engine.next_id()
-        try:
-            evidence = take_evidence(request_id, wanted.ask)
-        except Exception as exc:
-            # A fault in taking it must not end the responder (nor print in the
-            # worker's output): the daemon hears what went wrong instead.
-            note = f"no evidence: {exc!r}"[:MAX_NOTE]
-            evidence = Evidence(id=request_id, ask=wanted.ask, note=note)
-        frame = connection.send(evidence, Responding)
+        answer: Evidence | Unblocked
+        if isinstance(wanted, UnblockWanted):
+            answer = self._unblock(request_id, wanted)
+        else:
+            try:
+                answer = take_evidence(request_id, wanted.ask)
+            except Exception as exc:
+                # A fault in taking it must not end the responder (nor print in the
+                # worker's output): the daemon hears what went wrong instead.
+                note = f"no evidence: {exc!r}"[:MAX_NOTE]
+                answer = Evidence(id=request_id, ask=wanted.ask, note=note)
+        frame = connection.send(answer, Responding)
         with self._send_lock:
             sock.sendall(frame)
+
+    def _unblock(self, request_id: int, wanted: UnblockWanted) -> Unblocked:
+        """Answer ``wanted``, cutting the process out of its collective where its
+        Flight Recorder confirms the request; the worker's log says so when it
+        does, since the exception its program sees next names only a peer."""
+        if not self.unblocks:  # a daemon that asks all the same
+            note = "this process does not unblock (WATCHDOGD_UNBLOCK)"
+            outcome = UnblockOutcome.FAILED
+            return Unblocked(id=request_id, ask=wanted.ask, outcome=outcome, note=note)
+        try:
+            answer = unblock(request_id, wanted)
+        except Exception as exc:
+            note = f"not cut: {exc!r}"[:MAX_NOTE]
+            outcome = UnblockOutcome.FAILED
+            return Unblocked(id=request_id, ask=wanted.ask, outcome=outcome, note=note)
+        if answer.outcome == UnblockOutcome.UNBLOCKED and answer.collective is not None:
+            collective = answer.collective
+            log.warning(
+                "watchdogd cut this process out of %s #%d of group %s after %.1f s "
+                "(%d connections shut or groups aborted): %s",
+                collective.op,
+                collective.seq,
+                collective.group,
+                answer.waited,
+                answer.cut,
+                wanted.reason or "its daemon asked",
+            )
+        return answer
 
     def _close(self) -> None:
         with self._send_lock:

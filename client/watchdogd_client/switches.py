@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Final
 
-__all__ = ["DISABLE", "FAST", "RESPONDER", "env_switch", "parse_switch"]
+__all__ = ["DISABLE", "FAST", "RESPONDER", "UNBLOCK", "env_switch", "parse_switch"]
 
 log = logging.getLogger("watchdogd_client")
 
@@ -25,6 +25,9 @@ RESPONDER: Final = "WATCHDOGD_RESPONDER"
 #: On unless turned off: a registered scope's blocks arm and release by stores
 #: into the process's slot page (`watchdogd_client.fastpath`).
 FAST: Final = "WATCHDOGD_FAST"
+#: On unless turned off: the responder lets its daemon cut the process out of a
+#: collective its Flight Recorder says it is stuck in (`watchdogd_client.unblocking`).
+UNBLOCK: Final = "WATCHDOGD_UNBLOCK"
 
 _ON: Final = frozenset({"1", "true", "yes", "on"})
 _OFF: Final = frozenset({"0", "false", "no", "off", ""})

@@ -3,7 +3,9 @@ on this machine stand in for two hosts. A plain-Python job of three ranks, ranks
 and 2 on host-a, rank 1 on host-b; ranks 0 and 1 wait under timers that expire
 together, so each host opens an incident of its own a moment apart; rank 2 is stuck
 elsewhere, outside any block. Both hosts keep the same one incident, with every
-rank once, and the same verdict naming rank 2."""
+rank once, and the same verdict naming rank 2. And a culprit hung inside its block
+on one host while the other host's ranks wait outside any block, holding no timer:
+the other host gathers their evidence all the same."""
 
 from __future__ import annotations
 
@@ -43,15 +45,15 @@ def two_hosts(
     return daemons_of(etcd, root, CONFIG, HOSTS)
 
 
-def verdict_on(daemon: RunningDaemon) -> IncidentInfo | None:
-    """The one incident ``daemon`` keeps, once it has all three ranks and a settled
-    verdict; None before."""
+def verdict_on(daemon: RunningDaemon, ranks: int = 3) -> IncidentInfo | None:
+    """The one incident ``daemon`` keeps, once it has all its ``ranks`` and a
+    settled verdict; None before."""
     listed = incidents(daemon.socket_path)
     if len(listed) != 1:
         return None
     incident = whole(daemon.socket_path, listed[0].id)
     settled = incident.verdict is not None and incident.verdict.settled
-    return incident if len(incident.ranks) == 3 and settled else None
+    return incident if len(incident.ranks) == ranks and settled else None
 
 
 def test_two_hosts_converge_on_one_incident_and_one_verdict(
@@ -103,6 +105,51 @@ def test_two_hosts_converge_on_one_incident_and_one_verdict(
             for daemon in (a, b):
                 other = whole(daemon.socket_path, on_a.id)
                 assert other.id == on_a.id
+        finally:
+            for rank in ranks:
+                reap(rank)
+
+
+def test_ranks_that_only_respond_give_their_evidence_to_another_hosts_incident(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """Ranks 0 and 1 on host-a wait in the collective outside any block (they hold
+    no timer: only their responders say they are ranks of the job); rank 2 hangs in
+    its block on host-b, beside rank 3, which waits as 0 and 1 do. host-a acts on
+    host-b's incident with no timer of the job to run a policy on: it asks its
+    ranks' responders, and the verdict on both hosts names rank 2."""
+    with two_hosts(own_etcd, tmp_path) as (a, b):
+        job = "run-outside"
+        ranks = [
+            start_job_rank(a.socket_path, job, 0, 0, "outside"),
+            start_job_rank(a.socket_path, job, 1, 0, "outside"),
+            start_job_rank(b.socket_path, job, 3, 0, "outside"),
+        ]
+        try:
+            wait_until(
+                lambda: all(["root", job] in registered(own_etcd, host) for host in HOSTS),
+                what="both hosts' jobs in etcd",
+            )
+            ranks.append(start_job_rank(b.socket_path, job, 2, 2.0, "hangs"))
+            seen: dict[str, IncidentInfo] = {}
+
+            def both() -> bool:
+                for daemon, host in ((a, "host-a"), (b, "host-b")):
+                    incident = verdict_on(daemon, 4)
+                    verdict = None if incident is None else incident.verdict
+                    if incident is not None and verdict is not None and verdict.kind == "odd_frame":
+                        seen[host] = incident
+                return len(seen) == 2
+
+            wait_until(both, what="the culprit named on both hosts", timeout=30)
+            for incident in seen.values():
+                assert all(rank.state == "done" for rank in incident.ranks), incident.ranks
+                given = {rank.rank: rank.evidence for rank in incident.ranks}
+                assert given == {0: "worker", 1: "worker", 2: "worker", 3: "worker"}
+                verdict = incident.verdict
+                assert verdict is not None
+                assert [(c.host, c.rank) for c in verdict.culprits] == [("host-b", 2)]
+                assert "read_shard" in verdict.text
         finally:
             for rank in ranks:
                 reap(rank)

@@ -1,6 +1,7 @@
 """A daemon played by the test on a real Unix socket: it speaks the protocol as far
-as a client and a responder need (hello, acquire, release, ping, respond, evidence),
-and lets the test do what the daemon decides: ask a responder for evidence, close
+as a client and a responder need (hello, acquire, release, ping, respond, evidence,
+unblocked), and lets the test do what the daemon decides: ask a responder for
+evidence or to unblock its process, close
 its connection, refuse a protocol version, or listen as another user (an impostor
 in a directory of its own making among them)."""
 
@@ -38,6 +39,8 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Respond,
     Responding,
+    Unblocked,
+    UnblockWanted,
     Welcome,
     decode_request,
     encode_frame,
@@ -59,6 +62,7 @@ class ResponderLine:
         self.respond = respond
         self.pid = conn.pid
         self.evidence: queue.Queue[Evidence] = queue.Queue()
+        self.unblocked: queue.Queue[Unblocked] = queue.Queue()
         #: Set when the connection ended, from either side.
         self.ended = threading.Event()
 
@@ -68,6 +72,13 @@ class ResponderLine:
         evidence = self.evidence.get(timeout=timeout)
         assert evidence.ask == ask
         return evidence
+
+    def unblock(self, wanted: UnblockWanted, timeout: float = PATIENCE) -> Unblocked:
+        """Send ``wanted`` and wait for the `Unblocked` that answers it."""
+        self._conn.send(wanted)
+        answer = self.unblocked.get(timeout=timeout)
+        assert answer.ask == wanted.ask
+        return answer
 
     def close(self) -> None:
         """End the connection, as a daemon that stops does."""
@@ -89,7 +100,7 @@ class _Served:
         self._hello: Hello | None = None
         self.thread = threading.Thread(target=self.serve, daemon=True)
 
-    def send(self, message: Reply | EvidenceWanted) -> None:
+    def send(self, message: Reply | EvidenceWanted | UnblockWanted) -> None:
         with self._send_lock, contextlib.suppress(OSError):
             self.sock.sendall(encode_frame(message))
 
@@ -147,6 +158,10 @@ class _Served:
                 self.send(Responding(id=request.id))
                 assert self.line is not None, "evidence from a connection that never sent Respond"
                 self.line.evidence.put(request)
+            case Unblocked():
+                self.send(Responding(id=request.id))
+                assert self.line is not None, "an answer from a connection that never sent Respond"
+                self.line.unblocked.put(request)
             case _:
                 self.send(Error(id=request.id, code=ErrorCode.UNKNOWN_OP, message="not here"))
         return True

@@ -64,8 +64,11 @@ def gathered(socket: Path) -> bool:
 #: timer of ``argv[3]`` seconds; with ``argv[4]`` == "elsewhere" it arms a timer
 #: once (so its responder starts), then is stuck in ``read_shard`` outside any
 #: block, as a rank that never reached the collective its peers wait in; with
-#: "loads" it is stuck in ``load_batch`` instead (another hang); with "regex" it
-#: holds the GIL in a catastrophic regular expression.
+#: "outside", it waits in ``wait_in_all_reduce`` so, outside any block (a rank that
+#: protects its data loading, not its collective); with "hangs", it is stuck in
+#: ``read_shard`` inside its block; with "loads" it is stuck in ``load_batch``
+#: instead (another hang); with "regex" it holds the GIL in a catastrophic regular
+#: expression instead.
 JOB_RANK = """
     import re, sys, time
     from watchdogd_client import expires
@@ -85,15 +88,17 @@ JOB_RANK = """
     def parse_header():
         re.match(r"(a+)+$", "a" * 64 + "b")
 
-    if how == "waits":
+    if how in ("waits", "hangs"):
         with expires(after=after, scope="step", policy="rank", job=job, rank=rank):
             print("ready", flush=True)
-            wait_in_all_reduce()
+            wait_in_all_reduce() if how == "waits" else read_shard()
     with expires(after=60, scope="warmup", job=job, rank=rank):
         pass
     time.sleep(0.3)  # its responder connects and responds
     print("ready", flush=True)
-    {"elsewhere": read_shard, "loads": load_batch}.get(how, parse_header)()
+    {"elsewhere": read_shard, "outside": wait_in_all_reduce, "loads": load_batch}.get(
+        how, parse_header
+    )()
 """
 
 

@@ -12,7 +12,15 @@ import trio
 
 from watchdogd.host.process import Process, open_process
 from watchdogd.runtime.responders import Asks
-from watchdogd_client.protocol import Evidence, EvidenceWanted, FrameReader, decode_for_responder
+from watchdogd_client.protocol import (
+    Evidence,
+    EvidenceWanted,
+    FrameReader,
+    Unblocked,
+    UnblockWanted,
+    Wanted,
+    decode_for_responder,
+)
 
 from helpers.processes import reap, sleeper
 
@@ -24,12 +32,12 @@ class Connection:
     """A responder's connection as an ask sees it: the asks sent on it."""
 
     def __init__(self) -> None:
-        self.asks: list[EvidenceWanted] = []
+        self.asks: list[Wanted] = []
 
     def send_now(self, frame: bytes) -> bool:
         [body] = FrameReader(len(frame)).feed(frame)
         wanted = decode_for_responder(body)
-        assert isinstance(wanted, EvidenceWanted)
+        assert isinstance(wanted, EvidenceWanted | UnblockWanted)
         self.asks.append(wanted)
         return True
 
@@ -82,6 +90,31 @@ async def test_an_ask_goes_only_to_the_responder_of_the_process_it_names(
 
     assert await ask_beside(asks, process, answer, "incident-1") is not None
     assert [wanted.incident for wanted in connection.asks] == ["incident-1"]
+
+
+async def test_an_unblock_is_answered_by_an_unblocked_and_by_nothing_else(
+    process: Process,
+) -> None:
+    asks = Asks()
+    connection = Connection()
+    asks.attach(process, connection)
+    wanted = UnblockWanted(ask=0, waited=10, group="0", seq=3, incident="incident-2")
+
+    async def answer() -> None:
+        ask = await first_ask(connection)
+        assert not asks.answered(connection, Evidence(id=1, ask=ask))
+        assert asks.answered(connection, Unblocked(id=2, ask=ask, outcome="not_waiting"))
+
+    with trio.fail_after(BOUND / 2):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            got = await asks.unblock(process.pid, process.start_time, wanted, BOUND)
+    assert got is not None
+    assert (got.id, got.outcome) == (2, "not_waiting")
+    [sent] = connection.asks
+    assert isinstance(sent, UnblockWanted)
+    assert (sent.group, sent.seq, sent.waited, sent.incident) == ("0", 3, 10, "incident-2")
+    assert sent.ask > 0  # numbered here, whatever the caller gave
 
 
 async def test_a_responder_whose_process_has_exited_is_never_asked(

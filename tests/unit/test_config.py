@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from watchdogd.cli.watchdogd import daemon_socket_path
 from watchdogd.core.config import Config, PolicyConfig, parse_config
+from watchdogd.core.policies import Unblock
 from watchdogd.errors import ConfigError
 from watchdogd.runtime.reload import MAX_CONFIG_BYTES, load_config
 
@@ -341,3 +343,38 @@ def test_the_targets_are_named_when_one_is_wrong() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config('[policies.x]\ntarget = "slice"\n', "w.toml")
     assert "valid: 'process', 'group', 'tree', 'cgroup'" in str(caught.value)
+
+
+def test_an_unblock_step_takes_a_timeout_and_a_fallback_signal() -> None:
+    config = parse_config(
+        "[policies.keep]\n"
+        'steps = [ { dump = true }, { unblock = "peers", fallback = "TERM", timeout = 30 } ]\n'
+        "[fleet]\nunblock_after = 2.5\n",
+        "x.toml",
+    )
+    policy = config.policy_set()["keep"]
+    assert policy.steps[1] == Unblock(fallback=signal.SIGTERM, timeout=30.0)
+    assert policy.describe() == ["dump py-spy dump --pid {pid}", "unblock peers, else SIGTERM"]
+    assert config.fleet.unblock_after == 2.5
+    assert Config().fleet.unblock_after == 10.0
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [
+        ('unblock = "all"', "Invalid enum value 'all'"),
+        ('unblock = "peers", signal = "KILL"', "exactly one of signal, wait, exec, dump, unblock"),
+        ('signal = "KILL", fallback = "TERM"', "fallback applies to unblock steps only"),
+        ('unblock = "peers", fallback = "SIGTREM"', "fallback: no signal named 'SIGTREM'"),
+    ],
+)
+def test_a_wrong_unblock_step_is_refused_with_what_is_wrong(step: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"[policies.p]\nsteps = [ {{ {step} }} ]\n", "x.toml").policy_set()
+    assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize("after", ["0", "-1", "86401"])
+def test_unblock_after_is_bounded(after: str) -> None:
+    with pytest.raises(ConfigError, match=r"fleet\.unblock_after"):
+        parse_config(f"[fleet]\nunblock_after = {after}\n", "x.toml")

@@ -24,7 +24,8 @@ CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidenc
         "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
         "incidents", "lifecycle", "logline", "pages", "policies", "ports", "process_pages",
         "ranks", "repeats", "responders", "rules", "service", "session", "shares", "slot",
-        "slot_shares", "slots", "starvation", "timers", "tomlkeys", "verdict")  # fmt: skip
+        "slot_shares", "slots", "starvation", "timers", "tomlkeys", "unblocks", "verdict",
+        "viewing")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

@@ -22,11 +22,21 @@ from watchdogd.core.expiry import (
     RunHook,
     SendSignal,
     TakeDump,
+    UnblockPeers,
     WaitUntil,
     WatchExit,
     first_signal,
 )
-from watchdogd.core.policies import BUILTIN, PEER_DUMP, Dump, Exec, Policy, Signal, signal_policy
+from watchdogd.core.policies import (
+    BUILTIN,
+    PEER_DUMP,
+    Dump,
+    Exec,
+    Policy,
+    Signal,
+    Unblock,
+    signal_policy,
+)
 from watchdogd.core.timers import Run as Progress
 from watchdogd.core.timers import Timer, Watch
 from watchdogd_client.protocol import EventInfo
@@ -153,6 +163,8 @@ def drive(  # noqa: PLR0912
                 run.watched(target.alive)
             case AwaitEvidence():
                 run.evidence_in()  # the verdict settles a second later
+            case UnblockPeers(incident=incident):
+                run.unblocked(f"asked for incident {incident!r}")
             case Finish():
                 return Driven(effects, effect, recorded)
         now += 1.0
@@ -239,6 +251,19 @@ def test_dump_then_kill_dumps_first_with_the_timers_values() -> None:
     assert driven.of(ObserveLateness) == [ObserveLateness(FIRED + 4.0 - DEADLINE)]
     # Late from the deadline to the first step (the dump), not to the signal.
     assert driven.finish.event.late == FIRED + 1.0 - DEADLINE
+
+
+def test_a_culprit_kept_alive_has_its_peers_unblocked_after_its_dump() -> None:
+    keep = Policy(name="keep", steps=(Dump(), Unblock(fallback=signal.SIGTERM, timeout=5.0)))
+    driven = drive(start(keep, firing(keep, incident="inc-7")), FakeTarget())
+    (unblock,) = driven.of(UnblockPeers)
+    assert unblock == UnblockPeers(Unblock(signal.SIGTERM, 5.0), "inc-7")
+    assert driven.steps == [
+        ("dump py-spy dump --pid 42", "exit 0"),
+        ("unblock peers, else SIGTERM", "asked for incident 'inc-7'"),
+    ]
+    assert driven.outcome == "alive"  # nothing signalled it
+    assert driven.of(SendSignal) == []
 
 
 def test_an_exec_hook_runs_with_pid_and_scope_to_substitute() -> None:

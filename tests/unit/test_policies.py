@@ -96,7 +96,10 @@ def test_config_adds_and_overrides_policies() -> None:
             "policies.x.steps[0]: a step has exactly one",
         ),
         ("[policies.x]\nsteps = [{}]", "policies.x.steps[0]: a step has exactly one of signal"),
-        ("[policies.x]\nsteps = [{ wait = 1, timeout = 2 }]", "timeout applies to exec and dump"),
+        (
+            "[policies.x]\nsteps = [{ wait = 1, timeout = 2 }]",
+            "timeout applies to exec, dump and unblock",
+        ),
         (
             "[policies.x]\nsteps = [{ wiat = 1 }]",
             "policies.x.steps[0].wiat: Object contains unknown field `wiat`",

@@ -46,6 +46,9 @@ from watchdogd_client.protocol import (
     StepResult,
     ThreadStack,
     TimerInfo,
+    Unblocked,
+    UnblockWanted,
+    Wanted,
     Welcome,
     decode_for_responder,
     decode_reply,
@@ -326,23 +329,65 @@ GOLDEN = [
         ),
         id="Evidence",
     ),
+    pytest.param(
+        Respond(id=16, job="run-7", rank=3, unblock=True),
+        (
+            "0000002b85a474797065a7726573706f6e64a2696410a36a6f62a572756e2d37"
+            "a472616e6b03a7756e626c6f636bc3"
+        ),
+        id="Respond-unblock",
+    ),
+    pytest.param(
+        UnblockWanted(
+            ask=8,
+            waited=10.0,
+            group="0",
+            seq=57,
+            entered_before=12.5,
+            incident="gpu7-3fa2-2",
+            reason="host gpu8 left the fleet",
+        ),
+        (
+            "0000008488a474797065ae756e626c6f636b5f77616e746564a361736b08a677"
+            "6169746564cb4024000000000000a567726f7570a130a373657139ae656e7465"
+            "7265645f6265666f7265cb4029000000000000a8696e636964656e74ab677075"
+            "372d336661322d32a6726561736f6eb8686f73742067707538206c6566742074"
+            "686520666c656574"
+        ),
+        id="UnblockWanted",
+    ),
+    pytest.param(
+        Unblocked(
+            id=15,
+            ask=8,
+            outcome="unblocked",
+            collective=Collective(group="0", seq=57, op="gloo:all_reduce", state="scheduled"),
+            waited=12.5,
+            cut=3,
+        ),
+        (
+            "0000007c87a474797065a9756e626c6f636b6564a269640fa361736b08a76f75"
+            "74636f6d65a9756e626c6f636b6564aa636f6c6c65637469766584a567726f75"
+            "70a130a373657139a26f70af676c6f6f3a616c6c5f726564756365a573746174"
+            "65a97363686564756c6564a6776169746564cb4029000000000000a363757403"
+        ),
+        id="Unblocked",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("message", "golden"), GOLDEN)
-def test_encoding_is_pinned(message: Request | Reply | EvidenceWanted, golden: str) -> None:
+def test_encoding_is_pinned(message: Request | Reply | Wanted, golden: str) -> None:
     assert encode_frame(message).hex() == golden
 
 
 @pytest.mark.parametrize(("message", "golden"), GOLDEN)
-def test_golden_bytes_decode_to_the_message(
-    message: Request | Reply | EvidenceWanted, golden: str
-) -> None:
+def test_golden_bytes_decode_to_the_message(message: Request | Reply | Wanted, golden: str) -> None:
     body = bytes.fromhex(golden)[4:]
     decoded: object
     if isinstance(message, Request):
         decoded = decode_request(body)
-    elif isinstance(message, EvidenceWanted):
+    elif isinstance(message, EvidenceWanted | UnblockWanted):
         decoded = decode_for_responder(body)
     else:
         decoded = decode_reply(body)
@@ -364,6 +409,22 @@ def test_a_responders_connection_reads_replies_and_the_daemons_asks() -> None:
     assert decode_for_responder(wanted) == EvidenceWanted(ask=9)
     with pytest.raises(ProtocolError):
         decode_reply(wanted)  # any other connection refuses it
+    unblock = encode_frame(UnblockWanted(ask=9, waited=10))[4:]
+    assert decode_for_responder(unblock) == UnblockWanted(ask=9, waited=10)
+    with pytest.raises(ProtocolError):
+        decode_reply(unblock)
+
+
+def test_a_responder_of_before_says_nothing_of_unblocking_and_is_taken_as_not_doing_it() -> None:
+    older = msgspec.msgpack.encode({"type": "respond", "id": 3, "job": "run-7"})
+    assert decode_request(older) == Respond(id=3, job="run-7", unblock=False)
+
+
+@pytest.mark.parametrize("waited", [-1.0, math.nan, math.inf, 86_401.0])
+def test_an_unblock_is_bounded_in_time(waited: float) -> None:
+    frame = msgspec.msgpack.encode({"type": "unblock_wanted", "ask": 1, "waited": waited})
+    with pytest.raises(ProtocolError):
+        decode_for_responder(frame)
 
 
 def test_every_message_type_has_golden_bytes() -> None:
@@ -371,7 +432,7 @@ def test_every_message_type_has_golden_bytes() -> None:
     assert pinned == {
         Hello, Acquire, Release, Status, Ping, Events, Policies, Metrics,
         Welcome, Acquired, Released, StatusReply, Pong, EventsReply, PoliciesReply, MetricsReply,
-        Error, Respond, Responding, EvidenceWanted, Evidence,
+        Error, Respond, Responding, EvidenceWanted, Evidence, UnblockWanted, Unblocked,
     }  # fmt: skip
 
 

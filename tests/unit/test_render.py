@@ -55,6 +55,21 @@ def test_a_rank_says_its_role_and_what_its_policy_did() -> None:
     assert "    |" in lines  # the stack's blank line
 
 
+def test_a_rank_says_it_asked_for_its_peers_and_that_it_was_unblocked() -> None:
+    ranks = [
+        RankInfo(host="host-b", pid=41, uid=0, role="expired", scope="step", state="done", rank=2,
+                 unblock="peers"),
+        RankInfo(host="host-a", pid=42, uid=0, role="peer", scope="", state="done", rank=0,
+                 unblocked="cut out of gloo:all_reduce #5 of group 0 after waiting 10.2 s: why",
+                 unblocked_at=0.0),
+    ]  # fmt: skip
+    lines = incident_lines(incident(ranks=ranks))
+    assert "    its policy asked for the job's ranks waiting on it to be unblocked" in lines
+    [cut] = [line for line in lines if line.startswith("    unblocked at ")]
+    assert cut.endswith(": cut out of gloo:all_reduce #5 of group 0 after waiting 10.2 s: why")
+    assert any("done, unblocked" in line for line in lines)
+
+
 def test_a_lost_host_is_not_where_it_was_seen_from() -> None:
     lost = incident("host_lost", reason="host host-b left the fleet (its lease lapsed)")
     [head] = incident_lines(lost)

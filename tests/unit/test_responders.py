@@ -9,7 +9,14 @@ import pytest
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import Acquire, ErrorCode, Evidence, Respond, Responding
+from watchdogd_client.protocol import (
+    Acquire,
+    ErrorCode,
+    Evidence,
+    Respond,
+    Responding,
+    Unblocked,
+)
 
 from helpers.fakes import ALICE, BOB, FakeProcess, make_world
 
@@ -20,7 +27,9 @@ def respond(service: Service[FakeProcess], caller: Caller[FakeProcess], job: str
 
 
 def refused(
-    service: Service[FakeProcess], caller: Caller[FakeProcess], request: Respond | Evidence
+    service: Service[FakeProcess],
+    caller: Caller[FakeProcess],
+    request: Respond | Evidence | Unblocked,
 ) -> Refusal:
     with pytest.raises(Refusal) as caught:
         service.handle(request, caller, 1.0)
@@ -120,3 +129,16 @@ def test_evidence_is_taken_only_from_a_connection_that_responds() -> None:
     assert w.alice.process is not None
     assert w.service.responders.unregister(w.alice.process)  # its process exited
     assert refused(w.service, w.alice, Evidence(id=3, ask=1)).code == ErrorCode.INVALID_REQUEST
+
+
+def test_an_unblock_is_answered_only_on_a_connection_that_responds_and_said_it_unblocks() -> None:
+    w = make_world()
+    answer = Unblocked(id=1, ask=1, outcome="unblocked")
+    assert refused(w.service, w.alice, answer).code == ErrorCode.INVALID_REQUEST
+    w.service.handle(Respond(id=2, job="run-7"), w.alice, 1.0)
+    [responder] = w.service.responders.of_job(ALICE.uid, "run-7")
+    assert not responder.unblock  # a responder of before says nothing: it is never asked
+    w.service.handle(Respond(id=3, job="run-7", unblock=True), w.alice, 1.0)
+    [responder] = w.service.responders.of_job(ALICE.uid, "run-7")
+    assert responder.unblock
+    assert isinstance(w.service.handle(answer, w.alice, 1.0), Responding)

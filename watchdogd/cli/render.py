@@ -434,7 +434,7 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
                     "?" if member.rank is None else str(member.rank),
                     str(member.pid),
                     member.role,
-                    member.state,
+                    f"{member.state}, unblocked" if member.unblocked else member.state,
                     member.evidence or "-",
                     member.frame or "-",
                 )
@@ -456,6 +456,11 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
             lines.append(f"    waiting in {member.frame}")
         if member.note:
             lines.append(f"    ({member.note})")
+        if member.unblock:
+            lines.append("    its policy asked for the job's ranks waiting on it to be unblocked")
+        if member.unblocked:
+            at = "" if member.unblocked_at is None else f" at {_when(member.unblocked_at)}"
+            lines.append(f"    unblocked{at}: {member.unblocked}")
         if member.flight:
             lines.append("    flight recorder:")
             lines += [f"      {line}" for line in flight_text(member.flight).splitlines()]

@@ -34,6 +34,7 @@ from .incidents import IncidentLog
 from .ports import P
 from .responders import Responders
 from .timers import Expired, TimerTable
+from .unblocks import PEERS, Unblocks
 
 
 class Publisher(Protocol):
@@ -56,9 +57,15 @@ class FleetBridge(Generic[P]):
         wall: Callable[[], float],
         daemon_pid: int,
         responders: Responders | None = None,
+        unblocks: Unblocks | None = None,
     ) -> None:
         self._table = table
         self._responders = Responders() if responders is None else responders
+        self._unblocks = (
+            Unblocks(incidents, self._responders, events, metrics, wall=wall, waited=10.0)
+            if unblocks is None
+            else unblocks
+        )
         self._firing = firing
         self._incidents = incidents
         self._events = events
@@ -172,26 +179,36 @@ class FleetBridge(Generic[P]):
         to local uids already. When a new expired rank came with them (an expiry there
         joined the incident: a job restarted within the window hung again), the
         job's local processes the incident does not list yet get the peer policy,
-        as a local expiry would give them."""
-        if not self._incidents.merge_ranks(incident_id, host, ranks):
-            return []
+        as a local expiry would give them. When one of them asks for its peers to
+        be unblocked, this host's ranks are owed it once the verdict here names
+        their collective (`watchdogd.core.unblocks`)."""
+        joined = self._incidents.merge_ranks(incident_id, host, ranks)
         kept = self._incidents.resolve(incident_id)
+        if kept in self._incidents and any(rank.unblock == PEERS for rank in ranks):
+            # Only a reason to look: each rank's own Flight Recorder decides.
+            self._unblocks.want_remote(kept, now)
+        if not joined:
+            return []
         head = self._incidents.head(kept)
         if head is None:
             return []
         listed = self._incidents.pids(kept)
         return self._firing.peers(kept, (head.uid, head.job), None, listed, now)
 
-    def host_lost(self, host: str, user: str, jobs: Iterable[tuple[int, str]]) -> None:
-        """``host`` left the fleet without stopping (its lease lapsed): an incident
-        of kind ``host_lost`` for each of its jobs this host holds too, as (local
-        uid, job); ``user`` names each uid as the fleet does."""
+    def host_lost(self, host: str, user: str, jobs: Iterable[tuple[int, str]], now: float) -> None:
+        """``host`` left the fleet without stopping (its lease lapsed), seen at
+        ``now`` (the daemon's clock): an incident of kind ``host_lost`` for each of
+        its jobs a process here holds a timer of or responds for, as (local uid,
+        job), whose ranks here are owed a cut out of the collective they wait in
+        (`watchdogd.core.unblocks`: their own Flight Recorders decide); ``user``
+        names each uid as the fleet does."""
         for uid, job in sorted(jobs):
-            if not self._table.job_pids(uid, job):
+            if not (self._table.job_pids(uid, job) or self._responders.of_job(uid, job)):
                 continue
             note = f"host {host} left the fleet (its lease lapsed: the daemon or the host is gone)"
-            self._incidents.opened("host_lost", (uid, job), user, note, self._wall())
+            incident = self._incidents.opened("host_lost", (uid, job), user, note, self._wall())
             self._metrics.incidents += 1
+            self._unblocks.host_lost(incident, (uid, job), host, now)
 
     def fleet_rejected(self, reason: str) -> None:
         """A key read from the fleet was not taken (`watchdogd.fleet.records`)."""

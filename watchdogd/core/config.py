@@ -19,8 +19,9 @@ Policies are ``[policies.NAME]`` tables; see `watchdogd.core.policies` for what 
     starvation_cpu = 25                 # percent of one CPU (the default)
 
 A step has exactly one of ``signal`` (a name or number), ``wait`` (seconds), ``exec``
-(an argv list) or ``dump`` (true for py-spy, or an argv list); ``exec`` and ``dump``
-take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
+(an argv list), ``dump`` (true for py-spy, or an argv list) or ``unblock``
+(``"peers"``, with an optional ``fallback`` signal); ``exec``, ``dump`` and
+``unblock`` take an optional ``timeout`` (seconds, default 10). In their argv, ``{pid}`` may
 stand anywhere after the program and ``{scope}`` only after a ``--`` argument
 (`watchdogd.core.policies.check_argv`); a file that breaks this is refused.
 
@@ -60,6 +61,7 @@ from .policies import (
     Signal,
     Step,
     TargetKind,
+    Unblock,
     Wait,
     signal_number,
 )
@@ -184,6 +186,11 @@ class StepConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     wait: Annotated[float, Meta(ge=0, le=DAY)] | None = None
     exec: Annotated[list[str], Meta(min_length=1)] | None = None
     dump: bool | Annotated[list[str], Meta(min_length=1)] | None = None
+    #: ``peers``: the job's other ranks waiting in the collective the incident's
+    #: verdict names are unblocked (`watchdogd.core.unblocks`).
+    unblock: Literal["peers"] | None = None
+    #: With ``unblock``: the signal a rank here that cannot be unblocked gets instead.
+    fallback: str | int | None = None
     timeout: Annotated[float, Meta(gt=0, le=DAY)] | None = None
 
 
@@ -231,6 +238,10 @@ class FleetConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9_./-]{0,200}$")] = "/watchdogd"
     #: Seconds without this host's keepalive before the others call it lost.
     lease: Annotated[int, Meta(ge=2, le=3600)] = 10
+    #: Seconds a rank must have waited in one collective, by its own Flight
+    #: Recorder, before its responder cuts it out (`watchdogd.core.unblocks`):
+    #: longer than any collective of a healthy job takes.
+    unblock_after: Annotated[float, Meta(gt=0, le=DAY)] = 10.0
     #: TLS: the CA that signed etcd's certificate, and this host's client
     #: certificate and key.
     ca: str | None = None
@@ -320,26 +331,27 @@ def _step(step: StepConfig, where: str) -> Step:
             ("wait", step.wait),
             ("exec", step.exec),
             ("dump", step.dump),
+            ("unblock", step.unblock),
         )
         if value is not None and value is not False
     ]
     if len(kinds) != 1:
         found = ", ".join(kinds) or "none"
-        raise ConfigError(f"{where}: a step has exactly one of signal, wait, exec, dump ({found})")
+        raise ConfigError(
+            f"{where}: a step has exactly one of signal, wait, exec, dump, unblock ({found})"
+        )
     timeout = DEFAULT_STEP_TIMEOUT if step.timeout is None else step.timeout
-    if step.timeout is not None and kinds[0] not in ("exec", "dump"):
-        raise ConfigError(f"{where}: timeout applies to exec and dump steps only")
+    if step.timeout is not None and kinds[0] not in ("exec", "dump", "unblock"):
+        raise ConfigError(f"{where}: timeout applies to exec, dump and unblock steps only")
+    if step.fallback is not None and kinds[0] != "unblock":
+        raise ConfigError(f"{where}: fallback applies to unblock steps only")
     if step.signal is not None:
-        try:
-            return Signal(signal_number(step.signal))
-        except ValueError as exc:
-            # Compared without their common "SIG", which makes every name look near.
-            given = str(step.signal).upper().removeprefix("SIG")
-            close = _closest(given, [name.removeprefix("SIG") for name in SIGNAL_NAMES])
-            near = "" if close is None else f"; did you mean `SIG{close}`?"
-            raise ConfigError(f"{where}.signal: {exc}{near}") from None
+        return Signal(_signal(step.signal, f"{where}.signal"))
     if step.wait is not None:
         return Wait(step.wait)
+    if step.unblock is not None:
+        fallback = None if step.fallback is None else _signal(step.fallback, f"{where}.fallback")
+        return Unblock(fallback, timeout)
     try:
         if step.exec is not None:
             return Exec(tuple(step.exec), timeout)
@@ -348,6 +360,17 @@ def _step(step: StepConfig, where: str) -> Step:
     except ValueError as exc:
         raise ConfigError(f"{where}.{kinds[0]}: {exc}") from None
     return Dump(timeout=timeout)
+
+
+def _signal(value: str | int, where: str) -> int:
+    try:
+        return signal_number(value)
+    except ValueError as exc:
+        # Compared without their common "SIG", which makes every name look near.
+        given = str(value).upper().removeprefix("SIG")
+        close = _closest(given, [name.removeprefix("SIG") for name in SIGNAL_NAMES])
+        near = "" if close is None else f"; did you mean `SIG{close}`?"
+        raise ConfigError(f"{where}: {exc}{near}") from None
 
 
 #: The valid values of the settings that take one of a few, for error messages.

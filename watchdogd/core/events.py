@@ -54,6 +54,7 @@ _CUT: Final = "\n…[output cut]"
 _LEVELS: Final = {
     "expired": Level.WARNING,
     "extended": Level.WARNING,
+    "unblocked": Level.WARNING,
     "unkillable": Level.ERROR,
     "reload_failed": Level.ERROR,
     "state_degraded": Level.ERROR,

@@ -17,6 +17,7 @@ effect             carried out as                             observed with
 `AwaitEvidence`    waiting for an incident's ranks' evidence  `Run.evidence_in`
 `RunHook`          running an ``exec`` hook                   `Run.hooked`
 `TakeDump`         running a stack dumper                     `Run.hooked`
+`UnblockPeers`     having the job's waiting ranks unblocked   `Run.unblocked`
 `WatchExit`        watching a target sent SIGKILL             `Run.watched`
 `Finish`           recording the event; the timer leaves      (the run is over)
 =================  =========================================  ====================
@@ -56,7 +57,7 @@ from msgspec import Struct
 
 from watchdogd_client.protocol import EventInfo, StepResult
 
-from .policies import Dump, Exec, Policy, Signal, Step, Wait, placeholders, step_name
+from .policies import Dump, Exec, Policy, Signal, Step, Unblock, Wait, placeholders, step_name
 from .timers import Timer
 
 #: The name in an event of a dump step that the worker's responder gave.
@@ -118,6 +119,14 @@ class TakeDump(Struct, frozen=True):
     env: dict[str, str]
 
 
+class UnblockPeers(Struct, frozen=True):
+    """Ask for the ranks of ``incident``'s job waiting in the collective its verdict
+    names to be unblocked, as ``step`` says (`watchdogd.core.unblocks`)."""
+
+    step: Unblock
+    incident: str
+
+
 class WatchExit(Struct, frozen=True, gc=False):
     """Watch the target, sent SIGKILL, for its exit, up to ``unkillable_after``."""
 
@@ -139,6 +148,7 @@ Effect = (
     | AwaitEvidence
     | RunHook
     | TakeDump
+    | UnblockPeers
     | WatchExit
     | Finish
 )
@@ -354,6 +364,13 @@ class Run:
         self.results.append(StepResult(step=name, result=result, output=output))
         self._done()
 
+    def unblocked(self, result: str) -> None:
+        """`UnblockPeers`: what the step came to."""
+        step = self.policy.steps[self.step]
+        self._began()
+        self.results.append(StepResult(step=self._named(step), result=result))
+        self._done()
+
     def watched(self, alive: bool) -> None:
         """`WatchExit`: the target exited (``alive`` False), or outlived the watch."""
         self._watched = True
@@ -391,7 +408,7 @@ class Run:
             return _WATCH
         return self._finish(self._alive, now, wall)
 
-    def _step(self, step: Signal | Wait | Exec | Dump, first: bool, now: float) -> Effect:
+    def _step(self, step: Step, first: bool, now: float) -> Effect:
         if self._begun_at is None:
             self._begun_at = now
             if isinstance(step, Wait):
@@ -410,6 +427,8 @@ class Run:
                 return RunHook(step, self._values(), self._env())
             case Dump():
                 return TakeDump(step, self._values(), self._env())
+            case Unblock():
+                return UnblockPeers(step, self.timer.run.incident if self.timer.run else "")
             case _:
                 assert_never(step)
 

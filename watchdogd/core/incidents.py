@@ -13,7 +13,9 @@ within the window (torchrun's ``--max-restarts``) are seen too, and none twice.
 
 Each process of an incident is a `RankInfo`: ``pending`` until its policy has run,
 then ``done`` (or ``gone``, ``denied``), with the stack its dump step captured and
-the innermost frame of its main thread (`first_frame`). Incidents of other hosts
+the innermost frame of its main thread (`first_frame`); what is said of a rank
+later (it asks for its peers to be unblocked, it was cut out of its collective:
+`watchdogd.core.unblocks`) amends it (`IncidentLog.amend`). Incidents of other hosts
 of the job arrive from the fleet (`IncidentLog.merge`) and are kept beside this
 host's.
 
@@ -53,7 +55,6 @@ from watchdogd_client.protocol import (
     GroupState,
     IncidentInfo,
     RankInfo,
-    Verdict,
 )
 
 from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID, EvidenceBudget, Kept
@@ -72,7 +73,8 @@ from .ranks import (
     unread,
 )
 from .shares import Shares
-from .verdict import Decision, decide, for_viewer, nobody
+from .verdict import Decision, decide
+from .viewing import viewed
 
 #: The most processes one incident lists.
 MAX_RANKS: Final = 1024
@@ -289,7 +291,8 @@ class IncidentLog:
                     return held.info.id, False
             self._add(held, rank)
             return held.info.id, False
-        info = self._head(job, user, wall, scope=rank.scope, reason=reason, rank=rank.rank)
+        info = _head(self._new_id(), self.host, job, user, wall, scope=rank.scope, reason=reason)
+        info = msgspec.structs.replace(info, rank=rank.rank)
         incident = Kept(info, open_until=wall + self.window)
         self._keep(incident)
         self._open[job] = info.id
@@ -300,7 +303,7 @@ class IncidentLog:
     def opened(self, kind: str, job: JobKey, user: str, note: str, wall: float) -> str:
         """An incident of ``job`` that no expiry opened (``kind``, e.g.
         ``host_lost``); its id."""
-        info = self._head(job, user, wall, scope="", reason=note, kind=kind)
+        info = _head(self._new_id(), self.host, job, user, wall, scope="", reason=note, kind=kind)
         incident = Kept(info)
         self._keep(incident)
         self._listener(_whole(incident))
@@ -312,31 +315,6 @@ class IncidentLog:
         if incident is None:
             return set()
         return {rank.pid for rank in incident.ranks if rank.host == self.host}
-
-    def _head(
-        self,
-        job: JobKey,
-        user: str,
-        wall: float,
-        *,
-        scope: str,
-        reason: str,
-        rank: int | None = None,
-        kind: str = "expired",
-    ) -> IncidentInfo:
-        """A new incident of ``job`` opened on this host at ``wall``."""
-        return IncidentInfo(
-            id=self._new_id(),
-            job=job[1],
-            user=user,
-            uid=job[0],
-            host=self.host,
-            scope=scope,
-            reason=reason,
-            time=wall,
-            rank=rank,
-            kind=kind,
-        )
 
     def add(self, incident_id: str, rank: RankInfo) -> None:
         """Another process of the incident's job (a peer)."""
@@ -452,6 +430,21 @@ class IncidentLog:
             if (rank.host, rank.pid, rank.role, rank.state) == (self.host, pid, role, "pending"):
                 return incident, index
         return None
+
+    def amend(
+        self, incident_id: str, pid: int, change: Callable[[RankInfo | None], RankInfo]
+    ) -> None:
+        """This host's rank ``pid`` of the incident becomes ``change(rank)``, or
+        ``change(None)`` joins it where it lists none; published either way."""
+        incident = self._incidents.get(self.resolve(incident_id))
+        if incident is not None:
+            here = [i for i, r in enumerate(incident.ranks) if (r.host, r.pid) == (self.host, pid)]
+            if not here:
+                self._add(incident, change(None))
+                return
+            incident.ranks[here[0]] = change(incident.ranks[here[0]])
+            self._judges.judge(incident)
+            self._listener(_whole(incident))
 
     def __contains__(self, incident_id: object) -> bool:
         return incident_id in self._incidents or incident_id in self._aliases
@@ -578,7 +571,9 @@ class IncidentLog:
             msgspec.structs.replace(
                 incident.info,
                 count=len(incident.ranks),
-                verdict=_viewed(incident, self._judges.decided(incident), viewer),
+                verdict=viewed(
+                    self._judges.decided(incident), incident.ranks, incident.fingerprint, viewer
+                ),
             )
             for incident in reversed(self._incidents.values())
             if viewer in (ROOT, incident.info.uid)
@@ -618,7 +613,13 @@ class IncidentLog:
             incident.info,
             ranks=ranks,
             count=len(ranks),
-            verdict=_viewed(incident, self._judges.decided(incident), viewer, viewer_gid),
+            verdict=viewed(
+                self._judges.decided(incident),
+                incident.ranks,
+                incident.fingerprint,
+                viewer,
+                viewer_gid,
+            ),
         )
 
     def _keep(self, incident: Kept) -> None:
@@ -658,25 +659,23 @@ class IncidentLog:
             del self._open[job]
 
 
-def _viewed(
-    incident: Kept, decision: Decision | None, viewer: int, viewer_gid: int | None = None
-) -> Verdict | None:
-    """``decision`` on ``incident`` as ``viewer`` may see it: the culprits and the
-    collective, and each frame only where ``viewer`` may see that rank's stack (a
-    listing, ``viewer_gid`` None, shows frames to root alone), with the
-    fingerprint it settled with."""
-    if decision is None:
-        return None
-    if viewer == ROOT:
-        verdict = decision.verdict
-    elif viewer_gid is None:
-        verdict = for_viewer(decision, nobody)
-    else:
-        readable = {(r.host, r.pid) for r in incident.ranks if may_read(r, viewer, viewer_gid)}
-        verdict = for_viewer(decision, lambda culprit: (culprit.host, culprit.pid) in readable)
-    if incident.fingerprint:
-        return msgspec.structs.replace(verdict, fingerprint=incident.fingerprint)
-    return verdict
+def _head(
+    incident_id: str,
+    host: str,
+    job: JobKey,
+    user: str,
+    wall: float,
+    *,
+    scope: str,
+    reason: str,
+    kind: str = "expired",
+) -> IncidentInfo:
+    """A new incident of ``job`` opened on ``host`` at ``wall``."""
+    uid, name = job
+    return IncidentInfo(
+        id=incident_id, job=name, user=user, uid=uid, host=host, scope=scope, reason=reason,
+        time=wall, kind=kind,
+    )  # fmt: skip
 
 
 def _whole(incident: Kept) -> IncidentInfo:

@@ -2,7 +2,9 @@
 
 A policy is a named list of steps and a target. Steps are `Signal`, `Wait` (ends
 early once the target has exited), `Exec` (a hook from the config, never from a
-request) and `Dump` (a stack dumper). The target is the process itself, its process
+request), `Dump` (a stack dumper) and `Unblock` (the job's other ranks that wait in
+the collective the incident's verdict names are cut out of it, each by its own
+responder). The target is the process itself, its process
 group, its tree (the process and its descendants), or its cgroup (every process in
 its cgroup v2 and below it); `watchdogd.host.targets` says how each is signalled. A
 policy with a ``starvation_grace`` first judges whether the timer's process was starved rather
@@ -143,7 +145,21 @@ class Dump(Struct, frozen=True):
         return "dump " + " ".join(self.argv)
 
 
-Step = Signal | Wait | Exec | Dump
+class Unblock(Struct, frozen=True):
+    """Have the job's other ranks that wait in the collective the incident's verdict
+    names unblocked, on every host (`watchdogd.core.unblocks`), waiting up to
+    ``timeout`` seconds for the verdict to name it; a rank of this host that has no
+    responder to unblock it gets ``fallback`` (a signal number), if given."""
+
+    fallback: int | None = None
+    timeout: float = DEFAULT_STEP_TIMEOUT
+
+    def describe(self) -> str:
+        instead = "" if self.fallback is None else f", else {signal.Signals(self.fallback).name}"
+        return f"unblock peers{instead}"
+
+
+Step = Signal | Wait | Exec | Dump | Unblock
 
 
 def placeholders(pid: int, scope: str) -> dict[str, str]:

@@ -63,6 +63,8 @@ class Responder:
     rank: int | None = None
     local_rank: int | None = None
     group_rank: int | None = None
+    #: Its `Respond` said it unblocks its process when asked (`UnblockWanted`).
+    unblock: bool = False
 
 
 class Responders:
@@ -101,6 +103,7 @@ class Responders:
             rank=request.rank,
             local_rank=request.local_rank,
             group_rank=request.group_rank,
+            unblock=request.unblock,
         )
         self._by_pid[pid] = responder
         if job:

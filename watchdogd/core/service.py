@@ -65,6 +65,7 @@ from watchdogd_client.protocol import (
     Responding,
     Status,
     Suggest,
+    Unblocked,
     Why,
 )
 
@@ -90,6 +91,7 @@ from .responders import Responders
 from .rules import Rules
 from .slots import Slots
 from .timers import Expired, Timer, TimerTable
+from .unblocks import Unblocks
 from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
@@ -179,6 +181,15 @@ class Service(Generic[P]):
             on_deadline=on_deadline,
             offered=monotonic and daemon.fast_path,
         )
+        #: This host's ranks owed a cut out of the collective they wait in.
+        self.unblocks = Unblocks(
+            self.incidents,
+            self.responders,
+            self.events,
+            self.metrics,
+            wall=wall,
+            waited=config.fleet.unblock_after,
+        )
         self.expiries = Firing(
             self.rules,
             self.table,
@@ -221,6 +232,7 @@ class Service(Generic[P]):
             self.table,
             self.expiries,
             self.incidents,
+            unblocks=self.unblocks,
             responders=self.responders,
             daemon_pid=daemon_pid,
             events=self.events,
@@ -349,7 +361,7 @@ class Service(Generic[P]):
                 return self._flagged(self.pages.incidents(request, caller.peer))
             case Hangs():
                 return self.hangs.hangs(request, caller.peer)
-            case Respond() | Evidence():
+            case Respond() | Evidence() | Unblocked():
                 return self._responding(request, caller)
             case MapPage():
                 self.page_for(request, caller, now)
@@ -373,18 +385,19 @@ class Service(Generic[P]):
             )
         return page
 
-    def _responding(self, request: Respond | Evidence, caller: Caller[P]) -> Responding:
+    def _responding(self, request: Respond | Evidence | Unblocked, caller: Caller[P]) -> Responding:
         """A responder's `Respond`, which binds it to the exact process that opened
-        its connection, alive (`Arming.connecting_process`); or its `Evidence`,
-        taken only on the connection its process responds on now (whoever asked
-        for it takes it from there: `watchdogd.runtime.responders`)."""
+        its connection, alive (`Arming.connecting_process`); or its `Evidence` or
+        `Unblocked`, taken only on the connection its process responds on now
+        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
         if isinstance(request, Respond):
             process = self.arming.connecting_process(caller)
             self.responders.register(process, caller.peer.uid, request)
         elif caller.process is None or not self.responders.registered(caller.process):
             raise Refusal(
                 ErrorCode.INVALID_REQUEST,
-                "evidence is taken only on the connection a process responds on, after respond",
+                "an answer to the daemon's ask is taken only on the connection a process "
+                "responds on, after respond",
             )
         return Responding(id=request.id)
 

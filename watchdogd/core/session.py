@@ -18,9 +18,10 @@ buffer, and says when the connection must close. Invariants:
   runtime sends the reply once that event is written: `watchdogd.runtime.server`);
   a `HangsReply` carries the number of its job's latest mark or reset.
 - A connection whose `Respond` was taken is a responder's (``responder``): each
-  `Respond` taken, and each `Evidence` it sends, is answered and handed back to the
-  connection, which binds its asks to the process (`watchdogd.runtime.server`) and
-  gives the evidence to whoever asked on it (`watchdogd.runtime.responders`).
+  `Respond` taken, and each `Evidence` or `Unblocked` it sends, is answered and
+  handed back to the connection, which binds its asks to the process
+  (`watchdogd.runtime.server`) and gives the answer to whoever asked on it
+  (`watchdogd.runtime.responders`).
 - A `MapPage` that was answered is handed back too: its reply must leave with the
   page's descriptor (`watchdogd.runtime.server`).
 """
@@ -44,6 +45,7 @@ from watchdogd_client.protocol import (
     RequestMessage,
     Respond,
     Responding,
+    Unblocked,
     WhyReply,
     decode_request,
     encode_frame_into,
@@ -72,13 +74,13 @@ class Session:
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
-    ) -> bool | Events | Respond | Evidence | MapPage:
+    ) -> bool | Events | Respond | Evidence | Unblocked | MapPage:
         """Handle one frame body, appending the reply to ``out``. Returns False when
         the connection must close after ``out`` is sent, (when ``may_wait``) the
         `Events` request to answer with `answer` once an event happens or its wait
-        runs out, the `Respond` taken or the `Evidence` a responder sent, answered
-        already, or the `MapPage` whose reply (the last in ``out``) goes with a
-        descriptor."""
+        runs out, the `Respond` taken or the `Evidence` or `Unblocked` a responder
+        sent, answered already, or the `MapPage` whose reply (the last in ``out``)
+        goes with a descriptor."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -115,7 +117,7 @@ class Session:
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
-    ) -> bool | Events | Respond | Evidence | MapPage:
+    ) -> bool | Events | Respond | Evidence | Unblocked | MapPage:
         """Handle a decoded request, appending its reply to ``out``."""
         result = "ok"
         reply: ReplyMessage
@@ -155,7 +157,7 @@ class Session:
         encode_frame_into(reply, out)
         if isinstance(reply, EventsReply | WhyReply | HangsReply):
             self.shown = max(self.shown, _shown(reply))
-        if isinstance(reply, Responding) and isinstance(request, Respond | Evidence):
+        if isinstance(reply, Responding) and isinstance(request, Respond | Evidence | Unblocked):
             if isinstance(request, Respond):
                 self.responder = True
             return request

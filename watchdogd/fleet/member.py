@@ -19,11 +19,12 @@ that saves).
 
 What it does with what it sees:
 
-- Another host's incident of a job this host holds timers of (the same user's, by
-  name): the incident is kept here too, and the job's local processes get the peer
-  policy of their own timers' policies (`FleetBridge.fleet_incident`); the ranks this
-  host finds are published under the incident, and those of the other hosts are
-  merged into it, so ``watchdogctl incident`` shows the whole job on every host.
+- Another host's incident of a job this host holds (the same user's, by name): the
+  incident is kept here too, and the job's local processes get the peer policy of
+  their own timers' policies, and those that hold no timer of it but respond are
+  asked for their evidence (`FleetBridge.fleet_incident`); the ranks this host finds
+  are published under the incident, and those of the other hosts are merged into
+  it, so ``watchdogctl incident`` shows the whole job on every host.
 - A host key deleted without its ``stopped`` state (its lease lapsed: the daemon or
   the host is gone, or it was frozen): a ``host_lost`` incident on this host for
   each job the two shared (`FleetBridge.host_lost`).
@@ -507,7 +508,7 @@ class FleetMember(Generic[P]):
         for user, job in sorted(jobs & await self.held()):
             uid = await self.names.resolve_uid(user)
             if uid is not None:
-                self.core.host_lost(host, user, [(uid, job)])
+                self.core.host_lost(host, user, [(uid, job)], self._clock())
 
     async def _head_seen(self, incident: IncidentInfo, revision: int, *, initial: bool) -> None:
         # A lost host is seen by each of its peers, which opens an incident of its
@@ -525,11 +526,13 @@ class FleetMember(Generic[P]):
         if uid is None:
             return
         runs = self.core.fleet_incident(incident, uid, self._clock())
-        if runs:
+        if self.core.knows(incident.id):
             log.info(
                 logfmt("fleet_incident", incident=incident.id, host=incident.host, peers=len(runs))
             )
-            self._carry_out(runs)
+        # Even with no policy to run: the ranks here that hold no timer of the job
+        # but respond are asked for their evidence as it is carried out.
+        self._carry_out(runs)
         if self.core.knows(incident.id):
             self._follow(incident, revision)
 
@@ -544,9 +547,7 @@ class FleetMember(Generic[P]):
             # Who may read its stack here: the local user of the reader's name.
             uid = None if not reader else await self.names.resolve_uid(reader)
             ranks.append(msgspec.structs.replace(rank, reader_uid=uid, reader_gid=None))
-        runs = self.core.fleet_ranks(incident_id, host, ranks, self._clock())
-        if runs:
-            self._carry_out(runs)
+        self._carry_out(self.core.fleet_ranks(incident_id, host, ranks, self._clock()))
 
     # Helpers.
 

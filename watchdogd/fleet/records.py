@@ -71,6 +71,8 @@ MAX_SKEW: Final = 300.0
 HOST: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: At most what an `Incident` request may name, so that every incident kept can be read.
 ID: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+#: A wall time no record may pass (the year 5138): finite, unlike what JSON may say.
+MAX_WALL: Final = 1e11
 #: The largest pid Linux hands out (PID_MAX_LIMIT).
 _MAX_PID: Final = 4_194_304
 
@@ -137,6 +139,13 @@ class FleetRank(Struct, frozen=True, kw_only=True, omit_defaults=True):
     evidence: _Short = ""
     #: Its Flight Recorder's groups: what a verdict needs, no more.
     flight: Annotated[list[GroupState], Meta(max_length=MAX_GROUPS)] = []
+    #: ``peers``: its policy asked for the job's ranks waiting in the verdict's
+    #: collective to be unblocked; each host checks that with its own ranks'
+    #: Flight Recorders before it cuts any.
+    unblock: Literal["", "peers"] = ""
+    #: What its host cut it out of, and why; when (Unix seconds).
+    unblocked: _Text = ""
+    unblocked_at: Annotated[float, Meta(ge=0, le=MAX_WALL)] | None = None
     #: The fleet name of the one user besides root who may read the stack.
     reader: Annotated[str, Meta(max_length=64)] = ""
 
@@ -232,7 +241,15 @@ def decode_ranks(host: str, value: bytes) -> list[tuple[RankInfo, str]]:
             raise Rejected("mismatch", f"a rank of host {rank.host!r} under host {host}")
         if rank.reader and not fleet_user(rank.reader):
             raise Rejected("name", "a rank whose reader is not a valid name")
-        _check_text(rank.scope, rank.policy, rank.reason, rank.frame, rank.note, rank.evidence)
+        _check_text(
+            rank.scope,
+            rank.policy,
+            rank.reason,
+            rank.frame,
+            rank.note,
+            rank.evidence,
+            rank.unblocked,
+        )
         if len(rank.stack.encode()) > MAX_STACK_BYTES:
             raise Rejected("size", f"a stack over {MAX_STACK_BYTES} bytes")
         info = RankInfo(**{name: getattr(rank, name) for name in _SHARED_FIELDS})

@@ -1,4 +1,5 @@
-"""The daemon: listener, exit watcher, scheduler, executor and requests, wired together.
+"""The daemon: listener, exit watcher, scheduler, executor, unblocker and requests,
+wired together.
 
 `run` is the whole daemon and is callable in-process (tests start it in a nursery and
 cancel it). Deadlines are kept on ``clock``, by default ``time.monotonic``
@@ -70,6 +71,7 @@ from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile
+from .unblocker import Unblocker
 
 if TYPE_CHECKING:
     from ..core.counters import Counters
@@ -417,6 +419,7 @@ class Daemon:
             tick=self.scheduler.poll,
         )
         await nursery.start(self.executor.run)
+        await nursery.start(Unblocker(self.service, asks, clock=self.clock).run)
         await nursery.start(self.names.run)
         await nursery.start(self.watcher.run, self.service.process_exited)
         if self.store is not None:
@@ -459,14 +462,13 @@ class Daemon:
             page = Page(lambda: self.service.metrics_text(reader), self.clock)
             await nursery.start(serve_scrapes, self.metrics.listeners, page)
         nursery.start_soon(_settle_incidents, self.service)
-        state = "none" if self.store is None else self.store.path
         log.info(
             logfmt(
                 "listening",
                 socket=self.listener.path,
                 pid=os.getpid(),
                 version=__version__,
-                state=state,
+                state="none" if self.store is None else self.store.path,
             )
         )
         self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
@@ -495,7 +497,11 @@ class Daemon:
 
         try:
             self.fleet = FleetMember(
-                self.config.fleet, self.service.fleet, self.executor.carry_out, self.names
+                self.config.fleet,
+                self.service.fleet,
+                self.executor.carry_out,
+                self.names,
+                clock=self.clock,
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))

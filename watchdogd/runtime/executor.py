@@ -47,6 +47,11 @@ Invariants:
   share one pool (``max_dumps`` at once); every other step runs at once, so a
   queue of dumps delays no signal but the one after a dump of its own policy, and
   that one no longer than the dump step's timeout.
+- An unblock step asks for the job's waiting ranks to be unblocked, at once, and
+  then waits, up to its timeout, for the incident's verdict to name their
+  collective (the ranks are unblocked by `watchdogd.runtime.unblocker`, not here);
+  its fallback signal goes only to ranks of this host that hold a timer of the
+  job, through its pidfd, and that the timer's owner may still signal.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ from ..core.expiry import (
     RunHook,
     SendSignal,
     TakeDump,
+    UnblockPeers,
     WaitUntil,
     WatchExit,
     first_signal,
@@ -94,6 +100,7 @@ from ..logs import log
 from .gathering import Gatherer
 from .hooks import run_hook
 from .responders import Asks
+from .unblocker import unblock_step
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
 #: settles: a pass stays short, so a request waits no longer.
@@ -189,7 +196,10 @@ class Executor:
     def carry_out(self, expired: Sequence[Expired[Process] | Due[Process]]) -> None:
         """Start carrying out each expiry (or resuming it, from the step its timer
         records): send first signals now, leave the rest to `settle`. A `Due`'s
-        firing record is made once its signal is out, when it settles."""
+        firing record is made once its signal is out, when it settles. Then ask for
+        the evidence of each rank of an incident that no policy dumps (it holds no
+        timer of the job but responds: `Service.take_asks`), with ``expired`` empty
+        too: another host's incident may bring only such ranks."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for taken in expired:
             try:
@@ -372,6 +382,8 @@ class Executor:
                     return functools.partial(self._await_evidence, run, incident, until)
                 case RunHook() | TakeDump():
                     return functools.partial(self._hook, run, effect)
+                case UnblockPeers():
+                    return functools.partial(unblock_step, self._service, run, effect, self._clock)
                 case WatchExit():
                     self._watch(expiry, now + self._service.config.unkillable_after)
                     return None

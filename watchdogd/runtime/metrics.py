@@ -74,6 +74,15 @@ class _Collector(Collector):
         for kind, count in sorted(m.verdicts.items()):
             verdicts.add_metric([kind], count)
         yield verdicts
+        unblocks = CounterMetricFamily(
+            "watchdogd_unblocks",
+            "Ranks asked to be cut out of the collective they wait in, by why (host_lost, "
+            "peers) and what their responder did (unblocked, not_waiting, too_soon, ...).",
+            labels=["cause", "outcome"],
+        )
+        for (cause, outcome), count in sorted(m.unblocks.items()):
+            unblocks.add_metric([cause, outcome], count)
+        yield unblocks
         jobs = GaugeMetricFamily(
             "watchdogd_job_processes",
             "Processes holding timers of a job, by its owner's uid and job: the "

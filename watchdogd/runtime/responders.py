@@ -1,4 +1,5 @@
-"""Asking a worker's responder for evidence, and waiting for its answer.
+"""Asking a worker's responder for evidence, or to unblock its process, and waiting
+for its answer.
 
 Each responder's connection (`watchdogd.core.responders`) is bound here to the
 handle on the process that opened it (a pidfd), once its `Respond` is taken.
@@ -23,9 +24,17 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import trio
 
-from watchdogd_client.protocol import Evidence, EvidenceWanted, encode_frame
+from watchdogd_client.protocol import (
+    Evidence,
+    EvidenceWanted,
+    Unblocked,
+    UnblockWanted,
+    Wanted,
+    encode_frame,
+)
 
 from ..host.process import Process
 
@@ -46,11 +55,17 @@ class _Bound:
     channel: Channel
 
 
+#: What a responder answers an ask with.
+Answer = Evidence | Unblocked
+
+
 @dataclass(eq=False, slots=True)
 class _Waiting:
     bound: _Bound
+    #: The kind of answer the ask takes.
+    kind: type[Answer]
     done: trio.Event = field(default_factory=trio.Event)
-    answer: Evidence | None = None
+    answer: Answer | None = None
 
 
 class Asks:
@@ -90,6 +105,23 @@ class Asks:
         """The evidence the responder of process ``pid``, started at ``start_time``
         (clock ticks since boot), gives within ``timeout`` seconds; None when that
         process has none, has exited, cannot be written to now, or does not answer."""
+        answer = await self._ask(pid, start_time, EvidenceWanted(ask=0, incident=incident), timeout)
+        assert answer is None or isinstance(answer, Evidence)
+        return answer
+
+    async def unblock(
+        self, pid: int, start_time: int, wanted: UnblockWanted, timeout: float
+    ) -> Unblocked | None:
+        """What the responder of process ``pid``, started at ``start_time``, did with
+        ``wanted`` (its ``ask`` is this object's to number), said within ``timeout``
+        seconds; None as for `ask`."""
+        answer = await self._ask(pid, start_time, wanted, timeout)
+        assert answer is None or isinstance(answer, Unblocked)
+        return answer
+
+    async def _ask(
+        self, pid: int, start_time: int, wanted: Wanted, timeout: float
+    ) -> Answer | None:
         bound = self._bound.get(pid)
         # A pid and a start time name one process, and its pidfd says whether it
         # still lives: a responder bound under the pid that is of another process
@@ -97,10 +129,12 @@ class Asks:
         if bound is None or bound.process.start_time != start_time or bound.process.exited():
             return None
         ask = next(self._numbers)
-        waiting = _Waiting(bound)
+        kind = Unblocked if isinstance(wanted, UnblockWanted) else Evidence
+        waiting = _Waiting(bound, kind)
         self._waiting[ask] = waiting
         try:
-            if not bound.channel.send_now(encode_frame(EvidenceWanted(ask=ask, incident=incident))):
+            frame = encode_frame(msgspec.structs.replace(wanted, ask=ask))
+            if not bound.channel.send_now(frame):
                 return None
             with trio.move_on_after(timeout):
                 await waiting.done.wait()
@@ -108,16 +142,20 @@ class Asks:
         finally:
             self._waiting.pop(ask, None)
 
-    def answered(self, channel: Channel, evidence: Evidence) -> bool:
-        """``evidence`` came on ``channel``: taken when it answers an ask sent there
-        and still waiting, and the process asked has not exited (its answer would
-        be a forked child's that kept the socket); otherwise dropped. An ask whose
-        process has exited ends unanswered."""
-        waiting = self._waiting.get(evidence.ask)
-        if waiting is None or waiting.bound.channel is not channel:
+    def answered(self, channel: Channel, answer: Answer) -> bool:
+        """``answer`` came on ``channel``: taken when it answers an ask of its kind
+        sent there and still waiting, and the process asked has not exited (its
+        answer would be a forked child's that kept the socket); otherwise dropped.
+        An ask whose process has exited ends unanswered."""
+        waiting = self._waiting.get(answer.ask)
+        if (
+            waiting is None
+            or waiting.bound.channel is not channel
+            or not isinstance(answer, waiting.kind)
+        ):
             return False
-        del self._waiting[evidence.ask]
+        del self._waiting[answer.ask]
         if not waiting.bound.process.exited():
-            waiting.answer = evidence
+            waiting.answer = answer
         waiting.done.set()
         return waiting.answer is not None

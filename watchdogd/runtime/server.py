@@ -60,6 +60,7 @@ from watchdogd_client.protocol import (
     MapPage,
     Released,
     Respond,
+    Unblocked,
     decode_reply,
     decode_request,
     encode_frame_into,
@@ -475,7 +476,7 @@ class _Connection:
             if outcome is False:
                 await self.flush(out)
                 return False
-            if isinstance(outcome, Evidence):
+            if isinstance(outcome, Evidence | Unblocked):
                 self.context.asks.answered(self, outcome)
             elif isinstance(outcome, Respond):
                 self.respond()

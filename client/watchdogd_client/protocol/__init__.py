@@ -20,11 +20,11 @@ Invariants the daemon and the client both rely on:
 
 Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
 daemon answers, and the codes of its refusals), `protocol.evidence` (what a
-worker's responder answers from inside it), `protocol.slot_page` (the layout of the
-memory a daemon shares with one process for its blocks' stores) and
-`protocol.frames` (framing, the
-bounds on a frame, one decoder per direction). Every name is imported from here, by
-the daemon and the clients alike.
+worker's responder answers from inside it, and what it is asked to unblock),
+`protocol.slot_page` (the layout of the memory a daemon shares with one process for
+its blocks' stores) and `protocol.frames` (framing, the bounds on a frame, one
+decoder per direction). Every name is imported from here, by the daemon and the
+clients alike.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from .evidence import (
     Frame,
     GroupState,
     ThreadStack,
+    UnblockOutcome,
+    UnblockWanted,
 )
 from .frames import (
     HEADER_SIZE,
@@ -44,6 +46,7 @@ from .frames import (
     MAX_REPLY_FRAME,
     MAX_REQUEST_FRAME,
     FrameReader,
+    Wanted,
     decode_for_responder,
     decode_reply,
     decode_request,
@@ -119,6 +122,7 @@ from .requests import (
     Status,
     Suggest,
     Timeout,
+    Unblocked,
     Why,
     in_words,
 )
@@ -198,7 +202,11 @@ __all__ = [
     "ThreadStack",
     "Timeout",
     "TimerInfo",
+    "UnblockOutcome",
+    "UnblockWanted",
+    "Unblocked",
     "Verdict",
+    "Wanted",
     "Welcome",
     "Why",
     "WhyReply",

@@ -3,10 +3,13 @@
 A process that uses the client library keeps one background connection to the
 daemon, its responder. After its `Hello` it sends `Respond`, naming the job and rank
 the process belongs to; from then on the daemon may send it `EvidenceWanted` at any
-time, the protocol's one message from daemon to client, and the responder answers
-with `Evidence`: the stacks of its Python threads, read from the interpreter (no
-ptrace), and, when ``torch.distributed`` runs with its Flight Recorder on, a summary
-of it (`FlightRecord`).
+time, one of the protocol's two messages from daemon to client, and the responder
+answers with `Evidence`: the stacks of its Python threads, read from the interpreter
+(no ptrace), and, when ``torch.distributed`` runs with its Flight Recorder on, a
+summary of it (`FlightRecord`). The other, `UnblockWanted`, goes only to a
+responder whose `Respond` said it can unblock its process (``unblock``): it answers
+`Unblocked`, having cut its process out of the collective it waits in only where
+its own Flight Recorder confirms every bound the request sets.
 
 Every list and string is bounded here, and a whole `Evidence` must fit in one
 request frame (`MAX_EVIDENCE_BYTES`): the responder cuts what does not fit, the
@@ -17,6 +20,7 @@ threads. The daemon accepts an `Evidence` only on the connection it asked, for t
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Final
 
 from msgspec import Meta, Struct
@@ -109,3 +113,50 @@ class EvidenceWanted(Struct, frozen=True, kw_only=True, tag="evidence_wanted", t
 
     ask: AskId
     incident: Annotated[str, Meta(max_length=128)] = ""
+
+
+#: The longest an unblock's bounds on time may be, in seconds (a day).
+_DAY: Final = 86_400.0
+Seconds = Annotated[float, Meta(ge=0, le=_DAY)]
+
+
+class UnblockWanted(
+    Struct, frozen=True, kw_only=True, omit_defaults=True, tag="unblock_wanted", tag_field="type"
+):
+    """From the daemon, unasked, on a responder's connection whose `Respond` said
+    ``unblock``: cut this process out of the collective its own Flight Recorder
+    says it waits in, and answer `Unblocked` for ``ask``. Only a collective that
+    is still pending (entered, not completed, its entry not retired), that it has
+    waited in for ``waited`` seconds at least, of ``group`` and number ``seq``
+    when they are given (any group's, the one it has waited in longest, when
+    not), entered at least ``entered_before`` seconds ago when that is given (a
+    host it waits for was lost then: a collective entered since is not one the
+    loss holds up). ``incident`` and ``reason`` say why, for the worker's log."""
+
+    ask: AskId
+    waited: Seconds
+    group: Name | None = None
+    seq: Sequence | None = None
+    entered_before: Seconds | None = None
+    incident: Annotated[str, Meta(max_length=128)] = ""
+    reason: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class UnblockOutcome(StrEnum):
+    """What a responder did with an `UnblockWanted` (`Unblocked.outcome`)."""
+
+    #: Cut out of the collective: the call waiting in it raises in its own thread.
+    UNBLOCKED = "unblocked"
+    #: No pending collective matches the request (it completed meanwhile, or the
+    #: process waits in another, or in none).
+    NOT_WAITING = "not_waiting"
+    #: It waits in the collective, for less than ``waited`` so far: ask again
+    #: after `Unblocked.retry` seconds.
+    TOO_SOON = "too_soon"
+    #: The collective it waits in was entered after ``entered_before``.
+    ENTERED_LATER = "entered_later"
+    #: Its Flight Recorder cannot be read (torch.distributed is not running, or
+    #: records nothing): nothing confirms a wait, so nothing is cut.
+    NO_RECORDER = "no_flight_recorder"
+    #: It waits in the collective, and it could not be cut out (``note`` says why).
+    FAILED = "failed"

@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import FrameTooLarge, ProtocolError
-from .evidence import EvidenceWanted
+from .evidence import EvidenceWanted, UnblockWanted
 from .replies import ErrorCode, Reply, ReplyMessage
 from .requests import Request, RequestId, RequestMessage
 
@@ -44,15 +44,16 @@ class _Envelope(Struct):
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(RequestMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
-#: What a responder's connection receives: replies, and the daemon's one message of
-#: its own (`EvidenceWanted`).
-_responder_decoder: msgspec.msgpack.Decoder[ReplyMessage | EvidenceWanted] = (
-    msgspec.msgpack.Decoder(ReplyMessage | EvidenceWanted)
+#: What a responder's connection receives: replies, and the daemon's messages of
+#: its own (`EvidenceWanted`, `UnblockWanted`).
+Wanted = EvidenceWanted | UnblockWanted
+_responder_decoder: msgspec.msgpack.Decoder[ReplyMessage | Wanted] = msgspec.msgpack.Decoder(
+    ReplyMessage | Wanted
 )
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
-def encode_frame(message: Request | Reply | EvidenceWanted) -> bytes:
+def encode_frame(message: Request | Reply | Wanted) -> bytes:
     """Return one complete frame carrying ``message``."""
     # Encoding first and prepending the header is the quickest of the ways to make
     # one frame; `encode_frame_into` is for several frames in one buffer.
@@ -60,7 +61,7 @@ def encode_frame(message: Request | Reply | EvidenceWanted) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def encode_frame_into(message: Request | Reply | EvidenceWanted, out: bytearray) -> None:
+def encode_frame_into(message: Request | Reply | Wanted, out: bytearray) -> None:
     """Append one complete frame carrying ``message`` to ``out``.
 
     Several replies appended to one buffer go out in one send.
@@ -108,9 +109,9 @@ def decode_reply(frame: bytes) -> ReplyMessage:
         raise ProtocolError(ErrorCode.MALFORMED, f"unreadable reply from daemon: {exc}") from None
 
 
-def decode_for_responder(frame: bytes) -> ReplyMessage | EvidenceWanted:
+def decode_for_responder(frame: bytes) -> ReplyMessage | Wanted:
     """Decode one frame a responder's connection received: a reply, or the daemon's
-    `EvidenceWanted`; raises `ProtocolError` if it is neither."""
+    `EvidenceWanted` or `UnblockWanted`; raises `ProtocolError` if it is none."""
     try:
         return _responder_decoder.decode(frame)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:

@@ -208,7 +208,10 @@ class EventInfo(Struct, frozen=True, kw_only=True):
     incident's verdict settled: ``outcome`` is its kind, ``note`` its sentence
     without frames, ``incident`` its id, ``pid`` its first culprit's, 0 for none
     here), ``repeating`` (a job's hang repeated: ``outcome`` is its fingerprint,
-    ``incident`` the last of them) or ``repeat_reset`` (that mark cleared); times are Unix
+    ``incident`` the last of them), ``repeat_reset`` (that mark cleared) or
+    ``unblocked`` (a rank's responder cut it out of a collective: ``pid``, ``job``,
+    ``rank`` and ``incident`` are whose and why, ``outcome`` is ``host_lost`` or
+    ``peers``, ``note`` says what and why); times are Unix
     seconds, ``late`` is seconds from the deadline to the first step. An expiry's
     ``reason`` is ``timeout`` or ``stalled`` (its progress stopped growing for its
     policy's ``stall`` time); ``timeout`` is the timeout it was armed with and
@@ -384,6 +387,13 @@ class RankInfo(Struct, frozen=True, kw_only=True, omit_defaults=True):
     evidence: str = ""
     #: Its Flight Recorder's groups, where it has one (`GroupState`).
     flight: list[GroupState] = []
+    #: ``peers``: its policy asked that every other rank of the job waiting in the
+    #: collective the verdict names be unblocked (a step ``unblock = "peers"``).
+    unblock: str = ""
+    #: Its responder cut it out of a collective, on its host's request: what it
+    #: was cut out of, and why; and when (Unix seconds).
+    unblocked: str = ""
+    unblocked_at: float | None = None
 
 
 class Culprit(Struct, frozen=True, kw_only=True, omit_defaults=True):

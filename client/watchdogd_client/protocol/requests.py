@@ -12,7 +12,7 @@ from typing import Annotated, Final
 
 from msgspec import Meta, Struct
 
-from .evidence import MAX_THREADS, AskId, FlightRecord, ThreadStack
+from .evidence import MAX_THREADS, AskId, Collective, FlightRecord, Seconds, ThreadStack
 
 #: Protocol version. A daemon answers a client of any version from
 #: `MIN_PROTOCOL_VERSION` up to its own, and refuses one outside that range.
@@ -217,12 +217,15 @@ class Hangs(Request, tag="hangs", frozen=True, kw_only=True):
 
 class Respond(Request, tag="respond", frozen=True, kw_only=True):
     """On a responder's connection, after `Hello`: this process (the kernel says
-    which) answers `EvidenceWanted`, and is a rank of ``job`` (None: of none)."""
+    which) answers `EvidenceWanted`, and is a rank of ``job`` (None: of none).
+    With ``unblock``, it also answers `UnblockWanted` (a responder of before
+    knows no such message, and is never sent one)."""
 
     job: Job | None = None
     rank: Rank | None = None
     local_rank: Rank | None = None
     group_rank: Rank | None = None
+    unblock: bool = False
 
 
 class Evidence(Request, tag="evidence", frozen=True, kw_only=True):
@@ -242,6 +245,24 @@ class MapPage(Request, tag="map_page", frozen=True, kw_only=True):
     page: Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
 
+class Unblocked(Request, tag="unblocked", frozen=True, kw_only=True):
+    """A responder's answer to `UnblockWanted` ``ask``: its ``outcome`` (one of
+    `UnblockOutcome`'s values; a daemon takes one it does not know as
+    ``failed``), the ``collective`` its Flight Recorder says it waits in (the one
+    cut, or the one too recent to be), how long it had ``waited`` in it, after
+    how many seconds it will have waited long enough (``retry``, for
+    ``too_soon``), how many connections it shut or groups it aborted (``cut``),
+    and a ``note`` of what went wrong."""
+
+    ask: AskId
+    outcome: Annotated[str, Meta(min_length=1, max_length=32)]
+    collective: Collective | None = None
+    waited: Seconds = 0.0
+    retry: Seconds = 0.0
+    cut: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
+    note: Annotated[str, Meta(max_length=1024)] = ""
+
+
 RequestMessage = (
     Hello
     | Acquire
@@ -259,4 +280,5 @@ RequestMessage = (
     | Respond
     | Evidence
     | MapPage
+    | Unblocked
 )
