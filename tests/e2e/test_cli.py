@@ -187,11 +187,12 @@ def _has(mask: int, signum: int) -> bool:
 
 
 def _holds_sighup(pid: int) -> bool:
-    """Whether the daemon's own code blocked SIGHUP: after the exec (until then
-    the child of a vfork has every signal blocked, and restores the test's mask
-    before it execs)."""
+    """Whether the daemon's own code blocked SIGHUP, and only it: after the exec
+    (until then the child of a vfork has every signal blocked), and not while a
+    module it imports runs a subprocess (the parent of a vfork, too, blocks every
+    signal for a moment, then restores its mask, SIGHUP unblocked)."""
     started = b"-m\0watchdogd\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    return started and _has(_signals(pid, "SigBlk"), signal.SIGHUP)
+    return started and _signals(pid, "SigBlk") == 1 << (signal.SIGHUP - 1)
 
 
 def test_a_sighup_while_it_starts_is_a_reload_once_it_is_up(
