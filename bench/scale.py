@@ -10,6 +10,12 @@ Figures:
   100,000 and 1,000,000 loaded from a state file at start. Loading is how the
   large figure is taken (arming a million through the socket takes minutes:
   ``--arm-large`` does it too, the check that loading is a fair stand-in);
+- the daemon's memory per fast-path registration (`registration_memory`): 100
+  processes registering 100 scopes each, its VmRSS, RssAnon and RssShmem growth
+  per registration, and the memory the slot pages hold (their memfds' allocated
+  bytes, counted once); and 100 processes of one each, so that what a further
+  registration adds is told apart from what a process's first brings (its
+  connections, its page);
 - a root status page of 1,000 timers with 1,000,000 armed, the first one and one
   half-way through by cursor, against the first page with 1,000 armed; the first
   also once the daemon's command lines are stale (it reads each from /proc again,
@@ -26,12 +32,14 @@ Figures:
 
 The daemon runs on CPU 0 and clients on CPU 1, as in bench/run.py. Run with
 ``make bench``; ``--quick`` loads 200,000 timers where the full run loads a million
-(``--small`` and ``--large`` set both sizes).
+(``--small`` and ``--large`` set both sizes); ``--memory`` takes the memory
+figures alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import socket
@@ -58,6 +66,7 @@ from watchdogd.storage.record_file import RecordFile, record_path
 from watchdogd.storage.store import Store
 from watchdogd_client import Client
 from watchdogd_client.protocol import EventInfo, IncidentInfo, RankInfo, StepResult
+from watchdogd_client.protocol.slot_page import SLOTS
 
 HOLDERS = 1_000
 TIMEOUT = 3600.0
@@ -150,7 +159,8 @@ def ready_daemon(state: Path | None, socket_path: Path) -> Iterator[int]:
     which a non-root caller's own timers come on top of."""
     directory = socket_path.parent
     config = directory / "watchdogd.toml"
-    config.write_text("[daemon]\nmax_timers = 2_000_000\n")
+    # The registrations of `registration_memory` count against their uid's limit.
+    config.write_text("[daemon]\nmax_timers = 2_000_000\nmax_timers_per_uid = 100_000\n")
     notify_path = directory / "notify.sock"
     notify_path.unlink(missing_ok=True)
     keep = ["--no-state"] if state is None else ["--state", str(state)]
@@ -329,6 +339,130 @@ def ctl(socket_path: Path, *command: str) -> float:
     return median_time(run, 3)
 
 
+#: The memfd name of a slot page, as /proc/PID/fd shows it (`watchdogd.host.slot_pages`).
+SLOT_PAGE_LINK = "/memfd:watchdogd-slots (deleted)"
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssShmem of ``pid``, in bytes."""
+    found = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssShmem"):
+                found[name] = int(value.split()[0]) * 1024
+    return found
+
+
+def page_bytes() -> tuple[int, int]:
+    """This process's slot pages: how many, and the bytes the kernel holds for them
+    (the allocated ranges of each page's memfd: tmpfs allocates a page of memory
+    at its first write)."""
+    pages, total = 0, 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") != SLOT_PAGE_LINK:
+                continue
+            page = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+            try:
+                total += allocated(page)
+                pages += 1
+            finally:
+                os.close(page)
+    return pages, total
+
+
+def allocated(fd: int) -> int:
+    """Bytes of ``fd``'s file that hold data, by SEEK_DATA and SEEK_HOLE."""
+    total, offset, size = 0, 0, os.fstat(fd).st_size
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data past ``offset``
+            break
+        offset = os.lseek(fd, start, os.SEEK_HOLE)
+        total += offset - start
+    return total
+
+
+def registered(socket_path: Path, scopes: int, ready: int, go: int) -> None:
+    """In a worker: register ``scopes`` scopes for the fast path (the first block of
+    each arms over the socket and is granted a slot; its release is a store, which
+    records its duration in the slot's counts), say how many bytes its pages hold,
+    and keep them until ``go`` closes."""
+    with Client(socket_path) as client:
+        for index in range(scopes):
+            with client.expires(60, scope=f"registered-{index}"):
+                pass
+        pages, held = page_bytes()
+        os.write(ready, f"{pages} {held}\n".encode())
+        os.read(go, 1)
+
+
+def registration_memory(socket_path: Path, processes: int, scopes: int) -> tuple[float, ...]:
+    """A daemon without state, ``processes`` worker processes registering ``scopes``
+    scopes each: the daemon's growth of VmRSS, RssAnon and RssShmem, and the bytes
+    the pages hold (counted once, from the workers), each per registration."""
+    with ready_daemon(None, socket_path) as pid:
+        before = memory_of(pid)
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        children = []
+        for _ in range(processes):
+            child = os.fork()
+            if child == 0:
+                try:
+                    os.close(ready_r)
+                    os.close(go_w)
+                    pin(CLIENT_CPU)
+                    registered(socket_path, scopes, ready_w, go_r)
+                finally:
+                    os._exit(0)
+            children.append(child)
+        os.close(ready_w)
+        os.close(go_r)
+        with os.fdopen(ready_r) as ready:
+            found = [tuple(map(int, ready.readline().split())) for _ in range(processes)]
+            time.sleep(1)  # a look at each slot, a harvest of its counts
+            after = memory_of(pid)
+            os.close(go_w)
+        for child in children:
+            os.waitpid(child, 0)
+    count, wanted = processes * scopes, processes * -(-scopes // SLOTS)
+    pages = sum(held for _, held in found)
+    if sum(mapped for mapped, _ in found) != wanted:
+        raise RuntimeError(f"{found} pages mapped where {wanted:,} were due: not registered")
+    return (
+        *((after[key] - before[key]) / count for key in ("VmRSS", "RssAnon", "RssShmem")),
+        pages / count,
+    )
+
+
+def registration_figures(socket_path: Path, per_timer: float) -> list[Figure]:
+    """Memory per fast-path registration, 10,000 of them on 100 processes, against
+    a timer armed by requests without state (``per_timer`` bytes); and what a
+    registration adds to its process's first, from 100 processes of one each."""
+    ones = registration_memory(socket_path, 100, 1)
+    many = registration_memory(socket_path, 100, 100)
+    rss, anon, shmem, pages = many
+    marginal = (many[1] * 100 - ones[1]) / 99  # the anonymous memory per further one
+    note = "x a timer armed by requests, --no-state"
+    return [
+        Figure("fast path: daemon RSS per registration, 100 x 100", rss, "B",
+               rss / per_timer, f"{note}; connections and pages included"),
+        Figure("fast path: daemon RssAnon per registration, 100 x 100", anon, "B",
+               anon / per_timer, note),
+        Figure("fast path: daemon RssAnon per further registration", marginal, "B",
+               marginal / per_timer, f"{note}; (100 x 100 - 100 x 1) / 9,900"),
+        Figure("fast path: daemon RssShmem per registration, 100 x 100", shmem, "B",
+               shmem / per_timer, "the pages as the daemon maps them"),
+        Figure("fast path: page memory per registration, 100 x 100", pages, "B",
+               pages / per_timer, "the memfds' allocated bytes, counted once"),
+        Figure("fast path: daemon RSS per registration, 100 x 1", ones[0], "B",
+               ones[0] / per_timer, f"{note}; a process's first: its connections, its page"),
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="200,000 timers at most")
@@ -338,6 +472,11 @@ def main() -> None:
         "--arm-large",
         action="store_true",
         help="also arm the larger size through the socket (minutes at a million)",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="the memory figures alone: per timer, armed and loaded, and per registration",
     )
     options = parser.parse_args()
     small, large = options.small, 200_000 if options.quick else options.large
@@ -364,6 +503,13 @@ def main() -> None:
                 Figure(f"RSS per timer, {small:,} armed by requests, --no-state", armed,
                        "B", 1.0, f"on {HOLDERS:,} processes; the memory baseline")
             )  # fmt: skip
+            figures += registration_figures(sock, armed)
+            if options.memory:
+                state = loaded_daemon(directory, large, holders, base)
+                with ready_daemon(state, sock) as pid:
+                    figures.append(loaded_figure(rss(pid) - empty_rss, large, armed, small))
+                print_figures(figures)
+                return
             sizes = [small, large] if options.arm_large else [small]
             for size in sizes:
                 durable = armed_rss(directory / f"armed-{size}.db", sock, size, holders)
@@ -403,11 +549,7 @@ def main() -> None:
 
             state = loaded_daemon(directory, large, holders, base)
             with ready_daemon(state, sock) as pid:
-                loaded = (rss(pid) - empty_rss) / large
-                figures.append(
-                    Figure(f"RSS per timer, {large:,} loaded from the state", loaded, "B",
-                           loaded / armed, f"x armed by requests, --no-state ({small:,})")
-                )  # fmt: skip
+                figures.append(loaded_figure(rss(pid) - empty_rss, large, armed, small))
                 with Client(sock) as client:
                     first_cold, first = cold_and_warm(
                         lambda: client.status_page(limit=PAGE), rounds
@@ -471,6 +613,18 @@ def main() -> None:
                 )  # fmt: skip
     finally:
         holders.close()
+    print_figures(figures)
+
+
+def loaded_figure(grown: int, large: int, armed: float, small: int) -> Figure:
+    """RSS per timer of a daemon that grew by ``grown`` bytes loading ``large``
+    timers, against ``armed`` bytes per timer of ``small`` armed by requests."""
+    loaded = grown / large
+    return Figure(f"RSS per timer, {large:,} loaded from the state", loaded, "B",
+                  loaded / armed, f"x armed by requests, --no-state ({small:,})")  # fmt: skip
+
+
+def print_figures(figures: list[Figure]) -> None:
     width = max(len(f.name) for f in figures)
     print(f"{'figure':<{width}}  {'value':>12}  {'unit':<5} {'ratio':>8}  note")
     for f in figures:

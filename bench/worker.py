@@ -100,19 +100,25 @@ def process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def blocks(block: Callable[[], None], count: int, server: int) -> tuple[float, float, float]:
+def blocks(
+    block: Callable[[], None],
+    count: int,
+    server: int,
+    server_cpu: Callable[[int], float] = cpu_seconds,
+) -> tuple[float, float, float]:
     """Run ``block`` ``count`` times on the worker's CPU: wall seconds, this
-    process's CPU seconds and the server process's CPU seconds, per block."""
+    process's CPU seconds and the server process's CPU seconds (``server_cpu``
+    of its pid), per block."""
     pin(CLIENT_CPU)
     for _ in range(min(count, 300)):
         block()
-    wall, cpu, served = time.perf_counter(), process_cpu(), cpu_seconds(server)
+    wall, cpu, served = time.perf_counter(), process_cpu(), server_cpu(server)
     for _ in range(count):
         block()
     return (
         (time.perf_counter() - wall) / count,
         (process_cpu() - cpu) / count,
-        (cpu_seconds(server) - served) / count,
+        (server_cpu(server) - served) / count,
     )
 
 

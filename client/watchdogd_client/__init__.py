@@ -139,8 +139,11 @@ def expires(
 
     Uses ``client``, else the one given to `configure`, else `default_client()`.
     """
-    chosen = client if client is not None else default_client()
-    return chosen.expires(after, caller_scope() if scope is None else scope, **arming)
+    chosen = client or _Default.client or default_client()
+    if scope is None:
+        # Straight to the block: its scope is this caller's, made here, not given.
+        return chosen._block(after, caller_scope(), arming)
+    return chosen.expires(after, scope, **arming)
 
 
 def release() -> bool:

@@ -11,12 +11,13 @@ turns them into a request.
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack
+from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack, cast
 
 import msgspec
 
-from .protocol import Acquire, Auto
+from .protocol import Acquire, Auto, in_words
 
 __all__ = [
     "GROUP_RANK_VARIABLES",
@@ -60,25 +61,100 @@ class Arming(TypedDict, total=False):
 _PARAMETERS: Final = frozenset(Arming.__optional_keys__)
 
 
-def arming_timeout(timeout: After, arming: Arming) -> float:
+def arming_timeout(
+    timeout: object, arming: Arming, *, name: str = "timeout", maximum: float = 0.0
+) -> float:
     """The timeout an acquire sends: ``timeout``, or for ``"auto"`` its ceiling
-    (what the daemon arms until it has learned the scope).
+    (what the daemon arms until it has learned the scope), once every argument is
+    checked where it is given, before anything is sent.
 
-    Raises TypeError for a parameter that is none of `Arming`'s, and ValueError
-    for ``"auto"`` without a ceiling.
+    Raises TypeError for an argument of the wrong type or a parameter that is none
+    of `Arming`'s, and ValueError, naming the argument (``name`` for the timeout),
+    for a timeout that is not positive and finite, ``"auto"`` without a ceiling,
+    and a timeout over ``maximum`` (the daemon's ``max_timeout``, once known).
     """
+    if timeout == "auto":
+        _check_arming(arming)
+        ceiling = arming.get("ceiling")
+        if ceiling is None:
+            raise ValueError(
+                'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
+                "has seen enough releases of the scope, and the most it may choose"
+            )
+        return arming_timeout(ceiling, {}, name="ceiling", maximum=maximum)
+    seconds = _seconds(name, timeout)
+    if arming:
+        _check_arming(arming)
+    if maximum and seconds > maximum:
+        raise ValueError(
+            f"{name} is {in_words(seconds)}; the daemon arms at most {in_words(maximum)}"
+        )
+    return seconds
+
+
+def _seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """``value``, a number of seconds: TypeError unless it is one (a bool is none),
+    ValueError unless it is finite and above 0 (at least 0 with ``zero``)."""
+    # The common case, a float or an int, costs two identity checks.
+    exact = type(value) is float or type(value) is int
+    if not exact and (not isinstance(value, int | float) or isinstance(value, bool)):
+        kind = type(value).__name__
+        raise TypeError(f"{name} must be a number of seconds, not {kind} {value!r}")
+    number = cast(float, value)
+    if (number >= 0 if zero else number > 0) and number < math.inf:
+        return number
+    bound = (
+        "a finite number of seconds, 0 or more" if zero else "a positive, finite number of seconds"
+    )
+    raise ValueError(f"{name} must be {bound}, not {value!r}")
+
+
+def check_names(arming: Arming) -> None:
+    """TypeError for a keyword that is none of `Arming`'s, as Python's own for a
+    misspelt keyword argument."""
     if not _PARAMETERS.issuperset(arming):
         unknown = min(arming.keys() - _PARAMETERS)
         raise TypeError(f"unexpected keyword argument {unknown!r}")
-    if timeout != "auto":
-        return timeout
-    ceiling = arming.get("ceiling")
-    if ceiling is None:
-        raise ValueError(
-            'a timeout of "auto" needs a ceiling: the timeout armed until the daemon '
-            "has seen enough releases of the scope, and the most it may choose"
-        )
-    return ceiling
+
+
+def _check_arming(arming: Arming) -> None:
+    """Check each of the arming parameters given: its name, its type, its range."""
+    check_names(arming)
+    for key in ("policy", "job"):
+        value = arming.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TypeError(f"{key} must be a non-empty string or None, not {value!r}")
+    if "floor" in arming:
+        _seconds("floor", arming["floor"], zero=True)
+    if arming.get("ceiling") is not None:
+        _seconds("ceiling", arming.get("ceiling"))
+    check_count("rank", arming.get("rank"))
+
+
+def check_count(name: str, value: object, *, least: int = 0) -> None:
+    """TypeError unless ``value`` is None or an int (a bool is none); ValueError
+    when it is under ``least``."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or None, not {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, not {value!r}")
+
+
+def check_acquire(scope: object, pid: object, progress: object) -> None:
+    """Check an ``acquire()``'s scope, pid and progress counter."""
+    check_scope(scope)
+    check_count("pid", pid, least=1)
+    check_count("progress", progress)
+
+
+def check_scope(scope: object) -> None:
+    """TypeError unless ``scope`` is a string; ValueError when it is empty."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a string, not {type(scope).__name__} {scope!r}")
+    if not scope:
+        raise ValueError("scope must not be empty")
 
 
 def acquire_request(
@@ -89,10 +165,13 @@ def acquire_request(
     pid: int | None = None,
     progress: int | None = None,
     exit_releases: bool = False,
+    slot: bool = False,
     **arming: Unpack[Arming],
 ) -> Acquire:
     """The `Acquire` that an ``acquire()``'s arguments stand for, its job and ranks
-    taken from the environment where not given (`job_of`)."""
+    taken from the environment where not given (`job_of`); with ``slot``, asking
+    for a slot of the process's slot page (`watchdogd_client.fastpath`) when it
+    arms the caller itself, with no progress counter."""
     armed = arming_timeout(timeout, arming)
     labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
@@ -108,6 +187,7 @@ def acquire_request(
         rank=labels.rank,
         local_rank=labels.local_rank,
         group_rank=labels.group_rank,
+        slot=slot and pid is None and progress is None and not exit_releases,
     )
 
 

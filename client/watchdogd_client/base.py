@@ -13,17 +13,28 @@ import abc
 import logging
 import math
 from types import TracebackType
-from typing import Any, Unpack
+from typing import Any, Final, Unpack
 
 import msgspec
 
 from . import blocks
-from .arming import After, Arming, Handle, arming_timeout
+from .arming import (
+    After,
+    Arming,
+    Handle,
+    arming_timeout,
+    check_acquire,
+    check_names,
+    check_scope,
+)
 from .errors import WatchdogdError
+from .fastpath import FastPath
 from .protocol import DaemonInfo, TimerInfo
 from .scope import caller_scope
 
 __all__ = ["BaseClient", "DaemonStatus", "NoOpTimer", "NullClient", "Timer"]
+
+_INF: Final = math.inf
 
 log = logging.getLogger("watchdogd_client")
 
@@ -81,23 +92,71 @@ class BaseClient(abc.ABC):
         ``scope`` defaults to the caller's ``file:line`` (with ``@thread-name`` outside
         the main thread). The block gets a `Timer` to release early or renew.
         ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
-        job (see `Arming`).
+        job (see `Arming`). Every argument is checked here, before anything is
+        sent (TypeError, ValueError).
         """
-        arming_timeout(after, arming)
-        return self._handle(after, caller_scope() if scope is None else scope, arming)
+        if scope is None:
+            scope = caller_scope()
+        else:
+            check_scope(scope)
+        return self._block(after, scope, arming)
 
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
-        """The handle of an ``expires()`` block of this client's."""
+    def _block(self, after: After, scope: str, arming: Arming) -> Timer:
+        """The handle of a block of ``scope``, once ``after`` and ``arming`` are
+        checked (the common case, a number of seconds and nothing else, checked
+        inline: this runs at every block). A timeout over the daemon's maximum is
+        refused by the daemon, or by the fast path, which knows it."""
+        if (
+            arming
+            or (type(after) is not float and type(after) is not int)
+            or not 0 < after < self._limit
+        ):
+            arming_timeout(after, arming, name="after", maximum=self._maximum())
         return Timer(self, after, scope, arming)
 
+    #: The longest timeout the daemon arms, once this client knows it (infinity
+    #: until then): a longer one is refused before it is sent.
+    _limit: float = _INF
+
+    def _maximum(self) -> float:
+        """`_limit`, 0 while it is not known."""
+        return 0.0 if self._limit == _INF else self._limit
+
+    #: The fast path of this client's process (`watchdogd_client.fastpath`): a
+    #: block's handle arms and releases by stores through it where it can, and
+    #: through `_arm_block` and `_release_block` otherwise.
+    _fast: FastPath | None = None
+
+    def _arm_scope(self, scope: str, after: After, arming: Arming) -> int:
+        """Arm a block of ``scope``: by a store where its slot takes it, else over
+        the socket; the number of the arming (0 for a store, or where the daemon
+        keeps none), for `_release_scope` to name. Every block of every client
+        arms here: a handle's, the torch adapter's."""
+        fast = self._fast
+        if fast is not None and fast.arm(scope, after, arming):
+            return 0
+        return self._arm_block(scope, after, None, arming)
+
+    def _release_scope(self, scope: str, arm: int) -> None:
+        """Release a block of ``scope`` armed as ``arm``: by a store where its slot
+        takes it, else over the socket (as a stored block's, when its slot closed
+        meanwhile)."""
+        fast = self._fast
+        stored = None if fast is None else fast.release(scope)
+        if stored is None or stored == "closed":
+            self._release_block(scope, arm, stored=stored == "closed")
+
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
-        """Arm the timer of an ``expires()`` block; the number of the arming, when
-        the daemon keeps one (0 otherwise), for `_release_block` to name."""
+        """Arm the timer of an ``expires()`` block over the socket; the number of
+        the arming, when the daemon keeps one (0 otherwise), for `_release_block`
+        to name."""
         self.acquire(scope, after, progress=progress, **arming)
         return 0
 
-    def _release_block(self, scope: str, arm: int) -> None:
-        """Release the timer of an ``expires()`` block, armed as ``arm``."""
+    def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        """Release the timer of an ``expires()`` block, armed as ``arm``, over the
+        socket; ``stored``: it was armed by a store into a slot that closed since
+        (`Release.stored`)."""
         self.release(scope)
 
 
@@ -115,23 +174,29 @@ class Timer(Handle["BaseClient"]):
     __slots__ = ()
 
     def release(self) -> None:
-        """Disarm now; idempotent. The worker goes on as soon as the release is sent
-        when the process's responder can carry it (see `Client`)."""
+        """Disarm now; idempotent. The worker goes on at once: a registered scope's
+        release is a store, another's is sent without waiting when the process's
+        responder can carry it (see `Client`)."""
         if self._armed:
             self._armed = False
-            self.client._release_block(self.scope, self._arm)
+            self.client._release_scope(self.scope, self._arm)
 
     def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: the timer now expires ``after`` (default: the last timeout) from
         now; ``progress``, the work's counter, must have grown for a policy with a
         ``stall`` time to count it as alive."""
         if after is not None:
+            arming_timeout(after, self.arming, name="after", maximum=self.client._maximum())
             self.after = after
-        self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
+        if progress is None:
+            self._arm = self.client._arm_scope(self.scope, self.after, self.arming)
+        else:
+            self._arm = self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     def __enter__(self) -> Timer:
-        self.renew()
+        self._arm = self.client._arm_scope(self.scope, self.after, self.arming)
+        self._armed = True
         blocks.entered(self)
         return self
 
@@ -167,6 +232,7 @@ class NullClient(BaseClient):
         progress: int | None = None,
         **arming: Unpack[Arming],
     ) -> float:
+        check_acquire(scope, pid, progress)
         return arming_timeout(timeout, arming)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
@@ -204,8 +270,26 @@ class NoOpTimer(NullClient):
     around it.
     """
 
-    def _handle(self, after: After, scope: str, arming: Arming) -> Timer:
+    def expires(self, after: After, scope: str | None = None, **arming: Unpack[Arming]) -> Timer:
+        """A block that arms nothing: no value is checked, only the names of the
+        keywords, as Python checks them."""
+        return self._block(after, caller_scope() if scope is None else scope, arming)
+
+    def _block(self, after: After, scope: str, arming: Arming) -> Timer:
+        check_names(arming)
         return _NoOpBlock(self, after, scope, arming)
+
+    def acquire(
+        self,
+        scope: str,
+        timeout: After,
+        *,
+        pid: int | None = None,
+        progress: int | None = None,
+        **arming: Unpack[Arming],
+    ) -> float:
+        """Nothing, whatever it is given: the timeout back when it is a number."""
+        return timeout if isinstance(timeout, int | float) else 0.0
 
     def __enter__(self) -> Timer:
         return self.expires(math.inf, caller_scope()).__enter__()
@@ -226,3 +310,7 @@ class _NoOpBlock(Timer):
 
     def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         pass
+
+    def __enter__(self) -> Timer:
+        blocks.entered(self)
+        return self

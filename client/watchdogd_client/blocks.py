@@ -45,6 +45,9 @@ def entered(block: Timer) -> None:
 def left(block: Timer) -> None:
     """``block`` ended in the calling thread (its latest entry, if entered twice)."""
     blocks = _open.blocks
+    if blocks and blocks[-1] is block:
+        blocks.pop()  # the usual order, at once
+        return
     for index in range(len(blocks) - 1, -1, -1):
         if blocks[index] is block:
             del blocks[index]

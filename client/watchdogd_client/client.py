@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import os
 import socket
@@ -25,12 +26,15 @@ import time
 import weakref
 from typing import Any, Final, TypeVar, Unpack
 
+import msgspec
+
 from . import releases
 from ._version import __version__ as _version
-from .arming import After, Arming, acquire_request
+from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
 from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket
+from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
 from .protocol import (
@@ -109,16 +113,15 @@ class Client(BaseClient):
     The first timer it arms on its own process starts the process's responder
     (`watchdogd_client.responder`), which answers the daemon's evidence requests;
     with ``responder=False`` its timers decline it: the process then has none.
+    After a scope's first acknowledged arm, its blocks arm and release by stores
+    (`watchdogd_client.fastpath`), unless ``fast=False`` or ``WATCHDOGD_FAST=0``.
 
-    The release at the end of an ``expires()`` block is sent, and the worker goes
-    on: its answer is read with the answer to the client's next request (or, at the
-    latest, when the interpreter exits), and checked like every other. That needs
-    a daemon that keeps armings' numbers (`Acquired.arm`) and the process's
-    responder on the same daemon, which sends a release again if its connection
-    broke before an answer was read (`watchdogd_client.releases`). A release the
-    daemon refused is logged when its answer is read, and raised
-    (`RequestRefused`) by the client's next request. Otherwise a block's release
-    waits for its answer, as `release` always does.
+    A block's release that goes over the socket is sent, and the worker goes on:
+    its answer is read with the next request's (at the latest at exit) and checked.
+    That needs a daemon that keeps armings' numbers (`Acquired.arm`) and the
+    process's responder, which sends a release again if its connection broke
+    before an answer was read (`watchdogd_client.releases`); a refused release is
+    logged then, and raised by the next request. Otherwise it waits for its answer.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Client(BaseClient):
         max_reply: int = MAX_REPLY_FRAME,
         reconnect_timeout: float = _RECONNECT_TIMEOUT,
         responder: bool = True,
+        fast: bool = True,
     ) -> None:
         self._outage = Outage(on_unavailable)
         if max_reply < MAX_REPLY_BYTES:
@@ -143,6 +147,8 @@ class Client(BaseClient):
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.responder = responder
+        self.fast = fast
+        self._fast = fast_path(self.socket_path, fast)
         self._engine = Engine(
             self.socket_path,
             client=f"python/{_version}",
@@ -175,6 +181,7 @@ class Client(BaseClient):
             "max_reply": self._engine.max_reply,
             "reconnect_timeout": self.reconnect_timeout,
             "responder": self.responder,
+            "fast": self.fast,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -204,6 +211,13 @@ class Client(BaseClient):
         """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
         releases the timer quietly (no ``exited`` event): for a command expected
         to end, as `watchdogctl run` arms."""
+        check_acquire(scope, pid, progress)
+        arming_timeout(timeout, arming, maximum=self._maximum())
+        fast = self._fast
+        if fast is not None and pid is None and progress is None and not exit_releases:
+            stored = fast.arm(scope, timeout, arming)
+            if stored is not None:
+                return stored
         request = acquire_request(
             self._engine.next_id(),
             scope,
@@ -211,30 +225,50 @@ class Client(BaseClient):
             pid=pid,
             progress=progress,
             exit_releases=exit_releases,
+            slot=fast is not None,
             **arming,
         )
-        reply = self._acquire(request)
+        reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
-    def _acquire(self, request: Acquire) -> Acquired | None:
-        """Send ``request``; its reply, or None when the daemon could not be
-        reached and the client carries on unprotected (``on_unavailable="warn"``)."""
+    def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
+        """Send ``request``, armed with ``arming``; its reply, or None when the
+        daemon could not be reached and the client carries on unprotected
+        (``on_unavailable="warn"``). A slot it grants takes the scope's later
+        blocks."""
         if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
             settle_responder(self.responder, self.place, request)
         try:
-            return self._call(request, Acquired)
+            reply = self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
+        if self._fast is not None:
+            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
+            if self._fast.answered(request, arming, reply, mapper):
+                # Its page could not be had (the daemon went meanwhile): the block
+                # is armed again without a slot, protected wherever the page is.
+                again = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
+                return self._acquire(again, arming)
+        return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
-        reply = self._acquire(
-            acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
+        request = acquire_request(
+            self._engine.next_id(),
+            scope,
+            after,
+            progress=progress,
+            slot=self._fast is not None,
+            **arming,
         )
+        reply = self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
-    def _release_block(self, scope: str, arm: int) -> None:
+    def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        if stored:
+            self._released(scope, None, stored=True)
+            return
         responder = release_carrier(self.socket_path, arm)
         if responder is not None:
             with self._lock:
@@ -256,13 +290,18 @@ class Client(BaseClient):
                         self._broken = True
                         responder.resend()
                     return
-        self.release(scope)
+        self._released(scope, None)
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
+        stored = None if pid is not None or self._fast is None else self._fast.release(scope)
+        if stored is None or stored == "closed":
+            return self._released(scope, pid, stored=stored == "closed")
+        return stored
+
+    def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
+        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return self._call(
-                Release(id=self._engine.next_id(), scope=scope, pid=pid), Released
-            ).found
+            return self._call(request, Released).found
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False
@@ -376,12 +415,12 @@ class Client(BaseClient):
         frame = self._releases.again(connection, self._engine)
         frame += connection.send(request, expected, resent=resent)
         if wait:
-            self._set_timeouts(self.timeout + wait)
+            _set_timeouts(self._sock, self.timeout + wait)
         try:
             answer = self._exchange(sock, connection, request.id, frame)
         finally:
             if wait and self._sock is not None:
-                self._set_timeouts(self.timeout)
+                _set_timeouts(self._sock, self.timeout)
         if connection.state != "open":
             self._disconnect()
         return answer
@@ -430,29 +469,6 @@ class Client(BaseClient):
             self._disconnect()
             raise
 
-    def settle_releases(self, timeout: float) -> None:
-        """Read the answers of the releases sent without waiting, for up to
-        ``timeout`` seconds: at exit, so that the daemon takes each before it sees
-        the process end."""
-        if not self._lock.acquire(timeout=timeout):
-            return
-        try:
-            sock, connection = self._sock, self._connection
-            if sock is None or connection is None or not self._releases.in_flight:
-                return
-            self._set_timeouts(timeout)
-            with contextlib.suppress(OSError):
-                while self._releases.in_flight and connection.state != "closed":
-                    data = sock.recv(_RECV_SIZE)
-                    answers = (
-                        connection.receive_data(data) if data else connection.connection_lost()
-                    )
-                    for answer in answers:
-                        self._releases.settle(answer)
-            self._disconnect()
-        finally:
-            self._lock.release()
-
     def _connect(self) -> None:
         try:
             self._open()
@@ -469,11 +485,12 @@ class Client(BaseClient):
             self._disconnect()
             answer = self._greet()
         answer.result(Welcome)
+        self._limit = self._engine.max_timeout or math.inf
 
     def _greet(self) -> Answer:
         """A new connection, and the answer to its hello."""
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._set_timeouts(self.timeout)
+        _set_timeouts(self._sock, self.timeout)
         with vet(self.place) as vetted:
             try:
                 sock.connect(vetted.address)
@@ -504,14 +521,6 @@ class Client(BaseClient):
                 return
             time.sleep(pause)
 
-    def _set_timeouts(self, seconds: float) -> None:
-        # Kernel-side timeouts: settimeout() would add a poll() before every recv.
-        assert self._sock is not None
-        whole = int(seconds)
-        timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-
     def _disconnect(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -528,6 +537,37 @@ class Client(BaseClient):
         self._releases.forget()
 
 
+def _set_timeouts(sock: socket.socket | None, seconds: float) -> None:
+    # Kernel-side timeouts: settimeout() would add a poll() before every recv.
+    assert sock is not None
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _settle_releases(client: Client, timeout: float) -> None:
+    """Read the answers of ``client``'s releases sent without waiting, for up to
+    ``timeout`` seconds: at exit, so that the daemon takes each before it sees the
+    process end."""
+    if not client._lock.acquire(timeout=timeout):
+        return
+    try:
+        sock, connection = client._sock, client._connection
+        if sock is None or connection is None or not client._releases.in_flight:
+            return
+        _set_timeouts(sock, timeout)
+        with contextlib.suppress(OSError):
+            while client._releases.in_flight and connection.state != "closed":
+                data = sock.recv(_RECV_SIZE)
+                answers = connection.receive_data(data) if data else connection.connection_lost()
+                for answer in answers:
+                    client._releases.settle(answer)
+        client._disconnect()
+    finally:
+        client._lock.release()
+
+
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 #: How long an exiting process waits for the answers of its releases.
 _EXIT_WAIT: Final = 2.0
@@ -536,7 +576,7 @@ _EXIT_WAIT: Final = 2.0
 @atexit.register
 def _settle_at_exit() -> None:
     for client in list(_live_clients):
-        client.settle_releases(_EXIT_WAIT)
+        _settle_releases(client, _EXIT_WAIT)
 
 
 def _reset_clients_in_child() -> None:

@@ -146,6 +146,7 @@ class Engine:
         "_ids",
         "client",
         "max_reply",
+        "max_timeout",
         "reconnect_timeout",
         "restart",
         "socket_path",
@@ -166,6 +167,9 @@ class Engine:
         self.max_reply = max_reply
         #: How long the daemon said a restart of it may take (its latest Welcome).
         self.restart = 0.0
+        #: The longest timeout the daemon arms, as its latest Welcome said (0: not
+        #: known yet): `watchdogd_client.arming.arming_timeout` refuses a longer one.
+        self.max_timeout = 0.0
         self.version = PROTOCOL_VERSION
         # next() on a count is atomic under the GIL: the blocking client's threads
         # take their ids without a lock.
@@ -352,6 +356,7 @@ class Connection:
         if isinstance(reply, Welcome) and self.state == "greeting":
             self.state = "open"
             self._engine.restart = reply.restart
+            self._engine.max_timeout = reply.max_timeout
             return Answer(self.hello_id, reply)
         self.state = "closed"
         error: WatchdogdError

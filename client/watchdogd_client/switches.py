@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Final
 
-__all__ = ["DISABLE", "RESPONDER", "UNBLOCK", "env_switch", "parse_switch"]
+__all__ = ["DISABLE", "FAST", "RESPONDER", "UNBLOCK", "env_switch", "parse_switch"]
 
 log = logging.getLogger("watchdogd_client")
 
@@ -22,6 +22,9 @@ DISABLE: Final = "WATCHDOGD_DISABLE"
 #: On unless turned off: the process's first timer starts its responder
 #: (`watchdogd_client.responder`).
 RESPONDER: Final = "WATCHDOGD_RESPONDER"
+#: On unless turned off: a registered scope's blocks arm and release by stores
+#: into the process's slot page (`watchdogd_client.fastpath`).
+FAST: Final = "WATCHDOGD_FAST"
 #: On unless turned off: the responder lets its daemon cut the process out of a
 #: collective its Flight Recorder says it is stuck in (`watchdogd_client.unblocking`).
 UNBLOCK: Final = "WATCHDOGD_UNBLOCK"

@@ -137,7 +137,7 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
         if not self.responder:
             decline_responder()
         try:
-            arm = self.client._arm_block(scope, timeout, None, {"policy": self.policy})
+            arm = self.client._arm_scope(scope, timeout, {"policy": self.policy})
         except DaemonUnavailable as exc:
             raise TimerServerUnavailable(str(exc), exc.socket_path) from exc
         _armed(scope).append(arm)
@@ -152,8 +152,9 @@ class WatchdogdTimerClient(TimerClient):  # type: ignore[misc]
             scope = given.pop()
         armed = _armed(scope)
         try:
-            # As a block's release: sent, its answer read with the next request's.
-            self.client._release_block(scope, armed.pop() if armed else 0)
+            # As a block's release: a store, or sent and its answer read with the
+            # next request's.
+            self.client._release_scope(scope, armed.pop() if armed else 0)
         except DaemonUnavailable as exc:
             if propagating is not None:
                 log.warning("could not release timer %r: %s", scope_id, exc)

@@ -42,6 +42,8 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final, TypeVar, Unpack
 
+import msgspec
+
 try:
     import trio
 except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
@@ -56,15 +58,25 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 
 from . import releases
 from ._version import __version__
-from .arming import After, Arming, Handle, acquire_request, arming_timeout
+from .arming import (
+    After,
+    Arming,
+    Handle,
+    acquire_request,
+    arming_timeout,
+    check_acquire,
+    check_scope,
+)
 from .base import DaemonStatus, log
 from .engine import Answer, Backoff, Connection, Engine
 from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
+from .fastpath import FastPath, fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
 from .protocol import (
     Acquire,
     Acquired,
+    PageMapped,
     Ping,
     Pong,
     Release,
@@ -97,6 +109,7 @@ async def open_client(
     on_unavailable: OnUnavailable = "raise",
     reconnect_timeout: float = 5.0,
     responder: bool = True,
+    fast: bool = True,
 ) -> AsyncIterator[AsyncClient]:
     """An `AsyncClient` for the block; its connection closes with it."""
     async with trio.open_nursery() as nursery:
@@ -107,6 +120,7 @@ async def open_client(
             on_unavailable=on_unavailable,
             reconnect_timeout=reconnect_timeout,
             responder=responder,
+            fast=fast,
         )
         try:
             yield client
@@ -159,8 +173,9 @@ class _Connection:
 class AsyncClient:
     """The async counterpart of `watchdogd_client.Client`; get one from
     `open_client`. ``socket_path``, ``timeout``, ``on_unavailable``,
-    ``reconnect_timeout`` and ``responder`` mean what they mean there: the process's
-    responder is a thread of its own, whichever client starts it."""
+    ``reconnect_timeout``, ``responder`` and ``fast`` mean what they mean there: the
+    process's responder is a thread of its own, whichever client starts it, and its
+    slots are shared by all its clients (a store is no I/O, so no checkpoint)."""
 
     def __init__(
         self,
@@ -171,14 +186,19 @@ class AsyncClient:
         on_unavailable: OnUnavailable = "raise",
         reconnect_timeout: float = 5.0,
         responder: bool = True,
+        fast: bool = True,
     ) -> None:
         self.responder = responder
+        self.fast = fast
         self._outage = Outage(on_unavailable)
         self.on_unavailable: OnUnavailable = on_unavailable
         self.place = find_socket(socket_path)
         self.socket_path = self.place.path
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        #: The process's fast path, shared with its blocking clients
+        #: (`watchdogd_client.fastpath`): a store is no I/O, so no await either.
+        self._fast = fast_path(self.socket_path, fast)
         self._engine = Engine(
             self.socket_path,
             client=f"python-trio/{__version__}",
@@ -205,41 +225,112 @@ class AsyncClient:
         **arming: Unpack[Arming],
     ) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
+        check_acquire(scope, pid, progress)
+        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
+        fast = self._fast
+        if fast is not None and pid is None and progress is None:
+            stored = fast.arm(scope, timeout, arming)
+            if stored is not None:
+                return stored
         request = acquire_request(
-            self._engine.next_id(), scope, timeout, pid=pid, progress=progress, **arming
+            self._engine.next_id(),
+            scope,
+            timeout,
+            pid=pid,
+            progress=progress,
+            slot=fast is not None,
+            **arming,
         )
-        reply = await self._acquire(request)
+        reply = await self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
-    async def _acquire(self, request: Acquire) -> Acquired | None:
-        """The answer to ``request``; None where the daemon is unavailable and the
-        client carries on unprotected."""
+    async def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
+        """The answer to ``request``, armed with ``arming``; None where the daemon
+        is unavailable and the client carries on unprotected. A slot it grants
+        takes the scope's later blocks."""
         if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
             settle_responder(self.responder, self.place, request)
         try:
-            return await self._call(request, Acquired)
+            reply = await self._call(request, Acquired)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
+        fast = self._fast
+        if fast is not None and await self._answered(fast, request, arming, reply):
+            # Its page could not be had (the daemon went meanwhile): the block is
+            # armed again without a slot, so it is protected wherever the page is.
+            request = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
+            try:
+                reply = await self._call(request, Acquired)
+            except DaemonUnavailable as exc:
+                self._outage.failed(exc)
+                return None
+        return reply
+
+    async def _answered(
+        self, fast: FastPath, request: Acquire, arming: Arming, reply: Acquired
+    ) -> bool:
+        """`FastPath.answered`, the page it needs fetched off the loop."""
+        grant = reply.slot if request.slot and reply.durable else None
+        if grant is None or fast.mapped(grant.page):
+            return fast.answered(request, arming, reply, self._unmapped)
+        try:
+            got = await trio.to_thread.run_sync(self._map_page, grant.page)
+        except (OSError, WatchdogdError) as exc:
+            failed = exc
+
+            def failing(page: int) -> tuple[int, PageMapped]:
+                raise failed
+
+            return fast.answered(request, arming, reply, failing)
+        taken: list[int] = []
+
+        def handed(page: int) -> tuple[int, PageMapped]:
+            taken.append(page)
+            return got
+
+        lost = fast.answered(request, arming, reply, handed)
+        if not taken:  # another task mapped it meanwhile
+            os.close(got[0])
+        return lost
+
+    def _map_page(self, page: int) -> tuple[int, PageMapped]:
+        return map_page(self.place, page, timeout=self.timeout)
+
+    @staticmethod
+    def _unmapped(page: int) -> tuple[int, PageMapped]:
+        raise ConnectionError(f"slot page {page} was mapped meanwhile")
 
     async def _arm_block(
         self, scope: str, after: After, progress: int | None, arming: Arming
     ) -> int:
-        """Arm a block's timer; the number of its arming (0 where the daemon keeps
-        none), for `_release_block` to name."""
-        request = acquire_request(self._engine.next_id(), scope, after, progress=progress, **arming)
-        reply = await self._acquire(request)
+        """Arm a block's timer over the socket; the number of its arming (0 where
+        the daemon keeps none), for `_release_block` to name."""
+        request = acquire_request(
+            self._engine.next_id(),
+            scope,
+            after,
+            progress=progress,
+            slot=self._fast is not None,
+            **arming,
+        )
+        reply = await self._acquire(request, arming)
         return 0 if reply is None else reply.arm
 
-    async def _release_block(self, scope: str, arm: int) -> None:
-        """Release a block's timer, armed as ``arm``: without waiting for the answer
-        where the daemon numbered the arming and the process's responder would send
-        it again after a break; otherwise as `release` does."""
+    async def _release_block(self, scope: str, arm: int, *, stored: bool = False) -> None:
+        """Release a block's timer, armed as ``arm``, over the socket: without
+        waiting for the answer where the daemon numbered the arming and the
+        process's responder would send it again after a break; otherwise as
+        `release` does. ``stored``: armed by a store into a slot that closed since
+        (`Release.stored`)."""
+        if stored:
+            await self._released(scope, None, stored=True)
+            return
         responder = release_carrier(self.socket_path, arm)
         connection = self._connection
         if responder is None or connection is None or connection.protocol.state != "open":
-            await self.release(scope)
+            await self._released(scope, None)
             return
         request = Release(id=self._engine.next_id(), scope=scope, arm=arm)
         frame = connection.protocol.send(request, Released)
@@ -266,10 +357,15 @@ class AsyncClient:
 
     async def release(self, scope: str, *, pid: int | None = None) -> bool:
         """Disarm ``(pid, scope)``; returns whether a timer was armed."""
+        stored = None if pid is not None or self._fast is None else self._fast.release(scope)
+        if stored is None or stored == "closed":
+            return await self._released(scope, pid, stored=stored == "closed")
+        return stored
+
+    async def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
+        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return (
-                await self._call(Release(id=self._engine.next_id(), scope=scope, pid=pid), Released)
-            ).found
+            return (await self._call(request, Released)).found
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False
@@ -299,9 +395,12 @@ class AsyncClient:
         on exit, also when an exception leaves the block (which propagates).
         ``**arming``: the policy, ``floor`` and ``ceiling`` for ``after="auto"``, the
         job (see `watchdogd_client.arming.Arming`)."""
-        arming_timeout(after, arming)
-        chosen = self._caller_scope() if scope is None else scope
-        return AsyncTimer(self, after, chosen, arming)
+        arming_timeout(after, arming, name="after", maximum=self._engine.max_timeout)
+        if scope is None:
+            scope = self._caller_scope()
+        else:
+            check_scope(scope)
+        return AsyncTimer(self, after, scope, arming)
 
     async def aclose(self) -> None:
         """Close the connection (the nursery's reader task ends with it), once the
@@ -379,7 +478,10 @@ class AsyncClient:
             if connection is not None and connection.protocol.state == "open":
                 return connection
             now = trio.current_time()
-            backoff = self._engine.reconnecting(now) if reconnect else Backoff(now)
+            # A connection that broke: the daemon may be restarting, wait for it
+            # as a retried request does (DESIGN §13), not only on the retry.
+            broke = reconnect or connection is not None
+            backoff = self._engine.reconnecting(now) if broke else Backoff(now)
             while True:
                 try:
                     connection = await self._connect()
@@ -450,18 +552,29 @@ class AsyncTimer(Handle["AsyncClient"]):
     __slots__ = ()
 
     async def release(self) -> None:
-        """Disarm now; idempotent. The task goes on as soon as the release is sent
-        when the process's responder can carry it (see the module's docstring)."""
+        """Disarm now; idempotent. The task goes on at once: a registered scope's
+        release is a store, another's is sent without waiting when the process's
+        responder can carry it (see the module's docstring)."""
         if self._armed:
             self._armed = False
-            await self.client._release_block(self.scope, self._arm)
+            fast = self.client._fast
+            stored = None if fast is None else fast.release(self.scope)
+            if stored is None or stored == "closed":
+                await self.client._release_block(self.scope, self._arm, stored=stored == "closed")
 
     async def renew(self, after: After | None = None, *, progress: int | None = None) -> None:
         """Re-arm: expire ``after`` (default: the last timeout) seconds from now;
         ``progress`` as for `watchdogd_client.Timer.renew`."""
         if after is not None:
+            arming_timeout(
+                after, self.arming, name="after", maximum=self.client._engine.max_timeout
+            )
             self.after = after
-        self._arm = await self.client._arm_block(self.scope, self.after, progress, self.arming)
+        fast = self.client._fast
+        if progress is None and fast is not None and fast.arm(self.scope, self.after, self.arming):
+            self._arm = 0
+        else:
+            self._arm = await self.client._arm_block(self.scope, self.after, progress, self.arming)
         self._armed = True
 
     async def __aenter__(self) -> AsyncTimer:

@@ -571,3 +571,76 @@ def test_the_users_own_daemon_at_that_path_kills_the_hung_worker_on_time() -> No
     outcome = in_private_mounts(scenario)
     assert outcome["status"] == -signal.SIGKILL, outcome
     assert AFTER <= outcome["seconds"] < HUNG
+
+
+#: Values of ``after`` that are no timeout: what each should raise.
+BAD_AFTER = [
+    (-1, ValueError),
+    (0, ValueError),
+    (math.nan, ValueError),
+    (math.inf, ValueError),
+    ("abc", TypeError),
+    (None, TypeError),
+    (True, TypeError),
+]
+
+
+class TestArguments:
+    """Arguments are checked where they are written, before anything is sent, in
+    every client, the one that does nothing included; a `NoOpTimer` checks no value."""
+
+    @pytest.mark.parametrize(("after", "error"), BAD_AFTER)
+    def test_a_bad_after_raises_naming_it_in_every_client(
+        self, daemon: RunningDaemon, after: object, error: type[Exception], tmp_path: Path
+    ) -> None:
+        clients = [
+            NullClient(),
+            Client(tmp_path / "none.sock", on_unavailable="warn"),
+            daemon.client(),
+        ]
+        for client in clients:
+            with pytest.raises(error, match=r"^after must be"):
+                client.expires(after)  # type: ignore[arg-type]
+            with pytest.raises(error, match=r"^timeout must be"):
+                client.acquire("s", after)  # type: ignore[arg-type]
+        with pytest.raises(error, match=r"^after must be"):
+            watchdogd_client.expires(after, client=NullClient())  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        ("arguments", "error", "says"),
+        [
+            ({"scope": ""}, ValueError, "scope must not be empty"),
+            ({"scope": 3}, TypeError, "scope must be a string"),
+            ({"pid": 0}, ValueError, "pid must be at least 1"),
+            ({"pid": True}, TypeError, "pid must be an int"),
+            ({"progress": -1}, ValueError, "progress must be at least 0"),
+            ({"policy": 5}, TypeError, "policy must be a non-empty string"),
+            ({"rank": -2}, ValueError, "rank must be at least 0"),
+            ({"floor": -1}, ValueError, "floor must be a finite number of seconds, 0 or more"),
+            ({"ceiling": 0}, ValueError, "ceiling must be a positive, finite number"),
+        ],
+    )
+    def test_every_argument_of_acquire_is_checked(
+        self, daemon: RunningDaemon, arguments: dict[str, Any], error: type[Exception], says: str
+    ) -> None:
+        arguments = {"scope": "s", **arguments}
+        scope = arguments.pop("scope")
+        for client in (NullClient(), daemon.client()):
+            with pytest.raises(error, match=says):
+                client.acquire(scope, 5, **arguments)
+
+    def test_a_timeout_over_the_daemons_maximum_says_it_in_days(
+        self, daemon: RunningDaemon
+    ) -> None:
+        with daemon.client() as client:
+            # Refused by the daemon, before the client knows its maximum...
+            with pytest.raises(RequestRefused, match="at most 30 days here"):
+                client.acquire("s", 40 * 86400)
+            # ...and by the client itself, once its handshake told it.
+            with pytest.raises(ValueError, match=r"^after is 40 days; the daemon arms at most 30"):
+                client.expires(40 * 86400)
+
+    def test_a_no_op_timer_checks_no_value(self) -> None:
+        with NoOpTimer().expires("whatever"):  # type: ignore[arg-type]
+            pass
+        assert NoOpTimer().acquire("", -1) == -1

@@ -41,7 +41,8 @@ async def test_requests(daemon: RunningDaemon) -> None:
 
 
 async def test_many_tasks_share_one_pipelined_connection(daemon: RunningDaemon) -> None:
-    async with open_client(str(daemon.socket_path)) as client:
+    # Every request over the socket: the fast path would store most of them.
+    async with open_client(str(daemon.socket_path), fast=False) as client:
 
         async def work(n: int) -> None:
             for i in range(20):
@@ -180,7 +181,7 @@ from watchdogd_client.responder import process_responder
 from watchdogd_client.trio import open_client
 
 async def main():
-    async with open_client(timeout=5.0) as client:
+    async with open_client(timeout=5.0, fast=False) as client:
         async with client.expires(after=60, scope="frozen"):
             while not process_responder().carries(client_socket_path()):
                 await trio.sleep(0.005)

@@ -46,7 +46,9 @@ def test_the_demo_shows_the_incident_of_a_hung_rank_and_a_frozen_hosts_peers_unb
     )
     assert sorted(rank for rank, _ in raised) == ["0", "1"], out
     assert all(float(took) < 10 for _, took in raised), raised
-    assert len(re.findall(r"unblocked  pid=\d+  outcome=host_lost", out)) == 2, out
+    # At least one rank is cut out by its responder; its peer on host-a is cut out
+    # too, or raises first as the connections of the rank cut out close.
+    assert 1 <= len(re.findall(r"unblocked  pid=\d+  outcome=host_lost", out)) <= 2, out
     # Every file it made is gone (its processes are checked by the suite's guard).
     [directory] = re.findall(r"^demo: working in (\S+)", out, re.MULTILINE)
     assert not Path(directory).exists()

@@ -22,9 +22,10 @@ ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidence_budget",
         "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
-        "incidents", "lifecycle", "logline", "pages", "policies", "ports", "ranks", "repeats",
-        "responders", "rules", "service", "session", "shares", "starvation", "timers",
-        "tomlkeys", "unblocks", "verdict", "viewing")  # fmt: skip
+        "incidents", "lifecycle", "logline", "pages", "policies", "ports", "process_pages",
+        "ranks", "repeats", "responders", "rules", "service", "session", "shares", "slot",
+        "slot_shares", "slots", "starvation", "timers", "tomlkeys", "unblocks", "verdict",
+        "viewing")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

@@ -138,10 +138,12 @@ def test_peers_are_owed_once_the_verdict_names_the_culprits_and_the_collective()
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     assert service.fleet.fleet_incident(head, ALICE, 1.0) == []  # no timer: asked for evidence
-    asks = service.take_asks()
+    asks = service.expiries.take_asks()
     assert sorted(responder.pid for _, responder in asks) == [200, 201]
     for pid in (200, 201):
-        service.evidence_given("b-1", pid, "", evidence="worker", flight=waiting_in(5), reader=None)
+        service.expiries.evidence_given(
+            "b-1", pid, "", evidence="worker", flight=waiting_in(5), reader=None
+        )
     culprit = RankInfo(
         host="b", pid=900, uid=ALICE, role="expired", scope="s", state="done", rank=2,
         flight=[msgspec.structs.replace(waiting_in(5)[0], entered=None, completed=4)],
@@ -168,10 +170,12 @@ def test_a_culprit_here_is_never_owed_and_its_own_policy_asks_for_its_peers() ->
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     service.fleet.fleet_incident(head, ALICE, 1.0)
-    service.take_asks()
+    service.expiries.take_asks()
     behind = [msgspec.structs.replace(waiting_in(5)[0], entered=None, completed=4)]
     for pid, flight in ((200, waiting_in(5)), (201, waiting_in(5)), (202, behind)):
-        service.evidence_given("b-1", pid, "", evidence="worker", flight=flight, reader=None)
+        service.expiries.evidence_given(
+            "b-1", pid, "", evidence="worker", flight=flight, reader=None
+        )
     assert service.unblocks.want("b-1", 202, ALICE, 2.0)
     assert not service.unblocks.want("no-such-incident", 202, ALICE, 2.0)
     shown = service.incidents.get("b-1", ALICE, ALICE)
@@ -206,10 +210,12 @@ def test_the_fallback_signal_is_for_ranks_here_that_no_responder_unblocks() -> N
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     service.fleet.fleet_incident(head, ALICE, 1.0)
-    service.take_asks()
+    service.expiries.take_asks()
     for pid in (200, 201):
         waiting = waiting_in(5, size=5)
-        service.evidence_given("b-1", pid, "", evidence="worker", flight=waiting, reader=None)
+        service.expiries.evidence_given(
+            "b-1", pid, "", evidence="worker", flight=waiting, reader=None
+        )
     here = service.incidents.host
     for pid, number in ((202, 2), (203, 3)):
         rank = RankInfo(

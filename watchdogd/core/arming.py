@@ -21,6 +21,14 @@ Rules kept here:
   same CLOCK_MONOTONIC), and the acquire's reply names it. A release that names a
   number disarms only the arming of that number: never a newer one, whoever made
   it.
+- A process that asks for it may have a scope it arms registered for the fast
+  path (`watchdogd.core.slots`), when nothing of the arm needs more than a store
+  can say (no ``stall``, no starvation grace, no progress): its later blocks arm
+  and release by stores. An arm or a release of a registered scope by any other
+  caller (root's ``watchdogctl arm --pid``) closes its slot: what that caller armed
+  is a plain timer, which no store of the process can disarm. Registrations count
+  against ``max_timers_per_uid`` armed or not; a uid at its limit has its
+  registration released the longest reclaimed rather than a new one refused.
 
 Process handles are reference-counted: the table holds one per process in it, each
 connection holds one on its caller's own process (so a worker that arms and releases
@@ -49,6 +57,7 @@ from watchdogd_client.protocol import (
     Release,
     Released,
     Welcome,
+    in_words,
 )
 
 from .._version import __version__
@@ -61,7 +70,8 @@ from .lifecycle import Lifecycle
 from .policies import Policy
 from .ports import Journal, P, ProcessPort
 from .rules import Rules
-from .timers import Timer, TimerTable, Watch
+from .slots import Slots
+from .timers import SlotRef, Timer, TimerTable, Watch
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +94,7 @@ class Arming(Generic[P]):
         journal: Journal,
         lifecycle: Lifecycle[P],
         *,
+        slots: Slots[P],
         history: History,
         metrics: Counters,
         daemon_pid: int,
@@ -97,6 +108,7 @@ class Arming(Generic[P]):
         self._processes = processes
         self._journal = journal
         self._lifecycle = lifecycle
+        self._slots = slots
         self._history = history
         self._metrics = metrics
         self._daemon_pid = daemon_pid
@@ -163,6 +175,7 @@ class Arming(Generic[P]):
             server=f"watchdogd/{__version__}",
             pid=self._daemon_pid,
             restart=self.restart_estimate,
+            max_timeout=self._rules.daemon.max_timeout,
         )
 
     def acquire(self, request: Acquire, caller: Caller[P], now: float) -> Acquired:
@@ -177,20 +190,28 @@ class Arming(Generic[P]):
         # Authorization comes before the limits: whether the timer exists decides
         # whether a limit applies, so checking limits first would tell a caller at
         # its limit which scopes another user's process has armed.
-        process = self._target(request.pid, caller)
+        process = self._target(request.pid, caller, now)
         try:
             previous = self._table.get(process.pid, request.scope)
+            wants_slot = _wants_slot(request, chosen)
+            kept = self._registered(previous, process, wants_slot, now)
             if previous is None:
-                self._check_timer_limits(caller.peer)
+                self._check_timer_limits(caller.peer, now)
             timeout, timeout_from = request.timeout, ""
             if request.auto is not None:
+                if kept is not None:
+                    assert previous is not None
+                    self._slots.harvest(previous, process, now)
                 timeout, timeout_from = self._history.timeout(
                     self._history_key(process, request.scope), request.auto.floor, request.timeout
                 )
-            watch, deadline = None, None
-            if request.progress is not None or chosen.stall or timeout_from or request.job:
-                watch = _watch(request, chosen.stall, timeout_from, previous, now)
-                deadline = now + timeout
+            ref = kept
+            if ref is None and wants_slot:
+                ref = self._slots.register(process, request.scope, timeout, now, caller.peer.uid)
+            deadline = now + timeout
+            watch = None
+            if request.progress is not None or chosen.stall or timeout_from or request.job or ref:
+                watch = _watch(request, chosen.stall, timeout_from, previous, now, slot=ref)
                 if watch.stall:
                     deadline = min(deadline, watch.progressed_at + watch.stall)
             entering = self._table.process(process.pid) is None
@@ -205,7 +226,8 @@ class Arming(Generic[P]):
                 now=now,
                 exit_releases=request.exit_releases,
                 watch=watch,
-                deadline=deadline,
+                # A registration's deadline in the table is the next look at its slot.
+                deadline=deadline if ref is None else min(deadline, now + ref.period),
             )
             self._armed_last = now
             if entering:
@@ -217,6 +239,12 @@ class Arming(Generic[P]):
                 self._processes.user_name(caller.peer.uid)
             timer = self._measure_for_starvation(timer, chosen, process)
             self._journal.put(timer)
+            grant = None
+            if ref is not None:
+                slot = self._slots.slot_of(timer, process, now)
+                assert slot is not None
+                auto = timeout if request.auto is not None else None
+                grant = self._slots.armed(timer, slot, deadline, auto)
         finally:
             process.close()
         self._on_deadline(timer.deadline)
@@ -225,11 +253,25 @@ class Arming(Generic[P]):
             return Acquired(id=request.id, remaining=timeout, rearmed=rearmed, arm=arm)
         return Acquired(
             id=request.id,
-            remaining=timer.deadline - now,
+            remaining=deadline - now if watch.stall else timeout,
             rearmed=rearmed,
             timeout_from=timeout_from,
             arm=arm,
+            slot=grant,
         )
+
+    def _registered(
+        self, previous: Timer | None, process: P, wanted: bool, now: float
+    ) -> SlotRef | None:
+        """The slot of ``previous``, the registered timer this arm replaces, when
+        the arm keeps it (its own process, wanting one, its page still there);
+        closed otherwise."""
+        if previous is None or previous.watch is None or previous.watch.slot is None:
+            return None
+        if wanted and self._slots.slot_of(previous, process, now) is not None:
+            return previous.watch.slot
+        self._slots.revoke(previous, process, now)
+        return None
 
     def _check_bounds(self, request: Acquire) -> None:
         """Refuse an `Acquire` whose scope, job or timeout is past a bound."""
@@ -252,8 +294,8 @@ class Arming(Generic[P]):
         if not (math.isfinite(request.timeout) and request.timeout <= limits.max_timeout):
             raise Refusal(
                 ErrorCode.INVALID_REQUEST,
-                f"timeout must be finite and at most {limits.max_timeout:g} s, "
-                f"not {request.timeout!r}",
+                f"a timeout is at most {in_words(limits.max_timeout)} here (max_timeout), "
+                f"not {in_words(request.timeout)}",
             )
 
     def _measure_for_starvation(self, timer: Timer, policy: Policy, process: P) -> Timer:
@@ -274,9 +316,17 @@ class Arming(Generic[P]):
         when the request names an arming, if that arming is the one in force)."""
         if request.pid is None and self._table.process(caller.peer.pid) is None:
             return Released(id=request.id, found=False)
-        process = self._target(request.pid, caller)
+        process = self._target(request.pid, caller, now)
         try:
             if self._table.process(process.pid) is not process:
+                return Released(id=request.id, found=False)
+            held = self._table.get(process.pid, request.scope)
+            if held is not None and held.watch is not None and held.watch.slot is not None:
+                found = self._release_slot(held, process, request.pid is None, now)
+                return Released(id=request.id, found=found)
+            if request.stored:
+                # A block armed by a store, whose slot closed: what holds the scope
+                # now was armed over the socket since, and is not its to disarm.
                 return Released(id=request.id, found=False)
             timer, gone = self._table.disarm(process.pid, request.scope, request.arm or 0)
             if timer is not None:
@@ -290,16 +340,36 @@ class Arming(Generic[P]):
             process.close()
         return Released(id=request.id, found=timer is not None)
 
+    def _release_slot(self, held: Timer, process: P, own: bool, now: float) -> bool:
+        """Release registered ``held``: by its own process, its slot is released
+        and it stays registered; by another caller, its slot closes and the
+        registration goes. Whether its slot held a block."""
+        slot = self._slots.slot_of(held, process, now)
+        if slot is None or not own:
+            armed = slot is not None and self._slots.deadline_of(held) is not None
+            self._slots.revoke(held, process, now)
+            timer, gone = self._table.disarm(process.pid, held.scope)
+            if timer is not None:
+                self._journal.drop(timer)
+            if gone is not None:
+                self._processes.untrack(gone)
+            return armed
+        began = self._slots.block_began(held, slot)
+        found = self._slots.released(held, slot)
+        if found:
+            self._history.record(self._history_key(process, held.scope), max(0.0, now - began))
+        return found
+
     def _history_key(self, process: P, scope: str) -> HistoryKey:
         """Where the history of ``scope`` on ``process`` is kept: its uid, the
         executable it runs, the scope."""
         return (process.uid, self._processes.executable(process), scope)
 
-    def _target(self, pid: int | None, caller: Caller[P]) -> P:
+    def _target(self, pid: int | None, caller: Caller[P], now: float) -> P:
         """A handle on the process a request is about, after authorization, with a
         reference of its own that the request must `close`."""
         if pid is None:
-            return self._caller_itself(caller)
+            return self.caller_itself(caller, now)
         peer = caller.peer
         if pid <= 1:
             raise Refusal(ErrorCode.PERMISSION_DENIED, "pid 1 (init) is never a target")
@@ -309,7 +379,7 @@ class Arming(Generic[P]):
         if process is not None and not self._processes.refresh(process):
             # Its exit is not processed yet and the pid may be someone else's by
             # now: settle it rather than attach a timer to a dead handle.
-            self._lifecycle.process_exited(process)
+            self._lifecycle.process_exited(process, now)
             process = None
         if process is None:
             process = self._processes.open(pid, peer)
@@ -325,7 +395,7 @@ class Arming(Generic[P]):
             )
         return process
 
-    def _caller_itself(self, caller: Caller[P]) -> P:
+    def caller_itself(self, caller: Caller[P], now: float) -> P:
         """The exact process that opened the connection.
 
         Its handle comes from the connection (SO_PEERPIDFD), so a connection that
@@ -343,7 +413,7 @@ class Arming(Generic[P]):
         if held is None or held is own or held.start_time == own.start_time:
             process = held or own
         elif not self._processes.alive(held):
-            self._lifecycle.process_exited(held)  # the table's is the one that has gone
+            self._lifecycle.process_exited(held, now)  # the table's is the one that has gone
             process = own
         else:
             raise Refusal(
@@ -378,14 +448,19 @@ class Arming(Generic[P]):
             raise _exited(caller)
         return own
 
-    def _check_timer_limits(self, peer: Peer) -> None:
+    def _check_timer_limits(self, peer: Peer, now: float) -> None:
         limits = self._rules.daemon
         if len(self._table) >= limits.max_timers:
             raise Refusal(
                 ErrorCode.LIMIT_EXCEEDED,
                 f"the daemon holds {limits.max_timers} timers, its limit",
             )
-        if peer.uid != ROOT and self._table.owned_by(peer.uid) >= limits.max_timers_per_uid:
+        if peer.uid == ROOT:
+            return
+        held = self._table.owned_by(peer.uid) - self._slots.closing_of(peer.uid)
+        if held >= limits.max_timers_per_uid and self._slots.reclaim(peer.uid, now):
+            held -= 1
+        if held >= limits.max_timers_per_uid:
             raise Refusal(
                 ErrorCode.LIMIT_EXCEEDED,
                 f"uid {peer.uid} has {limits.max_timers_per_uid} timers armed, its limit",
@@ -401,8 +476,27 @@ def _exited(caller: Caller[P]) -> Refusal:
     )
 
 
+def _wants_slot(request: Acquire, policy: Policy) -> bool:
+    """Whether ``request`` registers its scope for the fast path: the caller asks,
+    for itself, and nothing of the arm needs more than a store can say."""
+    return (
+        request.slot
+        and request.pid is None
+        and request.progress is None
+        and not request.exit_releases
+        and not policy.stall
+        and not policy.starvation_grace
+    )
+
+
 def _watch(
-    request: Acquire, stall: float, timeout_from: str, previous: Timer | None, now: float
+    request: Acquire,
+    stall: float,
+    timeout_from: str,
+    previous: Timer | None,
+    now: float,
+    *,
+    slot: SlotRef | None = None,
 ) -> Watch:
     """The `Watch` of a timer armed now by ``request``, under a policy that allows
     ``stall`` seconds without progress, in place of ``previous`` (None: a new
@@ -426,4 +520,5 @@ def _watch(
         rank=request.rank,
         local_rank=request.local_rank,
         group_rank=request.group_rank,
+        slot=slot,
     )

@@ -116,6 +116,12 @@ class DaemonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     partial_frame_timeout: Seconds = 10.0
     #: The policy of timers armed without one.
     default_policy: PolicyName = "kill"
+    #: Offer the fast path: a registered scope's blocks arm and release by stores
+    #: into a page shared with their process (docs/how-it-works.md).
+    fast_path: bool = True
+    #: A registered scope whose slot stays released this long is reclaimed: its next
+    #: block registers it again over the socket.
+    slot_idle: Seconds = 60.0
     #: Events kept in memory for ``watchdogctl events``: this many about root's
     #: processes, and this many in all about other users' processes.
     events: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000

@@ -51,6 +51,14 @@ class Counters:
         self.repeating = 0
         self.exited = 0
         self.unkillable = 0
+        #: Slots of the fast path: deadlines past the bound a look clamped, counts
+        #: a harvest refused as scribbled, registrations dropped for a page lost
+        #: or uids changed, reclaimed at a uid's limit, retired after closing.
+        self.slots_clamped = 0
+        self.slots_scribbled = 0
+        self.slots_lost = 0
+        self.slots_reclaimed = 0
+        self.slots_retired = 0
         #: Dump steps running and waiting for a turn now (`watchdogd.runtime.hooks.DumpPool`),
         #: and those that got no turn within their timeout.
         self.dumps_running = 0

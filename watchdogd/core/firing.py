@@ -18,6 +18,9 @@ Invariants:
   choose runs on a user's job as the built-in ``peer_dump``.
 - Firing records are numbered in the order they fired; the numbers go on from the
   highest restored (`Firing.resume`).
+- A registered scope's timer (`watchdogd.core.slots`) that the table gives as due
+  is a look at its slot first: it fires only when its slot holds a block whose
+  deadline has passed, on that deadline.
 - A timer restored at a start (armed before it) that falls due within
   `RESTART_GRACE` of the start is held until the grace ends, back in the table on
   that deadline: its worker's release may be on its way, sent while the daemon
@@ -27,7 +30,8 @@ Invariants:
   holds it until then at most, so a daemon that restarts in a loop fires it when
   that grace ends, or at the first start after. Its expiry, if no release comes,
   keeps its own deadline (its event says how late and why). A policy that was in
-  progress resumes at once, held by nothing.
+  progress resumes at once, held by nothing, and so does a registered scope's
+  block: its slot says whether it was released.
 - A due timer whose policy starts with a signal to its process, and that nothing
   else is made of (no hold, no starvation grace, no job), may be taken out as a
   `Due` (`Firing.take_due`): its signal goes out before its firing record is made
@@ -63,6 +67,7 @@ from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import Journal, P, ProcessPort
 from .responders import Responder, Responders
 from .rules import Rules
+from .slots import Slots
 from .starvation import Verdict, judge_due
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
 
@@ -180,6 +185,7 @@ class Firing(Generic[P]):
         wall: Callable[[], float],
         on_deadline: Callable[[float], None],
         responders: Responders | None = None,
+        slots: Slots[P] | None = None,
         started: float = float("-inf"),
     ) -> None:
         """``started``: when this daemon started, on the table's clock; the timers
@@ -187,6 +193,7 @@ class Firing(Generic[P]):
         RESTART_GRACE`` are held until then."""
         self._rules = rules
         self._responders = Responders() if responders is None else responders
+        self._slots = slots
         #: Ranks of incidents that hold no timer but respond: (incident, responder)
         #: for the runtime to ask for evidence (`take_asks`).
         self._asks: list[tuple[str, Responder]] = []
@@ -278,6 +285,8 @@ class Firing(Generic[P]):
         expired = self._table.pop_due(now, limit)
         fired: list[Expired[P] | Due[P]] = []
         put_back = False
+        if self._slots is not None:
+            expired, put_back = self._slots.looked(expired, now)
         dues = 0
         # Looked up once a pass, not once a timer: in a burst every microsecond
         # spent before a signal is a microsecond later for the rest of the pass.
@@ -285,7 +294,7 @@ class Firing(Generic[P]):
         policies: dict[str, tuple[Policy, str]] = {}
         for popped in expired:
             item = popped
-            if item.timer.armed_at < held_before:
+            if item.timer.armed_at < held_before and not _registered(item.timer):
                 until = self._grace.ends(item.timer)
                 if now < until:
                     self._grace.hold(item, until)
@@ -610,3 +619,8 @@ class Firing(Generic[P]):
             )
         )
         self._on_deadline(timer.deadline)
+
+
+def _registered(timer: Timer) -> bool:
+    """Whether ``timer`` is a registered scope's, whose slot says what became of it."""
+    return timer.watch is not None and timer.watch.slot is not None

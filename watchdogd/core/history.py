@@ -74,6 +74,18 @@ class Histogram(msgspec.Struct, kw_only=True, array_like=True):
             self.counts = {bucket: (count + 1) // 2 for bucket, count in self.counts.items()}
             self.total = sum(self.counts.values())
 
+    def add_counts(self, counts: dict[int, int], largest: float) -> None:
+        """Add ``counts`` samples by bucket at once (a slot's harvest), the longest
+        of them ``largest`` seconds."""
+        for bucket, count in counts.items():
+            if 0 <= bucket < MAX_BUCKETS and count > 0:
+                self.counts[bucket] = self.counts.get(bucket, 0) + count
+                self.total += count
+        self.largest = max(self.largest, largest)
+        while self.total >= DECAY_AT:
+            self.counts = {bucket: (count + 1) // 2 for bucket, count in self.counts.items()}
+            self.total = sum(self.counts.values())
+
     def quantile(self, q: float) -> float:
         """The upper edge of the bucket that holds the ``q`` quantile (0 for none),
         never past the largest sample."""
@@ -126,6 +138,11 @@ class History:
     def record(self, key: Key, held: float) -> None:
         """One release of ``key`` after ``held`` seconds."""
         self._histogram(key).add(held)
+        self.generation += 1
+
+    def record_counts(self, key: Key, counts: dict[int, int], largest: float) -> None:
+        """Releases of ``key`` counted by bucket (`Histogram.add_counts`)."""
+        self._histogram(key).add_counts(counts, largest)
         self.generation += 1
 
     def _histogram(self, key: Key) -> Histogram:

@@ -11,7 +11,9 @@ Invariants:
   reached; one whose process is gone is recorded as an expiry whose target had
   gone, and is not signalled.
 - A process that exits takes all its timers with it at once; the exit is recorded
-  (``exited``) when it held any but those its exit releases (``exit_releases``).
+  (``exited``) when it held any but those its exit releases (``exit_releases``),
+  or registered scopes whose slot held no block (`watchdogd.core.slots`), whose
+  pages are read a last time and let go.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .events import EventLog
 from .firing import Firing
 from .identity import Peer
 from .ports import Journal, P, ProcessPort
+from .slots import Slots
 from .timers import Expired, Timer, TimerTable
 
 #: Scopes named in an ``exited`` event; the count covers the rest.
@@ -65,6 +68,7 @@ class Lifecycle(Generic[P]):
         journal: Journal,
         firing: Firing[P],
         *,
+        slots: Slots[P],
         events: EventLog,
         metrics: Counters,
         wall: Callable[[], float],
@@ -74,6 +78,7 @@ class Lifecycle(Generic[P]):
         self._processes = processes
         self._journal = journal
         self._firing = firing
+        self._slots = slots
         self._events = events
         self._metrics = metrics
         self._wall = wall
@@ -212,13 +217,15 @@ class Lifecycle(Generic[P]):
 
     def close(self) -> None:
         """Drop every timer and the table's handles (the daemon is stopping). The
-        journal is not told: the timers stay in the store for the next start."""
+        journal is not told: the timers stay in the store for the next start, and
+        so do the registrations, whose slots close."""
+        self._slots.close_all()
         for process in self._table.clear():
             self._processes.untrack(process)
 
-    def process_exited(self, process: P) -> list[Timer]:
+    def process_exited(self, process: P, now: float) -> list[Timer]:
         """Drop every timer of a process that exited; returns them, and records the
-        exit when it had any but those its exit releases (``exit_releases``)."""
+        exit when it had any armed but those its exit releases (``exit_releases``)."""
         if self._table.process(process.pid) is not process:
             return []
         forgotten = self._table.forget(process.pid)
@@ -229,7 +236,8 @@ class Lifecycle(Generic[P]):
             self._journal.drop(timer)
         if timers:
             self._journal.commit_soon()
-        held = [timer for timer in timers if not timer.exit_releases]
+        armed = self._slots.exited(process, timers, now)
+        held = [timer for timer in armed if not timer.exit_releases]
         if held:
             self._metrics.exited += 1
             self._events.record(

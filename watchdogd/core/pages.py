@@ -66,6 +66,7 @@ from .incidents import IncidentLog
 from .policies import placeholders, step_name
 from .ports import Journal, P, ProcessPort
 from .rules import Rules
+from .slots import Slots
 from .timers import Timer, TimerTable, Watch
 
 #: What a status page may spend on timers and command lines: the reply bound less
@@ -102,6 +103,7 @@ class Pages(Generic[P]):
         *,
         firing: Firing[P],
         arming: Arming[P],
+        slots: Slots[P],
         fleet: FleetBridge[P],
         events: EventLog,
         history: History,
@@ -117,6 +119,7 @@ class Pages(Generic[P]):
         self._journal = journal
         self._firing = firing
         self._arming = arming
+        self._slots = slots
         self._fleet = fleet
         self._events = events
         self._history = history
@@ -150,7 +153,12 @@ class Pages(Generic[P]):
         room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
         timers: list[TimerInfo] = []
+        taken = 0
         for timer in page[: request.limit]:
+            deadline = self._deadline(timer)
+            if deadline is None:
+                taken += 1  # a registered scope's slot holds no block: none armed
+                continue
             cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
             job, rank = ("", None) if timer.watch is None else (timer.watch.job, timer.watch.rank)
             if job:
@@ -166,6 +174,7 @@ class Pages(Generic[P]):
                 cost += _COMMAND_BYTES + len(command.encode())
             if cost > room and timers:
                 break
+            taken += 1
             room -= cost
             if command is not None:
                 commands[timer.pid] = command
@@ -173,7 +182,7 @@ class Pages(Generic[P]):
                 TimerInfo(
                     pid=timer.pid,
                     scope=timer.scope,
-                    remaining=max(0.0, timer.deadline - now),
+                    remaining=max(0.0, deadline - now),
                     policy=timer.policy,
                     uid=timer.uid,
                     job=job,
@@ -182,8 +191,8 @@ class Pages(Generic[P]):
             )
         self._command_lines.forget_old(now, keep=self._table.process_count)
         cursor = None
-        if len(timers) < len(page):
-            last = page[len(timers) - 1]
+        if taken < len(page):
+            last = page[taken - 1]
             cursor = f"{last.deadline!r}/{last.seq}"
         return StatusReply(
             id=request.id,
@@ -192,6 +201,14 @@ class Pages(Generic[P]):
             cursor=cursor,
             commands=commands,
         )
+
+    def _deadline(self, timer: Timer) -> float | None:
+        """``timer``'s deadline: a registered scope's read from its slot now (None
+        while it holds no block)."""
+        watch = timer.watch
+        if watch is None or watch.slot is None:
+            return timer.deadline
+        return self._slots.deadline_of(timer)
 
     def incidents(
         self, request: Incidents | Incident, peer: Peer
@@ -209,9 +226,12 @@ class Pages(Generic[P]):
             )
         return IncidentReply(id=request.id, incident=found)
 
-    def suggest(self, request: Suggest, peer: Peer) -> SuggestReply:
+    def suggest(self, request: Suggest, peer: Peer, now: float) -> SuggestReply:
         """A page of what history says, the caller's own uid's (root: all), cut
-        to fit a reply like a status page."""
+        to fit a reply like a status page; the blocks the slots of the fast path
+        counted are harvested first, so every block released so far counts."""
+        if not request.cursor:
+            self._slots.harvest_all(now, None if peer.uid == ROOT else peer.uid)
         rows = self._history.suggestions(None if peer.uid == ROOT else peer.uid)
         page: list[SuggestionInfo] = []
         room = _STATUS_PAGE_BYTES
@@ -240,7 +260,7 @@ class Pages(Generic[P]):
             return peer.uid in (ROOT, timer.uid, timer.owner)
 
         armed = [] if process is None else self._table.timers_of(pid)
-        held = [timer for timer in armed if mine(timer)]
+        held = [timer for timer in armed if mine(timer) and self._deadline(timer) is not None]
         held += [timer for timer in self._firing.of_pid(pid) if mine(timer)]
         shown = held[: request.limit]
         timers = [self._why_timer(timer, now) for timer in shown]
@@ -282,10 +302,11 @@ class Pages(Generic[P]):
                 if timer.step < len(steps)
                 else "finishing"
             )
+        deadline = timer.deadline if timer.firing else self._deadline(timer)
         return WhyTimer(
             scope=timer.scope,
             policy=timer.policy,
-            remaining=max(0.0, timer.deadline - now),
+            remaining=max(0.0, (timer.deadline if deadline is None else deadline) - now),
             timeout=timer.timeout,
             armed=now - timer.armed_at,
             due="stalled" if timer.stalled else "timeout",
@@ -304,7 +325,7 @@ class Pages(Generic[P]):
             version=__version__,
             pid=self._daemon_pid,
             uptime=now - self._started,
-            timers=len(self._table),
+            timers=len(self._table) - self._slots.released_count(),
             processes=self._table.process_count,
             connections=self._arming.connections,
             requests=self._metrics.requests_total,
@@ -354,7 +375,16 @@ class Pages(Generic[P]):
         return self._render_metrics(
             self._metrics,
             {
-                "timers_armed": ("Timers armed now.", len(self._table)),
+                "timers_armed": (
+                    "Timers armed now (a scope registered for the fast path while its "
+                    "slot holds a block).",
+                    len(self._table) - self._slots.released_count(),
+                ),
+                "slots_registered": (
+                    "Scopes registered for the fast path now, whose blocks arm and "
+                    "release by stores into their process's slot page.",
+                    len(self._slots),
+                ),
                 "processes_watched": (
                     "Processes with timers armed now.",
                     self._table.process_count,
@@ -410,6 +440,11 @@ def _why_notes(watch: Watch | None) -> list[str]:
         notes.append("its policy judges starvation at its deadline (measured when armed)")
     if watch.extended:
         notes.append(f"given {watch.extended:g}s more as starved (its extended event says why)")
+    if watch.slot is not None:
+        notes.append(
+            f"armed and released by stores into its slot page (slot {watch.slot.index}, "
+            f"read at least every {watch.slot.period:.3g}s)"
+        )
     return notes
 
 

@@ -2,13 +2,17 @@
 
 A process port opens, watches and reads processes (`ProcessPort`, on a real host
 `watchdogd.runtime.daemon.HostProcesses`), a journal makes the timers' changes durable
-(`Journal`, `watchdogd.storage.store.Store`). The core holds handles only through
-`TargetProcess`, so its rules run the same on a fake host in tests.
+(`Journal`, `watchdogd.storage.store.Store`), a page port makes and finds again the
+slot pages of the fast path (`PagePort`, `watchdogd.host.slot_pages`). The core
+holds handles only through `TargetProcess` and `PageRef`, so its rules run the same
+on a fake host in tests.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+import enum
+from collections.abc import Sequence
+from typing import Final, Protocol, TypeVar
 
 from .identity import Peer
 from .starvation import Sample
@@ -31,6 +35,7 @@ class TargetProcess(Protocol):
 
 
 P = TypeVar("P", bound=TargetProcess)
+P_contra = TypeVar("P_contra", bound=TargetProcess, contravariant=True)
 
 
 class Journal(Protocol):
@@ -119,3 +124,107 @@ class ProcessPort(Protocol[P]):
     def sample(self, process: P) -> Sample | None:
         """What the kernel says of it now: its CPU time and the pressure on its
         cgroup and on the host; None once it has exited."""
+
+
+class PageRef(Protocol):
+    """A slot page as the core reads and writes it
+    (`watchdogd_client.protocol.slot_page`); every value a process wrote is read
+    as it is, for the core to bound."""
+
+    @property
+    def id(self) -> int:
+        """What names it on the wire and in the state."""
+
+    @property
+    def fd(self) -> int:
+        """A descriptor of it, for the runtime to hand to its process."""
+
+    def read(self, index: int) -> int:
+        """Slot ``index``'s deadline word, in microseconds (0: released)."""
+
+    def blocks(self, index: int) -> int:
+        """How many blocks of slot ``index`` its process released by a store."""
+
+    def largest(self, index: int) -> int:
+        """The longest of them, in microseconds."""
+
+    def counts(self, index: int) -> Sequence[int]:
+        """Their durations' counts, by history bucket."""
+
+    def write(self, index: int, *, deadline: int | None = None, period: int | None = None) -> None:
+        """Write slot ``index``'s deadline (microseconds) and period (0: closed)."""
+
+    def write_auto(self, index: int, timeout: int) -> None:
+        """Write the timeout slot ``index`` arms with ``after="auto"`` (us)."""
+
+    def close_all(self) -> None:
+        """Close every slot of the page."""
+
+    def close(self) -> None:
+        """Let go of the page."""
+
+
+class Searching(enum.Enum):
+    """What a search for a page says while it goes on."""
+
+    SEARCHING = "searching"
+
+
+SEARCHING: Final = Searching.SEARCHING
+
+
+class PageSearch(Protocol):
+    """A search for a page among a process's descriptors, a slice at a time."""
+
+    def step(self, until: float) -> PageRef | Searching | None:
+        """Search on until the clock reads ``until`` (a little further at least):
+        the page found, None (said in the log) once it is known the process holds
+        none, or `SEARCHING`."""
+
+    def close(self) -> None:
+        """Give the search up (or let go of what it read once it ended)."""
+
+
+class PagePort(Protocol[P_contra]):
+    """Slot pages: made for a process, found again after a restart."""
+
+    def shares_clock(self, process: P_contra) -> bool:
+        """Whether the process may have a page: its CLOCK_MONOTONIC is the
+        daemon's, and its page could be found again after a restart."""
+
+    def clock_offset(self, process: P_contra) -> float | None:
+        """How far the process's CLOCK_MONOTONIC reads ahead of the daemon's now
+        (0.0 in the daemon's time namespace; None when it cannot be known)."""
+
+    def new_page(self) -> PageRef | None:
+        """A fresh page; None when none can be made now (said in the log)."""
+
+    def search(self, process: P_contra, page: int) -> PageSearch:
+        """A search for page ``page`` among the process's descriptors (a
+        restart), not begun yet."""
+
+
+class NoPages:
+    """The page port of a daemon that offers no fast path."""
+
+    def shares_clock(self, process: object) -> bool:
+        return False
+
+    def clock_offset(self, process: object) -> float | None:
+        return 0.0
+
+    def new_page(self) -> PageRef | None:
+        return None
+
+    def search(self, process: object, page: int) -> PageSearch:
+        return _NothingFound()
+
+
+class _NothingFound:
+    """The search of a daemon that offers no fast path: it finds nothing."""
+
+    def step(self, until: float) -> PageRef | Searching | None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -17,6 +17,8 @@ Each part owns its state and is its own module:
 - `watchdogd.core.firing`: expiry, the starvation rule and incident peers, and the
   firing timers until their policy has run;
 - `watchdogd.core.lifecycle`: restore after a restart, exits, the stop;
+- `watchdogd.core.slots`: the fast path's registrations and the looks at their
+  slots;
 - `watchdogd.core.bridge`: what the fleet asks of the core and tells it;
 - `watchdogd.core.hangs`: each settled verdict's hang counted toward its job's
   repeats (`watchdogd.core.repeats`), and the jobs' page.
@@ -48,8 +50,10 @@ from watchdogd_client.protocol import (
     IncidentReply,
     Incidents,
     IncidentsReply,
+    MapPage,
     Metrics,
     MetricsReply,
+    PageMapped,
     Ping,
     Policies,
     Pong,
@@ -62,7 +66,6 @@ from watchdogd_client.protocol import (
     Status,
     Suggest,
     Unblocked,
-    Welcome,
     Why,
 )
 
@@ -82,10 +85,11 @@ from .lifecycle import Later, Lifecycle, Restored
 from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
 from .policies import Policy
-from .ports import Journal, NullJournal, P, ProcessPort, TargetProcess
+from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .repeats import Repeats
-from .responders import Responder, Responders
+from .responders import Responders
 from .rules import Rules
+from .slots import Slots
 from .timers import Expired, Timer, TimerTable
 from .unblocks import Unblocks
 from .verdict import Decision, for_viewer, nobody
@@ -123,9 +127,13 @@ class Service(Generic[P]):
         new_id: Callable[[], str] | None = None,
         host: str = "localhost",
         stdlib: frozenset[str] = frozenset(),
+        pages: PagePort[P] | None = None,
+        monotonic: bool = False,
     ) -> None:
         """``stdlib``: the standard library's top-level module names
-        (``sys.stdlib_module_names``), whose frames are not where a rank waits."""
+        (``sys.stdlib_module_names``), whose frames are not where a rank waits.
+        ``pages`` makes the slot pages of the fast path, offered when ``monotonic``
+        says the table's clock is CLOCK_MONOTONIC, the clock of a slot's deadlines."""
         daemon = config.daemon
         self.rules = Rules(config)
         self.table: TimerTable[P] = TimerTable()
@@ -159,6 +167,20 @@ class Service(Generic[P]):
         self.daemon_pid = daemon_pid
         self.started = now
         self._wall = wall
+        self._clock = clock
+        self._monotonic = monotonic
+        self.slots = Slots(
+            self.rules,
+            self.table,
+            processes,
+            NoPages() if pages is None else pages,
+            self.journal,
+            history=self.history,
+            metrics=self.metrics,
+            log=self.log,
+            on_deadline=on_deadline,
+            offered=monotonic and daemon.fast_path,
+        )
         #: This host's ranks owed a cut out of the collective they wait in.
         self.unblocks = Unblocks(
             self.incidents,
@@ -174,6 +196,7 @@ class Service(Generic[P]):
             processes,
             self.journal,
             responders=self.responders,
+            slots=self.slots,
             incidents=self.incidents,
             on_deadline=on_deadline,
             events=self.events,
@@ -186,6 +209,7 @@ class Service(Generic[P]):
             processes,
             self.journal,
             self.expiries,
+            slots=self.slots,
             on_deadline=on_deadline,
             events=self.events,
             metrics=self.metrics,
@@ -197,6 +221,7 @@ class Service(Generic[P]):
             processes,
             self.journal,
             self.lifecycle,
+            slots=self.slots,
             history=self.history,
             metrics=self.metrics,
             daemon_pid=daemon_pid,
@@ -228,6 +253,7 @@ class Service(Generic[P]):
             self.journal,
             firing=self.expiries,
             arming=self.arming,
+            slots=self.slots,
             fleet=self.fleet,
             events=self.events,
             history=self.history,
@@ -272,6 +298,7 @@ class Service(Generic[P]):
         self.incidents.resize(daemon.incidents, daemon.incidents_per_uid)
         self.incidents.budget.resize(daemon.incident_bytes, daemon.incident_bytes_per_uid)
         self.incidents.window = daemon.incident_window
+        self.slots.offered = self._monotonic and daemon.fast_path
         self.repeats.limit, self.repeats.window = daemon.repeat_limit, daemon.repeat_window
         self.repeats.same_within = daemon.incident_window
 
@@ -304,10 +331,6 @@ class Service(Generic[P]):
         """`Arming.close_connection`."""
         self.arming.close_connection(caller)
 
-    def welcome(self, hello: Hello) -> Welcome:
-        """`Arming.welcome`."""
-        return self.arming.welcome(hello)
-
     # One branch per request type, by design: the whole dispatch reads in one place.
     def handle(  # noqa: PLR0912
         self, request: RequestMessage, caller: Caller[P], now: float
@@ -331,7 +354,7 @@ class Service(Generic[P]):
             case Hello():
                 return self.arming.welcome(request)
             case Suggest():
-                return self.pages.suggest(request, caller.peer)
+                return self.pages.suggest(request, caller.peer, now)
             case Why():
                 return self.pages.why(request, caller.peer, now)
             case Incidents() | Incident():
@@ -340,8 +363,27 @@ class Service(Generic[P]):
                 return self.hangs.hangs(request, caller.peer)
             case Respond() | Evidence() | Unblocked():
                 return self._responding(request, caller)
+            case MapPage():
+                self.page_for(request, caller, now)
+                return PageMapped(id=request.id, page=request.page, now=int(now * 1_000_000))
             case _:
                 assert_never(request)
+
+    def page_for(self, request: MapPage, caller: Caller[P], now: float) -> PageRef:
+        """The slot page ``request`` names, of the caller's own process (its
+        descriptor goes with the reply: `watchdogd.runtime.server`)."""
+        process = self.arming.caller_itself(caller, now)
+        try:
+            page = self.slots.page_for(process, request.page)
+        finally:
+            process.close()
+        if page is None:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"no slot page {request.page} of this process; an arm that asks for a "
+                "slot gets one",
+            )
+        return page
 
     def _responding(self, request: Respond | Evidence | Unblocked, caller: Caller[P]) -> Responding:
         """A responder's `Respond`, which binds it to the exact process that opened
@@ -386,10 +428,6 @@ class Service(Generic[P]):
         """`Firing.record`."""
         return self.expiries.record(due)
 
-    def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
-        """`Firing.step_started`."""
-        return self.expiries.step_started(timer, step, step_end)
-
     def expiry_finished(self, timer: Timer) -> None:
         """`Firing.finished`."""
         self.expiries.finished(timer)
@@ -412,26 +450,6 @@ class Service(Generic[P]):
     ) -> None:
         """`Firing.dump_taken`."""
         self.expiries.dump_taken(timer, reader, evidence, flight)
-
-    def take_asks(self) -> list[tuple[str, Responder]]:
-        """`Firing.take_asks`."""
-        return self.expiries.take_asks()
-
-    def evidence_given(
-        self,
-        incident: str,
-        pid: int,
-        stack: str,
-        *,
-        evidence: str,
-        flight: Sequence[GroupState],
-        reader: tuple[int, int] | None,
-        note: str = "",
-    ) -> None:
-        """`Firing.evidence_given`."""
-        self.expiries.evidence_given(
-            incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
-        )
 
     def _evidence_trimmed(self, uid: int, size: int) -> None:
         """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
@@ -473,21 +491,9 @@ class Service(Generic[P]):
         )
         return self.hangs.settled(incident, decision, ranks, recorded.seq)
 
-    def evidence_in(self, incident_id: str, pid: int) -> bool:
-        """`IncidentLog.evidence_in`."""
-        return self.incidents.evidence_in(incident_id, pid)
-
     def settle_incidents(self) -> None:
         """`IncidentLog.tick`, now."""
         self.incidents.tick(self._wall())
-
-    def record_unkillable(self, event: EventInfo) -> None:
-        """`Firing.record_unkillable`."""
-        self.expiries.record_unkillable(event)
-
-    def observe_lateness(self, seconds: float) -> None:
-        """The time from a deadline to its policy's first signal."""
-        self.metrics.observe_lateness(seconds)
 
     # The state, restarts and exits.
 
@@ -509,7 +515,7 @@ class Service(Generic[P]):
 
     def process_exited(self, process: P) -> list[Timer]:
         """`Lifecycle.process_exited`."""
-        return self.lifecycle.process_exited(process)
+        return self.lifecycle.process_exited(process, self._clock())
 
     def close(self) -> None:
         """`Lifecycle.close`."""

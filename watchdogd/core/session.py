@@ -22,6 +22,8 @@ buffer, and says when the connection must close. Invariants:
   handed back to the connection, which binds its asks to the process
   (`watchdogd.runtime.server`) and gives the answer to whoever asked on it
   (`watchdogd.runtime.responders`).
+- A `MapPage` that was answered is handed back too: its reply must leave with the
+  page's descriptor (`watchdogd.runtime.server`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from watchdogd_client.protocol import (
     Evidence,
     HangsReply,
     Hello,
+    MapPage,
+    PageMapped,
     ReplyMessage,
     RequestMessage,
     Respond,
@@ -70,12 +74,13 @@ class Session:
 
     def receive(
         self, frame: bytes, now: float, out: bytearray, *, may_wait: bool = True
-    ) -> bool | Events | Respond | Evidence | Unblocked:
+    ) -> bool | Events | Respond | Evidence | Unblocked | MapPage:
         """Handle one frame body, appending the reply to ``out``. Returns False when
         the connection must close after ``out`` is sent, (when ``may_wait``) the
         `Events` request to answer with `answer` once an event happens or its wait
-        runs out, or the `Respond` taken or the `Evidence` or `Unblocked` a responder sent,
-        answered already."""
+        runs out, the `Respond` taken or the `Evidence` or `Unblocked` a responder
+        sent, answered already, or the `MapPage` whose reply (the last in ``out``)
+        goes with a descriptor."""
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -94,7 +99,7 @@ class Session:
             result = "ok"
             if isinstance(request, Hello):
                 try:
-                    reply = self.service.welcome(request)
+                    reply = self.service.arming.welcome(request)
                     self.greeted = True
                 except Refusal as refusal:
                     result = refusal.code
@@ -112,7 +117,7 @@ class Session:
 
     def answer(
         self, request: RequestMessage, now: float, out: bytearray, *, may_wait: bool = False
-    ) -> bool | Events | Respond | Evidence | Unblocked:
+    ) -> bool | Events | Respond | Evidence | Unblocked | MapPage:
         """Handle a decoded request, appending its reply to ``out``."""
         result = "ok"
         reply: ReplyMessage
@@ -155,6 +160,8 @@ class Session:
         if isinstance(reply, Responding) and isinstance(request, Respond | Evidence | Unblocked):
             if isinstance(request, Respond):
                 self.responder = True
+            return request
+        if isinstance(reply, PageMapped) and isinstance(request, MapPage):
             return request
         return True
 

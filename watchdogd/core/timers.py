@@ -216,6 +216,9 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
       (`watchdogd.core.firing.RestartGrace`; None until a start gives it): a
       later start holds it no longer, so once an arming, however often the
       daemon restarts.
+    - ``slot``: the slot of a scope registered for the fast path (`SlotRef`): its
+      blocks arm and release by stores there, so this timer's ``deadline`` is the
+      daemon's next look at the slot, not the block's (`watchdogd.core.slots`).
     """
 
     progress: int | None = None
@@ -230,6 +233,17 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     extended: float = 0.0
     client_arm: int = 0
     held_until: float | None = None
+    slot: SlotRef | None = None
+
+
+class SlotRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """Where a registered scope's blocks store: slot ``index`` of slot page
+    ``page`` (the page's inode, by which a restarted daemon finds it again among
+    its process's descriptors), looked at least once every ``period`` seconds."""
+
+    page: int
+    index: int
+    period: float
 
 
 V = TypeVar("V", bound=Hashable)

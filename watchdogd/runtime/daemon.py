@@ -65,6 +65,7 @@ from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
 from .executor import BATCH, Executor
+from .host_pages import HostPages
 from .reload import Reloads
 from .responders import Asks
 from .scheduler import Scheduler
@@ -337,6 +338,8 @@ class Daemon:
             render_metrics=_exposition,
             host=host,
             stdlib=frozenset(sys.stdlib_module_names),
+            pages=HostPages(),
+            monotonic=clock is time.monotonic,
         )
         self.history_file: HistoryFile | None = None
         self.record_file: RecordFile | None = None
@@ -532,7 +535,8 @@ class Daemon:
         return len(expired) == BATCH
 
     def _settle(self, until: float) -> bool:
-        """Settle expiries until ``until``; whether more wait."""
+        """Settle expiries, then search for pages after a restart, until
+        ``until``; whether more wait."""
         try:
             more = self.executor is not None and self.executor.settle(until)
         except Exception:
@@ -540,7 +544,11 @@ class Daemon:
             more = False
         if not more:
             self.collector.release()
-        return more
+        try:
+            return self.service.slots.search(until) or more
+        except Exception:
+            log.exception("searching for slot pages failed")
+            return more
 
     def _storage_changed(self, degraded: bool, reason: str) -> None:
         self.service.storage_changed(degraded, reason)

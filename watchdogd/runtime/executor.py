@@ -223,7 +223,7 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
-        for incident, responder in self._service.take_asks():
+        for incident, responder in self._service.expiries.take_asks():
             self._nursery.start_soon(
                 self._gatherer.ask_rank, incident, responder.pid, responder.start_time
             )
@@ -367,14 +367,14 @@ class Executor:
                 case CheckAlive():
                     run.seen(target.alive())
                 case RecordStep(step=step, step_end=step_end):
-                    self._service.step_started(run.timer, step, step_end)
+                    self._service.expiries.step_started(run.timer, step, step_end)
                     run.recorded()
                 case SendSignal(signum=signum, alive=alive):
                     run.signalled(target.signal(signum, alive=alive), self._clock())
                     if first_only:
                         return None
                 case ObserveLateness(seconds=seconds):
-                    self._service.observe_lateness(seconds)
+                    self._service.metrics.observe_lateness(seconds)
                     run.observed()
                 case WaitUntil(end=end):
                     return functools.partial(self._wait, run, target, end)
@@ -412,7 +412,7 @@ class Executor:
         """Until this host's other ranks of ``incident`` have given their evidence,
         or ``until`` (the daemon's clock): looked at every `_EVIDENCE_POLL` seconds,
         a wait of seconds at most."""
-        while not self._service.evidence_in(incident, run.timer.pid):
+        while not self._service.incidents.evidence_in(incident, run.timer.pid):
             left = until - self._clock()
             if left <= 0:
                 break
@@ -506,7 +506,7 @@ class Executor:
             pid, state, wchan = target.survivor()
             after = self._service.config.unkillable_after
             event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
-            self._service.record_unkillable(event)
+            self._service.expiries.record_unkillable(event)
         target.close()
 
     def _failed(self, expiry: _Expiry, what: str) -> None:

@@ -132,6 +132,23 @@ class _Collector(Collector):
             "timers' state needs (stacks cut first).",
             value=m.record_left_off,
         )
+        slots = CounterMetricFamily(
+            "watchdogd_slot_outcomes",
+            "Slots of the fast path, by what became of them: deadlines past max_timeout a "
+            "look clamped (clamped), counts refused as scribbled (scribbled), "
+            "registrations dropped for a page lost or uids changed (lost), reclaimed at "
+            "a uid's limit (reclaimed), retired after closing (retired).",
+            labels=["outcome"],
+        )
+        for outcome, count in (
+            ("clamped", m.slots_clamped),
+            ("scribbled", m.slots_scribbled),
+            ("lost", m.slots_lost),
+            ("reclaimed", m.slots_reclaimed),
+            ("retired", m.slots_retired),
+        ):
+            slots.add_metric([outcome], count)
+        yield slots
         yield CounterMetricFamily(
             "watchdogd_connections", "Connections accepted.", value=m.connections_total
         )

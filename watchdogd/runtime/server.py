@@ -35,6 +35,7 @@ pidfd go.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import grp
 import logging
@@ -56,6 +57,7 @@ from watchdogd_client.protocol import (
     Events,
     Evidence,
     FrameReader,
+    MapPage,
     Released,
     Respond,
     Unblocked,
@@ -478,6 +480,13 @@ class _Connection:
                 self.context.asks.answered(self, outcome)
             elif isinstance(outcome, Respond):
                 self.respond()
+            elif isinstance(outcome, MapPage):
+                # The reply, last in ``out``, leaves with the page's descriptor.
+                if not await self.flush(out[:before]) or not await self._send_page(
+                    out[before:], outcome, clock()
+                ):
+                    return False
+                out = bytearray()
             elif outcome is not True:
                 # A follower waiting for news: answer what came before it first.
                 if not await self.flush(out):
@@ -519,6 +528,26 @@ class _Connection:
             # Sent, or given up on: either way no longer the daemon's to hold.
             self.context.replies.release(self.uid, self.held)
             self.held = 0
+
+    async def _send_page(self, reply: bytearray, request: MapPage, now: float) -> bool:
+        """Send ``reply`` to ``request`` with the page's descriptor (SCM_RIGHTS);
+        False (logged) when the client leaves it unread."""
+        service = self.session.service
+        try:
+            page = service.page_for(request, self.session.caller, now)
+        except Refusal:
+            return True  # the process went meanwhile: it needs no page
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [page.fd]))]
+        while True:
+            try:
+                sent = self.conn.sendmsg([reply], ancillary)
+                break
+            except BlockingIOError:
+                with trio.move_on_after(self.config.send_timeout) as waited:
+                    await trio.lowlevel.wait_writable(self.conn)
+                if waited.cancelled_caught:
+                    return False
+        return sent == len(reply) or await self._send_rest(memoryview(reply)[sent:])
 
     def _hold(self, size: int) -> None:
         self.context.replies.hold(self.uid, size)

@@ -17,7 +17,9 @@ migration from 6 moves a client's number into the timer's `Watch`
 that armed it before the upgrade, and drops the 0 of an arming of no number.
 Schema 8 adds to a `Watch` when the restart grace of its arming ends
 (``held_until``), the last of 12 fields: its migration from 7 leaves a timer as
-it is, its watch read as one given no grace yet.
+it is, its watch read as one given no grace yet. Schema 9 adds to a `Watch` the
+slot of a scope registered for the fast path (``slot``, a `SlotRef`), the last of
+13: its migration from 8 leaves a timer as it is, registered nowhere.
 
 Invariants:
 
@@ -51,7 +53,7 @@ import msgspec
 from ..core.timers import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 8
+SCHEMA: Final = 9
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -84,7 +86,15 @@ def _from_6(fields: Fields) -> Fields:
 #: The forward migrations, keyed by the schema each one migrates from. Schema 4
 #: is that of the first release: no migration leads to it.
 MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
-    {4: lambda fields: fields, 5: lambda fields: [*fields, 0], 6: _from_6, 7: lambda fields: fields}
+    {
+        4: lambda fields: fields,
+        5: lambda fields: [*fields, 0],
+        6: _from_6,
+        7: lambda fields: fields,
+        # 9 adds a registration's `SlotRef` at the end of its `Watch`: an older
+        # timer has none.
+        8: lambda fields: fields,
+    }
 )
 
 #: Changes to the state, or the state itself: the latest timer of each store key,

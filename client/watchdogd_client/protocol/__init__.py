@@ -13,15 +13,18 @@ Invariants the daemon and the client both rely on:
 - A frame that declares more bytes than the receiver's bound is refused before any
   buffer of that size exists (`FrameReader` raises `FrameTooLarge`).
 - Time on the wire is always relative seconds (``timeout``, ``remaining``); absolute
-  deadlines never leave the daemon.
+  deadlines never leave the daemon, except in a slot page, which holds
+  CLOCK_MONOTONIC deadlines (`protocol.slot_page`).
 - New fields are added only with defaults, and unknown fields are ignored, so an older
   peer can read a newer peer's messages (msgspec's schema-evolution rules).
 
 Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
 daemon answers, and the codes of its refusals), `protocol.evidence` (what a
-worker's responder answers from inside it, and what it is asked to unblock) and
-`protocol.frames` (framing, the bounds on a frame, one decoder per direction).
-Every name is imported from here, by the daemon and the clients alike.
+worker's responder answers from inside it, and what it is asked to unblock),
+`protocol.slot_page` (the layout of the memory a daemon shares with one process for
+its blocks' stores) and `protocol.frames` (framing, the bounds on a frame, one
+decoder per direction). Every name is imported from here, by the daemon and the
+clients alike.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from .replies import (
     IncidentReply,
     IncidentsReply,
     MetricsReply,
+    PageMapped,
     PoliciesReply,
     PolicyInfo,
     Pong,
@@ -75,6 +79,7 @@ from .replies import (
     Reply,
     ReplyMessage,
     Responding,
+    SlotGrant,
     StatusReply,
     StepResult,
     SuggestionInfo,
@@ -99,6 +104,7 @@ from .requests import (
     Incident,
     Incidents,
     Job,
+    MapPage,
     Metrics,
     PageSize,
     Pid,
@@ -118,6 +124,7 @@ from .requests import (
     Timeout,
     Unblocked,
     Why,
+    in_words,
 )
 
 __all__ = [
@@ -160,8 +167,10 @@ __all__ = [
     "Incidents",
     "IncidentsReply",
     "Job",
+    "MapPage",
     "Metrics",
     "MetricsReply",
+    "PageMapped",
     "PageSize",
     "Pid",
     "Ping",
@@ -183,6 +192,7 @@ __all__ = [
     "Respond",
     "Responding",
     "Scope",
+    "SlotGrant",
     "Status",
     "StatusReply",
     "StepResult",
@@ -206,4 +216,5 @@ __all__ = [
     "decode_request",
     "encode_frame",
     "encode_frame_into",
+    "in_words",
 ]

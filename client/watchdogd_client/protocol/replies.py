@@ -9,13 +9,14 @@ ones are ignored, so an older client reads a newer daemon's replies.
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from .evidence import GroupState
 from .requests import RequestId
+from .slot_page import SLOTS
 
 #: The most of a command line a status page shows, in UTF-8 bytes (marker included).
 MAX_COMMAND_BYTES: Final = 1024
@@ -77,6 +78,9 @@ class Welcome(Reply, tag="welcome", frozen=True, kw_only=True):
     server: str
     pid: int
     restart: float = 0.0
+    #: The longest timeout it arms (its ``max_timeout``): a client that knows it
+    #: refuses a longer one itself, in the same words (0: not said).
+    max_timeout: float = 0.0
 
 
 class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
@@ -96,6 +100,21 @@ class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
     #: disarm whatever arming holds the scope). An older daemon echoed here the
     #: number the client had sent: a client releases with what it reads.
     arm: int = 0
+    #: The slot this scope's later blocks may arm and release by stores, when the
+    #: request asked for one (`Acquire.slot`) and the daemon offers it.
+    slot: SlotGrant | None = None
+
+
+class SlotGrant(Struct, frozen=True, kw_only=True):
+    """A slot of a slot page (`watchdogd_client.protocol.slot_page`): the page
+    (get it with `MapPage` unless it is mapped already), the slot's index in it,
+    and its period as the daemon wrote it there, in microseconds: a store is
+    taken while the page still shows this period, for a deadline at least that
+    far away."""
+
+    page: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+    index: Annotated[int, Meta(ge=0, le=SLOTS - 1)]
+    period: Annotated[int, Meta(ge=1, le=2**62)]
 
 
 class Released(Reply, tag="released", frozen=True, kw_only=True):
@@ -457,6 +476,16 @@ class IncidentReply(Reply, tag="incident", frozen=True, kw_only=True):
     incident: IncidentInfo
 
 
+class PageMapped(Reply, tag="page_mapped", frozen=True, kw_only=True):
+    """Answer to `MapPage`: its frame carries the page's descriptor (SCM_RIGHTS).
+    ``now`` is the daemon's CLOCK_MONOTONIC in microseconds as it answered: a
+    process whose own clock reads otherwise (another time namespace) must not
+    use the page."""
+
+    page: int
+    now: int
+
+
 class HangInfo(Struct, frozen=True, kw_only=True):
     """One hang counted toward a job's repeats: its incident, when it opened (Unix
     seconds) and its verdict's fingerprint."""
@@ -533,5 +562,6 @@ ReplyMessage = (
     | IncidentReply
     | HangsReply
     | Responding
+    | PageMapped
     | Error
 )

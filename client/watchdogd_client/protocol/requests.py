@@ -48,6 +48,15 @@ Position = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StatusCursor = Annotated[str, Meta(max_length=64)]
 
 
+def in_words(seconds: float) -> str:
+    """``seconds`` as a person reads a duration: ``30 days``, ``2 hours``, ``90 s``."""
+    for unit, size in (("days", 86_400.0), ("hours", 3_600.0), ("minutes", 60.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            count = int(seconds / size)
+            return f"{count:,} {unit[:-1] if count == 1 else unit}"
+    return f"{seconds:g} s"
+
+
 class Request(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type"):
     """Base of every client-to-daemon message."""
 
@@ -103,6 +112,10 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     rank: Rank | None = None
     local_rank: Rank | None = None
     group_rank: Rank | None = None
+    #: The process would arm this scope's later blocks by stores into a slot page
+    #: (`watchdogd_client.protocol.slot_page`): a daemon that offers one answers
+    #: with a `SlotGrant` (`Acquired.slot`). Heard only for the caller itself.
+    slot: bool = False
 
 
 class Release(Request, tag="release", frozen=True, kw_only=True):
@@ -117,6 +130,10 @@ class Release(Request, tag="release", frozen=True, kw_only=True):
     scope: Scope
     pid: Pid | None = None
     arm: Arm | None = None
+    #: It releases a block armed by a store into the scope's slot, which the daemon
+    #: closed meanwhile: it disarms the scope only while it is still registered,
+    #: never an arming made over the socket since (root's, say).
+    stored: bool = False
 
 
 class Status(Request, tag="status", frozen=True, kw_only=True):
@@ -221,6 +238,13 @@ class Evidence(Request, tag="evidence", frozen=True, kw_only=True):
     note: Annotated[str, Meta(max_length=1024)] = ""
 
 
+class MapPage(Request, tag="map_page", frozen=True, kw_only=True):
+    """Hand me slot page ``page`` of my own (`SlotGrant.page`): answered with
+    `PageMapped`, whose frame carries the page's descriptor (SCM_RIGHTS)."""
+
+    page: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+
+
 class Unblocked(Request, tag="unblocked", frozen=True, kw_only=True):
     """A responder's answer to `UnblockWanted` ``ask``: its ``outcome`` (one of
     `UnblockOutcome`'s values; a daemon takes one it does not know as
@@ -255,5 +279,6 @@ RequestMessage = (
     | Hangs
     | Respond
     | Evidence
+    | MapPage
     | Unblocked
 )

@@ -1,0 +1,247 @@
+"""Slot pages in plain memory, for the core's rules without memfds: a page port
+(`FakePages`) whose pages (`FakePage`, the daemon's handle) share a `Memory` with
+the process that holds them, which the tests write as that process would
+(`Memory.store`, `Memory.release`), through the layout of
+`watchdogd_client.protocol.slot_page`.
+
+A page is held by a process once it was handed to it (`FakePages.hand`, as a
+`MapPage` does), and only a held page can be adopted again (after a restart:
+`FakePages.restarted` is the next daemon's port onto the same processes). A
+daemon's handle that was closed refuses every read and write, as a real page's
+released mapping does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from watchdogd.core.ports import SEARCHING, PageRef, Searching, TargetProcess
+from watchdogd_client.protocol.slot_page import (
+    AUTO,
+    BLOCKS,
+    BUCKETS,
+    DEADLINE,
+    HEADER_MAGIC,
+    HEADER_SLOTS,
+    LARGEST,
+    MAGIC,
+    PAGE_BYTES,
+    PERIOD,
+    SLOTS,
+    bucket_of,
+    counts_of,
+    word_of,
+)
+
+
+def microseconds(seconds: float) -> int:
+    """``seconds`` as a slot word holds them."""
+    return round(seconds * 1_000_000)
+
+
+class Memory:
+    """The bytes of one page, as both its daemon and its process map them."""
+
+    def __init__(self) -> None:
+        self.data = bytearray(PAGE_BYTES)
+        self.words = memoryview(self.data).cast("Q")
+        self.counts = memoryview(self.data).cast("I")
+        self.words[HEADER_MAGIC] = MAGIC
+        self.words[HEADER_SLOTS] = SLOTS
+
+    # What the process reads.
+
+    def period(self, index: int) -> int:
+        """The period the daemon wrote in slot ``index`` (0: closed), microseconds."""
+        return self.words[word_of(index, PERIOD)]
+
+    def deadline(self, index: int) -> int:
+        """The deadline word of slot ``index``."""
+        return self.words[word_of(index, DEADLINE)]
+
+    def auto(self, index: int) -> int:
+        """The timeout the daemon wrote for ``after="auto"``, microseconds."""
+        return self.words[word_of(index, AUTO)]
+
+    # What the process writes.
+
+    def store(self, index: int, deadline: float) -> None:
+        """Arm slot ``index`` until ``deadline`` (seconds of the daemon's clock)."""
+        self.words[word_of(index, DEADLINE)] = microseconds(deadline)
+
+    def word(self, index: int, value: int) -> None:
+        """Store ``value``, whatever it is, as slot ``index``'s deadline word."""
+        self.words[word_of(index, DEADLINE)] = value
+
+    def release(self, index: int, held: float | None = None) -> None:
+        """Release slot ``index`` by a store; with ``held``, count a block of that
+        many seconds as the client does (its bucket, the largest, the blocks)."""
+        if held is not None:
+            took = microseconds(held)
+            at = counts_of(index) + bucket_of(took)
+            self.counts[at] = (self.counts[at] + 1) & (2**32 - 1)
+            largest = word_of(index, LARGEST)
+            self.words[largest] = max(self.words[largest], took)
+            blocks = word_of(index, BLOCKS)
+            self.words[blocks] = (self.words[blocks] + 1) & (2**64 - 1)
+        self.words[word_of(index, DEADLINE)] = 0
+
+    def scribble_counts(self, index: int, bucket: int, count: int, blocks: int) -> None:
+        """Write a count and a block count no release made."""
+        self.counts[counts_of(index) + bucket] = count
+        self.words[word_of(index, BLOCKS)] = blocks
+
+
+class FakePage:
+    """The daemon's handle on a page (`watchdogd.core.ports.PageRef`)."""
+
+    def __init__(self, page_id: int, memory: Memory) -> None:
+        self._id = page_id
+        self.memory = memory
+        self.closed = False
+        #: How many times `close_all` was called.
+        self.closed_all = 0
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def fd(self) -> int:
+        return -1
+
+    def _words(self) -> memoryview:
+        if self.closed:
+            raise ValueError(f"slot page {self._id} used after its close")
+        return self.memory.words
+
+    def read(self, index: int) -> int:
+        return self._words()[word_of(index, DEADLINE)]
+
+    def blocks(self, index: int) -> int:
+        return self._words()[word_of(index, BLOCKS)]
+
+    def largest(self, index: int) -> int:
+        return self._words()[word_of(index, LARGEST)]
+
+    def counts(self, index: int) -> Sequence[int]:
+        self._words()
+        at = counts_of(index)
+        return self.memory.counts[at : at + BUCKETS].tolist()
+
+    def write(self, index: int, *, deadline: int | None = None, period: int | None = None) -> None:
+        words = self._words()
+        if deadline is not None:
+            words[word_of(index, DEADLINE)] = deadline
+        if period is not None:
+            words[word_of(index, PERIOD)] = period
+
+    def write_auto(self, index: int, timeout: int) -> None:
+        self._words()[word_of(index, AUTO)] = timeout
+
+    def close_all(self) -> None:
+        words = self._words()
+        self.closed_all += 1
+        for index in range(SLOTS):
+            words[word_of(index, PERIOD)] = 0
+
+    def close(self) -> None:
+        self._words()
+        self.closed = True
+
+
+class FakeSearch:
+    """A search of `FakePages`: it ends at its last step, whatever the clock."""
+
+    def __init__(self, port: FakePages, pid: int, page: int, steps: int) -> None:
+        self._port, self._pid, self._page = port, pid, page
+        self.steps_left = steps
+        self.closed = False
+
+    def step(self, until: float) -> PageRef | Searching | None:
+        assert not self.closed, "a search stepped after it was closed"
+        self.steps_left -= 1
+        if self.steps_left > 0:
+            return SEARCHING
+        return self._port.found(self._pid, self._page)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakePages:
+    """A page port (`watchdogd.core.ports.PagePort`) on plain memory."""
+
+    def __init__(self, *, first_id: int = 1) -> None:
+        self._ids = itertools.count(first_id)
+        #: Every page made, by id, and the daemon's handle on it.
+        self.made: dict[int, FakePage] = {}
+        #: The pages each process holds (mapped), by pid and page id.
+        self.held: dict[int, dict[int, Memory]] = {}
+        #: Pids in another time namespace: offered no page.
+        self.other_clock: set[int] = set()
+        #: How far each process's clock reads ahead of the daemon's, by pid
+        #: (after it moved to another time namespace; None: not known).
+        self.offsets: dict[int, float | None] = {}
+        #: Whether no page can be made now (memfd_create failing).
+        self.exhausted = False
+        #: The adoptions asked for, in turn: (pid, page id).
+        self.adoptions: list[tuple[int, int]] = []
+        #: The handles searches gave.
+        self.adopted: list[FakePage] = []
+        #: How many steps a search takes (a process with many descriptors).
+        self.search_steps = 1
+        #: Every search begun, in turn.
+        self.searches: list[FakeSearch] = []
+
+    def shares_clock(self, process: TargetProcess) -> bool:
+        return process.pid not in self.other_clock
+
+    def clock_offset(self, process: TargetProcess) -> float | None:
+        return self.offsets.get(process.pid, 0.0)
+
+    def new_page(self) -> PageRef | None:
+        if self.exhausted:
+            return None
+        page = FakePage(next(self._ids), Memory())
+        self.made[page.id] = page
+        return page
+
+    def search(self, process: TargetProcess, page: int) -> FakeSearch:
+        self.adoptions.append((process.pid, page))
+        search = FakeSearch(self, process.pid, page, self.search_steps)
+        self.searches.append(search)
+        return search
+
+    def found(self, pid: int, page: int) -> PageRef | None:
+        """Page ``page`` as process ``pid`` holds it now: what a search finds."""
+        memory = self.held.get(pid, {}).get(page)
+        if memory is None:
+            return None
+        found = FakePage(page, memory)
+        self.adopted.append(found)
+        return found
+
+    # What the tests do as the process or the host.
+
+    def hand(self, pid: int, page: int) -> Memory:
+        """Process ``pid`` maps page ``page`` (its `MapPage`): its memory."""
+        memory = self.made[page].memory
+        self.held.setdefault(pid, {})[page] = memory
+        return memory
+
+    def memory(self, page: int) -> Memory:
+        """The memory of page ``page``, made by this port or adopted by it."""
+        if page in self.made:
+            return self.made[page].memory
+        return next(found.memory for found in self.adopted if found.id == page)
+
+    def restarted(self) -> FakePages:
+        """The port of the daemon that starts next: the pages the processes hold
+        are theirs still; the new daemon has made none."""
+        port = FakePages(first_id=max([*self.made, *(p.id for p in self.adopted), 0]) + 1)
+        port.held = {pid: dict(pages) for pid, pages in self.held.items()}
+        port.other_clock = set(self.other_clock)
+        port.offsets = dict(self.offsets)
+        return port

@@ -1,0 +1,226 @@
+"""The slot pages each process has: which page its next registration takes a slot
+of, how many open or closing slots each page holds, and when a page goes.
+
+Invariants:
+
+- A page is its process's alone: pages are kept by process (its pid and start
+  time), never by pid, so a process that holds a pid after another never gets a
+  page of the one before (whose descriptors a child of it may still hold).
+- A process keeps its pages only while one of them holds an open or closing slot,
+  so one that left the table (its exit then unwatched) leaves none behind; a
+  page that gives no new slot goes as soon as it holds none.
+- A slot's index is given once: a late store of an old scope cannot land on a
+  new one. A page found again after a restart gives no new slot (which of its
+  indexes the daemon before gave is not known).
+- A page is searched for among a process's descriptors once: a search reads every
+  descriptor, and one that found nothing finds nothing the next time either. A
+  search goes a slice at a time (`search`), between the passes that fire timers:
+  a process holding tens of thousands of descriptors delays no timer. A slot
+  closed while its page is being searched for (another caller armed its scope)
+  is closed in the page once it is found, so its process sees it closed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Generic
+
+from watchdogd_client.protocol.slot_page import SLOTS
+
+from .ports import SEARCHING, P, PagePort, PageRef, PageSearch, Searching, TargetProcess
+
+ProcessKey = tuple[int, int]
+
+
+def process_key(process: TargetProcess) -> ProcessKey:
+    """What keeps a process's pages: its pid, and its start time, which tells it
+    from every other process that held or will hold that pid."""
+    return process.pid, process.start_time
+
+
+@dataclass(slots=True, eq=False)
+class _Pages:
+    """A process's pages, the newest last, and the next index of the newest."""
+
+    pages: list[PageRef] = field(default_factory=list)
+    next_index: int = SLOTS
+    #: Open or closing slots on each page, by page id.
+    live: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _Search:
+    """A page being searched for: the registrations whose looks wait for it, and
+    the slots to close in it once found (by index)."""
+
+    search: PageSearch
+    waiting: set[int] = field(default_factory=set)
+    closes: set[int] = field(default_factory=set)
+
+
+class ProcessPages(Generic[P]):
+    """Every process's slot pages, made and found again through ``port``."""
+
+    def __init__(self, port: PagePort[P]) -> None:
+        self._port = port
+        self._pages: dict[ProcessKey, _Pages] = {}
+        #: Pages searched for and not found, by process.
+        self._lost: dict[ProcessKey, set[int]] = {}
+        #: Pages being searched for, the oldest search first.
+        self._searches: dict[tuple[ProcessKey, int], _Search] = {}
+
+    def new_slot(self, process: P) -> tuple[PageRef, int] | None:
+        """A slot for a registration of ``process``: its page and index; None when
+        it may have none (another clock, no page to be had)."""
+        key = process_key(process)
+        own = self._pages.get(key)
+        if own is None:
+            if not self._port.shares_clock(process):
+                return None
+            own = self._pages[key] = _Pages()
+        if own.next_index >= SLOTS:
+            page = self._port.new_page()
+            if page is None:
+                if not own.pages:
+                    del self._pages[key]
+                return None
+            own.pages.append(page)
+            own.live[page.id] = 0
+            own.next_index = 0
+        page = own.pages[-1]
+        index = own.next_index
+        own.next_index += 1
+        own.live[page.id] += 1
+        return page, index
+
+    def found(self, process: P, page_id: int, index: int) -> PageRef | Searching | None:
+        """Page ``page_id`` of ``process`` for its registration on slot ``index``
+        read from the state: one it has already, or found again among its
+        descriptors; None when it holds no such page, `SEARCHING` while it is
+        searched for (a first slice is searched at once)."""
+        key = process_key(process)
+        page = self.page_for(process, page_id)
+        if page is None:
+            if page_id in self._lost.get(key, ()):
+                return None
+            pending = self._searches.get((key, page_id))
+            if pending is None:
+                pending = self._searches[key, page_id] = _Search(
+                    self._port.search(process, page_id)
+                )
+                pending.waiting.add(index)
+                # As much as one descriptor's worth: a process that holds few is
+                # found at once.
+                if self._step(key, page_id, pending, -math.inf):
+                    return SEARCHING
+                return self.found(process, page_id, index)
+            pending.waiting.add(index)
+            return SEARCHING
+        own = self._pages[key]
+        own.live[page.id] = own.live.get(page.id, 0) + 1
+        return page
+
+    def close_found(self, process: P, page_id: int, index: int) -> None:
+        """Slot ``index`` of page ``page_id``, which ``process`` holds perhaps,
+        closes: now if its page is known, else once its search finds it."""
+        key = process_key(process)
+        page = self.page_for(process, page_id)
+        if page is not None:
+            page.write(index, period=0)
+            return
+        if page_id in self._lost.get(key, ()):
+            return
+        pending = self._searches.get((key, page_id))
+        if pending is None:
+            pending = self._searches[key, page_id] = _Search(self._port.search(process, page_id))
+        pending.waiting.discard(index)
+        pending.closes.add(index)
+
+    def search(self, until: float) -> bool:
+        """Search for the pages asked for, the oldest search first, until the
+        clock reads ``until``; whether any is still searched for."""
+        for (key, page_id), pending in list(self._searches.items()):
+            if self._step(key, page_id, pending, until):
+                return True
+        return False
+
+    def _step(self, key: ProcessKey, page_id: int, pending: _Search, until: float) -> bool:
+        """Search on for ``page_id`` of the process of ``key``; whether it goes on."""
+        page = pending.search.step(until)
+        if page is SEARCHING:
+            return True
+        del self._searches[key, page_id]
+        pending.search.close()
+        if page is None:
+            self._lost.setdefault(key, set()).add(page_id)
+            return False
+        for index in pending.closes:
+            page.write(index, period=0)
+        if not pending.waiting:
+            page.close()  # no registration of it is left
+            return False
+        own = self._pages.get(key)
+        if own is None:
+            own = self._pages[key] = _Pages()
+        own.pages.insert(0, page)
+        own.live[page.id] = 0
+        return False
+
+    def let_go(self, process: TargetProcess, page: PageRef) -> None:
+        """A slot of ``page`` is no longer a registration's."""
+        key = process_key(process)
+        own = self._pages.get(key)
+        if own is None:
+            return
+        live = own.live.get(page.id, 0) - 1
+        own.live[page.id] = max(live, 0)
+        if not any(own.live.values()):
+            # Its process may have left the table, and then its exit goes unseen:
+            # nothing of it may stay behind.
+            del self._pages[key]
+            for held in own.pages:
+                held.close()
+            return
+        newest = own.pages[-1] if own.pages else None
+        if live > 0 or (newest is page and own.next_index < SLOTS):
+            return
+        own.live.pop(page.id, None)
+        own.pages = [held for held in own.pages if held is not page]
+        page.close()
+
+    def page_for(self, process: TargetProcess, page_id: int) -> PageRef | None:
+        """Page ``page_id`` of ``process``, if it has one."""
+        own = self._pages.get(process_key(process))
+        return None if own is None else next((p for p in own.pages if p.id == page_id), None)
+
+    def forget(self, process: TargetProcess) -> None:
+        """``process`` is gone: its pages go, and what was not found of them."""
+        key = process_key(process)
+        self._lost.pop(key, None)
+        self._give_up(key)
+        own = self._pages.pop(key, None)
+        for page in () if own is None else own.pages:
+            page.close()
+
+    def forget_lost(self, process: TargetProcess) -> None:
+        """``process`` left the table: what was not found of it may be sought again."""
+        key = process_key(process)
+        self._lost.pop(key, None)
+        self._give_up(key)
+
+    def _give_up(self, key: ProcessKey) -> None:
+        for search_key in [found for found in self._searches if found[0] == key]:
+            self._searches.pop(search_key).search.close()
+
+    def close_all(self) -> None:
+        """The daemon stops: every slot of every page closes, and the pages go."""
+        for own in self._pages.values():
+            for page in own.pages:
+                page.close_all()
+                page.close()
+        self._pages.clear()
+        self._lost.clear()
+        for pending in self._searches.values():
+            pending.search.close()
+        self._searches.clear()
