@@ -4,6 +4,8 @@ merge happens."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 from hypothesis import settings
@@ -240,7 +242,9 @@ class DeadlinesAgainstSortedList(RuleBasedStateMachine):
 
 
 DeadlinesAgainstSortedList.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=60, deadline=None
+    max_examples=200 if os.environ.get("WATCHDOGD_SOAK", "") == "1" else 80,
+    stateful_step_count=60,
+    deadline=None,
 )
 TestDeadlinesAgainstSortedList = DeadlinesAgainstSortedList.TestCase
 
