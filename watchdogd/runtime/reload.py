@@ -151,10 +151,10 @@ async def reload(
         else:
             # The level first: a reload that turns debug on logs its own changes.
             set_level(log_level or config.daemon.log_level)
-            service.log.reread_level()
+            service.context.log.reread_level()
             service.reconfigure(config)
-            count = len(service.policies)
-            note = f"{config_path}: {count} policies, default {service.default_policy!r}"
+            count = len(service.rules.policies)
+            note = f"{config_path}: {count} policies, default {service.rules.default_policy!r}"
             ok = True
     service.record_reload(ok, note)
     return ok

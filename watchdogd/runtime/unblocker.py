@@ -86,7 +86,7 @@ class Unblocker:
                 responder.pid,
                 responder.start_time,
                 wanted,
-                self._service.config.evidence_timeout,
+                self._service.rules.daemon.evidence_timeout,
             )
             unblocks.answered(unblock, answer, self._clock())
         except Exception:
