@@ -23,8 +23,8 @@ import pytest
 import trio
 
 from watchdogd_client import Client, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
+from watchdogd_protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.processes import gone, python_worker, reap, sleeper, wait_ready

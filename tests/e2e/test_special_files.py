@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
+from watchdogd_protocol import RESTART_GRACE
 
 from helpers.daemon import RunningDaemon
 from helpers.disks import Raw, journal_files

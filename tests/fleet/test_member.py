@@ -26,7 +26,7 @@ from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
 from watchdogd.fleet.records import HostRecord
 from watchdogd.fleet.watch import Watch
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     EventInfo,

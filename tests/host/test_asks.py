@@ -12,7 +12,7 @@ import trio
 
 from watchdogd.host.process import Process, open_process
 from watchdogd.runtime.responders import Asks
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Evidence,
     EvidenceWanted,
     FrameReader,

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import watchdogd.core
 
-#: What no core module may import, directly or by a module it loads.
+#: What no core module may import, directly or by a module it loads (the protocol
+#: package it imports loads no thread, log or socket: tests/unit/test_import.py).
 LOADED = ("trio", "sqlite3", "socket", "subprocess", "prometheus_client", "select",
-          "secrets", "random")  # fmt: skip
-#: What no core module may import itself. ``os``, ``time``, ``logging`` and
-#: ``threading`` are loaded in any interpreter that imports the client package (the
-#: blocking client needs them), so only the core's own imports can show their use.
-FORBIDDEN = (*LOADED, "threading", "time", "logging", "os")
+          "secrets", "random", "threading", "logging", "watchdogd_client")  # fmt: skip
+#: What no core module may import itself. ``os`` and ``time`` are loaded in every
+#: interpreter (its start imports them), so only the core's own imports can show
+#: their use.
+FORBIDDEN = (*LOADED, "time", "os")
 #: The modules of watchdogd outside the core that the core may import.
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent

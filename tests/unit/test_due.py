@@ -9,7 +9,7 @@ from watchdogd.core.firing import Due
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Expired
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire, Release
+from watchdogd_protocol import Acquire, Release
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess, RecordingJournal
 

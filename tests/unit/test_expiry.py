@@ -39,7 +39,7 @@ from watchdogd.core.policies import (
 )
 from watchdogd.core.timers import Run as Progress
 from watchdogd.core.timers import Timer, Watch
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 DEADLINE = 100.0
 FIRED = 100.5

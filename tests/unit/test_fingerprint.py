@@ -19,7 +19,7 @@ from watchdogd.core.fingerprint import (
 )
 from watchdogd.core.frames import Library
 from watchdogd.core.verdict import Decision, decide
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     CollectiveRef,
     Culprit,

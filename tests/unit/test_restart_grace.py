@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.timers import Run, Timer, Watch
-from watchdogd_client.protocol import Acquire, Release, Released
+from watchdogd_protocol import RESTART_GRACE, Acquire, Release, Released
 
 from helpers.fakes import RecordingJournal, make_world
 

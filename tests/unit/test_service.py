@@ -12,7 +12,7 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Timer, TimerTable, Watch
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,

@@ -10,7 +10,7 @@ import msgspec
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.unblocks import HOST_LOST, MAX_TRIES, PEERS, Unblock
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     GroupState,
     IncidentInfo,

@@ -17,7 +17,7 @@ from watchdogd.core.verdict import (
     for_viewer,
     summary,
 )
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     CollectiveRef,
     Culprit,

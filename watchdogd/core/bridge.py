@@ -24,7 +24,7 @@ from typing import Generic, Protocol
 
 import msgspec
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 from .counters import Counters
 from .events import EventLog

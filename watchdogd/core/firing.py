@@ -52,11 +52,11 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic
+from typing import Generic
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
+from watchdogd_protocol import RESTART_GRACE, EventInfo, GroupState, RankInfo
 
 from .counters import Counters
 from .events import EventLog
@@ -70,12 +70,6 @@ from .rules import Rules
 from .slots import Slots
 from .starvation import Verdict, judge_due
 from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
-
-#: How long after a start a restored timer that falls due waits for a release on
-#: its way. A client tries to reconnect at least every 250 ms while the daemon
-#: restarts and sends an unanswered release first: four of its tries, time for a
-#: loaded host, and that much later for a worker that is really hung.
-RESTART_GRACE: Final = 1.0
 
 
 class Due(msgspec.Struct, Generic[P], frozen=True):

@@ -49,7 +49,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     EventInfo,
     GroupState,

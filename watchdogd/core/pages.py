@@ -25,7 +25,7 @@ from typing import Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_JOB_BYTES,
     MAX_REPLY_BYTES,

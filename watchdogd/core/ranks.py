@@ -11,7 +11,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, RankInfo
+from watchdogd_protocol import EventInfo, RankInfo
 
 from .identity import ROOT
 

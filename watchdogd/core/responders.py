@@ -1,7 +1,7 @@
 """Responders: the processes that answer the daemon's evidence requests from inside.
 
 A process that uses the client library keeps one background connection, its
-responder, on which it sends `Respond` once (`watchdogd_client.protocol.requests`):
+responder, on which it sends `Respond` once (`watchdogd_protocol.requests`):
 the kernel says which process it is (the connection's peer credentials), the
 request which job and rank it belongs to. From then until that connection closes
 or that process exits it is a rank of that job here whether or not it holds a
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from watchdogd_client.protocol import MAX_JOB_BYTES, ErrorCode, Respond
+from watchdogd_protocol import MAX_JOB_BYTES, ErrorCode, Respond
 
 from ..errors import Refusal
 from .ports import TargetProcess

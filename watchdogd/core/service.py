@@ -36,7 +36,7 @@ from typing import Generic, assert_never
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     EventInfo,

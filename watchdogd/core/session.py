@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from watchdogd_client.errors import ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Error,
     ErrorCode,
     Events,
@@ -41,6 +40,7 @@ from watchdogd_client.protocol import (
     Hello,
     MapPage,
     PageMapped,
+    ProtocolError,
     ReplyMessage,
     RequestMessage,
     Respond,

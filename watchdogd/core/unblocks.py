@@ -45,7 +45,7 @@ from typing import Final
 
 from msgspec.structs import replace as replace_struct
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Culprit,
     EventInfo,
     IncidentInfo,

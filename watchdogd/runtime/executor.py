@@ -72,7 +72,7 @@ from typing import Final, assert_never
 import msgspec
 import trio
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..core.expiry import (
     SENT,

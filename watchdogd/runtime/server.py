@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import trio
 
-from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquired,
     Error,
     Events,
     Evidence,
     FrameReader,
+    FrameTooLarge,
     MapPage,
+    ProtocolError,
     Released,
     Respond,
     Unblocked,
