@@ -433,7 +433,7 @@ class Firing(Generic[P]):
     ) -> None:
         """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
         besides root that may read what it captured (None: root alone), as the
-        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.evidence`)
+        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.kept_evidence`)
         and ``flight`` the groups of the worker's Flight Recorder. Kept with the
         incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:

@@ -58,7 +58,6 @@ from watchdogd_protocol import (
 )
 
 from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID, EvidenceBudget, Kept
-from .frames import Library
 from .identity import ROOT
 from .ranks import (
     MAX_STACK_BYTES,
@@ -73,6 +72,7 @@ from .ranks import (
     unread,
 )
 from .shares import Shares
+from .user_frames import Library
 from .verdict import Decision, decide
 from .viewing import viewed
 

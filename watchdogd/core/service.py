@@ -10,7 +10,7 @@ rule testable with a fake port and numbers for the time.
 
 Each part owns its state and is its own module:
 
-- `watchdogd.core.arming`: connections, the handshake, acquire and release with
+- `watchdogd.core.timer_requests`: connections, the handshake, acquire and release with
   their authorization and limits;
 - `watchdogd.core.pages`: the pages that only read (status, events, why, suggest,
   incidents, policies, metrics);
@@ -70,13 +70,11 @@ from watchdogd_protocol import (
 )
 
 from ..errors import Refusal
-from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
 from .counters import Counters
 from .events import EventLog
 from .firing import Due, Firing
-from .frames import Library
 from .hangs import JobHangs
 from .history import History
 from .identity import ROOT, Peer
@@ -90,8 +88,10 @@ from .repeats import Repeats
 from .responders import Responders
 from .rules import Rules
 from .slots import Slots
+from .timer_requests import Arming, Caller
 from .timers import Expired, Timer, TimerTable
 from .unblocks import Unblocks
+from .user_frames import Library
 from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
@@ -389,7 +389,7 @@ class Service(Generic[P]):
         """A responder's `Respond`, which binds it to the exact process that opened
         its connection, alive (`Arming.connecting_process`); or its `Evidence` or
         `Unblocked`, taken only on the connection its process responds on now
-        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
+        (whoever asked for it takes it from there: `watchdogd.runtime.asks`)."""
         if isinstance(request, Respond):
             process = self.arming.connecting_process(caller)
             self.responders.register(process, caller.peer.uid, request)

@@ -21,7 +21,7 @@ buffer, and says when the connection must close. Invariants:
   `Respond` taken, and each `Evidence` or `Unblocked` it sends, is answered and
   handed back to the connection, which binds its asks to the process
   (`watchdogd.runtime.server`) and gives the answer to whoever asked on it
-  (`watchdogd.runtime.responders`).
+  (`watchdogd.runtime.asks`).
 - A `MapPage` that was answered is handed back too: its reply must leave with the
   page's descriptor (`watchdogd.runtime.server`).
 """

@@ -39,7 +39,7 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
-from .heap import Deadlines
+from .deadlines import Deadlines
 from .identity import ROOT
 from .starvation import Sample
 

@@ -64,10 +64,10 @@ from ..logs import LoggingSink, log, logfmt
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
+from .asks import Asks
 from .executor import BATCH, Executor
 from .host_pages import HostPages
 from .reload import Reloads
-from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile

@@ -97,9 +97,9 @@ from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
+from .asks import Asks
 from .gathering import Gatherer
 from .hooks import run_hook
-from .responders import Asks
 from .unblocker import unblock_step
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
