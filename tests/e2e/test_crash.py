@@ -484,7 +484,7 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
     before the ``event=state`` one, which says the load is whole), and then every
     timer is armed. (A policy in progress resumes at once; an armed timer that fell
     due waits out the restart grace, as test_durability shows.)"""
-    from watchdogd.core.timers import Run, Timer
+    from watchdogd.core.timers import Course, Timer
     from watchdogd.host.process import read_start_time
     from watchdogd.storage.store import Store
 
@@ -504,7 +504,7 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
 
         timers = [stored(holders[i % 10], f"s{i}", now + 3600 + i / 1000) for i in range(200_000)]
         due = stored(victim, "due-while-down", now - 1)
-        timers.append(msgspec.structs.replace(due, firing=1, run=Run(fired_at=now - 1)))
+        timers.append(msgspec.structs.replace(due, firing=1, run=Course(fired_at=now - 1)))
         store._write_database({timer.store_key: timer for timer in timers}, reset=True)
         store.close()
         for name in os.listdir(tmp_path):

@@ -190,7 +190,7 @@ class Service(Generic[P]):
             wall=wall,
             waited=config.fleet.unblock_after,
         )
-        self.expiries = Firing(
+        self.firing = Firing(
             self.rules,
             self.table,
             processes,
@@ -208,7 +208,7 @@ class Service(Generic[P]):
             self.table,
             processes,
             self.journal,
-            self.expiries,
+            self.firing,
             slots=self.slots,
             on_deadline=on_deadline,
             events=self.events,
@@ -226,11 +226,11 @@ class Service(Generic[P]):
             metrics=self.metrics,
             daemon_pid=daemon_pid,
             on_deadline=on_deadline,
-            record_taken=self.expiries.record_taken,
+            record_taken=self.firing.record_taken,
         )
         self.fleet = FleetBridge(
             self.table,
-            self.expiries,
+            self.firing,
             self.incidents,
             unblocks=self.unblocks,
             responders=self.responders,
@@ -251,7 +251,7 @@ class Service(Generic[P]):
             self.table,
             processes,
             self.journal,
-            firing=self.expiries,
+            firing=self.firing,
             arming=self.arming,
             slots=self.slots,
             fleet=self.fleet,
@@ -418,28 +418,28 @@ class Service(Generic[P]):
 
     def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
         """`Firing.expire_due`."""
-        return self.expiries.expire_due(now, limit)
+        return self.firing.expire_due(now, limit)
 
     def take_due(self, now: float, limit: int | None = None) -> list[Expired[P] | Due[P]]:
         """`Firing.take_due`."""
-        return self.expiries.take_due(now, limit)
+        return self.firing.take_due(now, limit)
 
     def record_fired(self, due: Due[P]) -> Expired[P]:
         """`Firing.record`."""
-        return self.expiries.record(due)
+        return self.firing.record(due)
 
     def expiry_finished(self, timer: Timer) -> None:
         """`Firing.finished`."""
-        self.expiries.finished(timer)
+        self.firing.finished(timer)
 
     @property
-    def firing(self) -> int:
-        """Timers whose policy is in progress."""
-        return len(self.expiries)
+    def firing_count(self) -> int:
+        """How many timers have their policy in progress."""
+        return len(self.firing)
 
     def record_expiries(self, events: list[EventInfo]) -> None:
         """`Firing.record_expiries`."""
-        self.expiries.record_expiries(events)
+        self.firing.record_expiries(events)
 
     def dump_taken(
         self,
@@ -449,7 +449,7 @@ class Service(Generic[P]):
         flight: Sequence[GroupState] = (),
     ) -> None:
         """`Firing.dump_taken`."""
-        self.expiries.dump_taken(timer, reader, evidence, flight)
+        self.firing.dump_taken(timer, reader, evidence, flight)
 
     def _evidence_trimmed(self, uid: int, size: int) -> None:
         """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
@@ -499,7 +499,7 @@ class Service(Generic[P]):
 
     def snapshot(self) -> list[Timer]:
         """Every timer the state must hold: the armed ones and the firing ones."""
-        return [*self.table.timers(), *self.expiries.timers()]
+        return [*self.table.timers(), *self.firing.timers()]
 
     def restore(self, timers: Iterable[Timer]) -> Restored[P]:
         """`Lifecycle.restore`."""

@@ -565,7 +565,9 @@ class Daemon:
         # Where the state stays, for the next start (or for an operator to remove).
         kept = {} if self.store is None else {"state": self.store.path}
         log.info(
-            logfmt("stopped", timers=len(self.service.table), firing=self.service.firing, **kept)
+            logfmt(
+                "stopped", timers=len(self.service.table), firing=self.service.firing_count, **kept
+            )
         )
         if self.store is not None:
             # Before the table is emptied: a degraded store's last try writes it all.

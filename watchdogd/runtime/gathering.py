@@ -66,7 +66,7 @@ class Gatherer:
             if hook.status != 0:
                 note = f"its responder did not answer, and {argv[0]}: {hook.result}"
         after = ptrace_reader(pid)
-        self._service.expiries.evidence_given(
+        self._service.firing.evidence_given(
             incident,
             pid,
             stack,

@@ -29,7 +29,7 @@ import trio
 
 from ..core.expiry import SENT, Run, UnblockPeers
 from ..core.service import Service
-from ..core.unblocks import Unblock
+from ..core.unblocks import OwedUnblock
 from ..host.process import Process
 from ..logs import log, logfmt
 from .asks import Asks
@@ -77,7 +77,7 @@ class Unblocker:
                 with trio.move_on_after(max(wait, 0.0)):
                     await self._wake.wait()
 
-    async def _ask(self, unblock: Unblock) -> None:
+    async def _ask(self, unblock: OwedUnblock) -> None:
         responder = unblock.responder
         unblocks = self._service.unblocks
         try:
