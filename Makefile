@@ -55,7 +55,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(TEST_STAMP)
-	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench demo
+	$(BIN)/mypy --strict watchdogd client/watchdogd_client client/watchdogd_protocol tests bench demo
 
 # Four workers on two cores: most tests wait on real processes and real time, not
 # on the CPU. `make pytest WORKERS=0` runs the suite in one process.

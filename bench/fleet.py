@@ -69,7 +69,7 @@ from watchdogd.fleet.gateway import EtcdFailure
 from watchdogd.fleet.member import FleetMember
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
+from watchdogd_protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))

@@ -23,8 +23,8 @@ import pytest
 import trio
 
 from watchdogd_client import Client, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
+from watchdogd_protocol import EventInfo
 
 from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon, configured_daemon, ctl

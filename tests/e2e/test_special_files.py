@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
+from watchdogd_protocol import RESTART_GRACE
 
 from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon

@@ -24,9 +24,9 @@ from watchdogd.fleet.etcd import Data, EtcdClient
 from watchdogd.fleet.member import FleetMember
 from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
 from watchdogd.fleet.records import HostRecord
-from watchdogd.fleet.watch import Watch
+from watchdogd.fleet.watch import EtcdWatch
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     EventInfo,
@@ -76,7 +76,7 @@ class RecordingClient(EtcdClient):
         through: Data | None = None,
         start_revision: int = 0,
         max_value: int | None = None,
-    ) -> AsyncIterator[Watch]:
+    ) -> AsyncIterator[EtcdWatch]:
         self.watched.append((_text(prefix), None if through is None else _text(through)))
         async with super().open_watch(
             prefix, through=through, start_revision=start_revision, max_value=max_value

@@ -22,7 +22,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.fleet.etcd import EtcdClient
-from watchdogd_client.protocol import EventInfo, IncidentInfo
+from watchdogd_protocol import EventInfo, IncidentInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import EtcdServer, registered

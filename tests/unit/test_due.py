@@ -9,7 +9,7 @@ from watchdogd.core.firing import Due
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Expired
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire, Release
+from watchdogd_protocol import Acquire, Release
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, FakeHost, FakeProcess, RecordingJournal
 
@@ -55,7 +55,7 @@ def test_a_kill_comes_out_as_a_due_held_armed_in_the_state_until_recorded() -> N
     armed = due.timer
     assert armed.firing == 0
     assert service.table.get(ALICE.pid, "step") is None
-    assert service.firing == 0
+    assert service.firing_count == 0
     # The state still holds it as armed, and a full write would write it so.
     assert journal.held() == {armed.store_key}
     assert service.snapshot() == [armed]
@@ -66,7 +66,7 @@ def test_a_kill_comes_out_as_a_due_held_armed_in_the_state_until_recorded() -> N
     assert fired.timer.run.fired_at == 1.0
     assert journal.held() == {fired.timer.store_key}
     assert service.snapshot() == [fired.timer]
-    assert service.firing == 1
+    assert service.firing_count == 1
     fired.process.close()
 
 
@@ -104,7 +104,7 @@ def test_a_scope_armed_again_before_the_record_keeps_its_new_arming() -> None:
     assert fired.timer.run is not None
     assert fired.timer.run.fired_at == 1.0
     assert journal.generation == writes  # made once
-    assert service.firing == 1
+    assert service.firing_count == 1
     fired.process.close()
 
 

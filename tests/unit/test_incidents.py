@@ -8,7 +8,7 @@ import msgspec
 from watchdogd.core.identity import Peer
 from watchdogd.core.incidents import IncidentLog
 from watchdogd.core.ranks import MAX_STACK_BYTES, first_frame
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,

@@ -7,7 +7,7 @@ import pytest
 
 from watchdogd.errors import Refusal
 from watchdogd_client.arming import JobLabels, job_of
-from watchdogd_client.protocol import Acquire, ErrorCode, Status, StatusReply
+from watchdogd_protocol import Acquire, ErrorCode, Status, StatusReply
 
 from helpers.fakes import make_world
 

@@ -7,7 +7,7 @@ import pytest
 
 from watchdogd.core.config import Config, HistoryConfig, PolicyConfig, StepConfig
 from watchdogd.core.service import Caller, Service
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Auto,

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
-from watchdogd.core.timers import Run, Timer, Watch
-from watchdogd_client.protocol import Acquire, Release, Released
+from watchdogd.core.timers import Course, Timer, Watch
+from watchdogd_protocol import RESTART_GRACE, Acquire, Release, Released
 
 from helpers.fakes import RecordingJournal, make_world
 
@@ -95,7 +94,7 @@ def test_a_policy_in_progress_resumes_at_once() -> None:
     w = make_world()
     running = Timer(
         pid=200, scope="firing", policy="kill", uid=1000, owner=1000, timeout=1.0,
-        armed_at=-10.0, deadline=-9.0, start_time=1000, firing=1, run=Run(fired_at=-9.0),
+        armed_at=-10.0, deadline=-9.0, start_time=1000, firing=1, run=Course(fired_at=-9.0),
     )  # fmt: skip
     restored = w.service.restore([running])
     assert [item.timer.scope for item in restored.resumed] == ["firing"]
@@ -112,7 +111,7 @@ def test_the_hold_is_forgotten_once_every_held_timer_is_gone() -> None:
     assert [item.timer.scope for item in fired] == ["s1", "s2"]
     for item in fired:
         item.process.close()
-    assert w.service.expiries._grace._held == {}
+    assert w.service.firing._grace._held == {}
 
 
 def test_the_grace_given_is_recorded_with_the_timer_beside_its_deadline() -> None:

@@ -12,7 +12,7 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Timer, TimerTable, Watch
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
@@ -613,12 +613,12 @@ def test_ping_and_hello() -> None:
 def test_restore_judges_each_timer_by_its_own_process() -> None:
     """pid 200 now belongs to a new process (start 1000): an expiry of the old one
     (start 999) is recorded as gone, the new one's expiry resumes, in any order."""
-    from watchdogd.core.timers import Run, Timer
+    from watchdogd.core.timers import Course, Timer
 
     def firing(number: int, start_time: int) -> Timer:
         return Timer(pid=200, scope=f"s{number}", policy="kill", uid=1000, owner=1000,
                      timeout=1.0, armed_at=0.0, deadline=1.0, start_time=start_time,
-                     firing=number, run=Run(step=1, fired_at=1.0))  # fmt: skip
+                     firing=number, run=Course(step=1, fired_at=1.0))  # fmt: skip
 
     for order in ([firing(1, 999), firing(2, 1000)], [firing(2, 1000), firing(1, 999)]):
         service, _, _ = make_service()
@@ -626,7 +626,7 @@ def test_restore_judges_each_timer_by_its_own_process() -> None:
         assert [item.timer.firing for item in restored.resumed] == [2]
         [gone] = [e for e in service.events.page(None, 10, 0) if e.kind == "expired"]
         assert gone.outcome == "gone"
-        assert service.firing == 1
+        assert service.firing_count == 1
         for item in restored.resumed:
             item.process.close()
 

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
+    RESTART_GRACE,
     Acquire,
     Acquired,
     Auto,
@@ -35,7 +35,7 @@ from watchdogd_client.protocol import (
     Why,
     WhyReply,
 )
-from watchdogd_client.protocol.slot_page import SLOTS, bucket_of
+from watchdogd_protocol.slot_page import SLOTS, bucket_of
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeHost, FakeProcess, RecordingJournal
 from helpers.slot_pages import FakePages, Memory, microseconds

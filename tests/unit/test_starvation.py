@@ -14,7 +14,7 @@ from watchdogd.core.service import Service
 from watchdogd.core.starvation import UNMEASURED, Pressure, Sample, judge
 from watchdogd.core.timers import Timer, Watch
 from watchdogd.storage.store import Store
-from watchdogd_client.protocol import Acquire, EventInfo
+from watchdogd_protocol import Acquire, EventInfo
 
 from helpers.fakes import ALICE, FakeHost, FakeProcess, World, make_world
 

@@ -25,7 +25,7 @@ from typing import Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_JOB_BYTES,
     MAX_REPLY_BYTES,
@@ -55,7 +55,6 @@ from watchdogd_client.protocol import (
 
 from .._version import __version__
 from ..errors import Refusal
-from .arming import Arming
 from .bridge import FleetBridge
 from .counters import Counters
 from .events import EventLog
@@ -67,6 +66,7 @@ from .policies import placeholders, step_name
 from .ports import Journal, P, ProcessPort
 from .rules import Rules
 from .slots import Slots
+from .timer_requests import Arming
 from .timers import Timer, TimerTable, Watch
 
 #: What a status page may spend on timers and command lines: the reply bound less

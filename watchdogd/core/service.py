@@ -10,7 +10,7 @@ rule testable with a fake port and numbers for the time.
 
 Each part owns its state and is its own module:
 
-- `watchdogd.core.arming`: connections, the handshake, acquire and release with
+- `watchdogd.core.timer_requests`: connections, the handshake, acquire and release with
   their authorization and limits;
 - `watchdogd.core.pages`: the pages that only read (status, events, why, suggest,
   incidents, policies, metrics);
@@ -36,7 +36,7 @@ from typing import Generic, assert_never
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     EventInfo,
@@ -70,13 +70,11 @@ from watchdogd_client.protocol import (
 )
 
 from ..errors import Refusal
-from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
 from .counters import Counters
 from .events import EventLog
 from .firing import Due, Firing
-from .frames import Library
 from .hangs import JobHangs
 from .history import History
 from .identity import ROOT, Peer
@@ -90,8 +88,10 @@ from .repeats import Repeats
 from .responders import Responders
 from .rules import Rules
 from .slots import Slots
+from .timer_requests import Arming, Caller
 from .timers import Expired, Timer, TimerTable
 from .unblocks import Unblocks
+from .user_frames import Library
 from .verdict import Decision, for_viewer, nobody
 
 __all__ = [
@@ -190,7 +190,7 @@ class Service(Generic[P]):
             wall=wall,
             waited=config.fleet.unblock_after,
         )
-        self.expiries = Firing(
+        self.firing = Firing(
             self.rules,
             self.table,
             processes,
@@ -208,7 +208,7 @@ class Service(Generic[P]):
             self.table,
             processes,
             self.journal,
-            self.expiries,
+            self.firing,
             slots=self.slots,
             on_deadline=on_deadline,
             events=self.events,
@@ -226,11 +226,11 @@ class Service(Generic[P]):
             metrics=self.metrics,
             daemon_pid=daemon_pid,
             on_deadline=on_deadline,
-            record_taken=self.expiries.record_taken,
+            record_taken=self.firing.record_taken,
         )
         self.fleet = FleetBridge(
             self.table,
-            self.expiries,
+            self.firing,
             self.incidents,
             unblocks=self.unblocks,
             responders=self.responders,
@@ -251,7 +251,7 @@ class Service(Generic[P]):
             self.table,
             processes,
             self.journal,
-            firing=self.expiries,
+            firing=self.firing,
             arming=self.arming,
             slots=self.slots,
             fleet=self.fleet,
@@ -389,7 +389,7 @@ class Service(Generic[P]):
         """A responder's `Respond`, which binds it to the exact process that opened
         its connection, alive (`Arming.connecting_process`); or its `Evidence` or
         `Unblocked`, taken only on the connection its process responds on now
-        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
+        (whoever asked for it takes it from there: `watchdogd.runtime.asks`)."""
         if isinstance(request, Respond):
             process = self.arming.connecting_process(caller)
             self.responders.register(process, caller.peer.uid, request)
@@ -418,28 +418,28 @@ class Service(Generic[P]):
 
     def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
         """`Firing.expire_due`."""
-        return self.expiries.expire_due(now, limit)
+        return self.firing.expire_due(now, limit)
 
     def take_due(self, now: float, limit: int | None = None) -> list[Expired[P] | Due[P]]:
         """`Firing.take_due`."""
-        return self.expiries.take_due(now, limit)
+        return self.firing.take_due(now, limit)
 
     def record_fired(self, due: Due[P]) -> Expired[P]:
         """`Firing.record`."""
-        return self.expiries.record(due)
+        return self.firing.record(due)
 
     def expiry_finished(self, timer: Timer) -> None:
         """`Firing.finished`."""
-        self.expiries.finished(timer)
+        self.firing.finished(timer)
 
     @property
-    def firing(self) -> int:
-        """Timers whose policy is in progress."""
-        return len(self.expiries)
+    def firing_count(self) -> int:
+        """How many timers have their policy in progress."""
+        return len(self.firing)
 
     def record_expiries(self, events: list[EventInfo]) -> None:
         """`Firing.record_expiries`."""
-        self.expiries.record_expiries(events)
+        self.firing.record_expiries(events)
 
     def dump_taken(
         self,
@@ -449,7 +449,7 @@ class Service(Generic[P]):
         flight: Sequence[GroupState] = (),
     ) -> None:
         """`Firing.dump_taken`."""
-        self.expiries.dump_taken(timer, reader, evidence, flight)
+        self.firing.dump_taken(timer, reader, evidence, flight)
 
     def _evidence_trimmed(self, uid: int, size: int) -> None:
         """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
@@ -499,7 +499,7 @@ class Service(Generic[P]):
 
     def snapshot(self) -> list[Timer]:
         """Every timer the state must hold: the armed ones and the firing ones."""
-        return [*self.table.timers(), *self.expiries.timers()]
+        return [*self.table.timers(), *self.firing.timers()]
 
     def restore(self, timers: Iterable[Timer]) -> Restored[P]:
         """`Lifecycle.restore`."""

@@ -64,10 +64,10 @@ from ..logs import LoggingSink, log, logfmt
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
+from .asks import Asks
 from .executor import BATCH, Executor
 from .host_pages import HostPages
 from .reload import Reloads
-from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile
@@ -565,7 +565,9 @@ class Daemon:
         # Where the state stays, for the next start (or for an operator to remove).
         kept = {} if self.store is None else {"state": self.store.path}
         log.info(
-            logfmt("stopped", timers=len(self.service.table), firing=self.service.firing, **kept)
+            logfmt(
+                "stopped", timers=len(self.service.table), firing=self.service.firing_count, **kept
+            )
         )
         if self.store is not None:
             # Before the table is emptied: a degraded store's last try writes it all.

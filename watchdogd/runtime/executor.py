@@ -72,7 +72,7 @@ from typing import Final, assert_never
 import msgspec
 import trio
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..core.expiry import (
     SENT,
@@ -97,9 +97,9 @@ from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
+from .asks import Asks
 from .gathering import Gatherer
 from .hooks import run_hook
-from .responders import Asks
 from .unblocker import unblock_step
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
@@ -223,7 +223,7 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
-        for incident, responder in self._service.expiries.take_asks():
+        for incident, responder in self._service.firing.take_asks():
             self._nursery.start_soon(
                 self._gatherer.ask_rank, incident, responder.pid, responder.start_time
             )
@@ -367,7 +367,7 @@ class Executor:
                 case CheckAlive():
                     run.seen(target.alive())
                 case RecordStep(step=step, step_end=step_end):
-                    self._service.expiries.step_started(run.timer, step, step_end)
+                    self._service.firing.step_started(run.timer, step, step_end)
                     run.recorded()
                 case SendSignal(signum=signum, alive=alive):
                     run.signalled(target.signal(signum, alive=alive), self._clock())
@@ -506,7 +506,7 @@ class Executor:
             pid, state, wchan = target.survivor()
             after = self._service.config.unkillable_after
             event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
-            self._service.expiries.record_unkillable(event)
+            self._service.firing.record_unkillable(event)
         target.close()
 
     def _failed(self, expiry: _Expiry, what: str) -> None:

@@ -46,7 +46,7 @@ from typing import Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_JOB_BYTES,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
