@@ -69,7 +69,7 @@ from watchdogd.fleet.gateway import EtcdFailure
 from watchdogd.fleet.member import FleetMember
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
+from watchdogd_protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
@@ -232,7 +232,7 @@ class FakeActions:
         timer, run = item.timer, item.timer.run
         assert run is not None
         assert timer.watch is not None
-        self._service.expiries.record_expiries(
+        self._service.firing.record_expiries(
             [
                 EventInfo(
                     seq=0,
@@ -250,7 +250,7 @@ class FakeActions:
                 )
             ]
         )
-        self._service.expiries.finished(timer)
+        self._service.firing.finished(timer)
         item.process.close()
 
 
@@ -275,7 +275,7 @@ class Host:
         )  # fmt: skip
         service.arming.close_connection(caller)
         assert isinstance(reply, Acquired), reply
-        fired = service.expiries.expire_due(now + 1.0)
+        fired = service.firing.expire_due(now + 1.0)
         run = fired[0].timer.run
         assert run is not None, fired
         self.actions.carry_out(fired)

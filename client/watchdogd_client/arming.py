@@ -17,7 +17,7 @@ from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack, cast
 
 import msgspec
 
-from .protocol import Acquire, Auto, in_words
+from watchdogd_protocol import Acquire, Auto, in_words
 
 __all__ = [
     "GROUP_RANK_VARIABLES",

@@ -17,6 +17,8 @@ from typing import Any, Final, Unpack
 
 import msgspec
 
+from watchdogd_protocol import DaemonInfo, TimerInfo
+
 from . import blocks
 from .arming import (
     After,
@@ -29,7 +31,6 @@ from .arming import (
 )
 from .errors import WatchdogdError
 from .fastpath import FastPath
-from .protocol import DaemonInfo, TimerInfo
 from .scope import caller_scope
 
 __all__ = ["BaseClient", "DaemonStatus", "NoOpTimer", "NullClient", "Timer"]

@@ -28,16 +28,7 @@ from typing import Any, Final, TypeVar, Unpack
 
 import msgspec
 
-from . import releases
-from ._version import __version__ as _version
-from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
-from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
-from .engine import Answer, Connection, Engine
-from .errors import DaemonUnavailable, UntrustedSocket
-from .fastpath import fast_path, map_page
-from .outage import OnUnavailable, Outage
-from .paths import Place, find_socket, what_is_there
-from .protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     Acquire,
@@ -71,6 +62,16 @@ from .protocol import (
     Why,
     WhyReply,
 )
+
+from . import releases
+from ._version import __version__ as _version
+from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
+from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
+from .engine import Answer, Connection, Engine
+from .errors import DaemonUnavailable, UntrustedSocket
+from .fastpath import fast_path, map_page
+from .outage import OnUnavailable, Outage
+from .paths import Place, find_socket, what_is_there
 from .responder import release_carrier, settle_responder
 from .trust import vet
 
@@ -102,7 +103,7 @@ class Client(BaseClient):
     (`watchdogd_client.trust`): one it has no reason to trust gets nothing, not even
     a hello, and requests raise `UntrustedSocket` (a `DaemonUnavailable`).
     ``timeout`` bounds each request (connect, send and reply), in seconds.
-    ``max_reply`` bounds a reply frame; it may not be below `protocol.MAX_REPLY_BYTES`,
+    ``max_reply`` bounds a reply frame; it may not be below `watchdogd_protocol.MAX_REPLY_BYTES`,
     the most a daemon sends.
     ``on_unavailable="warn"`` makes `acquire` and `release` carry on unprotected when
     the daemon cannot be reached, instead of raising `DaemonUnavailable`, with one

@@ -43,11 +43,11 @@ from typing import Final, Literal, TypeVar
 
 import msgspec
 
-from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
-from .protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_FRAME,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    RECONNECT_PAUSE,
     Error,
     ErrorCode,
     EvidenceWanted,
@@ -64,14 +64,15 @@ from .protocol import (
     encode_frame,
 )
 
+from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
+
 __all__ = ["Answer", "Backoff", "Connection", "Engine", "State"]
 
 _R = TypeVar("_R", bound=ReplyMessage)
 
-#: The first pause between attempts to reconnect, and the longest: a daemon that
-#: restarts is back within tens of milliseconds, one that loads a large state later.
+#: The first pause between attempts to reconnect (the longest is the protocol's
+#: `RECONNECT_PAUSE`): a daemon that restarts is back within tens of milliseconds.
 _FIRST_PAUSE: Final = 0.01
-_LONGEST_PAUSE: Final = 0.25
 
 
 #: Where a `Connection` is: ``"greeting"``, the hello is sent and its welcome
@@ -112,12 +113,12 @@ class Answer(msgspec.Struct, frozen=True):
 
 class Backoff:
     """The pauses between attempts to connect while the daemon restarts: from 10 ms,
-    doubling to ``longest`` (250 ms unless given), for as long as the next attempt
+    doubling to ``longest`` (`RECONNECT_PAUSE` unless given), for as long as the next attempt
     would start before ``deadline`` (on the driver's monotonic clock)."""
 
     __slots__ = ("_longest", "_pause", "deadline")
 
-    def __init__(self, deadline: float, *, longest: float = _LONGEST_PAUSE) -> None:
+    def __init__(self, deadline: float, *, longest: float = RECONNECT_PAUSE) -> None:
         self.deadline = deadline
         self._longest = longest
         self._pause = _FIRST_PAUSE

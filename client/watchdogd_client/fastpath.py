@@ -1,6 +1,6 @@
 """The fast path: after a scope's first acknowledged arm, its blocks arm and release
 their timer with stores into a slot page the daemon shares with this process alone
-(`watchdogd_client.protocol.slot_page`), and wait for nothing.
+(`watchdogd_protocol.slot_page`), and wait for nothing.
 
 One `FastPath` per process and daemon holds the pages mapped and the slots granted,
 by scope. Every client of the process talking to that daemon (the blocking one, the
@@ -52,13 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Final, Literal
 
-from ._version import __version__
-from .arming import After, Arming
-from .engine import Answer, Connection, Engine
-from .errors import WatchdogdError
-from .paths import Place
-from .protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
-from .protocol.slot_page import (
+from watchdogd_protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
+from watchdogd_protocol.slot_page import (
     AUTO,
     BLOCKS,
     BUCKETS,
@@ -75,6 +70,12 @@ from .protocol.slot_page import (
     counts_of,
     word_of,
 )
+
+from ._version import __version__
+from .arming import After, Arming
+from .engine import Answer, Connection, Engine
+from .errors import WatchdogdError
+from .paths import Place
 from .switches import FAST, env_switch
 from .trust import vet
 

@@ -29,7 +29,7 @@ anything else, it sends again every release whose answer no one has read, withou
 waiting for the worker's next request; `resend` does the same on demand (a client
 whose own connection broke). While releases wait so, the pauses between its
 attempts to connect are at most `_RELEASE_PAUSE`, well within the daemon's restart
-grace (`watchdogd.core.firing.RESTART_GRACE`). A client takes that path only with
+grace (`watchdogd_protocol.RESTART_GRACE`). A client takes that path only with
 a responder that `carries` its releases.
 
 Invariants:
@@ -43,7 +43,7 @@ Invariants:
 - It stops for good, quietly, when the daemon refuses its version (a daemon older
   than protocol 2, which has no responders) or refuses `Respond` for a reason that
   asking again would not change; the client's own connections are unaffected.
-- An `Evidence` always encodes within `protocol.MAX_EVIDENCE_BYTES`
+- An `Evidence` always encodes within `watchdogd_protocol.MAX_EVIDENCE_BYTES`
   (`fit_evidence`), so the daemon never refuses one for its size.
 - torch is never imported here: the Flight Recorder is read only when the program
   imported ``torch.distributed`` and initialised it.
@@ -65,14 +65,7 @@ import threading
 import time
 from typing import Final
 
-from . import releases
-from ._version import __version__
-from .arming import JobLabels, job_of
-from .engine import Answer, Backoff, Connection, Engine
-from .errors import DaemonUnavailable, RequestRefused, UntrustedSocket, WatchdogdError
-from .evidence import MAX_NOTE, take_evidence
-from .paths import Place, find_socket
-from .protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     Evidence,
@@ -86,6 +79,14 @@ from .protocol import (
     Wanted,
     Welcome,
 )
+
+from . import releases
+from ._version import __version__
+from .arming import JobLabels, job_of
+from .engine import Answer, Backoff, Connection, Engine
+from .errors import DaemonUnavailable, RequestRefused, UntrustedSocket, WatchdogdError
+from .evidence import MAX_NOTE, take_evidence
+from .paths import Place, find_socket
 from .switches import RESPONDER, UNBLOCK, env_switch
 from .trust import vet
 from .unblocking import unblock

@@ -56,6 +56,22 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
         ".whl[trio]' from a built wheel"
     ) from missing
 
+from watchdogd_protocol import (
+    Acquire,
+    Acquired,
+    PageMapped,
+    Ping,
+    Pong,
+    Release,
+    Released,
+    ReplyMessage,
+    Request,
+    Status,
+    StatusReply,
+    TimerInfo,
+    Welcome,
+)
+
 from . import releases
 from ._version import __version__
 from .arming import (
@@ -73,21 +89,6 @@ from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
 from .fastpath import FastPath, fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
-from .protocol import (
-    Acquire,
-    Acquired,
-    PageMapped,
-    Ping,
-    Pong,
-    Release,
-    Released,
-    ReplyMessage,
-    Request,
-    Status,
-    StatusReply,
-    TimerInfo,
-    Welcome,
-)
 from .responder import release_carrier, settle_responder
 from .scope import shorten
 from .trust import vet

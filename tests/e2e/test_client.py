@@ -30,7 +30,7 @@ from watchdogd_client import (
 )
 from watchdogd_client.outage import OnUnavailable
 from watchdogd_client.paths import SYSTEM_SOCKET, Place
-from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
+from watchdogd_protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
 from helpers.daemon import SHORT_RESTART, RunningDaemon
 from helpers.fake_daemon import fake_daemon_as

@@ -49,7 +49,7 @@ from watchdogd.fleet.member import MAX_JOBS_PER_UID, head_ttl
 from watchdogd.fleet.publish import PUBLISH_BURST, PUBLISH_RATE
 from watchdogd.fleet.records import MAX_HOST_BYTES
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo, IncidentInfo
+from watchdogd_protocol import EventInfo, IncidentInfo
 
 from helpers.daemon import RunningDaemon, ctl_command
 from helpers.etcd import EtcdServer, running_etcd

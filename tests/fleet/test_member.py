@@ -24,9 +24,9 @@ from watchdogd.fleet.etcd import Data, EtcdClient
 from watchdogd.fleet.member import FleetMember
 from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
 from watchdogd.fleet.records import HostRecord
-from watchdogd.fleet.watch import Watch
+from watchdogd.fleet.watch import EtcdWatch
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     EventInfo,
@@ -76,7 +76,7 @@ class RecordingClient(EtcdClient):
         through: Data | None = None,
         start_revision: int = 0,
         max_value: int | None = None,
-    ) -> AsyncIterator[Watch]:
+    ) -> AsyncIterator[EtcdWatch]:
         self.watched.append((_text(prefix), None if through is None else _text(through)))
         async with super().open_watch(
             prefix, through=through, start_revision=start_revision, max_value=max_value
@@ -117,9 +117,9 @@ class Host:
                           outcome="alive", incident=run.incident,
                           steps=[StepResult(step="dump", result="exit 0", output=STACK)])
             )  # fmt: skip
-        self.service.expiries.record_expiries(events)
+        self.service.firing.record_expiries(events)
         for item in expired:
-            self.service.expiries.finished(item.timer)
+            self.service.firing.finished(item.timer)
             item.process.close()
 
     def hang(self) -> str:
@@ -130,7 +130,7 @@ class Host:
             Acquire(id=1, scope="hang", timeout=1.0, pid=PIDS[0], job="train", rank=0),
             caller, now,
         )  # fmt: skip
-        fired = self.service.expiries.expire_due(now + 1.0)
+        fired = self.service.firing.expire_due(now + 1.0)
         self.carry_out(fired)
         run = fired[0].timer.run
         assert run is not None

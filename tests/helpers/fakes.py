@@ -13,7 +13,7 @@ from watchdogd.core.timers import StoreKey, Timer
 from watchdogd.errors import Refusal
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 DAEMON_PID = 50
 USERS = {0: "root", 1000: "alice", 2000: "bob"}

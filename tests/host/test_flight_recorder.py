@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from watchdogd_client.protocol import Collective, Evidence, FlightRecord, GroupState
+from watchdogd_protocol import Collective, Evidence, FlightRecord, GroupState
 
 from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready

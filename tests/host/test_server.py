@@ -29,7 +29,7 @@ from watchdogd.errors import ListenError
 from watchdogd.runtime.daemon import run
 from watchdogd.runtime.reply_budget import ReplyBudget
 from watchdogd.runtime.server import open_listener
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Error,
@@ -437,7 +437,7 @@ async def test_a_uid_over_its_reply_budget_waits_and_root_never_does() -> None:
 #: forks and exits: its child keeps the connection and says its pid.
 RESPONDS_AND_FORKS = """
     import os, socket, sys, time
-    from watchdogd_client.protocol import (
+    from watchdogd_protocol import (
         PROTOCOL_VERSION, FrameReader, Hello, Respond, decode_reply, encode_frame,
     )
 

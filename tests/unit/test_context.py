@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 import watchdogd
-from watchdogd.core.arming import Arming
 from watchdogd.core.bridge import FleetBridge
 from watchdogd.core.firing import Firing
 from watchdogd.core.hangs import JobHangs
 from watchdogd.core.lifecycle import Lifecycle
 from watchdogd.core.pages import Pages
 from watchdogd.core.slots import Slots
+from watchdogd.core.timer_requests import Arming
 
 from helpers.fakes import make_world
 
@@ -31,7 +31,7 @@ WIRING = {
     "core/service.py": ("Service.__init__",),
     "runtime/daemon.py": ("run", "Daemon.__init__", "Daemon.start"),
     "core/pages.py": ("Pages.status",),
-    "core/arming.py": ("Arming.acquire",),
+    "core/timer_requests.py": ("Arming.acquire",),
 }
 LINES = 60
 

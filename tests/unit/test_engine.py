@@ -15,7 +15,7 @@ from watchdogd_client.errors import (
     ProtocolError,
     RequestRefused,
 )
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     PROTOCOL_VERSION,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from watchdogd.core.session import Session
 from watchdogd.errors import Refusal
 from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Error,
     ErrorCode,

@@ -10,7 +10,7 @@ import pytest
 from watchdogd.core.config import DAY, Config, DaemonConfig, parse_config
 from watchdogd.core.service import Service
 from watchdogd.errors import ConfigError, Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     EventInfo,
     Hangs,
     HangsReply,

@@ -8,7 +8,7 @@ import msgspec
 from watchdogd.core.identity import Peer
 from watchdogd.core.incidents import IncidentLog
 from watchdogd.core.ranks import MAX_STACK_BYTES, first_frame
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,
@@ -242,7 +242,7 @@ def test_the_service_opens_an_incident_and_sends_the_peer_policy() -> None:
         caller = service.arming.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
         request = Acquire(id=1, scope=scope, timeout=timeout, job="j", rank=pid - 200)
         service.handle(request, caller, 0.0)
-    fired = service.expiries.expire_due(1.0)
+    fired = service.firing.expire_due(1.0)
     runs = [(item.timer.pid, item.timer.policy, item.timer.run) for item in fired]
     assert [(pid, policy, run is not None and run.peer) for pid, policy, run in runs] == [
         (200, "kill", False),
@@ -272,10 +272,10 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
 
     arm(200, 1.0, 0.0)
     arm(201, 60.0, 0.0)
-    first = service.expiries.expire_due(1.0)
+    first = service.firing.expire_due(1.0)
     arm(210, 1.0, 5.0)
     arm(211, 60.0, 5.0)
-    second = service.expiries.expire_due(6.0)
+    second = service.firing.expire_due(6.0)
     assert [(item.timer.pid, item.timer.policy) for item in second] == [
         (210, "kill"),
         (211, "peer_dump"),

@@ -9,7 +9,7 @@ import pytest
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     Evidence,

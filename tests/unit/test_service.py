@@ -12,7 +12,7 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Timer, TimerTable, Watch
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
@@ -573,7 +573,7 @@ class TestExpiryAndExit:
         service.handle(Acquire(id=1, scope="a", timeout=1), w.alice, 0.0)
         service.handle(Acquire(id=2, scope="b", timeout=9), w.alice, 0.0)
         service.handle(Acquire(id=3, scope="a", timeout=1), w.bob, 0.0)
-        expired = service.expiries.expire_due(1.0)
+        expired = service.firing.expire_due(1.0)
         assert [(e.timer.pid, e.orphaned) for e in expired] == [(200, False), (300, True)]
         alice, bob = expired[0].process, expired[1].process
         assert alice.refs == 3  # the table's, the action's and her connection's
@@ -615,12 +615,12 @@ def test_ping_and_hello() -> None:
 def test_restore_judges_each_timer_by_its_own_process() -> None:
     """pid 200 now belongs to a new process (start 1000): an expiry of the old one
     (start 999) is recorded as gone, the new one's expiry resumes, in any order."""
-    from watchdogd.core.timers import Run, Timer
+    from watchdogd.core.timers import Course, Timer
 
     def firing(number: int, start_time: int) -> Timer:
         return Timer(pid=200, scope=f"s{number}", policy="kill", uid=1000, owner=1000,
                      timeout=1.0, armed_at=0.0, deadline=1.0, start_time=start_time,
-                     firing=number, run=Run(step=1, fired_at=1.0))  # fmt: skip
+                     firing=number, run=Course(step=1, fired_at=1.0))  # fmt: skip
 
     for order in ([firing(1, 999), firing(2, 1000)], [firing(2, 1000), firing(1, 999)]):
         service, _, _ = make_service()
@@ -628,7 +628,7 @@ def test_restore_judges_each_timer_by_its_own_process() -> None:
         assert [item.timer.firing for item in restored.resumed] == [2]
         [gone] = [e for e in service.events.page(None, 10, 0) if e.kind == "expired"]
         assert gone.outcome == "gone"
-        assert len(service.expiries) == 1
+        assert len(service.firing) == 1
         for item in restored.resumed:
             item.process.close()
 
@@ -678,7 +678,7 @@ def test_a_restart_loads_its_later_timers_into_the_table_with_their_processes() 
     assert sorted(t.scope for t in service.table.visible_to(1000)) == ["later", "other", "soon"]
     assert [p.refs for p in host.opened if p.pid in (200, 300)] == [1, 0, 0]
     assert notified[-1] == 5.0
-    due = service.expiries.expire_due(1000.0, 10)
+    due = service.firing.expire_due(1000.0, 10)
     assert [e.timer.scope for e in due] == ["soon", "later", "other"]
 
 

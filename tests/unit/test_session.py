@@ -10,7 +10,7 @@ import pytest
 from watchdogd.core.logline import RateLimitedLog, Throttle
 from watchdogd.core.session import Session
 from watchdogd.logs import LoggingSink
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Error,

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
+    RESTART_GRACE,
     Acquire,
     Acquired,
     Auto,
@@ -35,7 +35,7 @@ from watchdogd_client.protocol import (
     Why,
     WhyReply,
 )
-from watchdogd_client.protocol.slot_page import SLOTS, bucket_of
+from watchdogd_protocol.slot_page import SLOTS, bucket_of
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeHost, FakeProcess, RecordingJournal
 from helpers.slot_pages import FakePages, Memory, microseconds
@@ -177,7 +177,7 @@ def run(world: World, until: float, *, late: float = 0.0) -> list[Expired[FakePr
             return fired
         # No pass comes before the daemon's start (a restored table's deadlines).
         world.clock.now = max(soonest + late, world.clock.now)
-        fired += world.service.expiries.expire_due(world.clock.now)
+        fired += world.service.firing.expire_due(world.clock.now)
     raise AssertionError("the table never settled")
 
 
@@ -852,7 +852,7 @@ def test_a_page_searched_for_over_several_slices_keeps_its_looks_waiting() -> No
     memory.release(1)
     world = restarted(before, now=50.0)
     world.pages.search_steps = 3
-    assert world.service.expiries.expire_due(50.0) == []
+    assert world.service.firing.expire_due(50.0) == []
     assert look_at(world, "step") == look_at(world, "other") == 50.0 + SEARCH_PAUSE
     [search] = world.pages.searches  # one for the page, begun by the first look
     assert world.service.slots.search(50.001) is True

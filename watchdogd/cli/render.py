@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 from watchdogd_client import DaemonStatus
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     DaemonInfo,
     EventInfo,
     FingerprintInfo,

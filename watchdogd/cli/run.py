@@ -33,7 +33,7 @@ from typing import Any, Final, NamedTuple
 import click
 
 from watchdogd_client import Client, ErrorCode, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..core.policies import TargetKind, on_target
 

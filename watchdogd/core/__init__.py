@@ -1,8 +1,8 @@
 """The daemon's sans-IO core: the rules, with no system call in them.
 
-The timer table and its deadline heap (`timers`, `heap`); the service
+The timer table and its deadline order (`timers`, `deadlines`); the service
 (`service`), a thin front over its parts: connections, arming and authorization
-(`arming`), the pages that only read (`pages`), expiry with the starvation rule
+(`timer_requests`), the pages that only read (`pages`), expiry with the starvation rule
 and incident peers (`firing`), restore and exits (`lifecycle`) and the fleet
 bridge (`bridge`), on the config in force (`rules`); the state machine of a
 policy run (`expiry`), whose effects the runtime's executor carries out; one

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Generic, Protocol
 
 import msgspec
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 from .firing import Firing
 from .identity import ROOT
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .context import CoreContext
 
 
-class Publisher(Protocol):
+class IncidentListener(Protocol):
     """The fleet's side: told of each incident this host opened or added to."""
 
     def incident_changed(self, incident: IncidentInfo) -> None: ...
@@ -70,7 +70,7 @@ class FleetBridge(Generic[P]):
         """Seconds during which more expiries of a job join its incident."""
         return self._incidents.window
 
-    def attach(self, publisher: Publisher) -> None:
+    def attach(self, publisher: IncidentListener) -> None:
         """Tell ``publisher`` of each incident this host opens or adds to."""
         self._incidents.subscribe(publisher.incident_changed)
 

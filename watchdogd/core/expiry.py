@@ -55,7 +55,7 @@ from typing import Final, assert_never
 
 from msgspec import Struct
 
-from watchdogd_client.protocol import EventInfo, StepResult
+from watchdogd_protocol import EventInfo, StepResult
 
 from .policies import Dump, Exec, Policy, Signal, Step, Unblock, Wait, placeholders, step_name
 from .timers import Timer

@@ -52,11 +52,11 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Final, Generic
+from typing import TYPE_CHECKING, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
+from watchdogd_protocol import RESTART_GRACE, EventInfo, GroupState, RankInfo
 
 from .expiry import first_signal
 from .identity import ROOT
@@ -64,18 +64,12 @@ from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
 from .ports import P
 from .responders import Responder
 from .slots import Slots
-from .starvation import Verdict, judge_due
-from .timers import Expired, Run, StoreKey, Timer, Watch
+from .starvation import Starvation, judge_due
+from .timers import Course, Expired, StoreKey, Timer, Watch
 from .writer import TableWriter
 
 if TYPE_CHECKING:
     from .context import CoreContext
-
-#: How long after a start a restored timer that falls due waits for a release on
-#: its way. A client tries to reconnect at least every 250 ms while the daemon
-#: restarts and sends an unanswered release first: four of its tries, time for a
-#: loaded host, and that much later for a worker that is really hung.
-RESTART_GRACE: Final = 1.0
 
 
 class Due(msgspec.Struct, Generic[P], frozen=True):
@@ -338,7 +332,7 @@ class Firing(Generic[P]):
     ) -> list[Expired[P]]:
         """``item`` firing in the state, with the peer runs of its incident if it
         carries a job."""
-        run = Run(fired_at=now, plan=policy.plan)
+        run = Course(fired_at=now, plan=policy.plan)
         peers: list[Expired[P]] = []
         watch = item.timer.watch
         if watch is not None and watch.job:
@@ -346,7 +340,7 @@ class Firing(Generic[P]):
         firing = self._put_firing(item.timer, next(self._numbers), run)
         return [Expired(firing, item.process, orphaned, note), *peers]
 
-    def _put_firing(self, armed: Timer, number: int, run: Run) -> Timer:
+    def _put_firing(self, armed: Timer, number: int, run: Course) -> Timer:
         """``armed`` firing in the state as number ``number`` with ``run``. The
         armed record and the firing one go out in the same journal record: a crash
         leaves one of the two, never neither."""
@@ -376,7 +370,7 @@ class Firing(Generic[P]):
 
     def _record(self, due: Due[P]) -> None:
         del self._taken[due.timer.store_key]
-        self._put_firing(due.timer, due.number, Run(fired_at=due.fired_at, plan=due.policy.plan))
+        self._put_firing(due.timer, due.number, Course(fired_at=due.fired_at, plan=due.policy.plan))
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
@@ -413,7 +407,7 @@ class Firing(Generic[P]):
     ) -> None:
         """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
         besides root that may read what it captured (None: root alone), as the
-        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.evidence`)
+        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.kept_evidence`)
         and ``flight`` the groups of the worker's Flight Recorder. Kept with the
         incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:
@@ -428,8 +422,8 @@ class Firing(Generic[P]):
         self._events.record(event)
 
     def _incident(
-        self, timer: Timer, watch: Watch, policy: Policy, run: Run, now: float
-    ) -> tuple[Run, list[Expired[P]]]:
+        self, timer: Timer, watch: Watch, policy: Policy, run: Course, now: float
+    ) -> tuple[Course, list[Expired[P]]]:
         """``timer`` of a job expired under ``policy``: the run of its policy,
         which names the job's incident, and the peer policy's runs on the job's
         other processes that the incident does not list yet: all of them when it
@@ -489,7 +483,7 @@ class Firing(Generic[P]):
                 timer,
                 firing=next(self._numbers),
                 policy=peer_policy.name,
-                run=Run(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
+                run=Course(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
             )
             self._writer.record(firing)
             self._firing[firing.store_key] = firing
@@ -560,7 +554,7 @@ class Firing(Generic[P]):
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
         )
 
-    def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
+    def _extend(self, item: Expired[P], policy: Policy, verdict: Starvation, now: float) -> None:
         """Arm the timer of ``item`` again for its policy's grace, its process
         being starved: an ``extended`` event says why, and its `Watch` that it was
         extended (it is not again until it is armed anew)."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_JOB_BYTES,
     ErrorCode,
     EventInfo,

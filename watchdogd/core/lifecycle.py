@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Generic
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..errors import Refusal
 from .firing import Firing

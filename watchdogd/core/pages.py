@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_JOB_BYTES,
     MAX_REPLY_BYTES,
@@ -55,7 +55,6 @@ from watchdogd_client.protocol import (
 
 from .._version import __version__
 from ..errors import Refusal
-from .arming import Arming
 from .bridge import FleetBridge
 from .counters import Counters
 from .firing import Firing
@@ -63,6 +62,7 @@ from .identity import ROOT, Peer
 from .policies import placeholders, step_name
 from .ports import P
 from .slots import Slots
+from .timer_requests import Arming
 from .timers import Timer, Watch
 
 if TYPE_CHECKING:

@@ -128,7 +128,7 @@ class ProcessPort(Protocol[P]):
 
 class PageRef(Protocol):
     """A slot page as the core reads and writes it
-    (`watchdogd_client.protocol.slot_page`); every value a process wrote is read
+    (`watchdogd_protocol.slot_page`); every value a process wrote is read
     as it is, for the core to bound."""
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 from ..errors import Refusal
 from .config import Config, DaemonConfig

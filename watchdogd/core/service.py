@@ -10,7 +10,7 @@ rule testable with a fake port and numbers for the time.
 
 Each part owns its state and is its own module:
 
-- `watchdogd.core.arming`: connections, the handshake, acquire and release with
+- `watchdogd.core.timer_requests`: connections, the handshake, acquire and release with
   their authorization and limits;
 - `watchdogd.core.pages`: the pages that only read (status, events, why, suggest,
   incidents, policies, metrics);
@@ -28,7 +28,7 @@ force (`watchdogd.core.rules`), the timer table's one writer
 (`watchdogd.core.writer`), the process port, the events ring, the incident log,
 the history, the counters, the responders and the log. Each part is an
 attribute of `Service`, and the runtime calls the part itself (``service.arming``,
-``service.expiries``, ``service.lifecycle``...); `Service` does nothing itself but
+``service.firing``, ``service.lifecycle``...); `Service` does nothing itself but
 make them, dispatch each request, and record the daemon's own events.
 """
 
@@ -39,7 +39,7 @@ from typing import Generic, assert_never
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     EventInfo,
@@ -71,14 +71,12 @@ from watchdogd_client.protocol import (
 )
 
 from ..errors import Refusal
-from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
 from .context import CoreContext
 from .counters import Counters
 from .events import EventLog
 from .firing import Firing
-from .frames import Library
 from .hangs import JobHangs
 from .history import History
 from .identity import ROOT
@@ -91,8 +89,10 @@ from .repeats import Repeats
 from .responders import Responders
 from .rules import Rules
 from .slots import Slots
+from .timer_requests import Arming, Caller
 from .timers import Timer, TimerTable
 from .unblocks import Unblocks
+from .user_frames import Library
 from .verdict import Decision, for_viewer, nobody
 from .writer import TableWriter
 
@@ -225,16 +225,16 @@ class Service(Generic[P]):
             wall=self._wall,
             waited=config.fleet.unblock_after,
         )
-        self.expiries = Firing(context, slots=self.slots)
-        self.lifecycle = Lifecycle(context, self.expiries, slots=self.slots)
+        self.firing = Firing(context, slots=self.slots)
+        self.lifecycle = Lifecycle(context, self.firing, slots=self.slots)
         self.arming = Arming(
-            context, self.lifecycle, slots=self.slots, record_taken=self.expiries.record_taken
+            context, self.lifecycle, slots=self.slots, record_taken=self.firing.record_taken
         )
-        self.fleet = FleetBridge(context, self.expiries, unblocks=self.unblocks)
+        self.fleet = FleetBridge(context, self.firing, unblocks=self.unblocks)
         self.hangs = JobHangs(context, self.repeats, holds=self.fleet.holds)
         self.pages = Pages(
             context,
-            firing=self.expiries,
+            firing=self.firing,
             arming=self.arming,
             slots=self.slots,
             fleet=self.fleet,
@@ -384,7 +384,7 @@ class Service(Generic[P]):
 
     def snapshot(self) -> list[Timer]:
         """Every timer the state must hold: the armed ones and the firing ones."""
-        return [*self.table.timers(), *self.expiries.timers()]
+        return [*self.table.timers(), *self.firing.timers()]
 
     # The daemon's own events.
 

@@ -1,5 +1,5 @@
 """The fast path's registrations: scopes whose blocks arm and release their timer by
-stores into a slot page (`watchdogd_client.protocol.slot_page`), and the daemon's
+stores into a slot page (`watchdogd_protocol.slot_page`), and the daemon's
 lazy looks at them.
 
 A scope's first arm is a request, as every arm was: identity, authorization,
@@ -66,8 +66,8 @@ from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import SlotGrant
-from watchdogd_client.protocol.slot_page import MAX_MICROSECONDS, SLOTS
+from watchdogd_protocol import SlotGrant
+from watchdogd_protocol.slot_page import MAX_MICROSECONDS, SLOTS
 
 from .logline import Level, logfmt
 from .ports import SEARCHING, P, PagePort, PageRef, Searching

@@ -52,7 +52,7 @@ from typing import Final, Generic, TypeVar
 import msgspec
 import trio
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 from ..core.bridge import FleetBridge
 from ..core.config import FleetConfig

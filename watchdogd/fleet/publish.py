@@ -37,7 +37,7 @@ from typing import Final, Generic
 import msgspec
 import trio
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 from ..core.bridge import FleetBridge
 from ..core.ports import P

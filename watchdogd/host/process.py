@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 from ..core.identity import ROOT, Peer, may_signal
 from ..errors import Refusal

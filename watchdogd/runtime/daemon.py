@@ -63,11 +63,11 @@ from ..logs import LoggingSink, log, logfmt
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
+from .asks import Asks
 from .executor import BATCH, Executor
 from .host_pages import HostPages
 from .host_processes import HostProcesses
 from .reload import Reloads
-from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile
@@ -540,7 +540,7 @@ class Daemon:
     def _fire(self, now: float) -> bool:
         """Fire a batch of what is due; whether the batch was full."""
         try:
-            expired = self.service.expiries.take_due(now, BATCH)
+            expired = self.service.firing.take_due(now, BATCH)
             if expired:
                 self.collector.hold(now)
                 assert self.executor is not None
@@ -586,7 +586,7 @@ class Daemon:
         kept = {} if self.store is None else {"state": self.store.path}
         log.info(
             logfmt(
-                "stopped", timers=len(self.service.table), firing=len(self.service.expiries), **kept
+                "stopped", timers=len(self.service.table), firing=len(self.service.firing), **kept
             )
         )
         if self.store is not None:

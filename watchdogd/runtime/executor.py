@@ -72,7 +72,7 @@ from typing import Final, assert_never
 import msgspec
 import trio
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..core.expiry import (
     SENT,
@@ -97,9 +97,9 @@ from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
+from .asks import Asks
 from .gathering import Gatherer
 from .hooks import run_hook
-from .responders import Asks
 from .unblocker import unblock_step
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
@@ -209,7 +209,7 @@ class Executor:
                 # Before its signal (nothing after it can raise): the usual way
                 # carries the expiry out, or records why it could not.
                 log.exception("the short way failed for %r", taken.timer)
-            item = self._service.expiries.record(taken) if isinstance(taken, Due) else taken
+            item = self._service.firing.record(taken) if isinstance(taken, Due) else taken
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
@@ -223,7 +223,7 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
-        for incident, responder in self._service.expiries.take_asks():
+        for incident, responder in self._service.firing.take_asks():
             self._nursery.start_soon(
                 self._gatherer.ask_rank, incident, responder.pid, responder.start_time
             )
@@ -331,7 +331,7 @@ class Executor:
             if isinstance(entry, _Sent):
                 if isinstance(entry.item, Due):
                     # Its signal went: firing in the state, as every other.
-                    self._service.expiries.record(entry.item)
+                    self._service.firing.record(entry.item)
                 entry.item.process.close()
             else:
                 self._let_go(entry)
@@ -367,7 +367,7 @@ class Executor:
                 case CheckAlive():
                     run.seen(target.alive())
                 case RecordStep(step=step, step_end=step_end):
-                    self._service.expiries.step_started(run.timer, step, step_end)
+                    self._service.firing.step_started(run.timer, step, step_end)
                     run.recorded()
                 case SendSignal(signum=signum, alive=alive):
                     run.signalled(target.signal(signum, alive=alive), self._clock())
@@ -456,14 +456,14 @@ class Executor:
         except Exception:
             log.exception("could not start the policy of %r", timer)
             process.close()
-            self._service.expiries.finished(timer)
+            self._service.firing.finished(timer)
             return None
         return _Expiry(run, process)
 
     def _sent_expiry(self, sent: _Sent) -> _Expiry | None:
         """The expiry whose first signal `_send_first` sent, its run handed the
         signal's result as if it had sent it."""
-        item = self._service.expiries.record(sent.item) if isinstance(sent.item, Due) else sent.item
+        item = self._service.firing.record(sent.item) if isinstance(sent.item, Due) else sent.item
         expiry = self._begin(item.timer, item.process, item.note, sent.policy)
         if expiry is None:
             return None
@@ -501,23 +501,23 @@ class Executor:
         run, target = expiry.run, expiry.target
         assert target is not None
         self._events.append(finish.event)
-        self._service.expiries.finished(run.timer)
+        self._service.firing.finished(run.timer)
         if finish.unkillable:
             pid, state, wchan = target.survivor()
             after = self._service.rules.daemon.unkillable_after
             event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
-            self._service.expiries.record_unkillable(event)
+            self._service.firing.record_unkillable(event)
         target.close()
 
     def _failed(self, expiry: _Expiry, what: str) -> None:
         log.exception("%s of %r", what, expiry.run.timer)
         self._let_go(expiry)
-        self._service.expiries.finished(expiry.run.timer)
+        self._service.firing.finished(expiry.run.timer)
 
     def _flush_events(self) -> None:
         if self._events:
             events, self._events = self._events, []
-            self._service.expiries.record_expiries(events)
+            self._service.firing.record_expiries(events)
 
     # Watching targets sent SIGKILL for their exit.
 

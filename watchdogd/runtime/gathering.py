@@ -4,7 +4,7 @@ worker when its responder answers, from a dumper (py-spy) when it does not.
 Two callers: a dump step of a policy run (`Gatherer.dump`), and a rank of an
 incident that holds no timer of its job (`Gatherer.ask_rank`). Either way the
 responder is asked first, within ``evidence_timeout``: the responder of the process
-itself, named by its pid and start time (`watchdogd.runtime.responders.Asks.ask`),
+itself, named by its pid and start time (`watchdogd.runtime.asks.Asks.ask`),
 never a connection that outlived a process of that pid; who besides root may read
 what was taken is decided when it is taken: the one user ptrace's read rule let
 read the process both just before and just after it was dumped
@@ -27,13 +27,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..core.evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.expiry import Run, TakeDump
+from ..core.kept_evidence import NONE, WORKER, flight_groups, stack_text
 from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
 from ..core.service import Service
 from ..host.process import Process, ptrace_reader
+from .asks import Asks
 from .hooks import DumpPool
-from .responders import Asks
 
 
 class Gatherer:
@@ -66,7 +66,7 @@ class Gatherer:
             if hook.status != 0:
                 note = f"its responder did not answer, and {argv[0]}: {hook.result}"
         after = ptrace_reader(pid)
-        self._service.expiries.evidence_given(
+        self._service.firing.evidence_given(
             incident,
             pid,
             stack,
@@ -91,7 +91,7 @@ class Gatherer:
         if given is not None and effect.step.argv == DEFAULT_DUMPER:
             after = ptrace_reader(pid)
             reader = before if before == after else None
-            self._service.expiries.dump_taken(run.timer, reader, WORKER, flight_groups(given))
+            self._service.firing.dump_taken(run.timer, reader, WORKER, flight_groups(given))
             run.hooked("ok", stack_text(given), responder=True)
             return
         argv = substitute(effect.step.argv, effect.values)
@@ -104,7 +104,7 @@ class Gatherer:
             output = stack_text(given) + output
             taken = WORKER
         flight = [] if given is None else flight_groups(given)
-        self._service.expiries.dump_taken(
+        self._service.firing.dump_taken(
             run.timer, before if before == after else None, taken, flight
         )
         run.hooked(hook.result, output)

@@ -27,7 +27,7 @@ an event's number once that event is written beside it
 (`watchdogd.storage.record_file`).
 
 A connection whose `Respond` was taken answers the asks about the process that
-opened it (`watchdogd.runtime.responders`) until the connection closes or that
+opened it (`watchdogd.runtime.asks`) until the connection closes or that
 process exits, whichever comes first: the exit is watched on the process's pidfd
 by a task of the listener's nursery, which ends before the connection lets the
 pidfd go.
@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import trio
 
-from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquired,
     Error,
     Events,
     Evidence,
     FrameReader,
+    FrameTooLarge,
     MapPage,
+    ProtocolError,
     Released,
     Respond,
     Unblocked,
@@ -73,8 +74,8 @@ from ..core.session import Session
 from ..errors import ListenError, Refusal
 from ..host.process import Process, peer_of
 from ..logs import log, logfmt
+from .asks import Asks
 from .reply_budget import ReplyBudget
-from .responders import Asks
 
 if TYPE_CHECKING:
     from ..storage.record_file import RecordFile

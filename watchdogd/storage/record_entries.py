@@ -14,7 +14,7 @@ from typing import BinaryIO, Final
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..core.incidents import StoredIncident
 from ..core.repeats import JobKey, JobRow

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.core.heap import Deadlines
+from watchdogd.core.deadlines import Deadlines
 
 from helpers.keyed_deadlines import KeyedDeadlines
 

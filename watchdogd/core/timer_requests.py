@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_JOB_BYTES,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
@@ -480,7 +480,7 @@ class Arming(Generic[P]):
         """A responder's `Respond`, which binds it to the exact process that opened
         its connection, alive (`connecting_process`); or its `Evidence` or
         `Unblocked`, taken only on the connection its process responds on now
-        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
+        (whoever asked for it takes it from there: `watchdogd.runtime.asks`)."""
         if isinstance(request, Respond):
             process = self.connecting_process(caller)
             self._responders.register(process, caller.peer.uid, request)
