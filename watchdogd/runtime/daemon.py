@@ -47,13 +47,19 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from .._version import __version__
-from ..core.config import Config
-from ..core.firing import Due
-from ..core.identity import ROOT
-from ..core.logline import Level
-from ..core.ports import Journal, NullJournal
-from ..core.service import Later, Restored, Service
-from ..core.timers import Expired, Timer
+from ..core import (
+    ROOT,
+    Config,
+    Due,
+    Expired,
+    Journal,
+    Later,
+    Level,
+    NullJournal,
+    Restored,
+    Service,
+    Timer,
+)
 from ..errors import ConfigError
 from ..host.exits import ExitWatcher
 from ..host.process import Process
@@ -74,7 +80,7 @@ from .textfile import write_textfile
 from .unblocker import Unblocker
 
 if TYPE_CHECKING:
-    from ..core.counters import Counters
+    from ..core import Counters
     from ..fleet.member import FleetMember
 
 

@@ -74,26 +74,28 @@ import trio
 
 from watchdogd_protocol import EventInfo
 
-from ..core.expiry import (
+from ..core import (
     SENT,
     AwaitEvidence,
     CheckAlive,
+    Due,
+    Expired,
     Finish,
     ObserveLateness,
+    Policy,
     RecordStep,
     Run,
     RunHook,
     SendSignal,
+    Service,
     TakeDump,
+    Timer,
     UnblockPeers,
     WaitUntil,
     WatchExit,
     first_signal,
+    substitute,
 )
-from ..core.firing import Due
-from ..core.policies import Policy, substitute
-from ..core.service import Service
-from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log

@@ -27,10 +27,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..core.expiry import Run, TakeDump
-from ..core.kept_evidence import NONE, WORKER, flight_groups, stack_text
-from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
-from ..core.service import Service
+from ..core import (
+    DEFAULT_DUMPER,
+    DEFAULT_STEP_TIMEOUT,
+    NONE,
+    WORKER,
+    Run,
+    Service,
+    TakeDump,
+    flight_groups,
+    stack_text,
+    substitute,
+)
 from ..host.process import Process, ptrace_reader
 from .asks import Asks
 from .hooks import DumpPool

@@ -8,8 +8,7 @@ is tracked, and its handle is the table's until it is untracked.
 
 from __future__ import annotations
 
-from ..core.identity import Peer
-from ..core.starvation import Sample
+from ..core import Peer, Sample
 from ..host.exits import ExitWatcher
 from ..host.pressure import PressureGauge
 from ..host.process import Process, open_process

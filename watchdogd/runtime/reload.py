@@ -24,8 +24,7 @@ from typing import Final
 
 import trio
 
-from ..core.config import Config, lockouts, parse_config
-from ..core.service import Service
+from ..core import Config, Service, lockouts, parse_config
 from ..errors import ConfigError
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.process import Process

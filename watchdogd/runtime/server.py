@@ -67,10 +67,7 @@ from watchdogd_protocol import (
     encode_frame_into,
 )
 
-from ..core.logline import RateLimitedLog
-from ..core.ports import Journal
-from ..core.service import Service
-from ..core.session import Session
+from ..core import Journal, RateLimitedLog, Service, Session
 from ..errors import ListenError, Refusal
 from ..host.process import Process, peer_of
 from ..logs import log, logfmt
