@@ -188,7 +188,7 @@ class World:
 
 def make_world(journal: Journal | None = None, now: float = 0.0, **limits: object) -> World:
     service, host, notified = make_service(journal, now, **limits)
-    alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
+    alice, bob, root = (service.arming.open_connection(peer) for peer in (ALICE, BOB, ROOT))
     return World(service, host, notified, alice, bob, root)
 
 

@@ -21,12 +21,12 @@ FORBIDDEN = (*LOADED, "time", "os")
 #: The modules of watchdogd outside the core that the core may import.
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
-CORE = ("bridge", "config", "counters", "deadlines", "events", "evidence_budget", "expiry",
-        "fingerprint", "firing", "hangs", "history", "identity", "incidents",
+CORE = ("bridge", "config", "context", "counters", "deadlines", "events", "evidence_budget",
+        "expiry", "fingerprint", "firing", "hangs", "history", "identity", "incidents",
         "kept_evidence", "lifecycle", "logline", "pages", "policies", "ports",
         "process_pages", "ranks", "repeats", "responders", "rules", "service", "session",
         "shares", "slot", "slot_shares", "slots", "starvation", "timer_requests", "timers",
-        "tomlkeys", "unblocks", "user_frames", "verdict", "viewing")  # fmt: skip
+        "tomlkeys", "unblocks", "user_frames", "verdict", "viewing", "writer")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

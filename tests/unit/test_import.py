@@ -1,6 +1,7 @@
 """The thin client stays thin, and the wire protocol thinner: `watchdogd_protocol`
 imports msgspec and standard-library modules that load nothing else, so the
-daemon's sans-IO core that imports it loads no thread, log, clock or socket."""
+daemon's sans-IO core that imports it loads no thread, log, clock or socket; and the
+daemon's core is reached through its door alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import watchdogd
+import watchdogd.core
 import watchdogd_protocol
 
 PROTOCOL_DIR = Path(watchdogd_protocol.__file__).parent
@@ -83,3 +86,96 @@ def test_the_protocol_import_check_sees_imports_inside_functions(tmp_path: Path)
         "from . import frames\ndef f():\n    import threading\n    from os import path\n"
     )
     assert _protocol_imports(module) == {"threading", "os"}
+
+
+PACKAGE = Path(watchdogd.__file__).parent
+CORE_DIR = PACKAGE / "core"
+
+
+def _past_the_door(text: str, name: str) -> list[str]:
+    """The core modules that the code ``text`` of module ``name`` imports past the
+    core's door (``watchdogd.core``), by line."""
+    parts = name.split(".")
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = parts[: len(parts) - node.level] if node.level else []
+            modules = [".".join([*base, *([node.module] if node.module else [])])]
+            if modules == ["watchdogd.core"]:
+                # A module of the core named as a name of its package.
+                modules = [
+                    f"watchdogd.core.{alias.name}"
+                    for alias in node.names
+                    if (CORE_DIR / f"{alias.name}.py").exists()
+                ]
+        else:
+            continue
+        found += [f"{node.lineno} {m}" for m in modules if m.startswith("watchdogd.core.")]
+    return found
+
+
+def test_nothing_outside_the_core_imports_a_core_module_past_its_door() -> None:
+    outside = [path for path in PACKAGE.rglob("*.py") if CORE_DIR not in path.parents]
+    assert len(outside) > 40
+    past = {
+        str(path.relative_to(PACKAGE)): found
+        for path in outside
+        if (
+            found := _past_the_door(
+                path.read_text(),
+                ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts),
+            )
+        )
+    }
+    assert past == {}
+
+
+def test_the_door_check_sees_every_way_past_the_door() -> None:
+    code = (
+        "from ..core.timers import Timer\n"
+        "from ..core import service\n"
+        "import watchdogd.core.config\n"
+        "from watchdogd.core.rules import Rules\n"
+        "from ..core import Config\n"
+        "from ..storage.store import Store\n"
+    )
+    assert _past_the_door(code, "watchdogd.runtime.daemon") == [
+        "1 watchdogd.core.timers",
+        "2 watchdogd.core.service",
+        "3 watchdogd.core.config",
+        "4 watchdogd.core.rules",
+    ]
+
+
+def test_the_door_declares_each_name_where_it_lives() -> None:
+    where = watchdogd.core._WHERE
+    assert sorted(where) == sorted(watchdogd.core.__all__)
+    tree = ast.parse((CORE_DIR / "__init__.py").read_text())
+    [checking] = [node for node in tree.body if isinstance(node, ast.If)]
+    typed = {
+        alias.name: str(node.module)
+        for node in checking.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == where
+    for name, module in where.items():
+        assert getattr(watchdogd.core, name) is getattr(
+            __import__(f"watchdogd.core.{module}", fromlist=[name]), name
+        )
+
+
+def test_the_door_loads_a_module_of_the_core_only_when_a_name_of_it_is_used() -> None:
+    code = (
+        "import sys\n"
+        "from watchdogd.core import TargetKind\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('watchdogd.core.'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded = set(result.stdout.split())
+    assert "watchdogd.core.policies" in loaded
+    assert "watchdogd.core.service" not in loaded

@@ -30,7 +30,7 @@ def responder(
     service: Service[FakeProcess], pid: int, rank: int, *, unblock: bool = True, job: str = JOB
 ) -> Caller[FakeProcess]:
     """Process ``pid`` of alice's, a rank of ``job`` that responds here."""
-    caller = service.open_connection(Peer(pid=pid, uid=ALICE, gid=ALICE, pidfd=-1))
+    caller = service.arming.open_connection(Peer(pid=pid, uid=ALICE, gid=ALICE, pidfd=-1))
     service.handle(Respond(id=1, job=job, rank=rank, unblock=unblock), caller, 0.0)
     return caller
 

@@ -39,7 +39,7 @@ from watchdogd_protocol import (
     WhyTimer,
 )
 
-from ..core.verdict import flight_text
+from ..core import flight_text
 
 #: The most of a command `expiry_report` shows.
 _COMMAND_WIDTH: Final = 40

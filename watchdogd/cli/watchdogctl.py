@@ -29,7 +29,7 @@ from watchdogd_client.paths import ENV_SOCKET
 from watchdogd_protocol import ErrorCode, EventInfo, HangsReply, IncidentInfo
 
 from .._version import __version__
-from ..core.policies import TargetKind
+from ..core import TargetKind
 from .reference import docs_path_option
 from .render import (
     event_text,

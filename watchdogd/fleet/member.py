@@ -54,10 +54,7 @@ import trio
 
 from watchdogd_protocol import IncidentInfo, RankInfo
 
-from ..core.bridge import FleetBridge
-from ..core.config import FleetConfig
-from ..core.ports import TargetProcess
-from ..core.timers import Expired
+from ..core import Expired, FleetBridge, FleetConfig, TargetProcess
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
 from .etcd import Backoff, EtcdClient

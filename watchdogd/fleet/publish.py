@@ -39,8 +39,7 @@ import trio
 
 from watchdogd_protocol import IncidentInfo, RankInfo
 
-from ..core.bridge import FleetBridge
-from ..core.ports import P
+from ..core import FleetBridge, P
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
 from .etcd import EtcdClient

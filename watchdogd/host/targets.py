@@ -54,8 +54,7 @@ from typing import Final
 
 import trio
 
-from ..core.identity import ROOT, may_signal
-from ..core.policies import TargetKind
+from ..core import ROOT, TargetKind, may_signal
 from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
 from .process import (
     Process,

@@ -74,26 +74,28 @@ import trio
 
 from watchdogd_protocol import EventInfo
 
-from ..core.expiry import (
+from ..core import (
     SENT,
     AwaitEvidence,
     CheckAlive,
+    Due,
+    Expired,
     Finish,
     ObserveLateness,
+    Policy,
     RecordStep,
     Run,
     RunHook,
     SendSignal,
+    Service,
     TakeDump,
+    Timer,
     UnblockPeers,
     WaitUntil,
     WatchExit,
     first_signal,
+    substitute,
 )
-from ..core.firing import Due
-from ..core.policies import Policy, substitute
-from ..core.service import Service
-from ..core.timers import Expired, Timer
 from ..host.process import Process
 from ..host.targets import Target, open_target
 from ..logs import log
@@ -209,7 +211,7 @@ class Executor:
                 # Before its signal (nothing after it can raise): the usual way
                 # carries the expiry out, or records why it could not.
                 log.exception("the short way failed for %r", taken.timer)
-            item = self._service.record_fired(taken) if isinstance(taken, Due) else taken
+            item = self._service.firing.record(taken) if isinstance(taken, Due) else taken
             expiry = self._begin(item.timer, item.process, item.note)
             if expiry is None:
                 continue
@@ -240,7 +242,7 @@ class Executor:
         if isinstance(item, Due):
             policy, step = item.policy, item.signal
         else:
-            policy, note = self._service.policy_for(timer.policy)
+            policy, note = self._service.rules.policy_for(timer.policy)
             found = first_signal(timer, policy, note)
             if found is None:
                 return False
@@ -331,7 +333,7 @@ class Executor:
             if isinstance(entry, _Sent):
                 if isinstance(entry.item, Due):
                     # Its signal went: firing in the state, as every other.
-                    self._service.record_fired(entry.item)
+                    self._service.firing.record(entry.item)
                 entry.item.process.close()
             else:
                 self._let_go(entry)
@@ -385,7 +387,7 @@ class Executor:
                 case UnblockPeers():
                     return functools.partial(unblock_step, self._service, run, effect, self._clock)
                 case WatchExit():
-                    self._watch(expiry, now + self._service.config.unkillable_after)
+                    self._watch(expiry, now + self._service.rules.daemon.unkillable_after)
                     return None
                 case Finish():
                     self._finish(expiry, effect)
@@ -444,26 +446,26 @@ class Executor:
         try:
             note = ""
             if policy is None:
-                policy, note = self._service.policy_for(timer.policy)
+                policy, note = self._service.rules.policy_for(timer.policy)
             run = Run(
                 timer,
                 policy,
                 note,
                 judged,
                 daemon_started=self._service.started,
-                evidence_wait=self._service.config.incident_evidence_wait,
+                evidence_wait=self._service.rules.daemon.incident_evidence_wait,
             )
         except Exception:
             log.exception("could not start the policy of %r", timer)
             process.close()
-            self._service.expiry_finished(timer)
+            self._service.firing.finished(timer)
             return None
         return _Expiry(run, process)
 
     def _sent_expiry(self, sent: _Sent) -> _Expiry | None:
         """The expiry whose first signal `_send_first` sent, its run handed the
         signal's result as if it had sent it."""
-        item = self._service.record_fired(sent.item) if isinstance(sent.item, Due) else sent.item
+        item = self._service.firing.record(sent.item) if isinstance(sent.item, Due) else sent.item
         expiry = self._begin(item.timer, item.process, item.note, sent.policy)
         if expiry is None:
             return None
@@ -501,10 +503,10 @@ class Executor:
         run, target = expiry.run, expiry.target
         assert target is not None
         self._events.append(finish.event)
-        self._service.expiry_finished(run.timer)
+        self._service.firing.finished(run.timer)
         if finish.unkillable:
             pid, state, wchan = target.survivor()
-            after = self._service.config.unkillable_after
+            after = self._service.rules.daemon.unkillable_after
             event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
             self._service.firing.record_unkillable(event)
         target.close()
@@ -512,12 +514,12 @@ class Executor:
     def _failed(self, expiry: _Expiry, what: str) -> None:
         log.exception("%s of %r", what, expiry.run.timer)
         self._let_go(expiry)
-        self._service.expiry_finished(expiry.run.timer)
+        self._service.firing.finished(expiry.run.timer)
 
     def _flush_events(self) -> None:
         if self._events:
             events, self._events = self._events, []
-            self._service.record_expiries(events)
+            self._service.firing.record_expiries(events)
 
     # Watching targets sent SIGKILL for their exit.
 

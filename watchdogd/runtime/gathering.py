@@ -27,10 +27,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..core.expiry import Run, TakeDump
-from ..core.kept_evidence import NONE, WORKER, flight_groups, stack_text
-from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
-from ..core.service import Service
+from ..core import (
+    DEFAULT_DUMPER,
+    DEFAULT_STEP_TIMEOUT,
+    NONE,
+    WORKER,
+    Run,
+    Service,
+    TakeDump,
+    flight_groups,
+    stack_text,
+    substitute,
+)
 from ..host.process import Process, ptrace_reader
 from .asks import Asks
 from .hooks import DumpPool
@@ -46,14 +54,14 @@ class Gatherer:
         self._service = service
         self._asks = asks
         self._tick = tick
-        self._dumps = DumpPool(service.config.max_dumps, service.metrics)
+        self._dumps = DumpPool(service.rules.daemon.max_dumps, service.metrics)
 
     async def ask_rank(self, incident: str, pid: int, start_time: int) -> None:
         """The evidence of a rank of ``incident`` that holds no timer of its job
         (process ``pid``, started at ``start_time``): from its responder, or, when
         it does not answer, from py-spy."""
         before = ptrace_reader(pid)
-        timeout = self._service.config.evidence_timeout
+        timeout = self._service.rules.daemon.evidence_timeout
         given = await self._asks.ask(pid, start_time, incident, timeout)
         self._tick()
         if given is not None:
@@ -83,7 +91,7 @@ class Gatherer:
         does not answer, or a dump step that names a dumper of its own, runs the
         dumper as before."""
         pid = run.timer.pid
-        config = self._service.config
+        config = self._service.rules.daemon
         before = ptrace_reader(pid)
         incident = "" if run.timer.run is None else run.timer.run.incident
         given = await self._asks.ask(pid, run.timer.start_time, incident, config.evidence_timeout)
@@ -91,7 +99,7 @@ class Gatherer:
         if given is not None and effect.step.argv == DEFAULT_DUMPER:
             after = ptrace_reader(pid)
             reader = before if before == after else None
-            self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
+            self._service.firing.dump_taken(run.timer, reader, WORKER, flight_groups(given))
             run.hooked("ok", stack_text(given), responder=True)
             return
         argv = substitute(effect.step.argv, effect.values)
@@ -104,5 +112,7 @@ class Gatherer:
             output = stack_text(given) + output
             taken = WORKER
         flight = [] if given is None else flight_groups(given)
-        self._service.dump_taken(run.timer, before if before == after else None, taken, flight)
+        self._service.firing.dump_taken(
+            run.timer, before if before == after else None, taken, flight
+        )
         run.hooked(hook.result, output)

@@ -33,7 +33,7 @@ from typing import Final
 
 import trio
 
-from ..core.counters import Counters
+from ..core import Counters
 
 OUTPUT_LIMIT: Final = 64 * 1024
 _READ: Final = 16 * 1024

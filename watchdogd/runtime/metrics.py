@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..core.counters import Counters
+from ..core import Counters
 
 
 def exposition(counters: Counters, gauges: Mapping[str, tuple[str, float]]) -> str:

@@ -27,9 +27,7 @@ from typing import Final
 
 import trio
 
-from ..core.expiry import SENT, Run, UnblockPeers
-from ..core.service import Service
-from ..core.unblocks import OwedUnblock
+from ..core import SENT, OwedUnblock, Run, Service, UnblockPeers
 from ..host.process import Process
 from ..logs import log, logfmt
 from .asks import Asks
@@ -86,7 +84,7 @@ class Unblocker:
                 responder.pid,
                 responder.start_time,
                 wanted,
-                self._service.config.evidence_timeout,
+                self._service.rules.daemon.evidence_timeout,
             )
             unblocks.answered(unblock, answer, self._clock())
         except Exception:

@@ -16,8 +16,7 @@ import msgspec
 
 from watchdogd_protocol import EventInfo
 
-from ..core.incidents import StoredIncident
-from ..core.repeats import JobKey, JobRow
+from ..core import JobKey, JobRow, StoredIncident
 from .journal import RECORD
 
 #: The schema of the records; a file of another is moved aside, unread.

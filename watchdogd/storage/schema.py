@@ -50,7 +50,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ..core.timers import StoreKey, Timer
+from ..core import StoreKey, Timer
 from .faults import Unreadable
 
 SCHEMA: Final = 9
