@@ -32,7 +32,7 @@ import msgspec
 
 from . import queries, releases
 from ._version import __version__ as _version
-from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
+from .arming import Acquiring, After, Arming, acquire_request, check_acquiring, socket_arm
 from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
 from .engine import (
     Answer,
@@ -196,35 +196,16 @@ class Client(BaseClient):
         with self._lock:
             self._disconnect()
 
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        exit_releases: bool = False,
-        **arming: Unpack[Arming],
-    ) -> float:
-        """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
-        releases the timer quietly (no ``exited`` event): for a command expected
-        to end, as `watchdogctl run` arms."""
-        check_acquire(scope, pid, progress)
-        arming_timeout(timeout, arming, maximum=self._maximum())
+    def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
+        """See `BaseClient.acquire`."""
+        _, arming = check_acquiring(scope, timeout, acquiring, maximum=self._maximum())
         fast = self._fast
-        if fast is not None and pid is None and progress is None and not exit_releases:
+        if fast is not None and socket_arm(acquiring):
             stored = fast.arm(scope, timeout, arming)
             if stored is not None:
                 return stored
         request = acquire_request(
-            self._engine.next_id(),
-            scope,
-            timeout,
-            pid=pid,
-            progress=progress,
-            exit_releases=exit_releases,
-            slot=fast is not None,
-            **arming,
+            self._engine.next_id(), scope, timeout, slot=fast is not None, **acquiring
         )
         reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining

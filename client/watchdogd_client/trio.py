@@ -59,13 +59,15 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
 from . import queries, releases
 from ._version import __version__
 from .arming import (
+    Acquiring,
     After,
     Arming,
     Handle,
     acquire_request,
     arming_timeout,
-    check_acquire,
+    check_acquiring,
     check_scope,
+    socket_arm,
 )
 from .base import DaemonStatus, log
 from .engine import (
@@ -228,31 +230,17 @@ class AsyncClient:
         #: Set once no release waits for its answer, while `aclose` waits for that.
         self._all_settled: trio.Event | None = None
 
-    async def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
+    async def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
-        check_acquire(scope, pid, progress)
-        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
+        maximum = self._engine.max_timeout
+        _, arming = check_acquiring(scope, timeout, acquiring, maximum=maximum)
         fast = self._fast
-        if fast is not None and pid is None and progress is None:
+        if fast is not None and socket_arm(acquiring):
             stored = fast.arm(scope, timeout, arming)
             if stored is not None:
                 return stored
         request = acquire_request(
-            self._engine.next_id(),
-            scope,
-            timeout,
-            pid=pid,
-            progress=progress,
-            slot=fast is not None,
-            **arming,
+            self._engine.next_id(), scope, timeout, slot=fast is not None, **acquiring
         )
         reply = await self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
