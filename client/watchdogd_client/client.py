@@ -28,8 +28,6 @@ import time
 import weakref
 from typing import Any, Final, TypeVar, Unpack
 
-import msgspec
-
 from . import queries, releases
 from ._version import __version__ as _version
 from .arming import Acquiring, After, Arming, acquire_request, check_acquiring, socket_arm
@@ -211,26 +209,18 @@ class Client(BaseClient):
         return request.timeout if reply is None else reply.remaining
 
     def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
-        """Send ``request``, armed with ``arming``; its reply, or None when the
-        daemon could not be reached and the client carries on unprotected
-        (``on_unavailable="warn"``). A slot it grants takes the scope's later
-        blocks."""
+        """Send ``request``, armed with ``arming`` (`queries.acquire`); its reply,
+        or None when the daemon could not be reached and the client carries on
+        unprotected (``on_unavailable="warn"``)."""
         if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
             settle_responder(self.responder, self.place, request)
+        plan = queries.acquire(self._engine, request, arming, fast=self._fast is not None)
         try:
-            reply = self._call(request, Acquired)
+            return self._run(plan)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
-        if self._fast is not None:
-            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
-            if self._fast.answered(request, arming, reply, mapper):
-                # Its page could not be had (the daemon went meanwhile): the block
-                # is armed again without a slot, protected wherever the page is.
-                again = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
-                return self._acquire(again, arming)
-        return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
         request = acquire_request(
@@ -365,6 +355,9 @@ class Client(BaseClient):
             return time.monotonic()
         elif isinstance(step, Close):
             self._disconnect()
+        elif isinstance(step, queries.Grant) and self._fast is not None:
+            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
+            return self._fast.answered(step.request, step.arming, step.reply, mapper)
         else:
             raise TypeError(f"a plan asked for {step!r}")
         return None

@@ -9,16 +9,24 @@ Invariants:
   that reads pages (`status`, `suggest`): every page is a request of its own, so
   one lost to a daemon's restart is sent once more, as any request is.
 - Nothing here touches a socket, a clock or a thread; `ping` asks its driver for
-  the time (`engine.Clock`).
+  the time (`engine.Clock`), and `acquire` hands a reply that granted a slot to the
+  driver's fast path (`Grant`), which maps the slot's page as the driver may.
+- An arm whose slot's page could not be had is armed once more without a slot,
+  whichever client sent it.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+import msgspec
+
+from .arming import Arming
 from .base import DaemonStatus
-from .engine import CLOCK, Engine, Plan
+from .engine import CLOCK, Engine, Plan, Step
 from .protocol import (
+    Acquire,
+    Acquired,
     Events,
     EventsReply,
     Hangs,
@@ -48,6 +56,8 @@ from .protocol import (
 
 __all__ = [
     "STATUS_PAGE",
+    "Grant",
+    "acquire",
     "events",
     "hangs",
     "incident",
@@ -64,6 +74,32 @@ __all__ = [
 
 #: The timers a `status` page asks for: the daemon's own bound on a page.
 STATUS_PAGE: Final = 1000
+
+
+class Grant(Step):
+    """Hand ``reply``, the answer to the socket arm ``request`` armed with
+    ``arming``, to the driver's fast path (`watchdogd_client.fastpath.FastPath.answered`:
+    a slot it grants takes the scope's later blocks), mapping the slot's page if it
+    is new; send back whether that page could not be had."""
+
+    __slots__ = ("arming", "reply", "request")
+
+    def __init__(self, request: Acquire, arming: Arming, reply: Acquired) -> None:
+        self.request = request
+        self.arming = arming
+        self.reply = reply
+
+
+def acquire(engine: Engine, request: Acquire, arming: Arming, *, fast: bool) -> Plan[Acquired]:
+    """`Acquire` ``request``, armed with ``arming``; with a ``fast`` path, its reply
+    goes to it (`Grant`), and an arm whose slot's page could not be had (the
+    daemon went meanwhile) is armed again without a slot, so that the block is
+    protected wherever the page is."""
+    reply = yield from engine.call(request, Acquired)
+    if fast and (yield Grant(request, arming, reply)):
+        again = msgspec.structs.replace(request, id=engine.next_id(), slot=False)
+        reply = yield from engine.call(again, Acquired)
+    return reply
 
 
 def release(engine: Engine, scope: str, pid: int | None, *, stored: bool = False) -> Plan[bool]:

@@ -42,8 +42,6 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, Final, TypeVar, Unpack
 
-import msgspec
-
 try:
     import trio
 except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subprocess
@@ -246,28 +244,18 @@ class AsyncClient:
         return request.timeout if reply is None else reply.remaining
 
     async def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
-        """The answer to ``request``, armed with ``arming``; None where the daemon
-        is unavailable and the client carries on unprotected. A slot it grants
-        takes the scope's later blocks."""
+        """The answer to ``request``, armed with ``arming`` (`queries.acquire`);
+        None where the daemon is unavailable and the client carries on
+        unprotected."""
         if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
             settle_responder(self.responder, self.place, request)
+        plan = queries.acquire(self._engine, request, arming, fast=self._fast is not None)
         try:
-            reply = await self._call(request, Acquired)
+            return await self._run(plan)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
-        fast = self._fast
-        if fast is not None and await self._answered(fast, request, arming, reply):
-            # Its page could not be had (the daemon went meanwhile): the block is
-            # armed again without a slot, so it is protected wherever the page is.
-            request = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
-            try:
-                reply = await self._call(request, Acquired)
-            except DaemonUnavailable as exc:
-                self._outage.failed(exc)
-                return None
-        return reply
 
     async def _answered(
         self, fast: FastPath, request: Acquire, arming: Arming, reply: Acquired
@@ -495,6 +483,8 @@ class AsyncClient:
             return trio.current_time()
         elif isinstance(step, Close):
             await _carrier(step.connection).stream.aclose()
+        elif isinstance(step, queries.Grant) and self._fast is not None:
+            return await self._answered(self._fast, step.request, step.arming, step.reply)
         else:
             raise TypeError(f"a plan asked for {step!r}")
         return None

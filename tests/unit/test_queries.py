@@ -16,6 +16,8 @@ from watchdogd_client.base import BaseClient, NoOpTimer, NullClient
 from watchdogd_client.client import Client
 from watchdogd_client.engine import Connected, Engine, Exchange, Step, drive
 from watchdogd_client.protocol import (
+    Acquire,
+    Acquired,
     DaemonInfo,
     Status,
     StatusReply,
@@ -148,3 +150,42 @@ def test_status_follows_the_daemons_cursor_page_after_page() -> None:
     status = drive(queries.status(engine), take)
     assert status.timers == timers
     assert cursors == [None, "1", "2"]
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_an_arm_whose_slot_page_could_not_be_had_is_armed_again_without_a_slot(
+    lost: bool,
+) -> None:
+    engine = Engine("/run/test.sock", client="test/1", reconnect_timeout=5.0)
+    connection = engine.connect()
+    welcome = Welcome(id=connection.hello_id, version=2, server="s", pid=1)
+    connection.receive_data(encode_frame(welcome))
+    sent: list[Acquire] = []
+    granted: list[Acquired] = []
+
+    def take(step: Step) -> object:
+        if isinstance(step, Connected):
+            return connection
+        if isinstance(step, queries.Grant):
+            granted.append(step.reply)
+            return lost
+        assert isinstance(step, Exchange)
+        request = decode_request(step.frame[4:])
+        assert isinstance(request, Acquire)
+        sent.append(request)
+        reply = Acquired(id=request.id, remaining=30.0, rearmed=False, arm=len(sent))
+        [answer] = connection.receive_data(encode_frame(reply))
+        return answer
+
+    first = acquire_request(engine.next_id(), "step", 30.0, slot=True)
+    reply = drive(queries.acquire(engine, first, {}, fast=True), take)
+    assert [request.slot for request in sent] == ([True, False] if lost else [True])
+    assert len({request.id for request in sent}) == len(sent)
+    assert [answer.arm for answer in granted] == [1]  # the second arm's reply is not handed
+    assert reply.arm == len(sent)
+    # Without a fast path, nothing is handed to one.
+    sent.clear()
+    granted.clear()
+    plain = acquire_request(engine.next_id(), "plain", 30.0)
+    drive(queries.acquire(engine, plain, {}, fast=False), take)
+    assert (len(sent), granted) == (1, [])
