@@ -11,8 +11,10 @@ each connection it
    more of a path the caller named: a daemon that runs neither as root, nor as
    this process's effective uid, nor, on the host's path, as the user root gave
    its directory to (the service's own), is sent nothing, not even a hello;
-2. sends `Hello` with the protocol's version, then `Respond` with the job and ranks
-   of the timer that started it (by default from the environment,
+2. sends `Hello` with the protocol's version, as the engine's plan of a greeting
+   says (`watchdogd_client.engine.Engine.greet`, which the clients drive too,
+   without its fall back to an older version), then `Respond` with the job and
+   ranks of the timer that started it (by default from the environment,
    `watchdogd_client.arming.job_of`), and reads `Responding`;
 3. answers every `EvidenceWanted` with `Evidence` for the same ``ask``
    (`take_evidence`), and every `UnblockWanted` with `Unblocked`
