@@ -25,8 +25,12 @@ daemon's code stands in after each call and return, repeats collapsed. A task wo
 by a timeout of its own (``trio.sleep``: the event file's writer, the incidents'
 settling) is not part of either: it runs on its period whatever comes in.
 
-Each is measured in `ROUNDS` rounds after one unrecorded round that loads what the
-daemon loads at first use; the figure is the round with the median count. Run with
+The daemon runs on one CPU, and each victim on the same one at SCHED_IDLE, with a
+heap to let go of: signalled, it dies only once the daemon waits, so its run always
+watches for its exit, as a worker's that takes a while to die does (a victim gone
+before the daemon looked would take a pass less, by chance). Each is measured in
+`ROUNDS` rounds after one unrecorded round that loads what the daemon loads at
+first use; the figure is the round with the median count. Run with
 ``make bench``; ``--tree PATH`` traces the daemon of another checkout of the
 project, with this venv's packages (msgspec, trio...) and that tree's own code.
 """
@@ -48,7 +52,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, BinaryIO, Final, Protocol
 
 #: The daemon's layers: the packages under ``watchdogd``.
 LAYERS: Final = ("cli", "runtime", "fleet", "storage", "host", "core")
@@ -299,14 +303,23 @@ class Daemon:
     process: subprocess.Popen[bytes]
     socket_path: Path
     commands: int
-    answers: Any
+    answers: BinaryIO
 
-    def window(self, command: bytes) -> list[Event]:
+    def start(self) -> None:
+        """Open a window; returns once the hook records."""
+        self._tell(b"+")
+
+    def stop(self) -> list[Event]:
+        """Close the window: what the hook recorded in it."""
+        return [(kind, name, other) for kind, name, other in self._tell(b"-")]
+
+    def _tell(self, command: bytes) -> list[list[str]]:
         os.write(self.commands, command)
         line = self.answers.readline()
         if not line:
             raise RuntimeError("the traced daemon exited")
-        return [(kind, name, other) for kind, name, other in json.loads(line)]
+        answer: list[list[str]] = json.loads(line)
+        return answer
 
 
 @contextmanager
@@ -395,14 +408,14 @@ def measure(tree: Path, rounds: int) -> tuple[list[Crossings], list[Crossings]]:
             client.ping()
             for number in range(rounds + 1):
                 process = victim()
-                daemon.window(b"+")
+                daemon.start()
                 client.acquire(f"traced-{number}", TIMEOUT, pid=process.pid)
-                acquire = daemon.window(b"-")
-                time.sleep(TIMEOUT / 4)
-                daemon.window(b"+")
+                acquire = daemon.stop()
+                time.sleep(TIMEOUT / 4)  # the scheduler woken by the arming sleeps again
+                daemon.start()
                 process.wait(PATIENCE)
                 time.sleep(QUIET)
-                expiry = daemon.window(b"-")
+                expiry = daemon.stop()
                 if number:  # the first round loads what the daemon loads at first use
                     acquires.append(crossings(acquire, start="read", end="write"))
                     expiries.append(crossings(expiry))
