@@ -361,21 +361,28 @@ def daemon_cpu() -> int:
     return min(os.sched_getaffinity(0))
 
 
-def victim() -> subprocess.Popen[bytes]:
-    """A sleeping process with a heap of `HEAP` bytes, returned once it filled it.
-    It runs on the daemon's CPU at SCHED_IDLE: once signalled, it dies only when
-    the daemon waits, and takes a while to (its heap is let go first), as a
-    worker's does; the run always watches for its exit. Whether a victim died
-    before the daemon looked would otherwise change the count from round to round."""
+@contextmanager
+def victim() -> Iterator[subprocess.Popen[bytes]]:
+    """A sleeping process with a heap of `HEAP` bytes, given once it filled it and
+    killed at the end, if it still lives. It runs on the daemon's CPU at
+    SCHED_IDLE: once signalled, it dies only when the daemon waits, and takes a
+    while to (its heap is let go first), as a worker's does; the run always
+    watches for its exit. Whether a victim died before the daemon looked would
+    otherwise change the count from round to round."""
     process = subprocess.Popen(
         [sys.executable, "-c", VICTIM, str(HEAP)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     os.sched_setaffinity(process.pid, {daemon_cpu()})
     os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
     assert process.stdout is not None
-    if process.stdout.readline() != b"filled\n":
-        raise RuntimeError(f"the victim {process.pid} did not start")
-    return process
+    try:
+        if process.stdout.readline() != b"filled\n":
+            raise RuntimeError(f"the victim {process.pid} did not start")
+        yield process
+    finally:
+        process.kill()  # a round that failed leaves no victim behind
+        process.wait()
+        process.stdout.close()
 
 
 def listening(daemon: Daemon) -> None:
@@ -407,15 +414,15 @@ def measure(tree: Path, rounds: int) -> tuple[list[Crossings], list[Crossings]]:
         with Client(daemon.socket_path, responder=False, fast=False) as client:
             client.ping()
             for number in range(rounds + 1):
-                process = victim()
-                daemon.start()
-                client.acquire(f"traced-{number}", TIMEOUT, pid=process.pid)
-                acquire = daemon.stop()
-                time.sleep(TIMEOUT / 4)  # the scheduler woken by the arming sleeps again
-                daemon.start()
-                process.wait(PATIENCE)
-                time.sleep(QUIET)
-                expiry = daemon.stop()
+                with victim() as process:
+                    daemon.start()
+                    client.acquire(f"traced-{number}", TIMEOUT, pid=process.pid)
+                    acquire = daemon.stop()
+                    time.sleep(TIMEOUT / 4)  # the scheduler woken by the arming sleeps again
+                    daemon.start()
+                    process.wait(PATIENCE)
+                    time.sleep(QUIET)
+                    expiry = daemon.stop()
                 if number:  # the first round loads what the daemon loads at first use
                     acquires.append(crossings(acquire, start="read", end="write"))
                     expiries.append(crossings(expiry))
