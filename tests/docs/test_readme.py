@@ -94,6 +94,11 @@ ADAPTED = [
     (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
     (r"/tmp/units\b", "{scratch}/units", "the copies of the units go to a scratch directory"),
     (
+        r"/tmp/before46\b",
+        "{scratch}/before46",
+        "the tree before the seams goes to a scratch directory",
+    ),
+    (
         r"/tmp/wd\.sock\b",
         "{scratch}/wd.sock",
         "the example's daemon listens in a scratch directory",
