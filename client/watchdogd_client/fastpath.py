@@ -389,17 +389,33 @@ def _exchange(
     """Send ``frame``; the answer to ``request_id`` and the descriptor that came with
     it, if one did (any other descriptor is closed)."""
     sock.sendall(frame)
-    descriptor: int | None = None
+    held: list[int] = []
+    try:
+        answer = _answer_to(sock, connection, request_id, held)
+    except BaseException:
+        # A descriptor that came before a read timed out or failed is no page of
+        # this process's: it would be held for ever.
+        for descriptor in held:
+            os.close(descriptor)
+        raise
+    return answer, held[0] if held else None
+
+
+def _answer_to(
+    sock: socket.socket, connection: Connection, request_id: int, held: list[int]
+) -> Answer:
+    """Read until the answer to ``request_id``, keeping in ``held`` the last
+    descriptor that came (an earlier one is closed)."""
     while True:
         data, received = _receive(sock)
         if received is not None:
-            if descriptor is not None:
+            for descriptor in held:
                 os.close(descriptor)
-            descriptor = received
+            held[:] = [received]
         answers = connection.receive_data(data) if data else connection.connection_lost()
         for answer in answers:
             if answer.id == request_id:
-                return answer, descriptor
+                return answer
         if connection.state == "closed":
             raise ConnectionError("the daemon closed the connection")
 
