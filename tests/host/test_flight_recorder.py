@@ -19,9 +19,6 @@ from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
-#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
-pytestmark = pytest.mark.torch_job
-
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
 #: broadcast in a second group, all under a timer of torch's own ``expires()``; then
 #: rank 0 enters a third all_reduce, which rank 1 never does: it waits in
@@ -110,6 +107,9 @@ def caught_up(line: ResponderLine, entered: int | None) -> FlightRecord:
     return seen[0]
 
 
+# A job of two torch processes: one such job runs at a time (tests/conftest.py);
+# the tests of one torch process below run beside them.
+@pytest.mark.torch_job
 def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did_and_waits_inside_it(
     ranks: dict[int, ResponderLine],
 ) -> None:
