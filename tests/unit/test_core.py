@@ -20,12 +20,12 @@ FORBIDDEN = (*LOADED, "threading", "time", "logging", "os")
 #: The modules of watchdogd outside the core that the core may import.
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
-CORE = ("arming", "bridge", "config", "counters", "events", "evidence", "evidence_budget",
-        "expiry", "fingerprint", "firing", "frames", "hangs", "heap", "history", "identity",
-        "incidents", "lifecycle", "logline", "pages", "policies", "ports", "process_pages",
-        "ranks", "repeats", "responders", "rules", "service", "session", "shares", "slot",
-        "slot_shares", "slots", "starvation", "timers", "tomlkeys", "unblocks", "verdict",
-        "viewing")  # fmt: skip
+CORE = ("arming", "bridge", "config", "counters", "effects", "events", "evidence",
+        "evidence_budget", "expiry", "fingerprint", "firing", "frames", "hangs", "heap",
+        "history", "identity", "incidents", "lifecycle", "logline", "pages", "policies",
+        "ports", "process_pages", "ranks", "repeats", "responders", "rules", "service",
+        "session", "shares", "slot", "slot_shares", "slots", "starvation", "timers",
+        "tomlkeys", "unblocks", "verdict", "viewing")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

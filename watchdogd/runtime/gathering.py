@@ -27,8 +27,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from ..core.effects import Dumped, HookResult, TakeDump
 from ..core.evidence import NONE, WORKER, flight_groups, stack_text
-from ..core.expiry import Run, TakeDump
+from ..core.expiry import Run
 from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
 from ..core.service import Service
 from ..host.process import Process, ptrace_reader
@@ -92,7 +93,7 @@ class Gatherer:
             after = ptrace_reader(pid)
             reader = before if before == after else None
             self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
-            run.hooked("ok", stack_text(given), responder=True)
+            run.observe(Dumped(HookResult(0, "ok", stack_text(given)), responder=True))
             return
         argv = substitute(effect.step.argv, effect.values)
         self._dumps.resize(config.max_dumps)  # a reload may have changed it
@@ -105,4 +106,4 @@ class Gatherer:
             taken = WORKER
         flight = [] if given is None else flight_groups(given)
         self._service.dump_taken(run.timer, before if before == after else None, taken, flight)
-        run.hooked(hook.result, output)
+        run.observe(Dumped(HookResult(hook.status, hook.result, output)))

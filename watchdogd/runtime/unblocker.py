@@ -27,7 +27,8 @@ from typing import Final
 
 import trio
 
-from ..core.expiry import SENT, Run, UnblockPeers
+from ..core.effects import Delivery, PeersUnblocked, SignalResult, UnblockPeers
+from ..core.expiry import Run
 from ..core.service import Service
 from ..core.unblocks import Unblock
 from ..host.process import Process
@@ -115,16 +116,18 @@ async def unblock_step(
     fallback signal to the ranks here that no responder can unblock."""
     unblocks, timer = service.unblocks, run.timer
     if not effect.incident:
-        run.unblocked("skipped: its timer names no job, so there is no incident")
+        run.observe(PeersUnblocked("skipped: its timer names no job, so there is no incident"))
         return
     unblocks.want(effect.incident, timer.pid, timer.uid, clock())
     until = clock() + effect.step.timeout
     while (verdict := unblocks.named(effect.incident)) is None and clock() < until:
         await trio.sleep(_STEP_POLL)
     if verdict is None or verdict.collective is None:
-        run.unblocked(
-            f"asked; the verdict named no collective within {effect.step.timeout:g}s "
-            "(the ranks waiting in it are unblocked if it comes to)"
+        run.observe(
+            PeersUnblocked(
+                f"asked; the verdict named no collective within {effect.step.timeout:g}s "
+                "(the ranks waiting in it are unblocked if it comes to)"
+            )
         )
         return
     collective = verdict.collective
@@ -140,7 +143,7 @@ async def unblock_step(
             for rank in unblocks.unanswered(effect.incident, verdict, timer.pid)
         ]
         said += "; without a responder that unblocks, " + (", ".join(sent) or "none")
-    run.unblocked(said)
+    run.observe(PeersUnblocked(said))
 
 
 def _signal_rank(service: Service[Process], pid: int, owner: int, signum: int) -> str:
@@ -157,4 +160,4 @@ def _signal_rank(service: Service[Process], pid: int, owner: int, signum: int) -
         return "gone"
     except OSError as exc:
         return f"not signalled: {exc.strerror}"
-    return SENT.get(signum, f"sent {signum}")
+    return str(SignalResult(Delivery.SENT, signum))
