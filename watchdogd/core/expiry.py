@@ -246,7 +246,9 @@ class Run:
         self.gone_at_start = self.killed = self._opened = False
         #: A signal was sent (in this run or before a restart); a SIGKILL was sent.
         self.signalled_once = timer.step > 0
-        self.results: list[StepResult] = []
+        #: Each step's result; a signal's kept as its value until the run
+        #: finishes, so that a burst's signals wait for no words.
+        self.results: list[StepResult | tuple[Signal, SignalResult]] = []
         if timer.step:
             self._done_before(policy.steps[: timer.step])
         #: When this run carried out its first step (the daemon's clock).
@@ -373,7 +375,7 @@ class Run:
             self.first_step_at = at if self._begun_at is None else self._begun_at
             if result.delivery is Delivery.GONE:
                 self.gone_at_start = True
-        self.results.append(StepResult(step=self._named(step), result=str(result)))
+        self.results.append((step, result))
         if not self.signalled_once:
             self.signalled_once = True
             if not is_peer(self.timer):
@@ -482,6 +484,9 @@ class Run:
     def _named(self, step: Step) -> str:
         return step_name(step, self._values())
 
+    def _said(self, step: Signal, result: SignalResult) -> StepResult:
+        return StepResult(step=self._named(step), result=str(result))
+
     def _env(self) -> dict[str, str]:
         return {
             "WATCHDOG_PID": str(self.timer.pid),
@@ -496,7 +501,7 @@ class Run:
         timer = self.timer
         why = SKIPPED_DENIED if self.denied else "skipped: target exited"
         steps = [
-            *self.results,
+            *(done if isinstance(done, StepResult) else self._said(*done) for done in self.results),
             *(
                 StepResult(step=self._named(step), result=why)
                 for step in self.policy.steps[len(self.results) :]
