@@ -59,6 +59,7 @@ async def test_a_wrong_observation_is_logged_and_fails_its_run_alone(
 
         # A bug: the wait's end answered as if the target had been polled.
         async def wrong_wait(self: Executor, run: Run, *args: object) -> None:
+            await trio.sleep(0.01)
             run.observe(Seen(True))
 
         monkeypatch.setattr(Executor, "_wait", wrong_wait)
