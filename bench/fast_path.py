@@ -66,8 +66,8 @@ from worker import TORCH_DROPPED, blocks, process_cpu, torch_system
 
 from watchdogd.host.timerfd import TimerFd
 from watchdogd_client import Client, configure, expires
-from watchdogd_client.protocol.slot_page import DEADLINE, PAGE_BYTES, word_of
 from watchdogd_client.trio import open_client
+from watchdogd_protocol.slot_page import DEADLINE, PAGE_BYTES, word_of
 
 #: The timeout of the load's and the churn's blocks, and of a victim's hung block.
 SHORT = 0.5

@@ -69,7 +69,7 @@ from watchdogd.fleet.gateway import EtcdFailure
 from watchdogd.fleet.member import FleetMember
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire, Acquired, EventInfo, StepResult
+from watchdogd_protocol import Acquire, Acquired, EventInfo, StepResult
 
 # The suite's etcd launcher: the same binary, ports and flags as the fleet's tests.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
@@ -232,7 +232,7 @@ class FakeActions:
         timer, run = item.timer, item.timer.run
         assert run is not None
         assert timer.watch is not None
-        self._service.record_expiries(
+        self._service.firing.record_expiries(
             [
                 EventInfo(
                     seq=0,
@@ -250,7 +250,7 @@ class FakeActions:
                 )
             ]
         )
-        self._service.expiry_finished(timer)
+        self._service.firing.finished(timer)
         item.process.close()
 
 
@@ -266,16 +266,16 @@ class Host:
     def hang(self, job: str, number: int) -> str:
         """The first rank of ``job`` here misses its deadline: the incident's id."""
         service = self.service
-        caller = service.open_connection(ROOT_PEER)
+        caller = service.arming.open_connection(ROOT_PEER)
         now = time.monotonic()
         reply = service.handle(
             Acquire(id=number, scope=f"hang-{number}", timeout=1.0, pid=self.ranks[job][0],
                     job=job, rank=0),
             caller, now,
         )  # fmt: skip
-        service.close_connection(caller)
+        service.arming.close_connection(caller)
         assert isinstance(reply, Acquired), reply
-        fired = service.expire_due(now + 1.0)
+        fired = service.firing.expire_due(now + 1.0)
         run = fired[0].timer.run
         assert run is not None, fired
         self.actions.carry_out(fired)
@@ -328,7 +328,7 @@ def build_hosts(
         job = f"job-{number:03}"
         for position, index in enumerate(members):
             host = hosts[index]
-            caller = host.service.open_connection(ROOT_PEER)
+            caller = host.service.arming.open_connection(ROOT_PEER)
             pids = [FIRST_PID + sum(len(p) for p in host.ranks.values()) + r for r in range(ranks)]
             for local, pid in enumerate(pids):
                 reply = host.service.handle(
@@ -337,7 +337,7 @@ def build_hosts(
                     caller, time.monotonic(),
                 )  # fmt: skip
                 assert isinstance(reply, Acquired), reply
-            host.service.close_connection(caller)
+            host.service.arming.close_connection(caller)
             host.ranks[job] = pids
     return hosts
 
@@ -642,7 +642,7 @@ async def measure(options: argparse.Namespace, etcd: EtcdServer) -> list[Figure]
         for host in hosts:
             await nursery.start(host.member.run)
         await wait_for(
-            lambda: all(h.service.fleet_state == "connected" for h in hosts), "a fleet", 120
+            lambda: all(h.service.fleet.state == "connected" for h in hosts), "a fleet", 120
         )
         await settled(meter)
         joined = meter.since(start, await meter.snapshot())

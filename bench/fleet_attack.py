@@ -67,7 +67,7 @@ from run import (
 
 from watchdogd.fleet.etcd import EtcdClient
 from watchdogd_client import Client
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,

@@ -53,7 +53,7 @@ from pathlib import Path
 import trio
 
 from watchdogd_client import Client
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,

@@ -65,8 +65,8 @@ from watchdogd.host.process import read_start_time
 from watchdogd.storage.record_file import RecordFile, record_path
 from watchdogd.storage.store import Store
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo, IncidentInfo, RankInfo, StepResult
-from watchdogd_client.protocol.slot_page import SLOTS
+from watchdogd_protocol import EventInfo, IncidentInfo, RankInfo, StepResult
+from watchdogd_protocol.slot_page import SLOTS
 
 HOLDERS = 1_000
 TIMEOUT = 3600.0

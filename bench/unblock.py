@@ -40,7 +40,7 @@ from typing import Final
 
 from run import Figure
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 # The suite's etcd, daemons and gloo job: the same binaries, flags and ranks.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))

@@ -74,7 +74,8 @@ from torch_side import file_timer_server, import_torch_timer
 
 from watchdogd_client import Client, expires
 from watchdogd_client.paths import Place
-from watchdogd_client.protocol import (
+from watchdogd_client.trust import vet
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
@@ -84,8 +85,7 @@ from watchdogd_client.protocol import (
     decode_reply,
     decode_request,
 )
-from watchdogd_client.protocol.frames import FrameReader, encode_frame, encode_frame_into
-from watchdogd_client.trust import vet
+from watchdogd_protocol.frames import FrameReader, encode_frame, encode_frame_into
 
 #: The burst of the issue's measurement: deadlines due within 10 ms, others armed.
 BURST = 3_000

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Final
 
-from .core.logline import Throttle, logfmt
+from .core import Throttle, logfmt
 
 __all__ = ["LEVELS", "LoggingSink", "Throttle", "log", "logfmt", "set_level", "setup"]
 

@@ -13,14 +13,17 @@ so a worker stuck in C code or a deadlock is caught all the same.
 
 This package depends on msgspec only; it never imports trio or click. The blocking
 client (and with it the socket module) loads on first use of one of its names, so
-that `watchdogd_client.protocol` alone stays free of I/O (the daemon's sans-IO core
-imports it).
+that a program that imports this package for its exceptions or its arming
+parameters loads no socket module. The wire protocol, which the daemon's sans-IO
+core imports, is a package of its own beside this one (`watchdogd_protocol`).
 """
 
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any, Unpack
+
+from watchdogd_protocol import ErrorCode
 
 from . import blocks
 from ._version import __version__
@@ -33,7 +36,6 @@ from .errors import (
     UntrustedSocket,
     WatchdogdError,
 )
-from .protocol import ErrorCode
 from .scope import caller_scope
 from .switches import DISABLE, env_switch
 

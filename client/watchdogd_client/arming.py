@@ -2,11 +2,14 @@
 takes, the job a process belongs to, and the `Acquire` they make.
 
 `Arming` declares the keyword parameters once; the module-level `expires`, the
-blocking client's and the trio client's ``expires`` and ``acquire`` all take them as
-``**arming``, so a parameter added here reaches every one of them. `arming_timeout`
-checks them where they are given (a name that is no parameter raises TypeError at
-the call, as a misspelt keyword does), and `acquire_request` is the one place that
-turns them into a request.
+blocking client's and the trio client's ``expires`` all take them as ``**arming``,
+and every ``acquire()`` (of each client, of the clients that do nothing, and
+`acquire_request`) takes `Acquiring`'s, `Arming`'s with ``pid``, ``progress`` and
+``exit_releases``, as ``**acquiring``: a parameter added here reaches every one of
+them, and a type checker holds every call to the one declaration.
+`arming_timeout` and `check_acquiring` check them where they are given (a name
+that is no parameter raises TypeError at the call, as a misspelt keyword does),
+and `acquire_request` is the one place that turns them into a request.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from typing import Final, Generic, Literal, TypedDict, TypeVar, Unpack, cast
 
 import msgspec
 
-from .protocol import Acquire, Auto, in_words
+from watchdogd_protocol import Acquire, Auto, in_words
 
 __all__ = [
     "GROUP_RANK_VARIABLES",
     "JOB_VARIABLES",
     "LOCAL_RANK_VARIABLES",
     "RANK_VARIABLES",
+    "Acquiring",
     "After",
     "Arming",
     "Handle",
@@ -59,6 +63,25 @@ class Arming(TypedDict, total=False):
 
 
 _PARAMETERS: Final = frozenset(Arming.__optional_keys__)
+
+
+class Acquiring(Arming, total=False):
+    """The keyword parameters of every ``acquire()``: `Arming`'s, and these.
+
+    ``pid``: the process the timer is about (default: the caller's).
+    ``progress``: a counter the protected work advances (see
+    `watchdogd_client.BaseClient.acquire`).
+    ``exit_releases``: the process's exit releases the timer quietly, with no
+    ``exited`` event: for a command expected to end, as ``watchdogctl run`` arms.
+    """
+
+    pid: int | None
+    progress: int | None
+    exit_releases: bool
+
+
+#: The parameters of an ``acquire()`` that are not `Arming`'s.
+_ACQUIRE_ONLY: Final = frozenset(Acquiring.__optional_keys__) - _PARAMETERS
 
 
 def arming_timeout(
@@ -149,6 +172,39 @@ def check_acquire(scope: object, pid: object, progress: object) -> None:
     check_count("progress", progress)
 
 
+def check_acquiring(
+    scope: object, timeout: object, acquiring: Acquiring, *, maximum: float = 0.0
+) -> tuple[float, Arming]:
+    """Check every argument of an ``acquire()`` where it is given, as
+    `arming_timeout` and `check_acquire` do (and ``exit_releases``, a bool): the
+    timeout it sends, and the arming parameters among ``acquiring``."""
+    check_acquire(scope, acquiring.get("pid"), acquiring.get("progress"))
+    if not isinstance(acquiring.get("exit_releases", False), bool):
+        raise TypeError(f"exit_releases must be a bool, not {acquiring['exit_releases']!r}")
+    arming = arming_of(acquiring)
+    return arming_timeout(timeout, arming, maximum=maximum), arming
+
+
+def arming_of(acquiring: Acquiring) -> Arming:
+    """The arming parameters among an ``acquire()``'s (``acquiring`` itself when it
+    has no other: the common case costs no copy)."""
+    if _ACQUIRE_ONLY.isdisjoint(acquiring):
+        return acquiring
+    return cast(
+        Arming, {key: value for key, value in acquiring.items() if key not in _ACQUIRE_ONLY}
+    )
+
+
+def socket_arm(acquiring: Acquiring) -> bool:
+    """Whether an ``acquire()`` arms what a block does (the caller itself, with no
+    progress counter, not released by its exit): the fast path may take it."""
+    return (
+        acquiring.get("pid") is None
+        and acquiring.get("progress") is None
+        and not acquiring.get("exit_releases", False)
+    )
+
+
 def check_scope(scope: object) -> None:
     """TypeError unless ``scope`` is a string; ValueError when it is empty."""
     if not isinstance(scope, str):
@@ -162,16 +218,14 @@ def acquire_request(
     scope: str,
     timeout: After,
     *,
-    pid: int | None = None,
-    progress: int | None = None,
-    exit_releases: bool = False,
     slot: bool = False,
-    **arming: Unpack[Arming],
+    **acquiring: Unpack[Acquiring],
 ) -> Acquire:
     """The `Acquire` that an ``acquire()``'s arguments stand for, its job and ranks
     taken from the environment where not given (`job_of`); with ``slot``, asking
     for a slot of the process's slot page (`watchdogd_client.fastpath`) when it
-    arms the caller itself, with no progress counter."""
+    arms the caller itself, with no progress counter (`socket_arm`)."""
+    arming = arming_of(acquiring)
     armed = arming_timeout(timeout, arming)
     labels = _labels(arming.get("job"), arming.get("rank"))
     return Acquire(
@@ -179,15 +233,15 @@ def acquire_request(
         scope=scope,
         timeout=armed,
         policy=arming.get("policy"),
-        pid=pid,
-        progress=progress,
+        pid=acquiring.get("pid"),
+        progress=acquiring.get("progress"),
         auto=Auto(floor=arming.get("floor", 0.0)) if timeout == "auto" else None,
-        exit_releases=exit_releases,
+        exit_releases=acquiring.get("exit_releases", False),
         job=labels.job,
         rank=labels.rank,
         local_rank=labels.local_rank,
         group_rank=labels.group_rank,
-        slot=slot and pid is None and progress is None and not exit_releases,
+        slot=slot and socket_arm(acquiring),
     )
 
 

@@ -17,19 +17,21 @@ from typing import Any, Final, Unpack
 
 import msgspec
 
+from watchdogd_protocol import DaemonInfo, TimerInfo
+
 from . import blocks
 from .arming import (
+    Acquiring,
     After,
     Arming,
     Handle,
     arming_timeout,
-    check_acquire,
+    check_acquiring,
     check_names,
     check_scope,
 )
 from .errors import WatchdogdError
 from .fastpath import FastPath
-from .protocol import DaemonInfo, TimerInfo
 from .scope import caller_scope
 
 __all__ = ["BaseClient", "DaemonStatus", "NoOpTimer", "NullClient", "Timer"]
@@ -51,15 +53,7 @@ class BaseClient(abc.ABC):
     """What every client offers: arm, release, inspect, and the `expires` block."""
 
     @abc.abstractmethod
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
+    def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
         """Arm (or re-arm) the timer ``(pid, scope)``: if it is still armed in
         ``timeout`` seconds, the daemon carries out the ``policy`` on the process.
 
@@ -69,8 +63,11 @@ class BaseClient(abc.ABC):
         done, bytes written): under a policy with a ``stall`` time, re-arming keeps
         the timer alive only while it grows, so a thread that re-arms in a loop
         cannot keep a stuck one alive. A ``timeout`` of ``"auto"`` arms the timeout
-        the daemon learned from earlier releases of the scope. ``**arming``: the
-        policy, the bounds of ``"auto"`` and the job, as `Arming` describes them.
+        the daemon learned from earlier releases of the scope. With
+        ``exit_releases``, the process's exit releases the timer quietly (no
+        ``exited`` event): for a command expected to end, as `watchdogctl run`
+        arms. ``**acquiring``: those, the policy, the bounds of ``"auto"`` and the
+        job, as `Acquiring` describes them.
         """
 
     @abc.abstractmethod
@@ -223,17 +220,8 @@ class Timer(Handle["BaseClient"]):
 class NullClient(BaseClient):
     """A client that accepts everything and does nothing (tests, ``WATCHDOGD_DISABLE=1``)."""
 
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
-        check_acquire(scope, pid, progress)
-        return arming_timeout(timeout, arming)
+    def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
+        return check_acquiring(scope, timeout, acquiring)[0]
 
     def release(self, scope: str, *, pid: int | None = None) -> bool:
         return False
@@ -279,15 +267,7 @@ class NoOpTimer(NullClient):
         check_names(arming)
         return _NoOpBlock(self, after, scope, arming)
 
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
+    def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
         """Nothing, whatever it is given: the timeout back when it is a number."""
         return timeout if isinstance(timeout, int | float) else 0.0
 

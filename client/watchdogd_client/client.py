@@ -8,8 +8,10 @@ re-arms, release of an absent timer succeeds), so one whose connection broke aft
 the handshake (the daemon restarted) is sent again once on a new connection.
 
 The protocol (ids, the handshake, matching and checking replies, what each error
-means, whether to send again) is the engine's, `watchdogd_client.engine`; `Client`
-carries its bytes over a blocking socket with kernel-side timeouts.
+means, whether to send again, when and how long to wait for the daemon) is the
+engine's, `watchdogd_client.engine`, and each method's request is
+`watchdogd_client.queries`'s: `Client` takes the steps of their plans over a
+blocking socket with kernel-side timeouts, one plan at a time under its lock.
 """
 
 from __future__ import annotations
@@ -26,51 +28,53 @@ import time
 import weakref
 from typing import Any, Final, TypeVar, Unpack
 
-import msgspec
-
-from . import releases
-from ._version import __version__ as _version
-from .arming import After, Arming, acquire_request, arming_timeout, check_acquire
-from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
-from .engine import Answer, Connection, Engine
-from .errors import DaemonUnavailable, UntrustedSocket
-from .fastpath import fast_path, map_page
-from .outage import OnUnavailable, Outage
-from .paths import Place, find_socket, what_is_there
-from .protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
     Acquire,
     Acquired,
-    Events,
     EventsReply,
-    Hangs,
     HangsReply,
-    Incident,
     IncidentInfo,
-    IncidentReply,
-    Incidents,
-    IncidentsReply,
-    Metrics,
-    MetricsReply,
-    Ping,
-    Policies,
     PoliciesReply,
-    Pong,
     Release,
     Released,
     ReplyMessage,
     Request,
-    Status,
     StatusReply,
-    Suggest,
     SuggestionInfo,
-    SuggestReply,
-    TimerInfo,
-    Welcome,
-    Why,
     WhyReply,
 )
+
+from . import queries, releases
+from ._version import __version__ as _version
+from .arming import (
+    Acquiring,
+    After,
+    Arming,
+    acquire_request,
+    check_acquiring,
+    socket_arm,
+)
+from .base import BaseClient, DaemonStatus, NoOpTimer, NullClient, Timer
+from .engine import (
+    Answer,
+    Clock,
+    Close,
+    Connected,
+    Connection,
+    Engine,
+    Exchange,
+    Open,
+    Pause,
+    Plan,
+    Step,
+    drive,
+)
+from .errors import DaemonUnavailable
+from .fastpath import fast_path, map_page
+from .outage import OnUnavailable, Outage
+from .paths import Place, find_socket, what_is_there
 from .responder import release_carrier, settle_responder
 from .trust import vet
 
@@ -85,11 +89,11 @@ __all__ = [
 ]
 
 _R = TypeVar("_R", bound=ReplyMessage)
+_T = TypeVar("_T")
 
 _DEFAULT_TIMEOUT: Final = 10.0
 #: Kept at 64 KiB: a larger recv buffer makes CPython map and unmap memory per call.
 _RECV_SIZE: Final = 64 * 1024
-_STATUS_PAGE: Final = 1000
 #: How long a client whose connection broke waits for the daemon to come back.
 _RECONNECT_TIMEOUT: Final = 5.0
 
@@ -102,7 +106,7 @@ class Client(BaseClient):
     (`watchdogd_client.trust`): one it has no reason to trust gets nothing, not even
     a hello, and requests raise `UntrustedSocket` (a `DaemonUnavailable`).
     ``timeout`` bounds each request (connect, send and reply), in seconds.
-    ``max_reply`` bounds a reply frame; it may not be below `protocol.MAX_REPLY_BYTES`,
+    ``max_reply`` bounds a reply frame; it may not be below `watchdogd_protocol.MAX_REPLY_BYTES`,
     the most a daemon sends.
     ``on_unavailable="warn"`` makes `acquire` and `release` carry on unprotected when
     the daemon cannot be reached, instead of raising `DaemonUnavailable`, with one
@@ -163,7 +167,7 @@ class Client(BaseClient):
         #: The releases of its blocks sent without waiting for their answers.
         self._releases = releases.Releasing()
         #: Its connection broke under a request or a release: the next request
-        #: waits for the daemon to come back (`_reconnect`), as a retry does.
+        #: waits for the daemon to come back (`_connected`), as a retry does.
         self._broken = False
         _live_clients.add(self)
 
@@ -198,60 +202,33 @@ class Client(BaseClient):
         with self._lock:
             self._disconnect()
 
-    def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        exit_releases: bool = False,
-        **arming: Unpack[Arming],
-    ) -> float:
-        """See `BaseClient.acquire`. With ``exit_releases``, the process's exit
-        releases the timer quietly (no ``exited`` event): for a command expected
-        to end, as `watchdogctl run` arms."""
-        check_acquire(scope, pid, progress)
-        arming_timeout(timeout, arming, maximum=self._maximum())
+    def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
+        """See `BaseClient.acquire`."""
+        _, arming = check_acquiring(scope, timeout, acquiring, maximum=self._maximum())
         fast = self._fast
-        if fast is not None and pid is None and progress is None and not exit_releases:
+        if fast is not None and socket_arm(acquiring):
             stored = fast.arm(scope, timeout, arming)
             if stored is not None:
                 return stored
         request = acquire_request(
-            self._engine.next_id(),
-            scope,
-            timeout,
-            pid=pid,
-            progress=progress,
-            exit_releases=exit_releases,
-            slot=fast is not None,
-            **arming,
+            self._engine.next_id(), scope, timeout, slot=fast is not None, **acquiring
         )
         reply = self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
     def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
-        """Send ``request``, armed with ``arming``; its reply, or None when the
-        daemon could not be reached and the client carries on unprotected
-        (``on_unavailable="warn"``). A slot it grants takes the scope's later
-        blocks."""
+        """Send ``request``, armed with ``arming`` (`queries.acquire`); its reply,
+        or None when the daemon could not be reached and the client carries on
+        unprotected (``on_unavailable="warn"``)."""
         if request.pid is None or request.pid == os.getpid():
             # Before the request: the responder connects on its own thread meanwhile.
             settle_responder(self.responder, self.place, request)
+        plan = queries.acquire(self._engine, request, arming, fast=self._fast is not None)
         try:
-            reply = self._call(request, Acquired)
+            return self._run(plan)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
-        if self._fast is not None:
-            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
-            if self._fast.answered(request, arming, reply, mapper):
-                # Its page could not be had (the daemon went meanwhile): the block
-                # is armed again without a slot, protected wherever the page is.
-                again = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
-                return self._acquire(again, arming)
-        return reply
 
     def _arm_block(self, scope: str, after: After, progress: int | None, arming: Arming) -> int:
         request = acquire_request(
@@ -299,35 +276,25 @@ class Client(BaseClient):
         return stored
 
     def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
-        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return self._call(request, Released).found
+            return self._run(queries.release(self._engine, scope, pid, stored=stored))
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False
 
     def status(self) -> DaemonStatus:
-        timers: list[TimerInfo] = []
-        cursor: str | None = None
-        while True:
-            page = self.status_page(limit=_STATUS_PAGE, cursor=cursor)
-            timers.extend(page.timers_with_commands())
-            cursor = page.cursor
-            if cursor is None:
-                return DaemonStatus(daemon=page.daemon, timers=timers)
+        return self._run(queries.status(self._engine))
 
-    def status_page(self, *, limit: int = _STATUS_PAGE, cursor: str | None = None) -> StatusReply:
+    def status_page(
+        self, *, limit: int = queries.STATUS_PAGE, cursor: str | None = None
+    ) -> StatusReply:
         """One page of `status`, as the daemon sent it (command lines in
         ``commands``, see `StatusReply.timers_with_commands`); pass the reply's
         ``cursor`` to get the next."""
-        return self._call(
-            Status(id=self._engine.next_id(), limit=limit, cursor=cursor), StatusReply
-        )
+        return self._run(queries.status_page(self._engine, limit=limit, cursor=cursor))
 
     def ping(self) -> float:
-        started = time.perf_counter()
-        self._call(Ping(id=self._engine.next_id()), Pong)
-        return time.perf_counter() - started
+        return self._run(queries.ping(self._engine))
 
     def events(
         self, *, after: int | None = None, limit: int = 100, wait: float = 0.0
@@ -335,89 +302,88 @@ class Client(BaseClient):
         """Recorded events, oldest first: the latest ``limit``, or those after the
         number ``after``. With ``wait``, the daemon holds the reply up to that many
         seconds for a new event (pass the reply's ``last`` as the next ``after``)."""
-        request = Events(id=self._engine.next_id(), after=after, limit=limit, wait=wait)
-        return self._call(request, EventsReply, wait=wait)
+        return self._run(queries.events(self._engine, after=after, limit=limit, wait=wait))
 
     def policies(self) -> PoliciesReply:
         """The daemon's policies and its default policy."""
-        return self._call(Policies(id=self._engine.next_id()), PoliciesReply)
+        return self._run(queries.policies(self._engine))
 
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text exposition format."""
-        return self._call(Metrics(id=self._engine.next_id()), MetricsReply).text
+        return self._run(queries.metrics(self._engine))
 
     def suggest(self) -> list[SuggestionInfo]:
         """What the daemon learned of how long your scopes (root: everyone's) are
         held before their release, and the timeout it suggests for each."""
-        rows: list[SuggestionInfo] = []
-        cursor: int | None = 0
-        while cursor is not None:
-            page = self._call(Suggest(id=self._engine.next_id(), cursor=cursor), SuggestReply)
-            rows += page.suggestions
-            cursor = page.cursor
-        return rows
+        return self._run(queries.suggest(self._engine))
 
     def incidents(self, *, limit: int = 100) -> list[IncidentInfo]:
         """The latest incidents of your jobs (root: all), newest last, without
         their stacks."""
-        return self._call(
-            Incidents(id=self._engine.next_id(), limit=limit), IncidentsReply
-        ).incidents
+        return self._run(queries.incidents(self._engine, limit=limit))
 
     def incident(self, incident: str) -> IncidentInfo:
         """One incident with every rank's stack you may see."""
-        return self._call(
-            Incident(id=self._engine.next_id(), incident=incident), IncidentReply
-        ).incident
+        return self._run(queries.incident(self._engine, incident))
 
     def hangs(self, job: str, *, uid: int | None = None, reset: bool = False) -> HangsReply:
         """The hangs of your job ``job`` (root: of the user ``uid``) and whether it
         may be restarted; with ``reset``, after its repeating mark is cleared."""
-        return self._call(
-            Hangs(id=self._engine.next_id(), job=job, uid=uid, reset=reset), HangsReply
-        )
+        return self._run(queries.hangs(self._engine, job, uid=uid, reset=reset))
 
     def why(self, pid: int, *, limit: int = 100) -> WhyReply:
         """Everything the daemon knows about why process ``pid`` was, or would be,
         acted on (what you may see of it)."""
-        return self._call(Why(id=self._engine.next_id(), pid=pid, limit=limit), WhyReply)
+        return self._run(queries.why(self._engine, pid, limit=limit))
 
-    def _call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> _R:
+    def _call(self, request: Request, expected: type[_R]) -> _R:
+        return self._run(self._engine.call(request, expected))
+
+    def _run(self, plan: Plan[_T]) -> _T:
+        """Carry ``plan`` out under the lock, as the engine decides."""
         # A release of a block that ended was refused: its timer may still be
         # armed, which the worker must hear before it goes on.
         self._releases.raise_refused()
         with self._lock:
-            answer = self._attempt(request, expected, wait)
-            if answer.retry:
-                # The connection broke under the request: the daemon may have
-                # restarted. Every request is idempotent, so it goes once more.
-                self._reconnect()
-                answer = self._attempt(request, expected, wait, resent=True)
-        reply = answer.result(expected)
+            result = drive(plan, self._take)
         self._outage.answered(self.socket_path)
-        return reply
+        return result
 
-    def _attempt(
-        self, request: Request, expected: type[_R], wait: float, *, resent: bool = False
-    ) -> Answer:
-        if self._sock is not None and self._owner_pid != os.getpid():
+    def _take(self, step: Step) -> Any:
+        """Take one step of a plan (see `watchdogd_client.engine`)."""
+        if isinstance(step, Exchange):
+            return self._exchange_step(step)
+        if isinstance(step, Connected):
+            return self._connected(again=step.again)
+        if isinstance(step, Open):
+            return self._open()
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+        elif isinstance(step, Clock):
+            return time.monotonic()
+        elif isinstance(step, Close):
             self._disconnect()
-        if self._sock is None:
-            if self._broken:
-                self._broken = False  # waited for once, as a retry is
-                self._reconnect()
-            else:
-                self._connect()
-        sock, connection = self._sock, self._connection
+        elif isinstance(step, queries.Grant) and self._fast is not None:
+            mapper = functools.partial(map_page, self.place, timeout=self.timeout)
+            return self._fast.answered(step.request, step.arming, step.reply, mapper)
+        else:
+            raise TypeError(f"a plan asked for {step!r}")
+        return None
+
+    def _exchange_step(self, step: Exchange) -> Answer:
+        """Send the step's frame, the releases still unsettled first on a new
+        connection; the answer it gets."""
+        sock, connection = self._sock, step.connection
         assert sock is not None
-        assert connection is not None
-        # On a new connection, the releases still unsettled go first.
-        frame = self._releases.again(connection, self._engine)
-        frame += connection.send(request, expected, resent=resent)
+        assert connection is self._connection
+        frame = step.frame
+        if connection.state == "open":
+            frame = self._releases.again(connection, self._engine) + frame
+        wait = step.wait
         if wait:
-            _set_timeouts(self._sock, self.timeout + wait)
+            _set_timeouts(sock, self.timeout + wait)
         try:
-            answer = self._exchange(sock, connection, request.id, frame)
+            answer = self._exchange(sock, connection, step.request_id, frame)
         finally:
             if wait and self._sock is not None:
                 _set_timeouts(self._sock, self.timeout)
@@ -469,28 +435,30 @@ class Client(BaseClient):
             self._disconnect()
             raise
 
-    def _connect(self) -> None:
+    def _connected(self, *, again: bool) -> Connection:
+        """The open connection of this process, or a new one: dialled as the engine
+        says, waiting out a daemon restart when ``again`` or when the last one
+        broke under a request or a release."""
+        if self._sock is not None and self._owner_pid != os.getpid():
+            self._disconnect()
+        connection = self._connection
+        if self._sock is not None and connection is not None:
+            return connection
+        broke, self._broken = again or self._broken, False
         try:
-            self._open()
+            connection = drive(self._engine.dial(broke=broke), self._take)
         except BaseException:
             # Half a connection (interrupted, or refused at the handshake) is none.
             self._disconnect()
             raise
-
-    def _open(self) -> None:
-        answer = self._greet()
-        if answer.retry:
-            # A daemon older than this client refused its version and closed: the
-            # engine greets it in the oldest version now.
-            self._disconnect()
-            answer = self._greet()
-        answer.result(Welcome)
         self._limit = self._engine.max_timeout or math.inf
+        return connection
 
-    def _greet(self) -> Answer:
-        """A new connection, and the answer to its hello."""
+    def _open(self) -> Connection:
+        """A new socket, judged before anything is sent on it, and its protocol."""
+        self._disconnect()  # what an attempt before it left
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        _set_timeouts(self._sock, self.timeout)
+        _set_timeouts(sock, self.timeout)
         with vet(self.place) as vetted:
             try:
                 sock.connect(vetted.address)
@@ -503,23 +471,7 @@ class Client(BaseClient):
             vetted.admit(sock)
         self._owner_pid = os.getpid()
         connection = self._connection = self._engine.connect()
-        return self._exchange(sock, connection, connection.hello_id, connection.hello)
-
-    def _reconnect(self) -> None:
-        """Connect again, waiting out a daemon restart as the engine says."""
-        backoff = self._engine.reconnecting(time.monotonic())
-        while True:
-            try:
-                self._connect()
-            except UntrustedSocket:
-                raise  # its owner stays who it is, however long the wait
-            except DaemonUnavailable:
-                pause = backoff.pause(time.monotonic())
-                if pause is None:
-                    raise
-            else:
-                return
-            time.sleep(pause)
+        return connection
 
     def _disconnect(self) -> None:
         if self._sock is not None:

@@ -1,5 +1,5 @@
 """The client's side of the protocol, with no I/O: one engine that the blocking
-`Client` and the trio `AsyncClient` both drive.
+`Client`, the trio `AsyncClient` and the process's responder all drive.
 
 As in h11, the engine is handed the bytes that arrived and says what they mean, and
 hands back the bytes to send; it never touches a socket, a clock or a thread. A
@@ -34,20 +34,46 @@ Every frame the daemon sends answers a request, except `EvidenceWanted` and
 `UnblockWanted`, which it sends unasked, and only on a responder's connection
 (`Engine.connect` with ``responder``): `receive_data` keeps each in
 `Connection.wanted`, in arrival order, for the driver to take.
+
+The driver is written once, here, as plans: `Engine.dial`, `Engine.greet` and
+`Engine.call` are generators that yield the `Step` to take next (`Open` a socket,
+`Exchange` a frame for an answer, `Close`, `Pause`, read the `Clock`, get the
+`Connected` connection) and are sent what it gave, or thrown the
+`DaemonUnavailable` it raised. They decide when to reconnect and how long to
+pause, that a second loss is `DaemonUnavailable`, that a refused version is
+greeted again in the oldest, and that the socket is judged (`Open`, which
+`watchdogd_client.trust` does) before anything is sent on it. A shell carries the
+steps out: `drive` and the blocking client's sockets and threads, the trio
+client's streams and reader tasks, the responder's thread. `watchdogd_client.queries`
+builds each request of the clients' methods on `Engine.call`.
+
+Why sans-IO, and not httpcore's way (async written once, the sync code generated
+from it and checked to stay in step): the engine existed already, bytes in and
+answers out, and what the three drivers shared beyond it were decisions, not
+I/O. The rest differs by more than ``await``: the blocking client reads its
+answers inline under a lock, the trio client pipelines many tasks' requests and
+reads them in one reader task, and the responder answers frames the daemon sends
+unasked; a fast-path arm whose slot page could not be mapped is armed again
+without a slot, a decision that either client makes with a mapping of its own (in
+a worker thread on trio). Generated code would have to hide each of those
+differences behind a generated name; a plan names each step, and both shells are
+short enough to read whole. A step costs a generator resume, well under the
+microseconds a round trip over the socket takes.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Final, Literal, TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 
-from .errors import DaemonUnavailable, ProtocolError, RequestRefused, WatchdogdError
-from .protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_FRAME,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    RECONNECT_PAUSE,
     Error,
     ErrorCode,
     EvidenceWanted,
@@ -64,14 +90,38 @@ from .protocol import (
     encode_frame,
 )
 
-__all__ = ["Answer", "Backoff", "Connection", "Engine", "State"]
+from .errors import (
+    DaemonUnavailable,
+    ProtocolError,
+    RequestRefused,
+    UntrustedSocket,
+    WatchdogdError,
+)
+
+__all__ = [
+    "CLOCK",
+    "Answer",
+    "Backoff",
+    "Clock",
+    "Close",
+    "Connected",
+    "Connection",
+    "Engine",
+    "Exchange",
+    "Open",
+    "Pause",
+    "Plan",
+    "State",
+    "Step",
+    "drive",
+]
 
 _R = TypeVar("_R", bound=ReplyMessage)
+_T = TypeVar("_T")
 
-#: The first pause between attempts to reconnect, and the longest: a daemon that
-#: restarts is back within tens of milliseconds, one that loads a large state later.
+#: The first pause between attempts to reconnect (the longest is the protocol's
+#: `RECONNECT_PAUSE`): a daemon that restarts is back within tens of milliseconds.
 _FIRST_PAUSE: Final = 0.01
-_LONGEST_PAUSE: Final = 0.25
 
 
 #: Where a `Connection` is: ``"greeting"``, the hello is sent and its welcome
@@ -112,12 +162,12 @@ class Answer(msgspec.Struct, frozen=True):
 
 class Backoff:
     """The pauses between attempts to connect while the daemon restarts: from 10 ms,
-    doubling to ``longest`` (250 ms unless given), for as long as the next attempt
+    doubling to ``longest`` (`RECONNECT_PAUSE` unless given), for as long as the next attempt
     would start before ``deadline`` (on the driver's monotonic clock)."""
 
     __slots__ = ("_longest", "_pause", "deadline")
 
-    def __init__(self, deadline: float, *, longest: float = _LONGEST_PAUSE) -> None:
+    def __init__(self, deadline: float, *, longest: float = RECONNECT_PAUSE) -> None:
         self.deadline = deadline
         self._longest = longest
         self._pause = _FIRST_PAUSE
@@ -129,6 +179,105 @@ class Backoff:
             return None
         self._pause = min(pause * 2, self._longest)
         return pause
+
+
+class Step:
+    """What a plan asks its driver to do next (see the module docstring)."""
+
+    __slots__ = ()
+
+
+class Open(Step):
+    """Open a socket to the daemon, judge it (`watchdogd_client.trust`) before
+    anything is sent on it, and send back `Engine.connect`'s `Connection` for it
+    (``responder``: a responder's); raise `DaemonUnavailable` when it cannot be
+    had (`UntrustedSocket` for one not to be trusted)."""
+
+    __slots__ = ("responder",)
+
+    def __init__(self, *, responder: bool) -> None:
+        self.responder = responder
+
+
+class Exchange(Step):
+    """Send ``frame`` on ``connection``, behind whatever the driver owes an open
+    connection first (releases to send again), and send back the `Answer` to
+    ``request_id``; raise `DaemonUnavailable` when no answer comes in time.
+    ``wait``: how much longer than the driver's timeout the daemon may hold the
+    reply (a request that asks it to)."""
+
+    __slots__ = ("connection", "frame", "request_id", "wait")
+
+    def __init__(
+        self, connection: Connection, request_id: int, frame: bytes, wait: float = 0.0
+    ) -> None:
+        self.connection = connection
+        self.request_id = request_id
+        self.frame = frame
+        self.wait = wait
+
+
+class Close(Step):
+    """Close the socket of ``connection``, which the daemon refused."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+
+class Pause(Step):
+    """Wait ``seconds`` before the next attempt to connect."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class Clock(Step):
+    """Send back the driver's monotonic clock, in seconds."""
+
+    __slots__ = ()
+
+
+class Connected(Step):
+    """Send back the driver's open connection, or one it opened with `Engine.dial`
+    (waiting for the daemon as `Engine.reconnecting` says when ``again``, a
+    request's second attempt, or when the driver's last connection broke)."""
+
+    __slots__ = ("again",)
+
+    def __init__(self, *, again: bool) -> None:
+        self.again = again
+
+
+#: The one `Clock` step: every plan that reads the time yields it.
+CLOCK: Final = Clock()
+_FIRST: Final = Connected(again=False)
+_AGAIN: Final = Connected(again=True)
+
+#: A plan: the steps it yields, what each is sent back, and what it ends with.
+Plan = Generator[Step, Any, _T]
+
+
+def drive(plan: Plan[_T], take: Callable[[Step], Any]) -> _T:
+    """Carry ``plan`` out with blocking I/O: ``take(step)`` takes each step and
+    returns what the plan is sent back; a `DaemonUnavailable` it raises is thrown
+    into the plan, which decides what it means. What the plan ends with."""
+    sent: Any = None
+    failed: DaemonUnavailable | None = None
+    while True:
+        try:
+            step = plan.send(sent) if failed is None else plan.throw(failed)
+        except StopIteration as done:
+            result: _T = done.value
+            return result
+        failed = None
+        try:
+            sent = take(step)
+        except DaemonUnavailable as exc:
+            sent, failed = None, exc
 
 
 class Engine:
@@ -190,6 +339,54 @@ class Engine:
         if longer."""
         return Backoff(now + max(self.reconnect_timeout, self.restart))
 
+    def dial(self, *, broke: bool) -> Plan[Connection]:
+        """Open a connection and greet the daemon on it: once, or, when a
+        connection ``broke`` (the daemon may be restarting), again after each
+        failure for as long as `reconnecting` says. A socket not to be trusted is
+        not tried again: its owner stays who it is, however long the wait."""
+        backoff = self.reconnecting((yield CLOCK)) if broke else None
+        while True:
+            try:
+                connection: Connection = yield from self.greet()
+            except UntrustedSocket:
+                raise
+            except DaemonUnavailable:
+                pause = None if backoff is None else backoff.pause((yield CLOCK))
+                if pause is None:
+                    raise
+            else:
+                return connection
+            yield Pause(pause)
+
+    def greet(self, *, responder: bool = False) -> Plan[Connection]:
+        """Open a socket, judged before anything is sent, and greet the daemon: the
+        connection, once welcomed. A daemon older than the client refuses its
+        version and closes; it is greeted again in the oldest version, except by a
+        ``responder`` (a daemon that old has no responders): that refusal is raised."""
+        connection: Connection = yield Open(responder=responder)
+        answer: Answer = yield Exchange(connection, connection.hello_id, connection.hello)
+        if answer.retry and not responder:
+            yield Close(connection)
+            connection = yield Open(responder=responder)
+            answer = yield Exchange(connection, connection.hello_id, connection.hello)
+        answer.result(Welcome)
+        return connection
+
+    def call(self, request: Request, expected: type[_R], *, wait: float = 0.0) -> Plan[_R]:
+        """Send ``request`` on the driver's connection and return its reply, an
+        ``expected``, or raise what it was refused. Every request is idempotent:
+        one whose connection ended before its reply (the daemon restarted) goes
+        once more on a new connection; a second loss is `DaemonUnavailable`.
+        ``wait``: as `Exchange` says."""
+        connection: Connection = yield _FIRST
+        frame = connection.send(request, expected)
+        answer: Answer = yield Exchange(connection, request.id, frame, wait)
+        if answer.retry:
+            connection = yield _AGAIN
+            frame = connection.send(request, expected, resent=True)
+            answer = yield Exchange(connection, request.id, frame, wait)
+        return answer.result(expected)
+
     def unavailable(self, reason: str) -> DaemonUnavailable:
         """The error for a daemon that did not answer, saying why."""
         return DaemonUnavailable.at(self.socket_path, reason)
@@ -228,6 +425,7 @@ class Connection:
         "_engine",
         "_pending",
         "_reader",
+        "carrier",
         "hello",
         "hello_id",
         "state",
@@ -240,6 +438,9 @@ class Connection:
         # Any other connection refuses the daemon's asks as it refuses any unknown frame.
         self._decode = decode_for_responder if responder else decode_reply
         self.wanted: list[Wanted] = []
+        #: What the driver carries this connection's bytes with: the engine never
+        #: looks at it.
+        self.carrier: object = None
         self.state: State = "greeting"
         self.hello_id = engine.next_id()
         self.hello = encode_frame(

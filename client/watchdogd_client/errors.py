@@ -1,10 +1,21 @@
-"""Exceptions raised by the watchdogd client; all derive from `WatchdogdError`."""
+"""Exceptions raised by the watchdogd client; all derive from `WatchdogdError`.
+
+`WatchdogdError`, `ProtocolError` and `FrameTooLarge` are the protocol's own
+(`watchdogd_protocol.errors`), re-exported here: one class under either name.
+"""
 
 from __future__ import annotations
 
+from watchdogd_protocol.errors import FrameTooLarge, ProtocolError, WatchdogdError
 
-class WatchdogdError(Exception):
-    """Base class of every exception raised by `watchdogd_client`."""
+__all__ = [
+    "DaemonUnavailable",
+    "FrameTooLarge",
+    "ProtocolError",
+    "RequestRefused",
+    "UntrustedSocket",
+    "WatchdogdError",
+]
 
 
 class DaemonUnavailable(WatchdogdError, ConnectionError):
@@ -50,7 +61,7 @@ class UntrustedSocket(DaemonUnavailable):
 class RequestRefused(WatchdogdError):
     """Raised when the daemon answers a request with an error reply.
 
-    `code` is machine-readable (one of `protocol.ErrorCode`, or a code added by a newer
+    `code` is machine-readable (one of `watchdogd_protocol.ErrorCode`, or a code added by a newer
     daemon); the message is the daemon's own explanation.
     """
 
@@ -58,22 +69,3 @@ class RequestRefused(WatchdogdError):
         super().__init__(f"{message} [{code}]")
         self.code = code
         self.message = message
-
-
-class ProtocolError(WatchdogdError):
-    """Raised when bytes on the wire do not follow the watchdogd protocol.
-
-    The daemon turns it into an error reply carrying `code`; the client raises it when
-    the daemon's reply cannot be understood. `request_id` is the id of the offending
-    request when it could still be read.
-    """
-
-    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-class FrameTooLarge(ProtocolError):
-    """Raised by `FrameReader` when a frame declares a length over the reader's bound."""

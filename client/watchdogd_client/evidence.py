@@ -1,7 +1,7 @@
 """Evidence from inside this process, as its responder gives it
 (`watchdogd_client.responder`): the stacks of its Python threads, read from the
 interpreter, its Flight Recorder when ``torch.distributed`` runs, and the cuts that
-make the whole fit one request frame (`protocol.MAX_EVIDENCE_BYTES`). torch is never
+make the whole fit one request frame (`watchdogd_protocol.MAX_EVIDENCE_BYTES`). torch is never
 imported here: the Flight Recorder is read only when the program imported
 ``torch.distributed`` and initialised it.
 """
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from .protocol import (
+from watchdogd_protocol import (
     MAX_EVIDENCE_BYTES,
     Collective,
     Evidence,
@@ -26,7 +26,7 @@ from .protocol import (
     GroupState,
     ThreadStack,
 )
-from .protocol.evidence import (
+from watchdogd_protocol.responding import (
     MAX_ENTRIES,
     MAX_FRAMES,
     MAX_GROUPS,
@@ -67,8 +67,8 @@ def take_evidence(request_id: int, ask: int) -> Evidence:
 def thread_stacks(notes: list[str], *, skip: int | None = None) -> list[ThreadStack]:
     """The stack of each Python thread but ``skip`` (a thread ident), innermost frame
     first, named as `threading` names it; the main thread first (``main``), then the
-    others in the order they started. Past `protocol.evidence.MAX_THREADS` threads
-    and `protocol.evidence.MAX_FRAMES` frames the rest is left out, and ``notes``
+    others in the order they started. Past `watchdogd_protocol.responding.MAX_THREADS` threads
+    and `watchdogd_protocol.responding.MAX_FRAMES` frames the rest is left out, and ``notes``
     says so."""
     frames = sys._current_frames()
     names = {thread.ident: thread.name for thread in threading.enumerate()}
@@ -232,7 +232,7 @@ def reduce_flight_record(
     torch's ``_dump_fr_trace_json()``) and of its process ``groups`` (name,
     description, members, size): per group, the last collective it completed (the
     dump's ``pg_status``) and the newest one it entered and did not complete, with
-    its op and inputs; and the newest `protocol.evidence.MAX_ENTRIES` collectives,
+    its op and inputs; and the newest `watchdogd_protocol.responding.MAX_ENTRIES` collectives,
     oldest first. torch leaves the ``state`` of a gloo collective ``scheduled`` even
     once done (it retires the entry then), and may count a group's collectives
     completed in ``pg_status`` out of order: here a group's last completed is the

@@ -1,6 +1,6 @@
 """The fast path: after a scope's first acknowledged arm, its blocks arm and release
 their timer with stores into a slot page the daemon shares with this process alone
-(`watchdogd_client.protocol.slot_page`), and wait for nothing.
+(`watchdogd_protocol.slot_page`), and wait for nothing.
 
 One `FastPath` per process and daemon holds the pages mapped and the slots granted,
 by scope. Every client of the process talking to that daemon (the blocking one, the
@@ -52,13 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Final, Literal
 
-from ._version import __version__
-from .arming import After, Arming
-from .engine import Answer, Connection, Engine
-from .errors import WatchdogdError
-from .paths import Place
-from .protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
-from .protocol.slot_page import (
+from watchdogd_protocol import Acquire, Acquired, MapPage, PageMapped, SlotGrant, Welcome
+from watchdogd_protocol.slot_page import (
     AUTO,
     BLOCKS,
     BUCKETS,
@@ -75,6 +70,12 @@ from .protocol.slot_page import (
     counts_of,
     word_of,
 )
+
+from ._version import __version__
+from .arming import After, Arming
+from .engine import Answer, Connection, Engine
+from .errors import WatchdogdError
+from .paths import Place
 from .switches import FAST, env_switch
 from .trust import vet
 
@@ -388,17 +389,33 @@ def _exchange(
     """Send ``frame``; the answer to ``request_id`` and the descriptor that came with
     it, if one did (any other descriptor is closed)."""
     sock.sendall(frame)
-    descriptor: int | None = None
+    held: list[int] = []
+    try:
+        answer = _answer_to(sock, connection, request_id, held)
+    except BaseException:
+        # A descriptor that came before a read timed out or failed is no page of
+        # this process's: it would be held for ever.
+        for descriptor in held:
+            os.close(descriptor)
+        raise
+    return answer, held[0] if held else None
+
+
+def _answer_to(
+    sock: socket.socket, connection: Connection, request_id: int, held: list[int]
+) -> Answer:
+    """Read until the answer to ``request_id``, keeping in ``held`` the last
+    descriptor that came (an earlier one is closed)."""
     while True:
         data, received = _receive(sock)
         if received is not None:
-            if descriptor is not None:
+            for descriptor in held:
                 os.close(descriptor)
-            descriptor = received
+            held[:] = [received]
         answers = connection.receive_data(data) if data else connection.connection_lost()
         for answer in answers:
             if answer.id == request_id:
-                return answer, descriptor
+                return answer
         if connection.state == "closed":
             raise ConnectionError("the daemon closed the connection")
 

@@ -26,9 +26,10 @@ import logging
 import os
 from typing import NamedTuple
 
+from watchdogd_protocol import Release, Released
+
 from .engine import Answer, Connection, Engine
 from .errors import DaemonUnavailable, WatchdogdError
-from .protocol import Release, Released
 
 __all__ = ["InFlight", "Releasing", "add", "get", "pending", "settle", "waiting"]
 

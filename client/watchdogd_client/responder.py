@@ -11,8 +11,10 @@ each connection it
    more of a path the caller named: a daemon that runs neither as root, nor as
    this process's effective uid, nor, on the host's path, as the user root gave
    its directory to (the service's own), is sent nothing, not even a hello;
-2. sends `Hello` with the protocol's version, then `Respond` with the job and ranks
-   of the timer that started it (by default from the environment,
+2. sends `Hello` with the protocol's version, as the engine's plan of a greeting
+   says (`watchdogd_client.engine.Engine.greet`, which the clients drive too,
+   without its fall back to an older version), then `Respond` with the job and
+   ranks of the timer that started it (by default from the environment,
    `watchdogd_client.arming.job_of`), and reads `Responding`;
 3. answers every `EvidenceWanted` with `Evidence` for the same ``ask``
    (`take_evidence`), and every `UnblockWanted` with `Unblocked`
@@ -29,7 +31,7 @@ anything else, it sends again every release whose answer no one has read, withou
 waiting for the worker's next request; `resend` does the same on demand (a client
 whose own connection broke). While releases wait so, the pauses between its
 attempts to connect are at most `_RELEASE_PAUSE`, well within the daemon's restart
-grace (`watchdogd.core.firing.RESTART_GRACE`). A client takes that path only with
+grace (`watchdogd_protocol.RESTART_GRACE`). A client takes that path only with
 a responder that `carries` its releases.
 
 Invariants:
@@ -43,7 +45,7 @@ Invariants:
 - It stops for good, quietly, when the daemon refuses its version (a daemon older
   than protocol 2, which has no responders) or refuses `Respond` for a reason that
   asking again would not change; the client's own connections are unaffected.
-- An `Evidence` always encodes within `protocol.MAX_EVIDENCE_BYTES`
+- An `Evidence` always encodes within `watchdogd_protocol.MAX_EVIDENCE_BYTES`
   (`fit_evidence`), so the daemon never refuses one for its size.
 - torch is never imported here: the Flight Recorder is read only when the program
   imported ``torch.distributed`` and initialised it.
@@ -65,14 +67,7 @@ import threading
 import time
 from typing import Final
 
-from . import releases
-from ._version import __version__
-from .arming import JobLabels, job_of
-from .engine import Answer, Backoff, Connection, Engine
-from .errors import DaemonUnavailable, RequestRefused, UntrustedSocket, WatchdogdError
-from .evidence import MAX_NOTE, take_evidence
-from .paths import Place, find_socket
-from .protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     Evidence,
@@ -84,8 +79,15 @@ from .protocol import (
     UnblockOutcome,
     UnblockWanted,
     Wanted,
-    Welcome,
 )
+
+from . import releases
+from ._version import __version__
+from .arming import JobLabels, job_of
+from .engine import Answer, Backoff, Connection, Engine, Exchange, Open, Step, drive
+from .errors import DaemonUnavailable, RequestRefused, UntrustedSocket, WatchdogdError
+from .evidence import MAX_NOTE, take_evidence
+from .paths import Place, find_socket
 from .switches import RESPONDER, UNBLOCK, env_switch
 from .trust import vet
 from .unblocking import unblock
@@ -265,33 +267,26 @@ class Responder:
             time.sleep(pause)
 
     def _converse(self) -> None:
-        """One connection, from its connect to its end."""
-        with vet(self.place, evidence=True) as vetted:
-            sock = self._sock = socket.socket(
-                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
-            )
-            sock.settimeout(_HANDSHAKE_TIMEOUT)
-            sock.connect(vetted.address)
-            if self._stopping:
-                return
-            vetted.admit(sock)
-        connection = self._engine.connect(responder=True)
+        """One connection, from its connect to its end: greeted as the engine's
+        plan says (`Engine.greet`), without its fall back to an older version."""
         labels = self.labels
-        respond = Respond(
-            id=self._engine.next_id(),
-            job=labels.job,
-            rank=labels.rank,
-            local_rank=labels.local_rank,
-            group_rank=labels.group_rank,
-            unblock=self.unblocks,
-        )
         try:
-            self._exchange(sock, connection, connection.hello_id, connection.hello).result(Welcome)
+            connection = drive(self._engine.greet(responder=True), self._take)
+            sock = self._sock
+            assert sock is not None
             with self._send_lock:
                 # Before anything else: the daemon may be holding timers for them.
                 self._send_releases(sock, connection)
                 self._connection = connection
                 self._welcomed = True
+            respond = Respond(
+                id=self._engine.next_id(),
+                job=labels.job,
+                rank=labels.rank,
+                local_rank=labels.local_rank,
+                group_rank=labels.group_rank,
+                unblock=self.unblocks,
+            )
             frame = connection.send(respond, Responding)
             self._exchange(sock, connection, respond.id, frame).result(Responding)
         except RequestRefused as refused:
@@ -304,6 +299,30 @@ class Responder:
             for answer in self._receive(sock, connection):
                 if answer.error is not None:
                     log.debug("the daemon did not take the evidence: %s", answer.error)
+
+    def _take(self, step: Step) -> Answer | Connection:
+        """Take a step of the greeting's plan: open a socket, or exchange a frame."""
+        if isinstance(step, Open):
+            return self._open()
+        if isinstance(step, Exchange):
+            sock = self._sock
+            assert sock is not None
+            return self._exchange(sock, step.connection, step.request_id, step.frame)
+        raise TypeError(f"a responder's greeting asked for {step!r}")
+
+    def _open(self) -> Connection:
+        """A socket to the daemon, judged (as an evidence socket is) before anything
+        is sent on it, and its protocol."""
+        with vet(self.place, evidence=True) as vetted:
+            sock = self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
+            )
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            sock.connect(vetted.address)
+            if self._stopping:
+                raise _Stop("stopped")
+            vetted.admit(sock)
+        return self._engine.connect(responder=True)
 
     def _refused(self, refused: UntrustedSocket) -> None:
         """Say once that this process's evidence goes nowhere: it tries again later

@@ -40,9 +40,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import Final, TypeVar, Unpack
-
-import msgspec
+from typing import Any, Final, TypeVar, Unpack
 
 try:
     import trio
@@ -56,38 +54,54 @@ except ModuleNotFoundError as missing:  # pragma: no cover - tested in a subproc
         ".whl[trio]' from a built wheel"
     ) from missing
 
-from . import releases
+from watchdogd_protocol import (
+    Acquire,
+    Acquired,
+    EventsReply,
+    HangsReply,
+    IncidentInfo,
+    PageMapped,
+    PoliciesReply,
+    Release,
+    Released,
+    ReplyMessage,
+    Request,
+    StatusReply,
+    SuggestionInfo,
+    WhyReply,
+)
+
+from . import queries, releases
 from ._version import __version__
 from .arming import (
+    Acquiring,
     After,
     Arming,
     Handle,
     acquire_request,
     arming_timeout,
-    check_acquire,
+    check_acquiring,
     check_scope,
+    socket_arm,
 )
 from .base import DaemonStatus, log
-from .engine import Answer, Backoff, Connection, Engine
-from .errors import DaemonUnavailable, UntrustedSocket, WatchdogdError
+from .engine import (
+    Answer,
+    Clock,
+    Close,
+    Connected,
+    Connection,
+    Engine,
+    Exchange,
+    Open,
+    Pause,
+    Plan,
+    Step,
+)
+from .errors import DaemonUnavailable, WatchdogdError
 from .fastpath import FastPath, fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
-from .protocol import (
-    Acquire,
-    Acquired,
-    PageMapped,
-    Ping,
-    Pong,
-    Release,
-    Released,
-    ReplyMessage,
-    Request,
-    Status,
-    StatusReply,
-    TimerInfo,
-    Welcome,
-)
 from .responder import release_carrier, settle_responder
 from .scope import shorten
 from .trust import vet
@@ -95,8 +109,8 @@ from .trust import vet
 __all__ = ["AsyncClient", "AsyncTimer", "open_client"]
 
 _R = TypeVar("_R", bound=ReplyMessage)
+_T = TypeVar("_T")
 _RECV_SIZE: Final = 64 * 1024
-_STATUS_PAGE: Final = 1000
 #: How long `AsyncClient.aclose` waits for the answers of its releases.
 _CLOSE_WAIT: Final = 2.0
 
@@ -215,58 +229,34 @@ class AsyncClient:
         #: Set once no release waits for its answer, while `aclose` waits for that.
         self._all_settled: trio.Event | None = None
 
-    async def acquire(
-        self,
-        scope: str,
-        timeout: After,
-        *,
-        pid: int | None = None,
-        progress: int | None = None,
-        **arming: Unpack[Arming],
-    ) -> float:
+    async def acquire(self, scope: str, timeout: After, **acquiring: Unpack[Acquiring]) -> float:
         """Arm or re-arm ``(pid, scope)``; see `watchdogd_client.Client.acquire`."""
-        check_acquire(scope, pid, progress)
-        arming_timeout(timeout, arming, maximum=self._engine.max_timeout)
+        maximum = self._engine.max_timeout
+        _, arming = check_acquiring(scope, timeout, acquiring, maximum=maximum)
         fast = self._fast
-        if fast is not None and pid is None and progress is None:
+        if fast is not None and socket_arm(acquiring):
             stored = fast.arm(scope, timeout, arming)
             if stored is not None:
                 return stored
         request = acquire_request(
-            self._engine.next_id(),
-            scope,
-            timeout,
-            pid=pid,
-            progress=progress,
-            slot=fast is not None,
-            **arming,
+            self._engine.next_id(), scope, timeout, slot=fast is not None, **acquiring
         )
         reply = await self._acquire(request, arming)
         return request.timeout if reply is None else reply.remaining
 
     async def _acquire(self, request: Acquire, arming: Arming) -> Acquired | None:
-        """The answer to ``request``, armed with ``arming``; None where the daemon
-        is unavailable and the client carries on unprotected. A slot it grants
-        takes the scope's later blocks."""
+        """The answer to ``request``, armed with ``arming`` (`queries.acquire`);
+        None where the daemon is unavailable and the client carries on
+        unprotected."""
         if request.pid is None or request.pid == os.getpid():
             # A thread starts, and connects on its own: the loop does not wait.
             settle_responder(self.responder, self.place, request)
+        plan = queries.acquire(self._engine, request, arming, fast=self._fast is not None)
         try:
-            reply = await self._call(request, Acquired)
+            return await self._run(plan)
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return None
-        fast = self._fast
-        if fast is not None and await self._answered(fast, request, arming, reply):
-            # Its page could not be had (the daemon went meanwhile): the block is
-            # armed again without a slot, so it is protected wherever the page is.
-            request = msgspec.structs.replace(request, id=self._engine.next_id(), slot=False)
-            try:
-                reply = await self._call(request, Acquired)
-            except DaemonUnavailable as exc:
-                self._outage.failed(exc)
-                return None
-        return reply
 
     async def _answered(
         self, fast: FastPath, request: Acquire, arming: Arming, reply: Acquired
@@ -363,30 +353,61 @@ class AsyncClient:
         return stored
 
     async def _released(self, scope: str, pid: int | None, *, stored: bool = False) -> bool:
-        request = Release(id=self._engine.next_id(), scope=scope, pid=pid, stored=stored)
         try:
-            return (await self._call(request, Released)).found
+            return await self._run(queries.release(self._engine, scope, pid, stored=stored))
         except DaemonUnavailable as exc:
             self._outage.failed(exc)
             return False
 
     async def status(self) -> DaemonStatus:
         """The daemon's summary and every timer this caller may see."""
-        timers: list[TimerInfo] = []
-        cursor: str | None = None
-        while True:
-            request = Status(id=self._engine.next_id(), limit=_STATUS_PAGE, cursor=cursor)
-            page = await self._call(request, StatusReply)
-            timers.extend(page.timers_with_commands())
-            cursor = page.cursor
-            if cursor is None:
-                return DaemonStatus(daemon=page.daemon, timers=timers)
+        return await self._run(queries.status(self._engine))
+
+    async def status_page(
+        self, *, limit: int = queries.STATUS_PAGE, cursor: str | None = None
+    ) -> StatusReply:
+        """One page of `status`; see `watchdogd_client.Client.status_page`."""
+        return await self._run(queries.status_page(self._engine, limit=limit, cursor=cursor))
 
     async def ping(self) -> float:
         """Round trip to the daemon, in seconds."""
-        started = trio.current_time()
-        await self._call(Ping(id=self._engine.next_id()), Pong)
-        return trio.current_time() - started
+        return await self._run(queries.ping(self._engine))
+
+    async def events(
+        self, *, after: int | None = None, limit: int = 100, wait: float = 0.0
+    ) -> EventsReply:
+        """Recorded events; see `watchdogd_client.Client.events`."""
+        return await self._run(queries.events(self._engine, after=after, limit=limit, wait=wait))
+
+    async def policies(self) -> PoliciesReply:
+        """The daemon's policies and its default policy."""
+        return await self._run(queries.policies(self._engine))
+
+    async def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text exposition format."""
+        return await self._run(queries.metrics(self._engine))
+
+    async def suggest(self) -> list[SuggestionInfo]:
+        """The timeouts the daemon suggests; see `watchdogd_client.Client.suggest`."""
+        return await self._run(queries.suggest(self._engine))
+
+    async def incidents(self, *, limit: int = 100) -> list[IncidentInfo]:
+        """The latest incidents of your jobs (root: all), newest last, without
+        their stacks."""
+        return await self._run(queries.incidents(self._engine, limit=limit))
+
+    async def incident(self, incident: str) -> IncidentInfo:
+        """One incident with every rank's stack you may see."""
+        return await self._run(queries.incident(self._engine, incident))
+
+    async def hangs(self, job: str, *, uid: int | None = None, reset: bool = False) -> HangsReply:
+        """The hangs of a job; see `watchdogd_client.Client.hangs`."""
+        return await self._run(queries.hangs(self._engine, job, uid=uid, reset=reset))
+
+    async def why(self, pid: int, *, limit: int = 100) -> WhyReply:
+        """Why process ``pid`` was, or would be, acted on; see
+        `watchdogd_client.Client.why`."""
+        return await self._run(queries.why(self._engine, pid, limit=limit))
 
     def expires(
         self, after: After, scope: str | None = None, **arming: Unpack[Arming]
@@ -424,32 +445,73 @@ class AsyncClient:
         return shorten(f"{frame.f_code.co_filename}:{frame.f_lineno}@{task.name}#{number}")
 
     async def _call(self, request: Request, expected: type[_R]) -> _R:
+        return await self._run(self._engine.call(request, expected))
+
+    async def _run(self, plan: Plan[_T]) -> _T:
+        """Carry ``plan`` out, as the engine decides."""
         self._releases.raise_refused()
-        answer = await self._attempt(request, expected)
-        if answer.retry:
-            # The connection broke under the request: the daemon may have restarted.
-            # Every request is idempotent, so it goes once more on a new connection.
-            answer = await self._attempt(request, expected, resent=True)
-        reply = answer.result(expected)
+        result = await self._drive(plan)
         self._outage.answered(self.socket_path)
-        return reply
+        return result
 
-    async def _attempt(
-        self, request: Request, expected: type[_R], *, resent: bool = False
-    ) -> Answer:
-        connection = await self._connected(reconnect=resent)
+    async def _drive(self, plan: Plan[_T]) -> _T:
+        """`watchdogd_client.engine.drive`, awaiting each step."""
+        sent: Any = None
+        failed: DaemonUnavailable | None = None
+        while True:
+            try:
+                step = plan.send(sent) if failed is None else plan.throw(failed)
+            except StopIteration as done:
+                result: _T = done.value
+                return result
+            failed = None
+            try:
+                sent = await self._take(step)
+            except DaemonUnavailable as exc:
+                sent, failed = None, exc
+
+    async def _take(self, step: Step) -> Any:
+        """Take one step of a plan (see `watchdogd_client.engine`)."""
+        if isinstance(step, Exchange):
+            return await self._exchange_step(step)
+        if isinstance(step, Connected):
+            return await self._connected(again=step.again)
+        if isinstance(step, Open):
+            return await self._open()
+        if isinstance(step, Pause):
+            await trio.sleep(step.seconds)
+        elif isinstance(step, Clock):
+            return trio.current_time()
+        elif isinstance(step, Close):
+            await _carrier(step.connection).stream.aclose()
+        elif isinstance(step, queries.Grant) and self._fast is not None:
+            return await self._answered(self._fast, step.request, step.arming, step.reply)
+        else:
+            raise TypeError(f"a plan asked for {step!r}")
+        return None
+
+    async def _exchange_step(self, step: Exchange) -> Answer:
+        protocol = step.connection
+        connection = _carrier(protocol)
+        if protocol.state != "open":  # the hello: a connection refused goes whole
+            try:
+                return await self._exchange(connection, step.request_id, step.frame)
+            except BaseException:
+                await connection.stream.aclose()
+                raise
         # A new connection first carries the releases the last one left unanswered.
-        frame = self._releases.again(connection.protocol, self._engine)
-        frame += connection.protocol.send(request, expected, resent=resent)
-        return await self._exchange(connection, request.id, frame)
+        frame = self._releases.again(protocol, self._engine) + step.frame
+        return await self._exchange(connection, step.request_id, frame, step.wait)
 
-    async def _exchange(self, connection: _Connection, request_id: int, frame: bytes) -> Answer:
+    async def _exchange(
+        self, connection: _Connection, request_id: int, frame: bytes, wait: float = 0.0
+    ) -> Answer:
         """Send ``frame``; the answer to ``request_id``, which the reader task hands
         over."""
         send, receive = trio.open_memory_channel[Answer](1)
         connection.waiting[request_id] = send
         try:
-            with trio.fail_after(self.timeout):
+            with trio.fail_after(self.timeout + wait):
                 try:
                     async with connection.send_lock:
                         await connection.stream.send_all(frame)
@@ -472,46 +534,22 @@ class AsyncClient:
             connection.waiting.pop(request_id, None)
             connection.protocol.abandon(request_id)
 
-    async def _connected(self, *, reconnect: bool) -> _Connection:
+    async def _connected(self, *, again: bool) -> Connection:
+        """The open connection, or a new one dialled as the engine says: waiting
+        out a daemon restart when ``again`` (a request's second attempt) or when
+        the last connection broke, as a retried request does (DESIGN §13)."""
         async with self._connect_lock:
             connection = self._connection
             if connection is not None and connection.protocol.state == "open":
-                return connection
-            now = trio.current_time()
-            # A connection that broke: the daemon may be restarting, wait for it
-            # as a retried request does (DESIGN §13), not only on the retry.
-            broke = reconnect or connection is not None
-            backoff = self._engine.reconnecting(now) if broke else Backoff(now)
-            while True:
-                try:
-                    connection = await self._connect()
-                except UntrustedSocket:
-                    raise  # its owner stays who it is, however long the wait
-                except DaemonUnavailable:
-                    pause = backoff.pause(trio.current_time())
-                    if pause is None:
-                        raise
-                else:
-                    self._connection = connection
-                    return connection
-                await trio.sleep(pause)
+                return connection.protocol
+            broke = again or connection is not None
+            protocol = await self._drive(self._engine.dial(broke=broke))
+            self._connection = _carrier(protocol)
+            return protocol
 
-    async def _connect(self) -> _Connection:
-        connection, answer = await self._greet()
-        if answer.retry:
-            # A daemon older than this client refused its version and closed: the
-            # engine greets it in the oldest version now.
-            await connection.stream.aclose()
-            connection, answer = await self._greet()
-        try:
-            answer.result(Welcome)
-        except BaseException:
-            await connection.stream.aclose()
-            raise
-        return connection
-
-    async def _greet(self) -> tuple[_Connection, Answer]:
-        """A new connection, and the answer to its hello."""
+    async def _open(self) -> Connection:
+        """A new stream, judged before anything is sent, its protocol, and the
+        reader task that feeds it."""
         try:
             with trio.fail_after(self.timeout):
                 stream = await self._open_stream()
@@ -521,15 +559,10 @@ class AsyncClient:
             raise  # the judgement's own: it says what it found
         except OSError as exc:
             raise self._engine.connect_failed(exc, what_is_there(self.socket_path)) from None
-        connection = _Connection(stream, self._engine.connect(), self._unwaited)
-        self._nursery.start_soon(connection.read_replies)
-        protocol = connection.protocol
-        try:
-            answer = await self._exchange(connection, protocol.hello_id, protocol.hello)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return connection, answer
+        protocol = self._engine.connect()
+        protocol.carrier = _Connection(stream, protocol, self._unwaited)
+        self._nursery.start_soon(protocol.carrier.read_replies)
+        return protocol
 
     async def _open_stream(self) -> trio.SocketStream:
         """A stream to the daemon, judged before anything is sent on it (the
@@ -543,6 +576,13 @@ class AsyncClient:
                 sock.close()
                 raise
         return trio.SocketStream(sock)
+
+
+def _carrier(protocol: Connection) -> _Connection:
+    """The stream and reader of ``protocol``, which `AsyncClient._open` made."""
+    carrier = protocol.carrier
+    assert isinstance(carrier, _Connection)
+    return carrier
 
 
 class AsyncTimer(Handle["AsyncClient"]):

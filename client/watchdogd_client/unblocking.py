@@ -38,8 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from watchdogd_protocol import Unblocked, UnblockOutcome, UnblockWanted
+
 from .evidence import MAX_NOTE, FlightEntry, collective_of, flight_entries, recorder_off
-from .protocol import Unblocked, UnblockOutcome, UnblockWanted
 
 __all__ = ["Judged", "judge_wait", "shut_connections", "store_ports", "unblock"]
 

@@ -1,5 +1,6 @@
 """The names the documentation cites exist: every backticked dotted name of
-``watchdogd`` or ``watchdogd_client`` in a docstring, a comment or a Markdown page
+``watchdogd``, ``watchdogd_client`` or ``watchdogd_protocol`` in a docstring, a
+comment or a Markdown page
 (``watchdogd.host.process``, `watchdogd.core.policies.check_argv`) is imported, its
 module first and then its attributes, so a module that moves or an object that is
 renamed cannot leave a page or a docstring pointing at nothing."""
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["watchdogd", "client", "tests", "bench", "docs"]
 PAGES = ["README.md", "SECURITY.md"]
 #: A name alone between backticks (one or two), with ``()`` after a callable.
-CITED = re.compile(r"(?<!`)`{1,2}(watchdogd(?:_client)?(?:\.\w+)+)(?:\(\))?`{1,2}(?!`)")
+CITED = re.compile(r"(?<!`)`{1,2}(watchdogd(?:_client|_protocol)?(?:\.\w+)+)(?:\(\))?`{1,2}(?!`)")
 #: Names that are files, not modules: systemd's units (`watchdogd.socket`,
 #: `watchdogd.service`) and the daemon's own files (`watchdogd.toml`, the state's
 #: `watchdogd.state.db`, its log and its metrics).
@@ -79,6 +80,7 @@ def test_the_check_reads_the_citations_and_would_fail_on_a_moved_one() -> None:
     names = cited_names()
     assert len(names) > 50  # the pattern still finds the docs' citations
     assert "watchdogd.core.identity.may_signal" in names
+    assert "watchdogd_protocol.RESTART_GRACE" in names  # the protocol's names too
     assert resolves("watchdogd.core.policies.check_argv")
     assert not resolves("watchdogd.policies.check_argv")  # a module that moved
     assert not resolves("watchdogd.core.policies.no_such_name")

@@ -31,7 +31,7 @@ import pytest
 
 from watchdogd.runtime.reload import load_config
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.pages import anchors, links
@@ -93,6 +93,11 @@ ADAPTED = [
     (r"(-w |\b)dist\b", r"\1{scratch}/dist", "the wheels go to a scratch directory"),
     (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
     (r"/tmp/units\b", "{scratch}/units", "the copies of the units go to a scratch directory"),
+    (
+        r"/tmp/before46\b",
+        "{scratch}/before46",
+        "the tree before the seams goes to a scratch directory",
+    ),
     (
         r"/tmp/wd\.sock\b",
         "{scratch}/wd.sock",
@@ -462,10 +467,15 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         capture_output=True,
         timeout=300,
     )
-    packages = [("watchdogd", ROOT), ("watchdogd_client", ROOT / "client")]
-    for package, parent in packages:
+    # The client's distribution holds two packages: the client and the wire protocol.
+    packages = [
+        ("watchdogd", "watchdogd", ROOT),
+        ("watchdogd_client", "watchdogd_client", ROOT / "client"),
+        ("watchdogd_client", "watchdogd_protocol", ROOT / "client"),
+    ]
+    for distribution, package, parent in packages:
         folder = parent / package
-        [wheel] = (tmp_path / "dist").glob(f"{package}-0.1.0-py3-none-any.whl")
+        [wheel] = (tmp_path / "dist").glob(f"{distribution}-0.1.0-py3-none-any.whl")
         names = set(zipfile.ZipFile(wheel).namelist())
         sources = {
             str(path.relative_to(folder.parent))
@@ -488,7 +498,8 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         [
             PYTHON,
             "-c",
-            "import watchdogd.cli.watchdogd, watchdogd.cli.watchdogctl; print(watchdogd.__file__)",
+            "import watchdogd.cli.watchdogd, watchdogd.cli.watchdogctl, watchdogd_protocol\n"
+            "print(watchdogd.__file__, watchdogd_protocol.__file__)",
         ],
         env={**os.environ, "PYTHONPATH": str(target)},
         cwd=tmp_path,  # not the checkout, whose watchdogd/ would come first
@@ -496,7 +507,7 @@ def test_the_wheels_the_readme_builds_hold_both_packages_whole(tmp_path: Path) -
         text=True,
         check=True,
     )
-    assert shown.stdout.startswith(str(target))
+    assert [path.startswith(str(target)) for path in shown.stdout.split()] == [True, True]
     # Where the manual pages send a reader: the pages as installed.
     docs = subprocess.run(
         [PYTHON, "-m", "watchdogd", "--docs-path"],

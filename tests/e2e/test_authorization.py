@@ -23,9 +23,10 @@ import pytest
 import trio
 
 from watchdogd_client import Client, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import EventInfo
 from watchdogd_client.trio import open_client
+from watchdogd_protocol import EventInfo
 
+from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.processes import gone, python_worker, reap, sleeper, wait_ready
 from helpers.users import NOBODY, as_nobody, mixed_family, nobody_sleeper
@@ -523,8 +524,11 @@ def test_a_workers_late_release_never_disarms_a_newer_arming_whoever_made_it(
     numbered its own armings, the first of each was 1, and the release disarmed
     the newer arming.)"""
     worker = python_worker(ONE_BLOCK_AS_NOBODY, socket=daemon.socket_path)
+    canary_client = daemon.client()
     try:
         wait_ready(worker)
+        # A root canary due while the two armings and the late release go on.
+        canary = Canary(canary_client, 1.0)
         if by == "root":
             done = ctl(daemon.socket_path, *REARM, "--pid", str(worker.pid))
         else:
@@ -546,5 +550,8 @@ def test_a_workers_late_release_never_disarms_a_newer_arming_whoever_made_it(
         assert (timer.scope, timer.policy) == ("S2", "term")
         assert timer.remaining > 500
         assert worker.poll() is None
+        assert canary.lateness() < 0.1
+        canary.close()
     finally:
+        canary_client.close()
         reap(worker)

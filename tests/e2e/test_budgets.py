@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from watchdogd_client import Client, RequestRefused
-from watchdogd_client.protocol import MAX_REPLY_BYTES, Hello, Status, encode_frame
+from watchdogd_protocol import MAX_REPLY_BYTES, Hello, Status, encode_frame
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.processes import reap, rss_mib, sleeper

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.runtime.executor import BATCH
 from watchdogd_client import Client
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     EventInfo,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import watchdogd_client
 from watchdogd_client import (
@@ -30,7 +31,8 @@ from watchdogd_client import (
 )
 from watchdogd_client.outage import OnUnavailable
 from watchdogd_client.paths import SYSTEM_SOCKET, Place
-from watchdogd_client.protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
+from watchdogd_client.trio import open_client
+from watchdogd_protocol import MAX_REPLY_BYTES, MAX_REPLY_FRAME, Error, encode_frame
 
 from helpers.daemon import SHORT_RESTART, RunningDaemon
 from helpers.fake_daemon import fake_daemon_as
@@ -606,6 +608,15 @@ class TestArguments:
         with pytest.raises(error, match=r"^after must be"):
             watchdogd_client.expires(after, client=NullClient())  # type: ignore[arg-type]
 
+        async def in_trio() -> None:
+            async with open_client(str(daemon.socket_path)) as client:
+                with pytest.raises(error, match=r"^after must be"):
+                    client.expires(after)  # type: ignore[arg-type]
+                with pytest.raises(error, match=r"^timeout must be"):
+                    await client.acquire("s", after)  # type: ignore[arg-type]
+
+        trio.run(in_trio)
+
     @pytest.mark.parametrize(
         ("arguments", "error", "says"),
         [
@@ -628,6 +639,13 @@ class TestArguments:
         for client in (NullClient(), daemon.client()):
             with pytest.raises(error, match=says):
                 client.acquire(scope, 5, **arguments)
+
+        async def in_trio() -> None:
+            async with open_client(str(daemon.socket_path)) as client:
+                with pytest.raises(error, match=says):
+                    await client.acquire(scope, 5, **arguments)
+
+        trio.run(in_trio)
 
     def test_a_timeout_over_the_daemons_maximum_says_it_in_days(
         self, daemon: RunningDaemon

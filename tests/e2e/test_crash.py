@@ -28,12 +28,12 @@ from typing import Literal
 import msgspec
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.runtime.daemon import restart_estimate
 from watchdogd_client import DaemonUnavailable
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_FRAME,
     PROTOCOL_VERSION,
+    RESTART_GRACE,
     FrameReader,
     Hello,
     Welcome,
@@ -241,7 +241,7 @@ def test_kills_of_the_daemon_longer_than_a_timeout_never_fire_a_released_timer(
         for worker in workers:
             wait_ready(worker)
         for kill in range(kills):
-            # Longer than the client's longest pause between reconnects (250 ms):
+            # Longer than the client's longest pause between reconnects (`RECONNECT_PAUSE`):
             # a request lost to one kill is sent again before the next one (lost
             # twice, it raises DaemonUnavailable, by design).
             time.sleep(rng.uniform(0.3, 0.6))
@@ -484,7 +484,7 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
     before the ``event=state`` one, which says the load is whole), and then every
     timer is armed. (A policy in progress resumes at once; an armed timer that fell
     due waits out the restart grace, as test_durability shows.)"""
-    from watchdogd.core.timers import Run, Timer
+    from watchdogd.core.timers import Course, Timer
     from watchdogd.host.process import read_start_time
     from watchdogd.storage.store import Store
 
@@ -504,7 +504,7 @@ def test_a_start_fires_what_is_due_before_it_has_loaded_the_rest(
 
         timers = [stored(holders[i % 10], f"s{i}", now + 3600 + i / 1000) for i in range(200_000)]
         due = stored(victim, "due-while-down", now - 1)
-        timers.append(msgspec.structs.replace(due, firing=1, run=Run(fired_at=now - 1)))
+        timers.append(msgspec.structs.replace(due, firing=1, run=Course(fired_at=now - 1)))
         store._write_database({timer.store_key: timer for timer in timers}, reset=True)
         store.close()
         for name in os.listdir(tmp_path):
@@ -757,7 +757,7 @@ def outages_under_blocks(
     its deadline passed meanwhile)."""
     figures = Figures()
     for number, outage in enumerate(plan, 1):
-        # Longer than a client's longest pause between reconnects (250 ms): a
+        # Longer than a client's longest pause between reconnects (`RECONNECT_PAUSE`): a
         # scope's first arm, lost to one kill, is sent again before the next one
         # (lost twice, it raises DaemonUnavailable, by design).
         time.sleep(rng.uniform(0.3, 0.45))

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from watchdogd.cli.render import _summary, format_duration, shown_scope
 from watchdogd.cli.watchdogctl import main
 from watchdogd_client import Client
-from watchdogd_client.protocol import DaemonInfo
+from watchdogd_protocol import DaemonInfo
 
 from helpers.daemon import (
     WATCHDOGCTL,

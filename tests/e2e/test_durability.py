@@ -12,12 +12,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.host.process import read_start_time
 from watchdogd.storage.schema import SCHEMA
 from watchdogd.storage.store import Store
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import RESTART_GRACE, EventInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.processes import death_time, python_worker, reap, sleeper, wait_ready

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.core.evidence import stack_text
 from watchdogd.core.evidence_budget import EVIDENCE_BYTES_PER_UID
+from watchdogd.core.kept_evidence import stack_text
 from watchdogd.storage.record_file import RECORD_BYTES, record_path
 from watchdogd_client import Client
-from watchdogd_client.protocol import Evidence
+from watchdogd_protocol import Evidence
 
 from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon, configured_daemon

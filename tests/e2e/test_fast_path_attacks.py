@@ -39,7 +39,8 @@ import trio
 from watchdogd_client import Client, RequestRefused
 from watchdogd_client.engine import Connection, Engine
 from watchdogd_client.fastpath import FastPath, _exchange, fast_path
-from watchdogd_client.protocol import (
+from watchdogd_client.trio import open_client
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     MapPage,
@@ -48,7 +49,7 @@ from watchdogd_client.protocol import (
     Released,
     Welcome,
 )
-from watchdogd_client.protocol.slot_page import (
+from watchdogd_protocol.slot_page import (
     BLOCKS,
     BUCKETS,
     DEADLINE,
@@ -58,7 +59,6 @@ from watchdogd_client.protocol.slot_page import (
     counts_of,
     word_of,
 )
-from watchdogd_client.trio import open_client
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.processes import become, death_time, fork_at_pid, reap, rss_mib, sleeper
@@ -983,7 +983,7 @@ ASK_FOR_A_SLOT = """
 import json, socket, sys
 from watchdogd_client.engine import Engine
 from watchdogd_client.fastpath import _exchange
-from watchdogd_client.protocol import Acquire, Acquired, Welcome
+from watchdogd_protocol import Acquire, Acquired, Welcome
 engine = Engine(sys.argv[1], client="attacker", reconnect_timeout=0.0)
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(sys.argv[1])

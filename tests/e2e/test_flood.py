@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from watchdogd_client.protocol import Acquire, Hello, Ping, Status, encode_frame
+from watchdogd_protocol import Acquire, Hello, Ping, Status, encode_frame
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.processes import reap, rss_mib, sleeper

@@ -29,7 +29,8 @@ import pytest
 
 from watchdogd_client import Client
 from watchdogd_client.arming import JobLabels
-from watchdogd_client.protocol import (
+from watchdogd_client.responder import Responder
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Error,
     EventInfo,
@@ -44,7 +45,6 @@ from watchdogd_client.protocol import (
     decode_for_responder,
     encode_frame,
 )
-from watchdogd_client.responder import Responder
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
 from helpers.processes import PidHolder, become, fork_at_pid, reap, sleeper

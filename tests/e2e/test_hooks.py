@@ -20,7 +20,7 @@ from watchdogd.core.effects import HookResult
 from watchdogd.core.policies import substitute
 from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, run_hook
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.hooks import RECORDING_DUMPER, most_at_once

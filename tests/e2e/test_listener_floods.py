@@ -27,7 +27,7 @@ import trio
 
 from watchdogd.runtime.server import ACCEPTS_PER_TURN, REFUSALS_WAITING
 from watchdogd_client import Client, DaemonUnavailable, RequestRefused
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Error,
     ErrorCode,
     FrameReader,

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from watchdogd_client.protocol import EventInfo, HangsReply, IncidentInfo
+from watchdogd_protocol import EventInfo, HangsReply, IncidentInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.jobs import incidents, run_job, settled_after

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.core.firing import RESTART_GRACE
+from watchdogd_protocol import RESTART_GRACE
 
+from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon
 from helpers.disks import Raw, journal_files
 from helpers.processes import death_time, reap, sleeper
@@ -48,6 +49,12 @@ def test_a_daemon_starts_and_serves_whatever_sits_at_its_state_files_names(
         raw.close()
         with daemon.client() as client:
             assert not client.status().daemon.state_degraded
+            # Root's timers on time beside whatever sat at those names.
+            canary = Canary(client, 0.5)
+            try:
+                assert canary.lateness() < 0.1
+            finally:
+                canary.close()
         log = daemon.log()
         for name in names:
             moved_aside(name, kind, log)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.processes import reap, wait_ready

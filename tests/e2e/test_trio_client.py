@@ -1,4 +1,5 @@
-"""The trio client: one pipelined connection for many tasks, async expires()."""
+"""The trio client: one pipelined connection for many tasks, async expires(), and
+every request the blocking client makes, answered as the blocking client's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from helpers.daemon import RunningDaemon
 from helpers.fake_daemon import fake_daemon_as
 from helpers.namespaces import in_private_mounts
 from helpers.per_user import AFTER, HUNG, IMPOSTOR, PER_USER, worker_of_other
-from helpers.processes import python_worker, reap, released_while_frozen, wait_ready
+from helpers.processes import python_worker, reap, released_while_frozen, sleeper, wait_ready
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE
 
@@ -231,3 +233,135 @@ def test_without_trio_the_import_error_says_what_to_install() -> None:
     assert result.stdout.startswith("ImportError watchdogd_client.trio needs trio")
     assert "pip install './client[trio]'" in result.stdout
     assert ".whl[trio]'" in result.stdout
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    with trio.move_on_after(PATIENCE):
+        while not await check():
+            await trio.sleep(0.02)
+        return
+    raise AssertionError(f"no {what} within {PATIENCE} s")
+
+
+async def test_events_are_read_and_waited_for_as_the_blocking_client_reads_them(
+    daemon: RunningDaemon,
+) -> None:
+    victim = sleeper()
+    try:
+        async with open_client(str(daemon.socket_path)) as client:
+            last = (await client.events()).last
+            assert await client.acquire("doomed", 0.2, pid=victim.pid) == 0.2
+            # The daemon holds the reply until an event comes: the expiry.
+            seen = await client.events(after=last, wait=PATIENCE)
+            assert seen.events
+            assert seen.events[0].seq > last
+            await eventually(
+                lambda: _expired(client, victim.pid, last), "the expiry among the events"
+            )
+            mine = (await client.events(after=last)).events
+        with daemon.client() as blocking:
+            assert blocking.events(after=last).events[: len(mine)] == mine
+    finally:
+        reap(victim)
+
+
+async def _expired(client: AsyncClient, pid: int, after: int) -> bool:
+    events = (await client.events(after=after, limit=1000)).events
+    return any(e.kind == "expired" and e.pid == pid for e in events)
+
+
+async def test_status_is_read_a_page_at_a_time(daemon: RunningDaemon) -> None:
+    async with open_client(str(daemon.socket_path), fast=False) as client:
+        for n in range(3):
+            await client.acquire(f"paged-{n}", 60)
+        scopes, cursor, pages = [], None, 0
+        while True:
+            page = await client.status_page(limit=1, cursor=cursor)
+            assert len(page.timers) == 1
+            scopes += [timer.scope for timer in page.timers_with_commands()]
+            pages += 1
+            cursor = page.cursor
+            if cursor is None:
+                break
+        assert sorted(scopes) == ["paged-0", "paged-1", "paged-2"]
+        assert pages == 3
+        assert page.daemon.timers == 3
+
+
+async def test_policies_and_metrics_are_the_daemons(daemon: RunningDaemon) -> None:
+    async with open_client(str(daemon.socket_path)) as client:
+        policies = await client.policies()
+        metrics = await client.metrics()
+    with daemon.client() as blocking:
+        expected = blocking.policies()
+        families = {line for line in blocking.metrics().splitlines() if line.startswith("# TYPE")}
+    assert (policies.default, policies.policies) == (expected.default, expected.policies)
+    assert "kill" in {policy.name for policy in policies.policies}
+    assert {line for line in metrics.splitlines() if line.startswith("# TYPE")} == families
+    assert "watchdogd_requests_total" in metrics
+
+
+async def test_suggest_reads_what_the_daemon_learned(daemon: RunningDaemon) -> None:
+    async with open_client(str(daemon.socket_path)) as client:
+        async with client.expires("auto", "learning", ceiling=20):
+            pass
+        [learned] = [row for row in await client.suggest() if row.scope == "learning"]
+        assert learned.count == 1
+    with daemon.client() as blocking:
+        assert [row for row in blocking.suggest() if row.scope == "learning"] == [learned]
+
+
+async def test_an_expired_ranks_incident_hangs_and_why_are_read(daemon: RunningDaemon) -> None:
+    victim = sleeper()
+    try:
+        async with open_client(str(daemon.socket_path)) as client:
+            await client.acquire("step", 0.2, pid=victim.pid, job="trio-job", rank=3)
+            await trio.to_thread.run_sync(victim.wait)
+
+            async def listed() -> bool:
+                return any(i.job == "trio-job" for i in await client.incidents())
+
+            await eventually(listed, "the rank's incident")
+            [summary] = [i for i in await client.incidents(limit=10) if i.job == "trio-job"]
+            incident = await client.incident(summary.id)
+            why = await client.why(victim.pid)
+            hangs = await client.hangs("trio-job")
+        assert (incident.job, incident.rank, incident.scope) == ("trio-job", 3, "step")
+        assert [(rank.rank, rank.role) for rank in incident.ranks] == [(3, "expired")]
+        assert summary.id in {i.id for i in why.incidents}
+        assert why.pid == victim.pid
+        assert hangs.job == "trio-job"
+        with daemon.client() as blocking:
+            assert blocking.incident(summary.id) == incident
+            same = blocking.hangs("trio-job")
+        assert (hangs.uid, hangs.hangs) == (same.uid, same.hangs)
+    finally:
+        reap(victim)
+
+
+async def test_a_timer_its_process_exit_releases_leaves_no_exited_event(
+    daemon: RunningDaemon,
+) -> None:
+    command, other = sleeper(), sleeper()
+    try:
+        async with open_client(str(daemon.socket_path)) as client:
+            last = (await client.events()).last
+            await client.acquire("command", 60, pid=command.pid, exit_releases=True)
+            await client.acquire("other", 60, pid=other.pid)
+            for victim in (command, other):
+                victim.terminate()
+                await trio.to_thread.run_sync(victim.wait)
+
+            async def released() -> bool:
+                timers = (await client.status()).timers
+                return not [t for t in timers if t.pid in (command.pid, other.pid)]
+
+            await eventually(released, "the exits' releases")
+            events = (await client.events(after=last)).events
+        # The process whose timer was armed without exit_releases exited; the other
+        # ended as a command is expected to.
+        exited = {e.pid for e in events if e.kind == "exited"}
+        assert (other.pid in exited, command.pid in exited) == (True, False)
+    finally:
+        reap(command)
+        reap(other)

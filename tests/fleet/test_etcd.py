@@ -14,7 +14,7 @@ import trio
 from watchdogd.errors import ConfigError
 from watchdogd.fleet.etcd import Backoff, EtcdClient, Limits, prefix_end
 from watchdogd.fleet.gateway import EtcdCompacted, EtcdUnavailable, LeaseNotFound, WatchBroken
-from watchdogd.fleet.watch import Event, Watch
+from watchdogd.fleet.watch import EtcdWatch, Event
 
 from helpers.etcd import EtcdServer, TlsFiles, free_ports, running_cluster, running_etcd, urls
 from helpers.waiting import PATIENCE
@@ -41,7 +41,7 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_ports(1)[0]}"
 
 
-async def next_events(watch: Watch, count: int) -> list[Event]:
+async def next_events(watch: EtcdWatch, count: int) -> list[Event]:
     with trio.fail_after(PATIENCE):
         return [await anext(watch) for _ in range(count)]
 

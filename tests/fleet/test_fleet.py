@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from watchdogd.fleet.records import MAX_RANKS_BYTES, encode_ranks
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl, expired_event
 from helpers.etcd import EtcdServer, registered

@@ -49,7 +49,7 @@ from watchdogd.fleet.member import MAX_JOBS_PER_UID, head_ttl
 from watchdogd.fleet.publish import PUBLISH_BURST, PUBLISH_RATE
 from watchdogd.fleet.records import MAX_HOST_BYTES
 from watchdogd_client import Client
-from watchdogd_client.protocol import EventInfo, IncidentInfo
+from watchdogd_protocol import EventInfo, IncidentInfo
 
 from helpers.daemon import RunningDaemon, ctl_command
 from helpers.etcd import EtcdServer, running_etcd
@@ -800,11 +800,12 @@ def many_jobs(socket: Path, count: int) -> Callable[[Say], None]:
     return work
 
 
-def test_one_users_ten_thousand_jobs_leave_root_on_time(
+def test_one_users_thousands_of_jobs_leave_root_on_time(
     etcd: EtcdServer, prefix: str, tmp_path: Path
 ) -> None:
-    # ``max_timers_per_uid`` is 10,000 by default: all of them are allowed.
-    count = 10_000
+    # ``max_timers_per_uid`` is 10,000 by default: all of them are allowed. Twenty
+    # times the bound of a host key's jobs here, a hundred times under make soak.
+    count = 10_000 if os.environ.get("WATCHDOGD_SOAK", "") == "1" else 2_000
     with two_hosts(etcd, prefix, tmp_path) as fleet:
         h1 = fleet.hosts[0]
         held = sleeper()

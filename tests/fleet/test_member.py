@@ -24,9 +24,9 @@ from watchdogd.fleet.etcd import Data, EtcdClient
 from watchdogd.fleet.member import FleetMember
 from watchdogd.fleet.publish import MAX_PENDING, PENDING_PER_UID, _Queue
 from watchdogd.fleet.records import HostRecord
-from watchdogd.fleet.watch import Watch
+from watchdogd.fleet.watch import EtcdWatch
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     EventInfo,
@@ -76,7 +76,7 @@ class RecordingClient(EtcdClient):
         through: Data | None = None,
         start_revision: int = 0,
         max_value: int | None = None,
-    ) -> AsyncIterator[Watch]:
+    ) -> AsyncIterator[EtcdWatch]:
         self.watched.append((_text(prefix), None if through is None else _text(through)))
         async with super().open_watch(
             prefix, through=through, start_revision=start_revision, max_value=max_value
@@ -117,20 +117,20 @@ class Host:
                           outcome="alive", incident=run.incident,
                           steps=[StepResult(step="dump", result="exit 0", output=STACK)])
             )  # fmt: skip
-        self.service.record_expiries(events)
+        self.service.firing.record_expiries(events)
         for item in expired:
-            self.service.expiry_finished(item.timer)
+            self.service.firing.finished(item.timer)
             item.process.close()
 
     def hang(self) -> str:
         """Its first rank misses a deadline: the incident's id."""
         now = time.monotonic()
-        caller = self.service.open_connection(ROOT)
+        caller = self.service.arming.open_connection(ROOT)
         self.service.handle(
             Acquire(id=1, scope="hang", timeout=1.0, pid=PIDS[0], job="train", rank=0),
             caller, now,
         )  # fmt: skip
-        fired = self.service.expire_due(now + 1.0)
+        fired = self.service.firing.expire_due(now + 1.0)
         self.carry_out(fired)
         run = fired[0].timer.run
         assert run is not None
@@ -149,7 +149,7 @@ def make_host(name: str, job: str | None, etcd: EtcdServer, prefix: str) -> Host
     service = Service(config, fake, daemon_pid=50, now=time.monotonic(), wall=time.time,
                       clock=time.monotonic, render_metrics=exposition, host=name)  # fmt: skip
     if job is not None:
-        caller = service.open_connection(ROOT)
+        caller = service.arming.open_connection(ROOT)
         for index, pid in enumerate(PIDS):
             reply = service.handle(
                 Acquire(id=pid, scope="step", timeout=3600.0, pid=pid, job=job, rank=index),
@@ -176,7 +176,7 @@ async def running(*hosts: Host) -> AsyncIterator[None]:
     async with trio.open_nursery() as nursery:
         for host in hosts:
             await nursery.start(host.member.run)
-        await wait_for(lambda: all(h.service.fleet_state == "connected" for h in hosts), "up")
+        await wait_for(lambda: all(h.service.fleet.state == "connected" for h in hosts), "up")
         yield
         nursery.cancel_scope.cancel()
 
@@ -343,14 +343,14 @@ def test_the_jobs_registered_are_roots_first_then_each_uids_share_in_turn() -> N
     fake = FakeHost(dict.fromkeys(range(1000, 1500), (1003, 1003)) | {999: (0, 0)})
     service = Service(config, fake, daemon_pid=50, now=0.0, wall=lambda: 0.0, clock=lambda: 0.0,
                       render_metrics=exposition, host="a")  # fmt: skip
-    flooder = service.open_connection(Peer(pid=1000, uid=1003, gid=1003, pidfd=-1))
+    flooder = service.arming.open_connection(Peer(pid=1000, uid=1003, gid=1003, pidfd=-1))
     for number in range(300):
         service.handle(Acquire(id=number + 1, scope=f"s{number}", timeout=60.0,
                                job=f"flood-{number:03}"), flooder, 0.0)  # fmt: skip
-    other = service.open_connection(Peer(pid=1001, uid=1004, gid=1004, pidfd=-1))
+    other = service.arming.open_connection(Peer(pid=1001, uid=1004, gid=1004, pidfd=-1))
     fake.processes[1001] = (1004, 1004)
     service.handle(Acquire(id=1, scope="mine", timeout=60.0, job="mine"), other, 0.0)
-    root = service.open_connection(ROOT)
+    root = service.arming.open_connection(ROOT)
     service.handle(Acquire(id=1, scope="r", timeout=60.0, pid=999, job="roots"), root, 0.0)
     held = service.fleet.held_jobs(150, 100)
     assert held[0] == (0, "roots")

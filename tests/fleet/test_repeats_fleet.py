@@ -17,7 +17,7 @@ import msgspec
 import trio
 
 from watchdogd.fleet.etcd import EtcdClient
-from watchdogd_client.protocol import HangsReply, IncidentInfo
+from watchdogd_protocol import HangsReply, IncidentInfo
 
 from helpers.daemon import RunningDaemon, ctl
 from helpers.etcd import EtcdServer, registered

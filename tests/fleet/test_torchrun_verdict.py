@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd_client.protocol import IncidentInfo
+from watchdogd_protocol import IncidentInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import EtcdServer

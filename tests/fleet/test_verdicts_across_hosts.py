@@ -13,7 +13,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from watchdogd_client.protocol import IncidentInfo
+from watchdogd_protocol import IncidentInfo
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import EtcdServer, registered

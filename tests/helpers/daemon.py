@@ -13,7 +13,7 @@ from pathlib import Path
 
 from watchdogd.storage.store import default_state_path
 from watchdogd_client import Client, DaemonUnavailable
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from helpers.launcher import Forked, forking, launcher, run_captured
 from helpers.waiting import PATIENCE, wait_until

@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import pytest
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,

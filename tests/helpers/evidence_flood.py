@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from itertools import count
 from pathlib import Path
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     PROTOCOL_VERSION,
     Acquire,
     Acquired,

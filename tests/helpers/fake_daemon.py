@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REQUEST_FRAME,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,

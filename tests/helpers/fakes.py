@@ -13,7 +13,7 @@ from watchdogd.core.timers import StoreKey, Timer
 from watchdogd.errors import Refusal
 from watchdogd.host.users import UserNames
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 DAEMON_PID = 50
 USERS = {0: "root", 1000: "alice", 2000: "bob"}
@@ -188,7 +188,7 @@ class World:
 
 def make_world(journal: Journal | None = None, now: float = 0.0, **limits: object) -> World:
     service, host, notified = make_service(journal, now, **limits)
-    alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
+    alice, bob, root = (service.arming.open_connection(peer) for peer in (ALICE, BOB, ROOT))
     return World(service, host, notified, alice, bob, root)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from watchdogd_client.protocol import IncidentInfo
+from watchdogd_protocol import IncidentInfo
 
 from helpers.daemon import ctl
 from helpers.processes import python_worker, wait_ready

@@ -1,5 +1,5 @@
 """Deadlines by key, on the daemon's `Deadlines`: the order the scheduler's tests and
-the heap's model tests arm and pop, for callers that have no record of their own.
+the model tests of `Deadlines` arm and pop, for callers that have no record of their own.
 
 The timer table keeps its `Timer` records in `Deadlines` directly; this keeps a
 small frozen entry a key and a dict of the live ones, so that setting a key again
@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from watchdogd.core.heap import Deadlines
+from watchdogd.core.deadlines import Deadlines
 
 K = TypeVar("K", bound=Hashable)
 

@@ -2,7 +2,7 @@
 (`FakePages`) whose pages (`FakePage`, the daemon's handle) share a `Memory` with
 the process that holds them, which the tests write as that process would
 (`Memory.store`, `Memory.release`), through the layout of
-`watchdogd_client.protocol.slot_page`.
+`watchdogd_protocol.slot_page`.
 
 A page is held by a process once it was handed to it (`FakePages.hand`, as a
 `MapPage` does), and only a held page can be adopted again (after a restart:
@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Sequence
 
 from watchdogd.core.ports import SEARCHING, PageRef, Searching, TargetProcess
-from watchdogd_client.protocol.slot_page import (
+from watchdogd_protocol.slot_page import (
     AUTO,
     BLOCKS,
     BUCKETS,

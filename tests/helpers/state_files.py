@@ -30,7 +30,7 @@ import msgspec
 import trio
 
 from watchdogd.core.policies import BUILTIN
-from watchdogd.core.timers import Run, Timer, Watch
+from watchdogd.core.timers import Course, Timer, Watch
 
 DATA = Path(__file__).parent.parent / "data"
 #: The schemas that tests/data/ holds a state of.
@@ -94,7 +94,7 @@ FOLDED = (
         armed_at=THEN - 5,
         deadline=THEN - 1,
         firing=1,
-        run=Run(fired_at=THEN - 1, plan=BUILTIN["log"].plan),
+        run=Course(fired_at=THEN - 1, plan=BUILTIN["log"].plan),
     ),
 )
 #: Then, in the journal: a timer armed since (on a deadline it shares with one

@@ -1,4 +1,4 @@
-"""Asks to responders (`watchdogd.runtime.responders.Asks`) about real processes,
+"""Asks to responders (`watchdogd.runtime.asks.Asks`) about real processes,
 through real pidfds: an ask goes only to the responder of the process it names,
 alive, and an answer is taken only while that process has not exited."""
 
@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from watchdogd.host.process import Process, open_process
-from watchdogd.runtime.responders import Asks
-from watchdogd_client.protocol import (
+from watchdogd.runtime.asks import Asks
+from watchdogd_protocol import (
     Evidence,
     EvidenceWanted,
     FrameReader,

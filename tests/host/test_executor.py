@@ -21,10 +21,10 @@ from watchdogd.core.service import Service
 from watchdogd.host.exits import ExitWatcher
 from watchdogd.host.process import Process
 from watchdogd.host.users import UserNames
-from watchdogd.runtime.daemon import HostProcesses
 from watchdogd.runtime.executor import Executor
+from watchdogd.runtime.host_processes import HostProcesses
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import Acquire
+from watchdogd_protocol import Acquire
 
 
 def _service() -> Service[Process]:
@@ -53,7 +53,7 @@ async def test_a_wrong_observation_is_logged_and_fails_its_run_alone(
     try:
         service = _service()
         for victim, policy in ((waiting, "later"), (killed, "kill")):
-            caller = service.open_connection(Peer(pid=victim.pid, uid=0, gid=0))
+            caller = service.arming.open_connection(Peer(pid=victim.pid, uid=0, gid=0))
             acquire = Acquire(id=1, scope="step", timeout=0.01, policy=policy)
             service.handle(acquire, caller, time.monotonic())
 
@@ -67,9 +67,9 @@ async def test_a_wrong_observation_is_logged_and_fails_its_run_alone(
         async with trio.open_nursery() as nursery:
             executor = Executor(service, nursery, clock=time.monotonic)
             await nursery.start(executor.run)  # watches the target sent SIGKILL
-            executor.carry_out(service.take_due(time.monotonic(), 10))
+            executor.carry_out(service.firing.take_due(time.monotonic(), 10))
             with trio.fail_after(10):
-                while executor.settle(time.monotonic() + 1.0) or service.firing:
+                while executor.settle(time.monotonic() + 1.0) or len(service.firing):
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         # The wrong run failed alone, logged with its traceback; the kill went.
@@ -80,7 +80,7 @@ async def test_a_wrong_observation_is_logged_and_fails_its_run_alone(
         assert "does not answer WaitUntil" in str(failed.exc_info[1])
         assert killed.wait(timeout=5) == -9
         assert waiting.poll() is None  # never signalled: its run failed at the wait
-        assert service.firing == 0
+        assert len(service.firing) == 0
     finally:
         for victim in (waiting, killed):
             victim.kill()

@@ -13,14 +13,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from watchdogd_client.protocol import Collective, Evidence, FlightRecord, GroupState
+from watchdogd_protocol import Collective, Evidence, FlightRecord, GroupState
 
 from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
-
-#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
-pytestmark = pytest.mark.torch_job
 
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
 #: broadcast in a second group, all under a timer of torch's own ``expires()``; then
@@ -110,7 +107,10 @@ def caught_up(line: ResponderLine, entered: int | None) -> FlightRecord:
     return seen[0]
 
 
-def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
+# A job of two torch processes: one such job runs at a time (tests/conftest.py);
+# the tests of one torch process below run beside them.
+@pytest.mark.torch_job
+def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did_and_waits_inside_it(
     ranks: dict[int, ResponderLine],
 ) -> None:
     waiting = caught_up(ranks[0], entered=3)
@@ -159,12 +159,10 @@ def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did(
     main = ranks[1].ask(100).threads[0]
     assert main.frames[0].function == "load_batch"
 
-
-def test_the_waiting_ranks_main_thread_is_inside_the_all_reduce(
-    ranks: dict[int, ResponderLine],
-) -> None:
+    # The waiting rank's stack says the same as its record: its main thread is
+    # inside the all_reduce.
     def inside() -> bool:
-        main = ranks[0].ask(1).threads[0]
+        main = ranks[0].ask(101).threads[0]
         return "all_reduce" in [frame.function for frame in main.frames]
 
     wait_until(inside, what="rank 0's main thread in all_reduce")

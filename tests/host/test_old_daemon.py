@@ -7,8 +7,8 @@ from pathlib import Path
 
 import trio
 
-from watchdogd_client.protocol import PROTOCOL_VERSION
 from watchdogd_client.trio import open_client
+from watchdogd_protocol import PROTOCOL_VERSION
 
 from helpers.fake_daemon import FakeDaemon
 from helpers.processes import python_worker

@@ -28,7 +28,7 @@ from watchdogd.host.process import (
     refusal_for,
     uids_of,
 )
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 from helpers.processes import reap, sleeper
 from helpers.waiting import wait_until

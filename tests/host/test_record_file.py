@@ -21,7 +21,7 @@ from watchdogd.core.incidents import IncidentLog
 from watchdogd.core.repeats import Hang, Print, Repeats
 from watchdogd.storage.journal import RECORD
 from watchdogd.storage.record_file import RecordFile
-from watchdogd_client.protocol import EventInfo, RankInfo, StepResult
+from watchdogd_protocol import EventInfo, RankInfo, StepResult
 
 from helpers.disks import fill_space, tmpfs
 from helpers.special_files import each_special, freed_after, make_special, moved_aside

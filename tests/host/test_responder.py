@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_EVIDENCE_BYTES,
     PROTOCOL_VERSION,
     Evidence,

@@ -1,4 +1,4 @@
-"""The scrape endpoint's `Room`, over real sockets: which connection gives way
+"""The scrape endpoint's `HeldConnections`, over real sockets: which connection gives way
 when it is full."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from watchdogd.runtime.scrape import Room
+from watchdogd.runtime.scrape import HeldConnections
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def dropped(sock: socket.socket) -> bool:
 async def test_a_full_room_drops_the_oldest_waiting_connection_of_the_busiest_address(
     pairs: list[socket.socket],
 ) -> None:
-    room = Room(capacity=4)
+    room = HeldConnections(capacity=4)
     scraper = conn(pairs)
     room.enter(scraper, "10.0.0.9", 10.0)
     flood = [conn(pairs) for _ in range(3)]
@@ -50,7 +50,7 @@ async def test_a_full_room_drops_the_oldest_waiting_connection_of_the_busiest_ad
 async def test_a_connection_whose_page_is_being_sent_gives_way_only_when_none_waits(
     pairs: list[socket.socket],
 ) -> None:
-    room = Room(capacity=2)
+    room = HeldConnections(capacity=2)
     sending, waiting = conn(pairs), conn(pairs)
     room.enter(sending, "127.0.0.1", 10.0).answering = True
     room.enter(waiting, "127.0.0.1", 10.0)
@@ -66,7 +66,7 @@ async def test_a_connection_whose_page_is_being_sent_gives_way_only_when_none_wa
 async def test_between_addresses_holding_as_many_the_one_that_came_first_gives_way(
     pairs: list[socket.socket],
 ) -> None:
-    room = Room(capacity=2)
+    room = HeldConnections(capacity=2)
     first, second = conn(pairs), conn(pairs)
     room.enter(first, "10.0.0.1", 10.0)
     room.enter(second, "10.0.0.2", 10.0)
@@ -78,7 +78,7 @@ async def test_between_addresses_holding_as_many_the_one_that_came_first_gives_w
 async def test_a_connection_that_left_frees_its_room_and_leaves_once(
     pairs: list[socket.socket],
 ) -> None:
-    room = Room(capacity=1)
+    room = HeldConnections(capacity=1)
     gone = room.enter(conn(pairs), "127.0.0.1", 10.0)
     room.leave(gone)
     room.leave(gone)

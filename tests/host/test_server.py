@@ -29,7 +29,7 @@ from watchdogd.errors import ListenError
 from watchdogd.runtime.daemon import run
 from watchdogd.runtime.reply_budget import ReplyBudget
 from watchdogd.runtime.server import open_listener
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Error,
@@ -175,7 +175,7 @@ async def test_oversized_frame_gets_an_error_then_the_connection_closes(
     assert isinstance(reply, Error)
     assert reply.code == ErrorCode.FRAME_TOO_LARGE
     assert await conn.closed_by_daemon()
-    assert service.connections == 0
+    assert service.arming.connections == 0
 
 
 async def test_bad_frames_leave_the_connection_and_others_usable(
@@ -272,7 +272,7 @@ async def test_client_that_never_reads_is_disconnected(
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
     with trio.fail_after(10):
-        while service.connections:
+        while service.arming.connections:
             await trio.sleep(0.01)
     other = await Conn.open(socket_path)
     assert await other.ask(Ping(id=2)) == Pong(id=2)
@@ -437,7 +437,7 @@ async def test_a_uid_over_its_reply_budget_waits_and_root_never_does() -> None:
 #: forks and exits: its child keeps the connection and says its pid.
 RESPONDS_AND_FORKS = """
     import os, socket, sys, time
-    from watchdogd_client.protocol import (
+    from watchdogd_protocol import (
         PROTOCOL_VERSION, FrameReader, Hello, Respond, decode_reply, encode_frame,
     )
 
@@ -483,7 +483,7 @@ async def test_a_responder_is_dropped_the_moment_its_process_exits(
             while service.responders.jobs():
                 await trio.sleep(0.001)
         assert len(service.responders) == 0
-        assert service.connections == 1
+        assert service.arming.connections == 1
     finally:
         if child is not None:
             signal.pidfd_send_signal(child, signal.SIGKILL)

@@ -31,7 +31,7 @@ from watchdogd.host.slot_pages import (
     new_page,
     shares_clock,
 )
-from watchdogd_client.protocol.slot_page import DEADLINE, MAGIC, PAGE_BYTES, SLOTS, word_of
+from watchdogd_protocol.slot_page import DEADLINE, MAGIC, PAGE_BYTES, SLOTS, word_of
 
 from helpers.processes import reap, sleeper
 from helpers.users import NOBODY, nobody_sleeper
@@ -55,7 +55,7 @@ BLOCKED = 10.0
 HOLDER = textwrap.dedent(
     """
     import mmap, sys
-    from watchdogd_client.protocol.slot_page import PAGE_BYTES
+    from watchdogd_protocol.slot_page import PAGE_BYTES
     for spec in sys.argv[1:]:
         fd, word, value = map(int, spec.split(":"))
         mapping = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

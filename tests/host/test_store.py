@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd.core.timers import Run, Timer, Watch
+from watchdogd.core.timers import Course, Timer, Watch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
 from watchdogd.storage import room as room_module
@@ -33,10 +33,10 @@ from helpers.state_files import PIDS, SCHEMAS, WRITTEN, make_own
 
 
 def timer(pid: int, scope: str, deadline: float = 100.0, **fields: object) -> Timer:
-    """A timer; ``step``, ``step_end``, ``fired_at`` and ``plan`` make its `Run`."""
-    run = {name: fields.pop(name) for name in Run.__struct_fields__ if name in fields}
+    """A timer; ``step``, ``step_end``, ``fired_at`` and ``plan`` make its `Course`."""
+    run = {name: fields.pop(name) for name in Course.__struct_fields__ if name in fields}
     if run:
-        fields["run"] = Run(**run)  # type: ignore[arg-type]
+        fields["run"] = Course(**run)  # type: ignore[arg-type]
     return Timer(
         pid=pid,
         scope=scope,

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from watchdogd_client.protocol import Unblocked, UnblockOutcome, UnblockWanted
+from watchdogd_protocol import Unblocked, UnblockOutcome, UnblockWanted
 
 from helpers.etcd import free_ports
 from helpers.fake_daemon import FakeDaemon, ResponderLine

@@ -19,8 +19,8 @@ from watchdogd_client.arming import (
     arming_timeout,
     forget_environment,
 )
-from watchdogd_client.protocol import Acquire, Auto
 from watchdogd_client.trio import open_client
+from watchdogd_protocol import Acquire, Auto
 
 
 def test_a_misspelt_parameter_fails_at_the_call_of_every_expires() -> None:

@@ -8,16 +8,31 @@ import sys
 import msgspec
 import pytest
 
-from watchdogd_client.engine import Answer, Backoff, Connection, Engine
+from watchdogd_client.engine import (
+    Answer,
+    Backoff,
+    Clock,
+    Close,
+    Connected,
+    Connection,
+    Engine,
+    Exchange,
+    Open,
+    Pause,
+    Step,
+    drive,
+)
 from watchdogd_client.errors import (
     DaemonUnavailable,
     FrameTooLarge,
     ProtocolError,
     RequestRefused,
+    UntrustedSocket,
 )
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     MAX_REPLY_FRAME,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Acquired,
     Error,
@@ -306,6 +321,141 @@ class TestRetry:
 
     def test_a_first_connect_is_tried_once(self) -> None:
         assert Backoff(50.0).pause(50.0) is None
+
+
+class Driver:
+    """A driver of the engine's plans with no I/O: it records each step and takes
+    it as the test scripts, the clock advancing by each pause."""
+
+    def __init__(self, source: Engine, *, opens: list[Exception | None], welcome: bool = True):
+        self.engine = source
+        self.steps: list[str] = []
+        self.opens = opens
+        self.welcome = welcome
+        self.now = 0.0
+        self.connection: Connection | None = None
+        #: What each request's exchange gets: True, its reply; False, the loss.
+        self.replies: list[bool] = []
+
+    def take(self, step: Step) -> object:
+        self.steps.append(type(step).__name__)
+        if isinstance(step, Clock):
+            return self.now
+        if isinstance(step, Pause):
+            self.now += step.seconds
+            return None
+        if isinstance(step, Open):
+            failure = self.opens.pop(0)
+            if failure is not None:
+                raise failure
+            return self.engine.connect(responder=step.responder)
+        if isinstance(step, Close):
+            return step.connection.connection_lost()
+        if isinstance(step, Connected):
+            self.steps[-1] += "(again)" if step.again else ""
+            if self.connection is None or self.connection.state != "open":
+                self.connection = drive(self.engine.dial(broke=step.again), self.take)
+            return self.connection
+        assert isinstance(step, Exchange)
+        return self.exchange(step)
+
+    def exchange(self, step: Exchange) -> Answer:
+        connection = step.connection
+        if step.request_id == connection.hello_id:
+            hello = decode_request(step.frame[4:])
+            assert isinstance(hello, Hello)
+            self.steps[-1] += f"(hello {hello.version})"
+            if self.welcome or hello.version == MIN_PROTOCOL_VERSION:
+                reply: Reply = Welcome(id=hello.id, version=1, server="s", pid=1)
+            else:
+                reply = Error(id=hello.id, code=ErrorCode.UNSUPPORTED_VERSION, message="old")
+            [answer] = connection.receive_data(frame(reply))
+            return answer
+        if self.replies.pop(0):
+            [answer] = connection.receive_data(frame(Pong(id=step.request_id)))
+            return answer
+        [answer] = connection.connection_lost("reset")
+        return answer
+
+
+class TestPlans:
+    def test_a_call_connects_then_exchanges_its_frame(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[None])
+        driver.replies = [True]
+        request = Ping(id=source.next_id())
+        assert drive(source.call(request, Pong), driver.take) == Pong(id=request.id)
+        # The socket is opened (and judged) before the hello, the hello before the call.
+        assert driver.steps == [
+            "Connected",
+            "Open",
+            f"Exchange(hello {PROTOCOL_VERSION})",
+            "Exchange",
+        ]
+
+    def test_a_call_lost_once_is_sent_again_and_a_second_loss_is_unavailable(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[None, None, None])
+        driver.replies = [False, True]
+        request = Ping(id=source.next_id())
+        assert drive(source.call(request, Pong), driver.take) == Pong(id=request.id)
+        assert driver.steps[4:] == [
+            "Connected(again)",
+            "Clock",
+            "Open",
+            f"Exchange(hello {PROTOCOL_VERSION})",
+            "Exchange",  # the same request, its id kept
+        ]
+        driver.replies = [False, False]
+        with pytest.raises(DaemonUnavailable, match="the connection closed"):
+            drive(source.call(Ping(id=source.next_id()), Pong), driver.take)
+
+    def test_a_daemon_that_refuses_the_version_is_greeted_again_in_the_oldest(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[None, None], welcome=False)
+        connection = drive(source.greet(), driver.take)
+        assert connection.state == "open"
+        assert driver.steps == [
+            "Open",
+            f"Exchange(hello {PROTOCOL_VERSION})",
+            "Close",
+            "Open",
+            f"Exchange(hello {MIN_PROTOCOL_VERSION})",
+        ]
+
+    def test_a_responder_refused_its_version_does_not_greet_again(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[None, None], welcome=False)
+        with pytest.raises(RequestRefused) as caught:
+            drive(source.greet(responder=True), driver.take)
+        assert caught.value.code == ErrorCode.UNSUPPORTED_VERSION
+        assert driver.steps == ["Open", f"Exchange(hello {PROTOCOL_VERSION})"]
+
+    def test_a_first_dial_tries_once(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[source.unavailable("no socket there")])
+        with pytest.raises(DaemonUnavailable, match="no socket there"):
+            drive(source.dial(broke=False), driver.take)
+        assert driver.steps == ["Open"]
+
+    def test_a_dial_after_a_break_waits_out_the_reconnect_timeout(self) -> None:
+        source = engine()  # reconnect_timeout 5 s
+        down: list[Exception | None] = [
+            source.unavailable("nothing is listening") for _ in range(99)
+        ]
+        driver = Driver(source, opens=down)
+        with pytest.raises(DaemonUnavailable, match="nothing is listening"):
+            drive(source.dial(broke=True), driver.take)
+        pauses = driver.steps.count("Pause")
+        assert driver.steps.count("Open") == pauses + 1
+        assert 4.75 < driver.now <= 5.0
+
+    def test_a_socket_not_to_be_trusted_is_not_tried_again(self) -> None:
+        source = engine()
+        driver = Driver(source, opens=[UntrustedSocket("owned by uid 4321", SOCKET, 4321), None])
+        with pytest.raises(UntrustedSocket):
+            drive(source.dial(broke=True), driver.take)
+        assert driver.steps == ["Clock", "Open"]
 
 
 def test_a_failed_connect_says_why() -> None:

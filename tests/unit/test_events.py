@@ -6,7 +6,7 @@ import msgspec
 
 from watchdogd.core.events import MAX_EVENT_BYTES, EventLog
 from watchdogd.core.identity import ROOT
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     EventInfo,
     EventsReply,

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from watchdogd_client.evidence import fit_evidence, reduce_flight_record
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     Evidence,
     FlightRecord,
@@ -21,7 +21,7 @@ from watchdogd_client.protocol import (
     GroupState,
     ThreadStack,
 )
-from watchdogd_client.protocol.evidence import MAX_ENTRIES, MAX_GROUPS
+from watchdogd_protocol.responding import MAX_ENTRIES, MAX_GROUPS
 
 #: What torch 2.13's ``_dump_fr_trace_json()`` returned on rank 0 of a two-rank gloo
 #: job, while it waited in the default group's third all_reduce: two all_reduces

@@ -51,9 +51,8 @@ from watchdogd.core.policies import (
     Unblock,
     signal_policy,
 )
-from watchdogd.core.timers import Run as Progress
-from watchdogd.core.timers import Timer, Watch
-from watchdogd_client.protocol import EventInfo
+from watchdogd.core.timers import Course, Timer, Watch
+from watchdogd_protocol import EventInfo
 
 DEADLINE = 100.0
 FIRED = 100.5
@@ -82,7 +81,7 @@ def firing(
         timeout=60.0,
         armed_at=DEADLINE - 60.0,
         firing=1,
-        run=Progress(
+        run=Course(
             step=step,
             step_end=step_end,
             fired_at=FIRED,

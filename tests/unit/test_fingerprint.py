@@ -17,9 +17,9 @@ from watchdogd.core.fingerprint import (
     reader_of,
     uncounted,
 )
-from watchdogd.core.frames import Library
+from watchdogd.core.user_frames import Library
 from watchdogd.core.verdict import Decision, decide
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     CollectiveRef,
     Culprit,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from watchdogd.core.session import Session
 from watchdogd.errors import Refusal
 from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Error,
     ErrorCode,
@@ -141,7 +141,7 @@ def _decode_or_protocol_error(body: bytes) -> Any:
 @given(st.lists(request_like | st.binary(max_size=200).map(lambda b: {"raw": b}), max_size=25))
 def test_a_session_answers_every_frame_and_never_raises(items: list[dict[str, Any]]) -> None:
     world = make_world(max_timers_per_uid=5)
-    session = Session(world.service, world.service.open_connection(ALICE))
+    session = Session(world.service, world.service.arming.open_connection(ALICE))
     out = bytearray()
     session.receive(encode_frame(Hello(id=0, version=1))[4:], 0.0, out)
     for now, item in enumerate(items, 1):
@@ -204,4 +204,4 @@ def _check_table(service: Any) -> None:
     for uid, count in owners.items():
         assert service.table.owned_by(uid) == count
         if uid != 0:
-            assert count <= service.config.max_timers_per_uid
+            assert count <= service.rules.daemon.max_timers_per_uid

@@ -10,7 +10,7 @@ import pytest
 from watchdogd.core.config import DAY, Config, DaemonConfig, parse_config
 from watchdogd.core.service import Service
 from watchdogd.errors import ConfigError, Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     EventInfo,
     Hangs,
     HangsReply,
@@ -161,7 +161,7 @@ def test_another_hang_is_counted_apart_and_a_lost_host_not_at_all() -> None:
     hang(service, "train", NOW - 3000)
     other = hang(service, "train", NOW - 2000, culprit="load_batch")
     lost = service.incidents.opened("host_lost", (1000, "train"), "alice", "host b", NOW - 1000)
-    service.settle_incidents()  # its window has closed: it settles, with no ranks
+    service.incidents.tick(NOW)  # its window has closed: it settles, with no ranks
     reply = ask(world, "train")
     assert {shown.frames[0]: shown.hangs for shown in reply.fingerprints} == {
         "train.py read_shard": 1,

@@ -8,7 +8,7 @@ import msgspec
 from watchdogd.core.identity import Peer
 from watchdogd.core.incidents import IncidentLog
 from watchdogd.core.ranks import MAX_STACK_BYTES, first_frame
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     Acquire,
     EventInfo,
@@ -239,10 +239,10 @@ def test_the_service_opens_an_incident_and_sends_the_peer_policy() -> None:
     world = make_world()
     service = world.service
     for pid, scope, timeout in ((200, "hung", 1.0), (201, "waiting", 60.0)):
-        caller = service.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
+        caller = service.arming.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
         request = Acquire(id=1, scope=scope, timeout=timeout, job="j", rank=pid - 200)
         service.handle(request, caller, 0.0)
-    fired = service.expire_due(1.0)
+    fired = service.firing.expire_due(1.0)
     runs = [(item.timer.pid, item.timer.policy, item.timer.run) for item in fired]
     assert [(pid, policy, run is not None and run.peer) for pid, policy, run in runs] == [
         (200, "kill", False),
@@ -267,15 +267,15 @@ def test_an_expiry_joining_an_incident_sends_the_peer_policy_to_the_ranks_it_lac
 
     def arm(pid: int, timeout: float, now: float) -> None:
         world.host.processes.setdefault(pid, (1000, 1000))
-        caller = service.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
+        caller = service.arming.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
         service.handle(Acquire(id=1, scope="step", timeout=timeout, job="j"), caller, now)
 
     arm(200, 1.0, 0.0)
     arm(201, 60.0, 0.0)
-    first = service.expire_due(1.0)
+    first = service.firing.expire_due(1.0)
     arm(210, 1.0, 5.0)
     arm(211, 60.0, 5.0)
-    second = service.expire_due(6.0)
+    second = service.firing.expire_due(6.0)
     assert [(item.timer.pid, item.timer.policy) for item in second] == [
         (210, "kill"),
         (211, "peer_dump"),
@@ -300,14 +300,14 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
     joins the incident there, and a rank listed already does not get it again."""
     world = make_world()
     service = world.service
-    caller = service.open_connection(Peer(pid=200, uid=1000, gid=1000, pidfd=-1))
+    caller = service.arming.open_connection(Peer(pid=200, uid=1000, gid=1000, pidfd=-1))
     service.handle(Acquire(id=1, scope="step", timeout=60.0, job="j", rank=0), caller, 0.0)
     head = IncidentInfo(
         id="b-1", job="j", user="alice", uid=1000, host="b", scope="s", reason="timeout", time=0.0
     )
     [first] = service.fleet.fleet_incident(head, 1000, 1.0)
     assert (first.timer.pid, first.timer.policy) == (200, "peer_dump")
-    later = service.open_connection(Peer(pid=201, uid=1000, gid=1000, pidfd=-1))
+    later = service.arming.open_connection(Peer(pid=201, uid=1000, gid=1000, pidfd=-1))
     service.handle(Acquire(id=2, scope="step", timeout=60.0, job="j", rank=1), later, 2.0)
     one = rank(900, 5, host="b")
     assert service.fleet.fleet_ranks("b-1", "b", [one], 3.0) == []  # the same hung rank

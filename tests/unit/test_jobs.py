@@ -7,7 +7,7 @@ import pytest
 
 from watchdogd.errors import Refusal
 from watchdogd_client.arming import JobLabels, job_of
-from watchdogd_client.protocol import Acquire, ErrorCode, Status, StatusReply
+from watchdogd_protocol import Acquire, ErrorCode, Status, StatusReply
 
 from helpers.fakes import make_world
 
@@ -76,7 +76,7 @@ def test_status_and_events_show_the_job_and_rank() -> None:
     assert isinstance(reply, StatusReply)
     [shown] = reply.timers
     assert (shown.job, shown.rank) == ("run-7", 3)
-    [expired] = world.service.expire_due(1.0)
+    [expired] = world.service.firing.expire_due(1.0)
     assert expired.timer.watch is not None
     assert (expired.timer.watch.job, expired.timer.watch.local_rank) == ("run-7", 1)
     expired.process.close()

@@ -2,7 +2,9 @@
 with real processes, end-to-end tests with a daemon, fleet tests with etcd, and the
 documentation's tests, each in its directory; what two of them share is in
 ``helpers``, and no test module imports another. The code stays in parts of one
-responsibility each: no module over `MODULE_LINES` lines, no class over `CLASS_LINES`."""
+responsibility each: no module over `MODULE_LINES` lines, no class over `CLASS_LINES`.
+Its names say one thing each: no module name twice across the daemon, the client and
+the protocol (`CONVENTIONAL` names aside), and no class name twice within one of them."""
 
 from __future__ import annotations
 
@@ -53,16 +55,26 @@ def test_no_test_module_imports_another_or_the_fixtures() -> None:
     assert {path: names for path, names in offending.items() if names} == {}
 
 
-#: The bounds of one responsibility: a module of the daemon or the client, and a class.
+#: The packages whose module names are one namespace to a reader: the daemon, the
+#: client and the protocol they share.
+PACKAGES = ("watchdogd", "client/watchdogd_client", "client/watchdogd_protocol")
+#: Module names every package may have, by convention.
+CONVENTIONAL = frozenset({"__init__", "__main__", "_version", "errors"})
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((TESTS.parent / package).rglob("*.py"))
+
+
+#: The bounds of one responsibility: a module of the daemon, the client or the
+#: protocol, and a class.
 MODULE_LINES = 700
 CLASS_LINES = 450
 
 
 def test_no_module_or_class_outgrows_one_responsibility() -> None:
     root = TESTS.parent
-    sources = sorted((root / "watchdogd").rglob("*.py")) + sorted(
-        (root / "client" / "watchdogd_client").rglob("*.py")
-    )
+    sources = [path for package in PACKAGES for path in _sources(package)]
     assert len(sources) > 40
     too_long: dict[str, int] = {}
     for path in sources:
@@ -76,3 +88,40 @@ def test_no_module_or_class_outgrows_one_responsibility() -> None:
                 if lines > CLASS_LINES:
                     too_long[f"{name}::{node.name}"] = lines
     assert too_long == {}
+
+
+def _same_names(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {name: where for name, where in sorted(found.items()) if len(where) > 1}
+
+
+def test_no_module_name_is_used_twice_across_the_daemon_the_client_and_the_protocol() -> None:
+    found: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in _sources(package):
+            if path.stem not in CONVENTIONAL:
+                found.setdefault(path.stem, []).append(str(path.relative_to(TESTS.parent)))
+    assert len(found) > 100
+    assert _same_names(found) == {}
+
+
+def _classes(package: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in _sources(package):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                where = f"{path.relative_to(TESTS.parent)}:{node.lineno}"
+                found.setdefault(node.name, []).append(where)
+    return found
+
+
+def test_no_class_name_is_used_twice_within_one_package() -> None:
+    for package in PACKAGES:
+        assert _classes(package), package
+        assert (package, _same_names(_classes(package))) == (package, {})
+
+
+def test_the_daemon_names_no_class_as_the_protocol_names_its_verdict() -> None:
+    # The daemon imports the protocol's `Verdict` (where an incident's ranks wait);
+    # its own judgement of starvation is a `Starvation`.
+    assert "Verdict" in _classes("client/watchdogd_protocol")
+    assert "Verdict" not in _classes("watchdogd")

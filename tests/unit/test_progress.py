@@ -7,7 +7,7 @@ import pytest
 
 from watchdogd.core.config import Config, HistoryConfig, PolicyConfig, StepConfig
 from watchdogd.core.service import Caller, Service
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Auto,
@@ -182,7 +182,7 @@ def test_why_says_what_is_due_and_why() -> None:
 def test_why_shows_an_expiry_in_progress() -> None:
     w = world()
     arm(w.service, w.alice, 0.0, progress=1)
-    [expired] = w.service.expire_due(5.0)
+    [expired] = w.service.firing.expire_due(5.0)
     reply = w.service.handle(Why(id=1, pid=200), w.root, 5.5)
     assert isinstance(reply, WhyReply)
     [timer] = reply.timers

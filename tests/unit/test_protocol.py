@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_EVIDENCE_BYTES,
     MAX_REQUEST_FRAME,
     Acquire,
@@ -55,7 +55,7 @@ from watchdogd_client.protocol import (
     decode_request,
     encode_frame,
 )
-from watchdogd_client.protocol.evidence import MAX_ENTRIES, MAX_FRAMES, MAX_NAME, MAX_THREADS
+from watchdogd_protocol.responding import MAX_ENTRIES, MAX_FRAMES, MAX_NAME, MAX_THREADS
 
 INFO = DaemonInfo(
     version="0.1.0",

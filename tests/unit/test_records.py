@@ -19,7 +19,7 @@ from watchdogd.fleet.records import (
     encode_ranks,
     read_key,
 )
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
 NOW = 1_800_000_000.0
 HEAD = IncidentInfo(

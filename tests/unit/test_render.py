@@ -12,7 +12,7 @@ from watchdogd.cli.render import (
     why_lines,
 )
 from watchdogd_client import DaemonStatus
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     DaemonInfo,
     EventInfo,
     IncidentInfo,

@@ -9,7 +9,7 @@ import pytest
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     Evidence,
@@ -70,7 +70,9 @@ def test_a_connection_that_outlived_its_process_never_responds_for_the_pids_next
     # to a process of alice's, which responds on a connection of its own.
     bobs.exited = True
     w.host.processes[BOB.pid] = (ALICE.uid, ALICE.uid)
-    holder = w.service.open_connection(Peer(pid=BOB.pid, uid=ALICE.uid, gid=ALICE.gid, pidfd=-1))
+    holder = w.service.arming.open_connection(
+        Peer(pid=BOB.pid, uid=ALICE.uid, gid=ALICE.gid, pidfd=-1)
+    )
     respond(w.service, holder, "alices")
     assert holder.process is not None
     assert holder.process.start_time != bobs.start_time
@@ -85,7 +87,7 @@ def test_a_connection_that_outlived_its_process_never_responds_for_the_pids_next
 
 def test_a_process_has_one_responder_and_replaces_it_only_itself() -> None:
     w = make_world()
-    first, second = w.alice, w.service.open_connection(ALICE)
+    first, second = w.alice, w.service.arming.open_connection(ALICE)
     respond(w.service, first, "a")
     respond(w.service, second, "b")  # the same process, on a connection of its own
     assert [r.job for r in w.service.responders.of_job(ALICE.uid, "b")] == ["b"]
@@ -102,7 +104,7 @@ def test_a_process_has_one_responder_and_replaces_it_only_itself() -> None:
 def test_without_peer_pidfds_a_caller_gone_when_it_connected_never_responds() -> None:
     w = make_world()
     w.host.dead.add(ALICE.pid)
-    caller = w.service.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
+    caller = w.service.arming.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
     assert caller.process is None
     w.host.dead.discard(ALICE.pid)  # its pid taken by another process since
     opened = len(w.host.opened)
@@ -116,7 +118,7 @@ def test_a_caller_the_kernel_gave_no_pidfd_for_is_never_opened_by_its_pid() -> N
     w = make_world()
     opened = len(w.host.opened)
     gone = Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid, gone=True)
-    caller = w.service.open_connection(gone)
+    caller = w.service.arming.open_connection(gone)
     assert refused(w.service, caller, Respond(id=1)).code == ErrorCode.NO_SUCH_PROCESS
     assert len(w.host.opened) == opened
 

@@ -107,3 +107,16 @@ def test_a_reload_lists_each_setting_it_changed_in_the_order_of_the_file() -> No
         "policies.quick", "process: (record only)", ABSENT
     )
     assert rules.reconfigure(RETARGETED) == []
+
+
+def test_a_request_naming_a_misspelt_policy_is_told_the_nearest() -> None:
+    rules = Rules(RETARGETED)
+    with pytest.raises(
+        Refusal, match=r"no policy 'gracefull'; known: .*; did you mean `graceful`\?$"
+    ):
+        rules.chosen("gracefull", 0)
+    with pytest.raises(Refusal, match=r"did you mean `group:graceful`\?$"):
+        rules.chosen("group:gracefull", 0)
+    with pytest.raises(Refusal) as far:
+        rules.chosen("zzzzzz", 0)
+    assert "did you mean" not in str(far.value)

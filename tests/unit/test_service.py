@@ -12,7 +12,7 @@ from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.timers import Timer, TimerTable, Watch
 from watchdogd.errors import Refusal
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
@@ -133,12 +133,12 @@ class TestAcquire:
         # The process exited and its pid went to a new process, which connects,
         # before the exit was processed: it must not inherit the old timers.
         first.exited = True
-        newcomer = w.service.open_connection(ALICE)
+        newcomer = w.service.arming.open_connection(ALICE)
         w.service.handle(Acquire(id=2, scope="new", timeout=5), newcomer, 2.0)
         assert w.service.table.get(ALICE.pid, "old") is None
         assert w.service.table.get(ALICE.pid, "new") is not None
         assert w.service.table.process(ALICE.pid) is not first
-        w.service.close_connection(w.alice)
+        w.service.arming.close_connection(w.alice)
         assert first.refs == 0
 
 
@@ -174,7 +174,7 @@ class TestCallerIdentity:
         6.9): whoever holds its pid now is another process."""
         service, host, _ = make_service()
         gone = Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid, gone=True)
-        caller = service.open_connection(gone)
+        caller = service.arming.open_connection(gone)
         error = refusal(service, Acquire(id=1, scope="s", timeout=5), caller)
         assert error.code == ErrorCode.NO_SUCH_PROCESS
         assert host.opened == []
@@ -182,7 +182,7 @@ class TestCallerIdentity:
 
     def test_without_peer_pidfds_the_caller_is_opened_when_it_connects(self) -> None:
         service, host, _ = make_service()
-        caller = service.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
+        caller = service.arming.open_connection(Peer(pid=ALICE.pid, uid=ALICE.uid, gid=ALICE.gid))
         assert [p.pid for p in host.opened] == [ALICE.pid]
         assert caller.process is host.opened[0]
         service.handle(Acquire(id=1, scope="s", timeout=5), caller, 1.0)
@@ -207,10 +207,12 @@ class TestAuthorization:
         service = w.service
         request = Acquire(id=1, scope="s", timeout=5, pid=target)
         if allowed:
-            assert isinstance(service.handle(request, service.open_connection(peer), 1.0), Acquired)
+            assert isinstance(
+                service.handle(request, service.arming.open_connection(peer), 1.0), Acquired
+            )
             assert service.table.get(target, "s") is not None
         else:
-            error = refusal(service, request, service.open_connection(peer))
+            error = refusal(service, request, service.arming.open_connection(peer))
             assert error.code == ErrorCode.PERMISSION_DENIED
             assert f"pid {target}" in error.message
             assert len(service.table) == 0
@@ -221,7 +223,7 @@ class TestAuthorization:
     def test_init_and_the_daemon_are_never_targets(self, peer: Peer, target: int) -> None:
         w = make_world()
         service = w.service
-        caller = service.open_connection(peer)
+        caller = service.arming.open_connection(peer)
         error = refusal(service, Acquire(id=1, scope="s", timeout=5, pid=target), caller)
         assert error.code == ErrorCode.PERMISSION_DENIED
 
@@ -272,7 +274,7 @@ class TestRelease:
         assert w.host.tracked == set()
         [process] = w.host.opened
         assert process.refs == 1  # kept by alice's connection, for her next acquire
-        service.close_connection(w.alice)
+        service.arming.close_connection(w.alice)
         assert process.refs == 0
 
     def test_the_callers_process_is_opened_once_per_connection(self) -> None:
@@ -356,7 +358,7 @@ class TestRelease:
         older = msgspec.structs.replace(
             kept, scope="older", armed_at=-4.0, watch=Watch(client_arm=3)
         )
-        service.restore([kept, older])
+        service.lifecycle.restore([kept, older])
         assert older.arm != kept.arm
         for scope, wrong in (("kept", 3), ("older", kept.arm)):
             reply = service.handle(Release(id=1, scope=scope, arm=wrong), w.alice, 1.0)
@@ -416,17 +418,17 @@ class TestLimits:
 
     def test_connections_per_uid_and_in_total(self) -> None:
         service, _, _ = make_service(max_connections_per_uid=2, max_connections=3)
-        first = service.open_connection(ALICE)
-        service.open_connection(ALICE)
+        first = service.arming.open_connection(ALICE)
+        service.arming.open_connection(ALICE)
         with pytest.raises(Refusal, match="uid 1000 has 2 connections open") as caught:
-            service.open_connection(ALICE)
+            service.arming.open_connection(ALICE)
         assert caught.value.code == ErrorCode.LIMIT_EXCEEDED
-        service.open_connection(ROOT)
+        service.arming.open_connection(ROOT)
         with pytest.raises(Refusal, match="the daemon has 3 connections open"):
-            service.open_connection(ROOT)  # the global cap binds root too
-        service.close_connection(first)
-        service.open_connection(BOB)
-        assert service.connections == 3
+            service.arming.open_connection(ROOT)  # the global cap binds root too
+        service.arming.close_connection(first)
+        service.arming.open_connection(BOB)
+        assert service.arming.connections == 3
 
 
 class TestStatus:
@@ -571,7 +573,7 @@ class TestExpiryAndExit:
         service.handle(Acquire(id=1, scope="a", timeout=1), w.alice, 0.0)
         service.handle(Acquire(id=2, scope="b", timeout=9), w.alice, 0.0)
         service.handle(Acquire(id=3, scope="a", timeout=1), w.bob, 0.0)
-        expired = service.expire_due(1.0)
+        expired = service.firing.expire_due(1.0)
         assert [(e.timer.pid, e.orphaned) for e in expired] == [(200, False), (300, True)]
         alice, bob = expired[0].process, expired[1].process
         assert alice.refs == 3  # the table's, the action's and her connection's
@@ -585,13 +587,13 @@ class TestExpiryAndExit:
             service.handle(Acquire(id=1, scope=scope, timeout=5), w.alice, 0.0)
         process = service.table.process(ALICE.pid)
         assert process is not None
-        dropped = service.process_exited(process)
+        dropped = service.lifecycle.process_exited(process, 0.0)
         assert sorted(t.scope for t in dropped) == ["a", "b", "c"]
         assert len(service.table) == 0
         assert w.host.tracked == set()
         assert process.refs == 1  # alice's connection still holds it
         assert service.metrics.exited == 1
-        assert service.process_exited(process) == []  # reported twice: no effect
+        assert service.lifecycle.process_exited(process, 0.0) == []  # reported twice: no effect
 
 
 def test_ping_and_hello() -> None:
@@ -613,20 +615,20 @@ def test_ping_and_hello() -> None:
 def test_restore_judges_each_timer_by_its_own_process() -> None:
     """pid 200 now belongs to a new process (start 1000): an expiry of the old one
     (start 999) is recorded as gone, the new one's expiry resumes, in any order."""
-    from watchdogd.core.timers import Run, Timer
+    from watchdogd.core.timers import Course, Timer
 
     def firing(number: int, start_time: int) -> Timer:
         return Timer(pid=200, scope=f"s{number}", policy="kill", uid=1000, owner=1000,
                      timeout=1.0, armed_at=0.0, deadline=1.0, start_time=start_time,
-                     firing=number, run=Run(step=1, fired_at=1.0))  # fmt: skip
+                     firing=number, run=Course(step=1, fired_at=1.0))  # fmt: skip
 
     for order in ([firing(1, 999), firing(2, 1000)], [firing(2, 1000), firing(1, 999)]):
         service, _, _ = make_service()
-        restored = service.restore(order)
+        restored = service.lifecycle.restore(order)
         assert [item.timer.firing for item in restored.resumed] == [2]
         [gone] = [e for e in service.events.page(None, 10, 0) if e.kind == "expired"]
         assert gone.outcome == "gone"
-        assert service.firing == 1
+        assert len(service.firing) == 1
         for item in restored.resumed:
             item.process.close()
 
@@ -638,7 +640,7 @@ def test_an_exit_releases_quietly_what_was_armed_so() -> None:
     )
     process = world.service.table.process(201)
     assert process is not None
-    assert len(world.service.process_exited(process)) == 1
+    assert len(world.service.lifecycle.process_exited(process, 0.0)) == 1
     assert world.service.events.page(None, 10, 0) == []
     assert world.service.metrics.exited == 0
 
@@ -656,10 +658,10 @@ def test_a_restart_loads_its_later_timers_into_the_table_with_their_processes() 
         )  # fmt: skip
 
     service, host, notified = make_service()
-    first = service.restore([stored(200, "soon", 5.0, 1000)])
+    first = service.lifecycle.restore([stored(200, "soon", 5.0, 1000)])
     assert first.armed == 1
     assert host.tracked == {200}
-    later = service.prepare_later(
+    later = service.lifecycle.prepare_later(
         [
             stored(200, "later", 100.0, 1000),  # the same process: its handle is reused
             stored(201, "other", 200.0, 1002),  # the fake host's third handle
@@ -667,7 +669,7 @@ def test_a_restart_loads_its_later_timers_into_the_table_with_their_processes() 
         ]
     )
     assert len(service.table) == 1  # nothing changed until merged
-    restored = service.restore_later(later)
+    restored = service.lifecycle.restore_later(later)
     assert (restored.armed, restored.dropped) == (2, 1)
     assert host.tracked == {200, 201}
     assert [t.scope for t in service.table.timers_of(200)] == ["soon", "later"]
@@ -676,7 +678,7 @@ def test_a_restart_loads_its_later_timers_into_the_table_with_their_processes() 
     assert sorted(t.scope for t in service.table.visible_to(1000)) == ["later", "other", "soon"]
     assert [p.refs for p in host.opened if p.pid in (200, 300)] == [1, 0, 0]
     assert notified[-1] == 5.0
-    due = service.expire_due(1000.0, 10)
+    due = service.firing.expire_due(1000.0, 10)
     assert [e.timer.scope for e in due] == ["soon", "later", "other"]
 
 
@@ -690,10 +692,10 @@ def test_later_timers_of_a_pid_now_held_by_another_process_are_dropped() -> None
         )  # fmt: skip
 
     service, host, _ = make_service()
-    service.restore([stored("first", 5.0, 1000)])
+    service.lifecycle.restore([stored("first", 5.0, 1000)])
     host.opened[0].exited = True  # its process exits; another takes the pid
-    later = service.prepare_later([stored("of-the-new-one", 100.0, 1001)])
-    restored = service.restore_later(later)
+    later = service.lifecycle.prepare_later([stored("of-the-new-one", 100.0, 1001)])
+    restored = service.lifecycle.restore_later(later)
     assert (restored.armed, restored.dropped) == (0, 1)
     assert [t.scope for t in service.table.timers_of(201)] == ["first"]
     assert service.table.owned_by(1000) == 1
@@ -706,7 +708,7 @@ def test_the_stop_drops_every_timer_and_handle_in_one_pass_over_the_processes() 
         w.service.handle(Acquire(id=1, scope=scope, timeout=5), w.alice, 0.0)
     w.service.handle(Acquire(id=2, scope="c", timeout=5), w.bob, 0.0)
     held = [w.service.table.process(pid) for pid in (ALICE.pid, BOB.pid)]
-    w.service.close()
+    w.service.lifecycle.close()
     assert len(w.service.table) == 0
     assert w.service.table.owned_by(ALICE.uid) == 0
     assert list(w.service.table.visible_to(ALICE.uid)) == []

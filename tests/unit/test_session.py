@@ -10,7 +10,7 @@ import pytest
 from watchdogd.core.logline import RateLimitedLog, Throttle
 from watchdogd.core.session import Session
 from watchdogd.logs import LoggingSink
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     Acquired,
     Error,
@@ -39,7 +39,7 @@ def exchange(session: Session, message: object) -> tuple[ReplyMessage, bool]:
 
 def new_session() -> Session:
     service, _, _ = make_service()
-    return Session(service, service.open_connection(ALICE))
+    return Session(service, service.arming.open_connection(ALICE))
 
 
 def test_handshake_then_requests() -> None:
@@ -95,7 +95,7 @@ def test_bad_requests_get_errors_and_the_connection_stays_usable() -> None:
 
 def test_a_bug_becomes_an_internal_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     service, _, _ = make_service()
-    session = Session(service, service.open_connection(ALICE))
+    session = Session(service, service.arming.open_connection(ALICE))
     exchange(session, Hello(id=1, version=1))
 
     def broken(*args: object) -> object:
@@ -115,7 +115,7 @@ def test_internal_errors_are_logged_at_a_bounded_rate(
     service.log = RateLimitedLog(
         Throttle(burst=3, per_second=0.0, clock=lambda: 0.0), LoggingSink()
     )
-    session = Session(service, service.open_connection(ALICE))
+    session = Session(service, service.arming.open_connection(ALICE))
     exchange(session, Hello(id=1, version=1))
 
     def broken(*args: object) -> object:

@@ -9,7 +9,7 @@ import pytest
 
 from watchdogd.core.history import bucket_of as history_bucket
 from watchdogd_client.fastpath import FastPath, _Page, _Slot
-from watchdogd_client.protocol.slot_page import (
+from watchdogd_protocol.slot_page import (
     BUCKETS,
     COUNTS_OFFSET,
     HEADER_BYTES,

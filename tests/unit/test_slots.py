@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
-from watchdogd.core.firing import RESTART_GRACE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
+    RESTART_GRACE,
     Acquire,
     Acquired,
     Auto,
@@ -35,7 +35,7 @@ from watchdogd_client.protocol import (
     Why,
     WhyReply,
 )
-from watchdogd_client.protocol.slot_page import SLOTS, bucket_of
+from watchdogd_protocol.slot_page import SLOTS, bucket_of
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeHost, FakeProcess, RecordingJournal
 from helpers.slot_pages import FakePages, Memory, microseconds
@@ -138,7 +138,7 @@ def make_world(
         pages=port,
         monotonic=monotonic,
     )
-    alice, bob, root = (service.open_connection(peer) for peer in (ALICE, BOB, ROOT))
+    alice, bob, root = (service.arming.open_connection(peer) for peer in (ALICE, BOB, ROOT))
     return World(service, host, port, journal, sink, clock, alice, bob, root, notified)
 
 
@@ -177,7 +177,7 @@ def run(world: World, until: float, *, late: float = 0.0) -> list[Expired[FakePr
             return fired
         # No pass comes before the daemon's start (a restored table's deadlines).
         world.clock.now = max(soonest + late, world.clock.now)
-        fired += world.service.expire_due(world.clock.now)
+        fired += world.service.firing.expire_due(world.clock.now)
     raise AssertionError("the table never settled")
 
 
@@ -641,7 +641,7 @@ def test_a_process_whose_registrations_all_went_keeps_no_page_for_the_next_on_it
     # own, never the one before (which a child of the first may still hold).
     assert world.alice.process is not None
     world.alice.process.exited = True
-    newcomer = world.service.open_connection(ALICE)
+    newcomer = world.service.arming.open_connection(ALICE)
     again = arm(world, newcomer, "step", 3.0).slot
     assert again is not None
     assert again.page != grant.page
@@ -756,7 +756,7 @@ def test_a_process_exit_harvests_its_slots_counts_only_armed_ones_and_closes_its
     assert process is not None
     process.exited = True
     world.clock.now = 4.0
-    dropped = world.service.process_exited(process)
+    dropped = world.service.lifecycle.process_exited(process, world.clock.now)
     assert sorted(timer.scope for timer in dropped) == ["armed", "idle"]
     [exited] = [event for event in world.service.events.page(None, 10, 0) if event.kind == "exited"]
     assert exited.timers == 1
@@ -776,7 +776,7 @@ def test_an_exit_with_only_released_registrations_records_no_exit() -> None:
     process = world.service.table.process(ALICE.pid)
     assert process is not None
     process.exited = True
-    world.service.process_exited(process)
+    world.service.lifecycle.process_exited(process, world.clock.now)
     assert world.service.metrics.exited == 0
     assert [event.kind for event in world.service.events.page(None, 10, 0)] == []
 
@@ -785,7 +785,7 @@ def restarted(world: World, now: float) -> World:
     """The daemon of ``world`` killed and started again at ``now`` on the same
     processes, its state the journal's."""
     later = make_world(pages=world.pages.restarted(), now=now)
-    later.service.restore(world.journal.state())
+    later.service.lifecycle.restore(world.journal.state())
     return later
 
 
@@ -852,7 +852,7 @@ def test_a_page_searched_for_over_several_slices_keeps_its_looks_waiting() -> No
     memory.release(1)
     world = restarted(before, now=50.0)
     world.pages.search_steps = 3
-    assert world.service.expire_due(50.0) == []
+    assert world.service.firing.expire_due(50.0) == []
     assert look_at(world, "step") == look_at(world, "other") == 50.0 + SEARCH_PAUSE
     [search] = world.pages.searches  # one for the page, begun by the first look
     assert world.service.slots.search(50.001) is True
@@ -905,7 +905,7 @@ def test_a_search_is_given_up_when_its_process_exits() -> None:
     process = world.service.table.process(ALICE.pid)
     assert process is not None
     process.exited = True
-    world.service.process_exited(process)
+    world.service.lifecycle.process_exited(process, world.clock.now)
     assert search.closed
     assert world.service.slots.search(51.0) is False
 
@@ -917,7 +917,7 @@ def test_close_all_at_the_stop_writes_period_0_in_every_slot() -> None:
     registered(world, "alices", now=1.0)
     assert len(world.pages.made) == 3
     memories = {page: world.pages.memory(page) for page in world.pages.made}
-    world.service.close()
+    world.service.lifecycle.close()
     for page in world.pages.made.values():
         assert page.closed_all == 1
         assert page.closed
@@ -952,5 +952,5 @@ def test_the_stop_closes_the_slots_of_registrations_not_yet_looked_at_after_a_re
     _, memory = registered(before, "step", now=1.0)
     memory.store(0, 200.0)
     world = restarted(before, now=5.0)
-    world.service.close()
+    world.service.lifecycle.close()
     assert memory.period(0) == 0

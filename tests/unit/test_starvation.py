@@ -14,7 +14,7 @@ from watchdogd.core.service import Service
 from watchdogd.core.starvation import UNMEASURED, Pressure, Sample, judge
 from watchdogd.core.timers import Timer, Watch
 from watchdogd.storage.store import Store
-from watchdogd_client.protocol import Acquire, EventInfo
+from watchdogd_protocol import Acquire, EventInfo
 
 from helpers.fakes import ALICE, FakeHost, FakeProcess, World, make_world
 
@@ -171,7 +171,7 @@ class TestService:
         timer = world.service.table.get(ALICE.pid, "a")
         assert timer is not None
         assert timer.watch is None
-        [fired] = world.service.expire_due(1.0)
+        [fired] = world.service.firing.expire_due(1.0)
         assert fired.note == ""
         assert world.host.sampled == []
         fired.process.close()
@@ -185,7 +185,7 @@ class TestService:
         assert armed is not None
         assert armed.watch == Watch(baseline=host.samples[ALICE.pid])
         starving(host, ALICE.pid, 2.0)
-        assert service.expire_due(2.5) == []
+        assert service.firing.expire_due(2.5) == []
         extended = service.table.get(ALICE.pid, "a")
         assert extended is not None
         assert (extended.deadline, extended.armed_at) == (7.5, armed.armed_at)
@@ -201,7 +201,7 @@ class TestService:
         assert service.metrics.extensions["patient"] == 1
         assert 'watchdogd_extensions_total{policy="patient"} 1.0' in service.metrics_text()
         samples = len(host.sampled)
-        [fired] = service.expire_due(7.5)  # still starved: it fires all the same
+        [fired] = service.firing.expire_due(7.5)  # still starved: it fires all the same
         assert len(host.sampled) == samples
         assert fired.timer.watch is not None
         assert fired.timer.watch.extended == 5.0
@@ -215,7 +215,7 @@ class TestService:
         world.host.samples[ALICE.pid] = sample(0.0, group=quiet(), host=quiet())
         service.handle(Acquire(id=1, scope="a", timeout=2.0, policy="patient"), world.alice, 0.0)
         world.host.samples[ALICE.pid] = sample(2.0, group=quiet(), host=quiet(cpu=WAITED))
-        [fired] = service.expire_due(2.0)
+        [fired] = service.firing.expire_due(2.0)
         assert fired.note.startswith("not starved: over the 2.00s it was armed")
         assert events_of(service, "extended") == []
         assert service.metrics.extensions["patient"] == 0
@@ -228,14 +228,14 @@ class TestService:
         starving(host, ALICE.pid, 0.0)
         service.handle(request, world.alice, 0.0)
         starving(host, ALICE.pid, 2.0)
-        assert service.expire_due(2.0) == []
+        assert service.firing.expire_due(2.0) == []
         starving(host, ALICE.pid, 3.0)
         service.handle(request, world.alice, 3.0)
         rearmed = service.table.get(ALICE.pid, "a")
         assert rearmed is not None
         assert rearmed.watch == Watch(baseline=host.samples[ALICE.pid])
         starving(host, ALICE.pid, 5.0)
-        assert service.expire_due(5.0) == []
+        assert service.firing.expire_due(5.0) == []
         assert len(events_of(service, "extended")) == 2
 
     def test_a_timer_armed_before_its_policy_had_a_grace_is_not_judged(self) -> None:
@@ -244,7 +244,7 @@ class TestService:
         world.service.reconfigure(
             Config(policies={"ops": PolicyConfig(steps=[], starvation_grace=5.0)})
         )
-        [fired] = world.service.expire_due(1.0)
+        [fired] = world.service.firing.expire_due(1.0)
         assert fired.note == UNMEASURED.note
         assert world.host.sampled == []
         fired.process.close()
@@ -258,7 +258,7 @@ class TestService:
         service.handle(Acquire(id=1, scope="a", timeout=1.0, policy="patient"), world.alice, 0.0)
         service.handle(Acquire(id=2, scope="b", timeout=1.0), world.alice, 0.0)
         starving(host, ALICE.pid, 1.0)
-        [fired] = service.expire_due(1.0)
+        [fired] = service.firing.expire_due(1.0)
         assert (fired.timer.scope, fired.orphaned) == ("b", False)
         assert host.tracked == {ALICE.pid}
         assert service.table.process(ALICE.pid) is fired.process
@@ -266,7 +266,7 @@ class TestService:
         fired.process.close()
         process = service.table.process(ALICE.pid)
         assert process is not None
-        assert len(service.process_exited(process)) == 1
+        assert len(service.lifecycle.process_exited(process, 0.0)) == 1
         assert host.tracked == set()
         assert process.refs == 1
 
@@ -276,7 +276,7 @@ class TestService:
             Acquire(id=1, scope="a", timeout=1.0, policy="patient"), world.alice, 0.0
         )
         world.host.dead.add(ALICE.pid)
-        [fired] = world.service.expire_due(1.0)
+        [fired] = world.service.firing.expire_due(1.0)
         assert fired.note == ""
         fired.process.close()
 
@@ -297,9 +297,9 @@ def test_a_restart_keeps_what_was_measured(tmp_path: Path) -> None:
 
     restarted = patient_world()
     restarted.host.opened = list(world.host.opened)  # the same process holds the pid
-    restarted.service.restore(loaded.timers)
+    restarted.service.lifecycle.restore(loaded.timers)
     starving(restarted.host, ALICE.pid, 2.0)
-    assert restarted.service.expire_due(2.0) == []
+    assert restarted.service.firing.expire_due(2.0) == []
     [event] = events_of(restarted.service, "extended")
     assert "over the 2.00s it was armed" in event.note
 

@@ -4,6 +4,7 @@ who sees what, by example and against a model (hypothesis)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Never
 
@@ -346,6 +347,8 @@ class TableAgainstModel(RuleBasedStateMachine):
 
 
 TableAgainstModel.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None
+    max_examples=200 if os.environ.get("WATCHDOGD_SOAK", "") == "1" else 80,
+    stateful_step_count=40,
+    deadline=None,
 )
 TestTableAgainstModel = TableAgainstModel.TestCase

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from watchdogd_client.evidence import FlightEntry, flight_entries
-from watchdogd_client.protocol import UnblockOutcome, UnblockWanted
 from watchdogd_client.unblocking import judge_wait
+from watchdogd_protocol import UnblockOutcome, UnblockWanted
 
 SECOND = 1_000_000_000
 NOW = 1_800_000_000 * SECOND

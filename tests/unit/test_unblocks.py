@@ -9,8 +9,8 @@ import msgspec
 
 from watchdogd.core.identity import Peer
 from watchdogd.core.service import Caller, Service
-from watchdogd.core.unblocks import HOST_LOST, MAX_TRIES, PEERS, Unblock
-from watchdogd_client.protocol import (
+from watchdogd.core.unblocks import HOST_LOST, MAX_TRIES, PEERS, OwedUnblock
+from watchdogd_protocol import (
     Collective,
     GroupState,
     IncidentInfo,
@@ -30,7 +30,7 @@ def responder(
     service: Service[FakeProcess], pid: int, rank: int, *, unblock: bool = True, job: str = JOB
 ) -> Caller[FakeProcess]:
     """Process ``pid`` of alice's, a rank of ``job`` that responds here."""
-    caller = service.open_connection(Peer(pid=pid, uid=ALICE, gid=ALICE, pidfd=-1))
+    caller = service.arming.open_connection(Peer(pid=pid, uid=ALICE, gid=ALICE, pidfd=-1))
     service.handle(Respond(id=1, job=job, rank=rank, unblock=unblock), caller, 0.0)
     return caller
 
@@ -46,7 +46,7 @@ def as_it_is(rank: RankInfo) -> Callable[[RankInfo | None], RankInfo]:
     return lambda _: rank
 
 
-def answer(unblock: Unblock, outcome: str, **fields: object) -> Unblocked:
+def answer(unblock: OwedUnblock, outcome: str, **fields: object) -> Unblocked:
     return Unblocked(id=1, ask=1, outcome=outcome, **fields)  # type: ignore[arg-type]
 
 
@@ -138,10 +138,10 @@ def test_peers_are_owed_once_the_verdict_names_the_culprits_and_the_collective()
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     assert service.fleet.fleet_incident(head, ALICE, 1.0) == []  # no timer: asked for evidence
-    asks = service.expiries.take_asks()
+    asks = service.firing.take_asks()
     assert sorted(responder.pid for _, responder in asks) == [200, 201]
     for pid in (200, 201):
-        service.expiries.evidence_given(
+        service.firing.evidence_given(
             "b-1", pid, "", evidence="worker", flight=waiting_in(5), reader=None
         )
     culprit = RankInfo(
@@ -170,12 +170,10 @@ def test_a_culprit_here_is_never_owed_and_its_own_policy_asks_for_its_peers() ->
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     service.fleet.fleet_incident(head, ALICE, 1.0)
-    service.expiries.take_asks()
+    service.firing.take_asks()
     behind = [msgspec.structs.replace(waiting_in(5)[0], entered=None, completed=4)]
     for pid, flight in ((200, waiting_in(5)), (201, waiting_in(5)), (202, behind)):
-        service.expiries.evidence_given(
-            "b-1", pid, "", evidence="worker", flight=flight, reader=None
-        )
+        service.firing.evidence_given("b-1", pid, "", evidence="worker", flight=flight, reader=None)
     assert service.unblocks.want("b-1", 202, ALICE, 2.0)
     assert not service.unblocks.want("no-such-incident", 202, ALICE, 2.0)
     shown = service.incidents.get("b-1", ALICE, ALICE)
@@ -210,10 +208,10 @@ def test_the_fallback_signal_is_for_ranks_here_that_no_responder_unblocks() -> N
         id="b-1", job=JOB, user="alice", uid=ALICE, host="b", scope="s", reason="timeout", time=0.0
     )
     service.fleet.fleet_incident(head, ALICE, 1.0)
-    service.expiries.take_asks()
+    service.firing.take_asks()
     for pid in (200, 201):
         waiting = waiting_in(5, size=5)
-        service.expiries.evidence_given(
+        service.firing.evidence_given(
             "b-1", pid, "", evidence="worker", flight=waiting, reader=None
         )
     here = service.incidents.host

@@ -9,7 +9,7 @@ import sys
 import msgspec
 import pytest
 
-from watchdogd.core.frames import Library, pick, threads_of, where
+from watchdogd.core.user_frames import Library, pick, threads_of, where
 from watchdogd.core.verdict import (
     MAX_CULPRITS,
     decide,
@@ -17,7 +17,7 @@ from watchdogd.core.verdict import (
     for_viewer,
     summary,
 )
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     CollectiveRef,
     Culprit,

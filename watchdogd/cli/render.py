@@ -24,13 +24,14 @@ from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 from watchdogd_client import DaemonStatus
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     DaemonInfo,
     EventInfo,
     FingerprintInfo,
     HangsReply,
     IncidentInfo,
     PoliciesReply,
+    RankInfo,
     SuggestionInfo,
     TimerInfo,
     Verdict,
@@ -38,7 +39,7 @@ from watchdogd_client.protocol import (
     WhyTimer,
 )
 
-from ..core.verdict import flight_text
+from ..core import flight_text
 
 #: The most of a command `expiry_report` shows.
 _COMMAND_WIDTH: Final = 40
@@ -408,6 +409,22 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
     """``watchdogctl incident`` in words: its verdict first, then a row a rank (a
     table fitted to ``width``, if given), then each rank's notes, Flight Recorder
     and stack."""
+    lines = _incident_head(incident)
+    if incident.ranks:
+        lines += ["", _ranks_table(incident.ranks, width)]
+    # Host by host, each once, in the order the table first shows them.
+    hosts = list(dict.fromkeys(member.host for member in incident.ranks))
+    host = None
+    for member in sorted(incident.ranks, key=lambda member: hosts.index(member.host)):
+        if member.host != host:
+            host = member.host
+            lines += ["", f"host {host}"]
+        lines += _rank_lines(member)
+    return lines
+
+
+def _incident_head(incident: IncidentInfo) -> list[str]:
+    """An incident's verdict, its hang's fingerprint, what and where it is."""
     rank = "" if incident.rank is None else f" rank {incident.rank}"
     lines = [verdict_line(incident.verdict)] if incident.verdict is not None else []
     if incident.verdict is not None and incident.verdict.fingerprint:
@@ -425,47 +442,48 @@ def incident_lines(incident: IncidentInfo, *, width: int | None = None) -> list[
             f"({incident.trimmed} bytes of its evidence trimmed: its owner's incidents passed "
             "their budget, incident_bytes_per_uid)"
         )
-    if incident.ranks:
-        table = [("HOST", "RANK", "PID", "ROLE", "STATE", "EVIDENCE", "WAITING IN")]
-        for member in incident.ranks:
-            table.append(
-                (
-                    member.host,
-                    "?" if member.rank is None else str(member.rank),
-                    str(member.pid),
-                    member.role,
-                    f"{member.state}, unblocked" if member.unblocked else member.state,
-                    member.evidence or "-",
-                    member.frame or "-",
-                )
+    return lines
+
+
+def _ranks_table(ranks: Sequence[RankInfo], width: int | None) -> str:
+    table = [("HOST", "RANK", "PID", "ROLE", "STATE", "EVIDENCE", "WAITING IN")]
+    for member in ranks:
+        table.append(
+            (
+                member.host,
+                "?" if member.rank is None else str(member.rank),
+                str(member.pid),
+                member.role,
+                f"{member.state}, unblocked" if member.unblocked else member.state,
+                member.evidence or "-",
+                member.frame or "-",
             )
-        lines += ["", _columns(table, width, {6: "end"})]
-    # Host by host, each once, in the order the table first shows them.
-    hosts = list(dict.fromkeys(member.host for member in incident.ranks))
-    host = None
-    for member in sorted(incident.ranks, key=lambda member: hosts.index(member.host)):
-        if member.host != host:
-            host = member.host
-            lines += ["", f"host {host}"]
-        name = "rank ?" if member.rank is None else f"rank {member.rank}"
-        lines.append(
-            f"  {name} pid {member.pid}: {member.role}, "
-            f"{_STATES.get(member.state, member.state)}, scope {shown_scope(member.scope)}"
         )
-        if member.frame:
-            lines.append(f"    waiting in {member.frame}")
-        if member.note:
-            lines.append(f"    ({member.note})")
-        if member.unblock:
-            lines.append("    its policy asked for the job's ranks waiting on it to be unblocked")
-        if member.unblocked:
-            at = "" if member.unblocked_at is None else f" at {_when(member.unblocked_at)}"
-            lines.append(f"    unblocked{at}: {member.unblocked}")
-        if member.flight:
-            lines.append("    flight recorder:")
-            lines += [f"      {line}" for line in flight_text(member.flight).splitlines()]
-        if member.stack:
-            lines += quoted(member.stack)
+    return _columns(table, width, {6: "end"})
+
+
+def _rank_lines(member: RankInfo) -> list[str]:
+    """One rank of an incident: its state, where it waits, its notes, its Flight
+    Recorder and its stack."""
+    name = "rank ?" if member.rank is None else f"rank {member.rank}"
+    lines = [
+        f"  {name} pid {member.pid}: {member.role}, "
+        f"{_STATES.get(member.state, member.state)}, scope {shown_scope(member.scope)}"
+    ]
+    if member.frame:
+        lines.append(f"    waiting in {member.frame}")
+    if member.note:
+        lines.append(f"    ({member.note})")
+    if member.unblock:
+        lines.append("    its policy asked for the job's ranks waiting on it to be unblocked")
+    if member.unblocked:
+        at = "" if member.unblocked_at is None else f" at {_when(member.unblocked_at)}"
+        lines.append(f"    unblocked{at}: {member.unblocked}")
+    if member.flight:
+        lines.append("    flight recorder:")
+        lines += [f"      {line}" for line in flight_text(member.flight).splitlines()]
+    if member.stack:
+        lines += quoted(member.stack)
     return lines
 
 

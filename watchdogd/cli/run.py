@@ -33,9 +33,9 @@ from typing import Any, Final, NamedTuple
 import click
 
 from watchdogd_client import Client, ErrorCode, RequestRefused, WatchdogdError
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
-from ..core.policies import TargetKind, on_target
+from ..core import TargetKind, on_target
 
 #: Exit status of ``watchdogctl run`` when watchdogctl itself fails (as GNU timeout does).
 RUN_FAILED: Final = 125

@@ -26,10 +26,10 @@ from click.shell_completion import CompletionItem
 
 from watchdogd_client import Client, DaemonUnavailable, RequestRefused, WatchdogdError
 from watchdogd_client.paths import ENV_SOCKET
-from watchdogd_client.protocol import ErrorCode, EventInfo, HangsReply, IncidentInfo
+from watchdogd_protocol import ErrorCode, EventInfo, HangsReply, IncidentInfo
 
 from .._version import __version__
-from ..core.policies import TargetKind
+from ..core import TargetKind
 from .reference import docs_path_option
 from .render import (
     event_text,

@@ -12,7 +12,7 @@ import trio
 from watchdogd_client.paths import ENV_SOCKET, user_socket_path
 
 from .._version import __version__
-from ..core.config import Config
+from ..core import Config
 from ..errors import ConfigError, DaemonError
 from ..host.systemd import inherited_listener
 from ..logs import LEVELS, set_level, setup

@@ -19,25 +19,24 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
-from typing import Generic, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Generic, Protocol
 
 import msgspec
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
-from .counters import Counters
-from .events import EventLog
 from .firing import Firing
 from .identity import ROOT
-from .incidents import IncidentLog
 from .ports import P
-from .responders import Responders
-from .timers import Expired, TimerTable
+from .timers import Expired
 from .unblocks import PEERS, Unblocks
 
+if TYPE_CHECKING:
+    from .context import CoreContext
 
-class Publisher(Protocol):
+
+class IncidentListener(Protocol):
     """The fleet's side: told of each incident this host opened or added to."""
 
     def incident_changed(self, incident: IncidentInfo) -> None: ...
@@ -46,32 +45,16 @@ class Publisher(Protocol):
 class FleetBridge(Generic[P]):
     """The core as the fleet sees it."""
 
-    def __init__(
-        self,
-        table: TimerTable[P],
-        firing: Firing[P],
-        incidents: IncidentLog,
-        *,
-        events: EventLog,
-        metrics: Counters,
-        wall: Callable[[], float],
-        daemon_pid: int,
-        responders: Responders | None = None,
-        unblocks: Unblocks | None = None,
-    ) -> None:
-        self._table = table
-        self._responders = Responders() if responders is None else responders
-        self._unblocks = (
-            Unblocks(incidents, self._responders, events, metrics, wall=wall, waited=10.0)
-            if unblocks is None
-            else unblocks
-        )
+    def __init__(self, context: CoreContext[P], firing: Firing[P], *, unblocks: Unblocks) -> None:
+        self._table = context.table
+        self._responders = context.responders
+        self._unblocks = unblocks
         self._firing = firing
-        self._incidents = incidents
-        self._events = events
-        self._metrics = metrics
-        self._wall = wall
-        self._daemon_pid = daemon_pid
+        self._incidents = context.incidents
+        self._events = context.events
+        self._metrics = context.metrics
+        self._wall = context.wall
+        self._daemon_pid = context.daemon_pid
         #: The fleet as this host sees it: "" without one (`fleet_changed`).
         self.state = ""
 
@@ -87,7 +70,7 @@ class FleetBridge(Generic[P]):
         """Seconds during which more expiries of a job join its incident."""
         return self._incidents.window
 
-    def attach(self, publisher: Publisher) -> None:
+    def attach(self, publisher: IncidentListener) -> None:
         """Tell ``publisher`` of each incident this host opens or adds to."""
         self._incidents.subscribe(publisher.incident_changed)
 

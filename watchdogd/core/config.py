@@ -45,7 +45,7 @@ from typing import Annotated, Any, Final, Literal, get_args, get_origin
 import msgspec
 from msgspec import Meta, Struct
 
-from watchdogd_client.protocol import MAX_REQUEST_FRAME
+from watchdogd_protocol import MAX_REQUEST_FRAME
 
 from ..errors import ConfigError
 from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID

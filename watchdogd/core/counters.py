@@ -32,7 +32,7 @@ class Counters:
         #: Verdicts of incidents, by kind, counted once each when it settles.
         self.verdicts: Counter[str] = Counter()
         #: Ranks asked to be unblocked, by why (``host_lost``, ``peers``) and what
-        #: their responder did (`watchdogd_client.protocol.UnblockOutcome`, or
+        #: their responder did (`watchdogd_protocol.UnblockOutcome`, or
         #: ``no_answer``, ``dropped``).
         self.unblocks: Counter[tuple[str, str]] = Counter()
         #: Calls to the fleet's store that failed; incidents it could not keep up with.

@@ -22,7 +22,7 @@ from typing import Final
 
 from msgspec import Struct
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..errors import DaemonError
 from .policies import Dump, Exec, Unblock

@@ -36,7 +36,7 @@ from typing import Final, NamedTuple
 
 import msgspec
 
-from watchdogd_client.protocol import MAX_REPLY_BYTES, EventInfo, StepResult
+from watchdogd_protocol import MAX_REPLY_BYTES, EventInfo, StepResult
 
 from .identity import ROOT
 from .logline import Level, RateLimitedLog, logfmt

@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import msgspec
 
-from watchdogd_client.protocol import GroupState, IncidentInfo, RankInfo
+from watchdogd_protocol import GroupState, IncidentInfo, RankInfo
 
 from .ranks import TRIMMED_STACK_BYTES, trimmed
 from .shares import ByteShares

@@ -65,7 +65,7 @@ import enum
 import signal
 from typing import Final, assert_never
 
-from watchdogd_client.protocol import EventInfo, StepResult
+from watchdogd_protocol import EventInfo, StepResult
 
 from .effects import (
     ANSWERS,

@@ -36,7 +36,7 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     CollectiveRef,
     Culprit,
     Frame,
@@ -53,7 +53,7 @@ MAX_FRAMES: Final = 4
 NAME_CHARS: Final = 96
 #: The verdicts that name culprits.
 NAMING: Final = frozenset({"missing", "mismatch", "odd_frame"})
-#: What an incident whose hang counts says of it (`watchdogd_client.protocol.IncidentInfo.repeat`).
+#: What an incident whose hang counts says of it (`watchdogd_protocol.IncidentInfo.repeat`).
 COUNTED: Final = "counted"
 _Name = Annotated[str, Meta(max_length=NAME_CHARS)]
 

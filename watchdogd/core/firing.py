@@ -51,31 +51,25 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, GroupState, RankInfo
+from watchdogd_protocol import RESTART_GRACE, EventInfo, GroupState, RankInfo
 
-from .counters import Counters
-from .events import EventLog
 from .expiry import first_signal
 from .identity import ROOT
-from .incidents import IncidentLog
 from .policies import BUILTIN, NO_PEERS, PEER_DUMP, Policy, Signal
-from .ports import Journal, P, ProcessPort
-from .responders import Responder, Responders
-from .rules import Rules
+from .ports import P
+from .responders import Responder
 from .slots import Slots
-from .starvation import Verdict, judge_due
-from .timers import Expired, Run, StoreKey, Timer, TimerTable, Watch
+from .starvation import Starvation, judge_due
+from .timers import Course, Expired, StoreKey, Timer, Watch
+from .writer import TableWriter
 
-#: How long after a start a restored timer that falls due waits for a release on
-#: its way. A client tries to reconnect at least every 250 ms while the daemon
-#: restarts and sends an unanswered release first: four of its tries, time for a
-#: loaded host, and that much later for a worker that is really hung.
-RESTART_GRACE: Final = 1.0
+if TYPE_CHECKING:
+    from .context import CoreContext
 
 
 class Due(msgspec.Struct, Generic[P], frozen=True):
@@ -98,7 +92,7 @@ class Due(msgspec.Struct, Generic[P], frozen=True):
         return msgspec.structs.replace(
             self.timer,
             firing=self.number,
-            run=Run(fired_at=self.fired_at, plan=self.policy.plan),
+            run=Course(fired_at=self.fired_at, plan=self.policy.plan),
         )
 
 
@@ -110,16 +104,8 @@ class RestartGrace(Generic[P]):
     why late. A timer given its grace by an earlier start is held until that
     grace ends, and no longer."""
 
-    def __init__(
-        self,
-        table: TimerTable[P],
-        journal: Journal,
-        on_deadline: Callable[[float], None],
-        started: float,
-    ) -> None:
-        self._table = table
-        self._journal = journal
-        self._on_deadline = on_deadline
+    def __init__(self, writer: TableWriter[P], started: float) -> None:
+        self._writer = writer
         self._started = started
         #: When the grace this start gives ends, on the table's clock.
         self.until = started + RESTART_GRACE
@@ -147,10 +133,12 @@ class RestartGrace(Generic[P]):
         watch = Watch() if timer.watch is None else timer.watch
         if watch.held_until != until:
             watch = msgspec.structs.replace(watch, held_until=until)
-            self._journal.put(msgspec.structs.replace(timer, deadline=armed, watch=watch))
-            self._journal.commit_soon()
-        self._table.put(item.process, msgspec.structs.replace(timer, deadline=until, watch=watch))
-        self._on_deadline(until)
+            self._writer.record(
+                msgspec.structs.replace(timer, deadline=armed, watch=watch), commit=True
+            )
+        self._writer.moved(
+            item.process, msgspec.structs.replace(timer, deadline=until, watch=watch)
+        )
 
     def ended(self, item: Expired[P]) -> Expired[P]:
         """``item`` whose grace is over, with the deadline its timer was armed with
@@ -173,7 +161,7 @@ class RestartGrace(Generic[P]):
         """A pass at ``now`` is over: once every held timer fired or was released,
         nothing is held any more."""
         if self._held and now >= self.until:
-            soonest = self._table.next_deadline()
+            soonest = self._writer.next_deadline()
             if soonest is None or soonest > self.until:
                 self._held.clear()
 
@@ -181,39 +169,22 @@ class RestartGrace(Generic[P]):
 class Firing(Generic[P]):
     """The timers whose policy is in progress, and how a due timer becomes one."""
 
-    def __init__(
-        self,
-        rules: Rules,
-        table: TimerTable[P],
-        processes: ProcessPort[P],
-        journal: Journal,
-        *,
-        events: EventLog,
-        incidents: IncidentLog,
-        metrics: Counters,
-        wall: Callable[[], float],
-        on_deadline: Callable[[float], None],
-        responders: Responders | None = None,
-        slots: Slots[P] | None = None,
-        started: float = float("-inf"),
-    ) -> None:
-        """``started``: when this daemon started, on the table's clock; the timers
-        armed before then were restored, and those due before ``started +
-        RESTART_GRACE`` are held until then."""
-        self._rules = rules
-        self._responders = Responders() if responders is None else responders
+    def __init__(self, context: CoreContext[P], *, slots: Slots[P] | None = None) -> None:
+        """The timers armed before ``context.started`` were restored, and those
+        due before ``started + RESTART_GRACE`` are held until then."""
+        self._rules = context.rules
+        self._responders = context.responders
         self._slots = slots
         #: Ranks of incidents that hold no timer but respond: (incident, responder)
         #: for the runtime to ask for evidence (`take_asks`).
         self._asks: list[tuple[str, Responder]] = []
-        self._table = table
-        self._processes = processes
-        self._journal = journal
-        self._events = events
-        self._incidents = incidents
-        self._metrics = metrics
-        self._wall = wall
-        self._on_deadline = on_deadline
+        self._writer = context.writer
+        self._table = context.table
+        self._processes = context.processes
+        self._events = context.events
+        self._incidents = context.incidents
+        self._metrics = context.metrics
+        self._wall = context.wall
         #: Timers whose policy is in progress, by store key: part of the state
         #: until the policy has finished.
         self._firing: dict[StoreKey, Timer] = {}
@@ -226,7 +197,7 @@ class Firing(Generic[P]):
         self._jobs: dict[tuple[int, str], int] = {}
         #: Grows whenever a job gains its first firing timer or loses its last.
         self.jobs_changed = 0
-        self._grace = RestartGrace(table, journal, on_deadline, started)
+        self._grace = RestartGrace(context.writer, context.started)
 
     def __len__(self) -> int:
         return len(self._firing)
@@ -291,7 +262,7 @@ class Firing(Generic[P]):
         """`expire_due`, but a timer whose policy starts with a signal to its
         process and that nothing else is made of comes back as a `Due`: the
         caller sends that signal, then has its firing record made (`record`)."""
-        expired = self._table.pop_due(now, limit)
+        expired = self._writer.pop_due(now, limit)
         fired: list[Expired[P] | Due[P]] = []
         put_back = False
         if self._slots is not None:
@@ -345,7 +316,7 @@ class Firing(Generic[P]):
             else:
                 fired += self._recorded(item, policy, note, orphaned, now)
         if len(expired) > dues:
-            self._journal.commit_soon()  # a `Due` changes the state once recorded
+            self._writer.commit_soon()  # a `Due` changes the state once recorded
         self._grace.passed(now)
         return fired
 
@@ -370,7 +341,7 @@ class Firing(Generic[P]):
     ) -> list[Expired[P]]:
         """``item`` firing in the state, with the peer runs of its incident if it
         carries a job."""
-        run = Run(fired_at=now, plan=policy.plan)
+        run = Course(fired_at=now, plan=policy.plan)
         peers: list[Expired[P]] = []
         watch = item.timer.watch
         if watch is not None and watch.job:
@@ -378,13 +349,12 @@ class Firing(Generic[P]):
         firing = self._put_firing(item.timer, next(self._numbers), run)
         return [Expired(firing, item.process, orphaned, note), *peers]
 
-    def _put_firing(self, armed: Timer, number: int, run: Run) -> Timer:
+    def _put_firing(self, armed: Timer, number: int, run: Course) -> Timer:
         """``armed`` firing in the state as number ``number`` with ``run``. The
         armed record and the firing one go out in the same journal record: a crash
         leaves one of the two, never neither."""
         firing = msgspec.structs.replace(armed, firing=number, run=run)
-        self._journal.drop(armed)
-        self._journal.put(firing)
+        self._writer.fired(armed, firing)
         self._firing[firing.store_key] = firing
         self._count_job(firing, +1)
         return firing
@@ -394,7 +364,7 @@ class Firing(Generic[P]):
         it is firing in the state, as `expire_due` returns it."""
         if self._taken.get(due.timer.store_key) is due:  # not made by `record_taken`
             self._record(due)
-            self._journal.commit_soon()
+            self._writer.commit_soon()
         firing = self._firing[(due.timer.pid, due.timer.scope, due.number)]
         return Expired(firing, due.process, due.orphaned)
 
@@ -409,7 +379,7 @@ class Firing(Generic[P]):
 
     def _record(self, due: Due[P]) -> None:
         del self._taken[due.timer.store_key]
-        self._put_firing(due.timer, due.number, Run(fired_at=due.fired_at, plan=due.policy.plan))
+        self._put_firing(due.timer, due.number, Course(fired_at=due.fired_at, plan=due.policy.plan))
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at
@@ -417,16 +387,14 @@ class Firing(Generic[P]):
         timer = timer.at_step(step, step_end)
         if timer.store_key in self._firing:
             self._firing[timer.store_key] = timer
-            self._journal.put(timer)
-            self._journal.commit_soon()
+            self._writer.record(timer, commit=True)
         return timer
 
     def finished(self, timer: Timer) -> None:
         """The policy of firing ``timer`` has ended: it leaves the state."""
         if (gone := self._firing.pop(timer.store_key, None)) is not None:
             self._count_job(gone, -1)
-            self._journal.drop(timer)
-            self._journal.commit_soon()
+            self._writer.dropped([timer])
 
     def record_expiries(self, events: list[EventInfo]) -> None:
         """Policies ended: count expiries by policy and outcome, record the events
@@ -448,7 +416,7 @@ class Firing(Generic[P]):
     ) -> None:
         """The dump step of ``timer``'s policy ran; ``reader`` is the one (uid, gid)
         besides root that may read what it captured (None: root alone), as the
-        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.evidence`)
+        kernel judged it then; ``evidence`` how it was taken (`watchdogd.core.kept_evidence`)
         and ``flight`` the groups of the worker's Flight Recorder. Kept with the
         incident's rank, if it has one."""
         if timer.run is not None and timer.run.incident:
@@ -463,8 +431,8 @@ class Firing(Generic[P]):
         self._events.record(event)
 
     def _incident(
-        self, timer: Timer, watch: Watch, policy: Policy, run: Run, now: float
-    ) -> tuple[Run, list[Expired[P]]]:
+        self, timer: Timer, watch: Watch, policy: Policy, run: Course, now: float
+    ) -> tuple[Course, list[Expired[P]]]:
         """``timer`` of a job expired under ``policy``: the run of its policy,
         which names the job's incident, and the peer policy's runs on the job's
         other processes that the incident does not list yet: all of them when it
@@ -524,9 +492,9 @@ class Firing(Generic[P]):
                 timer,
                 firing=next(self._numbers),
                 policy=peer_policy.name,
-                run=Run(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
+                run=Course(fired_at=now, plan=peer_policy.plan, incident=incident, peer=True),
             )
-            self._journal.put(firing)
+            self._writer.record(firing)
             self._firing[firing.store_key] = firing
             self._count_job(firing, +1)
             assert timer.watch is not None
@@ -595,13 +563,13 @@ class Firing(Generic[P]):
             incident, pid, stack, evidence=evidence, flight=flight, reader=reader, note=note
         )
 
-    def _extend(self, item: Expired[P], policy: Policy, verdict: Verdict, now: float) -> None:
+    def _extend(self, item: Expired[P], policy: Policy, verdict: Starvation, now: float) -> None:
         """Arm the timer of ``item`` again for its policy's grace, its process
         being starved: an ``extended`` event says why, and its `Watch` that it was
         extended (it is not again until it is armed anew)."""
         timer, grace = item.timer, policy.starvation_grace
         watch = Watch() if timer.watch is None else timer.watch
-        timer = self._table.put(
+        timer = self._writer.rearm(
             item.process,
             msgspec.structs.replace(
                 timer,
@@ -609,7 +577,6 @@ class Firing(Generic[P]):
                 watch=msgspec.structs.replace(watch, extended=grace),
             ),
         )
-        self._journal.put(timer)
         self._metrics.extensions[policy.name] += 1
         wall = self._wall()
         self._events.record(
@@ -627,7 +594,6 @@ class Firing(Generic[P]):
                 note=f"{verdict.note}; given {grace:g}s more, once",
             )
         )
-        self._on_deadline(timer.deadline)
 
 
 def _registered(timer: Timer) -> bool:

@@ -23,11 +23,11 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_JOB_BYTES,
     ErrorCode,
     EventInfo,
@@ -42,12 +42,13 @@ from watchdogd_client.protocol import (
 
 from ..errors import Refusal
 from .counters import Counters
-from .events import EventLog
 from .fingerprint import COUNTED, reader_of, uncounted
 from .identity import ROOT, Peer
-from .incidents import IncidentLog
 from .repeats import Hang, JobKey, JobRow, Print, Repeats
 from .verdict import Decision
+
+if TYPE_CHECKING:
+    from .context import CoreContext
 
 #: The most incidents of a job a reply lists, the latest.
 MAX_LISTED: Final = 32
@@ -57,19 +58,13 @@ class JobHangs:
     """The hangs of jobs, and the ``Hangs`` request."""
 
     def __init__(
-        self,
-        repeats: Repeats,
-        incidents: IncidentLog,
-        *,
-        holds: Callable[[JobKey], bool],
-        events: EventLog,
-        wall: Callable[[], float],
+        self, context: CoreContext[Any], repeats: Repeats, *, holds: Callable[[JobKey], bool]
     ) -> None:
         self.repeats = repeats
-        self._incidents = incidents
+        self._incidents = context.incidents
         self._holds = holds
-        self._events = events
-        self._wall = wall
+        self._events = context.events
+        self._wall = context.wall
 
     def settled(
         self,

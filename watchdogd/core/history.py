@@ -33,7 +33,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import SuggestionInfo
+from watchdogd_protocol import SuggestionInfo
 
 #: Buckets per doubling of the time held.
 BUCKETS_PER_DOUBLING: Final = 8

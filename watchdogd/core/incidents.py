@@ -49,7 +49,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_REPLY_BYTES,
     EventInfo,
     GroupState,
@@ -58,7 +58,6 @@ from watchdogd_client.protocol import (
 )
 
 from .evidence_budget import EVIDENCE_BYTES, EVIDENCE_BYTES_PER_UID, EvidenceBudget, Kept
-from .frames import Library
 from .identity import ROOT
 from .ranks import (
     MAX_STACK_BYTES,
@@ -73,6 +72,7 @@ from .ranks import (
     unread,
 )
 from .shares import Shares
+from .user_frames import Library
 from .verdict import Decision, decide
 from .viewing import viewed
 

@@ -18,20 +18,21 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Final, Generic
+from typing import TYPE_CHECKING, Final, Generic
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
 from ..errors import Refusal
-from .counters import Counters
-from .events import EventLog
 from .firing import Firing
 from .identity import Peer
-from .ports import Journal, P, ProcessPort
+from .ports import P
 from .slots import Slots
 from .timers import Expired, Timer, TimerTable
+
+if TYPE_CHECKING:
+    from .context import CoreContext
 
 #: Scopes named in an ``exited`` event; the count covers the rest.
 _LISTED_SCOPES: Final = 10
@@ -61,28 +62,15 @@ class Later(Generic[P]):
 class Lifecycle(Generic[P]):
     """Restore from the state, exits, and the stop."""
 
-    def __init__(
-        self,
-        table: TimerTable[P],
-        processes: ProcessPort[P],
-        journal: Journal,
-        firing: Firing[P],
-        *,
-        slots: Slots[P],
-        events: EventLog,
-        metrics: Counters,
-        wall: Callable[[], float],
-        on_deadline: Callable[[float], None],
-    ) -> None:
-        self._table = table
-        self._processes = processes
-        self._journal = journal
+    def __init__(self, context: CoreContext[P], firing: Firing[P], *, slots: Slots[P]) -> None:
+        self._writer = context.writer
+        self._table = context.table
+        self._processes = context.processes
         self._firing = firing
         self._slots = slots
-        self._events = events
-        self._metrics = metrics
-        self._wall = wall
-        self._on_deadline = on_deadline
+        self._events = context.events
+        self._metrics = context.metrics
+        self._wall = context.wall
 
     def restore(self, timers: Iterable[Timer]) -> Restored[P]:
         """Put back the timers read from the state (the daemon restarted): armed
@@ -92,11 +80,11 @@ class Lifecycle(Generic[P]):
         firing: list[tuple[Timer, P | None]] = []
         dropped: list[Timer] = []
         groups, handles = self._reopen_all(timers, firing, dropped)
-        self._table.restore(groups)
+        self._writer.restore(groups, dropped)
         for process, _ in groups:
             self._processes.track(process)
         restored.armed = sum(len(armed) for _, armed in groups)
-        self._drop(dropped, restored)
+        restored.dropped += len(dropped)
         self._firing.resume(timer for timer, _ in firing)
         for timer, target in firing:
             if target is None:
@@ -128,11 +116,11 @@ class Lifecycle(Generic[P]):
         """Merge what `prepare_later` made ready into the table: the restart's
         load is complete."""
         restored = Restored[P](armed=len(later.table))
-        taken, dropped = self._table.merge(later.table)
+        taken, dropped = self._writer.merge(later.table, later.dropped)
         restored.armed -= len(dropped)
         for process in taken:
             self._processes.track(process)
-        self._drop([*later.dropped, *dropped], restored)
+        restored.dropped += len(later.dropped) + len(dropped)
         for process in later.handles:
             if self._table.process(process.pid) is not process:
                 process.close()
@@ -160,15 +148,6 @@ class Lifecycle(Generic[P]):
             if process is not None and armed:
                 groups.append((process, armed))
         return groups, handles
-
-    def _drop(self, dropped: list[Timer], restored: Restored[P]) -> None:
-        for timer in dropped:
-            self._journal.drop(timer)
-        restored.dropped += len(dropped)
-        earliest = self._table.next_deadline()
-        if earliest is not None:
-            self._on_deadline(earliest)
-        self._journal.commit_soon()
 
     def _record_gone_while_down(self, timer: Timer) -> None:
         self._metrics.expiries[(timer.policy, "gone")] += 1
@@ -220,7 +199,7 @@ class Lifecycle(Generic[P]):
         journal is not told: the timers stay in the store for the next start, and
         so do the registrations, whose slots close."""
         self._slots.close_all()
-        for process in self._table.clear():
+        for process in self._writer.clear():
             self._processes.untrack(process)
 
     def process_exited(self, process: P, now: float) -> list[Timer]:
@@ -228,14 +207,10 @@ class Lifecycle(Generic[P]):
         exit when it had any armed but those its exit releases (``exit_releases``)."""
         if self._table.process(process.pid) is not process:
             return []
-        forgotten = self._table.forget(process.pid)
+        forgotten = self._writer.forget(process.pid)
         assert forgotten is not None
         _, timers = forgotten
         self._processes.untrack(process)
-        for timer in timers:
-            self._journal.drop(timer)
-        if timers:
-            self._journal.commit_soon()
         armed = self._slots.exited(process, timers, now)
         held = [timer for timer in armed if not timer.exit_releases]
         if held:

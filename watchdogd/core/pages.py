@@ -21,11 +21,11 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Final, Generic
+from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_COMMAND_BYTES,
     MAX_JOB_BYTES,
     MAX_REPLY_BYTES,
@@ -55,19 +55,18 @@ from watchdogd_client.protocol import (
 
 from .._version import __version__
 from ..errors import Refusal
-from .arming import Arming
 from .bridge import FleetBridge
 from .counters import Counters
-from .events import EventLog
 from .firing import Firing
-from .history import History
 from .identity import ROOT, Peer
-from .incidents import IncidentLog
 from .policies import placeholders, step_name
-from .ports import Journal, P, ProcessPort
-from .rules import Rules
+from .ports import P
 from .slots import Slots
-from .timers import Timer, TimerTable, Watch
+from .timer_requests import Arming
+from .timers import Timer, Watch
+
+if TYPE_CHECKING:
+    from .context import CoreContext
 
 #: What a status page may spend on timers and command lines: the reply bound less
 #: generous room for the rest (the daemon summary, the cursor, the framing).
@@ -96,38 +95,30 @@ class Pages(Generic[P]):
 
     def __init__(
         self,
-        rules: Rules,
-        table: TimerTable[P],
-        processes: ProcessPort[P],
-        journal: Journal,
+        context: CoreContext[P],
         *,
         firing: Firing[P],
         arming: Arming[P],
         slots: Slots[P],
         fleet: FleetBridge[P],
-        events: EventLog,
-        history: History,
-        incidents: IncidentLog,
-        metrics: Counters,
         render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
-        daemon_pid: int,
-        started: float,
     ) -> None:
-        self._rules = rules
-        self._table = table
-        self._processes = processes
-        self._journal = journal
+        """``render_metrics`` writes the metrics page (`watchdogd.runtime.metrics`)."""
+        self._rules = context.rules
+        self._writer = context.writer
+        self._table = context.table
+        self._processes = context.processes
         self._firing = firing
         self._arming = arming
         self._slots = slots
         self._fleet = fleet
-        self._events = events
-        self._history = history
-        self._incidents = incidents
-        self._metrics = metrics
+        self._events = context.events
+        self._history = context.history
+        self._incidents = context.incidents
+        self._metrics = context.metrics
         self._render_metrics = render_metrics
-        self._daemon_pid = daemon_pid
-        self._started = started
+        self._daemon_pid = context.daemon_pid
+        self._started = context.started
         self._command_lines: _CommandLines[P] = _CommandLines()
 
     def status(self, request: Status, peer: Peer, now: float) -> StatusReply:
@@ -150,11 +141,31 @@ class Pages(Generic[P]):
             if after is not None:
                 visible = (timer for timer in visible if (timer.deadline, timer.seq) > after)
             page = heapq.nsmallest(request.limit + 1, visible)
+        timers, commands, taken = self._status_timers(page[: request.limit], now)
+        self._command_lines.forget_old(now, keep=self._table.process_count)
+        cursor = None
+        if taken < len(page):
+            last = page[taken - 1]
+            cursor = f"{last.deadline!r}/{last.seq}"
+        return StatusReply(
+            id=request.id,
+            daemon=self.info(now),
+            timers=timers,
+            cursor=cursor,
+            commands=commands,
+        )
+
+    def _status_timers(
+        self, page: list[Timer], now: float
+    ) -> tuple[list[TimerInfo], dict[int, str], int]:
+        """The entries of a status page for ``page``, the command lines they
+        name, and how many of ``page`` they take, as many as fit in the page's
+        room (`status`)."""
         room = _STATUS_PAGE_BYTES
         commands: dict[int, str] = {}
         timers: list[TimerInfo] = []
         taken = 0
-        for timer in page[: request.limit]:
+        for timer in page:
             deadline = self._deadline(timer)
             if deadline is None:
                 taken += 1  # a registered scope's slot holds no block: none armed
@@ -189,18 +200,7 @@ class Pages(Generic[P]):
                     rank=rank,
                 )
             )
-        self._command_lines.forget_old(now, keep=self._table.process_count)
-        cursor = None
-        if taken < len(page):
-            last = page[taken - 1]
-            cursor = f"{last.deadline!r}/{last.seq}"
-        return StatusReply(
-            id=request.id,
-            daemon=self.info(now),
-            timers=timers,
-            cursor=cursor,
-            commands=commands,
-        )
+        return timers, commands, taken
 
     def _deadline(self, timer: Timer) -> float | None:
         """``timer``'s deadline: a registered scope's read from its slot now (None
@@ -331,9 +331,23 @@ class Pages(Generic[P]):
             requests=self._metrics.requests_total,
             expired=self._metrics.expired,
             exited=self._metrics.exited,
-            state_degraded=self._journal.degraded,
+            state_degraded=self._writer.degraded,
             fleet=self._fleet.state,
         )
+
+    def status_line(self) -> str:
+        """The daemon's status in one line, for its service manager (sd_notify's
+        ``STATUS=``): the timers and processes held, the connections, and the
+        state and the fleet when something is wrong with them or there is one."""
+        line = (
+            f"{len(self._table)} timers on {self._table.process_count} processes, "
+            f"{self._arming.connections} connections"
+        )
+        if self._writer.degraded:
+            line = "DEGRADED: the state cannot be written, timers are in memory only; " + line
+        if self._fleet.state:
+            line += f"; fleet {self._fleet.state}"
+        return line
 
     def events(self, request: Events, peer: Peer) -> EventsReply:
         events = self._events.page(request.after, request.limit, peer.uid)
@@ -393,11 +407,11 @@ class Pages(Generic[P]):
                 "events_kept": ("Events kept in memory now.", len(self._events)),
                 "state_write_failures": (
                     "Writes of the state file that failed since start.",
-                    self._journal.errors,
+                    self._writer.errors,
                 ),
                 "state_degraded": (
                     "1 while the state cannot be written: timers are kept in memory only.",
-                    int(self._journal.degraded),
+                    int(self._writer.degraded),
                 ),
                 "expiries_in_progress": (
                     "Expired timers whose policy is still being carried out.",

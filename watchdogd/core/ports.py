@@ -1,8 +1,8 @@
 """The ports through which the core asks the runtime for what it cannot do itself.
 
 A process port opens, watches and reads processes (`ProcessPort`, on a real host
-`watchdogd.runtime.daemon.HostProcesses`), a journal makes the timers' changes durable
-(`Journal`, `watchdogd.storage.store.Store`), a page port makes and finds again the
+`watchdogd.runtime.host_processes.HostProcesses`), a journal makes the timers'
+changes durable (`Journal`, `watchdogd.storage.store.Store`), a page port makes and finds again the
 slot pages of the fast path (`PagePort`, `watchdogd.host.slot_pages`). The core
 holds handles only through `TargetProcess` and `PageRef`, so its rules run the same
 on a fake host in tests.
@@ -128,7 +128,7 @@ class ProcessPort(Protocol[P]):
 
 class PageRef(Protocol):
     """A slot page as the core reads and writes it
-    (`watchdogd_client.protocol.slot_page`); every value a process wrote is read
+    (`watchdogd_protocol.slot_page`); every value a process wrote is read
     as it is, for the core to bound."""
 
     @property

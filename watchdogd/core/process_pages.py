@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Generic
 
-from watchdogd_client.protocol.slot_page import SLOTS
+from watchdogd_protocol.slot_page import SLOTS
 
 from .ports import SEARCHING, P, PagePort, PageRef, PageSearch, Searching, TargetProcess
 

@@ -11,7 +11,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo, RankInfo
+from watchdogd_protocol import EventInfo, RankInfo
 
 from .effects import SKIPPED_DENIED, Outcome
 from .identity import ROOT
@@ -20,7 +20,7 @@ from .identity import ROOT
 MAX_STACK_BYTES: Final = 64 * 1024
 #: What a stack trimmed to its owner's evidence budget keeps (`trimmed`): room
 #: for a main thread's innermost frames down to the user's own, where the verdict
-#: reads where the rank waits (`watchdogd.core.frames.pick`).
+#: reads where the rank waits (`watchdogd.core.user_frames.pick`).
 TRIMMED_STACK_BYTES: Final = 2 * 1024
 _CLIPPED: Final = "\n…(cut)\n"
 #: ASCII, as the frames it follows most often are: a str of one non-ASCII
@@ -102,7 +102,7 @@ def trimmed(stack: str, limit: int = TRIMMED_STACK_BYTES) -> str:
     """``stack`` (py-spy's layout) cut to its main thread (the thread named
     MainThread, else the first) in at most ``limit`` UTF-8 bytes, whole lines
     only, marked: the verdict finds the same frame in it as in the whole
-    (`watchdogd.core.frames.pick`), unless the user's frame was past the limit.
+    (`watchdogd.core.user_frames.pick`), unless the user's frame was past the limit.
     A stack within ``limit`` is kept as it is."""
     if len(stack.encode()) <= limit:
         return stack

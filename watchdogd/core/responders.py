@@ -1,7 +1,7 @@
 """Responders: the processes that answer the daemon's evidence requests from inside.
 
 A process that uses the client library keeps one background connection, its
-responder, on which it sends `Respond` once (`watchdogd_client.protocol.requests`):
+responder, on which it sends `Respond` once (`watchdogd_protocol.requests`):
 the kernel says which process it is (the connection's peer credentials), the
 request which job and rank it belongs to. From then until that connection closes
 or that process exits it is a rank of that job here whether or not it holds a
@@ -13,7 +13,7 @@ A responder is its process, for as long as that process lives:
 
 - It is registered with a handle on the exact process that opened its connection
   (its pidfd), found not to have exited when it registered
-  (`watchdogd.core.arming.Arming.connecting_process`), and its start time: a
+  (`watchdogd.core.timer_requests.Arming.connecting_process`), and its start time: a
   connection that outlived its process (a child of a fork kept the socket) may
   not register, and so answers for nobody.
 - A process has at most one responder, and only that process replaces it: a
@@ -26,7 +26,7 @@ A responder is its process, for as long as that process lives:
   connection that ends never removes the one that took its place.
 
 This module keeps who responds for which job; asking and waiting for the answer
-is the runtime's (`watchdogd.runtime.responders`), which sends an ask only to the
+is the runtime's (`watchdogd.runtime.asks`), which sends an ask only to the
 responder whose process is the ask's target, and takes an answer only on the
 connection it asked, from a process that has not exited.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from watchdogd_client.protocol import MAX_JOB_BYTES, ErrorCode, Respond
+from watchdogd_protocol import MAX_JOB_BYTES, ErrorCode, Respond
 
 from ..errors import Refusal
 from .ports import TargetProcess

@@ -10,10 +10,11 @@ policies, then the families built in by name (`watchdogd.core.policies`).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
 from ..errors import Refusal
 from .config import Config, DaemonConfig
@@ -111,7 +112,13 @@ class Rules:
             missing = repr(policy) if split is None else f"{split[1]!r} (in {policy!r})"
             families = ["signal:NAME", *(f"{target}:NAME" for target in RETARGETS)]
             known = ", ".join([*sorted(self.policies), *families])
-            raise Refusal(ErrorCode.UNKNOWN_POLICY, f"no policy {missing}; known: {known}")
+            unknown = policy if split is None else split[1]
+            close = difflib.get_close_matches(unknown, sorted(self.policies), n=1, cutoff=0.6)
+            near = ""
+            if close:
+                meant = close[0] if split is None else f"{split[0]}:{close[0]}"
+                near = f"; did you mean `{meant}`?"
+            raise Refusal(ErrorCode.UNKNOWN_POLICY, f"no policy {missing}; known: {known}{near}")
         if chosen.root_only and uid != ROOT:
             raise Refusal(
                 ErrorCode.PERMISSION_DENIED, f"policy {policy!r} may be chosen by root only"

@@ -10,7 +10,7 @@ rule testable with a fake port and numbers for the time.
 
 Each part owns its state and is its own module:
 
-- `watchdogd.core.arming`: connections, the handshake, acquire and release with
+- `watchdogd.core.timer_requests`: connections, the handshake, acquire and release with
   their authorization and limits;
 - `watchdogd.core.pages`: the pages that only read (status, events, why, suggest,
   incidents, policies, metrics);
@@ -23,26 +23,28 @@ Each part owns its state and is its own module:
 - `watchdogd.core.hangs`: each settled verdict's hang counted toward its job's
   repeats (`watchdogd.core.repeats`), and the jobs' page.
 
-They share the timer table, the config in force (`watchdogd.core.rules`), the
-events ring, the incident log, the history and the counters, each passed to the
-parts that need it. `Service` keeps the calls the runtime makes under one name
-each, and does nothing itself but dispatch and the daemon's own events.
+They share one context (`watchdogd.core.context.CoreContext`): the config in
+force (`watchdogd.core.rules`), the timer table's one writer
+(`watchdogd.core.writer`), the process port, the events ring, the incident log,
+the history, the counters, the responders and the log. Each part is an
+attribute of `Service`, and the runtime calls the part itself (``service.arming``,
+``service.firing``, ``service.lifecycle``...); `Service` does nothing itself but
+make them, dispatch each request, and record the daemon's own events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Generic, assert_never
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquire,
     ErrorCode,
     EventInfo,
     Events,
     Evidence,
-    GroupState,
     Hangs,
     Hello,
     Incident,
@@ -62,7 +64,6 @@ from watchdogd_client.protocol import (
     ReplyMessage,
     RequestMessage,
     Respond,
-    Responding,
     Status,
     Suggest,
     Unblocked,
@@ -70,29 +71,30 @@ from watchdogd_client.protocol import (
 )
 
 from ..errors import Refusal
-from .arming import Arming, Caller
 from .bridge import FleetBridge
 from .config import Config, DaemonConfig
+from .context import CoreContext
 from .counters import Counters
 from .events import EventLog
-from .firing import Due, Firing
-from .frames import Library
+from .firing import Firing
 from .hangs import JobHangs
 from .history import History
-from .identity import ROOT, Peer
+from .identity import ROOT
 from .incidents import IncidentLog
 from .lifecycle import Later, Lifecycle, Restored
 from .logline import Level, LogSink, NullSink, RateLimitedLog, Throttle, logfmt
 from .pages import Pages
-from .policies import Policy
 from .ports import Journal, NoPages, NullJournal, P, PagePort, PageRef, ProcessPort, TargetProcess
 from .repeats import Repeats
 from .responders import Responders
 from .rules import Rules
 from .slots import Slots
-from .timers import Expired, Timer, TimerTable
+from .timer_requests import Arming, Caller
+from .timers import Timer, TimerTable
 from .unblocks import Unblocks
+from .user_frames import Library
 from .verdict import Decision, for_viewer, nobody
+from .writer import TableWriter
 
 __all__ = [
     "ROOT",
@@ -108,7 +110,9 @@ __all__ = [
 
 
 class Service(Generic[P]):
-    """The daemon's state and its answer to every request."""
+    """The daemon's state and its answer to every request: the shared parts
+    (`context`) and the parts made on them, each an attribute the runtime
+    calls."""
 
     def __init__(
         self,
@@ -130,17 +134,23 @@ class Service(Generic[P]):
         pages: PagePort[P] | None = None,
         monotonic: bool = False,
     ) -> None:
-        """``stdlib``: the standard library's top-level module names
-        (``sys.stdlib_module_names``), whose frames are not where a rank waits.
-        ``pages`` makes the slot pages of the fast path, offered when ``monotonic``
-        says the table's clock is CLOCK_MONOTONIC, the clock of a slot's deadlines."""
-        daemon = config.daemon
+        """``now`` is when the daemon starts, on the table's clock (``on_deadline``
+        is told each deadline that moves the next wake-up on it); ``wall`` stamps
+        events and ``clock`` paces the log's throttle. ``stdlib``: the standard
+        library's top-level module names (``sys.stdlib_module_names``), whose
+        frames are not where a rank waits. ``pages`` makes the slot pages of the
+        fast path, offered when ``monotonic`` says the table's clock is
+        CLOCK_MONOTONIC, the clock of a slot's deadlines."""
+        self.daemon_pid = daemon_pid
+        self.started = now
+        self._wall = wall
+        self._monotonic = monotonic
         self.rules = Rules(config)
         self.table: TimerTable[P] = TimerTable()
         self.metrics = Counters()
-        self.journal: Journal = NullJournal() if journal is None else journal
         #: The log of lines requests can cause, rate-limited per (uid, kind).
         self.log = RateLimitedLog(Throttle(clock=clock), NullSink() if log is None else log)
+        daemon = config.daemon
         self.events = EventLog(daemon.events, on_event, per_uid=daemon.events_per_uid, log=self.log)
         self.history = History()
         self._configure_history(config)
@@ -152,7 +162,39 @@ class Service(Generic[P]):
             window=daemon.repeat_window,
             same_within=daemon.incident_window,
         )
-        self.incidents = IncidentLog(
+        self.incidents = self._incident_log(daemon, host, new_id, stdlib)
+        #: The one writer of the timers (`watchdogd.core.writer`).
+        self.writer = TableWriter(
+            self.table, NullJournal() if journal is None else journal, on_deadline
+        )
+        #: What every part shares (`watchdogd.core.context`).
+        self.context = self._context(processes)
+        self._make_parts(config, NoPages() if pages is None else pages, render_metrics)
+
+    def _context(self, processes: ProcessPort[P]) -> CoreContext[P]:
+        return CoreContext(
+            rules=self.rules,
+            writer=self.writer,
+            processes=processes,
+            events=self.events,
+            metrics=self.metrics,
+            history=self.history,
+            incidents=self.incidents,
+            responders=self.responders,
+            log=self.log,
+            wall=self._wall,
+            daemon_pid=self.daemon_pid,
+            started=self.started,
+        )
+
+    def _incident_log(
+        self,
+        daemon: DaemonConfig,
+        host: str,
+        new_id: Callable[[], str] | None,
+        stdlib: frozenset[str],
+    ) -> IncidentLog:
+        return IncidentLog(
             host,
             keep=daemon.incidents,
             per_uid=daemon.incidents_per_uid,
@@ -164,123 +206,42 @@ class Service(Generic[P]):
             evidence_per_uid=daemon.incident_bytes_per_uid,
             on_trimmed=self._evidence_trimmed,
         )
-        self.daemon_pid = daemon_pid
-        self.started = now
-        self._wall = wall
-        self._clock = clock
-        self._monotonic = monotonic
-        self.slots = Slots(
-            self.rules,
-            self.table,
-            processes,
-            NoPages() if pages is None else pages,
-            self.journal,
-            history=self.history,
-            metrics=self.metrics,
-            log=self.log,
-            on_deadline=on_deadline,
-            offered=monotonic and daemon.fast_path,
-        )
+
+    def _make_parts(
+        self,
+        config: Config,
+        pages: PagePort[P],
+        render_metrics: Callable[[Counters, Mapping[str, tuple[str, float]]], str],
+    ) -> None:
+        """The parts, each on the context and the few parts it calls."""
+        context = self.context
+        self.slots = Slots(context, pages, offered=self._monotonic and config.daemon.fast_path)
         #: This host's ranks owed a cut out of the collective they wait in.
         self.unblocks = Unblocks(
             self.incidents,
             self.responders,
             self.events,
             self.metrics,
-            wall=wall,
+            wall=self._wall,
             waited=config.fleet.unblock_after,
         )
-        self.expiries = Firing(
-            self.rules,
-            self.table,
-            processes,
-            self.journal,
-            responders=self.responders,
-            slots=self.slots,
-            incidents=self.incidents,
-            on_deadline=on_deadline,
-            events=self.events,
-            metrics=self.metrics,
-            wall=wall,
-            started=now,
-        )
-        self.lifecycle = Lifecycle(
-            self.table,
-            processes,
-            self.journal,
-            self.expiries,
-            slots=self.slots,
-            on_deadline=on_deadline,
-            events=self.events,
-            metrics=self.metrics,
-            wall=wall,
-        )
+        self.firing = Firing(context, slots=self.slots)
+        self.lifecycle = Lifecycle(context, self.firing, slots=self.slots)
         self.arming = Arming(
-            self.rules,
-            self.table,
-            processes,
-            self.journal,
-            self.lifecycle,
-            slots=self.slots,
-            history=self.history,
-            metrics=self.metrics,
-            daemon_pid=daemon_pid,
-            on_deadline=on_deadline,
-            record_taken=self.expiries.record_taken,
+            context, self.lifecycle, slots=self.slots, record_taken=self.firing.record_taken
         )
-        self.fleet = FleetBridge(
-            self.table,
-            self.expiries,
-            self.incidents,
-            unblocks=self.unblocks,
-            responders=self.responders,
-            daemon_pid=daemon_pid,
-            events=self.events,
-            metrics=self.metrics,
-            wall=wall,
-        )
-        self.hangs = JobHangs(
-            self.repeats,
-            self.incidents,
-            holds=self.fleet.holds,
-            events=self.events,
-            wall=wall,
-        )
+        self.fleet = FleetBridge(context, self.firing, unblocks=self.unblocks)
+        self.hangs = JobHangs(context, self.repeats, holds=self.fleet.holds)
         self.pages = Pages(
-            self.rules,
-            self.table,
-            processes,
-            self.journal,
-            firing=self.expiries,
+            context,
+            firing=self.firing,
             arming=self.arming,
             slots=self.slots,
             fleet=self.fleet,
-            events=self.events,
-            history=self.history,
-            incidents=self.incidents,
-            metrics=self.metrics,
             render_metrics=render_metrics,
-            daemon_pid=daemon_pid,
-            started=now,
         )
 
     # The config in force.
-
-    @property
-    def config(self) -> DaemonConfig:
-        return self.rules.daemon
-
-    @property
-    def policies(self) -> Mapping[str, Policy]:
-        return self.rules.policies
-
-    @property
-    def default_policy(self) -> str:
-        return self.rules.default_policy
-
-    def policy_for(self, name: str) -> tuple[Policy, str]:
-        """`Rules.policy_for`."""
-        return self.rules.policy_for(name)
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded config: policies, limits, the event ring's size. A timer
@@ -309,27 +270,6 @@ class Service(Generic[P]):
         history.min_samples, history.margin = table.min_samples, table.margin
 
     # Connections and requests.
-
-    @property
-    def connections(self) -> int:
-        return self.arming.connections
-
-    @property
-    def restart_estimate(self) -> float:
-        """Seconds a restart may take at the timer cap (set once the state loaded)."""
-        return self.arming.restart_estimate
-
-    @restart_estimate.setter
-    def restart_estimate(self, seconds: float) -> None:
-        self.arming.restart_estimate = seconds
-
-    def open_connection(self, peer: Peer) -> Caller[P]:
-        """`Arming.open_connection`."""
-        return self.arming.open_connection(peer)
-
-    def close_connection(self, caller: Caller[P]) -> None:
-        """`Arming.close_connection`."""
-        self.arming.close_connection(caller)
 
     # One branch per request type, by design: the whole dispatch reads in one place.
     def handle(  # noqa: PLR0912
@@ -362,7 +302,7 @@ class Service(Generic[P]):
             case Hangs():
                 return self.hangs.hangs(request, caller.peer)
             case Respond() | Evidence() | Unblocked():
-                return self._responding(request, caller)
+                return self.arming.respond(request, caller)
             case MapPage():
                 self.page_for(request, caller, now)
                 return PageMapped(id=request.id, page=request.page, now=int(now * 1_000_000))
@@ -385,22 +325,6 @@ class Service(Generic[P]):
             )
         return page
 
-    def _responding(self, request: Respond | Evidence | Unblocked, caller: Caller[P]) -> Responding:
-        """A responder's `Respond`, which binds it to the exact process that opened
-        its connection, alive (`Arming.connecting_process`); or its `Evidence` or
-        `Unblocked`, taken only on the connection its process responds on now
-        (whoever asked for it takes it from there: `watchdogd.runtime.responders`)."""
-        if isinstance(request, Respond):
-            process = self.arming.connecting_process(caller)
-            self.responders.register(process, caller.peer.uid, request)
-        elif caller.process is None or not self.responders.registered(caller.process):
-            raise Refusal(
-                ErrorCode.INVALID_REQUEST,
-                "an answer to the daemon's ask is taken only on the connection a process "
-                "responds on, after respond",
-            )
-        return Responding(id=request.id)
-
     def _flagged(self, reply: IncidentsReply | IncidentReply) -> IncidentsReply | IncidentReply:
         """``reply`` with each incident whose job repeats its hang flagged so."""
         if isinstance(reply, IncidentsReply):
@@ -414,42 +338,7 @@ class Service(Generic[P]):
         self.metrics.repeating = len(self.repeats.marked())
         return self.pages.metrics_text(reader)
 
-    # Expiry, as the runtime's executor of policies calls it.
-
-    def expire_due(self, now: float, limit: int | None = None) -> list[Expired[P]]:
-        """`Firing.expire_due`."""
-        return self.expiries.expire_due(now, limit)
-
-    def take_due(self, now: float, limit: int | None = None) -> list[Expired[P] | Due[P]]:
-        """`Firing.take_due`."""
-        return self.expiries.take_due(now, limit)
-
-    def record_fired(self, due: Due[P]) -> Expired[P]:
-        """`Firing.record`."""
-        return self.expiries.record(due)
-
-    def expiry_finished(self, timer: Timer) -> None:
-        """`Firing.finished`."""
-        self.expiries.finished(timer)
-
-    @property
-    def firing(self) -> int:
-        """Timers whose policy is in progress."""
-        return len(self.expiries)
-
-    def record_expiries(self, events: list[EventInfo]) -> None:
-        """`Firing.record_expiries`."""
-        self.expiries.record_expiries(events)
-
-    def dump_taken(
-        self,
-        timer: Timer,
-        reader: tuple[int, int] | None,
-        evidence: str = "",
-        flight: Sequence[GroupState] = (),
-    ) -> None:
-        """`Firing.dump_taken`."""
-        self.expiries.dump_taken(timer, reader, evidence, flight)
+    # What the incident log tells the service.
 
     def _evidence_trimmed(self, uid: int, size: int) -> None:
         """``size`` bytes of ``uid``'s incidents' evidence went to fit its budget:
@@ -491,46 +380,13 @@ class Service(Generic[P]):
         )
         return self.hangs.settled(incident, decision, ranks, recorded.seq)
 
-    def settle_incidents(self) -> None:
-        """`IncidentLog.tick`, now."""
-        self.incidents.tick(self._wall())
-
-    # The state, restarts and exits.
+    # The state.
 
     def snapshot(self) -> list[Timer]:
         """Every timer the state must hold: the armed ones and the firing ones."""
-        return [*self.table.timers(), *self.expiries.timers()]
-
-    def restore(self, timers: Iterable[Timer]) -> Restored[P]:
-        """`Lifecycle.restore`."""
-        return self.lifecycle.restore(timers)
-
-    def prepare_later(self, timers: Iterable[Timer]) -> Later[P]:
-        """`Lifecycle.prepare_later` (in a worker thread)."""
-        return self.lifecycle.prepare_later(timers)
-
-    def restore_later(self, later: Later[P]) -> Restored[P]:
-        """`Lifecycle.restore_later`."""
-        return self.lifecycle.restore_later(later)
-
-    def process_exited(self, process: P) -> list[Timer]:
-        """`Lifecycle.process_exited`."""
-        return self.lifecycle.process_exited(process, self._clock())
-
-    def close(self) -> None:
-        """`Lifecycle.close`."""
-        self.lifecycle.close()
+        return [*self.table.timers(), *self.firing.timers()]
 
     # The daemon's own events.
-
-    @property
-    def fleet_state(self) -> str:
-        """The fleet as this host sees it: "" without one."""
-        return self.fleet.state
-
-    def fleet_changed(self, connected: bool, note: str) -> None:
-        """`FleetBridge.fleet_changed`."""
-        self.fleet.fleet_changed(connected, note)
 
     def storage_changed(self, degraded: bool, reason: str) -> None:
         """The state store stopped (or started again) making changes durable."""

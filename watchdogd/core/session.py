@@ -21,7 +21,7 @@ buffer, and says when the connection must close. Invariants:
   `Respond` taken, and each `Evidence` or `Unblocked` it sends, is answered and
   handed back to the connection, which binds its asks to the process
   (`watchdogd.runtime.server`) and gives the answer to whoever asked on it
-  (`watchdogd.runtime.responders`).
+  (`watchdogd.runtime.asks`).
 - A `MapPage` that was answered is handed back too: its reply must leave with the
   page's descriptor (`watchdogd.runtime.server`).
 """
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from watchdogd_client.errors import ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Error,
     ErrorCode,
     Events,
@@ -41,6 +40,7 @@ from watchdogd_client.protocol import (
     Hello,
     MapPage,
     PageMapped,
+    ProtocolError,
     ReplyMessage,
     RequestMessage,
     Respond,

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from watchdogd_client.protocol import SlotGrant
-from watchdogd_client.protocol.slot_page import BUCKETS, MAX_MICROSECONDS
+from watchdogd_protocol import SlotGrant
+from watchdogd_protocol.slot_page import BUCKETS, MAX_MICROSECONDS
 
 from .ports import PageRef
 

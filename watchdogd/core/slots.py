@@ -1,5 +1,5 @@
 """The fast path's registrations: scopes whose blocks arm and release their timer by
-stores into a slot page (`watchdogd_client.protocol.slot_page`), and the daemon's
+stores into a slot page (`watchdogd_protocol.slot_page`), and the daemon's
 lazy looks at them.
 
 A scope's first arm is a request, as every arm was: identity, authorization,
@@ -61,23 +61,23 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
-from typing import Final, Generic
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import SlotGrant
-from watchdogd_client.protocol.slot_page import MAX_MICROSECONDS, SLOTS
+from watchdogd_protocol import SlotGrant
+from watchdogd_protocol.slot_page import MAX_MICROSECONDS, SLOTS
 
-from .counters import Counters
-from .history import History
-from .logline import Level, RateLimitedLog, logfmt
-from .ports import SEARCHING, Journal, P, PagePort, PageRef, ProcessPort, Searching
+from .logline import Level, logfmt
+from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
-from .rules import Rules
 from .slot import Slot
 from .slot_shares import SlotShares
-from .timers import Expired, Key, SlotRef, Timer, TimerTable
+from .timers import Expired, Key, SlotRef, Timer
+
+if TYPE_CHECKING:
+    from .context import CoreContext
 
 #: A slot's period as a share of the timeout it was registered with: a block whose
 #: timeout shrinks a little from one to the next (torch's adapter computes each from
@@ -100,30 +100,16 @@ def period_of(timeout: float) -> float:
 class Slots(Generic[P]):
     """Every registration's slot, the looks at them and their harvests."""
 
-    def __init__(
-        self,
-        rules: Rules,
-        table: TimerTable[P],
-        processes: ProcessPort[P],
-        pages: PagePort[P],
-        journal: Journal,
-        *,
-        history: History,
-        metrics: Counters,
-        log: RateLimitedLog,
-        on_deadline: Callable[[float], None],
-        offered: bool,
-    ) -> None:
+    def __init__(self, context: CoreContext[P], pages: PagePort[P], *, offered: bool) -> None:
         """``offered``: whether slots are offered at all (``fast_path`` on, clock shared)."""
-        self._rules = rules
-        self._table = table
-        self._processes = processes
+        self._rules = context.rules
+        self._writer = context.writer
+        self._table = context.table
+        self._processes = context.processes
         self._port = pages
-        self._journal = journal
-        self._history = history
-        self._metrics = metrics
-        self._log = log
-        self._on_deadline = on_deadline
+        self._history = context.history
+        self._metrics = context.metrics
+        self._log = context.log
         self.offered = offered
         self._slots: dict[Key, Slot] = {}
         self._pages: ProcessPages[P] = ProcessPages(pages)
@@ -296,12 +282,8 @@ class Slots(Generic[P]):
         timer = item.timer
         assert timer.watch is not None
         watch = msgspec.structs.replace(timer.watch, slot=None)
-        plain = self._table.put(
-            item.process, msgspec.structs.replace(timer, deadline=deadline, watch=watch)
-        )
-        self._journal.put(plain)
-        self._journal.commit_soon()
-        self._on_deadline(deadline)
+        plain = msgspec.structs.replace(timer, deadline=deadline, watch=watch)
+        self._writer.rearm(item.process, plain, commit=True)
 
     def _idle_look(self, item: Expired[P], slot: Slot, now: float, active: bool) -> None:
         """A look found ``slot`` released; ``active``: blocks were released since
@@ -346,8 +328,7 @@ class Slots(Generic[P]):
         """Back in the table until ``look`` (in memory only: the state keeps an
         earlier look, never a later one). Its arming time, and so its number,
         stays the registration's."""
-        self._table.put(item.process, msgspec.structs.replace(item.timer, deadline=look))
-        self._on_deadline(look)
+        self._writer.moved(item.process, msgspec.structs.replace(item.timer, deadline=look))
 
     # Closing, retiring, dropping.
 
@@ -368,8 +349,7 @@ class Slots(Generic[P]):
         if process is not None and timer.deadline > now + CLOSING_WAIT:
             # Its next look may be a period away, days for a long timeout: it
             # would stay closing, and out of its uid's count, as long.
-            self._table.put(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
-            self._on_deadline(now + CLOSING_WAIT)
+            self._writer.moved(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
         return True
 
     def _held(self, uid: int, key: Key) -> bool | None:
@@ -416,8 +396,7 @@ class Slots(Generic[P]):
         self._gone(item)
 
     def _gone(self, item: Expired[P]) -> None:
-        self._journal.drop(item.timer)
-        self._journal.commit_soon()
+        self._writer.dropped([item.timer])
         if item.orphaned and self._table.process(item.timer.pid) is None:
             self._pages.forget_lost(item.process)
             self._processes.untrack(item.process)

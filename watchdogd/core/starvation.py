@@ -84,7 +84,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=Fals
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Starvation:
     """What `judge` found: whether the target was starved, and why, in words for
     the event (empty when there is nothing to say)."""
 
@@ -94,7 +94,9 @@ class Verdict:
 
 #: The verdict on a timer armed with nothing measured (its policy had no grace
 #: then, or its process could not be read).
-UNMEASURED: Final = Verdict(False, "starvation not judged: nothing was measured when it was armed")
+UNMEASURED: Final = Starvation(
+    False, "starvation not judged: nothing was measured when it was armed"
+)
 
 
 class Armed(Protocol):
@@ -109,22 +111,22 @@ class Armed(Protocol):
 
 def judge_due(
     armed: Armed | None, sample: Callable[[], Sample | None], *, pressure: float, cpu: float
-) -> Verdict:
+) -> Starvation:
     """Whether the process of a timer due now, armed with ``armed`` kept, was
     starved since (`judge`); ``sample`` measures it now, called only when there
     is something to judge. Not judged (no words) once the timer was extended: its
     expiry says so."""
     if armed is not None and armed.extended:
-        return Verdict(False)
+        return Starvation(False)
     if armed is None or armed.baseline is None:
         return UNMEASURED
     now = sample()
     if now is None:
-        return Verdict(False)  # it has exited: its policy finds it gone
+        return Starvation(False)  # it has exited: its policy finds it gone
     return judge(armed.baseline, now, pressure=pressure, cpu=cpu)
 
 
-def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> Verdict:
+def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> Starvation:
     """Whether the process measured by ``armed`` when its timer was armed and by
     ``now`` at its deadline was starved, by the module's rule with thresholds
     ``pressure`` and ``cpu`` (percent)."""
@@ -132,9 +134,9 @@ def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> 
         return UNMEASURED
     period = now.at - armed.at
     if period <= 0:
-        return Verdict(False, "starvation not judged: its measurements are out of order")
+        return Starvation(False, "starvation not judged: its measurements are out of order")
     if armed.cgroup != now.cgroup:
-        return Verdict(
+        return Starvation(
             False,
             f"starvation not judged: it moved from cgroup {armed.cgroup or '?'} to "
             f"{now.cgroup or '?'} while armed",
@@ -144,13 +146,13 @@ def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> 
         stalls = _stalls(armed.group, now.group, period)
         scope = f"its cgroup {now.cgroup}"
         if stalls is None:
-            return Verdict(
+            return Starvation(
                 False, f"starvation not judged: the pressure of cgroup {now.cgroup} is unreadable"
             )
     else:
         stalls, scope = host, "the host (its cgroup is unknown)"
         if stalls is None:
-            return Verdict(False, "starvation not judged: this kernel reports no pressure (PSI)")
+            return Starvation(False, "starvation not judged: this kernel reports no pressure (PSI)")
     ran = max(0.0, now.cpu - armed.cpu) / period
     worst = max(RESOURCES, key=stalls.__getitem__)
     listed = _listed(stalls)
@@ -162,13 +164,15 @@ def judge(armed: Sample | None, now: Sample, *, pressure: float, cpu: float) -> 
         "of one CPU"
     )
     if stalls[worst] * 100 < pressure:
-        return Verdict(False, f"not starved: {measured}, under starvation_pressure {pressure:g}%")
+        return Starvation(
+            False, f"not starved: {measured}, under starvation_pressure {pressure:g}%"
+        )
     if ran * 100 > cpu:
-        return Verdict(
+        return Starvation(
             False,
             f"not starved: {measured}, over starvation_cpu {cpu:g}%: it had the CPU and used it",
         )
-    return Verdict(True, f"starved: {measured}")
+    return Starvation(True, f"starved: {measured}")
 
 
 def _stalls(

@@ -39,7 +39,7 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
-from .heap import Deadlines
+from .deadlines import Deadlines
 from .identity import ROOT
 from .starvation import Sample
 
@@ -76,7 +76,7 @@ class Timer(
     it, ``start_time`` its process's start (clock ticks since boot, which tells a
     recycled pid apart); times are on the table's monotonic clock. An armed timer
     has ``firing`` 0 and no ``run``. A timer that fell due keeps its record, with a
-    ``firing`` number of its own and its `Run`, until its policy has finished.
+    ``firing`` number of its own and its `Course`, until its policy has finished.
     ``watch`` holds what only some timers need (`Watch`): None for the others.
 
     Timers order by ``(deadline, seq)``, their first two fields (``order=True``
@@ -110,7 +110,7 @@ class Timer(
     #: Its process's exit releases it quietly (see `Acquire.exit_releases`).
     exit_releases: bool = False
     firing: int = 0
-    run: Run | None = None
+    run: Course | None = None
     watch: Watch | None = None
 
     @property
@@ -168,14 +168,14 @@ class Timer(
     def at_step(self, step: int, step_end: float = 0.0) -> Timer:
         """This firing timer with its policy at ``step`` (a wait ending at
         ``step_end``)."""
-        run = Run() if self.run is None else self.run
+        run = Course() if self.run is None else self.run
         return msgspec.structs.replace(
             self, run=msgspec.structs.replace(run, step=step, step_end=step_end)
         )
 
 
-class Run(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
-    """Where the policy of a timer that fell due has got to: the index of the
+class Course(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """The course of the policy of a timer that fell due, where it has got to: the index of the
     ``step`` in progress and, during a wait, when that wait ends (``step_end``);
     when it fell due (``fired_at``); the `Policy.plan` of the policy that fired
     it, so that a policy changed or removed by the time a restart resumes it

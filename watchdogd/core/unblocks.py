@@ -45,7 +45,7 @@ from typing import Final
 
 from msgspec.structs import replace as replace_struct
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Culprit,
     EventInfo,
     IncidentInfo,
@@ -82,7 +82,7 @@ _DAY: Final = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
-class Unblock:
+class OwedUnblock:
     """One unblock owed: ``responder``'s process, a rank of ``incident``'s job, to
     be cut out of ``group``'s collective ``seq`` (None: of any it waits in), for
     ``cause`` (`HOST_LOST`, `PEERS`), as ``why`` says. ``lost``: when the host was
@@ -138,7 +138,7 @@ class Unblocks:
         self.waited = waited
         self.on_owed = on_owed
         #: Owed unblocks by when they are due (the daemon's clock).
-        self._due: list[tuple[float, int, Unblock]] = []
+        self._due: list[tuple[float, int, OwedUnblock]] = []
         self._order = itertools.count()
         self._ordered: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         #: The incidents whose verdict is waited for, with when it stops being;
@@ -160,7 +160,7 @@ class Unblocks:
         before now and has waited in long enough. How many were ordered."""
         why = f"host {host} left the fleet (its lease lapsed)"
         return sum(
-            self._order_one(Unblock(incident, responder, HOST_LOST, why, lost=now), now)
+            self._order_one(OwedUnblock(incident, responder, HOST_LOST, why, lost=now), now)
             for responder in self._responders.of_job(*job)
         )
 
@@ -266,11 +266,13 @@ class Unblocks:
         for responder in self._responders.of_job(incident.uid, incident.job):
             if (host, responder.pid) in named or responder.rank in numbers:
                 continue
-            unblock = Unblock(incident.id, responder, PEERS, why, collective.group, collective.seq)
+            unblock = OwedUnblock(
+                incident.id, responder, PEERS, why, collective.group, collective.seq
+            )
             ordered += self._order_one(unblock, now)
         return ordered
 
-    def _order_one(self, unblock: Unblock, now: float) -> bool:
+    def _order_one(self, unblock: OwedUnblock, now: float) -> bool:
         responder = unblock.responder
         key = (unblock.incident, responder.pid, responder.start_time)
         if not responder.unblock or key in self._ordered:
@@ -284,7 +286,7 @@ class Unblocks:
         self._put(unblock, now)
         return True
 
-    def _put(self, unblock: Unblock, due: float) -> None:
+    def _put(self, unblock: OwedUnblock, due: float) -> None:
         first = not self._due or due < self._due[0][0]
         heapq.heappush(self._due, (due, next(self._order), unblock))
         if first:
@@ -296,14 +298,14 @@ class Unblocks:
         """When the next unblock is due, on the daemon's clock (None: none is owed)."""
         return self._due[0][0] if self._due else None
 
-    def take(self, now: float) -> list[Unblock]:
+    def take(self, now: float) -> list[OwedUnblock]:
         """The unblocks due at ``now``, for the runtime to ask."""
         taken = []
         while self._due and self._due[0][0] <= now:
             taken.append(heapq.heappop(self._due)[2])
         return taken
 
-    def answered(self, unblock: Unblock, answer: Unblocked | None, now: float) -> None:
+    def answered(self, unblock: OwedUnblock, answer: Unblocked | None, now: float) -> None:
         """What the rank's responder answered ``unblock`` at ``now`` (None: it did
         not: gone, or silent within the bound)."""
         outcome = "no_answer" if answer is None else answer.outcome
@@ -324,7 +326,7 @@ class Unblocks:
         elif outcome == UnblockOutcome.UNBLOCKED:
             self._record(unblock, answer)
 
-    def _record(self, unblock: Unblock, answer: Unblocked) -> None:
+    def _record(self, unblock: OwedUnblock, answer: Unblocked) -> None:
         """``answer`` says the rank was cut out: an event of its owner's, and the
         incident's record of it."""
         responder, wall = unblock.responder, self._wall()

@@ -28,7 +28,7 @@ at most a third of the ranks with a frame (so 1 against 2, 2 against 4). Fewer
 ranks cannot outvote anyone, and a bigger minority is as likely to be right as
 the majority. Anything else is ``undecided``, with each frame and its ranks.
 
-What is not the user's frame is `watchdogd.core.frames`'s to say (`Library`).
+What is not the user's frame is `watchdogd.core.user_frames`'s to say (`Library`).
 A verdict that names culprits carries its hang's fingerprint
 (`watchdogd.core.fingerprint`): its kind, its collective's op and group, its
 culprits' frames.
@@ -51,7 +51,7 @@ from typing import Final
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Collective,
     CollectiveRef,
     Culprit,
@@ -64,8 +64,8 @@ from watchdogd_client.protocol import (
 )
 
 from .fingerprint import Fingerprint, fingerprint_of
-from .frames import Library, frame_line, name_text, number_text, pick, where
 from .ranks import reported
+from .user_frames import Library, frame_line, name_text, number_text, pick, where
 
 #: The most ranks a verdict names as culprits.
 MAX_CULPRITS: Final = 32

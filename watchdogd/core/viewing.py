@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from watchdogd_client.protocol import RankInfo, Verdict
+from watchdogd_protocol import RankInfo, Verdict
 
 from .identity import ROOT
 from .ranks import may_read

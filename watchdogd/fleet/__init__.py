@@ -7,6 +7,6 @@ is `watchdogd.fleet.publish`'s, what it keeps of the other hosts
 `watchdogd.fleet.records`. `watchdogd.fleet.etcd` is the etcd client: its calls go
 through `watchdogd.fleet.transport`, its watches are `watchdogd.fleet.watch`, and
 what they send and read is `watchdogd.fleet.gateway`; `watchdogd.fleet.http1` is
-the bounded HTTP/1.1 client (h11 on trio streams) that etcd's gateway is spoken
-over. Nothing in this package is on the path of a local expiry.
+the bounded HTTP/1.1 client (httptools' parser, on trio streams) that etcd's
+gateway is spoken over. Nothing in this package is on the path of a local expiry.
 """

@@ -82,7 +82,7 @@ from .gateway import (
 )
 from .http1 import Limits
 from .transport import Transport
-from .watch import Watch
+from .watch import EtcdWatch
 
 __all__ = ["MAX_PAGE", "Backoff", "Data", "EtcdClient", "Limits", "Range", "prefix_end"]
 
@@ -306,9 +306,9 @@ class EtcdClient:
         through: Data | None = None,
         start_revision: int = 0,
         max_value: int | None = None,
-    ) -> AsyncIterator[Watch]:
+    ) -> AsyncIterator[EtcdWatch]:
         """Watch every key that starts with ``prefix`` (with ``through``, as
-        `range`), from ``start_revision`` (0: from now on); iterate the `Watch` for
+        `range`), from ``start_revision`` (0: from now on); iterate the `EtcdWatch` for
         its events. A value over ``max_value`` bytes is left undecoded
         (`Event.oversize`). Opening it is bounded by the call timeout
         (`EtcdUnavailable`); it ends with `WatchBroken`, `EtcdCompacted` or another

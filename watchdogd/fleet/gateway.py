@@ -66,7 +66,7 @@ class EtcdCompacted(EtcdError):
 
 class WatchBroken(EtcdUnavailable):
     """Raised by a watch whose stream ended: its connection broke, or etcd closed
-    it. The caller watches again from `Watch.revision` + 1."""
+    it. The caller watches again from `EtcdWatch.revision` + 1."""
 
 
 class EtcdTooLarge(EtcdUnavailable):
@@ -96,7 +96,7 @@ class KeyValue(msgspec.Struct, frozen=True):
 # out a field at its default value (a false "succeeded", a zero "TTL").
 
 
-class Header(msgspec.Struct):
+class ResponseHeader(msgspec.Struct):
     revision: int = 0
 
 
@@ -176,7 +176,7 @@ class WatchRequest(msgspec.Struct):
 
 
 class Reply(msgspec.Struct):
-    header: Header = msgspec.field(default_factory=Header)
+    header: ResponseHeader = msgspec.field(default_factory=ResponseHeader)
 
 
 class RangeReply(Reply):
@@ -199,7 +199,7 @@ class LeaseReply(Reply):
 
 class WatchedKeyValue(msgspec.Struct, frozen=True):
     """A key as a watch reports it: its value left as the JSON string of its base64,
-    which the watch decodes only within its bound (`watchdogd.fleet.watch.Watch`)."""
+    which the watch decodes only within its bound (`watchdogd.fleet.watch.EtcdWatch`)."""
 
     key: bytes = b""
     value: msgspec.Raw = msgspec.Raw(b'""')

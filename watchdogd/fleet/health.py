@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Final, Generic
 
-from ..core.bridge import FleetBridge
-from ..core.ports import P
+from ..core import FleetBridge, P
 from ..logs import logfmt
 from .etcd import EtcdClient
 

@@ -52,12 +52,9 @@ from typing import Final, Generic, TypeVar
 import msgspec
 import trio
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
-from ..core.bridge import FleetBridge
-from ..core.config import FleetConfig
-from ..core.ports import TargetProcess
-from ..core.timers import Expired
+from ..core import Expired, FleetBridge, FleetConfig, TargetProcess
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
 from .etcd import Backoff, EtcdClient

@@ -37,10 +37,9 @@ from typing import Final, Generic
 import msgspec
 import trio
 
-from watchdogd_client.protocol import IncidentInfo, RankInfo
+from watchdogd_protocol import IncidentInfo, RankInfo
 
-from ..core.bridge import FleetBridge
-from ..core.ports import P
+from ..core import FleetBridge, P
 from ..host.users import UserNames
 from ..logs import Throttle, logfmt
 from .etcd import EtcdClient

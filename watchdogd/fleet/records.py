@@ -39,8 +39,8 @@ from urllib.parse import quote, unquote
 import msgspec
 from msgspec import Meta, Struct
 
-from watchdogd_client.protocol import MAX_JOB_BYTES, GroupState, IncidentInfo, RankInfo
-from watchdogd_client.protocol.evidence import MAX_GROUPS
+from watchdogd_protocol import MAX_JOB_BYTES, GroupState, IncidentInfo, RankInfo
+from watchdogd_protocol.responding import MAX_GROUPS
 
 from ..host.users import fleet_user
 

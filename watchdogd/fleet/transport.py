@@ -52,7 +52,7 @@ from .http1 import (
     TooLarge,
     open_connection,
 )
-from .watch import Watch
+from .watch import EtcdWatch
 
 __all__ = ["Transport", "tls_context"]
 
@@ -153,13 +153,13 @@ class Transport:
     @contextlib.asynccontextmanager
     async def open_watch(
         self, request: WatchRequest, start_revision: int, max_value: int | None = None
-    ) -> AsyncIterator[Watch]:
-        """The `Watch` that ``request`` (from ``start_revision``) begins, on a
+    ) -> AsyncIterator[EtcdWatch]:
+        """The `EtcdWatch` that ``request`` (from ``start_revision``) begins, on a
         connection of its own while it is open; beginning it is bounded by the call
-        timeout. ``max_value``: see `Watch`."""
+        timeout. ``max_value``: see `EtcdWatch`."""
         body = _encoder.encode(request)
 
-        async def start(endpoint: Endpoint) -> Watch:
+        async def start(endpoint: Endpoint) -> EtcdWatch:
             return await self._start_watch(endpoint, body, start_revision, max_value)
 
         deadline = trio.current_time() + self._timeout
@@ -233,8 +233,8 @@ class Transport:
 
     async def _start_watch(
         self, endpoint: Endpoint, body: bytes, start_revision: int, max_value: int | None
-    ) -> Watch:
-        watch = Watch(await self._checkout(endpoint), start_revision, max_value)
+    ) -> EtcdWatch:
+        watch = EtcdWatch(await self._checkout(endpoint), start_revision, max_value)
         try:
             await watch.begin(body)
         except (ConnectionBroken, WatchBroken) as exc:

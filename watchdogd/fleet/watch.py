@@ -1,7 +1,7 @@
 """A watch of etcd's gateway: one streamed ``POST /v3/watch`` on a connection of its
 own, read a line (one JSON message) at a time.
 
-- Its events come in revision order; `Watch.revision` is that of the last one
+- Its events come in revision order; `EtcdWatch.revision` is that of the last one
   yielded, so that after a break, watching again from ``revision + 1`` misses
   nothing and repeats nothing.
 - It asks etcd to split a large response into fragments, each a message within the
@@ -13,7 +13,7 @@ own, read a line (one JSON message) at a time.
   how large it was (`Event.oversize`), so that a put of a value over every bound
   its reader has costs it no more than reading the message.
 - It never ends quietly: `WatchBroken` when its stream ends or breaks (the caller
-  watches again from `Watch.revision` + 1), `EtcdCompacted` when etcd no longer has
+  watches again from `EtcdWatch.revision` + 1), `EtcdCompacted` when etcd no longer has
   its start revision (the caller reads the range, and watches from that range's
   revision + 1), another `EtcdError` when etcd ends it for another reason.
 
@@ -40,7 +40,7 @@ from .gateway import (
 )
 from .http1 import Connection, ConnectionBroken, TooLarge
 
-__all__ = ["Event", "Watch"]
+__all__ = ["EtcdWatch", "Event"]
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -55,7 +55,7 @@ class Event(msgspec.Struct, frozen=True):
     oversize: int = 0
 
 
-class Watch:
+class EtcdWatch:
     """An open watch: ``async for event in watch`` yields its `Event`s in revision
     order, the events of one revision together. `revision` is that of the last
     event yielded: after a `WatchBroken`, watching again from ``revision + 1`` misses
@@ -92,7 +92,7 @@ class Watch:
         await self._lines.aclose()
         await self._connection.aclose()
 
-    def __aiter__(self) -> Watch:
+    def __aiter__(self) -> EtcdWatch:
         return self
 
     async def __anext__(self) -> Event:

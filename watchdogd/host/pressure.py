@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from ..core.starvation import RESOURCES, Pressure, Sample
+from ..core import RESOURCES, Pressure, Sample
 from .cgroups import MOUNTINFO, Hierarchy, cgroup_of, host_hierarchy
 from .process import Process, read_stat
 

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from watchdogd_client.protocol import ErrorCode
+from watchdogd_protocol import ErrorCode
 
-from ..core.identity import ROOT, Peer, may_signal
+from ..core import ROOT, Peer, may_signal
 from ..errors import Refusal
 
 #: Linux's SO_PEERPIDFD; Python 3.11's socket module lacks the name.

@@ -1,5 +1,5 @@
 """Slot pages as the kernel holds them: sealed memfds the daemon shares with one
-process each (`watchdogd_client.protocol.slot_page` is their layout).
+process each (`watchdogd_protocol.slot_page` is their layout).
 
 A page is made here (`SlotPages.new_page`): a memfd of `PAGE_BYTES`, sealed so
 that neither side can shrink or grow it (so no mapping of it can ever fault), and
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
-from watchdogd_client.protocol.slot_page import (
+from watchdogd_protocol.slot_page import (
     AUTO,
     BLOCKS,
     BUCKETS,

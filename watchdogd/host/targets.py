@@ -54,9 +54,13 @@ from typing import Final
 
 import trio
 
-from ..core.effects import Delivery, SignalResult
-from ..core.identity import ROOT, may_signal
-from ..core.policies import TargetKind
+from ..core import (
+    ROOT,
+    Delivery,
+    SignalResult,
+    TargetKind,
+    may_signal,
+)
 from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
 from .process import (
     Process,

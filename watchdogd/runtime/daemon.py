@@ -41,82 +41,47 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 import trio
 
 from .._version import __version__
-from ..core.config import Config
-from ..core.firing import Due
-from ..core.identity import ROOT, Peer
-from ..core.logline import Level
-from ..core.service import Later, Restored, Service
-from ..core.starvation import Sample
-from ..core.timers import Expired, Timer
+from ..core import (
+    ROOT,
+    Config,
+    Due,
+    Expired,
+    Journal,
+    Later,
+    Level,
+    NullJournal,
+    Restored,
+    Service,
+    Timer,
+)
 from ..errors import ConfigError
 from ..host.exits import ExitWatcher
-from ..host.pressure import PressureGauge
-from ..host.process import Process, open_process
+from ..host.process import Process
 from ..host.systemd import Notifier, watchdog_interval
 from ..host.users import UserNames
 from ..logs import LoggingSink, log, logfmt
 from ..storage.history_file import HistoryFile, history_path
 from ..storage.record_file import RecordFile, record_path
 from ..storage.store import Store
+from .asks import Asks
 from .executor import BATCH, Executor
 from .host_pages import HostPages
+from .host_processes import HostProcesses
 from .reload import Reloads
-from .responders import Asks
 from .scheduler import Scheduler
 from .server import Context, Listener, open_listener, serve
 from .textfile import write_textfile
 from .unblocker import Unblocker
 
 if TYPE_CHECKING:
-    from ..core.counters import Counters
+    from ..core import Counters
     from ..fleet.member import FleetMember
-
-
-class HostProcesses:
-    """The service's process port on a real host: pidfds, the exit watcher and
-    what the kernel says of a process's share of the machine."""
-
-    def __init__(self, watcher: ExitWatcher, names: UserNames) -> None:
-        self._watcher = watcher
-        self._names = names
-        self._pressure = PressureGauge()
-
-    def open(self, pid: int, peer: Peer) -> Process:
-        return open_process(pid, peer)
-
-    def alive(self, process: Process) -> bool:
-        return process.alive()
-
-    def exited(self, process: Process) -> bool:
-        return process.exited()
-
-    def refresh(self, process: Process) -> bool:
-        return process.refresh()
-
-    def command(self, process: Process) -> str:
-        return process.command()
-
-    def executable(self, process: Process) -> str:
-        return process.executable()
-
-    def user_name(self, uid: int) -> str:
-        return self._names.name_of(uid) or f"#{uid}"
-
-    def track(self, process: Process) -> None:
-        process.remember_command()
-        self._watcher.watch(process)
-
-    def untrack(self, process: Process) -> None:
-        process.close()  # the table's reference; the watch ends with the last
-
-    def sample(self, process: Process) -> Sample | None:
-        return self._pressure.sample(process)
 
 
 #: Seconds a thread may run before Python offers the GIL to another (Python's
@@ -224,56 +189,78 @@ async def run(
     their owners' uids only with ``metrics_jobs``. ``task_status.started`` receives the service once
     the socket accepts connections and the state is loaded.
     """
-    raise_nofile_limit()
-    _map_large_allocations()
-    # A worker thread (a fold of the state, the metrics file) holds the GIL for up
-    # to this long before the event loop, which fires the timers, gets it back.
-    sys.setswitchinterval(_SWITCH_INTERVAL)
+    _prepare_process()
     if listener is None:
         listener = open_listener(socket_path, config.daemon.socket_mode, config.daemon.socket_group)
-    try:
-        scrape_listeners = []
-        if metrics_listen:
-            from .scrape import open_listeners  # noqa: PLC0415 (see _exposition)
-
-            scrape_listeners = await open_listeners(metrics_listen)
-        daemon = Daemon(config, listener, state_path=state_path, clock=clock)
-    except BaseException:
-        listener.close()  # the socket file this daemon created, and only that
-        raise
-    daemon.metrics = Metrics(metrics_textfile, scrape_listeners, metrics_jobs)
+    daemon = await _open(
+        config,
+        listener,
+        state_path=state_path,
+        clock=clock,
+        metrics=(metrics_textfile, metrics_listen, metrics_jobs),
+    )
     try:
         with contextlib.ExitStack() as stack:
-            # Signals are caught before the socket is announced, so a SIGTERM sent
-            # as soon as the daemon answers still stops it cleanly.
-            signals = (
-                stack.enter_context(
-                    trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-                )
-                if handle_signals
-                else None
-            )
-            if signals is not None:
-                # A SIGHUP held since start-up (see `watchdogd.cli.watchdogd`) arrives now, as a
-                # reload.
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+            signals = _receive_signals(stack) if handle_signals else None
             async with trio.open_nursery() as nursery:
                 await daemon.start(nursery)
                 task_status.started(daemon.service)
                 if signals is not None:
                     reloads = Reloads(daemon.service, config_path, log_level)
                     await nursery.start(reloads.run)
-                    async for signum in signals:
-                        if signum == signal.SIGHUP:
-                            reloads.ask()
-                            continue
-                        log.info(logfmt("stopping", signal=signal.Signals(signum).name))
-                        daemon.notifier.send("STOPPING=1")
-                        await daemon.leave_fleet()
-                        nursery.cancel_scope.cancel()
-                        break
+                    await daemon.until_stopped(signals, reloads)
+                    nursery.cancel_scope.cancel()
     finally:
         daemon.close()
+
+
+def _prepare_process() -> None:
+    """The process's limits and the memory and thread settings the daemon runs with."""
+    raise_nofile_limit()
+    _map_large_allocations()
+    # A worker thread (a fold of the state, the metrics file) holds the GIL for up
+    # to this long before the event loop, which fires the timers, gets it back.
+    sys.setswitchinterval(_SWITCH_INTERVAL)
+
+
+def _receive_signals(stack: contextlib.ExitStack) -> AsyncIterator[int]:
+    """The signals that stop or reload the daemon, received from now on, until
+    ``stack`` closes."""
+    # Signals are caught before the socket is announced, so a SIGTERM sent
+    # as soon as the daemon answers still stops it cleanly.
+    signals = stack.enter_context(
+        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    )
+    # A SIGHUP held since start-up (see `watchdogd.cli.watchdogd`) arrives now, as a
+    # reload.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+    return signals
+
+
+async def _open(
+    config: Config,
+    listener: Listener,
+    *,
+    state_path: str | None,
+    clock: Callable[[], float],
+    metrics: tuple[str | None, str | None, bool],
+) -> Daemon:
+    """The daemon on ``listener``, its state loaded, with ``metrics`` (the
+    textfile, the scrape addresses, whether they name jobs); ``listener`` is
+    closed if it cannot be made."""
+    textfile, listen, jobs = metrics
+    try:
+        scrape_listeners = []
+        if listen:
+            from .scrape import open_listeners  # noqa: PLC0415 (see _exposition)
+
+            scrape_listeners = await open_listeners(listen)
+        daemon = Daemon(config, listener, state_path=state_path, clock=clock)
+    except BaseException:
+        listener.close()  # the socket file this daemon created, and only that
+        raise
+    daemon.metrics = Metrics(textfile, scrape_listeners, jobs)
+    return daemon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,10 +292,10 @@ class Daemon:
         self.store: Store | None = None
         self.metrics = Metrics()
         timers: list[Timer] = []
-        moved_aside = 0
+        self._moved_aside = 0
         if state_path is not None:
             self.store, loaded = Store.open(state_path)
-            timers, moved_aside = loaded.timers, len(loaded.moved_aside)
+            timers, self._moved_aside = loaded.timers, len(loaded.moved_aside)
         self.watcher = ExitWatcher()
         self.names = UserNames()
         self.news = trio.lowlevel.ParkingLot()
@@ -322,25 +309,11 @@ class Daemon:
             settle=self._settle,
             heartbeat=None if interval is None else (interval, self._beat),
         )
-        host = config.fleet.host or socket.gethostname()
-        self.service: Service[Process] = Service(
-            config,
-            HostProcesses(self.watcher, self.names),
-            daemon_pid=os.getpid(),
-            now=clock(),
-            wall=time.time,
-            clock=time.monotonic,
-            log=LoggingSink(),
-            new_id=incident_ids(host),
-            on_deadline=self.scheduler.notify,
-            on_event=self.news.unpark_all,
-            journal=self.store,
-            render_metrics=_exposition,
-            host=host,
-            stdlib=frozenset(sys.stdlib_module_names),
-            pages=HostPages(),
-            monotonic=clock is time.monotonic,
-        )
+        #: Where each change of the timers goes: the state, or nowhere (no state).
+        self.journal: Journal = NullJournal() if self.store is None else self.store
+        self.service = self._service(config)
+        #: The rate-limited log of the lines requests and wake-ups cause.
+        self.log = self.service.context.log
         self.history_file: HistoryFile | None = None
         self.record_file: RecordFile | None = None
         if state_path is not None:
@@ -349,30 +322,56 @@ class Daemon:
             self.record_file.load()
             self.history_file = HistoryFile(history_path(state_path), self.service.history)
             self.history_file.load()
-        self.restored: Restored[Process] = self.service.restore(timers)
+        self.restored: Restored[Process] = self.service.lifecycle.restore(timers)
         del timers
         self.collector = Collector()
         if self.store is not None:
-            self.store.snapshot = self.service.snapshot
-            self.store.on_degraded = self._storage_changed
-            if self.store.degraded:
-                self._storage_changed(True, self.store.degraded_reason)
-            self._moved_aside = moved_aside
-            self._resumed = len(self.restored.resumed)
-            if self.store.loading:
-                # The rest is loaded while these fire (`_load_later`); the
-                # ``state`` line follows once the load is whole.
-                log.info(
-                    logfmt(
-                        "state_first",
-                        path=self.store.path,
-                        restored=self.restored.armed,
-                        resumed=self._resumed,
-                        seconds=round(time.monotonic() - self._began, 3),
-                    )
+            self._watch_store(self.store)
+
+    def _service(self, config: Config) -> Service[Process]:
+        """The core, on this host's processes, clocks, log and state."""
+        host = config.fleet.host or socket.gethostname()
+        return Service(
+            config,
+            HostProcesses(self.watcher, self.names),
+            daemon_pid=os.getpid(),
+            now=self.clock(),
+            wall=time.time,
+            clock=time.monotonic,
+            log=LoggingSink(),
+            new_id=incident_ids(host),
+            on_deadline=self.scheduler.notify,
+            on_event=self.news.unpark_all,
+            journal=self.journal,
+            render_metrics=_exposition,
+            host=host,
+            stdlib=frozenset(sys.stdlib_module_names),
+            pages=HostPages(),
+            monotonic=self.clock is time.monotonic,
+        )
+
+    def _watch_store(self, store: Store) -> None:
+        """Have ``store`` write the service's timers and say when it degrades;
+        log what was loaded."""
+        store.snapshot = self.service.snapshot
+        store.on_degraded = self._storage_changed
+        if store.degraded:
+            self._storage_changed(True, store.degraded_reason)
+        self._resumed = len(self.restored.resumed)
+        if store.loading:
+            # The rest is loaded while these fire (`_load_later`); the
+            # ``state`` line follows once the load is whole.
+            log.info(
+                logfmt(
+                    "state_first",
+                    path=store.path,
+                    restored=self.restored.armed,
+                    resumed=self._resumed,
+                    seconds=round(time.monotonic() - self._began, 3),
                 )
-            else:
-                self._log_state(self.store)
+            )
+        else:
+            self._log_state(store)
 
     def _record_file(self, state_path: str, store: Store | None) -> RecordFile:
         """The record beside the state, which leaves the state the room it wants
@@ -382,7 +381,7 @@ class Daemon:
             record_path(state_path),
             self.service.events,
             self.service.incidents,
-            bound=lambda: self.service.config.record_bytes,
+            bound=lambda: self.service.rules.daemon.record_bytes,
             reserve=(lambda: 0) if store is None else store.room.wanted,
             state_failing=lambda: store is not None and store.degraded,
             metrics=self.service.metrics,
@@ -410,32 +409,12 @@ class Daemon:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start every task in ``nursery``; returns once the socket is served."""
         asks = Asks()
-        self.executor = Executor(
-            self.service,
-            nursery,
-            clock=self.clock,
-            on_settle=self.scheduler.wake,
-            asks=asks,
-            tick=self.scheduler.poll,
-        )
-        await nursery.start(self.executor.run)
-        await nursery.start(Unblocker(self.service, asks, clock=self.clock).run)
-        await nursery.start(self.names.run)
-        await nursery.start(self.watcher.run, self.service.process_exited)
-        if self.store is not None:
-            await nursery.start(self.store.run)
-        if self.history_file is not None:
-            await nursery.start(self.history_file.run)
-        if self.record_file is not None:
-            await nursery.start(self.record_file.run)
-        if self.config.fleet.etcd:
-            await self._join_fleet(nursery)
-        await nursery.start(self.scheduler.run)
-        self.executor.carry_out(self.restored.resumed)
+        executor = await self._start_tasks(nursery, asks)
+        executor.carry_out(self.restored.resumed)
         self.restored.resumed = []
         if self.store is not None and self.store.loading:
             await self._load_later(self.store)
-        self.service.restart_estimate = restart_estimate(
+        self.service.arming.restart_estimate = restart_estimate(
             time.monotonic() - self._began, len(self.service.table), self.config.daemon.max_timers
         )
         # What was loaded lives long: the collector need not walk it again. The
@@ -448,8 +427,52 @@ class Daemon:
             tick=self.scheduler.poll,
             asks=asks,
             record=self.record_file,
+            journal=self.journal,
+            log=self.log,
         )
         await nursery.start(serve, self.listener, self.service, context)
+        await self._start_metrics(nursery)
+        nursery.start_soon(_settle_incidents, self.service)
+        log.info(
+            logfmt(
+                "listening",
+                socket=self.listener.path,
+                pid=os.getpid(),
+                version=__version__,
+                state="none" if self.store is None else self.store.path,
+            )
+        )
+        self.notifier.send("READY=1", f"STATUS={self.service.pages.status_line()}")
+
+    async def _start_tasks(self, nursery: trio.Nursery, asks: Asks) -> Executor:
+        """Start the tasks that run before the socket is served: the executor,
+        the unblocker, the watchers, the state's writers, the fleet and the
+        scheduler."""
+        self.executor = Executor(
+            self.service,
+            nursery,
+            clock=self.clock,
+            on_settle=self.scheduler.wake,
+            asks=asks,
+            tick=self.scheduler.poll,
+        )
+        await nursery.start(self.executor.run)
+        await nursery.start(Unblocker(self.service, asks, clock=self.clock).run)
+        await nursery.start(self.names.run)
+        await nursery.start(self.watcher.run, self._process_exited)
+        if self.store is not None:
+            await nursery.start(self.store.run)
+        if self.history_file is not None:
+            await nursery.start(self.history_file.run)
+        if self.record_file is not None:
+            await nursery.start(self.record_file.run)
+        if self.config.fleet.etcd:
+            await self._join_fleet(nursery)
+        await nursery.start(self.scheduler.run)
+        return self.executor
+
+    async def _start_metrics(self, nursery: trio.Nursery) -> None:
+        """Write the metrics textfile and serve the scrape listeners, if asked."""
         # The textfile and the scrape endpoint are anyone's to read: they name jobs
         # only when the operator said so.
         reader = ROOT if self.metrics.jobs else None
@@ -461,17 +484,22 @@ class Daemon:
 
             page = Page(lambda: self.service.metrics_text(reader), self.clock)
             await nursery.start(serve_scrapes, self.metrics.listeners, page)
-        nursery.start_soon(_settle_incidents, self.service)
-        log.info(
-            logfmt(
-                "listening",
-                socket=self.listener.path,
-                pid=os.getpid(),
-                version=__version__,
-                state="none" if self.store is None else self.store.path,
-            )
-        )
-        self.notifier.send("READY=1", f"STATUS={_status_line(self.service)}")
+
+    async def until_stopped(self, signals: AsyncIterator[int], reloads: Reloads) -> None:
+        """Reload at each SIGHUP; return at the first SIGTERM or SIGINT, once the
+        fleet was told this host leaves."""
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                reloads.ask()
+                continue
+            log.info(logfmt("stopping", signal=signal.Signals(signum).name))
+            self.notifier.send("STOPPING=1")
+            await self.leave_fleet()
+            return
+
+    def _process_exited(self, process: Process) -> None:
+        """The exit watcher saw ``process`` exit: its timers go."""
+        self.service.lifecycle.process_exited(process, time.monotonic())
 
     async def _load_later(self, store: Store) -> None:
         """Load the timers due after those restored at once, in a worker thread,
@@ -479,10 +507,10 @@ class Daemon:
         served after), so none sees a state half loaded."""
 
         def prepare() -> Later[Process]:
-            return self.service.prepare_later(store.load_later())
+            return self.service.lifecycle.prepare_later(store.load_later())
 
         later = await trio.to_thread.run_sync(prepare)
-        restored = self.service.restore_later(later)
+        restored = self.service.lifecycle.restore_later(later)
         store.loaded()
         self.restored.armed += restored.armed
         self.restored.dropped += restored.dropped
@@ -505,7 +533,7 @@ class Daemon:
             )
         except ConfigError as exc:
             log.error(logfmt("fleet_unusable", error=str(exc)))
-            self.service.fleet_changed(False, f"not joined: {exc}")
+            self.service.fleet.fleet_changed(False, f"not joined: {exc}")
             return
         await nursery.start(self.fleet.run)
 
@@ -518,16 +546,14 @@ class Daemon:
     def _fire(self, now: float) -> bool:
         """Fire a batch of what is due; whether the batch was full."""
         try:
-            expired = self.service.take_due(now, BATCH)
+            expired = self.service.firing.take_due(now, BATCH)
             if expired:
                 self.collector.hold(now)
                 assert self.executor is not None
                 self.executor.carry_out(expired)
             # After the signals: the line never delays one.
-            if self.service.log.debugging:
-                self.service.log.log(
-                    "wakeup", Level.DEBUG, functools.partial(_wakeup_line, now, expired)
-                )
+            if self.log.debugging:
+                self.log.log("wakeup", Level.DEBUG, functools.partial(_wakeup_line, now, expired))
         except Exception:
             # A bug here must not stop the scheduler (or the request that ran it).
             log.exception("firing the timers due at %r failed", now)
@@ -552,25 +578,27 @@ class Daemon:
 
     def _storage_changed(self, degraded: bool, reason: str) -> None:
         self.service.storage_changed(degraded, reason)
-        self.notifier.send(f"STATUS={_status_line(self.service)}")
+        self.notifier.send(f"STATUS={self.service.pages.status_line()}")
 
     def _next_deadline(self) -> float | None:
-        return self.service.table.next_deadline()
+        return self.service.writer.next_deadline()
 
     def _beat(self) -> None:
-        self.notifier.send("WATCHDOG=1", f"STATUS={_status_line(self.service)}")
+        self.notifier.send("WATCHDOG=1", f"STATUS={self.service.pages.status_line()}")
 
     def close(self) -> None:
         self.listener.close()
         # Where the state stays, for the next start (or for an operator to remove).
         kept = {} if self.store is None else {"state": self.store.path}
         log.info(
-            logfmt("stopped", timers=len(self.service.table), firing=self.service.firing, **kept)
+            logfmt(
+                "stopped", timers=len(self.service.table), firing=len(self.service.firing), **kept
+            )
         )
         if self.store is not None:
             # Before the table is emptied: a degraded store's last try writes it all.
             self.store.write_now()
-        self.service.close()
+        self.service.lifecycle.close()
         self.watcher.close()
         if self.store is not None:
             self.store.close()
@@ -626,18 +654,6 @@ def incident_ids(host: str) -> Callable[[], str]:
     return lambda: f"{host}-{run}{next(numbers)}"
 
 
-def _status_line(service: Service[Process]) -> str:
-    line = (
-        f"{len(service.table)} timers on {service.table.process_count} processes, "
-        f"{service.connections} connections"
-    )
-    if service.journal.degraded:
-        line = "DEGRADED: the state cannot be written, timers are in memory only; " + line
-    if service.fleet_state:
-        line += f"; fleet {service.fleet_state}"
-    return line
-
-
 def _exposition(counters: Counters, gauges: Mapping[str, tuple[str, float]]) -> str:
     """`watchdogd.runtime.metrics.exposition`, loaded at the first page. The daemon's
     start is paid by every restart and every test, and prometheus_client, the fleet's
@@ -652,7 +668,7 @@ async def _settle_incidents(service: Service[Process]) -> None:
     job will add to it now."""
     while True:
         await trio.sleep(_SETTLE_EVERY)
-        service.settle_incidents()
+        service.incidents.tick(time.time())
 
 
 async def _write_metrics(service: Service[Process], path: str, reader: int | None) -> None:
@@ -664,4 +680,4 @@ async def _write_metrics(service: Service[Process], path: str, reader: int | Non
             await trio.to_thread.run_sync(write_textfile, path, text)
         except OSError as exc:
             log.error(logfmt("metrics_textfile_failed", path=path, error=exc.strerror))
-        await trio.sleep(service.config.metrics_interval)
+        await trio.sleep(service.rules.daemon.metrics_interval)

@@ -76,13 +76,15 @@ from typing import Final, assert_never
 
 import trio
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
-from ..core.effects import (
+from ..core import (
     AwaitEvidence,
     CheckAlive,
     Counted,
+    Due,
     EvidenceIn,
+    Expired,
     Finish,
     Hooked,
     ObserveLateness,
@@ -90,9 +92,11 @@ from ..core.effects import (
     OpenTarget,
     Recorded,
     RecordStep,
+    Run,
     RunHook,
     Seen,
     SendSignal,
+    Service,
     Signalled,
     SignalResult,
     TakeDump,
@@ -101,18 +105,14 @@ from ..core.effects import (
     WaitUntil,
     Watched,
     WatchExit,
+    substitute,
 )
-from ..core.expiry import Run
-from ..core.firing import Due
-from ..core.policies import substitute
-from ..core.service import Service
-from ..core.timers import Expired
 from ..host.process import Process
 from ..host.targets import Target, open_target, signal_process
 from ..logs import log
+from .asks import Asks
 from .gathering import Gatherer
 from .hooks import run_hook
-from .responders import Asks
 from .unblocker import unblock_step
 
 #: The most expiries one pass fires, and the most one call of `Executor.settle`
@@ -224,7 +224,7 @@ class Executor:
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
-        for incident, responder in self._service.expiries.take_asks():
+        for incident, responder in self._service.firing.take_asks():
             self._nursery.start_soon(
                 self._gatherer.ask_rank, incident, responder.pid, responder.start_time
             )
@@ -248,7 +248,7 @@ class Executor:
     def _settle_one(self, expiry: _Expiry) -> None:
         try:
             if expiry.due is not None:
-                self._service.record_fired(expiry.due)  # its signal went: now firing
+                self._service.firing.record(expiry.due)  # its signal went: now firing
                 expiry.due = None
             if expiry.target is not None and not expiry.run.command:
                 expiry.run.command = expiry.target.command()
@@ -292,7 +292,7 @@ class Executor:
             expiry = self._settling.popleft()
             if expiry.due is not None:
                 # Its signal went: firing in the state, as every other.
-                self._service.record_fired(expiry.due)
+                self._service.firing.record(expiry.due)
             self._let_go(expiry)
         self._epoll.close()
 
@@ -327,7 +327,7 @@ class Executor:
                 case CheckAlive():
                     run.observe(Seen(self._target(expiry).alive()))
                 case RecordStep(step=step, step_end=step_end):
-                    self._service.expiries.step_started(run.timer, step, step_end)
+                    self._service.firing.step_started(run.timer, step, step_end)
                     run.observe(Recorded())
                 case SendSignal(signum=signum, alive=alive):
                     run.observe(self._send(expiry, signum, alive=alive))
@@ -343,7 +343,7 @@ class Executor:
                 case UnblockPeers():
                     return functools.partial(unblock_step, self._service, run, effect, self._clock)
                 case WatchExit():
-                    self._watch(expiry, now + self._service.config.unkillable_after)
+                    self._watch(expiry, now + self._service.rules.daemon.unkillable_after)
                     return None
                 case Finish():
                     self._finish(expiry, effect)
@@ -420,12 +420,12 @@ class Executor:
         record will hold it, by the policy it was taken out by."""
         due = taken if isinstance(taken, Due) else None
         started = self._service.started
-        wait = self._service.config.incident_evidence_wait
+        wait = self._service.rules.daemon.incident_evidence_wait
         try:
             if isinstance(taken, Due):
                 run = Run(taken.fired(), taken.policy, daemon_started=started, evidence_wait=wait)
             else:
-                policy, note = self._service.policy_for(taken.timer.policy)
+                policy, note = self._service.rules.policy_for(taken.timer.policy)
                 run = Run(
                     taken.timer,
                     policy,
@@ -436,9 +436,9 @@ class Executor:
                 )
         except Exception:
             log.exception("could not start the policy of %r", taken.timer)
-            timer = taken.timer if due is None else self._service.record_fired(due).timer
+            timer = taken.timer if due is None else self._service.firing.record(due).timer
             taken.process.close()
-            self._service.expiry_finished(timer)
+            self._service.firing.finished(timer)
             return None
         return _Expiry(run, taken.process, due=due)
 
@@ -468,12 +468,12 @@ class Executor:
         run, target = expiry.run, expiry.target
         assert target is not None
         self._events.append(finish.event)
-        self._service.expiry_finished(run.timer)
+        self._service.firing.finished(run.timer)
         if finish.unkillable:
             pid, state, wchan = target.survivor()
-            after = self._service.config.unkillable_after
+            after = self._service.rules.daemon.unkillable_after
             event = run.unkillable_event(pid, state, wchan, after=after, wall=self._wall())
-            self._service.expiries.record_unkillable(event)
+            self._service.firing.record_unkillable(event)
         target.close()
 
     def _failed(self, expiry: _Expiry, what: str) -> None:
@@ -482,14 +482,14 @@ class Executor:
         log.exception("%s of %r", what, expiry.run.timer)
         self._let_go(expiry)
         if expiry.due is not None:
-            self._service.record_fired(expiry.due)
+            self._service.firing.record(expiry.due)
             expiry.due = None
-        self._service.expiry_finished(expiry.run.timer)
+        self._service.firing.finished(expiry.run.timer)
 
     def _flush_events(self) -> None:
         if self._events:
             events, self._events = self._events, []
-            self._service.record_expiries(events)
+            self._service.firing.record_expiries(events)
 
     # Watching targets sent SIGKILL for their exit.
 

@@ -4,7 +4,7 @@ worker when its responder answers, from a dumper (py-spy) when it does not.
 Two callers: a dump step of a policy run (`Gatherer.dump`), and a rank of an
 incident that holds no timer of its job (`Gatherer.ask_rank`). Either way the
 responder is asked first, within ``evidence_timeout``: the responder of the process
-itself, named by its pid and start time (`watchdogd.runtime.responders.Asks.ask`),
+itself, named by its pid and start time (`watchdogd.runtime.asks.Asks.ask`),
 never a connection that outlived a process of that pid; who besides root may read
 what was taken is decided when it is taken: the one user ptrace's read rule let
 read the process both just before and just after it was dumped
@@ -27,14 +27,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..core.effects import Dumped, HookResult, TakeDump
-from ..core.evidence import NONE, WORKER, flight_groups, stack_text
-from ..core.expiry import Run
-from ..core.policies import DEFAULT_DUMPER, DEFAULT_STEP_TIMEOUT, substitute
-from ..core.service import Service
+from ..core import (
+    DEFAULT_DUMPER,
+    DEFAULT_STEP_TIMEOUT,
+    NONE,
+    WORKER,
+    Dumped,
+    HookResult,
+    Run,
+    Service,
+    TakeDump,
+    flight_groups,
+    stack_text,
+    substitute,
+)
 from ..host.process import Process, ptrace_reader
+from .asks import Asks
 from .hooks import DumpPool
-from .responders import Asks
 
 
 class Gatherer:
@@ -47,14 +56,14 @@ class Gatherer:
         self._service = service
         self._asks = asks
         self._tick = tick
-        self._dumps = DumpPool(service.config.max_dumps, service.metrics)
+        self._dumps = DumpPool(service.rules.daemon.max_dumps, service.metrics)
 
     async def ask_rank(self, incident: str, pid: int, start_time: int) -> None:
         """The evidence of a rank of ``incident`` that holds no timer of its job
         (process ``pid``, started at ``start_time``): from its responder, or, when
         it does not answer, from py-spy."""
         before = ptrace_reader(pid)
-        timeout = self._service.config.evidence_timeout
+        timeout = self._service.rules.daemon.evidence_timeout
         given = await self._asks.ask(pid, start_time, incident, timeout)
         self._tick()
         if given is not None:
@@ -67,7 +76,7 @@ class Gatherer:
             if hook.status != 0:
                 note = f"its responder did not answer, and {argv[0]}: {hook.result}"
         after = ptrace_reader(pid)
-        self._service.expiries.evidence_given(
+        self._service.firing.evidence_given(
             incident,
             pid,
             stack,
@@ -84,7 +93,7 @@ class Gatherer:
         does not answer, or a dump step that names a dumper of its own, runs the
         dumper as before."""
         pid = run.timer.pid
-        config = self._service.config
+        config = self._service.rules.daemon
         before = ptrace_reader(pid)
         incident = "" if run.timer.run is None else run.timer.run.incident
         given = await self._asks.ask(pid, run.timer.start_time, incident, config.evidence_timeout)
@@ -92,7 +101,7 @@ class Gatherer:
         if given is not None and effect.step.argv == DEFAULT_DUMPER:
             after = ptrace_reader(pid)
             reader = before if before == after else None
-            self._service.dump_taken(run.timer, reader, WORKER, flight_groups(given))
+            self._service.firing.dump_taken(run.timer, reader, WORKER, flight_groups(given))
             run.observe(Dumped(HookResult(0, "ok", stack_text(given)), responder=True))
             return
         argv = substitute(effect.step.argv, effect.values)
@@ -105,5 +114,7 @@ class Gatherer:
             output = stack_text(given) + output
             taken = WORKER
         flight = [] if given is None else flight_groups(given)
-        self._service.dump_taken(run.timer, before if before == after else None, taken, flight)
+        self._service.firing.dump_taken(
+            run.timer, before if before == after else None, taken, flight
+        )
         run.observe(Dumped(HookResult(hook.status, hook.result, output)))

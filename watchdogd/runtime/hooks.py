@@ -32,8 +32,10 @@ from typing import Final
 
 import trio
 
-from ..core.counters import Counters
-from ..core.effects import HookResult
+from ..core import (
+    Counters,
+    HookResult,
+)
 
 OUTPUT_LIMIT: Final = 64 * 1024
 _READ: Final = 16 * 1024

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 
-from ..core.ports import SEARCHING, PageRef, Searching
+from ..core import SEARCHING, PageRef, Searching
 from ..host import slot_pages
 from ..host.process import Process
 from ..logs import log, logfmt

@@ -24,8 +24,7 @@ from typing import Final
 
 import trio
 
-from ..core.config import Config, lockouts, parse_config
-from ..core.service import Service
+from ..core import Config, Service, lockouts, parse_config
 from ..errors import ConfigError
 from ..host.cgroups import MOUNTINFO, host_hierarchy
 from ..host.process import Process
@@ -151,10 +150,10 @@ async def reload(
         else:
             # The level first: a reload that turns debug on logs its own changes.
             set_level(log_level or config.daemon.log_level)
-            service.log.reread_level()
+            service.context.log.reread_level()
             service.reconfigure(config)
-            count = len(service.policies)
-            note = f"{config_path}: {count} policies, default {service.default_policy!r}"
+            count = len(service.rules.policies)
+            note = f"{config_path}: {count} policies, default {service.rules.default_policy!r}"
             ok = True
     service.record_reload(ok, note)
     return ok

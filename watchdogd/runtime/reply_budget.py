@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from ..core.identity import ROOT
+from ..core import ROOT
 
 
 class ReplyBudget:

@@ -127,7 +127,7 @@ class Page:
 
 
 class Held:
-    """One connection in the `Room`: its socket, its peer's address, when it
+    """One connection of the `HeldConnections`: its socket, its peer's address, when it
     entered (a count), its deadline's scope, and whether its request came."""
 
     __slots__ = ("answering", "conn", "host", "scope", "seq")
@@ -147,7 +147,7 @@ class Held:
         self.conn.close()
 
 
-class Room:
+class HeldConnections:
     """The connections held, at most ``capacity``; a new one always enters.
 
     Invariant: every held connection is in exactly one address's dict, in the
@@ -198,7 +198,7 @@ async def serve(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer scrapes on ``listeners`` until cancelled."""
-    room = Room()
+    room = HeldConnections()
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             where = listener.getsockname()
@@ -207,7 +207,9 @@ async def serve(
         task_status.started()
 
 
-async def _accept(listener: socket.socket, room: Room, page: Page, nursery: trio.Nursery) -> None:
+async def _accept(
+    listener: socket.socket, room: HeldConnections, page: Page, nursery: trio.Nursery
+) -> None:
     """Take what the kernel queued, `ACCEPTS_PER_TURN` at a time: the timers run
     between turns, and nothing here waits on a connection."""
     while True:
@@ -245,7 +247,7 @@ def _first_read(conn: socket.socket) -> bytes | None:
         return b""
 
 
-async def _connection(first: bytes | None, held: Held, room: Room, page: Page) -> None:
+async def _connection(first: bytes | None, held: Held, room: HeldConnections, page: Page) -> None:
     try:
         with held.scope:
             if held.conn.fileno() != -1:  # else dropped before its task ran

@@ -27,7 +27,7 @@ an event's number once that event is written beside it
 (`watchdogd.storage.record_file`).
 
 A connection whose `Respond` was taken answers the asks about the process that
-opened it (`watchdogd.runtime.responders`) until the connection closes or that
+opened it (`watchdogd.runtime.asks`) until the connection closes or that
 process exits, whichever comes first: the exit is watched on the process's pidfd
 by a task of the listener's nursery, which ends before the connection lets the
 pidfd go.
@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import trio
 
-from watchdogd_client.errors import FrameTooLarge, ProtocolError
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Acquired,
     Error,
     Events,
     Evidence,
     FrameReader,
+    FrameTooLarge,
     MapPage,
+    ProtocolError,
     Released,
     Respond,
     Unblocked,
@@ -66,13 +67,12 @@ from watchdogd_client.protocol import (
     encode_frame_into,
 )
 
-from ..core.service import Service
-from ..core.session import Session
+from ..core import Journal, RateLimitedLog, Service, Session
 from ..errors import ListenError, Refusal
 from ..host.process import Process, peer_of
 from ..logs import log, logfmt
+from .asks import Asks
 from .reply_budget import ReplyBudget
-from .responders import Asks
 
 if TYPE_CHECKING:
     from ..storage.record_file import RecordFile
@@ -217,6 +217,10 @@ class Context:
     news: trio.lowlevel.ParkingLot
     #: Fires the timers due at a given time (`Scheduler.poll`).
     tick: Callable[[float], None]
+    #: Where the service's changes go, committed before a reply acknowledges them.
+    journal: Journal
+    #: The lines connections cause, rate-limited per (uid, kind).
+    log: RateLimitedLog
     #: What each uid's connections hold in replies.
     replies: ReplyBudget = field(default_factory=ReplyBudget)
     #: The responders' connections, and the asks waiting on them.
@@ -265,19 +269,19 @@ async def _connection(
         conn.setblocking(False)
         peer = peer_of(conn)
         try:
-            caller = service.open_connection(peer)
+            caller = service.arming.open_connection(peer)
         except Refusal as refusal:
             _debug(
-                service,
+                context,
                 peer.uid,
                 "refused",
                 pid=peer.pid,
                 code=refusal.code,
                 reason=refusal.message,
             )
-            await _refuse(conn, refusal, service.config.max_frame_bytes, context, peer.uid)
+            await _refuse(conn, refusal, service.rules.daemon.max_frame_bytes, context, peer.uid)
             return
-        _debug(service, peer.uid, "connected", pid=peer.pid)
+        _debug(context, peer.uid, "connected", pid=peer.pid)
         connection = _Connection(conn, Session(service, caller), context, nursery)
         try:
             await connection.converse()
@@ -286,13 +290,13 @@ async def _connection(
             # connection's caller may close.
             connection.watching.cancel()
             connection.stop_responding()
-            service.close_connection(caller)
-            _debug(service, peer.uid, "disconnected", pid=peer.pid)
+            service.arming.close_connection(caller)
+            _debug(context, peer.uid, "disconnected", pid=peer.pid)
     except (ConnectionResetError, BrokenPipeError):
         pass
     except Exception as exc:
         # A bug must cost one connection, never the daemon and its timers.
-        service.log.log(
+        context.log.log(
             ("?" if peer is None else peer.uid, "connection_failed"),
             logging.ERROR,
             f"connection from pid {'?' if peer is None else peer.pid} failed",
@@ -304,11 +308,11 @@ async def _connection(
             os.close(peer.pidfd)
 
 
-def _debug(service: Service[Any], uid: int, event: str, **fields: object) -> None:
+def _debug(context: Context, uid: int, event: str, **fields: object) -> None:
     """A debug line about a connection of ``uid``, rate-limited per (uid, event)."""
-    if service.log.debugging:
+    if context.log.debugging:
         line = logfmt(event, uid=uid, **fields)
-        service.log.log((uid, event), logging.DEBUG, line)
+        context.log.log((uid, event), logging.DEBUG, line)
 
 
 async def _refuse(
@@ -384,8 +388,8 @@ class _Connection:
         self.session = session
         self.context = context
         self.nursery = nursery
-        self.config = session.service.config
-        self.journal = session.service.journal
+        self.config = session.service.rules.daemon
+        self.journal = context.journal
         self.durable = self.journal.generation
         self.uid = session.caller.peer.uid
         #: Bytes of this connection's replies counted in ``context.replies``.
@@ -409,7 +413,7 @@ class _Connection:
         partial_deadline: float | None = None
         burst = 0
         while True:
-            self.config = self.session.service.config  # a reload may have changed it
+            self.config = self.session.service.rules.daemon  # a reload may have changed it
             try:
                 data = conn.recv(_RECV_SIZE)
                 burst += 1
@@ -425,7 +429,7 @@ class _Connection:
                     await trio.lowlevel.wait_readable(conn)
                     continue
                 peer = self.session.caller.peer
-                self.session.service.log.log(
+                self.context.log.log(
                     (peer.uid, "partial_frame_timeout"),
                     logging.INFO,
                     logfmt("partial_frame_timeout", pid=peer.pid, uid=peer.uid),
@@ -564,7 +568,7 @@ class _Connection:
         if sent:
             return True
         peer = self.session.caller.peer
-        self.session.service.log.log(
+        self.context.log.log(
             (peer.uid, "unread_replies"),
             logging.INFO,
             logfmt("unread_replies", pid=peer.pid, uid=peer.uid),
@@ -594,7 +598,7 @@ class _Connection:
             except Exception as exc:
                 # In the listener's nursery: a bug must cost this watch, never
                 # the listener.
-                self.session.service.log.log(
+                self.context.log.log(
                     (process.uid, "responder_watch_failed"),
                     logging.ERROR,
                     f"watching the responder of pid {process.pid} failed",
@@ -608,7 +612,7 @@ class _Connection:
         process = self.session.caller.process
         if self.session.responder and process is not None:
             self.context.asks.detach(process, self)
-            self.session.service.responders.unregister(process)
+            self.session.service.arming.stop_responding(process)
 
     def send_now(self, frame: bytes) -> bool:
         """Send ``frame`` (a message of the daemon's own to a responder) whole, now,

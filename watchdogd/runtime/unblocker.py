@@ -6,7 +6,7 @@ one may be (a host was lost, a policy asked for a job's ranks to be unblocked),
 looking every `_LOOK_EVERY` seconds while an incident's verdict may come to name
 what to cut; it has the core order what verdicts now name (`Unblocks.check`), takes what is
 due and asks each rank's responder in a task of its own
-(`watchdogd.runtime.responders.Asks.unblock`: the responder of that very process,
+(`watchdogd.runtime.asks.Asks.unblock`: the responder of that very process,
 alive), handing the answer back to the core. An ask waits for its answer at most
 ``evidence_timeout`` seconds: a responder that does not answer (its process
 stopped, a thread holding the GIL) costs that and nothing else, and is not asked
@@ -27,13 +27,18 @@ from typing import Final
 
 import trio
 
-from ..core.effects import Delivery, PeersUnblocked, SignalResult, UnblockPeers
-from ..core.expiry import Run
-from ..core.service import Service
-from ..core.unblocks import Unblock
+from ..core import (
+    Delivery,
+    OwedUnblock,
+    PeersUnblocked,
+    Run,
+    Service,
+    SignalResult,
+    UnblockPeers,
+)
 from ..host.process import Process
 from ..logs import log, logfmt
-from .responders import Asks
+from .asks import Asks
 
 #: How often an incident whose ranks are to be unblocked is looked at while its
 #: verdict does not name what to cut yet: every change of its evidence may.
@@ -78,7 +83,7 @@ class Unblocker:
                 with trio.move_on_after(max(wait, 0.0)):
                     await self._wake.wait()
 
-    async def _ask(self, unblock: Unblock) -> None:
+    async def _ask(self, unblock: OwedUnblock) -> None:
         responder = unblock.responder
         unblocks = self._service.unblocks
         try:
@@ -87,7 +92,7 @@ class Unblocker:
                 responder.pid,
                 responder.start_time,
                 wanted,
-                self._service.config.evidence_timeout,
+                self._service.rules.daemon.evidence_timeout,
             )
             unblocks.answered(unblock, answer, self._clock())
         except Exception:

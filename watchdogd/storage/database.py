@@ -36,7 +36,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from ..core.timers import StoreKey, Timer
+from ..core import StoreKey, Timer
 from ..logs import log, logfmt
 from . import schema
 from .faults import Aside, Damaged, NotRegular, StateError, Unreadable, reason

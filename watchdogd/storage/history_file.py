@@ -24,7 +24,7 @@ from typing import Final
 import msgspec
 import trio
 
-from ..core.history import History
+from ..core import History
 from ..logs import logfmt
 from .faults import Aside, NotRegular
 from .files import read_regular, replace_file

@@ -14,10 +14,9 @@ from typing import BinaryIO, Final
 
 import msgspec
 
-from watchdogd_client.protocol import EventInfo
+from watchdogd_protocol import EventInfo
 
-from ..core.incidents import StoredIncident
-from ..core.repeats import JobKey, JobRow
+from ..core import JobKey, JobRow, StoredIncident
 from .journal import RECORD
 
 #: The schema of the records; a file of another is moved aside, unread.

@@ -69,12 +69,7 @@ from typing import Final
 import msgspec
 import trio
 
-from ..core.counters import Counters
-from ..core.events import EventLog
-from ..core.identity import ROOT
-from ..core.incidents import IncidentLog
-from ..core.ranks import trimmed
-from ..core.repeats import Repeats
+from ..core import ROOT, Counters, EventLog, IncidentLog, Repeats, trimmed
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
 from .files import open_regular, replace_file

@@ -4,7 +4,7 @@ A record of the state is a timer (`watchdogd.core.timers.Timer`, the one shape o
 timer in memory, in the journal and in the database) or the removal of one, under
 its store key ``(pid, scope, firing)``: an armed timer, and one whose policy is in
 progress. Schema 4 stores a `Timer` as the array of its fields, ``deadline`` and
-``seq`` first, a firing timer's progress through its policy (`Run`) and what only
+``seq`` first, a firing timer's progress through its policy (`Course`) and what only
 some timers keep (`Watch`) each an array of their own in the last two. Schema 5
 stores the same records, and its database says by when a start must load each
 (`watchdogd.storage.database`): its migration from 4 leaves a timer as it is, and
@@ -50,7 +50,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ..core.timers import StoreKey, Timer
+from ..core import StoreKey, Timer
 from .faults import Unreadable
 
 SCHEMA: Final = 9

@@ -76,7 +76,7 @@ from typing import Final
 import msgspec
 import trio
 
-from ..core.timers import StoreKey, Timer
+from ..core import StoreKey, Timer
 from ..host.inotify import NameWatch
 from ..logs import log, logfmt
 from .database import Database

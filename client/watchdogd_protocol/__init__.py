@@ -1,5 +1,10 @@
 """The watchdogd wire protocol: message types and framing, with no I/O.
 
+A package of its own in the client's distribution, which the daemon and the clients
+both import: it imports msgspec and standard-library modules that load nothing
+else (typing, enum, struct, math), and no thread, log, clock or socket, so the
+daemon's sans-IO core loads none of the client's runtime with it.
+
 A connection is a byte stream of frames. Each frame is a 4-byte big-endian unsigned
 length followed by one msgpack message of exactly that length. Messages are tagged,
 frozen msgspec Structs; the tag travels in the ``type`` key.
@@ -14,32 +19,28 @@ Invariants the daemon and the client both rely on:
   buffer of that size exists (`FrameReader` raises `FrameTooLarge`).
 - Time on the wire is always relative seconds (``timeout``, ``remaining``); absolute
   deadlines never leave the daemon, except in a slot page, which holds
-  CLOCK_MONOTONIC deadlines (`protocol.slot_page`).
+  CLOCK_MONOTONIC deadlines (`watchdogd_protocol.slot_page`).
 - New fields are added only with defaults, and unknown fields are ignored, so an older
   peer can read a newer peer's messages (msgspec's schema-evolution rules).
+- A client pauses at most `RECONNECT_PAUSE` between its attempts to reconnect to a
+  restarting daemon, and the daemon holds a restored timer that falls due just after
+  its start for `RESTART_GRACE`, several such pauses, for a release on its way
+  (`watchdogd_protocol.timing`).
 
-Its parts: `protocol.requests` (what a client asks), `protocol.replies` (what the
-daemon answers, and the codes of its refusals), `protocol.evidence` (what a
-worker's responder answers from inside it, and what it is asked to unblock),
-`protocol.slot_page` (the layout of the memory a daemon shares with one process for
-its blocks' stores) and `protocol.frames` (framing, the bounds on a frame, one
-decoder per direction). Every name is imported from here, by the daemon and the
-clients alike.
+Its parts: `watchdogd_protocol.requests` (what a client asks),
+`watchdogd_protocol.replies` (what the daemon answers, and the codes of its
+refusals), `watchdogd_protocol.responding` (what a worker's responder answers from
+inside it, and what it is asked to unblock), `watchdogd_protocol.slot_page` (the
+layout of the memory a daemon shares with one process for its blocks' stores),
+`watchdogd_protocol.frames` (framing, the bounds on a frame, one decoder per
+direction), `watchdogd_protocol.timing` (the figures of a restart both sides keep)
+and `watchdogd_protocol.errors` (what it raises). Every name is imported from here,
+by the daemon and the clients alike.
 """
 
 from __future__ import annotations
 
-from .evidence import (
-    MAX_EVIDENCE_BYTES,
-    Collective,
-    EvidenceWanted,
-    FlightRecord,
-    Frame,
-    GroupState,
-    ThreadStack,
-    UnblockOutcome,
-    UnblockWanted,
-)
+from .errors import FrameTooLarge, ProtocolError, WatchdogdError
 from .frames import (
     HEADER_SIZE,
     MAX_REPLY_BYTES,
@@ -126,6 +127,18 @@ from .requests import (
     Why,
     in_words,
 )
+from .responding import (
+    MAX_EVIDENCE_BYTES,
+    Collective,
+    EvidenceWanted,
+    FlightRecord,
+    Frame,
+    GroupState,
+    ThreadStack,
+    UnblockOutcome,
+    UnblockWanted,
+)
+from .timing import RECONNECT_PAUSE, RESTART_GRACE
 
 __all__ = [
     "HEADER_SIZE",
@@ -137,6 +150,8 @@ __all__ = [
     "MAX_REQUEST_FRAME",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "RECONNECT_PAUSE",
+    "RESTART_GRACE",
     "Acquire",
     "Acquired",
     "Arm",
@@ -156,6 +171,7 @@ __all__ = [
     "FlightRecord",
     "Frame",
     "FrameReader",
+    "FrameTooLarge",
     "GroupState",
     "HangInfo",
     "Hangs",
@@ -180,6 +196,7 @@ __all__ = [
     "PolicyName",
     "Pong",
     "Progress",
+    "ProtocolError",
     "Rank",
     "RankInfo",
     "Release",
@@ -207,6 +224,7 @@ __all__ = [
     "Unblocked",
     "Verdict",
     "Wanted",
+    "WatchdogdError",
     "Welcome",
     "Why",
     "WhyReply",

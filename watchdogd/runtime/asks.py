@@ -27,7 +27,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     Evidence,
     EvidenceWanted,
     Unblocked,

@@ -1,6 +1,6 @@
 """Evidence a worker gave from inside, as an incident keeps it.
 
-A responder's `Evidence` (`watchdogd_client.protocol.evidence`) becomes what a
+A responder's `Evidence` (`watchdogd_protocol.responding`) becomes what a
 dump from outside would have given: the stacks as text in py-spy's layout (a
 ``Thread ID (state): "NAME"`` header, then one ``    function (file:line)`` line
 per frame, innermost first), so an incident shows, cuts and reads every rank's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from watchdogd_client.protocol import Evidence, GroupState, ThreadStack
+from watchdogd_protocol import Evidence, GroupState, ThreadStack
 
 from .verdict import summary
 

@@ -12,7 +12,7 @@ from typing import Annotated, Final
 
 from msgspec import Meta, Struct
 
-from .evidence import MAX_THREADS, AskId, Collective, FlightRecord, Seconds, ThreadStack
+from .responding import MAX_THREADS, AskId, Collective, FlightRecord, Seconds, ThreadStack
 
 #: Protocol version. A daemon answers a client of any version from
 #: `MIN_PROTOCOL_VERSION` up to its own, and refuses one outside that range.
@@ -113,7 +113,7 @@ class Acquire(Request, tag="acquire", frozen=True, kw_only=True):
     local_rank: Rank | None = None
     group_rank: Rank | None = None
     #: The process would arm this scope's later blocks by stores into a slot page
-    #: (`watchdogd_client.protocol.slot_page`): a daemon that offers one answers
+    #: (`watchdogd_protocol.slot_page`): a daemon that offers one answers
     #: with a `SlotGrant` (`Acquired.slot`). Heard only for the caller itself.
     slot: bool = False
 

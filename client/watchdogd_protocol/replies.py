@@ -14,8 +14,8 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta, Struct
 
-from .evidence import GroupState
 from .requests import RequestId
+from .responding import GroupState
 from .slot_page import SLOTS
 
 #: The most of a command line a status page shows, in UTF-8 bytes (marker included).
@@ -106,7 +106,7 @@ class Acquired(Reply, tag="acquired", frozen=True, kw_only=True):
 
 
 class SlotGrant(Struct, frozen=True, kw_only=True):
-    """A slot of a slot page (`watchdogd_client.protocol.slot_page`): the page
+    """A slot of a slot page (`watchdogd_protocol.slot_page`): the page
     (get it with `MapPage` unless it is mapped already), the slot's index in it,
     and its period as the daemon wrote it there, in microseconds: a store is
     taken while the page still shows this period, for a deadline at least that

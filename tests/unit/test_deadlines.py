@@ -4,13 +4,15 @@ merge happens."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.core.heap import Deadlines
+from watchdogd.core.deadlines import Deadlines
 
 from helpers.keyed_deadlines import KeyedDeadlines
 
@@ -240,7 +242,9 @@ class DeadlinesAgainstSortedList(RuleBasedStateMachine):
 
 
 DeadlinesAgainstSortedList.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=60, deadline=None
+    max_examples=200 if os.environ.get("WATCHDOGD_SOAK", "") == "1" else 80,
+    stateful_step_count=60,
+    deadline=None,
 )
 TestDeadlinesAgainstSortedList = DeadlinesAgainstSortedList.TestCase
 

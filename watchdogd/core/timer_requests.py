@@ -38,40 +38,57 @@ in a loop does not reopen a pidfd each time), and a request holds one while it r
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic
+from typing import TYPE_CHECKING, Generic
 
 import msgspec
 
-from watchdogd_client.protocol import (
+from watchdogd_protocol import (
     MAX_JOB_BYTES,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Acquire,
     Acquired,
     ErrorCode,
+    Evidence,
     Hello,
     Release,
     Released,
+    Respond,
+    Responding,
+    Unblocked,
     Welcome,
     in_words,
 )
 
 from .._version import __version__
 from ..errors import Refusal
-from .counters import Counters
-from .history import History
 from .history import Key as HistoryKey
 from .identity import ROOT, Peer, may_signal
 from .lifecycle import Lifecycle
 from .policies import Policy
-from .ports import Journal, P, ProcessPort
-from .rules import Rules
+from .ports import P
 from .slots import Slots
-from .timers import SlotRef, Timer, TimerTable, Watch
+from .timers import SlotRef, Timer, Watch
+
+if TYPE_CHECKING:
+    from .context import CoreContext
+
+
+@dataclass(slots=True, frozen=True)
+class _Plan:
+    """What an acquire arms: its timeout and where it came from, the fast-path
+    slot it keeps or registers, its deadline and its `Watch`."""
+
+    timeout: float
+    timeout_from: str
+    slot: SlotRef | None
+    deadline: float
+    watch: Watch | None
 
 
 @dataclass(slots=True, eq=False)
@@ -88,31 +105,24 @@ class Arming(Generic[P]):
 
     def __init__(
         self,
-        rules: Rules,
-        table: TimerTable[P],
-        processes: ProcessPort[P],
-        journal: Journal,
+        context: CoreContext[P],
         lifecycle: Lifecycle[P],
         *,
         slots: Slots[P],
-        history: History,
-        metrics: Counters,
-        daemon_pid: int,
-        on_deadline: Callable[[float], None],
         record_taken: Callable[[int, str], None],
     ) -> None:
         """``record_taken(pid, scope)`` is called before a scope is armed
         (`watchdogd.core.firing.Firing.record_taken`)."""
-        self._rules = rules
-        self._table = table
-        self._processes = processes
-        self._journal = journal
+        self._rules = context.rules
+        self._writer = context.writer
+        self._table = context.table
+        self._processes = context.processes
         self._lifecycle = lifecycle
         self._slots = slots
-        self._history = history
-        self._metrics = metrics
-        self._daemon_pid = daemon_pid
-        self._on_deadline = on_deadline
+        self._history = context.history
+        self._metrics = context.metrics
+        self._responders = context.responders
+        self._daemon_pid = context.daemon_pid
         self._record_taken = record_taken
         self._connections: Counter[int] = Counter()
         #: Seconds a restart may take at the timer cap (set once the state loaded).
@@ -192,73 +202,97 @@ class Arming(Generic[P]):
         # its limit which scopes another user's process has armed.
         process = self._target(request.pid, caller, now)
         try:
-            previous = self._table.get(process.pid, request.scope)
-            wants_slot = _wants_slot(request, chosen)
-            kept = self._registered(previous, process, wants_slot, now)
-            if previous is None:
-                self._check_timer_limits(caller.peer, now)
-            timeout, timeout_from = request.timeout, ""
-            if request.auto is not None:
-                if kept is not None:
-                    assert previous is not None
-                    self._slots.harvest(previous, process, now)
-                timeout, timeout_from = self._history.timeout(
-                    self._history_key(process, request.scope), request.auto.floor, request.timeout
-                )
-            ref = kept
-            if ref is None and wants_slot:
-                ref = self._slots.register(process, request.scope, timeout, now, caller.peer.uid)
-            deadline = now + timeout
-            watch = None
-            if request.progress is not None or chosen.stall or timeout_from or request.job or ref:
-                watch = _watch(request, chosen.stall, timeout_from, previous, now, slot=ref)
-                if watch.stall:
-                    deadline = min(deadline, watch.progressed_at + watch.stall)
-            entering = self._table.process(process.pid) is None
-            self._record_taken(process.pid, request.scope)
-            timer, rearmed = self._table.arm(
-                process,
-                request.scope,
-                timeout=timeout,
-                policy=policy,
-                uid=process.uid,
-                owner=caller.peer.uid,
-                now=now,
-                exit_releases=request.exit_releases,
-                watch=watch,
-                # A registration's deadline in the table is the next look at its slot.
-                deadline=deadline if ref is None else min(deadline, now + ref.period),
+            plan = self._plan(request, chosen, process, caller.peer, now)
+            timer, rearmed = self._arm(
+                request, plan, process, caller.peer, policy=policy, chosen=chosen, now=now
             )
-            self._armed_last = now
-            if entering:
-                process.retain()
-                self._processes.track(process)
-            if request.job:
-                # The name an incident of the job will carry, looked up off the
-                # loop now: by its expiry it is known.
-                self._processes.user_name(caller.peer.uid)
-            timer = self._measure_for_starvation(timer, chosen, process)
-            self._journal.put(timer)
             grant = None
-            if ref is not None:
+            if plan.slot is not None:
                 slot = self._slots.slot_of(timer, process, now)
                 assert slot is not None
-                auto = timeout if request.auto is not None else None
-                grant = self._slots.armed(timer, slot, deadline, auto)
+                auto = plan.timeout if request.auto is not None else None
+                grant = self._slots.armed(timer, slot, plan.deadline, auto)
         finally:
             process.close()
-        self._on_deadline(timer.deadline)
-        arm = timer.arm
-        if watch is None:
-            return Acquired(id=request.id, remaining=timeout, rearmed=rearmed, arm=arm)
+        if plan.watch is None:
+            return Acquired(id=request.id, remaining=plan.timeout, rearmed=rearmed, arm=timer.arm)
         return Acquired(
             id=request.id,
-            remaining=deadline - now if watch.stall else timeout,
+            remaining=plan.deadline - now if plan.watch.stall else plan.timeout,
             rearmed=rearmed,
-            timeout_from=timeout_from,
-            arm=arm,
+            timeout_from=plan.timeout_from,
+            arm=timer.arm,
             slot=grant,
         )
+
+    def _plan(self, request: Acquire, chosen: Policy, process: P, peer: Peer, now: float) -> _Plan:
+        """What ``request`` arms on ``process``, within ``peer``'s limits: its
+        timeout (from its history, for an ``auto`` one), the slot it keeps or
+        registers, its deadline and its `Watch`."""
+        previous = self._table.get(process.pid, request.scope)
+        wants_slot = _wants_slot(request, chosen)
+        kept = self._registered(previous, process, wants_slot, now)
+        if previous is None:
+            self._check_timer_limits(peer, now)
+        timeout, timeout_from = request.timeout, ""
+        if request.auto is not None:
+            if kept is not None:
+                assert previous is not None
+                self._slots.harvest(previous, process, now)
+            timeout, timeout_from = self._history.timeout(
+                self._history_key(process, request.scope), request.auto.floor, request.timeout
+            )
+        ref = kept
+        if ref is None and wants_slot:
+            ref = self._slots.register(process, request.scope, timeout, now, peer.uid)
+        deadline = now + timeout
+        watch = None
+        if request.progress is not None or chosen.stall or timeout_from or request.job or ref:
+            watch = _watch(request, chosen.stall, timeout_from, previous, now, slot=ref)
+            if watch.stall:
+                deadline = min(deadline, watch.progressed_at + watch.stall)
+        return _Plan(timeout, timeout_from, ref, deadline, watch)
+
+    def _arm(
+        self,
+        request: Acquire,
+        plan: _Plan,
+        process: P,
+        peer: Peer,
+        *,
+        policy: str,
+        chosen: Policy,
+        now: float,
+    ) -> tuple[Timer, bool]:
+        """Arm ``plan`` on ``process`` (journaled, the wake-up moved: `TableWriter.arm`);
+        the timer as the table holds it, and whether it replaced one."""
+        entering = self._table.process(process.pid) is None
+        self._record_taken(process.pid, request.scope)
+        timer, rearmed = self._writer.arm(
+            process,
+            request.scope,
+            rewatch=functools.partial(self._measured, process) if chosen.starvation_grace else None,
+            timeout=plan.timeout,
+            policy=policy,
+            uid=process.uid,
+            owner=peer.uid,
+            now=now,
+            exit_releases=request.exit_releases,
+            watch=plan.watch,
+            # A registration's deadline in the table is the next look at its slot.
+            deadline=plan.deadline
+            if plan.slot is None
+            else min(plan.deadline, now + plan.slot.period),
+        )
+        self._armed_last = now
+        if entering:
+            process.retain()
+            self._processes.track(process)
+        if request.job:
+            # The name an incident of the job will carry, looked up off the
+            # loop now: by its expiry it is known.
+            self._processes.user_name(peer.uid)
+        return timer, rearmed
 
     def _registered(
         self, previous: Timer | None, process: P, wanted: bool, now: float
@@ -298,18 +332,15 @@ class Arming(Generic[P]):
                 f"not {in_words(request.timeout)}",
             )
 
-    def _measure_for_starvation(self, timer: Timer, policy: Policy, process: P) -> Timer:
-        """``timer``, just armed under ``policy``, as the table now holds it: with
-        what the kernel says of its process kept in its `Watch` (``baseline``, and
-        its grace back) when the policy has ``starvation_grace``; unchanged, at the
-        cost of this call, otherwise (the path of every acquire)."""
-        if not policy.starvation_grace:
-            return timer
-        watch = Watch() if timer.watch is None else timer.watch
-        watch = msgspec.structs.replace(
+    def _measured(self, process: P, watch: Watch | None) -> Watch:
+        """``watch``, of a timer just armed on ``process`` under a policy with
+        ``starvation_grace``, with what the kernel says of its process kept
+        (``baseline``, and its grace back). Only such timers pay for it: the
+        path of every other acquire reads nothing."""
+        watch = Watch() if watch is None else watch
+        return msgspec.structs.replace(
             watch, baseline=self._processes.sample(process), extended=0.0
         )
-        return self._table.put(process, msgspec.structs.replace(timer, watch=watch))
 
     def release(self, request: Release, caller: Caller[P], now: float) -> Released:
         """Disarm the timer ``request`` names, if ``caller`` could have armed it (and,
@@ -328,9 +359,8 @@ class Arming(Generic[P]):
                 # A block armed by a store, whose slot closed: what holds the scope
                 # now was armed over the socket since, and is not its to disarm.
                 return Released(id=request.id, found=False)
-            timer, gone = self._table.disarm(process.pid, request.scope, request.arm or 0)
+            timer, gone = self._writer.disarm(process.pid, request.scope, request.arm or 0)
             if timer is not None:
-                self._journal.drop(timer)
                 self._history.record(
                     self._history_key(process, timer.scope), max(0.0, now - timer.armed_at)
                 )
@@ -348,9 +378,7 @@ class Arming(Generic[P]):
         if slot is None or not own:
             armed = slot is not None and self._slots.deadline_of(held) is not None
             self._slots.revoke(held, process, now)
-            timer, gone = self._table.disarm(process.pid, held.scope)
-            if timer is not None:
-                self._journal.drop(timer)
+            _, gone = self._writer.disarm(process.pid, held.scope)
             if gone is not None:
                 self._processes.untrack(gone)
             return armed
@@ -447,6 +475,27 @@ class Arming(Generic[P]):
         if own is None or self._processes.exited(own):
             raise _exited(caller)
         return own
+
+    def respond(self, request: Respond | Evidence | Unblocked, caller: Caller[P]) -> Responding:
+        """A responder's `Respond`, which binds it to the exact process that opened
+        its connection, alive (`connecting_process`); or its `Evidence` or
+        `Unblocked`, taken only on the connection its process responds on now
+        (whoever asked for it takes it from there: `watchdogd.runtime.asks`)."""
+        if isinstance(request, Respond):
+            process = self.connecting_process(caller)
+            self._responders.register(process, caller.peer.uid, request)
+        elif caller.process is None or not self._responders.registered(caller.process):
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                "an answer to the daemon's ask is taken only on the connection a process "
+                "responds on, after respond",
+            )
+        return Responding(id=request.id)
+
+    def stop_responding(self, process: P) -> None:
+        """The connection ``process`` responds on answers for it no longer: it
+        closed, or the process exited."""
+        self._responders.unregister(process)
 
     def _check_timer_limits(self, peer: Peer, now: float) -> None:
         limits = self._rules.daemon

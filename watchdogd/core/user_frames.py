@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from watchdogd_client.protocol import Frame, ThreadStack
+from watchdogd_protocol import Frame, ThreadStack
 
 #: This project's client library: a main thread caught inside one of its calls
 #: (an acquire or a release on its way) waits in no frame of the user's.

@@ -14,10 +14,10 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
-from ..errors import FrameTooLarge, ProtocolError
-from .evidence import EvidenceWanted, UnblockWanted
+from .errors import FrameTooLarge, ProtocolError
 from .replies import ErrorCode, Reply, ReplyMessage
 from .requests import Request, RequestId, RequestMessage
+from .responding import EvidenceWanted, UnblockWanted
 
 #: Default bound on a frame the daemon accepts (requests are small).
 MAX_REQUEST_FRAME: Final = 64 * 1024
