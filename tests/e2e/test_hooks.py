@@ -16,8 +16,9 @@ import pytest
 import trio
 
 from watchdogd.core.counters import Counters
+from watchdogd.core.effects import HookResult
 from watchdogd.core.policies import substitute
-from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, HookResult, run_hook
+from watchdogd.runtime.hooks import OUTPUT_LIMIT, DumpPool, run_hook
 from watchdogd_client import Client
 from watchdogd_protocol import EventInfo
 

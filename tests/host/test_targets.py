@@ -71,10 +71,10 @@ def test_tree_reaches_a_descendant_in_its_own_session() -> None:
     target = open_target("tree", process, os.getpgrp())
     try:
         assert {member.pid for member in target.members} == {parent.pid, same_group, own_session}
-        assert target.signal(signal.SIGKILL) == "sent SIGKILL to 3 processes"
+        assert str(target.signal(signal.SIGKILL)) == "sent SIGKILL to 3 processes"
         wait_dead(parent.pid, same_group, own_session)
         assert not target.alive()
-        assert target.signal(signal.SIGKILL) == "gone"
+        assert str(target.signal(signal.SIGKILL)) == "gone"
     finally:
         target.close()
         process.close()
@@ -89,7 +89,7 @@ def test_group_reaches_the_group_but_not_another_session() -> None:
     try:
         assert target.kind == "group"
         assert target.pgid == parent.pid
-        assert target.signal(signal.SIGKILL) == f"sent SIGKILL to group {parent.pid}"
+        assert str(target.signal(signal.SIGKILL)) == f"sent SIGKILL to group {parent.pid}"
         wait_dead(parent.pid, same_group)
         assert not gone(own_session)
     finally:
@@ -106,7 +106,7 @@ def test_group_never_signals_the_daemons_own_group() -> None:
     try:
         assert target.kind == "process"
         assert "daemon's own process group" in target.note
-        assert target.signal(signal.SIGKILL) == "sent SIGKILL"
+        assert str(target.signal(signal.SIGKILL)) == "sent SIGKILL"
         assert child.wait(timeout=PATIENCE) == -signal.SIGKILL
     finally:
         target.close()
@@ -190,7 +190,7 @@ def test_a_group_target_of_an_exited_process_is_just_the_process() -> None:
     target = open_target("group", process, os.getpgrp())
     try:
         assert target.kind == "process"
-        assert target.signal(signal.SIGKILL) == "gone"
+        assert str(target.signal(signal.SIGKILL)) == "gone"
     finally:
         target.close()
         process.close()
@@ -207,7 +207,7 @@ def test_a_non_root_owners_target_leaves_out_what_it_may_not_signal(kind: str) -
         as_root.close()
         as_nobody = open_target(kind, process, os.getpgrp(), owner=65534)  # type: ignore[arg-type]
         assert {m.pid for m in as_nobody.members} == {parent.pid}
-        assert as_nobody.signal(signal.SIGKILL) == "sent SIGKILL to 1 process"
+        assert str(as_nobody.signal(signal.SIGKILL)) == "sent SIGKILL to 1 process"
         wait_dead(parent.pid)
         assert not gone(root_child)
         as_nobody.close()
@@ -254,7 +254,7 @@ def test_a_setuid_root_child_is_signalled_as_kill_2_would_let_its_user(kind: str
         # Its real uid is still the user's, so kill(2) lets that user signal it.
         target = open_target(kind, process, os.getpgrp(), owner=65534)  # type: ignore[arg-type]
         assert {m.pid for m in target.members} == {parent.pid, setuid_child}
-        assert target.signal(signal.SIGKILL) == "sent SIGKILL to 2 processes"
+        assert str(target.signal(signal.SIGKILL)) == "sent SIGKILL to 2 processes"
         wait_dead(parent.pid, setuid_child)
         target.close()
     finally:
@@ -306,7 +306,7 @@ def test_a_group_is_signalled_only_while_a_pinned_member_is_in_it() -> None:
         leader.stdin.flush()
         d = int(leader.stdout.readline())
         # The group is no longer the one seen at expiry: nobody pinned is in it.
-        assert target.signal(signal.SIGKILL) == "gone"
+        assert str(target.signal(signal.SIGKILL)) == "gone"
         time.sleep(0.1)
         assert not gone(d)
     finally:
@@ -360,11 +360,11 @@ def test_cgroup_reaches_a_daemon_outside_the_tree_and_the_group(
         target = open_target("cgroup", process, os.getpgrp())
         assert (target.kind, target.note) == ("cgroup", "")
         assert {m.pid for m in target.members} == {worker.pid, daemon}
-        assert target.signal(signal.SIGKILL) == (
+        assert str(target.signal(signal.SIGKILL)) == (
             f"sent SIGKILL to 2 processes of cgroup {scratch_cgroup.path} through cgroup.kill"
         )
         wait_dead(worker.pid, daemon)
-        assert target.signal(signal.SIGKILL) == "gone"
+        assert str(target.signal(signal.SIGKILL)) == "gone"
         target.close()
     finally:
         process.close()
@@ -383,7 +383,7 @@ async def test_cgroup_signals_other_than_sigkill_go_to_each_member(
         target = open_target("cgroup", process, os.getpgrp())
         assert {m.pid for m in target.members} == {first.pid}
         scratch_cgroup.child("late").add(later.pid)  # came after the expiry, below it
-        assert target.signal(signal.SIGTERM) == (
+        assert str(target.signal(signal.SIGTERM)) == (
             f"sent SIGTERM to 2 processes of cgroup {scratch_cgroup.path}"
         )
         with trio.fail_after(PATIENCE):
@@ -420,7 +420,7 @@ def test_cgroup_is_never_the_root_nor_one_holding_the_daemon(
         target = open_target("cgroup", process, os.getpgrp(), daemon_pid=daemon_pid)
         assert target.kind == "process"
         assert target.note == f"cgroup target refused ({expected}); acting on the process alone"
-        assert target.signal(signal.SIGKILL) == "sent SIGKILL"
+        assert str(target.signal(signal.SIGKILL)) == "sent SIGKILL"
         assert victim.wait(timeout=PATIENCE) == -signal.SIGKILL
         assert bystander.poll() is None
         target.close()
@@ -442,7 +442,7 @@ def test_a_non_root_owners_cgroup_is_signalled_only_where_kill_2_allows(
         target = open_target("cgroup", process, os.getpgrp(), owner=65534)
         assert {m.pid for m in target.members} == {mine.pid, also_mine.pid}
         assert "process by process, only those uid 65534 may signal" in target.note
-        assert target.signal(signal.SIGKILL) == (
+        assert str(target.signal(signal.SIGKILL)) == (
             f"sent SIGKILL to 2 processes of cgroup {scratch_cgroup.path}; "
             "1 process of another user left alone"
         )
@@ -474,7 +474,7 @@ def test_a_daemon_that_may_not_write_cgroup_kill_kills_each_process(
             os.setuid(65534)
             process = open_process(victims[0].pid)
             target = open_target("cgroup", process, os.getpgrp())
-            result = target.signal(signal.SIGKILL)
+            result = str(target.signal(signal.SIGKILL))
         except BaseException as exc:
             result = repr(exc)
         os.write(write_end, result.encode())

@@ -21,9 +21,9 @@ FORBIDDEN = (*LOADED, "time", "os")
 #: The modules of watchdogd outside the core that the core may import.
 ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
-CORE = ("bridge", "config", "context", "counters", "deadlines", "events", "evidence_budget",
-        "expiry", "fingerprint", "firing", "hangs", "history", "identity", "incidents",
-        "kept_evidence", "lifecycle", "logline", "pages", "policies", "ports",
+CORE = ("bridge", "config", "context", "counters", "deadlines", "effects", "events",
+        "evidence_budget", "expiry", "fingerprint", "firing", "hangs", "history", "identity",
+        "incidents", "kept_evidence", "lifecycle", "logline", "pages", "policies", "ports",
         "process_pages", "ranks", "repeats", "responders", "rules", "service", "session",
         "shares", "slot", "slot_shares", "slots", "starvation", "timer_requests", "timers",
         "tomlkeys", "unblocks", "user_frames", "verdict", "viewing", "writer")  # fmt: skip

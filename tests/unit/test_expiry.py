@@ -10,23 +10,37 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
-from watchdogd.core.expiry import (
-    BY_RESPONDER,
+from watchdogd.core.effects import (
     AwaitEvidence,
     CheckAlive,
+    Counted,
+    Delivery,
+    Dumped,
     Effect,
+    EvidenceIn,
     Finish,
+    Hooked,
+    HookResult,
     ObserveLateness,
+    Opened,
+    OpenTarget,
+    PeersUnblocked,
+    Recorded,
     RecordStep,
-    Run,
     RunHook,
+    Seen,
     SendSignal,
+    Signalled,
+    SignalResult,
     TakeDump,
     UnblockPeers,
+    Waited,
     WaitUntil,
+    Watched,
     WatchExit,
-    first_signal,
+    WrongObservation,
 )
+from watchdogd.core.expiry import BY_RESPONDER, Phase, Run, first_signal
 from watchdogd.core.policies import (
     BUILTIN,
     PEER_DUMP,
@@ -92,15 +106,15 @@ class FakeTarget:
     refuses: bool = False
     sent: list[int] = field(default_factory=list)
 
-    def signal(self, signum: int) -> str:
+    def signal(self, signum: int) -> SignalResult:
         if not self.alive:
-            return "gone"
+            return SignalResult(Delivery.GONE, signum)
         if self.refuses:
-            return f"not permitted to send {signal.Signals(signum).name}"
+            return SignalResult(Delivery.REFUSED, signum)
         self.sent.append(signum)
         if signum in self.dies_of and not self.unkillable:
             self.alive = False
-        return f"sent {signal.Signals(signum).name}"
+        return SignalResult(Delivery.SENT, signum)
 
 
 @dataclass
@@ -139,34 +153,47 @@ def drive(  # noqa: PLR0912
         effect = run.next(now, now + WALL)
         effects.append(effect)
         match effect:
+            case OpenTarget(check=check):
+                run.observe(Opened("", alive=target.alive if check else None))
             case CheckAlive():
-                run.seen(target.alive)
+                run.observe(Seen(target.alive))
             case RecordStep(step=step, step_end=step_end):
                 recorded.append(run.timer.at_step(step, step_end))
                 if crash_at_record is not None and len(recorded) == crash_at_record:
                     return Driven(effects, Finish(_nothing()), recorded)
-                run.recorded()
+                run.observe(Recorded())
             case SendSignal(signum=signum):
-                run.signalled(target.signal(signum), now)
+                run.observe(Signalled(target.signal(signum), now))
             case ObserveLateness():
-                run.observed()
+                run.observe(Counted())
             case WaitUntil(end=end):
                 if target.exits_in_wait:
                     target.alive = False
                 else:
                     now = end
-                run.waited(not target.alive)
-            case RunHook() | TakeDump():
-                run.hooked("exit 0", "a stack")
+                run.observe(Waited(not target.alive))
+            case RunHook():
+                run.observe(Hooked(EXIT_0))
+            case TakeDump():
+                run.observe(Dumped(EXIT_0))
             case WatchExit():
-                run.watched(target.alive)
+                run.observe(Watched(target.alive))
             case AwaitEvidence():
-                run.evidence_in()  # the verdict settles a second later
+                run.observe(EvidenceIn())  # the verdict settles a second later
             case UnblockPeers(incident=incident):
-                run.unblocked(f"asked for incident {incident!r}")
+                run.observe(PeersUnblocked(f"asked for incident {incident!r}"))
             case Finish():
                 return Driven(effects, effect, recorded)
         now += 1.0
+
+
+def phase_of(run: Run) -> Phase:
+    """``run``'s phase now (read through a call: each observation may change it)."""
+    return run.phase
+
+
+#: A hook's or a dumper's run that exited 0, having written a stack.
+EXIT_0 = HookResult(0, "exit 0", "a stack")
 
 
 def _nothing() -> EventInfo:
@@ -175,7 +202,7 @@ def _nothing() -> EventInfo:
 
 def start(policy: Policy, timer: Timer | None = None, **opened: object) -> Run:
     run = Run(timer or firing(policy), policy, daemon_started=0.0)
-    run.opened("python train.py", **opened)  # type: ignore[arg-type]
+    run.observe(Opened("python train.py", **opened))  # type: ignore[arg-type]
     return run
 
 
@@ -291,9 +318,10 @@ def test_steps_are_named_for_what_ran_or_would_have() -> None:
 
 def test_a_dump_the_workers_responder_gave_is_named_so() -> None:
     run = start(DUMP_THEN_KILL)
-    run.seen(True)
+    run.next(FIRED, WALL)
+    run.observe(Seen(True))
     assert isinstance(run.next(FIRED, WALL), TakeDump)
-    run.hooked("ok", "a stack", responder=True)
+    run.observe(Dumped(HookResult(0, "ok", "a stack"), responder=True))
     driven = drive(run, FakeTarget(), now=FIRED + 1.0)
     assert driven.steps == [(BY_RESPONDER, "ok"), ("SIGKILL", "sent SIGKILL")]
     assert BY_RESPONDER == "dump by the worker's responder"
@@ -361,11 +389,13 @@ def test_an_unkillable_target_is_watched_then_reported() -> None:
 def test_a_target_that_exits_while_watched_has_exited() -> None:
     run = start(KILL)
     assert run.next(FIRED, WALL) == SendSignal(signal.SIGKILL, alive=True)
-    run.signalled("sent SIGKILL", FIRED)
-    run.observed()
-    run.seen(True)
+    run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGKILL), FIRED))
+    run.next(FIRED, WALL)
+    run.observe(Counted())
+    run.next(FIRED, WALL)
+    run.observe(Seen(True))
     assert run.next(FIRED, WALL) == WatchExit()
-    run.watched(False)
+    run.observe(Watched(False))
     finish = run.next(FIRED + 1, WALL)
     assert isinstance(finish, Finish)
     assert finish.event.outcome == "exited"
@@ -391,7 +421,7 @@ def test_a_denied_target_gets_no_step_and_says_why() -> None:
 def test_a_starved_timer_that_was_still_due_says_so() -> None:
     timer = firing(KILL, watch=Watch(extended=5.0))
     run = Run(timer, KILL, "", "judged not starved: cpu 3%", daemon_started=0.0)
-    run.opened("python train.py")
+    run.observe(Opened("python train.py"))
     note = drive(run, FakeTarget()).finish.event.note
     assert note == (
         "judged not starved: cpu 3%; it had been given 5s more as starved "
@@ -411,7 +441,7 @@ def test_the_notes_of_a_removed_policy_and_of_the_target() -> None:
     removed = "policy 'gone' is no longer configured"
     timer = msgspec.structs.replace(firing(KILL), policy="gone")
     run = Run(timer, KILL, removed, daemon_started=0.0)
-    run.opened("x", note="group target refused (the daemon's process group)")
+    run.observe(Opened("x", note="group target refused (the daemon's process group)"))
     note = drive(run, FakeTarget()).finish.event.note
     assert note == (
         "policy 'gone' is no longer configured; group target refused (the daemon's process group)"
@@ -420,7 +450,7 @@ def test_the_notes_of_a_removed_policy_and_of_the_target() -> None:
 
 def test_a_timer_that_fell_due_while_the_daemon_was_down_says_so() -> None:
     run = Run(firing(KILL), KILL, daemon_started=DEADLINE + 0.2)
-    run.opened("x")
+    run.observe(Opened("x"))
     assert drive(run, FakeTarget()).finish.event.note == "fell due while the daemon was not running"
 
 
@@ -489,10 +519,11 @@ def test_the_short_way_is_the_first_signal_sent_inline() -> None:
     assert first_signal(firing(DUMP_THEN_KILL), DUMP_THEN_KILL, "") is None
     # Its result handed over afterwards, as if the machine had sent it.
     run = start(KILL)
-    run.signalled("sent SIGKILL", FIRED + 0.01)
+    run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGKILL), FIRED + 0.01))
     assert run.next(FIRED + 1.0, WALL) == ObserveLateness(FIRED + 0.01 - DEADLINE)
-    run.observed()
-    run.seen(False)
+    run.observe(Counted())
+    run.next(FIRED + 1.0, WALL)
+    run.observe(Seen(False))
     finish = run.next(FIRED + 1.0, WALL)
     assert isinstance(finish, Finish)
     assert finish.event.late == FIRED + 0.01 - DEADLINE
@@ -506,10 +537,11 @@ def test_the_first_signal_of_an_incidents_expiry_waits_for_its_evidence_once() -
     dump_then_term = Policy(name="dump_term", steps=(Dump(), *TERM.steps))
     timer = firing(dump_then_term, incident="inc-7")
     run = Run(timer, dump_then_term, daemon_started=0.0, evidence_wait=3.0)
-    run.opened("python train.py")
+    run.observe(Opened("python train.py"))
     # A policy that starts with its signal asked for no stacks: inline, as ever.
     assert first_signal(firing(KILL, incident="inc-7"), KILL, "") == Signal(signal.SIGKILL)
-    run.seen(True)
+    run.next(FIRED, WALL)
+    run.observe(Seen(True))
     assert isinstance(run.next(FIRED, WALL), RecordStep | TakeDump)
     driven = drive(run, FakeTarget(dies_of=set()), now=FIRED + 1.0)
     [waited] = driven.of(AwaitEvidence)
@@ -522,12 +554,16 @@ def test_the_first_signal_of_an_incidents_expiry_waits_for_its_evidence_once() -
     assert waited.incident == "inc-7"
     # Asked again before it is observed, the wait keeps its end.
     again = Run(timer, dump_then_term, daemon_started=0.0, evidence_wait=3.0)
-    again.opened("python train.py")
-    again.hooked("exit 0", "a stack")
-    again.seen(True)
+    again.observe(Opened("python train.py"))
+    again.next(FIRED, WALL)
+    again.observe(Seen(True))
+    again.next(FIRED, WALL)
+    again.observe(Dumped(EXIT_0))
+    again.next(FIRED, WALL)
+    again.observe(Seen(True))
     effect = again.next(FIRED, WALL)
     if isinstance(effect, RecordStep):
-        again.recorded()
+        again.observe(Recorded())
         effect = again.next(FIRED, WALL)
     assert effect == AwaitEvidence("inc-7", FIRED + 3.0)
     assert again.next(FIRED + 0.5, WALL) == AwaitEvidence("inc-7", FIRED + 3.0)
@@ -551,14 +587,14 @@ def test_the_first_signal_of_an_incidents_expiry_waits_for_its_evidence_once() -
 )
 def test_only_an_incidents_own_expiry_waits_for_evidence(timer: Timer, wait: float) -> None:
     run = Run(timer, DUMP_THEN_KILL, daemon_started=0.0, evidence_wait=wait)
-    run.opened("python train.py")
+    run.observe(Opened("python train.py"))
     assert drive(run, FakeTarget()).of(AwaitEvidence) == []
 
 
 def test_a_policy_that_kills_without_a_dump_does_not_wait_for_evidence() -> None:
     """It asked for no stacks: its kill goes at once, in an incident too."""
     run = Run(firing(KILL, incident="inc-7"), KILL, daemon_started=0.0, evidence_wait=3.0)
-    run.opened("python train.py")
+    run.observe(Opened("python train.py"))
     assert run.next(FIRED, WALL) == SendSignal(signal.SIGKILL, alive=True)
 
 
@@ -569,5 +605,119 @@ def test_next_changes_nothing_until_its_effect_is_observed() -> None:
         == run.next(FIRED + 3.0, WALL)
         == SendSignal(signal.SIGTERM, alive=True)
     )
-    run.signalled("sent SIGTERM", FIRED + 0.25)
+    run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED + 0.25))
     assert run.next(FIRED, WALL) == ObserveLateness(FIRED + 0.25 - DEADLINE)
+
+
+def test_an_observation_that_does_not_answer_the_pending_effect_raises() -> None:
+    run = start(TERM)
+    assert phase_of(run) is Phase.FIRST_SIGNAL
+    assert run.pending == SendSignal(signal.SIGTERM, alive=True)
+    with pytest.raises(WrongObservation, match="does not answer SendSignal"):
+        run.observe(Seen(True))
+    with pytest.raises(WrongObservation):
+        run.observe(Waited(exited=True))
+    # Nothing changed: the signal is still what the run waits on.
+    assert run.next(FIRED, WALL) == SendSignal(signal.SIGTERM, alive=True)
+    run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED))
+    with pytest.raises(WrongObservation):
+        run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED))
+    # Asked nothing yet after the lateness: nothing is answered.
+    run.observe(Counted())
+    with pytest.raises(WrongObservation, match="does not answer None"):
+        run.observe(Seen(True))
+    finished = drive(run, FakeTarget())
+    with pytest.raises(WrongObservation):
+        run.observe(Watched(alive=False))
+    assert phase_of(run) is Phase.OVER
+    assert finished.steps[0] == ("SIGTERM", "sent SIGTERM")
+
+
+def test_the_phases_of_a_run_name_where_it_is() -> None:
+    run = Run(firing(DUMP_THEN_KILL), DUMP_THEN_KILL, daemon_started=0.0)
+    assert phase_of(run) is Phase.OPENING
+    assert run.next(FIRED, WALL) == OpenTarget(check=True)
+    run.observe(Opened("python train.py"))
+    assert phase_of(run) is Phase.STEPS
+    phases: list[Phase] = []
+    target = FakeTarget(unkillable=True)
+    while not isinstance(effect := run.next(FIRED, WALL), Finish):
+        assert len(phases) < 20
+        phases.append(run.phase)
+        match effect:
+            case CheckAlive():
+                run.observe(Seen(target.alive))
+            case TakeDump():
+                run.observe(Dumped(EXIT_0))
+            case RecordStep():
+                run.observe(Recorded())
+            case SendSignal(signum=signum):
+                run.observe(Signalled(target.signal(signum), FIRED))
+            case ObserveLateness():
+                run.observe(Counted())
+            case WatchExit():
+                run.observe(Watched(alive=True))
+    assert phases[-2:] == [Phase.ENDING, Phase.WATCHING]
+    assert phase_of(run) is Phase.OVER
+
+
+def test_the_first_signal_is_pending_before_the_target_is_opened() -> None:
+    """The burst's first signal is this machine: a fresh run of a policy that starts
+    with a signal to its process waits on that signal at once; the target is
+    opened after it (the signal told whether it was alive)."""
+    run = Run(firing(TERM), TERM, daemon_started=0.0)
+    assert phase_of(run) is Phase.FIRST_SIGNAL
+    assert run.next_in_pass(FIRED, WALL) == SendSignal(signal.SIGTERM, alive=True)
+    run.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED + 0.01))
+    assert run.next_in_pass(FIRED, WALL) is None  # the pass is done with it
+    assert phase_of(run) is Phase.OPENING
+    assert run.next(FIRED, WALL) == ObserveLateness(FIRED + 0.01 - DEADLINE)
+    run.observe(Counted())
+    assert run.next(FIRED, WALL) == OpenTarget(check=False)
+    run.observe(Opened("python train.py"))
+    driven = drive(run, FakeTarget())
+    assert driven.steps[0] == ("SIGTERM", "sent SIGTERM")
+    assert driven.of(SendSignal) == [SendSignal(signal.SIGKILL)]
+
+
+def test_a_first_signal_not_sent_ahead_is_left_to_the_target_opened() -> None:
+    why = "uid 1000 may no longer signal pid 42"
+    run = Run(firing(KILL), KILL, daemon_started=0.0)
+    run.observe(Signalled(SignalResult(Delivery.NOT_SENT, signal.SIGKILL), FIRED))
+    assert phase_of(run) is Phase.OPENING
+    assert run.next_in_pass(FIRED, WALL) == OpenTarget(check=False)
+    run.observe(Opened("python train.py", denied=why))
+    assert run.next_in_pass(FIRED, WALL) is None  # denied: nothing more in the pass
+    target = FakeTarget()
+    driven = drive(run, target)
+    assert target.sent == []
+    assert driven.steps == [("SIGKILL", "skipped: not allowed")]
+    # Only a signal ahead of its target may be not sent.
+    opened = start(KILL)
+    with pytest.raises(WrongObservation):
+        opened.observe(Signalled(SignalResult(Delivery.NOT_SENT, signal.SIGKILL), FIRED))
+
+
+def test_only_a_signal_to_the_process_goes_in_the_pass() -> None:
+    group = Policy(name="g", steps=KILL.steps, target="group")
+    run = Run(firing(group), group, daemon_started=0.0)
+    assert run.next_in_pass(FIRED, WALL) is None
+    assert run.next(FIRED, WALL) == OpenTarget(check=True)
+    hook = Run(firing(HOOK), HOOK, daemon_started=0.0)
+    assert hook.next_in_pass(FIRED, WALL) is None
+    # A resumed run at its signal opens its process in the pass, and signals it.
+    resumed = Run(firing(TERM, step=2), TERM, daemon_started=0.0)
+    assert phase_of(resumed) is Phase.OPENING
+    assert resumed.next_in_pass(FIRED, WALL) == OpenTarget(check=False)
+    resumed.observe(Opened("x"))
+    assert resumed.next_in_pass(FIRED, WALL) == SendSignal(signal.SIGKILL, alive=True)
+
+
+def test_signal_results_render_as_the_events_said_them() -> None:
+    assert str(SignalResult(Delivery.SENT, signal.SIGKILL)) == "sent SIGKILL"
+    assert str(SignalResult(Delivery.GONE, signal.SIGKILL)) == "gone"
+    refused = SignalResult(Delivery.REFUSED, signal.SIGTERM, "to group 7")
+    assert str(refused) == "not permitted to send SIGTERM to group 7"
+    assert str(SignalResult(Delivery.SENT, signal.SIGUSR1, "to 3 processes")) == (
+        "sent SIGUSR1 to 3 processes"
+    )

@@ -49,20 +49,34 @@ if TYPE_CHECKING:
     from .config import lockouts as lockouts
     from .config import parse_config as parse_config
     from .counters import Counters as Counters
+    from .effects import AwaitEvidence as AwaitEvidence
+    from .effects import CheckAlive as CheckAlive
+    from .effects import Counted as Counted
+    from .effects import Delivery as Delivery
+    from .effects import Dumped as Dumped
+    from .effects import EvidenceIn as EvidenceIn
+    from .effects import Finish as Finish
+    from .effects import Hooked as Hooked
+    from .effects import HookResult as HookResult
+    from .effects import ObserveLateness as ObserveLateness
+    from .effects import Opened as Opened
+    from .effects import OpenTarget as OpenTarget
+    from .effects import PeersUnblocked as PeersUnblocked
+    from .effects import Recorded as Recorded
+    from .effects import RecordStep as RecordStep
+    from .effects import RunHook as RunHook
+    from .effects import Seen as Seen
+    from .effects import SendSignal as SendSignal
+    from .effects import Signalled as Signalled
+    from .effects import SignalResult as SignalResult
+    from .effects import TakeDump as TakeDump
+    from .effects import UnblockPeers as UnblockPeers
+    from .effects import Waited as Waited
+    from .effects import WaitUntil as WaitUntil
+    from .effects import Watched as Watched
+    from .effects import WatchExit as WatchExit
     from .events import EventLog as EventLog
-    from .expiry import SENT as SENT
-    from .expiry import AwaitEvidence as AwaitEvidence
-    from .expiry import CheckAlive as CheckAlive
-    from .expiry import Finish as Finish
-    from .expiry import ObserveLateness as ObserveLateness
-    from .expiry import RecordStep as RecordStep
     from .expiry import Run as Run
-    from .expiry import RunHook as RunHook
-    from .expiry import SendSignal as SendSignal
-    from .expiry import TakeDump as TakeDump
-    from .expiry import UnblockPeers as UnblockPeers
-    from .expiry import WaitUntil as WaitUntil
-    from .expiry import WatchExit as WatchExit
     from .expiry import first_signal as first_signal
     from .firing import Due as Due
     from .history import History as History
@@ -116,19 +130,24 @@ __all__ = [
     "RESOURCES",
     "ROOT",
     "SEARCHING",
-    "SENT",
     "WORKER",
     "AwaitEvidence",
     "CheckAlive",
     "Config",
+    "Counted",
     "Counters",
+    "Delivery",
     "Due",
+    "Dumped",
     "EventLog",
+    "EvidenceIn",
     "Expired",
     "Finish",
     "FleetBridge",
     "FleetConfig",
     "History",
+    "HookResult",
+    "Hooked",
     "IncidentLog",
     "JobKey",
     "JobRow",
@@ -137,23 +156,30 @@ __all__ = [
     "Level",
     "NullJournal",
     "ObserveLateness",
+    "OpenTarget",
+    "Opened",
     "OwedUnblock",
     "P",
     "PageRef",
     "Peer",
+    "PeersUnblocked",
     "Policy",
     "Pressure",
     "RateLimitedLog",
     "RecordStep",
+    "Recorded",
     "Repeats",
     "Restored",
     "Run",
     "RunHook",
     "Sample",
     "Searching",
+    "Seen",
     "SendSignal",
     "Service",
     "Session",
+    "SignalResult",
+    "Signalled",
     "StoreKey",
     "StoredIncident",
     "TakeDump",
@@ -163,7 +189,9 @@ __all__ = [
     "Timer",
     "UnblockPeers",
     "WaitUntil",
+    "Waited",
     "WatchExit",
+    "Watched",
     "first_signal",
     "flight_groups",
     "flight_text",
@@ -185,20 +213,34 @@ _WHERE: Final = {
     "lockouts": "config",
     "parse_config": "config",
     "Counters": "counters",
+    "AwaitEvidence": "effects",
+    "CheckAlive": "effects",
+    "Counted": "effects",
+    "Delivery": "effects",
+    "Dumped": "effects",
+    "EvidenceIn": "effects",
+    "Finish": "effects",
+    "HookResult": "effects",
+    "Hooked": "effects",
+    "ObserveLateness": "effects",
+    "OpenTarget": "effects",
+    "Opened": "effects",
+    "PeersUnblocked": "effects",
+    "RecordStep": "effects",
+    "Recorded": "effects",
+    "RunHook": "effects",
+    "Seen": "effects",
+    "SendSignal": "effects",
+    "SignalResult": "effects",
+    "Signalled": "effects",
+    "TakeDump": "effects",
+    "UnblockPeers": "effects",
+    "WaitUntil": "effects",
+    "Waited": "effects",
+    "WatchExit": "effects",
+    "Watched": "effects",
     "EventLog": "events",
-    "AwaitEvidence": "expiry",
-    "CheckAlive": "expiry",
-    "Finish": "expiry",
-    "ObserveLateness": "expiry",
-    "RecordStep": "expiry",
     "Run": "expiry",
-    "RunHook": "expiry",
-    "SENT": "expiry",
-    "SendSignal": "expiry",
-    "TakeDump": "expiry",
-    "UnblockPeers": "expiry",
-    "WaitUntil": "expiry",
-    "WatchExit": "expiry",
     "first_signal": "expiry",
     "Due": "firing",
     "History": "history",

@@ -1,32 +1,43 @@
-"""The policy run of a timer that fell due, as a state machine without I/O.
+"""The policy run of a timer that fell due, as a closed state machine without I/O.
 
 A `Run` is made from the firing `Timer` (its ``step`` and ``step_end`` are the
 machine's recorded state), the `Policy` it runs and what the service noted of how
-it came to fire. The runtime's executor (`watchdogd.runtime.executor`) asks it for
-the next effect with `Run.next` and carries that effect out; what it observed goes
-back through the method named for the effect. Every transition is in `Run.next`:
+it came to fire. It holds the effect it waits on (`Run.next` returns it) and a
+named `Phase`; the runtime's executor (`watchdogd.runtime.executor`) carries the
+effect out and hands back what it observed through one method, `Run.observe`,
+as one of the typed observations of `watchdogd.core.effects`. An observation that
+does not answer the pending effect is a bug of its caller: `Run.observe` raises
+`WrongObservation`.
+Every transition is in `Run.next` and `Run.observe`:
 
 =================  =========================================  ====================
-effect             carried out as                             observed with
+effect             carried out as                             observed as
 =================  =========================================  ====================
-`CheckAlive`       polling the target's pidfds                `Run.seen`
-`RecordStep`       the state recording the step in progress   `Run.recorded`
-`SendSignal`       signalling the target                      `Run.signalled`
-`ObserveLateness`  a lateness metric                          `Run.observed`
-`WaitUntil`        waiting for the target's exit until a time `Run.waited`
-`AwaitEvidence`    waiting for an incident's ranks' evidence  `Run.evidence_in`
-`RunHook`          running an ``exec`` hook                   `Run.hooked`
-`TakeDump`         running a stack dumper                     `Run.hooked`
-`UnblockPeers`     having the job's waiting ranks unblocked   `Run.unblocked`
-`WatchExit`        watching a target sent SIGKILL             `Run.watched`
+`OpenTarget`       pinning the target's members               `Opened`
+`CheckAlive`       polling the target's pidfds                `Seen`
+`RecordStep`       the state recording the step in progress   `Recorded`
+`SendSignal`       signalling the target                      `Signalled`
+`ObserveLateness`  a lateness metric                          `Counted`
+`WaitUntil`        waiting for the target's exit until a time `Waited`
+`AwaitEvidence`    waiting for an incident's ranks' evidence  `EvidenceIn`
+`RunHook`          running an ``exec`` hook                   `Hooked`
+`TakeDump`         running a stack dumper                     `Dumped`
+`UnblockPeers`     having the job's waiting ranks unblocked   `PeersUnblocked`
+`WatchExit`        watching a target sent SIGKILL             `Watched`
 `Finish`           recording the event; the timer leaves      (the run is over)
 =================  =========================================  ====================
 
+Step results are values (`watchdogd.core.effects`), made by the host and the
+runtime: a signal's `SignalResult` (its `Delivery`), a hook's or a dumper's
+`HookResult`; the event's words are rendered from them, never parsed.
+
 `Run.next` changes nothing until its effect is observed (it only notes when a step
-began), so an executor may stop after any effect and ask again later: the burst's
-first signal is this machine executed inline (`first_signal` says which runs may
-send it before anything else is made of the expiry; `Run.signalled` takes its
-result afterwards).
+began), so an executor may stop after any effect and ask again later. The burst's
+first signal is no other path: a run that starts afresh with a signal to its own
+process (`first_signal`, the one place that decides it) starts in
+`Phase.FIRST_SIGNAL`, its pending effect that signal, before its target is opened;
+`Run.next_in_pass` gives the effects that go in the pass of the expiry, up to a
+run's first signal to its process alone.
 
 Invariants:
 
@@ -50,13 +61,46 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import signal
 from typing import Final, assert_never
 
-from msgspec import Struct
-
 from watchdogd_protocol import EventInfo, StepResult
 
+from .effects import (
+    ANSWERS,
+    IN_PASS,
+    SKIPPED_DENIED,
+    AwaitEvidence,
+    CheckAlive,
+    Counted,
+    Delivery,
+    Dumped,
+    Effect,
+    EvidenceIn,
+    Finish,
+    Hooked,
+    Observation,
+    ObserveLateness,
+    Opened,
+    OpenTarget,
+    Outcome,
+    PeersUnblocked,
+    Recorded,
+    RecordStep,
+    RunHook,
+    Seen,
+    SendSignal,
+    Signalled,
+    SignalResult,
+    TakeDump,
+    UnblockPeers,
+    Waited,
+    WaitUntil,
+    Watched,
+    WatchExit,
+    WrongObservation,
+)
 from .policies import Dump, Exec, Policy, Signal, Step, Unblock, Wait, placeholders, step_name
 from .timers import Timer
 
@@ -64,99 +108,28 @@ from .timers import Timer
 BY_RESPONDER: Final = "dump by the worker's responder"
 
 
-class CheckAlive(Struct, frozen=True, gc=False):
-    """Poll whether any member of the target is still running."""
+class Phase(enum.Enum):
+    """Where a run is: what its pending effect may be."""
 
+    #: A fresh run's first signal, to its own process, is pending (`first_signal`);
+    #: its target may be opened before it goes, or after.
+    FIRST_SIGNAL = "first signal"
+    #: Its target is to be opened (`OpenTarget`).
+    OPENING = "opening"
+    #: Its steps are carried out, one effect at a time.
+    STEPS = "steps"
+    #: Its first signal waits for its incident's evidence (`AwaitEvidence`).
+    EVIDENCE = "evidence"
+    #: Every step is done or skipped: the target is seen, then the run finishes.
+    ENDING = "ending"
+    #: Its target, sent SIGKILL and still alive, is watched (`WatchExit`).
+    WATCHING = "watching"
+    #: `Finish` was returned.
+    OVER = "over"
 
-class RecordStep(Struct, frozen=True, gc=False):
-    """Have the state record the run at ``step`` (a wait ending at ``step_end``)."""
-
-    step: int
-    step_end: float = 0.0
-
-
-class SendSignal(Struct, frozen=True, gc=False):
-    """Send ``signum`` to the target; ``alive``: it was seen alive (or not checked,
-    and the signal tells), so a process target need not be polled first."""
-
-    signum: int
-    alive: bool = False
-
-
-class ObserveLateness(Struct, frozen=True, gc=False):
-    """Count ``seconds`` from the deadline to the run's first signal."""
-
-    seconds: float
-
-
-class WaitUntil(Struct, frozen=True, gc=False):
-    """Wait until ``end`` (the daemon's clock) or the target's exit."""
-
-    end: float
-
-
-class AwaitEvidence(Struct, frozen=True, gc=False):
-    """Wait until the incident's other ranks on this host have given their
-    evidence, or until ``until`` (the daemon's clock)."""
-
-    incident: str
-    until: float
-
-
-class RunHook(Struct, frozen=True):
-    """Run ``step``'s argv, with ``values`` substituted, in ``env``."""
-
-    step: Exec
-    values: dict[str, str]
-    env: dict[str, str]
-
-
-class TakeDump(Struct, frozen=True):
-    """Run ``step``'s dumper on the timer's process, as `RunHook` runs a hook."""
-
-    step: Dump
-    values: dict[str, str]
-    env: dict[str, str]
-
-
-class UnblockPeers(Struct, frozen=True):
-    """Ask for the ranks of ``incident``'s job waiting in the collective its verdict
-    names to be unblocked, as ``step`` says (`watchdogd.core.unblocks`)."""
-
-    step: Unblock
-    incident: str
-
-
-class WatchExit(Struct, frozen=True, gc=False):
-    """Watch the target, sent SIGKILL, for its exit, up to ``unkillable_after``."""
-
-
-class Finish(Struct, frozen=True):
-    """The run is over: record ``event``; the timer leaves the state. With
-    ``unkillable``, the target outlived SIGKILL (`Run.unkillable_event`)."""
-
-    event: EventInfo
-    unkillable: bool = False
-
-
-Effect = (
-    CheckAlive
-    | RecordStep
-    | SendSignal
-    | ObserveLateness
-    | WaitUntil
-    | AwaitEvidence
-    | RunHook
-    | TakeDump
-    | UnblockPeers
-    | WatchExit
-    | Finish
-)
 
 _CHECK: Final = CheckAlive()
 _WATCH: Final = WatchExit()
-#: A signal step's result, by number, when the kernel took it.
-SENT: Final = {int(member): f"sent {member.name}" for member in signal.Signals}
 
 
 def is_peer(timer: Timer) -> bool:
@@ -167,10 +140,11 @@ def is_peer(timer: Timer) -> bool:
 def first_signal(timer: Timer, policy: Policy, note: str) -> Signal | None:
     """The signal a run of ``policy`` on ``timer`` sends first to the timer's own
     process, if the run starts afresh with one and nothing need be said of it
-    (``note``): the executor may then send it before it makes anything else of
-    the expiry, and hand its result to `Run.signalled`. None for any other run.
-    (A policy that starts with a signal takes no dump first, so its signal never
-    waits for an incident's evidence, `AwaitEvidence`.)"""
+    (``note``): its `Run` starts in `Phase.FIRST_SIGNAL`, that signal pending
+    before anything else is made of the expiry (and `watchdogd.core.firing` may
+    make its firing record after it). None for any other run. (A policy that
+    starts with a signal takes no dump first, so its signal never waits for an
+    incident's evidence, `AwaitEvidence`.)"""
     if timer.step or timer.step_end or is_peer(timer) or note or policy.target != "process":
         return None
     steps = policy.steps
@@ -219,10 +193,9 @@ class Run:
     __slots__ = (
         "_alive",
         "_begun_at",
-        "_end",
-        "_evidence_until",
-        "_lateness",
-        "_watched",
+        "_evidence_owed",
+        "_opened",
+        "_pending",
         "command",
         "daemon_started",
         "denied",
@@ -231,6 +204,7 @@ class Run:
         "gone_at_start",
         "killed",
         "note",
+        "phase",
         "policy",
         "results",
         "resumed_at",
@@ -256,40 +230,46 @@ class Run:
         ``evidence_wait``: the most its first signal waits for its incident's
         ranks' evidence, if it is part of one."""
         timer, note = resume_point(timer, policy, note)
+        first = first_signal(timer, policy, note)
         self.timer = timer
         self.policy = policy
-        self.note = "; ".join(text for text in (note, judged) if text)
+        self.note = f"{note}; {judged}" if note and judged else note or judged
         self.daemon_started = daemon_started
-        incident = timer.run.incident if timer.run is not None and not is_peer(timer) else ""
+        incident = timer.run is not None and timer.run.incident and not timer.run.peer
         self.evidence_wait = evidence_wait if incident and _dumps_first(policy) else 0.0
-        #: When the wait for the evidence ends, once it began (0: over, or none).
-        self._evidence_until: float | None = None
+        #: The first signal still waits for the incident's evidence.
+        self._evidence_owed = bool(self.evidence_wait)
         #: Where this run started (a resumed expiry: the step it had reached),
         #: and the next step to carry out.
         self.resumed_at = self.step = timer.step
-        self.command = ""
-        self.denied = ""
-        self.target_note = ""
-        self.gone_at_start = False
-        self.results: list[StepResult] = []
+        self.command = self.denied = self.target_note = ""
+        self.gone_at_start = self.killed = self._opened = False
         #: A signal was sent (in this run or before a restart); a SIGKILL was sent.
         self.signalled_once = timer.step > 0
-        self.killed = False
+        #: Each step's result; a signal's kept as its value until the run
+        #: finishes, so that a burst's signals wait for no words.
+        self.results: list[StepResult | tuple[Signal, SignalResult]] = []
+        if timer.step:
+            self._done_before(policy.steps[: timer.step])
         #: When this run carried out its first step (the daemon's clock).
         self.first_step_at: float | None = None
-        for step in policy.steps[: timer.step]:
+        #: The target as last seen (None: not since the last step), and when the
+        #: next step began (None: not yet).
+        self._alive: bool | None = None
+        self._begun_at: float | None = None
+        self.phase: Phase
+        self._pending: Effect | None
+        if first is not None:
+            self.phase, self._pending = Phase.FIRST_SIGNAL, SendSignal(first.signum, alive=True)
+        else:
+            self.phase, self._pending = Phase.OPENING, self._open_target()
+
+    def _done_before(self, steps: tuple[Step, ...]) -> None:
+        for step in steps:
             self.results.append(StepResult(step=self._named(step), result="done before a restart"))
             self.killed = self.killed or (
                 isinstance(step, Signal) and step.signum == signal.SIGKILL
             )
-        #: The target as last seen (None: not since the last step), when the next
-        #: step began, the end of a wait in progress, a lateness to count, and
-        #: whether a dying target was watched.
-        self._alive: bool | None = None
-        self._begun_at: float | None = None
-        self._end = 0.0
-        self._lateness: float | None = None
-        self._watched = False
 
     @property
     def signals_next(self) -> bool:
@@ -297,132 +277,198 @@ class Run:
         steps = self.policy.steps
         return self.step < len(steps) and type(steps[self.step]) is Signal
 
-    # Observations.
-
-    def opened(
-        self, command: str, *, denied: str = "", note: str = "", alive: bool | None = None
-    ) -> None:
-        """The target was opened: its process's ``command``, why its uid may not
-        act on it (``denied``), what its event should say of it (``note``), and
-        whether it was alive (None: not checked, the first signal tells)."""
-        self.command, self.denied, self.target_note = command, denied, note
-        if alive is not None:
-            self.gone_at_start = not alive
-
-    def seen(self, alive: bool) -> None:
-        """`CheckAlive`: whether the target is still running."""
-        self._alive = alive
-
-    def recorded(self) -> None:
-        """`RecordStep`: the state holds the run at the step beginning."""
-        end = self._end if isinstance(self.policy.steps[self.step], Wait) else 0.0
-        self.timer = self.timer.at_step(self.step, end)
-
-    def signalled(self, result: str, at: float) -> None:
-        """`SendSignal`: its result, and when it was sent (the daemon's clock). Also
-        the first signal sent inline, before this run asked for it
-        (`first_signal`)."""
-        step = self.policy.steps[self.step]
-        assert isinstance(step, Signal)
-        if self.step == self.resumed_at and self.first_step_at is None:
-            self.first_step_at = at if self._begun_at is None else self._begun_at
-            if result == "gone":
-                self.gone_at_start = True
-        self.results.append(StepResult(step=self._named(step), result=result))
-        if not self.signalled_once:
-            self.signalled_once = True
-            if not is_peer(self.timer):
-                self._lateness = at - self.timer.deadline
-        # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
-        if step.signum == signal.SIGKILL and result.startswith("sent"):
-            self.killed = True
-        self._done()
-
-    def observed(self) -> None:
-        """`ObserveLateness`: counted."""
-        self._lateness = None
-
-    def waited(self, exited: bool) -> None:
-        """`WaitUntil`: whether the target exited before the end."""
-        step = self.policy.steps[self.step]
-        assert isinstance(step, Wait)
-        result = "exited" if exited else f"still running after {step.seconds:g}s"
-        self._began()
-        self.results.append(StepResult(step=self._named(step), result=result))
-        self._done()
-
-    def evidence_in(self) -> None:
-        """`AwaitEvidence`: the ranks' evidence came, or the wait ran out."""
-        self._evidence_until = 0.0
-
-    def hooked(self, result: str, output: str = "", *, responder: bool = False) -> None:
-        """`RunHook` or `TakeDump`: what the hook's run came to; ``responder``: the
-        worker's responder gave the dump, and no dumper ran."""
-        step = self.policy.steps[self.step]
-        self._began()
-        name = BY_RESPONDER if responder else self._named(step)
-        self.results.append(StepResult(step=name, result=result, output=output))
-        self._done()
-
-    def unblocked(self, result: str) -> None:
-        """`UnblockPeers`: what the step came to."""
-        step = self.policy.steps[self.step]
-        self._began()
-        self.results.append(StepResult(step=self._named(step), result=result))
-        self._done()
-
-    def watched(self, alive: bool) -> None:
-        """`WatchExit`: the target exited (``alive`` False), or outlived the watch."""
-        self._watched = True
-        self._alive = alive
+    @property
+    def pending(self) -> Effect | None:
+        """The effect the run waits on (None: `next` decides it when asked)."""
+        return self._pending
 
     # Transitions.
 
     def next(self, now: float, wall: float) -> Effect:
         """The effect to carry out next, ``now`` on the daemon's clock (``wall``
-        on the wall clock at the same moment)."""
-        if self._lateness is not None:
-            return ObserveLateness(self._lateness)
-        steps = self.policy.steps
-        if self.step < len(steps) and not self.denied and not self._watched:
-            step = steps[self.step]
-            first = self.step == self.resumed_at and self.first_step_at is None
-            if first and type(step) is Signal:
-                # Seen alive when the target was opened, or not checked: the
-                # signal tells.
-                go_on = not self.gone_at_start
-            elif self._alive is None:
-                return _CHECK
-            else:
-                go_on = self._alive
-            if go_on:
-                if type(step) is Signal and self.evidence_wait and self._evidence_until != 0.0:
-                    if self._evidence_until is None:
-                        self._evidence_until = now + self.evidence_wait
-                    assert self.timer.run is not None
-                    return AwaitEvidence(self.timer.run.incident, self._evidence_until)
-                return self._step(step, first, now)
+        on the wall clock at the same moment): the pending one, until it is
+        observed."""
+        if self._pending is None:
+            self._pending = self._decide(now, wall)
+        return self._pending
+
+    def next_in_pass(self, now: float, wall: float) -> Effect | None:
+        """`next`, if it is on the way to this run's first signal to its own
+        process (opening the process, recording the step, the signal itself),
+        which goes in the pass of the expiry, before anything else is made of the
+        others due with it; None once that signal was sent, and for any other
+        run or effect."""
+        if self.first_step_at is not None or self.denied:
+            return None
+        if self.policy.target != "process" or not self.signals_next:
+            return None
+        effect = self.next(now, wall)
+        return effect if type(effect) in IN_PASS else None
+
+    def observe(self, observation: Observation) -> None:
+        """Take what the executor observed of the pending effect; raises
+        `WrongObservation` for one that does not answer it (an `Opened` may also
+        come while a first signal is pending)."""
+        pending = self._pending
+        opening_early = type(observation) is Opened and self.phase is Phase.FIRST_SIGNAL
+        if type(pending) is not ANSWERS[type(observation)] and not opening_early:
+            raise WrongObservation(
+                f"{observation!r} does not answer {pending!r} (phase: {self.phase.value}) "
+                f"in the run of {self.policy.name!r} on pid {self.timer.pid}"
+            )
+        if not opening_early:
+            self._pending = None
+        self._take(observation, pending)
+
+    # One branch per observation, by design: each is taken in one place.
+    def _take(self, observation: Observation, pending: Effect | None) -> None:
+        match observation:
+            case Opened():
+                self._opened_as(observation)
+            case Seen(alive=alive):
+                self._alive = alive
+            case Recorded():
+                assert isinstance(pending, RecordStep)
+                self.timer = self.timer.at_step(pending.step, pending.step_end)
+            case Signalled(result=result, at=at):
+                self._signalled(result, at)
+            case Counted():
+                pass
+            case Waited(exited=exited):
+                step = self.policy.steps[self.step]
+                assert isinstance(step, Wait)
+                self._ended(step, "exited" if exited else f"still running after {step.seconds:g}s")
+            case EvidenceIn():
+                self._evidence_owed = False
+                self.phase = Phase.STEPS
+            case Hooked(result=result):
+                self._ended(self.policy.steps[self.step], result.result, result.output)
+            case Dumped(result=result, responder=responder):
+                step = self.policy.steps[self.step]
+                self._ended(step, result.result, result.output, BY_RESPONDER if responder else "")
+            case PeersUnblocked(said=said):
+                self._ended(self.policy.steps[self.step], said)
+            case Watched(alive=alive):
+                self._alive = alive
+            case _:
+                assert_never(observation)
+
+    def _opened_as(self, opened: Opened) -> None:
+        self.command, self.denied, self.target_note = opened.command, opened.denied, opened.note
+        if opened.alive is not None:
+            self.gone_at_start = not opened.alive
+        self._opened = True
+        if self.phase is Phase.FIRST_SIGNAL and not (self.denied or self.gone_at_start):
+            return  # the first signal stays pending
+        self.phase, self._pending = Phase.STEPS, None
+
+    def _signalled(self, result: SignalResult, at: float) -> None:
+        if result.delivery is Delivery.NOT_SENT:
+            if self.phase is not Phase.FIRST_SIGNAL or self._opened:
+                raise WrongObservation(f"{result!r} from a target opened, on pid {self.timer.pid}")
+            # Left for the target, once opened, to send or to say why not.
+            self.phase, self._pending = Phase.OPENING, self._open_target()
+            return
+        step = self.policy.steps[self.step]
+        assert isinstance(step, Signal)
+        if self.step == self.resumed_at and self.first_step_at is None:
+            self.first_step_at = at if self._begun_at is None else self._begun_at
+            if result.delivery is Delivery.GONE:
+                self.gone_at_start = True
+        self.results.append((step, result))
+        if not self.signalled_once:
+            self.signalled_once = True
+            if not is_peer(self.timer):
+                self._pending = ObserveLateness(at - self.timer.deadline)
+        # A SIGKILL the kernel refused (EPERM) makes no target "unkillable".
+        if step.signum == signal.SIGKILL and result.delivery is Delivery.SENT:
+            self.killed = True
+        self._done()
+        if self.phase is Phase.FIRST_SIGNAL:
+            self.phase = Phase.STEPS if self._opened else Phase.OPENING
+
+    def _ended(self, step: Step, result: str, output: str = "", name: str = "") -> None:
+        """A step that took its time (a wait, a hook, a dump, an unblock) ended."""
+        if self.step == self.resumed_at and self.first_step_at is None:
+            self.first_step_at = self._begun_at
+        self.results.append(
+            StepResult(step=name or self._named(step), result=result, output=output)
+        )
+        self._done()
+
+    def _done(self) -> None:
+        """The step in progress is over: on to the next, the target unseen."""
+        self.step += 1
+        self._alive = None
+        self._begun_at = None
+
+    def _open_target(self) -> OpenTarget:
+        # Whether it is gone is asked only before the run's first step, and not
+        # when that step is a signal to the process alone: the signal tells
+        # (polling a pidfd takes a lock that a storm of exits holds, and a burst
+        # of expiries is such a storm).
+        if self.first_step_at is not None:
+            return OpenTarget(check=False)
+        return OpenTarget(check=self.policy.target != "process" or not self.signals_next)
+
+    def _decide(self, now: float, wall: float) -> Effect:
+        """The next effect, once the one before it was observed."""
+        if self.phase is Phase.OPENING:
+            return self._open_target()
+        if self.phase is Phase.WATCHING:
+            self.phase = Phase.OVER
+            return self._finish(bool(self._alive), now, wall)
+        if self.phase is Phase.STEPS:
+            effect = self._next_step(now)
+            if effect is not None:
+                return effect
+            self.phase = Phase.ENDING
         if self._alive is None:
             return _CHECK
-        if self._alive and self.killed and not self._watched:
+        if self._alive and self.killed:
+            self.phase = Phase.WATCHING
             return _WATCH
+        self.phase = Phase.OVER
         return self._finish(self._alive, now, wall)
+
+    def _next_step(self, now: float) -> Effect | None:
+        """The effect of the next step, if one is to be carried out."""
+        steps = self.policy.steps
+        if self.step >= len(steps) or self.denied:
+            return None
+        step = steps[self.step]
+        first = self.step == self.resumed_at and self.first_step_at is None
+        if first and type(step) is Signal:
+            # Seen alive when the target was opened, or not checked: the signal
+            # tells.
+            go_on = not self.gone_at_start
+        elif self._alive is None:
+            return _CHECK
+        else:
+            go_on = self._alive
+        if not go_on:
+            return None
+        if type(step) is Signal and self._evidence_owed:
+            assert self.timer.run is not None
+            self.phase = Phase.EVIDENCE
+            return AwaitEvidence(self.timer.run.incident, now + self.evidence_wait)
+        return self._step(step, first, now)
 
     def _step(self, step: Step, first: bool, now: float) -> Effect:
         if self._begun_at is None:
             self._begun_at = now
-            if isinstance(step, Wait):
-                timer = self.timer
-                resumed = self.step == timer.step and timer.step_end
-                self._end = timer.step_end if resumed else now + step.seconds
-        end = self._end if isinstance(step, Wait) else 0.0
+        end = 0.0
+        if isinstance(step, Wait):
+            timer = self.timer
+            resumed = self.step == timer.step and timer.step_end
+            end = timer.step_end if resumed else self._begun_at + step.seconds
         if self.step != self.timer.step or end != self.timer.step_end:
             return RecordStep(self.step, end)
         match step:
             case Signal():
                 return SendSignal(step.signum, alive=first)
             case Wait():
-                return WaitUntil(self._end)
+                return WaitUntil(end)
             case Exec():
                 return RunHook(step, self._values(), self._env())
             case Dump():
@@ -432,21 +478,14 @@ class Run:
             case _:
                 assert_never(step)
 
-    def _began(self) -> None:
-        if self.step == self.resumed_at and self.first_step_at is None:
-            self.first_step_at = self._begun_at
-
-    def _done(self) -> None:
-        """The step in progress is over: on to the next, the target unseen."""
-        self.step += 1
-        self._alive = None
-        self._begun_at = None
-
     def _values(self) -> dict[str, str]:
         return placeholders(self.timer.pid, self.timer.scope)
 
     def _named(self, step: Step) -> str:
         return step_name(step, self._values())
+
+    def _said(self, step: Signal, result: SignalResult) -> StepResult:
+        return StepResult(step=self._named(step), result=str(result))
 
     def _env(self) -> dict[str, str]:
         return {
@@ -460,20 +499,20 @@ class Run:
 
     def _finish(self, alive: bool, now: float, wall: float) -> Finish:
         timer = self.timer
-        why = "not allowed" if self.denied else "target exited"
+        why = SKIPPED_DENIED if self.denied else "skipped: target exited"
         steps = [
-            *self.results,
+            *(done if isinstance(done, StepResult) else self._said(*done) for done in self.results),
             *(
-                StepResult(step=self._named(step), result=f"skipped: {why}")
+                StepResult(step=self._named(step), result=why)
                 for step in self.policy.steps[len(self.results) :]
             ),
         ]
         if self.gone_at_start:
-            outcome = "gone"
+            outcome = Outcome.GONE
         elif alive:
-            outcome = "unkillable" if self.killed else "alive"
+            outcome = Outcome.UNKILLABLE if self.killed else Outcome.ALIVE
         else:
-            outcome = "exited"
+            outcome = Outcome.EXITED
         peer = is_peer(timer)
         started = timer.fired_at if self.first_step_at is None else self.first_step_at
 
@@ -493,7 +532,7 @@ class Run:
             deadline=as_wall(timer.deadline),
             fired_at=as_wall(timer.fired_at),
             late=None if peer else started - timer.deadline,
-            outcome=outcome,
+            outcome=outcome.value,
             steps=steps,
             note="; ".join(self._notes()),
             reason="" if peer else "stalled" if timer.stalled else "timeout",
@@ -503,7 +542,7 @@ class Run:
             rank=None if timer.watch is None else timer.watch.rank,
             incident="" if timer.run is None else timer.run.incident,
         )
-        return Finish(event, unkillable=outcome == "unkillable")
+        return Finish(event, unkillable=outcome is Outcome.UNKILLABLE)
 
     def _notes(self) -> list[str]:
         timer = self.timer

@@ -13,6 +13,7 @@ import msgspec
 
 from watchdogd_protocol import EventInfo, RankInfo
 
+from .effects import SKIPPED_DENIED, Outcome
 from .identity import ROOT
 
 #: The most of one stack an incident keeps.
@@ -82,9 +83,10 @@ def stack_of(event: EventInfo) -> str:
 
 def state_of(event: EventInfo) -> str:
     """A rank's state once its policy ran: ``gone``, ``denied`` or ``done``."""
-    if event.outcome == "gone":
+    # A record's words, rendered from the run's values (`watchdogd.core.effects`).
+    if event.outcome == Outcome.GONE.value:
         return "gone"
-    if any(step.result.startswith("skipped: not allowed") for step in event.steps):
+    if any(step.result.startswith(SKIPPED_DENIED) for step in event.steps):
         return "denied"
     return "done"
 

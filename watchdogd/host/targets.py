@@ -54,7 +54,13 @@ from typing import Final
 
 import trio
 
-from ..core import ROOT, TargetKind, may_signal
+from ..core import (
+    ROOT,
+    Delivery,
+    SignalResult,
+    TargetKind,
+    may_signal,
+)
 from .cgroups import Cgroup, cgroup_of, contains, host_hierarchy
 from .process import (
     Process,
@@ -72,7 +78,6 @@ _MAX_MEMBERS: Final = 65536
 #: Times a cgroup signalled member by member with SIGKILL is listed again for
 #: processes forked while it was being signalled.
 _KILL_ROUNDS: Final = 8
-_NAMES: Final = {int(member): member.name for member in signal.Signals}
 
 
 class Member:
@@ -186,14 +191,13 @@ class Target:
         command = command_of(root.pid)
         return command if holds_pid(root.fd) else "?"
 
-    def signal(self, signum: int, *, alive: bool = False) -> str:
+    def signal(self, signum: int, *, alive: bool = False) -> SignalResult:
         """Send ``signum``; returns the step's result. ``alive``: the target was
         just seen alive (a process target then skips checking again)."""
-        name = _NAMES.get(signum) or signal.Signals(signum).name
         if self.cgroup is not None:
-            return self._signal_cgroup(signum, name)
+            return self._signal_cgroup(signum)
         if self.kind == "group" and self.owner == ROOT:
-            return self._signal_group(signum, name)
+            return self._signal_group(signum)
         if self.kind == "tree":
             self._collect_descendants()
         if alive and self.kind == "process":
@@ -202,12 +206,12 @@ class Target:
             results = [member.send(signum) for member in self.members if not member.exited()]
         sent = results.count(True)
         if not sent:
-            return f"not permitted to send {name}" if None in results else "gone"
+            return _unsent(signum, results)
         if self.kind != "process":
-            return f"sent {name} to {_processes(sent)}"
-        return f"sent {name}"
+            return SignalResult(Delivery.SENT, signum, f"to {_processes(sent)}")
+        return SignalResult(Delivery.SENT, signum)
 
-    def _signal_group(self, signum: int, name: str) -> str:
+    def _signal_group(self, signum: int) -> SignalResult:
         # The pgid stays reserved while any process is in the group; a pinned live
         # member still in it proves the group is the one seen at expiry.
         for member in self.members:
@@ -218,27 +222,29 @@ class Target:
                     continue
             except OSError:
                 continue
+            to = f"to group {self.pgid}"
             try:
                 os.killpg(self.pgid, signum)
             except ProcessLookupError:
-                return "gone"
+                return SignalResult(Delivery.GONE, signum)
             except PermissionError:
-                return f"not permitted to send {name} to group {self.pgid}"
-            return f"sent {name} to group {self.pgid}"
-        return "gone"
+                return SignalResult(Delivery.REFUSED, signum, to)
+            return SignalResult(Delivery.SENT, signum, to)
+        return SignalResult(Delivery.GONE, signum)
 
-    def _signal_cgroup(self, signum: int, name: str) -> str:
+    def _signal_cgroup(self, signum: int) -> SignalResult:
         assert self.cgroup is not None
         others = self._collect_cgroup()
         living = [member for member in self.members if not member.exited()]
         if not living:
-            return "gone"
+            return SignalResult(Delivery.GONE, signum)
         where = f"cgroup {self.cgroup.path}"
         why = ""
         if signum == signal.SIGKILL and self.owner == ROOT:
             why = self.cgroup.kill()
             if not why:
-                return f"sent SIGKILL to {_processes(len(living))} of {where} through cgroup.kill"
+                to = f"to {_processes(len(living))} of {where} through cgroup.kill"
+                return SignalResult(Delivery.SENT, signum, to)
         results = [member.send(signum) for member in living]
         for _ in range(_KILL_ROUNDS if signum == signal.SIGKILL else 0):
             known = len(self.members)
@@ -248,13 +254,13 @@ class Target:
             results += [member.send(signum) for member in self.members[known:]]
         sent = results.count(True)
         if not sent:
-            return f"not permitted to send {name}" if None in results else "gone"
-        result = f"sent {name} to {_processes(sent)} of {where}"
+            return _unsent(signum, results)
+        to = f"to {_processes(sent)} of {where}"
         if why:
-            result += f" one by one ({why})"
+            to += f" one by one ({why})"
         if others:
-            result += f"; {_processes(others)} of another user left alone"
-        return result
+            to += f"; {_processes(others)} of another user left alone"
+        return SignalResult(Delivery.SENT, signum, to)
 
     def _collect_cgroup(self) -> int:
         """Pin the processes of the cgroup not pinned yet; returns how many of those
@@ -409,6 +415,31 @@ def _cgroup_of(root: Member, daemon_pid: int) -> tuple[Cgroup | None, str]:
         cgroup.close()
         return None, "" if root.exited() else f"pid {root.pid} moved out of cgroup {path}"
     return cgroup, ""
+
+
+def signal_process(process: Process, signum: int, owner: int = ROOT) -> SignalResult:
+    """Send ``signum`` to ``process`` through its own pidfd, before its target is
+    opened (a run's first signal, `watchdogd.core.expiry.Phase.FIRST_SIGNAL`), if
+    uid ``owner``, which armed its timer, may still signal it (its uids read from
+    the pidfd, as `open_target` checks them). `Delivery.NOT_SENT` when it may not,
+    or the kernel answers anything but ESRCH or EPERM: the target, once opened,
+    sends it or says why not."""
+    if owner != ROOT and not process.signallable_by(owner):
+        return SignalResult(Delivery.NOT_SENT, signum)
+    try:
+        signal.pidfd_send_signal(process.fd, signum)
+    except ProcessLookupError:
+        return SignalResult(Delivery.GONE, signum)
+    except PermissionError:
+        return SignalResult(Delivery.REFUSED, signum)
+    except OSError:
+        return SignalResult(Delivery.NOT_SENT, signum)
+    return SignalResult(Delivery.SENT, signum)
+
+
+def _unsent(signum: int, results: list[bool | None]) -> SignalResult:
+    """No member took ``signum``: refused if the kernel refused any (``None``)."""
+    return SignalResult(Delivery.REFUSED if None in results else Delivery.GONE, signum)
 
 
 def _processes(count: int) -> str:

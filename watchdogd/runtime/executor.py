@@ -6,23 +6,26 @@ What to do is decided by the policy run, a state machine in the core
 hands over what fell due in one pass (at most `BATCH` timers), and each expiry
 goes through three stages:
 
-1. **First signal, in the pass** (`Executor.carry_out`). A run whose next step is
-   a signal to the timer's own process (``target = "process"``: ``kill``, ``term``,
-   ``abort``, ``signal:NAME``) has that signal sent at once, in a tight loop over
-   the batch: no task and no event yet; in a large batch, no command line read
-   first (the event shows the one the process had when its first timer was armed).
-   A run that starts afresh with one (`watchdogd.core.expiry.first_signal`) takes
-   the short way (`Executor._send_first`): the signal goes through the pidfd the
-   daemon holds already, before any object of the expiry is made, and the run
-   made when it settles is handed its result. Most come from the core as a
-   `watchdogd.core.firing.Due`, whose firing record is made only when it
-   settles too: a burst's state is made and written once its signals are out,
-   and until then the state holds it armed. For a timer armed by a uid other
-   than root, the uids of its process are read from the pidfd first
-   (`watchdogd.host.process.Process.signallable_by`), and a uid that may no longer
-   signal it is left to the usual way, which records why. Everything else waits
-   for settling, so a burst of expiries due at once costs about what a bare Python
-   loop popping a heap and sending each SIGKILL costs (`make bench`).
+1. **First signal, in the pass** (`Executor.carry_out`). Each expiry's run is
+   made at once, and the effects it gives on the way to its first signal to the
+   timer's own process (``target = "process"``: ``kill``, ``term``, ``abort``,
+   ``signal:NAME``) are carried out at once, in a tight loop over the batch:
+   the core decides which (`watchdogd.core.expiry.Run.next_in_pass`), the same
+   `match` as every other effect carries them out (`Executor._advance`). No task
+   and no event yet; in a large batch, no command line read first (the event
+   shows the one the process had when its first timer was armed). A run that
+   starts afresh with such a signal (`watchdogd.core.expiry.first_signal`) has
+   it pending before its target is opened: it goes through the pidfd the daemon
+   holds already (`watchdogd.host.targets.signal_process`), and most such come
+   from the core as a `watchdogd.core.firing.Due`, whose firing record is made
+   only when it settles: a burst's state is made and written once its signals
+   are out, and until then the state holds it armed. For a timer armed by a uid
+   other than root, the uids of its process are read from the pidfd first
+   (`watchdogd.host.process.Process.signallable_by`); a uid that may no longer
+   signal it has the signal left to its target, once opened, which records why.
+   Everything else waits for settling, so a burst of expiries due at once costs
+   about what a bare Python loop popping a heap and sending each SIGKILL costs
+   (`make bench`).
 2. **Settling, right after** (`Executor.settle`, called by the scheduler in
    batches whenever nothing more is due, so that firing always comes first): the
    target is opened in full (a group's or a tree's members are read from /proc, a
@@ -39,7 +42,10 @@ Invariants:
 
 - Nothing here raises into the scheduler. A process that is already gone, a signal
   the kernel refuses, a hook that fails or hangs: each becomes the recorded result
-  of its step. A bug is logged and costs only that expiry's record.
+  of its step (a value of `watchdogd.core.effects`, handed back as a typed
+  observation). A bug, an observation that does not answer the run's pending
+  effect among them (`watchdogd.core.effects.WrongObservation`), is logged with
+  its traceback and costs only that expiry's record: its timer leaves the state.
 - A run whose task is cancelled (the daemon stops), or that is still watched or
   settling then, leaves its timer firing at the step it had reached, for the next
   start to resume.
@@ -62,42 +68,47 @@ import itertools
 import math
 import os
 import select
-import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, assert_never
 
-import msgspec
 import trio
 
 from watchdogd_protocol import EventInfo
 
 from ..core import (
-    SENT,
     AwaitEvidence,
     CheckAlive,
+    Counted,
     Due,
+    EvidenceIn,
     Expired,
     Finish,
+    Hooked,
     ObserveLateness,
-    Policy,
+    Opened,
+    OpenTarget,
+    Recorded,
     RecordStep,
     Run,
     RunHook,
+    Seen,
     SendSignal,
     Service,
+    Signalled,
+    SignalResult,
     TakeDump,
-    Timer,
     UnblockPeers,
+    Waited,
     WaitUntil,
+    Watched,
     WatchExit,
-    first_signal,
     substitute,
 )
 from ..host.process import Process
-from ..host.targets import Target, open_target
+from ..host.targets import Target, open_target, signal_process
 from ..logs import log
 from .asks import Asks
 from .gathering import Gatherer
@@ -125,17 +136,13 @@ class _Expiry:
     #: The timer's process, retained until the target is opened.
     process: Process | None
     target: Target | None = None
-
-
-class _Sent(msgspec.Struct, frozen=True):
-    """An expiry whose first signal `Executor.carry_out` sent the short way."""
-
-    item: Expired[Process] | Due[Process]
-    policy: Policy
-    command: str
-    #: When the signal was sent (the daemon's clock), and its step's result.
-    at: float
-    result: str
+    #: Taken out as a `Due`: its firing record is made when it settles.
+    due: Due[Process] | None = None
+    #: Whether the command line is read when it is first needed (in a large
+    #: pass, not: the one the process had when armed stands in).
+    read_command: bool = True
+    #: The command line read before a signal sent ahead of the target.
+    command: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -175,7 +182,7 @@ class Executor:
         self._wall = wall
         self._on_settle = on_settle
         self._daemon_pgid = os.getpgrp()
-        self._settling: deque[_Expiry | _Sent] = deque()
+        self._settling: deque[_Expiry] = deque()
         self._epoll = select.epoll()
         self._dying: dict[int, _Dying] = {}
         self._deadlines: list[tuple[float, int, _Dying]] = []
@@ -204,24 +211,16 @@ class Executor:
         too: another host's incident may bring only such ranks."""
         commands_first = len(expired) <= _COMMANDS_FIRST
         for taken in expired:
-            try:
-                if self._send_first(taken, commands_first):
-                    continue
-            except Exception:
-                # Before its signal (nothing after it can raise): the usual way
-                # carries the expiry out, or records why it could not.
-                log.exception("the short way failed for %r", taken.timer)
-            item = self._service.firing.record(taken) if isinstance(taken, Due) else taken
-            expiry = self._begin(item.timer, item.process, item.note)
+            expiry = self._begin(taken)
             if expiry is None:
                 continue
+            expiry.read_command = commands_first
             try:
-                if expiry.run.policy.target == "process" and expiry.run.signals_next:
-                    self._open(expiry, read_command=commands_first, check=False)
-                    self._advance(expiry, first_only=True)
+                self._advance(expiry, in_pass=True)
             except Exception:
                 self._failed(expiry, "could not start the policy")
                 continue
+            expiry.read_command = True
             self._settling.append(expiry)
         if self._settling:
             self._on_settle()
@@ -229,40 +228,6 @@ class Executor:
             self._nursery.start_soon(
                 self._gatherer.ask_rank, incident, responder.pid, responder.start_time
             )
-
-    def _send_first(self, item: Expired[Process] | Due[Process], read_command: bool) -> bool:
-        """The short way for a run that starts afresh with a signal to its process
-        (`watchdogd.core.expiry.first_signal`): send it through the process's own
-        pidfd, before anything else is made of the expiry (`settle` makes the
-        rest, `_Sent`). A timer armed by a uid other than root goes this way only
-        if that uid may still signal the process (the check `open_target` makes,
-        on uids read from the pidfd). Returns False, having done nothing, for any
-        other expiry: the usual way then says why."""
-        timer, process = item.timer, item.process
-        if isinstance(item, Due):
-            policy, step = item.policy, item.signal
-        else:
-            policy, note = self._service.rules.policy_for(timer.policy)
-            found = first_signal(timer, policy, note)
-            if found is None:
-                return False
-            step = found
-        owner = timer.owner
-        if owner and not process.signallable_by(owner):
-            return False
-        command = process.command() if read_command else process.armed_command
-        at = self._clock()
-        try:
-            signal.pidfd_send_signal(process.fd, step.signum)
-            result = SENT.get(step.signum) or f"sent {step.describe()}"
-        except ProcessLookupError:
-            result = "gone"
-        except PermissionError:
-            result = f"not permitted to send {step.describe()}"
-        except OSError:
-            return False  # not sent: the usual way says why
-        self._settling.append(_Sent(item, policy, command, at, result))
-        return True
 
     def settle(self, until: float) -> bool:
         """Carry expiries on past their first signal, and finish those whose
@@ -280,17 +245,12 @@ class Executor:
         self._flush_events()
         return bool(self._settling) or self._reap_due
 
-    def _settle_one(self, entry: _Expiry | _Sent) -> None:
-        if isinstance(entry, _Sent):
-            sent = self._sent_expiry(entry)
-            if sent is None:
-                return
-            entry = sent
-        expiry = entry
+    def _settle_one(self, expiry: _Expiry) -> None:
         try:
-            if expiry.target is None:
-                self._open(expiry, read_command=True)
-            elif not expiry.run.command:
+            if expiry.due is not None:
+                self._service.firing.record(expiry.due)  # its signal went: now firing
+                expiry.due = None
+            if expiry.target is not None and not expiry.run.command:
                 expiry.run.command = expiry.target.command()
             waiting = self._advance(expiry)
             if waiting is not None:
@@ -329,14 +289,11 @@ class Executor:
             self._let_go(dying.expiry)
         self._deadlines.clear()
         while self._settling:
-            entry = self._settling.popleft()
-            if isinstance(entry, _Sent):
-                if isinstance(entry.item, Due):
-                    # Its signal went: firing in the state, as every other.
-                    self._service.firing.record(entry.item)
-                entry.item.process.close()
-            else:
-                self._let_go(entry)
+            expiry = self._settling.popleft()
+            if expiry.due is not None:
+                # Its signal went: firing in the state, as every other.
+                self._service.firing.record(expiry.due)
+            self._let_go(expiry)
         self._epoll.close()
 
     @staticmethod
@@ -352,34 +309,33 @@ class Executor:
 
     # One branch per effect type, by design: every effect is carried out in one place.
     def _advance(  # noqa: PLR0912
-        self, expiry: _Expiry, *, first_only: bool = False
+        self, expiry: _Expiry, *, in_pass: bool = False
     ) -> _Waiting | None:
         """Carry out the effects of the expiry's run up to one that waits, and
         return that one, bound, for the expiry's task to await. None once the run
-        has finished or its target is watched; with ``first_only`` (the pass),
-        once its first signal was sent or it needs anything but a signal."""
-        run, target = expiry.run, expiry.target
-        assert target is not None
+        has finished or its target is watched; ``in_pass`` (the pass), once the
+        run gives no more effects for the pass (`Run.next_in_pass`)."""
+        run = expiry.run
         while True:
             now = self._clock()
-            effect = run.next(now, self._wall())
-            if first_only and not isinstance(effect, RecordStep | SendSignal):
-                return None
+            effect = run.next_in_pass(now, self._wall()) if in_pass else run.next(now, self._wall())
             match effect:
+                case None:
+                    return None
+                case OpenTarget(check=check):
+                    self._open(expiry, check=check)
                 case CheckAlive():
-                    run.seen(target.alive())
+                    run.observe(Seen(self._target(expiry).alive()))
                 case RecordStep(step=step, step_end=step_end):
                     self._service.firing.step_started(run.timer, step, step_end)
-                    run.recorded()
+                    run.observe(Recorded())
                 case SendSignal(signum=signum, alive=alive):
-                    run.signalled(target.signal(signum, alive=alive), self._clock())
-                    if first_only:
-                        return None
+                    run.observe(self._send(expiry, signum, alive=alive))
                 case ObserveLateness(seconds=seconds):
                     self._service.metrics.observe_lateness(seconds)
-                    run.observed()
+                    run.observe(Counted())
                 case WaitUntil(end=end):
-                    return functools.partial(self._wait, run, target, end)
+                    return functools.partial(self._wait, run, self._target(expiry), end)
                 case AwaitEvidence(incident=incident, until=until):
                     return functools.partial(self._await_evidence, run, incident, until)
                 case RunHook() | TakeDump():
@@ -394,6 +350,27 @@ class Executor:
                     return None
                 case _:
                     assert_never(effect)
+
+    def _send(self, expiry: _Expiry, signum: int, *, alive: bool) -> Signalled:
+        """Send a signal of the run: to its target, or, before the target is
+        opened, to the timer's process through its own pidfd (its command line
+        read first, for the event)."""
+        target = expiry.target
+        if target is not None:
+            at = self._clock()
+            return Signalled(target.signal(signum, alive=alive), at)
+        process = expiry.process
+        assert process is not None
+        expiry.command = process.command() if expiry.read_command else process.armed_command
+        at = self._clock()
+        result: SignalResult = signal_process(process, signum, expiry.run.timer.owner)
+        return Signalled(result, at)
+
+    @staticmethod
+    def _target(expiry: _Expiry) -> Target:
+        target = expiry.target
+        assert target is not None
+        return target
 
     async def _carry_on(self, expiry: _Expiry, waiting: _Waiting | None) -> None:
         """The rest of a run that has a step that waits, in a task of its own.
@@ -419,12 +396,12 @@ class Executor:
             if left <= 0:
                 break
             await trio.sleep(min(left, _EVIDENCE_POLL))
-        run.evidence_in()
+        run.observe(EvidenceIn())
 
     async def _wait(self, run: Run, target: Target, end: float) -> None:
         """A wait that ends at ``end`` on the daemon's clock (its original end, when
         it resumes after a restart), or once the target has exited."""
-        run.waited(await target.wait_exit(max(0.0, end - self._clock())))
+        run.observe(Waited(await target.wait_exit(max(0.0, end - self._clock()))))
 
     async def _hook(self, run: Run, effect: RunHook | TakeDump) -> None:
         """An ``exec`` hook, or a dump of the timer's process (`_dump`)."""
@@ -434,51 +411,38 @@ class Executor:
         hook = await run_hook(
             substitute(effect.step.argv, effect.values), effect.env, effect.step.timeout
         )
-        run.hooked(hook.result, hook.output)
+        run.observe(Hooked(hook))
 
     # The stages of one expiry.
 
-    def _begin(
-        self, timer: Timer, process: Process, judged: str = "", policy: Policy | None = None
-    ) -> _Expiry | None:
-        """``judged``: what the service found of its starvation, if anything;
-        ``policy``: the one a first signal was sent by already."""
+    def _begin(self, taken: Expired[Process] | Due[Process]) -> _Expiry | None:
+        """The run of ``taken``'s policy: a `Due`'s made of its timer as its firing
+        record will hold it, by the policy it was taken out by."""
+        due = taken if isinstance(taken, Due) else None
+        started = self._service.started
+        wait = self._service.rules.daemon.incident_evidence_wait
         try:
-            note = ""
-            if policy is None:
-                policy, note = self._service.rules.policy_for(timer.policy)
-            run = Run(
-                timer,
-                policy,
-                note,
-                judged,
-                daemon_started=self._service.started,
-                evidence_wait=self._service.rules.daemon.incident_evidence_wait,
-            )
+            if isinstance(taken, Due):
+                run = Run(taken.fired(), taken.policy, daemon_started=started, evidence_wait=wait)
+            else:
+                policy, note = self._service.rules.policy_for(taken.timer.policy)
+                run = Run(
+                    taken.timer,
+                    policy,
+                    note,
+                    taken.note,
+                    daemon_started=started,
+                    evidence_wait=wait,
+                )
         except Exception:
-            log.exception("could not start the policy of %r", timer)
-            process.close()
+            log.exception("could not start the policy of %r", taken.timer)
+            timer = taken.timer if due is None else self._service.firing.record(due).timer
+            taken.process.close()
             self._service.firing.finished(timer)
             return None
-        return _Expiry(run, process)
+        return _Expiry(run, taken.process, due=due)
 
-    def _sent_expiry(self, sent: _Sent) -> _Expiry | None:
-        """The expiry whose first signal `_send_first` sent, its run handed the
-        signal's result as if it had sent it."""
-        item = self._service.firing.record(sent.item) if isinstance(sent.item, Due) else sent.item
-        expiry = self._begin(item.timer, item.process, item.note, sent.policy)
-        if expiry is None:
-            return None
-        try:
-            self._open(expiry, read_command=False, check=False)
-            expiry.run.command = sent.command
-            expiry.run.signalled(sent.result, sent.at)
-        except Exception:
-            self._failed(expiry, "could not start the policy")
-            return None
-        return expiry
-
-    def _open(self, expiry: _Expiry, *, read_command: bool, check: bool = True) -> None:
+    def _open(self, expiry: _Expiry, *, check: bool) -> None:
         """Pin the target (it holds pidfds of its own) and let the process go.
         ``check``: see whether it is gone already; without, the first signal
         tells (polling a pidfd takes a lock that a storm of exits holds, and a
@@ -487,8 +451,9 @@ class Executor:
         assert process is not None
         run = expiry.run
         try:
-            command = process.command() if read_command else process.armed_command
-            run.command = command
+            command = expiry.command or (
+                process.command() if expiry.read_command else process.armed_command
+            )
             target = expiry.target = open_target(
                 run.policy.target, process, self._daemon_pgid, run.timer.owner
             )
@@ -496,7 +461,7 @@ class Executor:
             process.close()
             expiry.process = None
         alive = target.alive() if check else None
-        run.opened(command, denied=target.denied, note=target.note, alive=alive)
+        run.observe(Opened(command, denied=target.denied, note=target.note, alive=alive))
 
     def _finish(self, expiry: _Expiry, finish: Finish) -> None:
         """Record the expiry's event; it leaves the state."""
@@ -512,8 +477,13 @@ class Executor:
         target.close()
 
     def _failed(self, expiry: _Expiry, what: str) -> None:
+        """Log the exception being handled, with its traceback, and end the
+        expiry: its timer leaves the state (a `Due` is recorded first)."""
         log.exception("%s of %r", what, expiry.run.timer)
         self._let_go(expiry)
+        if expiry.due is not None:
+            self._service.firing.record(expiry.due)
+            expiry.due = None
         self._service.firing.finished(expiry.run.timer)
 
     def _flush_events(self) -> None:
@@ -564,8 +534,8 @@ class Executor:
 
     def _watched(self, expiry: _Expiry, *, alive: bool) -> None:
         """The watch of ``expiry``'s target ended: its run finishes."""
-        expiry.run.watched(alive)
         try:
+            expiry.run.observe(Watched(alive))
             self._advance(expiry)
         except Exception:
             self._failed(expiry, "the policy failed")

@@ -32,6 +32,8 @@ from ..core import (
     DEFAULT_STEP_TIMEOUT,
     NONE,
     WORKER,
+    Dumped,
+    HookResult,
     Run,
     Service,
     TakeDump,
@@ -100,7 +102,7 @@ class Gatherer:
             after = ptrace_reader(pid)
             reader = before if before == after else None
             self._service.firing.dump_taken(run.timer, reader, WORKER, flight_groups(given))
-            run.hooked("ok", stack_text(given), responder=True)
+            run.observe(Dumped(HookResult(0, "ok", stack_text(given)), responder=True))
             return
         argv = substitute(effect.step.argv, effect.values)
         self._dumps.resize(config.max_dumps)  # a reload may have changed it
@@ -115,4 +117,4 @@ class Gatherer:
         self._service.firing.dump_taken(
             run.timer, before if before == after else None, taken, flight
         )
-        run.hooked(hook.result, output)
+        run.observe(Dumped(HookResult(hook.status, hook.result, output)))

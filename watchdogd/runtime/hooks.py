@@ -28,28 +28,20 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 import trio
 
-from ..core import Counters
+from ..core import (
+    Counters,
+    HookResult,
+)
 
 OUTPUT_LIMIT: Final = 64 * 1024
 _READ: Final = 16 * 1024
 #: Time to read what a hook wrote just before it ended.
 _DRAIN: Final = 0.5
 _DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-@dataclass(slots=True, frozen=True)
-class HookResult:
-    """How a hook ended: ``status`` is its exit status (128+N for signal N), None
-    if it could not start or was killed at its limit; ``result`` says it in words."""
-
-    status: int | None
-    result: str
-    output: str
 
 
 def search_path() -> str:

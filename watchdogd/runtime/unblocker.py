@@ -27,7 +27,15 @@ from typing import Final
 
 import trio
 
-from ..core import SENT, OwedUnblock, Run, Service, UnblockPeers
+from ..core import (
+    Delivery,
+    OwedUnblock,
+    PeersUnblocked,
+    Run,
+    Service,
+    SignalResult,
+    UnblockPeers,
+)
 from ..host.process import Process
 from ..logs import log, logfmt
 from .asks import Asks
@@ -113,16 +121,18 @@ async def unblock_step(
     fallback signal to the ranks here that no responder can unblock."""
     unblocks, timer = service.unblocks, run.timer
     if not effect.incident:
-        run.unblocked("skipped: its timer names no job, so there is no incident")
+        run.observe(PeersUnblocked("skipped: its timer names no job, so there is no incident"))
         return
     unblocks.want(effect.incident, timer.pid, timer.uid, clock())
     until = clock() + effect.step.timeout
     while (verdict := unblocks.named(effect.incident)) is None and clock() < until:
         await trio.sleep(_STEP_POLL)
     if verdict is None or verdict.collective is None:
-        run.unblocked(
-            f"asked; the verdict named no collective within {effect.step.timeout:g}s "
-            "(the ranks waiting in it are unblocked if it comes to)"
+        run.observe(
+            PeersUnblocked(
+                f"asked; the verdict named no collective within {effect.step.timeout:g}s "
+                "(the ranks waiting in it are unblocked if it comes to)"
+            )
         )
         return
     collective = verdict.collective
@@ -138,7 +148,7 @@ async def unblock_step(
             for rank in unblocks.unanswered(effect.incident, verdict, timer.pid)
         ]
         said += "; without a responder that unblocks, " + (", ".join(sent) or "none")
-    run.unblocked(said)
+    run.observe(PeersUnblocked(said))
 
 
 def _signal_rank(service: Service[Process], pid: int, owner: int, signum: int) -> str:
@@ -155,4 +165,4 @@ def _signal_rank(service: Service[Process], pid: int, owner: int, signum: int) -
         return "gone"
     except OSError as exc:
         return f"not signalled: {exc.strerror}"
-    return SENT.get(signum, f"sent {signum}")
+    return str(SignalResult(Delivery.SENT, signum))
