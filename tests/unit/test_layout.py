@@ -70,6 +70,8 @@ def _sources(package: str) -> list[Path]:
 #: protocol, and a class.
 MODULE_LINES = 700
 CLASS_LINES = 450
+#: And a function, its wiring included: cut along a responsibility past it.
+FUNCTION_LINES = 60
 
 
 def test_no_module_or_class_outgrows_one_responsibility() -> None:
@@ -87,6 +89,18 @@ def test_no_module_or_class_outgrows_one_responsibility() -> None:
                 lines = node.end_lineno - node.lineno + 1
                 if lines > CLASS_LINES:
                     too_long[f"{name}::{node.name}"] = lines
+    assert too_long == {}
+
+
+def test_no_function_outgrows_sixty_lines() -> None:
+    root = TESTS.parent
+    too_long: dict[str, int] = {}
+    for path in (path for package in PACKAGES for path in _sources(package)):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    too_long[f"{path.relative_to(root)}::{node.name}"] = lines
     assert too_long == {}
 
 

@@ -285,19 +285,10 @@ class Firing(Generic[P]):
             if found is None:
                 found = policies[item.timer.policy] = self._rules.policy_for(item.timer.policy)
             policy, vanished = found
-            note = item.note
-            if policy.starvation_grace:
-                verdict = judge_due(
-                    item.timer.watch,
-                    functools.partial(self._processes.sample, item.process),
-                    pressure=policy.starvation_pressure,
-                    cpu=policy.starvation_cpu,
-                )
-                if verdict.starved:
-                    self._extend(item, policy, verdict, now)
-                    put_back = True
-                    continue
-                note = "; ".join(filter(None, (note, verdict.note)))
+            note = self._judged(item, policy, now) if policy.starvation_grace else item.note
+            if note is None:
+                put_back = True
+                continue
             # A process whose last timer fell due is back in the table when
             # another of its timers was extended or held in this pass: it stays
             # tracked.
@@ -319,6 +310,21 @@ class Firing(Generic[P]):
             self._writer.commit_soon()  # a `Due` changes the state once recorded
         self._grace.passed(now)
         return fired
+
+    def _judged(self, item: Expired[P], policy: Policy, now: float) -> str | None:
+        """The note of ``item``'s expiry with the starvation rule's verdict on its
+        process; None when the process was starved and its timer was extended
+        instead."""
+        verdict = judge_due(
+            item.timer.watch,
+            functools.partial(self._processes.sample, item.process),
+            pressure=policy.starvation_pressure,
+            cpu=policy.starvation_cpu,
+        )
+        if verdict.starved:
+            self._extend(item, policy, verdict, now)
+            return None
+        return "; ".join(filter(None, (item.note, verdict.note)))
 
     def _due(
         self, item: Expired[P], policy: Policy, note: str, orphaned: bool, now: float
