@@ -25,7 +25,7 @@ daemon's code stands in after each call and return, repeats collapsed. A task wo
 by a timeout of its own (``trio.sleep``: the event file's writer, the incidents'
 settling) is not part of either: it runs on its period whatever comes in.
 
-The daemon runs on one CPU, and each victim on the same one at SCHED_IDLE, with a
+The daemon runs on one CPU, and each victim on the same one at nice 19, with a
 heap to let go of: signalled, it dies only once the daemon waits, so its run always
 watches for its exit, as a worker's that takes a while to die does (a victim gone
 before the daemon looked would take a pass less, by chance). Each is measured in
@@ -364,8 +364,9 @@ def daemon_cpu() -> int:
 @contextmanager
 def victim() -> Iterator[subprocess.Popen[bytes]]:
     """A sleeping process with a heap of `HEAP` bytes, given once it filled it and
-    killed at the end, if it still lives. It runs on the daemon's CPU at
-    SCHED_IDLE: once signalled, it dies only when the daemon waits, and takes a
+    killed at the end, if it still lives. It runs on the daemon's CPU at nice 19
+    (SCHED_IDLE would starve its exit for a minute beside any busy process): once
+    signalled, it dies only when the daemon waits, and takes a
     while to (its heap is let go first), as a worker's does; the run always
     watches for its exit. Whether a victim died before the daemon looked would
     otherwise change the count from round to round."""
@@ -373,7 +374,7 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
         [sys.executable, "-c", VICTIM, str(HEAP)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
     os.sched_setaffinity(process.pid, {daemon_cpu()})
-    os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, process.pid, 19)
     assert process.stdout is not None
     try:
         if process.stdout.readline() != b"filled\n":
