@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Final
 
 from helpers.processes import forked
 
 _CLONE_NEWNS: Final = 0x00020000
+_MS_BIND: Final = 0x1000
 _MS_REC: Final = 0x4000
 _MS_PRIVATE: Final = 1 << 18
 
@@ -42,6 +44,23 @@ def private_mounts() -> None:
 
     check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    # A checkout under /tmp (a clone made there) keeps its venv in sight: the
+    # commands a test runs from it are execed from there.
+    kept = _top_under(sys.prefix, "/tmp")
+    held = os.open(kept, os.O_PATH | os.O_DIRECTORY) if kept else None
     for target, mode in ((b"/tmp", b"1777"), (b"/run", b"0755")):
         options = b"size=8m,mode=" + mode
         check(libc.mount(b"tmpfs", target, b"tmpfs", 0, options), f"mount tmpfs on {target!r}")
+    if kept and held is not None:
+        os.mkdir(kept)
+        source = f"/proc/self/fd/{held}".encode()
+        check(libc.mount(source, kept.encode(), None, _MS_BIND | _MS_REC, None), f"bind {kept}")
+        os.close(held)
+
+
+def _top_under(path: str, parent: str) -> str | None:
+    """The directory right under ``parent`` that holds ``path``, if it is under it."""
+    relative = os.path.relpath(os.path.realpath(path), parent)
+    if relative.startswith(".."):
+        return None
+    return os.path.join(parent, relative.split(os.sep)[0])
