@@ -94,6 +94,11 @@ ADAPTED = [
     (r"\b4021[12]\b", "{pid}", "a live process of the suite's stands for the example's pid"),
     (r"/tmp/units\b", "{scratch}/units", "the copies of the units go to a scratch directory"),
     (
+        r"bench/crossings\.py",
+        "bench/crossings.py --rounds 1",
+        "one round: tests/docs/test_crossings.py runs the tool against a real daemon",
+    ),
+    (
         r"/tmp/before46\b",
         "{scratch}/before46",
         "the tree before the seams goes to a scratch directory",

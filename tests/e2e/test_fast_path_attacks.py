@@ -865,10 +865,12 @@ def test_map_page_hands_a_process_its_own_pages_and_nobody_elses(daemon: Running
         child = attacker("map_page_from_a_child", own_page)
         assert child["refused"] == "invalid_request"
         assert child["inherited"]
-        # A connection whose process exited, kept by a child of it.
+        # A connection whose process exited, kept by a child of it: refused as a
+        # connection of no process, or, once the daemon saw the exit and let the
+        # page go with its process, as a page of nobody's.
         attacker.keep(attacker("map_page_once_exited", own_page))
         attacker.exit()
-        assert attacker.said()["refused"] == "no_such_process"
+        assert attacker.said()["refused"] in ("no_such_process", "invalid_request")
     finally:
         roots.close()
         attacker.close()
