@@ -32,7 +32,16 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make he
 def checkout_copy(into: Path) -> Path:
     """The files ``make run`` and ``make test`` install from, copied into ``into``."""
     listed = subprocess.run(
-        ["git", "ls-files", "Makefile", "pyproject.toml", "README.md", "client", "watchdogd"],
+        [
+            "git",
+            "ls-files",
+            "Makefile",
+            "pyproject.toml",
+            "README.md",
+            "client",
+            "docs",
+            "watchdogd",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
