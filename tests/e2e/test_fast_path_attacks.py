@@ -61,7 +61,16 @@ from watchdogd_protocol.slot_page import (
 )
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
-from helpers.processes import become, death_time, fork_at_pid, reap, rss_mib, sleeper
+from helpers.processes import (
+    UNIT_NICE,
+    at_units_priority,
+    become,
+    death_time,
+    fork_at_pid,
+    reap,
+    rss_mib,
+    sleeper,
+)
 from helpers.users import NOBODY, OTHER
 from helpers.waiting import PATIENCE, wait_until
 
@@ -86,9 +95,6 @@ F_ADD_SEALS = 1033
 PUNCH_HOLE = 0x01 | 0x02
 #: setns(2)'s flag for a time namespace (Python 3.11 lacks os.setns).
 CLONE_NEWTIME = 0x80
-
-#: The priority the shipped unit runs the daemon at (systemd/watchdogd.service).
-UNIT_NICE = -10
 
 #: The daemon's descriptors beyond its own: those a connection or two may add.
 SPARE_DESCRIPTORS = 8
@@ -171,17 +177,6 @@ class Canaries:
                         reap(victim)
         except BaseException as exc:
             self._failure = exc
-
-
-@contextlib.contextmanager
-def at_units_priority() -> Iterator[None]:
-    """This thread, and the processes it starts meanwhile, at `UNIT_NICE`."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux, this thread's
-    os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICE)
-    try:
-        yield
-    finally:
-        os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
 # The attackers: forked children of the test, each running as its user the

@@ -377,6 +377,20 @@ def test_a_deadline_that_passed_fires_on_its_own_deadline_and_closes_the_slot() 
     assert world.service.table.get(ALICE.pid, "step") is None
 
 
+def test_a_plain_timer_due_with_registrations_fires_in_a_pass_before_their_looks() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.store(0, 8.0)  # its look, at 8.0, finds its block due
+    arm(world, world.bob, "plain", 2.0, slot=False, timeout=6.0)
+    world.clock.now = 8.0
+    [first] = world.service.firing.expire_due(8.0)
+    assert first.timer.scope == "plain"
+    assert look_at(world, "step") == 8.0  # unread, and due as it was
+    [then] = world.service.firing.expire_due(8.0)
+    assert then.timer.scope == "step"
+    assert then.timer.deadline == 8.0
+
+
 def test_a_stored_deadline_past_max_timeout_is_clamped_and_counted() -> None:
     world = make_world(max_timeout=100.0)
     _, memory = registered(world, "step", now=1.0)

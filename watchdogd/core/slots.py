@@ -198,20 +198,31 @@ class Slots(Generic[P]):
     def looked(self, expired: list[Expired[P]], now: float) -> tuple[list[Expired[P]], bool]:
         """Of the timers the table gave as due, those to fire. Each registration
         among them is a look at its slot, which puts it back at its next look,
-        retires or drops it, or fires it on its block's deadline. Also whether
-        any went back to the table."""
+        retires or drops it, or fires it on its block's deadline; but where
+        plain timers are among them, the registrations go back to the table as
+        due, unread, and only the plain timers fire. Also whether any went back
+        to the table."""
         fire: list[Expired[P]] = []
-        looked = False
+        looks: list[tuple[Expired[P], SlotRef]] = []
         for item in expired:
             watch = item.timer.watch
             if watch is None or watch.slot is None:
                 fire.append(item)
-                continue
-            looked = True
-            firing = self._look(item, watch.slot, now)
+            else:
+                looks.append((item, watch.slot))
+        if fire and looks:
+            # A plain timer's signal goes out before any look of the pass: a
+            # process's registrations, however many fall due with it, never
+            # delay another's timer by the reads they cost. They are the next
+            # pass's, due as they were.
+            for item, _ in looks:
+                self._put(item, item.timer.deadline)
+            return fire, True
+        for item, ref in looks:
+            firing = self._look(item, ref, now)
             if firing is not None:
                 fire.append(firing)
-        return fire, looked
+        return fire, bool(looks)
 
     def _look(self, item: Expired[P], ref: SlotRef, now: float) -> Expired[P] | None:
         timer, process = item.timer, item.process
