@@ -806,6 +806,23 @@ def test_a_restored_registration_is_adopted_at_its_first_look() -> None:
     assert memory.period(0) == 0
 
 
+def test_blocks_released_since_the_last_harvest_before_a_crash_count_after_the_restart() -> None:
+    before = make_world()
+    _, memory = registered(before, "step", now=1.0)
+    for _ in range(30):
+        memory.release(0, held=0.5)
+    run(before, 8.0)  # harvested: 30
+    for _ in range(7):
+        memory.release(0, held=0.5)  # not harvested when the daemon dies
+    world = restarted(before, now=20.0)
+    world.service.history.load(before.service.history.encode())  # as its file kept it
+    for _ in range(5):
+        memory.release(0, held=0.5)  # while it was down, or since
+    run(world, 20.0)
+    assert suggested_count(world, "step", 21.0) == 42
+    assert world.service.metrics.slots_scribbled == 0
+
+
 def test_a_restored_registration_whose_page_is_lost_is_dropped_logged_and_counted() -> None:
     before = make_world()
     registered(before, "step", now=1.0)

@@ -7,12 +7,11 @@ Every count read from a slot is bounded: the process may write anything there.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from watchdogd_protocol import SlotGrant
-from watchdogd_protocol.slot_page import BUCKETS, MAX_MICROSECONDS
+from watchdogd_protocol.slot_page import MAX_MICROSECONDS
 
 from .ports import PageRef
 
@@ -54,9 +53,8 @@ class Slot:
     looked: float = -math.inf
     #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
     budget: int | None = None
-    #: The blocks its process counted, and their counts by bucket, as last taken.
-    blocks: int = 0
-    seen: dict[int, int] = field(default_factory=dict)
+    #: When its counts were last taken (or, for a slot found again after a
+    #: restart, a time before: its registration's arming).
     harvested: float = 0.0
 
     def arm(self, deadline: float, auto: float | None, at: float) -> SlotGrant:
@@ -81,14 +79,16 @@ class Slot:
 
     def take(self, now: float) -> Taken | None:
         """The blocks its process released by a store since the last take, as
-        its slot counts them; None when it released none."""
-        blocks = self.page.blocks(self.index)
-        if blocks == self.blocks:
+        its slot counts them (what was taken is written in the page, so the next
+        take, this daemon's or the next one's, adds only what came since); None
+        when it released none."""
+        page, index = self.page, self.index
+        blocks = page.blocks(index)
+        if blocks == page.taken(index):
             return None
-        counts = self.page.counts(self.index)
-        added = _added(counts, self.seen)
-        self.blocks = blocks
-        self.seen = {bucket: count for bucket, count in enumerate(counts) if count}
+        counts = page.counts(index)
+        page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
+        added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
         since, self.harvested = self.harvested, now
         if sum(added.values()) > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
             return Taken({}, scribbled=True)
@@ -98,14 +98,3 @@ class Slot:
 def microseconds(seconds: float) -> int:
     """``seconds`` as a slot's word holds them, bounded."""
     return max(0, min(int(seconds * 1_000_000), MAX_MICROSECONDS))
-
-
-def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
-    """What ``counts`` (by bucket, each a 32-bit count that wraps) added since
-    ``seen`` was taken."""
-    added: dict[int, int] = {}
-    for bucket in range(BUCKETS):
-        count = counts[bucket]
-        if count != seen.get(bucket, 0):
-            added[bucket] = (count - seen.get(bucket, 0)) % 2**32
-    return added

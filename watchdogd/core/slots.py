@@ -414,18 +414,16 @@ class Slots(Generic[P]):
 
     def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | Searching | None:
         """The slot of a registration read from the state: its page found again
-        among the process's descriptors (once per page, `search`). What its
-        counts hold is taken as harvested: only blocks released from now on are
-        added."""
+        among the process's descriptors (once per page, `search`). Its next
+        harvest takes what the daemon before did not (the page says what it took),
+        released since the registration's arming at most."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
         page = self._pages.found(process, ref.page, ref.index)
         if page is None or page is SEARCHING:
             return page
         executable = self._processes.executable(process)
-        slot = Slot(page, ref.index, ref.period, executable, harvested=now)
-        slot.blocks = page.blocks(ref.index)
-        slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
+        slot = Slot(page, ref.index, ref.period, executable, harvested=min(timer.armed_at, now))
         self._slots[timer.key] = slot
         self._shares.armed(timer.owner, timer.key)
         slot.budget = self._shares.budget(timer.owner)
