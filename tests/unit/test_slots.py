@@ -415,6 +415,24 @@ def test_real_counts_reach_the_history_and_suggest_counts_every_block() -> None:
     assert world.service.metrics.slots_scribbled == 0
 
 
+def test_a_process_that_execs_registers_on_a_page_of_its_new_executable() -> None:
+    """The slots of a page share one history key's executable: blocks of the
+    program before the exec and of the one after never count under each other's."""
+    world = make_world()
+    before, memory = registered(world, "step", now=1.0)
+    world.host.executables[ALICE.pid] = "/usr/bin/other"
+    after, other = registered(world, "after-exec", now=2.0)
+    assert after.page != before.page
+    memory.release(before.index, held=0.5)
+    other.release(after.index, held=0.5)
+    reply = world.service.handle(Suggest(id=3), world.root, 3.0)
+    assert isinstance(reply, SuggestReply)
+    assert sorted((row.executable, row.scope, row.count) for row in reply.suggestions) == [
+        ("/usr/bin/other", "after-exec", 1),
+        (f"/usr/bin/prog-{ALICE.pid}", "step", 1),
+    ]
+
+
 def test_an_auto_arm_writes_the_timeout_it_learned_into_the_slot() -> None:
     world = make_world()
     _, memory = registered(world, "step", now=1.0)

@@ -1,12 +1,23 @@
-"""One registration's slot as the daemon knows it between its looks, and what it
-writes to and takes from the slot (`watchdogd.core.slots` keeps them all).
+"""What the daemon knows of the slots of a page between its looks (`PageSlots`: one
+object a page, whose registrations cost it a few numbers each in its arrays, not
+objects of their own), the view of one slot that an arm or a look works through
+(`Slot`: made when needed, never kept), and what they write to and take from a
+slot (`watchdogd.core.slots` keeps them all, through
+`watchdogd.core.process_pages`).
 
-Every count read from a slot is bounded: the process may write anything there.
+Invariants:
+
+- A slot of a `PageSlots` is `FREE` (no registration of this daemon's: never
+  given, gone, or not found again yet after a restart), `OPEN` or `CLOSING`; what
+  the arrays hold at a free slot's index means nothing. ``live`` counts the open
+  and closing slots its registrations let go of only once.
+- Every count read from a slot is bounded: the process may write anything there.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,6 +29,12 @@ from .ports import PageRef
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
 _BLOCKS_A_SECOND: Final = 5_000_000
+#: A slot's state in `PageSlots.state`.
+FREE: Final = 0
+OPEN: Final = 1
+CLOSING: Final = 2
+#: A slot's look budget when it counts against none (root's): (uid_t)-1 is no uid.
+_NO_BUDGET: Final = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,33 +46,154 @@ class Taken:
     scribbled: bool = False
 
 
-@dataclass(slots=True, eq=False)
-class Slot:
-    """What the daemon knows of one registration between its looks."""
+class PageSlots:
+    """A page and what the daemon knows of each of its slots, by index: arrays
+    grown as its indexes are given (in turn) or found again."""
 
-    page: PageRef
-    index: int
-    period: float
-    #: The executable its process ran when the slot was made: the key of its
-    #: history, read while the process is known to be there (its last harvest
-    #: comes after its exit, when its pidfd may be closed).
-    executable: str
-    #: The block's deadline as last read (bounded); 0.0 while released.
-    due: float = 0.0
-    #: The deadline word it was read from: while the word stays, so does ``due``
-    #: (a deadline clamped once stays where it was clamped).
-    word: int = 0
-    #: When it was first seen released, since it last was armed (0.0: armed).
-    idle_since: float = 0.0
-    #: When it closed (0.0: open).
-    closing: float = 0.0
-    #: When its word was last read, or written over the socket (-inf: not yet).
-    looked: float = -math.inf
-    #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
-    budget: int | None = None
-    #: When its counts were last taken (or, for a slot found again after a
-    #: restart, a time before: its registration's arming).
-    harvested: float = 0.0
+    __slots__ = (
+        "budget",
+        "closing",
+        "due",
+        "executable",
+        "harvested",
+        "idle_since",
+        "live",
+        "looked",
+        "page",
+        "state",
+        "word",
+    )
+
+    def __init__(self, page: PageRef, executable: str) -> None:
+        self.page = page
+        #: The executable its process ran when the page was made, or found again:
+        #: the key of its slots' history, read while the process was known to be
+        #: there (a last harvest comes after its exit, when its pidfd may be closed).
+        self.executable = executable
+        #: Its open and closing slots.
+        self.live = 0
+        #: Each slot's `FREE`, `OPEN` or `CLOSING`.
+        self.state = bytearray()
+        #: The block's deadline as last read (bounded); 0.0 while released.
+        self.due = array("d")
+        #: The deadline word it was read from: while the word stays, so does the
+        #: deadline (one clamped once stays where it was clamped).
+        self.word = array("Q")
+        #: When it was first seen released, since it last was armed (0.0: armed).
+        self.idle_since = array("d")
+        #: When it closed (0.0: open).
+        self.closing = array("d")
+        #: When its word was last read, or written over the socket (-inf: not yet).
+        self.looked = array("d")
+        #: When its counts were last taken (or, for a slot found again after a
+        #: restart, a time before: its registration's arming).
+        self.harvested = array("d")
+        #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
+        self.budget = array("I")
+
+    def __repr__(self) -> str:
+        return f"<PageSlots {self.page.id}: {self.live} live>"
+
+    def known(self, index: int) -> bool:
+        """Whether slot ``index`` is a registration's, to this daemon."""
+        return index < len(self.state) and self.state[index] != FREE
+
+    def open(self, index: int, budget: int | None, harvested: float) -> None:
+        """Slot ``index`` becomes a registration's (given now, or found again after
+        a restart): open, read as released, never looked at, counted against
+        ``budget``, its counts taken at ``harvested``."""
+        grow = index + 1 - len(self.state)
+        if grow > 0:
+            self.state.extend(bytes(grow))
+            for numbers in self._arrays():
+                numbers.frombytes(bytes(grow * numbers.itemsize))
+        self.state[index] = OPEN
+        self.due[index] = self.idle_since[index] = self.closing[index] = 0.0
+        self.word[index] = 0
+        self.looked[index] = -math.inf
+        self.harvested[index] = harvested
+        self.budget[index] = _NO_BUDGET if budget is None else budget
+
+    def free(self, index: int) -> None:
+        """Slot ``index`` is no registration's any more."""
+        self.state[index] = FREE
+
+    def _arrays(self) -> tuple[array[float] | array[int], ...]:
+        return (
+            self.due,
+            self.word,
+            self.idle_since,
+            self.closing,
+            self.looked,
+            self.harvested,
+            self.budget,
+        )
+
+
+class Slot:
+    """One registration's slot, seen through its page's `PageSlots`: made for an
+    arm or a look, never kept (what it knows lives in the arrays)."""
+
+    __slots__ = ("index", "period", "slots")
+
+    def __init__(self, slots: PageSlots, index: int, period: float) -> None:
+        self.slots = slots
+        self.index = index
+        self.period = period
+
+    @property
+    def page(self) -> PageRef:
+        return self.slots.page
+
+    @property
+    def executable(self) -> str:
+        return self.slots.executable
+
+    @property
+    def budget(self) -> int | None:
+        budget = self.slots.budget[self.index]
+        return None if budget == _NO_BUDGET else budget
+
+    @property
+    def due(self) -> float:
+        return self.slots.due[self.index]
+
+    @due.setter
+    def due(self, value: float) -> None:
+        self.slots.due[self.index] = value
+
+    @property
+    def word(self) -> int:
+        return self.slots.word[self.index]
+
+    @word.setter
+    def word(self, value: int) -> None:
+        self.slots.word[self.index] = value
+
+    @property
+    def idle_since(self) -> float:
+        return self.slots.idle_since[self.index]
+
+    @idle_since.setter
+    def idle_since(self, value: float) -> None:
+        self.slots.idle_since[self.index] = value
+
+    @property
+    def closing(self) -> float:
+        return self.slots.closing[self.index]
+
+    @closing.setter
+    def closing(self, value: float) -> None:
+        self.slots.closing[self.index] = value
+        self.slots.state[self.index] = CLOSING if value else OPEN
+
+    @property
+    def looked(self) -> float:
+        return self.slots.looked[self.index]
+
+    @looked.setter
+    def looked(self, value: float) -> None:
+        self.slots.looked[self.index] = value
 
     def arm(self, deadline: float, auto: float | None, at: float) -> SlotGrant:
         """Armed over the socket at ``at`` until ``deadline`` (``auto``: the timeout
@@ -89,7 +227,8 @@ class Slot:
         counts = page.counts(index)
         page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
         added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
-        since, self.harvested = self.harvested, now
+        harvested = self.slots.harvested
+        since, harvested[index] = harvested[index], now
         if sum(added.values()) > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
             return Taken({}, scribbled=True)
         return Taken(added)
