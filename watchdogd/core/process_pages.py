@@ -73,6 +73,8 @@ class ProcessPages(Generic[P]):
     def __init__(self, port: PagePort[P]) -> None:
         self._port = port
         self._pages: dict[ProcessKey, _Pages] = {}
+        #: Every page, by id.
+        self._by_id: dict[int, PageSlots] = {}
         #: Pages searched for and not found, by process.
         self._lost: dict[ProcessKey, set[int]] = {}
         #: Pages being searched for, the oldest search first.
@@ -95,7 +97,8 @@ class ProcessPages(Generic[P]):
                 if not own.pages:
                     del self._pages[key]
                 return None
-            slots = own.newest = own.pages[page.id] = PageSlots(page, executable)
+            slots = own.newest = own.pages[page.id] = PageSlots(page, process.pid, executable)
+            self._by_id[page.id] = slots
             own.next_index = 0
         index = own.next_index
         own.next_index += 1
@@ -174,7 +177,7 @@ class ProcessPages(Generic[P]):
         own = self._pages.get(key)
         if own is None:
             own = self._pages[key] = _Pages()
-        own.pages[page.id] = PageSlots(page, pending.executable)
+        own.pages[page.id] = self._by_id[page.id] = PageSlots(page, key[0], pending.executable)
         return False
 
     def let_go(self, process: TargetProcess, slots: PageSlots) -> None:
@@ -189,7 +192,7 @@ class ProcessPages(Generic[P]):
             # nothing of it may stay behind.
             del self._pages[key]
             for held in own.pages.values():
-                held.page.close()
+                self._close(held)
             return
         if slots.live > 0 or (own.newest is slots and own.next_index < SLOTS):
             return
@@ -197,6 +200,11 @@ class ProcessPages(Generic[P]):
             del own.pages[slots.page.id]
         if own.newest is slots:
             own.newest = None
+        self._close(slots)
+
+    def _close(self, slots: PageSlots) -> None:
+        if self._by_id.get(slots.page.id) is slots:
+            del self._by_id[slots.page.id]
         slots.page.close()
 
     def page_for(self, process: TargetProcess, page_id: int) -> PageSlots | None:
@@ -204,12 +212,23 @@ class ProcessPages(Generic[P]):
         own = self._pages.get(process_key(process))
         return None if own is None else own.pages.get(page_id)
 
-    def slot(self, process: TargetProcess, ref: SlotRef) -> Slot | None:
+    def named(self, ref: SlotRef) -> tuple[int, str, Slot] | None:
+        """The pid and scope of the registration on slot ``ref``, whichever
+        process's page it is on (no two pages open at once have one inode), and its
+        slot; None when this daemon knows no registration there."""
+        slots = self._by_id.get(ref.page)
+        if slots is None or not slots.known(ref.index):
+            return None
+        return slots.pid, slots.scopes[ref.index], Slot(slots, ref)
+
+    def slot(self, process: TargetProcess, ref: SlotRef | None) -> Slot | None:
         """The slot ``ref`` names, when this daemon knows it as a registration's."""
+        if ref is None:
+            return None
         slots = self.page_for(process, ref.page)
         if slots is None or not slots.known(ref.index):
             return None
-        return Slot(slots, ref.index, ref.period)
+        return Slot(slots, ref)
 
     def released(self) -> int:
         """How many registrations hold no block now, read from their slots."""
@@ -232,7 +251,7 @@ class ProcessPages(Generic[P]):
         self._give_up(key)
         own = self._pages.pop(key, None)
         for slots in () if own is None else own.pages.values():
-            slots.page.close()
+            self._close(slots)
 
     def forget_lost(self, process: TargetProcess) -> None:
         """``process`` left the table: what was not found of it may be sought again."""
@@ -251,6 +270,7 @@ class ProcessPages(Generic[P]):
                 slots.page.close_all()
                 slots.page.close()
         self._pages.clear()
+        self._by_id.clear()
         self._lost.clear()
         for pending in self._searches.values():
             pending.search.close()

@@ -25,6 +25,7 @@ from watchdogd_protocol import SlotGrant
 from watchdogd_protocol.slot_page import MAX_MICROSECONDS
 
 from .ports import PageRef
+from .timers import SlotRef
 
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
@@ -60,20 +61,25 @@ class PageSlots:
         "live",
         "looked",
         "page",
+        "pid",
+        "scopes",
         "state",
         "word",
     )
 
-    def __init__(self, page: PageRef, executable: str) -> None:
+    def __init__(self, page: PageRef, pid: int, executable: str) -> None:
         self.page = page
+        #: Its process's pid (a page is one process's alone).
+        self.pid = pid
         #: The executable its process ran when the page was made, or found again:
         #: the key of its slots' history, read while the process was known to be
         #: there (a last harvest comes after its exit, when its pidfd may be closed).
         self.executable = executable
         #: Its open and closing slots.
         self.live = 0
-        #: Each slot's `FREE`, `OPEN` or `CLOSING`.
+        #: Each slot's `FREE`, `OPEN` or `CLOSING`, and its registration's scope.
         self.state = bytearray()
+        self.scopes: list[str] = []
         #: The block's deadline as last read (bounded); 0.0 while released.
         self.due = array("d")
         #: The deadline word it was read from: while the word stays, so does the
@@ -98,16 +104,18 @@ class PageSlots:
         """Whether slot ``index`` is a registration's, to this daemon."""
         return index < len(self.state) and self.state[index] != FREE
 
-    def open(self, index: int, budget: int | None, harvested: float) -> None:
-        """Slot ``index`` becomes a registration's (given now, or found again after
-        a restart): open, read as released, never looked at, counted against
-        ``budget``, its counts taken at ``harvested``."""
+    def open(self, index: int, scope: str, budget: int | None, harvested: float) -> None:
+        """Slot ``index`` becomes the registration of ``scope`` (given now, or
+        found again after a restart): open, read as released, never looked at,
+        counted against ``budget``, its counts taken at ``harvested``."""
         grow = index + 1 - len(self.state)
         if grow > 0:
             self.state.extend(bytes(grow))
+            self.scopes.extend([""] * grow)
             for numbers in self._arrays():
                 numbers.frombytes(bytes(grow * numbers.itemsize))
         self.state[index] = OPEN
+        self.scopes[index] = scope
         self.due[index] = self.idle_since[index] = self.closing[index] = 0.0
         self.word[index] = 0
         self.looked[index] = -math.inf
@@ -117,6 +125,7 @@ class PageSlots:
     def free(self, index: int) -> None:
         """Slot ``index`` is no registration's any more."""
         self.state[index] = FREE
+        self.scopes[index] = ""
 
     def _arrays(self) -> tuple[array[float] | array[int], ...]:
         return (
@@ -131,15 +140,16 @@ class PageSlots:
 
 
 class Slot:
-    """One registration's slot, seen through its page's `PageSlots`: made for an
-    arm or a look, never kept (what it knows lives in the arrays)."""
+    """The slot ``ref`` names, seen through its page's `PageSlots`: made for an arm
+    or a look, never kept (what it knows lives in the arrays)."""
 
-    __slots__ = ("index", "period", "slots")
+    __slots__ = ("index", "period", "ref", "slots")
 
-    def __init__(self, slots: PageSlots, index: int, period: float) -> None:
+    def __init__(self, slots: PageSlots, ref: SlotRef) -> None:
         self.slots = slots
-        self.index = index
-        self.period = period
+        self.ref = ref
+        self.index = ref.index
+        self.period = ref.period
 
     @property
     def page(self) -> PageRef:

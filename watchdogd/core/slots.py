@@ -74,7 +74,7 @@ from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
 from .slot import Slot
 from .slot_shares import SlotShares
-from .timers import Expired, Key, Shared, SlotRef, Timer
+from .timers import Expired, Shared, SlotRef, Timer
 
 if TYPE_CHECKING:
     from .context import CoreContext
@@ -145,7 +145,7 @@ class Slots(Generic[P]):
         if taken is None:
             return None
         slots, index = taken
-        slots.open(index, budget, harvested=now)
+        slots.open(index, self._table.shared_scope(scope), budget, harvested=now)
         self._known += 1
         self._shares.count_looks(budget, period, 1)
         return SlotRef(page=slots.page.id, index=index, period=self._periods[period])
@@ -153,7 +153,7 @@ class Slots(Generic[P]):
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
         """The slot of registered ``timer``, found again after a restart if need
         be; None when its page is lost (its registration is then worth nothing)."""
-        ref = None if timer.watch is None else timer.watch.slot
+        ref = timer.slot
         if ref is None:
             return None
         found = self._pages.slot(process, ref) or self._adopt(timer, process, ref, now)
@@ -167,7 +167,7 @@ class Slots(Generic[P]):
             self._shares.count_closing(timer.owner, -1)
         grant = slot.arm(deadline, auto, timer.armed_at)
         self._busy(timer, slot, deadline)
-        self._shares.armed(timer.owner, timer.key)
+        self._shares.armed(timer.owner, slot.ref)
         return grant
 
     def released(self, timer: Timer, slot: Slot) -> bool:
@@ -302,7 +302,7 @@ class Slots(Generic[P]):
             return
         if not slot.idle_since:
             slot.idle_since = now
-            self._shares.idle(timer.owner, timer.key)
+            self._shares.idle(timer.owner, slot.ref)
         elif now - slot.idle_since >= self._rules.daemon.slot_idle:
             self._close(timer, slot, now)
             self._put(item, now + CLOSING_WAIT)
@@ -324,7 +324,7 @@ class Slots(Generic[P]):
         slot.due = deadline
         if slot.idle_since:
             slot.idle_since = 0.0
-            self._shares.busy(timer.owner, timer.key)
+            self._shares.busy(timer.owner, slot.ref)
 
     def _put(self, item: Expired[P], look: float) -> None:
         """Back in the table until ``look`` (in memory only: the state keeps an
@@ -342,10 +342,10 @@ class Slots(Generic[P]):
         if self._shares.closing_of(uid, limit) >= limit:
             return False
         key = self._shares.reclaimable(uid, functools.partial(self._held, uid))
-        timer = None if key is None else self._table.get(*key)
-        slot = None if timer is None else self._slot_in_table(timer)
-        if timer is None or slot is None:
+        found = None if key is None else self._registration(key)
+        if found is None:
             return False
+        timer, slot = found
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
         process = self._table.process(timer.pid)
@@ -355,24 +355,32 @@ class Slots(Generic[P]):
             self._writer.moved(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
         return True
 
-    def _held(self, uid: int, key: Key) -> bool | None:
-        """Whether registration ``key`` holds a block or closes; None when it is
-        no registration of ``uid`` now."""
-        timer = self._table.get(*key)
-        slot = None if timer is None else self._slot_in_table(timer)
-        if slot is None or timer is None or timer.owner != uid:
+    def _held(self, uid: int, key: SlotRef) -> bool | None:
+        """Whether the registration on slot ``key`` holds a block or closes; None
+        when it is no registration of ``uid`` now."""
+        found = self._registration(key)
+        if found is None or found[0].owner != uid:
             return None
+        slot = found[1]
         return bool(slot.closing) or slot.page.read(slot.index) != 0
+
+    def _registration(self, key: SlotRef) -> tuple[Timer, Slot] | None:
+        """The registration on slot ``key`` and its slot; None when it went (the
+        orders of `SlotShares` may name one that did)."""
+        found = self._pages.named(key)
+        timer = None if found is None else self._table.get(found[0], found[1])
+        if found is None or timer is None or timer.slot is not key:
+            return None
+        return timer, found[2]
 
     def _slot_in_table(self, timer: Timer) -> Slot | None:
         """The slot of registered ``timer`` of the table, when this daemon knows it."""
         process = self._table.process(timer.pid)
-        ref = None if timer.watch is None else timer.watch.slot
-        return None if process is None or ref is None else self._pages.slot(process, ref)
+        return None if process is None else self._pages.slot(process, timer.slot)
 
     def _forget(self, timer: Timer, slot: Slot) -> None:
         """``timer``'s registration, on ``slot``, is no longer kept."""
-        self._shares.disowned(timer.owner, timer.key)
+        self._shares.disowned(timer.owner, slot.ref)
         slot.slots.free(slot.index)
         self._known -= 1
         self._shares.count_looks(slot.budget, slot.period, -1)
@@ -384,7 +392,7 @@ class Slots(Generic[P]):
         self._busy(timer, slot, slot.due)
         # Never to be reclaimed again; an arm over the socket that opens it again
         # puts it back.
-        self._shares.disowned(timer.owner, timer.key)
+        self._shares.disowned(timer.owner, slot.ref)
 
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
@@ -433,11 +441,11 @@ class Slots(Generic[P]):
         if slots is None or slots is SEARCHING:
             return slots
         budget = self._shares.budget(timer.owner)
-        slots.open(ref.index, budget, harvested=min(timer.armed_at, now))
+        slots.open(ref.index, timer.scope, budget, harvested=min(timer.armed_at, now))
         self._known += 1
-        self._shares.armed(timer.owner, timer.key)
+        self._shares.armed(timer.owner, ref)
         self._shares.count_looks(budget, ref.period, 1)
-        return Slot(slots, ref.index, ref.period)
+        return Slot(slots, ref)
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
         """Add to the scope's history the blocks its process released by a store
@@ -468,8 +476,7 @@ class Slots(Generic[P]):
             if process is None or process.start_time != start_time:
                 continue
             for timer in self._table.timers_of(pid):
-                ref = None if timer.watch is None else timer.watch.slot
-                slot = None if ref is None else self._pages.slot(process, ref)
+                slot = self._pages.slot(process, timer.slot)
                 if slot is not None and (uid is None or uid == timer.owner):
                     self._harvest(timer, process, slot, now)
 
@@ -479,12 +486,11 @@ class Slots(Generic[P]):
         then (a registration only while its slot held a block)."""
         armed: list[Timer] = []
         for timer in timers:
-            ref = None if timer.watch is None else timer.watch.slot
-            slot = None if ref is None else self._pages.slot(process, ref)
+            slot = self._pages.slot(process, timer.slot)
             if slot is None:
                 # A registration not read since a restart: what its slot held is
                 # not known (its process's descriptors are gone), so not counted.
-                if ref is None:
+                if timer.slot is None:
                     armed.append(timer)
                 continue
             self._forget(timer, slot)

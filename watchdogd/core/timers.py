@@ -20,10 +20,10 @@ deadline and arming time (a float each) and two pointers, one in its process's l
 and one in the order: most of what the daemon holds per timer with a million armed
 (bench/scale.py measures it; docs/benchmarks.md gives the figures). Values that
 repeat from timer to timer are shared rather than copied: the pid and start time are
-the process handle's, the policy name and the timeout come from small tables of the
-values seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a
-deadline (Python keeps small ints as one object; a counter would cost an int a
-timer).
+the process handle's, the policy name, timeout and scope (the processes of a program
+arm the same scopes) come from small tables of the values seen lately (`Shared`), and
+``seq`` is 0 for every timer but those that tie on a deadline (Python keeps small ints
+as one object; a counter would cost an int a timer).
 """
 
 from __future__ import annotations
@@ -130,6 +130,12 @@ class Timer(
         (`Watch.client_arm`)."""
         watch = self.watch
         return arm == self.arm or (watch is not None and arm == watch.client_arm)
+
+    @property
+    def slot(self) -> SlotRef | None:
+        """The slot of a scope registered for the fast path (`Watch.slot`)."""
+        watch = self.watch
+        return None if watch is None else watch.slot
 
     @property
     def store_key(self) -> StoreKey:
@@ -329,6 +335,7 @@ class TimerTable(Generic[P]):
         "_order",
         "_policies",
         "_processes",
+        "_scopes",
         "_timeouts",
         "_visible",
         "jobs_changed",
@@ -346,6 +353,7 @@ class TimerTable(Generic[P]):
         self.jobs_changed = 0
         self._policies: Shared[str] = Shared()
         self._timeouts: Shared[float] = Shared()
+        self._scopes: Shared[str] = Shared()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -410,6 +418,10 @@ class TimerTable(Generic[P]):
         first = self._order.first()
         return None if first is None else first.deadline
 
+    def shared_scope(self, scope: str) -> str:
+        """The one object the table's timers of ``scope`` hold (armed lately)."""
+        return self._scopes[scope]
+
     def arm(
         self,
         process: P,
@@ -433,6 +445,7 @@ class TimerTable(Generic[P]):
         if deadline is None:
             deadline = now + timeout
         policy, timeout = self._policies[policy], self._timeouts[timeout]
+        scope = self.shared_scope(scope)
         start_time = process.start_time
         timer = self._order.insert(
             deadline,
