@@ -251,7 +251,7 @@ def test_a_socket_arm_gets_no_slot(fields: dict[str, Any], caller: str) -> None:
     assert reply.slot is None
     timer = world.service.table.get(pid, "step")
     assert timer is not None
-    assert timer.watch is None or timer.watch.slot is None
+    assert timer.slot is None
     assert world.pages.made == {}
     assert len(world.service.slots) == 0
 
@@ -277,8 +277,7 @@ def test_the_table_holds_the_registration_with_its_deadline_at_the_next_look() -
     grant, _ = registered(world, "step", now=1.0)
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
-    assert timer.watch is not None
-    assert timer.watch.slot == SlotRef(page=grant.page, index=0, period=PERIOD)
+    assert timer.slot == SlotRef(page=grant.page, index=0, period=PERIOD)
     # min(deadline 9.0, now + period 8.0)
     assert timer.deadline == min(1.0 + TIMEOUT, 1.0 + PERIOD) == 8.0
     assert world.journal.puts == [timer]
@@ -603,7 +602,7 @@ def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_di
     assert memory.period(0) == 0
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
-    assert timer.watch is None or timer.watch.slot is None
+    assert timer.slot is None
     assert timer.deadline == 32.0
     memory.release(0)  # the worker's next store in its old slot
     memory.store(0, 1000.0)
@@ -629,7 +628,7 @@ def test_a_release_by_the_process_itself_keeps_the_registration_and_says_if_arme
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
     assert timer.watch is not None
-    assert timer.watch.slot is not None
+    assert timer.slot is not None
     again = world.service.handle(Release(id=6, scope="step"), world.alice, 3.0)
     assert again == Released(id=6, found=False)
     assert world.journal.drops == []
@@ -690,7 +689,7 @@ def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() ->
     kept = world.service.table.get(ALICE.pid, "step")
     assert kept is not None
     assert kept.deadline == 50.0
-    assert kept.watch is None or kept.watch.slot is None
+    assert kept.slot is None
     assert memory.period(0) == 0
     assert [timer.scope for timer in world.journal.puts][-1] == "step"
     assert [expired.timer.scope for expired in run(world, 50.0)] == ["step"]
@@ -723,7 +722,7 @@ def test_a_process_that_moved_to_another_clock_has_its_block_read_on_that_clock(
     kept = world.service.table.get(ALICE.pid, "step")
     assert kept is not None
     assert kept.deadline == pytest.approx(10.0)
-    assert kept.watch is None or kept.watch.slot is None
+    assert kept.slot is None
     assert memory.period(0) == 0
     assert [expired.timer.scope for expired in run(world, 10.0)] == ["step"]
 
@@ -822,6 +821,38 @@ def test_a_restored_registration_is_adopted_at_its_first_look() -> None:
     [fired] = run(world, 60.0)
     assert (fired.timer.scope, fired.timer.deadline) == ("step", 60.0)
     assert memory.period(0) == 0
+
+
+def test_a_registration_that_needs_nothing_else_keeps_its_bare_slot_through_a_restart() -> None:
+    """Its timer's `Watch` would hold nothing but its slot: it keeps the `SlotRef`
+    alone (one object fewer), as one of a job keeps its `Watch` with its slot, and
+    a restart finds both again from the state."""
+    before = make_world()
+    bare_grant, bare = registered(before, "bare", now=1.0)
+    of_job = arm(before, before.alice, "of-job", 1.0, job="run-1", rank=3).slot
+    assert of_job is not None
+    bare_timer = before.service.table.get(ALICE.pid, "bare")
+    job_timer = before.service.table.get(ALICE.pid, "of-job")
+    assert bare_timer is not None
+    assert job_timer is not None
+    assert isinstance(bare_timer.watch, SlotRef)
+    assert (bare_timer.watched, bare_timer.slot) == (None, bare_timer.watch)
+    assert job_timer.watched is not None
+    assert (job_timer.watched.job, job_timer.slot) == ("run-1", job_timer.watched.slot)
+    bare.store(bare_grant.index, 30.0)
+    bare.release(of_job.index)  # the same page's
+    world = restarted(before, now=20.0)
+    assert run(world, 20.0) == []
+    assert look_at(world, "bare") == 27.0  # its stored deadline, or a period on
+    bare.store(of_job.index, 60.0)
+    why = world.service.handle(Why(id=4, pid=ALICE.pid), world.alice, 21.0)
+    assert isinstance(why, WhyReply)
+    notes = {timer.scope: " ".join(timer.notes) for timer in why.timers}
+    assert f"slot {bare_grant.index}" in notes["bare"]
+    assert "of job run-1 as rank 3" in notes["of-job"]
+    assert "slot page" in notes["of-job"]
+    [fired] = run(world, 31.0)
+    assert (fired.timer.scope, fired.timer.deadline) == ("bare", 30.0)
 
 
 def test_blocks_released_since_the_last_harvest_before_a_crash_count_after_the_restart() -> None:

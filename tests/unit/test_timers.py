@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from watchdogd.core.timers import Shared, Timer, TimerTable
+from watchdogd.core.interning import Shared
+from watchdogd.core.timers import Timer, TimerTable
 
 
 @dataclass(eq=False)

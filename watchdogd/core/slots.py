@@ -69,12 +69,13 @@ import msgspec
 from watchdogd_protocol import SlotGrant
 from watchdogd_protocol.slot_page import MAX_MICROSECONDS, SLOTS
 
+from .interning import Shared
 from .logline import Level, logfmt
 from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
 from .slot import Slot
 from .slot_shares import SlotShares
-from .timers import Expired, Shared, SlotRef, Timer
+from .timers import Expired, SlotRef, Timer
 
 if TYPE_CHECKING:
     from .context import CoreContext
@@ -191,8 +192,8 @@ class Slots(Generic[P]):
             self._forget(timer, slot)
             slot.page.write(slot.index, period=0)
             self._let_go(timer, process, slot)
-        elif timer.watch is not None and timer.watch.slot is not None:
-            ref, executable = timer.watch.slot, self._processes.executable(process)
+        elif timer.slot is not None:
+            ref, executable = timer.slot, self._processes.executable(process)
             self._pages.close_found(process, ref.page, ref.index, executable)
 
     # Looks.
@@ -205,12 +206,12 @@ class Slots(Generic[P]):
         fire: list[Expired[P]] = []
         looked = False
         for item in expired:
-            watch = item.timer.watch
-            if watch is None or watch.slot is None:
+            ref = item.timer.slot
+            if ref is None:
                 fire.append(item)
                 continue
             looked = True
-            firing = self._look(item, watch.slot, now)
+            firing = self._look(item, ref, now)
             if firing is not None:
                 fire.append(firing)
         return fire, looked
@@ -281,10 +282,9 @@ class Slots(Generic[P]):
 
     def _keep_plain(self, item: Expired[P], deadline: float) -> None:
         """``item``'s registration goes; its block stays armed until ``deadline``."""
-        timer = item.timer
-        assert timer.watch is not None
-        watch = msgspec.structs.replace(timer.watch, slot=None)
-        plain = msgspec.structs.replace(timer, deadline=deadline, watch=watch)
+        timer, watch = item.timer, item.timer.watched
+        kept = None if watch is None else msgspec.structs.replace(watch, slot=None)
+        plain = msgspec.structs.replace(timer, deadline=deadline, watch=kept)
         self._writer.rearm(item.process, plain, commit=True)
 
     def _idle_look(self, item: Expired[P], slot: Slot, now: float, active: bool) -> None:
@@ -539,8 +539,8 @@ class Slots(Generic[P]):
         since a restart stay open (no search holds a stop up): the next start
         reads them."""
         for timer in list(self._table.timers()):
-            watch, process = timer.watch, self._table.process(timer.pid)
-            if watch is not None and watch.slot is not None and process is not None:
+            ref, process = timer.slot, self._table.process(timer.pid)
+            if ref is not None and process is not None:
                 self.slot_of(timer, process, timer.deadline)
         self._pages.close_all()
         self._known = 0
