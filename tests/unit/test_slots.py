@@ -432,6 +432,24 @@ def test_a_process_that_execs_registers_on_a_page_of_its_new_executable() -> Non
     ]
 
 
+def test_the_page_of_the_program_before_an_exec_goes_with_its_last_registration() -> None:
+    """A page kept with no registration, only to give slots, is let go when the
+    process's next registration takes a page of its new executable."""
+    world = make_world()
+    for index in range(SLOTS):
+        registered(world, f"full-{index}", now=1.0)
+    newest, _ = registered(world, "step", now=1.0)
+    arm(world, world.root, "step", 2.0, pid=ALICE.pid)  # its slot closes and goes
+    assert not world.pages.made[newest.page].closed  # it gives the next slot still
+    world.host.executables[ALICE.pid] = "/usr/bin/other"
+    after, _ = registered(world, "after-exec", now=3.0)
+    assert after.page != newest.page
+    assert world.pages.made[newest.page].closed
+    process = world.service.table.process(ALICE.pid)
+    assert process is not None
+    assert world.service.slots.page_for(process, newest.page) is None
+
+
 def test_an_auto_arm_writes_the_timeout_it_learned_into_the_slot() -> None:
     world = make_world()
     _, memory = registered(world, "step", now=1.0)

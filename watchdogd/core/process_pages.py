@@ -97,6 +97,10 @@ class ProcessPages(Generic[P]):
                 if not own.pages:
                     del self._pages[key]
                 return None
+            if slots is not None and not slots.live:
+                # Kept only to give slots, which it gives no more.
+                del own.pages[slots.page.id]
+                self._close(slots)
             slots = own.newest = own.pages[page.id] = PageSlots(page, process.pid, executable)
             self._by_id[page.id] = slots
             own.next_index = 0
