@@ -230,7 +230,9 @@ def test_a_daemon_upgraded_from_each_released_schema_keeps_every_timer(
                 )
                 assert shown.remaining == pytest.approx(written.deadline - now, abs=PATIENCE)
                 assert (shown.job, shown.rank) == (
-                    ("", None) if written.watch is None else (written.watch.job, written.watch.rank)
+                    ("", None)
+                    if written.watched is None
+                    else (written.watched.job, written.watched.rank)
                 )
             wait_until(
                 lambda: any(event.scope == "hung" for event in expired_events(client)),

@@ -56,7 +56,9 @@ from watchdogd_protocol.slot_page import (
     MAX_MICROSECONDS,
     PAGE_BYTES,
     SLOTS,
-    counts_of,
+    TAKEN,
+    count_of,
+    taken_of,
     word_of,
 )
 
@@ -464,7 +466,9 @@ def scribble(seconds: float) -> int:
                 for index in range(SLOTS):
                     page[word_of(index, DEADLINE)] = rng.choice(absurd)
                     page[word_of(index, BLOCKS)] = rng.getrandbits(64)
-                    count[counts_of(index) + rng.randrange(BUCKETS)] = rng.getrandbits(32)
+                    page[word_of(index, TAKEN)] = rng.getrandbits(64)
+                    count[count_of(index, rng.randrange(BUCKETS))] = rng.getrandbits(32)
+                    count[taken_of(index, rng.randrange(BUCKETS))] = rng.getrandbits(32)
             time.sleep(0.001)
 
     return _fork(work)
