@@ -201,23 +201,12 @@ class Slots(Generic[P]):
     def looked(self, expired: list[Expired[P]], now: float) -> tuple[list[Expired[P]], bool]:
         """Of the timers the table gave as due, those to fire. Each registration
         among them is a look at its slot, which puts it back at its next look,
-        retires or drops it, or fires it on its block's deadline; but where
-        plain timers are among them, the registrations go back to the table as
-        due, unread, and only the plain timers fire. Also whether any went back
-        to the table."""
-        fire: list[Expired[P]] = []
-        looks: list[tuple[Expired[P], SlotRef]] = []
-        for item in expired:
-            ref = item.timer.slot
-            if ref is None:
-                fire.append(item)
-            else:
-                looks.append((item, ref))
+        retires or drops it, or fires it on its block's deadline; but beside
+        plain timers, the registrations go back to the table unread, still due
+        (a user's looks never delay another's signal). Also whether any went back."""
+        fire = [item for item in expired if item.timer.slot is None]
+        looks = [(item, item.timer.slot) for item in expired if item.timer.slot is not None]
         if fire and looks:
-            # A plain timer's signal goes out before any look of the pass: a
-            # process's registrations, however many fall due with it, never
-            # delay another's timer by the reads they cost. They are the next
-            # pass's, due as they were.
             for item, _ in looks:
                 self._put(item, item.timer.deadline)
             return fire, True
