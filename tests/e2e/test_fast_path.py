@@ -314,7 +314,7 @@ print("ready", flush=True)
 with client.expires(0.5, scope="step"):
     time.sleep(60)
 """
-    command = ["unshare", "--time", "--monotonic", "86400", "--fork"]
+    command = ["unshare", "--time", "--monotonic", "86400", "--kill-child"]
     worker = subprocess.Popen(
         [*command, sys.executable, "-c", source],
         env={**os.environ, "WATCHDOGD_SOCKET": str(daemon.socket_path)},

@@ -1036,7 +1036,7 @@ print(json.dumps(reply.result(Acquired).slot is not None), flush=True)
 def test_a_process_in_another_time_namespace_gets_no_slot_even_when_it_asks_itself(
     daemon: RunningDaemon,
 ) -> None:
-    command = ["unshare", "--time", "--monotonic", "86400", "--fork", sys.executable, "-c"]
+    command = ["unshare", "--time", "--monotonic", "86400", "--kill-child", sys.executable, "-c"]
     asked = subprocess.run(
         [*command, ASK_FOR_A_SLOT, str(daemon.socket_path)],
         capture_output=True,
@@ -1051,7 +1051,7 @@ def test_a_process_that_moves_to_another_time_namespace_after_registering_is_sti
     daemon: RunningDaemon,
 ) -> None:
     elsewhere = subprocess.Popen(
-        ["unshare", "--time", "--monotonic", "86400", "--fork", "sleep", "60"]
+        ["unshare", "--time", "--monotonic", "86400", "--kill-child", "sleep", "60"]
     )
     worker = Actor(0, daemon.socket_path)
     try:
