@@ -55,13 +55,17 @@ Invariants:
   dropped and counted. A page can never fault the daemon (its memfd is sealed).
 - Moving a look is not journaled (by design: the page says it all); registering,
   re-registering and dropping a registration are.
+- A look whose page is being searched for after a restart waits for the search:
+  it is not taken again before the search ends (or `SEARCH_PAUSE` passes), and
+  is due again as soon as it ends. Until its first look, a registration is read
+  for `status` from its page once that is found, and holds no known block before.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
@@ -87,8 +91,10 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
-#: How soon a look whose page is being searched for after a restart comes again.
-SEARCH_PAUSE: Final = 0.01
+#: How soon a look whose page is being searched for after a restart comes again
+#: unless the search ends first: its end brings every look that waits for it
+#: back at once (`search`), so a look is never polled while the search goes on.
+SEARCH_PAUSE: Final = 0.25
 
 
 def period_of(timeout: float) -> float:
@@ -112,7 +118,7 @@ class Slots(Generic[P]):
         self._log = context.log
         self.offered = offered
         self._slots: dict[Key, Slot] = {}
-        self._pages: ProcessPages[P] = ProcessPages(pages)
+        self._pages: ProcessPages[P] = ProcessPages(pages, self._came_back)
         self._shares = SlotShares()
 
     def __len__(self) -> int:
@@ -217,6 +223,7 @@ class Slots(Generic[P]):
         timer, process = item.timer, item.process
         slot = self._slots.get(timer.key) or self._adopt(timer, process, ref, now)
         if slot is SEARCHING:
+            self._pages.wait(process, timer.key, now)
             self._put(item, now + SEARCH_PAUSE)
             return None
         if slot is None:
@@ -419,7 +426,8 @@ class Slots(Generic[P]):
         added."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        page = self._pages.found(process, ref.page, ref.index)
+        unread = functools.partial(_unread, self._table.timers_of, process.pid, self._slots)
+        page = self._pages.found(process, ref.page, ref.index, unread)
         if page is None or page is SEARCHING:
             return page
         executable = self._processes.executable(process)
@@ -485,21 +493,40 @@ class Slots(Generic[P]):
         self._pages.forget(process)
         return armed
 
-    def deadline_of(self, timer: Timer) -> float | None:
-        """The deadline of the block in registered ``timer``'s slot, read now;
-        None while it holds none. (The table's deadline for a slot not yet found
-        again after a restart.)"""
+    def deadline_of(self, timer: Timer, now: float) -> float | None:
+        """The deadline of the block in registered ``timer``'s slot, read ``now``;
+        None while it holds none. A registration not read yet since a restart is
+        read from its page once that is found again, and holds none that is known
+        while its page is searched for (its look waits for the search, and fires
+        a block found past its deadline)."""
         slot = self._slots.get(timer.key)
-        if slot is None:
-            return timer.deadline
-        word = slot.page.read(slot.index)
-        return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
+        if slot is not None:
+            word = slot.page.read(slot.index)
+            return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
+        ref = None if timer.watch is None else timer.watch.slot
+        process = self._table.process(timer.pid)
+        if ref is None or process is None or not 0 <= ref.index < SLOTS:
+            return None
+        page = self._pages.page_for(process, ref.page)
+        word = 0 if page is None else page.read(ref.index)
+        # Its look in the table is the state's, older than any block stored since.
+        return None if not word else min(word / 1_000_000, now + self._rules.daemon.max_timeout)
 
     def search(self, until: float) -> bool:
         """Search for the pages of registrations read from the state until the
         clock reads ``until`` (between passes that fire timers); whether any is
         still searched for."""
         return self._pages.search(until)
+
+    def _came_back(self, key: Key, looked: float) -> None:
+        """The look at ``key`` at ``looked`` waited for a search that ended: due
+        again on that time (the state keeps a look no later than it)."""
+        timer, process = self._table.get(*key), self._table.process(key[0])
+        # Not when it went, or was read since (an arm over the socket).
+        if timer is None or process is None or key in self._slots or timer.deadline <= looked:
+            return
+        if timer.watch is not None and timer.watch.slot is not None:
+            self._writer.moved(process, msgspec.structs.replace(timer, deadline=looked))
 
     def released_count(self) -> int:
         """How many registrations hold no block now, read from their slots."""
@@ -526,3 +553,15 @@ class Slots(Generic[P]):
         self._pages.close_all()
         self._slots.clear()
         self._shares.clear()
+
+
+def _unread(
+    timers_of: Callable[[int], Iterable[Timer]], pid: int, read: Container[Key]
+) -> list[tuple[int, int]]:
+    """The pages and indexes of the registrations of process ``pid`` not ``read``
+    since a restart: its descriptors are read once for all of them."""
+    return [
+        (timer.watch.slot.page, timer.watch.slot.index)
+        for timer in timers_of(pid)
+        if timer.watch is not None and timer.watch.slot is not None and timer.key not in read
+    ]
