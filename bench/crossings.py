@@ -74,9 +74,16 @@ PATIENCE: Final = 20.0
 
 #: The victims' heap, and what they run.
 HEAP: Final = 64 << 20
-VICTIM: Final = (
-    "import sys, time\nheap = b'x' * int(sys.argv[1])\nprint('filled', flush=True)\ntime.sleep(300)"
-)
+VICTIM: Final = """
+import os, sys, time
+heap = b"x" * int(sys.argv[1])
+# Filled at the priority it started at (at nice 19 beside a busy machine, its
+# start and its heap would take seconds), then on the daemon's CPU at nice 19.
+os.sched_setaffinity(0, {int(sys.argv[2])})
+os.setpriority(os.PRIO_PROCESS, 0, 19)
+print("filled", flush=True)
+time.sleep(300)
+"""
 
 #: Calls of the standard library that mark a window's ends: what reads a frame,
 #: what writes a reply, what signals a process.
@@ -371,10 +378,10 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
     watches for its exit. Whether a victim died before the daemon looked would
     otherwise change the count from round to round."""
     process = subprocess.Popen(
-        [sys.executable, "-c", VICTIM, str(HEAP)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        [sys.executable, "-c", VICTIM, str(HEAP), str(daemon_cpu())],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
     )
-    os.sched_setaffinity(process.pid, {daemon_cpu()})
-    os.setpriority(os.PRIO_PROCESS, process.pid, 19)
     assert process.stdout is not None
     try:
         if process.stdout.readline() != b"filled\n":

@@ -231,7 +231,7 @@ class FakeActions:
         await trio.sleep(DUMP)
         timer, run = item.timer, item.timer.run
         assert run is not None
-        assert timer.watch is not None
+        assert timer.watched is not None
         self._service.firing.record_expiries(
             [
                 EventInfo(
@@ -244,8 +244,8 @@ class FakeActions:
                     policy=timer.policy,
                     outcome="alive",
                     steps=[StepResult(step="dump py-spy", result="exit 0", output=self._stack)],
-                    job=timer.watch.job,
-                    rank=timer.watch.rank,
+                    job=timer.watched.job,
+                    rank=timer.watched.rank,
                     incident=run.incident,
                 )
             ]

@@ -15,7 +15,9 @@ Figures:
   per registration, and the memory the slot pages hold (their memfds' allocated
   bytes, counted once); and 100 processes of one each, so that what a further
   registration adds is told apart from what a process's first brings (its
-  connections, its page);
+  connections, its page). RssAnon and the pages' memory together, beside the
+  bound on a timer's memory (`TIMER_BOUND`): what a registration costs the host
+  (RssShmem is the pages' memory again, as the daemon maps it);
 - a root status page of 1,000 timers with 1,000,000 armed, the first one and one
   half-way through by cursor, against the first page with 1,000 armed; the first
   also once the daemon's command lines are stale (it reads each from /proc again,
@@ -69,6 +71,9 @@ from watchdogd_protocol import EventInfo, IncidentInfo, RankInfo, StepResult
 from watchdogd_protocol.slot_page import SLOTS
 
 HOLDERS = 1_000
+#: The most a timer may cost the daemon at a million (a registration of the fast
+#: path with its share of its page: the figures set beside it).
+TIMER_BOUND = 300
 TIMEOUT = 3600.0
 PAGE = 1_000
 #: The uid of the non-root caller (nobody).
@@ -440,14 +445,22 @@ def registration_memory(socket_path: Path, processes: int, scopes: int) -> tuple
 
 def registration_figures(socket_path: Path, per_timer: float) -> list[Figure]:
     """Memory per fast-path registration, 10,000 of them on 100 processes, against
-    a timer armed by requests without state (``per_timer`` bytes); and what a
+    a timer armed by requests without state (``per_timer`` bytes) and against the
+    bound on the memory of a timer (`TIMER_BOUND`), pages included; and what a
     registration adds to its process's first, from 100 processes of one each."""
     ones = registration_memory(socket_path, 100, 1)
     many = registration_memory(socket_path, 100, 100)
     rss, anon, shmem, pages = many
     marginal = (many[1] * 100 - ones[1]) / 99  # the anonymous memory per further one
     note = "x a timer armed by requests, --no-state"
+    bound = f"x the bound of {TIMER_BOUND} B a timer"
     return [
+        Figure("fast path: memory per registration, 100 x 100", anon + pages, "B",
+               (anon + pages) / TIMER_BOUND,
+               f"{bound}; the daemon's RssAnon and the pages' memory, connections included"),
+        Figure("fast path: memory per further registration", marginal + pages, "B",
+               (marginal + pages) / TIMER_BOUND,
+               f"{bound}; RssAnon (100 x 100 - 100 x 1) / 9,900, and the pages' memory"),
         Figure("fast path: daemon RSS per registration, 100 x 100", rss, "B",
                rss / per_timer, f"{note}; connections and pages included"),
         Figure("fast path: daemon RssAnon per registration, 100 x 100", anon, "B",

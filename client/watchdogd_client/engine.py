@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Generator
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -108,11 +108,13 @@ __all__ = [
     "Connection",
     "Engine",
     "Exchange",
+    "Finished",
     "Open",
     "Pause",
     "Plan",
     "State",
     "Step",
+    "advance",
     "drive",
 ]
 
@@ -261,23 +263,38 @@ _AGAIN: Final = Connected(again=True)
 Plan = Generator[Step, Any, _T]
 
 
+class Finished(Generic[_T]):
+    """A plan that ended: what it ended with."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: _T) -> None:
+        self.value = value
+
+
+def advance(plan: Plan[_T], sent: Any, failed: DaemonUnavailable | None) -> Step | Finished[_T]:
+    """The next step of ``plan``, sent what the last one gave (``sent``) or
+    thrown how it failed (``failed``); `Finished` once the plan ends. The one
+    turn of every shell's loop (`drive`, the trio client's)."""
+    try:
+        return plan.send(sent) if failed is None else plan.throw(failed)
+    except StopIteration as done:
+        return Finished(done.value)
+
+
 def drive(plan: Plan[_T], take: Callable[[Step], Any]) -> _T:
     """Carry ``plan`` out with blocking I/O: ``take(step)`` takes each step and
     returns what the plan is sent back; a `DaemonUnavailable` it raises is thrown
     into the plan, which decides what it means. What the plan ends with."""
-    sent: Any = None
-    failed: DaemonUnavailable | None = None
-    while True:
-        try:
-            step = plan.send(sent) if failed is None else plan.throw(failed)
-        except StopIteration as done:
-            result: _T = done.value
-            return result
-        failed = None
+    step = advance(plan, None, None)
+    while not isinstance(step, Finished):
         try:
             sent = take(step)
         except DaemonUnavailable as exc:
-            sent, failed = None, exc
+            step = advance(plan, None, exc)
+        else:
+            step = advance(plan, sent, None)
+    return step.value
 
 
 class Engine:

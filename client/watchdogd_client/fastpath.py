@@ -65,9 +65,9 @@ from watchdogd_protocol.slot_page import (
     MAGIC,
     PAGE_BYTES,
     PERIOD,
+    ROWS,
     SLOTS,
     SMALLEST_MICROSECONDS,
-    counts_of,
     word_of,
 )
 
@@ -127,9 +127,9 @@ class _Slot:
     __slots__ = (
         "arming",
         "counts",
-        "counts_at",
         "deadline",
         "entered",
+        "index",
         "page",
         "period",
         "words",
@@ -140,9 +140,10 @@ class _Slot:
         self.words = page.words
         self.counts = page.counts
         #: Where its words are: the deadline's; the period's, the learned timeout's,
-        #: the largest's and the blocks' follow at the offsets of `slot_page`.
+        #: the largest's and the blocks' follow at the offsets of `slot_page`. Its
+        #: counts are its ``index`` of each bucket's row (`slot_page.count_of`).
         self.deadline = word_of(index, DEADLINE)
-        self.counts_at = counts_of(index)
+        self.index = index
         self.period = period
         self.arming = arming
         self.entered = 0
@@ -200,15 +201,17 @@ class FastPath:
             if entered:
                 slot.entered = 0
                 held = int(time.monotonic() * 1_000_000) - entered
-                # `slot_page.bucket_of`, inline: this runs at every block's end.
+                # `slot_page.bucket_of` and `count_of`, inline: this runs at every
+                # block's end.
                 if held <= SMALLEST_MICROSECONDS:
-                    bucket = slot.counts_at
+                    count = ROWS[0] + slot.index
                 else:
-                    bucket = slot.counts_at + min(
+                    bucket = min(
                         BUCKETS - 1, math.ceil(BUCKETS_PER_DOUBLING * math.log2(held / 1000.0))
                     )
+                    count = ROWS[bucket] + slot.index
                 counts = slot.counts
-                counts[bucket] = (counts[bucket] + 1) & _COUNT
+                counts[count] = (counts[count] + 1) & _COUNT
                 if held > words[at + LARGEST]:  # noqa: PLR1730 (max() would store at every block)
                     words[at + LARGEST] = held
                 words[at + BLOCKS] = (words[at + BLOCKS] + 1) & _WORD

@@ -93,10 +93,12 @@ from .engine import (
     Connection,
     Engine,
     Exchange,
+    Finished,
     Open,
     Pause,
     Plan,
     Step,
+    advance,
 )
 from .errors import DaemonUnavailable, WatchdogdError
 from .fastpath import FastPath, fast_path, map_page
@@ -456,19 +458,15 @@ class AsyncClient:
 
     async def _drive(self, plan: Plan[_T]) -> _T:
         """`watchdogd_client.engine.drive`, awaiting each step."""
-        sent: Any = None
-        failed: DaemonUnavailable | None = None
-        while True:
-            try:
-                step = plan.send(sent) if failed is None else plan.throw(failed)
-            except StopIteration as done:
-                result: _T = done.value
-                return result
-            failed = None
+        step = advance(plan, None, None)
+        while not isinstance(step, Finished):
             try:
                 sent = await self._take(step)
             except DaemonUnavailable as exc:
-                sent, failed = None, exc
+                step = advance(plan, None, exc)
+            else:
+                step = advance(plan, sent, None)
+        return step.value
 
     async def _take(self, step: Step) -> Any:
         """Take one step of a plan (see `watchdogd_client.engine`)."""

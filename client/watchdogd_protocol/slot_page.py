@@ -8,6 +8,12 @@ over its socket (`MapPage`). It holds up to `SLOTS` slots, one per registered
 ``(pid, scope)``. Every value is a little-endian unsigned integer, naturally
 aligned, so a store of one is whole to a reader on another CPU.
 
+The kernel gives a memfd its memory a `SHMEM_PAGE` at a time, at the first write
+(or the first read through a mapping) of each, so the layout keeps what is written
+together in few of them: the header, the slots' control parts and the first
+`FIRST_ROWS` rows of counts fill the first; every later one holds `ROWS_PER_PAGE`
+rows. A page whose blocks all last a few milliseconds costs one `SHMEM_PAGE`.
+
 Each slot has a control part of `SLOT_WORDS` 64-bit words:
 
 - `DEADLINE`, written by the process: the deadline of the block in progress, in
@@ -22,9 +28,18 @@ Each slot has a control part of `SLOT_WORDS` 64-bit words:
 - `AUTO`, written by the daemon: for a scope armed with ``after="auto"``, the
   timeout the daemon learned for it, in microseconds.
 - `LARGEST` and `BLOCKS`, written by the process: the longest block released by a
-  store, in microseconds, and how many blocks were released by a store; and beside
-  the control parts, `BUCKETS` 32-bit counts per slot of those blocks' durations,
-  in the daemon's history buckets (`bucket_of`), which the daemon harvests.
+  store, in microseconds, and how many blocks were released by a store.
+- `TAKEN`, written by the daemon: the `BLOCKS` it read at its last harvest.
+
+The counts of those blocks' durations, in the daemon's history buckets
+(`bucket_of`), are kept by bucket, not by slot: row ``b`` holds bucket ``b``'s
+32-bit count of every slot (`count_of`, written by the process at each release),
+then what the daemon took of each at its last harvest (`taken_of`, written by the
+daemon). The scopes of a page whose blocks last about as long share the same few
+rows, and a row no block was counted in is never written, so it costs no memory;
+the daemon reads only the rows the kernel holds memory for. What the daemon took
+lives in the page, as the counts do, so a daemon that restarts takes what its
+predecessor had not.
 
 Nothing a process writes is trusted: the daemon bounds every value it reads, and
 the process can only move its own deadlines later, as its socket already lets it.
@@ -35,22 +50,29 @@ from __future__ import annotations
 import math
 from typing import Final
 
-#: The size of a page: its header, its slots' control parts, then their counts.
-PAGE_BYTES: Final = 64 * 1024
+#: The unit the kernel gives a memfd its memory in.
+SHMEM_PAGE: Final = 4096
 #: Bytes before the first slot's control part: the page's header.
 HEADER_BYTES: Final = 64
 #: 64-bit words in one slot's control part.
-SLOT_WORDS: Final = 8
+SLOT_WORDS: Final = 6
 #: Slots in one page.
 SLOTS: Final = 63
-#: Where the counts of slot 0 begin, in bytes; each slot's follow the one before.
-COUNTS_OFFSET: Final = 4096
 #: Duration buckets a slot counts: the daemon's history buckets from the first, 1 ms
 #: and under, to the 240th, some 12 days and over.
 BUCKETS: Final = 240
+#: Bytes of one bucket's row: the count of each slot, then what the daemon took of each.
+ROW_BYTES: Final = SLOTS * 2 * 4
+#: Where the control parts end and the rows begin, in bytes.
+ROWS_OFFSET: Final = HEADER_BYTES + SLOTS * SLOT_WORDS * 8
+#: Rows in the rest of the first `SHMEM_PAGE`, and in each of the others.
+FIRST_ROWS: Final = (SHMEM_PAGE - ROWS_OFFSET) // ROW_BYTES
+ROWS_PER_PAGE: Final = SHMEM_PAGE // ROW_BYTES
+#: The size of a page.
+PAGE_BYTES: Final = SHMEM_PAGE * (1 + math.ceil((BUCKETS - FIRST_ROWS) / ROWS_PER_PAGE))
 
 #: The header's first word: what a page is, and its layout's version.
-MAGIC: Final = int.from_bytes(b"WDSLOTS1", "little")
+MAGIC: Final = int.from_bytes(b"WDSLOTS2", "little")
 #: Header words: `MAGIC`, then the slots a page holds.
 HEADER_MAGIC: Final = 0
 HEADER_SLOTS: Final = 1
@@ -61,6 +83,7 @@ PERIOD: Final = 1
 AUTO: Final = 2
 LARGEST: Final = 3
 BLOCKS: Final = 4
+TAKEN: Final = 5
 
 #: The history's buckets: `BUCKETS_PER_DOUBLING` to a doubling of the time held,
 #: from `SMALLEST` seconds (in microseconds here).
@@ -70,8 +93,22 @@ SMALLEST_MICROSECONDS: Final = 1000
 #: a daemon refuses a word past it as scribbled.
 MAX_MICROSECONDS: Final = 2**62
 
-assert HEADER_BYTES + SLOTS * SLOT_WORDS * 8 <= COUNTS_OFFSET
-assert COUNTS_OFFSET + SLOTS * BUCKETS * 4 <= PAGE_BYTES
+
+def _row_of(bucket: int) -> int:
+    if bucket < FIRST_ROWS:
+        offset = ROWS_OFFSET + bucket * ROW_BYTES
+    else:
+        page, row = divmod(bucket - FIRST_ROWS, ROWS_PER_PAGE)
+        offset = SHMEM_PAGE * (1 + page) + row * ROW_BYTES
+    return offset // 4
+
+
+#: Where each bucket's row begins, in the page seen as 32-bit words.
+ROWS: Final = tuple(_row_of(bucket) for bucket in range(BUCKETS))
+
+assert FIRST_ROWS >= 1
+assert ROWS_OFFSET % 8 == 0
+assert ROWS[-1] * 4 + ROW_BYTES <= PAGE_BYTES
 
 
 def word_of(slot: int, word: int) -> int:
@@ -79,9 +116,23 @@ def word_of(slot: int, word: int) -> int:
     return (HEADER_BYTES // 8) + slot * SLOT_WORDS + word
 
 
-def counts_of(slot: int) -> int:
-    """The index of ``slot``'s first count in the page seen as 32-bit words."""
-    return (COUNTS_OFFSET // 4) + slot * BUCKETS
+def count_of(slot: int, bucket: int) -> int:
+    """The index of ``slot``'s count of ``bucket`` in the page seen as 32-bit words."""
+    return ROWS[bucket] + slot
+
+
+def taken_of(slot: int, bucket: int) -> int:
+    """The index of what the daemon took of ``slot``'s count of ``bucket``, in the
+    page seen as 32-bit words."""
+    return ROWS[bucket] + SLOTS + slot
+
+
+def buckets_in(shmem_page: int) -> range:
+    """The buckets whose rows lie in the page's ``shmem_page``-th `SHMEM_PAGE`."""
+    if shmem_page == 0:
+        return range(FIRST_ROWS)
+    first = FIRST_ROWS + (shmem_page - 1) * ROWS_PER_PAGE
+    return range(min(first, BUCKETS), min(first + ROWS_PER_PAGE, BUCKETS))
 
 
 def bucket_of(microseconds: int) -> int:

@@ -86,6 +86,12 @@ ADAPTED = [
         "wheels and extras as written",
     ),
     (
+        r"^python3 -m pip wheel ",
+        f"{PYTHON} -m pip wheel --no-build-isolation ",
+        "builds with the setuptools of the suite's venv (a test requirement): no "
+        "download, and a third of the time",
+    ),
+    (
         r"^python3 -m pip ",
         f"{PYTHON} -m pip ",
         "the suite's python, which has pip",

@@ -56,12 +56,23 @@ from watchdogd_protocol.slot_page import (
     MAX_MICROSECONDS,
     PAGE_BYTES,
     SLOTS,
-    counts_of,
+    TAKEN,
+    count_of,
+    taken_of,
     word_of,
 )
 
-from helpers.daemon import RunningDaemon, configured_daemon
-from helpers.processes import become, death_time, fork_at_pid, reap, rss_mib, sleeper
+from helpers.daemon import RunningDaemon, configured_daemon, expired_event
+from helpers.processes import (
+    UNIT_NICE,
+    at_units_priority,
+    become,
+    death_time,
+    fork_at_pid,
+    reap,
+    rss_mib,
+    sleeper,
+)
 from helpers.users import NOBODY, OTHER
 from helpers.waiting import PATIENCE, wait_until
 
@@ -112,7 +123,12 @@ class Canaries:
     """Root's canaries, one after another from a thread of the test while the
     block runs: each a sleeper armed by root over the socket for `CANARY`
     seconds, its death timed through a pidfd. On leaving the block every one
-    must have died within `ON_TIME` of its deadline."""
+    must have died within `ON_TIME` of its deadline.
+
+    The daemon runs at the shipped unit's ``Nice=-10`` while they do, and so do
+    the thread that times them and the sleepers it starts: beside CPU hogs, a
+    victim at nice 0 takes its time to exit once killed, and a timer at nice 0
+    takes its time to see it, which is the machine's lateness, not the daemon's."""
 
     def __init__(self, daemon: RunningDaemon) -> None:
         self._daemon = daemon
@@ -122,6 +138,9 @@ class Canaries:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Canaries:
+        for thread in os.listdir(f"/proc/{self._daemon.pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, int(thread), UNIT_NICE)
         self._thread.start()
         return self
 
@@ -135,18 +154,27 @@ class Canaries:
             raise self._failure
         assert self.lates, "no canary ran"
         shown = [round(late * 1000, 1) for late in self.lates]
-        assert max(abs(late) for late in self.lates) < ON_TIME, f"canaries late (ms): {shown}"
+        assert max(self.lates) < ON_TIME, f"canaries late (ms): {shown}"
 
     def _run(self) -> None:
         try:
-            with self._daemon.client(fast=False) as client:
+            with at_units_priority(), self._daemon.client(fast=False) as client:
                 while not self._stop.is_set() or not self.lates:
                     victim = sleeper()
                     try:
                         sent = time.monotonic()
                         remaining = client.acquire("canary", CANARY, pid=victim.pid)
-                        deadline = (sent + time.monotonic()) / 2 + remaining
-                        self.lates.append(death_time(victim) - deadline)
+                        answered = time.monotonic()
+                        died = death_time(victim)
+                        # Its deadline is between the request's sending and its
+                        # answer, a timeout on: a death before the earliest is
+                        # early; its lateness is at least that after the latest,
+                        # and what the daemon itself recorded (a slow round trip
+                        # on a loaded machine widens the one, never the other).
+                        assert died > sent + remaining - 0.002, "a canary died early"
+                        late = expired_event(client, victim.pid).late
+                        assert late is not None
+                        self.lates.append(max(died - answered - remaining, late))
                     finally:
                         reap(victim)
         except BaseException as exc:
@@ -171,6 +199,10 @@ class Actor:
             try:
                 os.close(self._commands)
                 os.close(said)
+                # Pages the test process mapped in earlier tests are not the
+                # actor's: its count of its own page descriptors starts at none.
+                for fd in page_descriptors():
+                    os.close(fd)
                 become(uid)
                 _state["socket"] = str(socket)
                 _state["say"] = say
@@ -434,7 +466,9 @@ def scribble(seconds: float) -> int:
                 for index in range(SLOTS):
                     page[word_of(index, DEADLINE)] = rng.choice(absurd)
                     page[word_of(index, BLOCKS)] = rng.getrandbits(64)
-                    count[counts_of(index) + rng.randrange(BUCKETS)] = rng.getrandbits(32)
+                    page[word_of(index, TAKEN)] = rng.getrandbits(64)
+                    count[count_of(index, rng.randrange(BUCKETS))] = rng.getrandbits(32)
+                    count[taken_of(index, rng.randrange(BUCKETS))] = rng.getrandbits(32)
             time.sleep(0.001)
 
     return _fork(work)
@@ -616,9 +650,9 @@ def map_page_once_exited(page: int) -> int:
     exited, asks on it for page ``page`` and answers on this process's pipe; the
     child's pid."""
     raw = _raw()
+    parent = os.getpid()  # read here: the child may first run once this process is gone
 
     def work() -> None:
-        parent = os.getppid()
         while os.getppid() == parent:
             time.sleep(0.01)
         request = MapPage(id=raw[1].next_id(), page=page)
@@ -898,13 +932,15 @@ def test_a_restart_that_searches_descriptor_tables_full_of_forgeries_never_delay
         daemon.start()
         with Canaries(daemon), daemon.client(fast=False) as client:
             # One more canary, due as the looks that search begin.
-            victim = sleeper()
-            try:
-                remaining = client.acquire("due", looked + 0.02 - time.monotonic(), pid=victim.pid)
-                deadline = time.monotonic() + remaining
-                late = death_time(victim) - deadline
-            finally:
-                reap(victim)
+            with at_units_priority():
+                victim = sleeper()
+                try:
+                    due = looked + 0.02 - time.monotonic()
+                    remaining = client.acquire("due", due, pid=victim.pid)
+                    deadline = time.monotonic() + remaining
+                    late = death_time(victim) - deadline
+                finally:
+                    reap(victim)
             assert late < ON_TIME, (
                 f"a canary due as the search began died {late * 1000:.0f} ms late"
             )
@@ -1063,11 +1099,8 @@ def test_a_service_registering_a_scope_per_request_keeps_the_daemon_and_itself_b
             # scope it ever registered.
             last = held[-1]
             assert last["slots"] <= 2 * per_round, held
-            # Its descriptors of pages: its mappings', and on a loaded machine a
-            # few more held after the first round (seen: 18 for 3 pages; cause
-            # not found), never growing from round to round.
-            assert last["descriptors"] <= 2 * (per_round // SLOTS + 2) + per_round // 5, held
-            assert all(h["descriptors"] <= held[0]["descriptors"] for h in held[1:]), held
+            # Its descriptors of pages are its mappings' (one each), round after round.
+            assert all(h["descriptors"] == h["pages"] for h in held), held
             assert last["pages"] <= 2 * (per_round // SLOTS + 2), held
         finally:
             service.close()
@@ -1143,3 +1176,8 @@ def test_a_service_registering_a_scope_per_request_past_its_limit_is_never_refus
             assert len(own_timers(daemon, NOBODY)) <= 2 * limit
         finally:
             service.close()
+
+
+def test_the_canaries_run_the_daemon_at_the_priority_the_unit_gives_it() -> None:
+    unit = (Path(__file__).parents[2] / "systemd" / "watchdogd.service").read_text()
+    assert f"\nNice={UNIT_NICE}\n" in unit

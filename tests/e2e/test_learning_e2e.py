@@ -126,7 +126,8 @@ def test_auto_arms_what_suggest_prints_and_it_survives_a_restart(
                 reap(worker)
         row = suggestion(socket_path)
         assert row["count"] == 50
-        assert 0.2 <= float(row["p99"]) <= 0.3  # type: ignore[arg-type]
+        # Blocks of 0.2 s sleeps: longer on a loaded machine, never shorter.
+        assert 0.2 <= float(row["p99"]) <= 1.0  # type: ignore[arg-type]
         suggested = row["suggested"]
         assert isinstance(suggested, float)
         assert 2 * float(row["p99"]) <= suggested <= 2 * float(row["p99"]) * 1.01  # type: ignore[arg-type]

@@ -56,6 +56,8 @@ class FakeHost:
     #: the pids it was asked about, in turn.
     samples: dict[int, Sample] = field(default_factory=dict)
     sampled: list[int] = field(default_factory=list)
+    #: Executables other than the default ``/usr/bin/prog-PID`` (one that exec'd).
+    executables: dict[int, str] = field(default_factory=dict)
 
     def open(self, pid: int, peer: Peer) -> FakeProcess:
         if pid not in self.processes or pid in self.dead:
@@ -92,7 +94,7 @@ class FakeHost:
         return USERS.get(uid, f"#{uid}")
 
     def executable(self, process: FakeProcess) -> str:
-        return f"/usr/bin/prog-{process.pid}"
+        return self.executables.get(process.pid, f"/usr/bin/prog-{process.pid}")
 
     def track(self, process: FakeProcess) -> None:
         assert process.pid not in self.tracked

@@ -14,7 +14,7 @@ released mapping does.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from watchdogd.core.ports import SEARCHING, PageRef, Searching, TargetProcess
@@ -30,8 +30,10 @@ from watchdogd_protocol.slot_page import (
     PAGE_BYTES,
     PERIOD,
     SLOTS,
+    TAKEN,
     bucket_of,
-    counts_of,
+    count_of,
+    taken_of,
     word_of,
 )
 
@@ -80,7 +82,7 @@ class Memory:
         many seconds as the client does (its bucket, the largest, the blocks)."""
         if held is not None:
             took = microseconds(held)
-            at = counts_of(index) + bucket_of(took)
+            at = count_of(index, bucket_of(took))
             self.counts[at] = (self.counts[at] + 1) & (2**32 - 1)
             largest = word_of(index, LARGEST)
             self.words[largest] = max(self.words[largest], took)
@@ -90,8 +92,14 @@ class Memory:
 
     def scribble_counts(self, index: int, bucket: int, count: int, blocks: int) -> None:
         """Write a count and a block count no release made."""
-        self.counts[counts_of(index) + bucket] = count
+        self.counts[count_of(index, bucket)] = count
         self.words[word_of(index, BLOCKS)] = blocks
+
+    # What the daemon wrote.
+
+    def taken(self, index: int, bucket: int) -> int:
+        """What the daemon took of slot ``index``'s count of ``bucket``."""
+        return self.counts[taken_of(index, bucket)]
 
 
 class FakePage:
@@ -126,10 +134,19 @@ class FakePage:
     def largest(self, index: int) -> int:
         return self._words()[word_of(index, LARGEST)]
 
-    def counts(self, index: int) -> Sequence[int]:
+    def taken(self, index: int) -> int:
+        return self._words()[word_of(index, TAKEN)]
+
+    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
         self._words()
-        at = counts_of(index)
-        return self.memory.counts[at : at + BUCKETS].tolist()
+        counts = self.memory.counts
+        pairs = ((counts[count_of(index, b)], counts[taken_of(index, b)]) for b in range(BUCKETS))
+        return [(b, count, taken) for b, (count, taken) in enumerate(pairs) if count != taken]
+
+    def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:
+        for bucket, count in counts:
+            self.memory.counts[taken_of(index, bucket)] = count
+        self._words()[word_of(index, TAKEN)] = blocks
 
     def write(self, index: int, *, deadline: int | None = None, period: int | None = None) -> None:
         words = self._words()

@@ -31,7 +31,16 @@ from watchdogd.host.slot_pages import (
     new_page,
     shares_clock,
 )
-from watchdogd_protocol.slot_page import DEADLINE, MAGIC, PAGE_BYTES, SLOTS, word_of
+from watchdogd_protocol.slot_page import (
+    DEADLINE,
+    MAGIC,
+    PAGE_BYTES,
+    SHMEM_PAGE,
+    SLOTS,
+    count_of,
+    taken_of,
+    word_of,
+)
 
 from helpers.processes import reap, sleeper
 from helpers.users import NOBODY, nobody_sleeper
@@ -279,6 +288,57 @@ def test_a_memfd_not_sealed_and_sized_as_a_page_is_refused_by_adopt(
     try:
         with holder({}, kept=(fd,)) as child, pytest.raises(PageError, match=why):
             adopted(child.pid, os.fstat(fd).st_ino)
+    finally:
+        os.close(fd)
+
+
+def held_bytes(fd: int) -> int:
+    """The bytes of memory the kernel holds for memfd ``fd``."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_a_harvest_reads_only_the_memory_the_kernel_holds_for_the_page() -> None:
+    page = new_page()
+    try:
+        assert held_bytes(page.fd) == SHMEM_PAGE  # the header's, and the control parts'
+        # The process counts blocks of slot 5: one of a millisecond, three of minutes.
+        for bucket, count in ((0, 1), (100, 3)):
+            os.pwrite(page.fd, count.to_bytes(4, "little"), 4 * count_of(5, bucket))
+        assert held_bytes(page.fd) == 2 * SHMEM_PAGE
+        assert page.counts(5) == [(0, 1, 0), (100, 3, 0)]
+        assert page.counts(6) == []
+        page.took(5, 4, [(0, 1), (100, 3)])
+        assert (page.counts(5), page.taken(5)) == ([], 4)
+        taken = os.pread(page.fd, 4, 4 * taken_of(5, 100))
+        assert int.from_bytes(taken, "little") == 3
+        # Reading every slot's counts gave no other row memory.
+        for index in range(SLOTS):
+            page.counts(index)
+        assert held_bytes(page.fd) == 2 * SHMEM_PAGE
+    finally:
+        page.close()
+
+
+def test_a_page_of_the_first_layout_is_refused_and_its_slots_closed() -> None:
+    """A page an earlier daemon made (``WDSLOTS1``: 64 KiB, slots of 8 words) that
+    its process still holds after an upgrade: its slots close, so the process's
+    next blocks go over the socket, and nothing else of it is written."""
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    words = [0] * 8 * (1 + SLOTS)
+    words[0], words[1] = int.from_bytes(b"WDSLOTS1", "little"), SLOTS
+    for index in range(SLOTS):
+        words[8 + index * 8 : 8 + index * 8 + 2] = [123_456_789 + index, 500_000]
+    os.ftruncate(fd, 64 * 1024)
+    os.pwrite(fd, b"".join(word.to_bytes(8, "little") for word in words), 0)
+    fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW)
+    try:
+        with holder({}, kept=(fd,)) as child, pytest.raises(PageError, match="earlier daemon"):
+            adopted(child.pid, os.fstat(fd).st_ino)
+        data = os.pread(fd, 8 * len(words), 0)
+        after = [int.from_bytes(data[at : at + 8], "little") for at in range(0, len(data), 8)]
+        for index in range(SLOTS):
+            assert after[8 + index * 8 : 8 + index * 8 + 2] == [123_456_789 + index, 0]
+        assert after[:8] == words[:8]
     finally:
         os.close(fd)
 

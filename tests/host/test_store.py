@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import trio
 
-from watchdogd.core.timers import Course, Timer, Watch
+from watchdogd.core.timers import Course, SlotRef, Timer, Watch
 from watchdogd.storage import database, schema
 from watchdogd.storage import journal as journal_module
 from watchdogd.storage import room as room_module
@@ -576,7 +576,7 @@ def test_a_clients_arming_number_of_schema_6_moves_into_the_timers_watch() -> No
     def as_in_6(armed: Timer, arm: int) -> list[object]:
         fields = msgspec.to_builtins(armed)
         if fields[-1] is not None:
-            fields[-1] = fields[-1][:10]  # a Watch of schema 6: no client_arm
+            fields[-1] = fields[-1][1:11]  # a Watch of schema 6: no tag, no client_arm
         return [*fields, arm]
 
     array = msgspec.msgpack.encode(
@@ -591,6 +591,33 @@ def test_a_clients_arming_number_of_schema_6_moves_into_the_timers_watch() -> No
     ]
     with pytest.raises(msgspec.ValidationError, match="does not migrate"):
         schema.decode_timers(msgspec.msgpack.encode([[*as_in_6(plain, 0)[:-2], "no watch", 1]]), 6)
+
+
+def test_the_watches_and_slots_of_schema_9_are_read_with_their_tags() -> None:
+    """Schema 9 stored a `Watch` and the `SlotRef` in it as plain arrays; schema 10
+    leads each with its tag (a registration that needs nothing else keeps its bare
+    `SlotRef`), and reads a timer of schema 9 as it was."""
+    ref = SlotRef(page=123_456, index=5, period=0.875)
+    plain = timer(1, "plain")
+    watched = timer(1, "watched", watch=Watch(job="j", rank=2, progress=4))
+    registered = timer(1, "registered", watch=Watch(progressed_at=90.0, slot=ref))
+
+    def as_in_9(armed: Timer) -> list[object]:
+        fields = msgspec.to_builtins(armed)
+        watch = fields[-1]
+        if watch is not None:
+            watch = watch[1:]  # no tag
+            if watch[-1] is not None:
+                watch[-1] = watch[-1][1:]
+        return [*fields[:-1], watch]
+
+    assert msgspec.to_builtins(registered)[-1][-1] == [2, 123_456, 5, 0.875]
+    array = msgspec.msgpack.encode([as_in_9(each) for each in (plain, watched, registered)])
+    assert schema.decode_timers(array, 9) == [plain, watched, registered]
+    bare = msgspec.structs.replace(registered, watch=ref)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(bare), type=Timer) == bare
+    with pytest.raises(msgspec.ValidationError, match="does not migrate"):
+        schema.decode_timers(msgspec.msgpack.encode([[*as_in_9(plain)[:-1], "no watch"]]), 9)
 
 
 def test_a_timer_that_does_not_migrate_is_damage(

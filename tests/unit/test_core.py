@@ -23,10 +23,11 @@ ALLOWED = ("watchdogd.errors", "watchdogd._version")
 CORE_DIR = Path(watchdogd.core.__file__).parent
 CORE = ("bridge", "config", "context", "counters", "deadlines", "effects", "events",
         "evidence_budget", "expiry", "fingerprint", "firing", "hangs", "history", "identity",
-        "incidents", "kept_evidence", "lifecycle", "logline", "pages", "policies", "ports",
-        "process_pages", "ranks", "repeats", "responders", "rules", "service", "session",
-        "shares", "slot", "slot_shares", "slots", "starvation", "timer_requests", "timers",
-        "tomlkeys", "unblocks", "user_frames", "verdict", "viewing", "writer")  # fmt: skip
+        "incidents", "interning", "kept_evidence", "lifecycle", "logline", "pages", "policies",
+        "ports", "process_pages", "ranks", "repeats", "responders", "rules", "service",
+        "session", "shares", "slot", "slot_shares", "slots", "starvation", "timer_requests",
+        "timers", "tomlkeys", "unblocks", "user_frames", "verdict", "viewing",
+        "writer")  # fmt: skip
 
 
 def test_the_core_imports_nothing_that_does_io() -> None:

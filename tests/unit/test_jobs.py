@@ -77,8 +77,8 @@ def test_status_and_events_show_the_job_and_rank() -> None:
     [shown] = reply.timers
     assert (shown.job, shown.rank) == ("run-7", 3)
     [expired] = world.service.firing.expire_due(1.0)
-    assert expired.timer.watch is not None
-    assert (expired.timer.watch.job, expired.timer.watch.local_rank) == ("run-7", 1)
+    assert expired.timer.watched is not None
+    assert (expired.timer.watched.job, expired.timer.watched.local_rank) == ("run-7", 1)
     expired.process.close()
 
 

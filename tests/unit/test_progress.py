@@ -100,8 +100,8 @@ def test_progress_under_a_policy_without_stall_is_kept_and_changes_nothing() -> 
     assert deadline(w.service) == 4.0
     timer = w.service.table.get(200, "loop")
     assert timer is not None
-    assert timer.watch is not None
-    assert timer.watch.progress == 1
+    assert timer.watched is not None
+    assert timer.watched.progress == 1
 
 
 def test_auto_arms_the_ceiling_until_history_suggests_then_the_suggestion() -> None:

@@ -3,6 +3,7 @@ process counts in its page is what the daemon's history counts for a release."""
 
 from __future__ import annotations
 
+import itertools
 import mmap
 
 import pytest
@@ -11,14 +12,19 @@ from watchdogd.core.history import bucket_of as history_bucket
 from watchdogd_client.fastpath import FastPath, _Page, _Slot
 from watchdogd_protocol.slot_page import (
     BUCKETS,
-    COUNTS_OFFSET,
     HEADER_BYTES,
     PAGE_BYTES,
     PERIOD,
+    ROW_BYTES,
+    ROWS,
+    ROWS_OFFSET,
+    SHMEM_PAGE,
     SLOT_WORDS,
     SLOTS,
     bucket_of,
-    counts_of,
+    buckets_in,
+    count_of,
+    taken_of,
     word_of,
 )
 
@@ -30,9 +36,34 @@ DURATIONS = sorted(
 
 
 def test_the_slots_and_their_counts_fit_the_page() -> None:
-    assert word_of(SLOTS - 1, SLOT_WORDS - 1) * 8 < COUNTS_OFFSET
-    assert counts_of(SLOTS - 1) * 4 + BUCKETS * 4 <= PAGE_BYTES
     assert word_of(0, 0) * 8 == HEADER_BYTES
+    assert word_of(SLOTS - 1, SLOT_WORDS - 1) * 8 + 8 == ROWS_OFFSET
+    assert ROWS[0] * 4 >= ROWS_OFFSET
+    assert all(later * 4 >= row * 4 + ROW_BYTES for row, later in itertools.pairwise(ROWS))
+    assert taken_of(SLOTS - 1, BUCKETS - 1) * 4 + 4 <= PAGE_BYTES
+    assert PAGE_BYTES % SHMEM_PAGE == 0
+
+
+def test_each_row_lies_in_one_kernel_page_that_says_it_holds_it() -> None:
+    held = {bucket: page for page in range(PAGE_BYTES // SHMEM_PAGE) for bucket in buckets_in(page)}
+    assert sorted(held) == list(range(BUCKETS))
+    for bucket, page in held.items():
+        first, last = count_of(0, bucket) * 4, taken_of(SLOTS - 1, bucket) * 4 + 3
+        assert first // SHMEM_PAGE == last // SHMEM_PAGE == page
+
+
+def test_a_full_page_whose_blocks_all_last_a_millisecond_is_one_kernel_page() -> None:
+    touched = {
+        at(slot, bucket) * 4 // SHMEM_PAGE
+        for at in (count_of, taken_of)
+        for slot in range(SLOTS)
+        for bucket in (0, 1)
+    }
+    touched |= {
+        word_of(slot, word) * 8 // SHMEM_PAGE for slot in range(SLOTS) for word in range(SLOT_WORDS)
+    }
+    assert touched == {0}
+    assert bucket_of(1090) == 1
 
 
 @pytest.mark.parametrize("microseconds", DURATIONS)
@@ -53,5 +84,5 @@ def test_a_release_counts_its_block_in_that_bucket(
     slot.entered = 5_000_000
     monkeypatch.setattr("time.monotonic", lambda: (5_000_000 + microseconds) / 1e6)
     assert fast.release("s") is False
-    counted = [at for at in range(BUCKETS) if page.counts[counts_of(3) + at]]
+    counted = [bucket for bucket in range(BUCKETS) if page.counts[count_of(3, bucket)]]
     assert counted == [bucket_of(microseconds)]

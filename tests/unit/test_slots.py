@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
+from watchdogd.core.process_pages import SEARCH_PAUSE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
-from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
+from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -251,7 +252,7 @@ def test_a_socket_arm_gets_no_slot(fields: dict[str, Any], caller: str) -> None:
     assert reply.slot is None
     timer = world.service.table.get(pid, "step")
     assert timer is not None
-    assert timer.watch is None or timer.watch.slot is None
+    assert timer.slot is None
     assert world.pages.made == {}
     assert len(world.service.slots) == 0
 
@@ -277,8 +278,7 @@ def test_the_table_holds_the_registration_with_its_deadline_at_the_next_look() -
     grant, _ = registered(world, "step", now=1.0)
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
-    assert timer.watch is not None
-    assert timer.watch.slot == SlotRef(page=grant.page, index=0, period=PERIOD)
+    assert timer.slot == SlotRef(page=grant.page, index=0, period=PERIOD)
     # min(deadline 9.0, now + period 8.0)
     assert timer.deadline == min(1.0 + TIMEOUT, 1.0 + PERIOD) == 8.0
     assert world.journal.puts == [timer]
@@ -377,6 +377,20 @@ def test_a_deadline_that_passed_fires_on_its_own_deadline_and_closes_the_slot() 
     assert world.service.table.get(ALICE.pid, "step") is None
 
 
+def test_a_plain_timer_due_with_registrations_fires_in_a_pass_before_their_looks() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.store(0, 8.0)  # its look, at 8.0, finds its block due
+    arm(world, world.bob, "plain", 2.0, slot=False, timeout=6.0)
+    world.clock.now = 8.0
+    [first] = world.service.firing.expire_due(8.0)
+    assert first.timer.scope == "plain"
+    assert look_at(world, "step") == 8.0  # unread, and due as it was
+    [then] = world.service.firing.expire_due(8.0)
+    assert then.timer.scope == "step"
+    assert then.timer.deadline == 8.0
+
+
 def test_a_stored_deadline_past_max_timeout_is_clamped_and_counted() -> None:
     world = make_world(max_timeout=100.0)
     _, memory = registered(world, "step", now=1.0)
@@ -413,6 +427,42 @@ def test_real_counts_reach_the_history_and_suggest_counts_every_block() -> None:
     run(world, 8.0)
     assert suggested_count(world, "step", 9.0) == 35
     assert world.service.metrics.slots_scribbled == 0
+
+
+def test_a_process_that_execs_registers_on_a_page_of_its_new_executable() -> None:
+    """The slots of a page share one history key's executable: blocks of the
+    program before the exec and of the one after never count under each other's."""
+    world = make_world()
+    before, memory = registered(world, "step", now=1.0)
+    world.host.executables[ALICE.pid] = "/usr/bin/other"
+    after, other = registered(world, "after-exec", now=2.0)
+    assert after.page != before.page
+    memory.release(before.index, held=0.5)
+    other.release(after.index, held=0.5)
+    reply = world.service.handle(Suggest(id=3), world.root, 3.0)
+    assert isinstance(reply, SuggestReply)
+    assert sorted((row.executable, row.scope, row.count) for row in reply.suggestions) == [
+        ("/usr/bin/other", "after-exec", 1),
+        (f"/usr/bin/prog-{ALICE.pid}", "step", 1),
+    ]
+
+
+def test_the_page_of_the_program_before_an_exec_goes_with_its_last_registration() -> None:
+    """A page kept with no registration, only to give slots, is let go when the
+    process's next registration takes a page of its new executable."""
+    world = make_world()
+    for index in range(SLOTS):
+        registered(world, f"full-{index}", now=1.0)
+    newest, _ = registered(world, "step", now=1.0)
+    arm(world, world.root, "step", 2.0, pid=ALICE.pid)  # its slot closes and goes
+    assert not world.pages.made[newest.page].closed  # it gives the next slot still
+    world.host.executables[ALICE.pid] = "/usr/bin/other"
+    after, _ = registered(world, "after-exec", now=3.0)
+    assert after.page != newest.page
+    assert world.pages.made[newest.page].closed
+    process = world.service.table.process(ALICE.pid)
+    assert process is not None
+    assert world.service.slots.page_for(process, newest.page) is None
 
 
 def test_an_auto_arm_writes_the_timeout_it_learned_into_the_slot() -> None:
@@ -585,7 +635,7 @@ def test_another_callers_arm_revokes_the_slot_and_arms_a_plain_timer_no_store_di
     assert memory.period(0) == 0
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
-    assert timer.watch is None or timer.watch.slot is None
+    assert timer.slot is None
     assert timer.deadline == 32.0
     memory.release(0)  # the worker's next store in its old slot
     memory.store(0, 1000.0)
@@ -611,7 +661,7 @@ def test_a_release_by_the_process_itself_keeps_the_registration_and_says_if_arme
     timer = world.service.table.get(ALICE.pid, "step")
     assert timer is not None
     assert timer.watch is not None
-    assert timer.watch.slot is not None
+    assert timer.slot is not None
     again = world.service.handle(Release(id=6, scope="step"), world.alice, 3.0)
     assert again == Released(id=6, found=False)
     assert world.journal.drops == []
@@ -672,7 +722,7 @@ def test_a_process_whose_uid_changed_keeps_its_armed_block_as_a_plain_timer() ->
     kept = world.service.table.get(ALICE.pid, "step")
     assert kept is not None
     assert kept.deadline == 50.0
-    assert kept.watch is None or kept.watch.slot is None
+    assert kept.slot is None
     assert memory.period(0) == 0
     assert [timer.scope for timer in world.journal.puts][-1] == "step"
     assert [expired.timer.scope for expired in run(world, 50.0)] == ["step"]
@@ -705,7 +755,7 @@ def test_a_process_that_moved_to_another_clock_has_its_block_read_on_that_clock(
     kept = world.service.table.get(ALICE.pid, "step")
     assert kept is not None
     assert kept.deadline == pytest.approx(10.0)
-    assert kept.watch is None or kept.watch.slot is None
+    assert kept.slot is None
     assert memory.period(0) == 0
     assert [expired.timer.scope for expired in run(world, 10.0)] == ["step"]
 
@@ -804,6 +854,55 @@ def test_a_restored_registration_is_adopted_at_its_first_look() -> None:
     [fired] = run(world, 60.0)
     assert (fired.timer.scope, fired.timer.deadline) == ("step", 60.0)
     assert memory.period(0) == 0
+
+
+def test_a_registration_that_needs_nothing_else_keeps_its_bare_slot_through_a_restart() -> None:
+    """Its timer's `Watch` would hold nothing but its slot: it keeps the `SlotRef`
+    alone (one object fewer), as one of a job keeps its `Watch` with its slot, and
+    a restart finds both again from the state."""
+    before = make_world()
+    bare_grant, bare = registered(before, "bare", now=1.0)
+    of_job = arm(before, before.alice, "of-job", 1.0, job="run-1", rank=3).slot
+    assert of_job is not None
+    bare_timer = before.service.table.get(ALICE.pid, "bare")
+    job_timer = before.service.table.get(ALICE.pid, "of-job")
+    assert bare_timer is not None
+    assert job_timer is not None
+    assert isinstance(bare_timer.watch, SlotRef)
+    assert (bare_timer.watched, bare_timer.slot) == (None, bare_timer.watch)
+    assert job_timer.watched is not None
+    assert (job_timer.watched.job, job_timer.slot) == ("run-1", job_timer.watched.slot)
+    bare.store(bare_grant.index, 30.0)
+    bare.release(of_job.index)  # the same page's
+    world = restarted(before, now=20.0)
+    assert run(world, 20.0) == []
+    assert look_at(world, "bare") == 27.0  # its stored deadline, or a period on
+    bare.store(of_job.index, 60.0)
+    why = world.service.handle(Why(id=4, pid=ALICE.pid), world.alice, 21.0)
+    assert isinstance(why, WhyReply)
+    notes = {timer.scope: " ".join(timer.notes) for timer in why.timers}
+    assert f"slot {bare_grant.index}" in notes["bare"]
+    assert "of job run-1 as rank 3" in notes["of-job"]
+    assert "slot page" in notes["of-job"]
+    [fired] = run(world, 31.0)
+    assert (fired.timer.scope, fired.timer.deadline) == ("bare", 30.0)
+
+
+def test_blocks_released_since_the_last_harvest_before_a_crash_count_after_the_restart() -> None:
+    before = make_world()
+    _, memory = registered(before, "step", now=1.0)
+    for _ in range(30):
+        memory.release(0, held=0.5)
+    run(before, 8.0)  # harvested: 30
+    for _ in range(7):
+        memory.release(0, held=0.5)  # not harvested when the daemon dies
+    world = restarted(before, now=20.0)
+    world.service.history.load(before.service.history.encode())  # as its file kept it
+    for _ in range(5):
+        memory.release(0, held=0.5)  # while it was down, or since
+    run(world, 20.0)
+    assert suggested_count(world, "step", 21.0) == 42
+    assert world.service.metrics.slots_scribbled == 0
 
 
 def test_a_restored_registration_whose_page_is_lost_is_dropped_logged_and_counted() -> None:

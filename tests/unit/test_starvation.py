@@ -13,6 +13,7 @@ from watchdogd.core.config import Config, PolicyConfig
 from watchdogd.core.service import Service
 from watchdogd.core.starvation import UNMEASURED, Pressure, Sample, judge
 from watchdogd.core.timers import Timer, Watch
+from watchdogd.storage import schema
 from watchdogd.storage.store import Store
 from watchdogd_protocol import Acquire, EventInfo
 
@@ -170,7 +171,7 @@ class TestService:
         world.service.handle(Acquire(id=1, scope="a", timeout=1.0), world.alice, 0.0)
         timer = world.service.table.get(ALICE.pid, "a")
         assert timer is not None
-        assert timer.watch is None
+        assert timer.watched is None
         [fired] = world.service.firing.expire_due(1.0)
         assert fired.note == ""
         assert world.host.sampled == []
@@ -203,8 +204,8 @@ class TestService:
         samples = len(host.sampled)
         [fired] = service.firing.expire_due(7.5)  # still starved: it fires all the same
         assert len(host.sampled) == samples
-        assert fired.timer.watch is not None
-        assert fired.timer.watch.extended == 5.0
+        assert fired.timer.watched is not None
+        assert fired.timer.watched.extended == 5.0
         assert fired.note == ""
         assert not service.table.get(ALICE.pid, "a")
         fired.process.close()
@@ -312,5 +313,5 @@ def test_a_watch_stored_before_it_had_these_fields_still_loads() -> None:
     encoded = msgspec.msgpack.encode(old)
     fields = msgspec.msgpack.decode(encoded)
     fields[-1] = [None, 0.0, 0.0, ""]  # the watch: the last field
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Timer)
+    [decoded] = schema.decode_timers(msgspec.msgpack.encode([fields]), 4)
     assert decoded.watch == Watch()

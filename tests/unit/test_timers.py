@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from watchdogd.core.timers import Shared, Timer, TimerTable
+from watchdogd.core.interning import Shared
+from watchdogd.core.timers import Timer, TimerTable
 
 
 @dataclass(eq=False)
@@ -176,6 +177,21 @@ def test_repeated_values_are_one_object() -> None:
         assert timer.timeout is first.timeout
         assert timer.pid is handle.pid
         assert timer.start_time is handle.start_time
+
+
+def test_one_scope_armed_by_many_processes_is_one_object() -> None:
+    """The ranks of a job, the workers of a service, arm the same scopes: each
+    request decodes its own copy, which the table does not keep."""
+    table: TimerTable[Handle] = TimerTable()
+    for pid in range(10, 13):
+        table.arm(
+            Handle(pid), "".join(["train/", "step"]), timeout=60.0, policy="kill",
+            uid=1000, owner=1000, now=float(pid),
+        )  # fmt: skip
+    first, *others = table.timers()
+    assert others
+    assert all(timer.scope is first.scope for timer in others)
+    assert table.shared_scope("".join(["train/", "step"])) is first.scope
 
 
 def test_shared_values_are_bounded() -> None:

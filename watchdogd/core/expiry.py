@@ -177,7 +177,7 @@ def resume_point(timer: Timer, policy: Policy, note: str) -> tuple[Timer, str]:
 
 def stall_note(timer: Timer) -> str:
     """What an expiry's event says of a timer that stalled."""
-    watch = timer.watch
+    watch = timer.watched
     if watch is None or not timer.stalled:
         return ""
     at = "no progress counter" if watch.progress is None else f"its progress at {watch.progress}"
@@ -537,9 +537,9 @@ class Run:
             note="; ".join(self._notes()),
             reason="" if peer else "stalled" if timer.stalled else "timeout",
             timeout=timer.timeout,
-            timeout_from="" if timer.watch is None else timer.watch.timeout_from,
-            job="" if timer.watch is None else timer.watch.job,
-            rank=None if timer.watch is None else timer.watch.rank,
+            timeout_from="" if timer.watched is None else timer.watched.timeout_from,
+            job="" if timer.watched is None else timer.watched.job,
+            rank=None if timer.watched is None else timer.watched.rank,
             incident="" if timer.run is None else timer.run.incident,
         )
         return Finish(event, unkillable=outcome is Outcome.UNKILLABLE)
@@ -556,9 +556,9 @@ class Run:
             f"resumed at step {self.resumed_at + 1} after a restart" if self.resumed_at else ""
         )
         extended = (
-            f"it had been given {timer.watch.extended:g}s more as starved (its extended event "
+            f"it had been given {timer.watched.extended:g}s more as starved (its extended event "
             "says why) and was still due"
-            if timer.watch is not None and timer.watch.extended and not peer
+            if timer.watched is not None and timer.watched.extended and not peer
             else ""
         )
         first = (

@@ -120,7 +120,7 @@ class RestartGrace(Generic[P]):
     def ends(self, timer: Timer) -> float:
         """When the grace of ``timer``, restored and due, ends: the one an earlier
         start gave it, if any, else this start's."""
-        watch = timer.watch
+        watch = timer.watched
         if watch is None or watch.held_until is None:
             return self.until
         return watch.held_until
@@ -130,7 +130,7 @@ class RestartGrace(Generic[P]):
         grace ends; recorded with it in the state, unless it was already."""
         timer = item.timer
         armed = self._held.setdefault(timer.store_key, timer.deadline)
-        watch = Watch() if timer.watch is None else timer.watch
+        watch = timer.as_watch
         if watch.held_until != until:
             watch = msgspec.structs.replace(watch, held_until=until)
             self._writer.record(
@@ -217,7 +217,7 @@ class Firing(Generic[P]):
         return list(self._jobs)
 
     def _count_job(self, timer: Timer, delta: int) -> None:
-        watch = timer.watch
+        watch = timer.watched
         if watch is None or not watch.job:
             return
         key = (timer.owner, watch.job)
@@ -316,7 +316,7 @@ class Firing(Generic[P]):
         process; None when the process was starved and its timer was extended
         instead."""
         verdict = judge_due(
-            item.timer.watch,
+            item.timer.watched,
             functools.partial(self._processes.sample, item.process),
             pressure=policy.starvation_pressure,
             cpu=policy.starvation_cpu,
@@ -331,7 +331,7 @@ class Firing(Generic[P]):
     ) -> Due[P] | None:
         """``item`` as a `Due`, if its policy starts with a signal to its process
         and nothing else is made of it (no note, no job); None otherwise."""
-        watch = item.timer.watch
+        watch = item.timer.watched
         if watch is not None and watch.job:
             return None
         signal = first_signal(item.timer, policy, note)
@@ -349,7 +349,7 @@ class Firing(Generic[P]):
         carries a job."""
         run = Course(fired_at=now, plan=policy.plan)
         peers: list[Expired[P]] = []
-        watch = item.timer.watch
+        watch = item.timer.watched
         if watch is not None and watch.job:
             run, peers = self._incident(item.timer, watch, policy, run, now)
         firing = self._put_firing(item.timer, next(self._numbers), run)
@@ -486,7 +486,9 @@ class Firing(Generic[P]):
             timer = next(
                 timer
                 for timer in self._table.timers_of(pid)
-                if timer.owner == job[0] and timer.watch is not None and timer.watch.job == job[1]
+                if timer.owner == job[0]
+                and timer.watched is not None
+                and timer.watched.job == job[1]
             )
             name = self._rules.policy_for(timer.policy)[0].peers if peers is None else peers
             if name == NO_PEERS:
@@ -503,7 +505,7 @@ class Firing(Generic[P]):
             self._writer.record(firing)
             self._firing[firing.store_key] = firing
             self._count_job(firing, +1)
-            assert timer.watch is not None
+            assert timer.watched is not None
             self._incidents.add(
                 incident,
                 RankInfo(
@@ -512,9 +514,9 @@ class Firing(Generic[P]):
                     uid=timer.uid,
                     role="peer",
                     scope=timer.scope,
-                    rank=timer.watch.rank,
-                    local_rank=timer.watch.local_rank,
-                    group_rank=timer.watch.group_rank,
+                    rank=timer.watched.rank,
+                    local_rank=timer.watched.local_rank,
+                    group_rank=timer.watched.group_rank,
                     policy=peer_policy.name,
                 ),
             )
@@ -574,7 +576,7 @@ class Firing(Generic[P]):
         being starved: an ``extended`` event says why, and its `Watch` that it was
         extended (it is not again until it is armed anew)."""
         timer, grace = item.timer, policy.starvation_grace
-        watch = Watch() if timer.watch is None else timer.watch
+        watch = timer.as_watch
         timer = self._writer.rearm(
             item.process,
             msgspec.structs.replace(
@@ -604,4 +606,4 @@ class Firing(Generic[P]):
 
 def _registered(timer: Timer) -> bool:
     """Whether ``timer`` is a registered scope's, whose slot says what became of it."""
-    return timer.watch is not None and timer.watch.slot is not None
+    return timer.slot is not None

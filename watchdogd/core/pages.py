@@ -171,7 +171,9 @@ class Pages(Generic[P]):
                 taken += 1  # a registered scope's slot holds no block: none armed
                 continue
             cost = _TIMER_BYTES + len(timer.scope.encode()) + len(timer.policy.encode())
-            job, rank = ("", None) if timer.watch is None else (timer.watch.job, timer.watch.rank)
+            job, rank = (
+                ("", None) if timer.watched is None else (timer.watched.job, timer.watched.rank)
+            )
             if job:
                 cost += MAX_JOB_BYTES
             command = None
@@ -205,8 +207,7 @@ class Pages(Generic[P]):
     def _deadline(self, timer: Timer, now: float) -> float | None:
         """``timer``'s deadline: a registered scope's read from its slot ``now``
         (None while it holds no block that is known: `Slots.deadline_of`)."""
-        watch = timer.watch
-        if watch is None or watch.slot is None:
+        if timer.slot is None:
             return timer.deadline
         return self._slots.deadline_of(timer, now)
 
@@ -291,7 +292,7 @@ class Pages(Generic[P]):
         )
 
     def _why_timer(self, timer: Timer, now: float) -> WhyTimer:
-        watch = timer.watch
+        watch = timer.watched
         firing = ""
         if timer.firing:
             policy, _ = self._rules.policy_for(timer.policy)
@@ -316,7 +317,7 @@ class Pages(Generic[P]):
             progressed=None if watch is None else now - watch.progressed_at,
             stall=0.0 if watch is None else watch.stall,
             firing=firing,
-            notes=_why_notes(watch),
+            notes=_why_notes(timer.as_watch),
         )
 
     def info(self, now: float) -> DaemonInfo:
@@ -442,10 +443,8 @@ def _top_jobs(jobs: dict[tuple[int, str], int], labels: int) -> dict[tuple[int, 
     return top
 
 
-def _why_notes(watch: Watch | None) -> list[str]:
+def _why_notes(watch: Watch) -> list[str]:
     """What `Why` says of a timer beyond its fields: its job, and any extension."""
-    if watch is None:
-        return []
     notes = []
     if watch.job:
         rank = "" if watch.rank is None else f" as rank {watch.rank}"

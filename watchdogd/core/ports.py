@@ -11,7 +11,7 @@ on a fake host in tests.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final, Protocol, TypeVar
 
@@ -149,8 +149,18 @@ class PageRef(Protocol):
     def largest(self, index: int) -> int:
         """The longest of them, in microseconds."""
 
-    def counts(self, index: int) -> Sequence[int]:
-        """Their durations' counts, by history bucket."""
+    def taken(self, index: int) -> int:
+        """How many of them the daemon had released at its last harvest (its own
+        word, which the process may have written over all the same)."""
+
+    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
+        """Their durations' counts that moved since the last harvest: ``(bucket,
+        count, taken)``, for each history bucket whose count differs from what was
+        taken of it (read only where the page holds memory)."""
+
+    def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:
+        """Write what a harvest took of slot ``index``: its ``blocks``, and its
+        ``(bucket, count)`` pairs."""
 
     def write(self, index: int, *, deadline: int | None = None, period: int | None = None) -> None:
         """Write slot ``index``'s deadline (microseconds) and period (0: closed)."""

@@ -1,24 +1,41 @@
-"""One registration's slot as the daemon knows it between its looks, and what it
-writes to and takes from the slot (`watchdogd.core.slots` keeps them all).
+"""What the daemon knows of the slots of a page between its looks (`PageSlots`: one
+object a page, whose registrations cost it a few numbers each in its arrays, not
+objects of their own), the view of one slot that an arm or a look works through
+(`Slot`: made when needed, never kept), and what they write to and take from a
+slot (`watchdogd.core.slots` keeps them all, through
+`watchdogd.core.process_pages`).
 
-Every count read from a slot is bounded: the process may write anything there.
+Invariants:
+
+- A slot of a `PageSlots` is `FREE` (no registration of this daemon's: never
+  given, gone, or not found again yet after a restart), `OPEN` or `CLOSING`; what
+  the arrays hold at a free slot's index means nothing. ``live`` counts the open
+  and closing slots its registrations let go of only once.
+- Every count read from a slot is bounded: the process may write anything there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 from typing import Final
 
 from watchdogd_protocol import SlotGrant
-from watchdogd_protocol.slot_page import BUCKETS, MAX_MICROSECONDS
+from watchdogd_protocol.slot_page import MAX_MICROSECONDS
 
 from .ports import PageRef
+from .timers import SlotRef
 
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
 _BLOCKS_A_SECOND: Final = 5_000_000
+#: A slot's state in `PageSlots.state`.
+FREE: Final = 0
+OPEN: Final = 1
+CLOSING: Final = 2
+#: A slot's look budget when it counts against none (root's): (uid_t)-1 is no uid.
+_NO_BUDGET: Final = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,34 +47,163 @@ class Taken:
     scribbled: bool = False
 
 
-@dataclass(slots=True, eq=False)
-class Slot:
-    """What the daemon knows of one registration between its looks."""
+class PageSlots:
+    """A page and what the daemon knows of each of its slots, by index: arrays
+    grown as its indexes are given (in turn) or found again."""
 
-    page: PageRef
-    index: int
-    period: float
-    #: The executable its process ran when the slot was made: the key of its
-    #: history, read while the process is known to be there (its last harvest
-    #: comes after its exit, when its pidfd may be closed).
-    executable: str
-    #: The block's deadline as last read (bounded); 0.0 while released.
-    due: float = 0.0
-    #: The deadline word it was read from: while the word stays, so does ``due``
-    #: (a deadline clamped once stays where it was clamped).
-    word: int = 0
-    #: When it was first seen released, since it last was armed (0.0: armed).
-    idle_since: float = 0.0
-    #: When it closed (0.0: open).
-    closing: float = 0.0
-    #: When its word was last read, or written over the socket (-inf: not yet).
-    looked: float = -math.inf
-    #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
-    budget: int | None = None
-    #: The blocks its process counted, and their counts by bucket, as last taken.
-    blocks: int = 0
-    seen: dict[int, int] = field(default_factory=dict)
-    harvested: float = 0.0
+    __slots__ = (
+        "budget",
+        "closing",
+        "due",
+        "executable",
+        "harvested",
+        "idle_since",
+        "live",
+        "looked",
+        "page",
+        "pid",
+        "scopes",
+        "state",
+        "word",
+    )
+
+    def __init__(self, page: PageRef, pid: int, executable: str) -> None:
+        self.page = page
+        #: Its process's pid (a page is one process's alone).
+        self.pid = pid
+        #: The executable its process ran when the page was made, or found again:
+        #: the key of its slots' history, read while the process was known to be
+        #: there (a last harvest comes after its exit, when its pidfd may be closed).
+        self.executable = executable
+        #: Its open and closing slots.
+        self.live = 0
+        #: Each slot's `FREE`, `OPEN` or `CLOSING`, and its registration's scope.
+        self.state = bytearray()
+        self.scopes: list[str] = []
+        #: The block's deadline as last read (bounded); 0.0 while released.
+        self.due = array("d")
+        #: The deadline word it was read from: while the word stays, so does the
+        #: deadline (one clamped once stays where it was clamped).
+        self.word = array("Q")
+        #: When it was first seen released, since it last was armed (0.0: armed).
+        self.idle_since = array("d")
+        #: When it closed (0.0: open).
+        self.closing = array("d")
+        #: When its word was last read, or written over the socket (-inf: not yet).
+        self.looked = array("d")
+        #: When its counts were last taken (or, for a slot found again after a
+        #: restart, a time before: its registration's arming).
+        self.harvested = array("d")
+        #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
+        self.budget = array("I")
+
+    def __repr__(self) -> str:
+        return f"<PageSlots {self.page.id}: {self.live} live>"
+
+    def known(self, index: int) -> bool:
+        """Whether slot ``index`` is a registration's, to this daemon."""
+        return index < len(self.state) and self.state[index] != FREE
+
+    def open(self, index: int, scope: str, budget: int | None, harvested: float) -> None:
+        """Slot ``index`` becomes the registration of ``scope`` (given now, or
+        found again after a restart): open, read as released, never looked at,
+        counted against ``budget``, its counts taken at ``harvested``."""
+        grow = index + 1 - len(self.state)
+        if grow > 0:
+            self.state.extend(bytes(grow))
+            self.scopes.extend([""] * grow)
+            for numbers in self._arrays():
+                numbers.frombytes(bytes(grow * numbers.itemsize))
+        self.state[index] = OPEN
+        self.scopes[index] = scope
+        self.due[index] = self.idle_since[index] = self.closing[index] = 0.0
+        self.word[index] = 0
+        self.looked[index] = -math.inf
+        self.harvested[index] = harvested
+        self.budget[index] = _NO_BUDGET if budget is None else budget
+
+    def free(self, index: int) -> None:
+        """Slot ``index`` is no registration's any more."""
+        self.state[index] = FREE
+        self.scopes[index] = ""
+
+    def _arrays(self) -> tuple[array[float] | array[int], ...]:
+        return (
+            self.due,
+            self.word,
+            self.idle_since,
+            self.closing,
+            self.looked,
+            self.harvested,
+            self.budget,
+        )
+
+
+class Slot:
+    """The slot ``ref`` names, seen through its page's `PageSlots`: made for an arm
+    or a look, never kept (what it knows lives in the arrays)."""
+
+    __slots__ = ("index", "period", "ref", "slots")
+
+    def __init__(self, slots: PageSlots, ref: SlotRef) -> None:
+        self.slots = slots
+        self.ref = ref
+        self.index = ref.index
+        self.period = ref.period
+
+    @property
+    def page(self) -> PageRef:
+        return self.slots.page
+
+    @property
+    def executable(self) -> str:
+        return self.slots.executable
+
+    @property
+    def budget(self) -> int | None:
+        budget = self.slots.budget[self.index]
+        return None if budget == _NO_BUDGET else budget
+
+    @property
+    def due(self) -> float:
+        return self.slots.due[self.index]
+
+    @due.setter
+    def due(self, value: float) -> None:
+        self.slots.due[self.index] = value
+
+    @property
+    def word(self) -> int:
+        return self.slots.word[self.index]
+
+    @word.setter
+    def word(self, value: int) -> None:
+        self.slots.word[self.index] = value
+
+    @property
+    def idle_since(self) -> float:
+        return self.slots.idle_since[self.index]
+
+    @idle_since.setter
+    def idle_since(self, value: float) -> None:
+        self.slots.idle_since[self.index] = value
+
+    @property
+    def closing(self) -> float:
+        return self.slots.closing[self.index]
+
+    @closing.setter
+    def closing(self, value: float) -> None:
+        self.slots.closing[self.index] = value
+        self.slots.state[self.index] = CLOSING if value else OPEN
+
+    @property
+    def looked(self) -> float:
+        return self.slots.looked[self.index]
+
+    @looked.setter
+    def looked(self, value: float) -> None:
+        self.slots.looked[self.index] = value
 
     def arm(self, deadline: float, auto: float | None, at: float) -> SlotGrant:
         """Armed over the socket at ``at`` until ``deadline`` (``auto``: the timeout
@@ -81,15 +227,18 @@ class Slot:
 
     def take(self, now: float) -> Taken | None:
         """The blocks its process released by a store since the last take, as
-        its slot counts them; None when it released none."""
-        blocks = self.page.blocks(self.index)
-        if blocks == self.blocks:
+        its slot counts them (what was taken is written in the page, so the next
+        take, this daemon's or the next one's, adds only what came since); None
+        when it released none."""
+        page, index = self.page, self.index
+        blocks = page.blocks(index)
+        if blocks == page.taken(index):
             return None
-        counts = self.page.counts(self.index)
-        added = _added(counts, self.seen)
-        self.blocks = blocks
-        self.seen = {bucket: count for bucket, count in enumerate(counts) if count}
-        since, self.harvested = self.harvested, now
+        counts = page.counts(index)
+        page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
+        added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
+        harvested = self.slots.harvested
+        since, harvested[index] = harvested[index], now
         if sum(added.values()) > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
             return Taken({}, scribbled=True)
         return Taken(added)
@@ -98,14 +247,3 @@ class Slot:
 def microseconds(seconds: float) -> int:
     """``seconds`` as a slot's word holds them, bounded."""
     return max(0, min(int(seconds * 1_000_000), MAX_MICROSECONDS))
-
-
-def _added(counts: Sequence[int], seen: dict[int, int]) -> dict[int, int]:
-    """What ``counts`` (by bucket, each a 32-bit count that wraps) added since
-    ``seen`` was taken."""
-    added: dict[int, int] = {}
-    for bucket in range(BUCKETS):
-        count = counts[bucket]
-        if count != seen.get(bucket, 0):
-            added[bucket] = (count - seen.get(bucket, 0)) % 2**32
-    return added

@@ -8,8 +8,9 @@ Invariants:
   counting two a period each; root's are not counted.
 - ``idle`` lists the registrations seen released at their last look, oldest
   first; ``owned``, every registration, least recently armed over the socket
-  first. Both are kept by the registrations' keys and may name one that went (a
-  reader skips it).
+  first. Both are kept by the registrations' slots (their `SlotRef`, which each
+  registration holds already: a key of its own would be an object a
+  registration) and may name one that went (a reader skips it).
 - The closing count of a uid is what its closing registrations are: retiring,
   so not counted at its limit, but no more of them than its limit.
 """
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import Final
 
 from .identity import ROOT
-from .timers import Key
+from .timers import SlotRef
 
 #: The reads a second a non-root uid's registrations may ask for, at two a period
 #: each (what a registration with a timeout of 10 s asks for is 0.23).
@@ -38,9 +39,9 @@ class SlotShares:
 
     def __init__(self) -> None:
         #: Registrations seen released at their last look, by uid, oldest first.
-        self._idle: dict[int, dict[Key, None]] = {}
+        self._idle: dict[int, dict[SlotRef, None]] = {}
         #: Every registration by uid, least recently armed over the socket first.
-        self._owned: dict[int, dict[Key, None]] = {}
+        self._owned: dict[int, dict[SlotRef, None]] = {}
         #: The reads a second each non-root uid's registrations ask for.
         self._looks: dict[int, float] = {}
         #: Closing registrations by uid.
@@ -82,11 +83,11 @@ class SlotShares:
 
     # The orders a reclaim picks from.
 
-    def idle(self, uid: int, key: Key) -> None:
+    def idle(self, uid: int, key: SlotRef) -> None:
         """``key`` of ``uid`` was seen released: last of its idle ones."""
         self._idle.setdefault(uid, {})[key] = None
 
-    def busy(self, uid: int, key: Key) -> None:
+    def busy(self, uid: int, key: SlotRef) -> None:
         """``key`` of ``uid`` holds a block, or went: no longer idle."""
         idle = self._idle.get(uid)
         if idle is not None:
@@ -94,19 +95,19 @@ class SlotShares:
             if not idle:
                 del self._idle[uid]
 
-    def idle_first(self, uid: int) -> Key | None:
+    def idle_first(self, uid: int) -> SlotRef | None:
         """``uid``'s registration seen released the longest, if any (the caller
         `busy`-es one that went, and asks again)."""
         idle = self._idle.get(uid)
         return next(iter(idle)) if idle else None
 
-    def armed(self, uid: int, key: Key) -> None:
+    def armed(self, uid: int, key: SlotRef) -> None:
         """``key`` of ``uid`` was armed over the socket: last of its owned ones."""
         owned = self._owned.setdefault(uid, {})
         owned.pop(key, None)
         owned[key] = None
 
-    def disowned(self, uid: int, key: Key) -> None:
+    def disowned(self, uid: int, key: SlotRef) -> None:
         """``key`` of ``uid`` went, or closed: no reclaim picks it."""
         owned = self._owned.get(uid)
         if owned is not None:
@@ -114,7 +115,7 @@ class SlotShares:
             if not owned:
                 del self._owned[uid]
 
-    def owned_first(self, uid: int, count: int) -> list[Key]:
+    def owned_first(self, uid: int, count: int) -> list[SlotRef]:
         """``uid``'s ``count`` least recently armed registrations; each goes last,
         so that the next reclaim reads others."""
         owned = self._owned.get(uid)
@@ -123,7 +124,7 @@ class SlotShares:
             self.armed(uid, key)
         return keys
 
-    def reclaimable(self, uid: int, held: Callable[[Key], bool | None]) -> Key | None:
+    def reclaimable(self, uid: int, held: Callable[[SlotRef], bool | None]) -> SlotRef | None:
         """The registration of ``uid`` a reclaim closes: the one seen released the
         longest, or else one of its least recently armed (at most `RECLAIM_READS`
         of them read) that holds no block now; each read goes last, so the next

@@ -56,16 +56,17 @@ Invariants:
 - Moving a look is not journaled (by design: the page says it all); registering,
   re-registering and dropping a registration are.
 - A look whose page is being searched for after a restart waits for the search:
-  it is not taken again before the search ends (or `SEARCH_PAUSE` passes), and
-  is due again as soon as it ends. Until its first look, a registration is read
-  for `status` from its page once that is found, and holds no known block before.
+  it is not taken again before the search ends (or
+  `watchdogd.core.process_pages.SEARCH_PAUSE` passes), and is due again as soon
+  as it ends. Until its first look, a registration is read for `status` from its
+  page once that is found, and holds no known block before.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
@@ -73,6 +74,7 @@ import msgspec
 from watchdogd_protocol import SlotGrant
 from watchdogd_protocol.slot_page import MAX_MICROSECONDS, SLOTS
 
+from .interning import Shared
 from .logline import Level, logfmt
 from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
@@ -91,10 +93,6 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
-#: How soon a look whose page is being searched for after a restart comes again
-#: unless the search ends first: its end brings every look that waits for it
-#: back at once (`search`), so a look is never polled while the search goes on.
-SEARCH_PAUSE: Final = 0.25
 
 
 def period_of(timeout: float) -> float:
@@ -117,12 +115,16 @@ class Slots(Generic[P]):
         self._metrics = context.metrics
         self._log = context.log
         self.offered = offered
-        self._slots: dict[Key, Slot] = {}
+        #: The registrations this daemon knows the slot of: registered, or found
+        #: again after a restart.
+        self._known = 0
         self._pages: ProcessPages[P] = ProcessPages(pages, self._came_back)
         self._shares = SlotShares()
+        #: One object for each period: registrations of one timeout share it.
+        self._periods: Shared[float] = Shared()
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._known
 
     def closing_of(self, uid: int) -> int:
         """How many of ``uid``'s registrations are closing, up to its limit."""
@@ -143,25 +145,22 @@ class Slots(Generic[P]):
         budget = self._shares.budget(owner)
         if not self._shares.room_for(budget, period):
             return None
-        taken = self._pages.new_slot(process)
+        taken = self._pages.new_slot(process, self._processes.executable(process))
         if taken is None:
             return None
-        page, index = taken
-        executable = self._processes.executable(process)
-        slot = Slot(page, index, period, executable, harvested=now)
-        self._slots[(process.pid, scope)] = slot
-        slot.budget = budget
+        slots, index = taken
+        slots.open(index, self._table.shared_scope(scope), budget, harvested=now)
+        self._known += 1
         self._shares.count_looks(budget, period, 1)
-        return SlotRef(page=page.id, index=index, period=period)
+        return SlotRef(page=slots.page.id, index=index, period=self._periods[period])
 
     def slot_of(self, timer: Timer, process: P, now: float) -> Slot | None:
         """The slot of registered ``timer``, found again after a restart if need
         be; None when its page is lost (its registration is then worth nothing)."""
-        slot = self._slots.get(timer.key)
-        if slot is not None:
-            return slot
-        ref = None if timer.watch is None else timer.watch.slot
-        found = None if ref is None else self._adopt(timer, process, ref, now)
+        ref = timer.slot
+        if ref is None:
+            return None
+        found = self._pages.slot(process, ref) or self._adopt(timer, process, ref, now)
         return None if found is SEARCHING else found
 
     def armed(self, timer: Timer, slot: Slot, deadline: float, auto: float | None) -> SlotGrant:
@@ -172,7 +171,7 @@ class Slots(Generic[P]):
             self._shares.count_closing(timer.owner, -1)
         grant = slot.arm(deadline, auto, timer.armed_at)
         self._busy(timer, slot, deadline)
-        self._shares.armed(timer.owner, timer.key)
+        self._shares.armed(timer.owner, slot.ref)
         return grant
 
     def released(self, timer: Timer, slot: Slot) -> bool:
@@ -193,38 +192,37 @@ class Slots(Generic[P]):
         too, once its page is found again."""
         slot = self.slot_of(timer, process, now)
         if slot is not None:
-            self._forget(timer)
+            self._forget(timer, slot)
             slot.page.write(slot.index, period=0)
             self._let_go(timer, process, slot)
-        elif timer.watch is not None and timer.watch.slot is not None:
-            self._pages.close_found(process, timer.watch.slot.page, timer.watch.slot.index)
+        elif timer.slot is not None:
+            self._pages.close_found(process, timer.slot, self._processes.executable(process))
 
     # Looks.
 
     def looked(self, expired: list[Expired[P]], now: float) -> tuple[list[Expired[P]], bool]:
         """Of the timers the table gave as due, those to fire. Each registration
         among them is a look at its slot, which puts it back at its next look,
-        retires or drops it, or fires it on its block's deadline. Also whether
-        any went back to the table."""
-        fire: list[Expired[P]] = []
-        looked = False
-        for item in expired:
-            watch = item.timer.watch
-            if watch is None or watch.slot is None:
-                fire.append(item)
-                continue
-            looked = True
-            firing = self._look(item, watch.slot, now)
+        retires or drops it, or fires it on its block's deadline; but beside
+        plain timers, the registrations go back to the table unread, still due
+        (a user's looks never delay another's signal). Also whether any went back."""
+        fire = [item for item in expired if item.timer.slot is None]
+        looks = [(item, item.timer.slot) for item in expired if item.timer.slot is not None]
+        if fire and looks:
+            for item, _ in looks:
+                self._put(item, item.timer.deadline)
+            return fire, True
+        for item, ref in looks:
+            firing = self._look(item, ref, now)
             if firing is not None:
                 fire.append(firing)
-        return fire, looked
+        return fire, bool(looks)
 
     def _look(self, item: Expired[P], ref: SlotRef, now: float) -> Expired[P] | None:
         timer, process = item.timer, item.process
-        slot = self._slots.get(timer.key) or self._adopt(timer, process, ref, now)
+        slot = self._pages.slot(process, ref) or self._adopt(timer, process, ref, now)
         if slot is SEARCHING:
-            self._pages.wait(process, timer.key, now)
-            self._put(item, now + SEARCH_PAUSE)
+            self._put(item, self._pages.wait(process, timer.key, now))
             return None
         if slot is None:
             self._drop(item, "its slot page is not among its process's descriptors")
@@ -262,7 +260,7 @@ class Slots(Generic[P]):
             soonest = looked + slot.period if stored else now
             self._put(item, max(min(deadline, now + slot.period), soonest))
             return None
-        self._forget(timer)
+        self._forget(timer, slot)
         slot.page.write(slot.index, period=0)
         self._let_go(timer, process, slot)
         fired = msgspec.structs.replace(
@@ -286,10 +284,9 @@ class Slots(Generic[P]):
 
     def _keep_plain(self, item: Expired[P], deadline: float) -> None:
         """``item``'s registration goes; its block stays armed until ``deadline``."""
-        timer = item.timer
-        assert timer.watch is not None
-        watch = msgspec.structs.replace(timer.watch, slot=None)
-        plain = msgspec.structs.replace(timer, deadline=deadline, watch=watch)
+        timer, watch = item.timer, item.timer.watched
+        kept = None if watch is None else msgspec.structs.replace(watch, slot=None)
+        plain = msgspec.structs.replace(timer, deadline=deadline, watch=kept)
         self._writer.rearm(item.process, plain, commit=True)
 
     def _idle_look(self, item: Expired[P], slot: Slot, now: float, active: bool) -> None:
@@ -307,7 +304,7 @@ class Slots(Generic[P]):
             return
         if not slot.idle_since:
             slot.idle_since = now
-            self._shares.idle(timer.owner, timer.key)
+            self._shares.idle(timer.owner, slot.ref)
         elif now - slot.idle_since >= self._rules.daemon.slot_idle:
             self._close(timer, slot, now)
             self._put(item, now + CLOSING_WAIT)
@@ -329,7 +326,7 @@ class Slots(Generic[P]):
         slot.due = deadline
         if slot.idle_since:
             slot.idle_since = 0.0
-            self._shares.busy(timer.owner, timer.key)
+            self._shares.busy(timer.owner, slot.ref)
 
     def _put(self, item: Expired[P], look: float) -> None:
         """Back in the table until ``look`` (in memory only: the state keeps an
@@ -347,9 +344,10 @@ class Slots(Generic[P]):
         if self._shares.closing_of(uid, limit) >= limit:
             return False
         key = self._shares.reclaimable(uid, functools.partial(self._held, uid))
-        timer, slot = (None, None) if key is None else (self._table.get(*key), self._slots.get(key))
-        if timer is None or slot is None:
+        found = None if key is None else self._registration(key)
+        if found is None:
             return False
+        timer, slot = found
         self._close(timer, slot, now)
         self._metrics.slots_reclaimed += 1
         process = self._table.process(timer.pid)
@@ -359,21 +357,30 @@ class Slots(Generic[P]):
             self._writer.moved(process, msgspec.structs.replace(timer, deadline=now + CLOSING_WAIT))
         return True
 
-    def _held(self, uid: int, key: Key) -> bool | None:
-        """Whether registration ``key`` holds a block or closes; None when it is
-        no registration of ``uid`` now."""
-        slot, timer = self._slots.get(key), self._table.get(*key)
-        if slot is None or timer is None or timer.owner != uid:
+    def _held(self, uid: int, key: SlotRef) -> bool | None:
+        """Whether the registration on slot ``key`` holds a block or closes; None
+        when it is no registration of ``uid`` now."""
+        found = self._registration(key)
+        if found is None or found[0].owner != uid:
             return None
+        slot = found[1]
         return bool(slot.closing) or slot.page.read(slot.index) != 0
 
-    def _forget(self, timer: Timer) -> Slot | None:
-        """``timer``'s registration is no longer kept: its slot, if it had one."""
-        self._shares.disowned(timer.owner, timer.key)
-        slot = self._slots.pop(timer.key, None)
-        if slot is not None:
-            self._shares.count_looks(slot.budget, slot.period, -1)
-        return slot
+    def _registration(self, key: SlotRef) -> tuple[Timer, Slot] | None:
+        """The registration on slot ``key`` and its slot; None when it went (the
+        orders of `SlotShares` may name one that did)."""
+        found = self._pages.named(key)
+        timer = None if found is None else self._table.get(found[0], found[1])
+        if found is None or timer is None or timer.slot is not key:
+            return None
+        return timer, found[2]
+
+    def _forget(self, timer: Timer, slot: Slot) -> None:
+        """``timer``'s registration, on ``slot``, is no longer kept."""
+        self._shares.disowned(timer.owner, slot.ref)
+        slot.slots.free(slot.index)
+        self._known -= 1
+        self._shares.count_looks(slot.budget, slot.period, -1)
 
     def _close(self, timer: Timer, slot: Slot, now: float) -> None:
         slot.page.write(slot.index, period=0)
@@ -382,11 +389,11 @@ class Slots(Generic[P]):
         self._busy(timer, slot, slot.due)
         # Never to be reclaimed again; an arm over the socket that opens it again
         # puts it back.
-        self._shares.disowned(timer.owner, timer.key)
+        self._shares.disowned(timer.owner, slot.ref)
 
     def _retire(self, item: Expired[P], slot: Slot) -> None:
         """A closed slot seen released after `CLOSING_WAIT`: its registration goes."""
-        self._forget(item.timer)
+        self._forget(item.timer, slot)
         self._let_go(item.timer, item.process, slot)
         self._metrics.slots_retired += 1
         self._gone(item)
@@ -415,30 +422,28 @@ class Slots(Generic[P]):
         if slot.closing:
             self._shares.count_closing(timer.owner, -1)
         self._busy(timer, slot, 0.0)
-        self._pages.let_go(process, slot.page)
+        self._pages.let_go(process, slot.slots)
 
     # After a restart, and at the end.
 
     def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | Searching | None:
         """The slot of a registration read from the state: its page found again
-        among the process's descriptors (once per page, `search`). What its
-        counts hold is taken as harvested: only blocks released from now on are
-        added."""
+        among the process's descriptors (one read for all its pages, `search`).
+        Its next harvest takes what the daemon before did not (the page says what
+        it took), released since the registration's arming at most."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
-        unread = functools.partial(_unread, self._table.timers_of, process.pid, self._slots)
-        page = self._pages.found(process, ref.page, ref.index, unread)
-        if page is None or page is SEARCHING:
-            return page
         executable = self._processes.executable(process)
-        slot = Slot(page, ref.index, ref.period, executable, harvested=now)
-        slot.blocks = page.blocks(ref.index)
-        slot.seen = {bucket: count for bucket, count in enumerate(page.counts(ref.index)) if count}
-        self._slots[timer.key] = slot
-        self._shares.armed(timer.owner, timer.key)
-        slot.budget = self._shares.budget(timer.owner)
-        self._shares.count_looks(slot.budget, slot.period, 1)
-        return slot
+        unread = functools.partial(_slot_refs, self._table.timers_of, process.pid)
+        slots = self._pages.found(process, ref.page, ref.index, executable, unread)
+        if slots is None or slots is SEARCHING:
+            return slots
+        budget = self._shares.budget(timer.owner)
+        slots.open(ref.index, timer.scope, budget, harvested=min(timer.armed_at, now))
+        self._known += 1
+        self._shares.armed(timer.owner, ref)
+        self._shares.count_looks(budget, ref.period, 1)
+        return Slot(slots, ref)
 
     def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
         """Add to the scope's history the blocks its process released by a store
@@ -464,12 +469,14 @@ class Slots(Generic[P]):
     def harvest_all(self, now: float, uid: int | None = None) -> None:
         """Harvest every slot (of ``uid``'s processes, when given) now: what
         `suggest` shows counts every block released so far."""
-        for key, slot in list(self._slots.items()):
-            timer = self._table.get(*key)
-            process = self._table.process(key[0])
-            if timer is None or process is None or (uid is not None and uid != timer.owner):
+        for pid, start_time in self._pages.processes():
+            process = self._table.process(pid)
+            if process is None or process.start_time != start_time:
                 continue
-            self._harvest(timer, process, slot, now)
+            for timer in self._table.timers_of(pid):
+                slot = self._pages.slot(process, timer.slot)
+                if slot is not None and (uid is None or uid == timer.owner):
+                    self._harvest(timer, process, slot, now)
 
     def exited(self, process: P, timers: Iterable[Timer], now: float) -> list[Timer]:
         """``process`` exited with ``timers``: its slots are read a last time
@@ -477,13 +484,14 @@ class Slots(Generic[P]):
         then (a registration only while its slot held a block)."""
         armed: list[Timer] = []
         for timer in timers:
-            slot = self._forget(timer)
+            slot = self._pages.slot(process, timer.slot)
             if slot is None:
                 # A registration not read since a restart: what its slot held is
                 # not known (its process's descriptors are gone), so not counted.
-                if timer.watch is None or timer.watch.slot is None:
+                if timer.slot is None:
                     armed.append(timer)
                 continue
+            self._forget(timer, slot)
             self._harvest(timer, process, slot, now)
             if slot.page.read(slot.index):
                 armed.append(timer)
@@ -495,49 +503,38 @@ class Slots(Generic[P]):
 
     def deadline_of(self, timer: Timer, now: float) -> float | None:
         """The deadline of the block in registered ``timer``'s slot, read ``now``;
-        None while it holds none. A registration not read yet since a restart is
-        read from its page once that is found again, and holds none that is known
-        while its page is searched for (its look waits for the search, and fires
-        a block found past its deadline)."""
-        slot = self._slots.get(timer.key)
-        if slot is not None:
-            word = slot.page.read(slot.index)
-            return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
-        ref = None if timer.watch is None else timer.watch.slot
+        None while it holds none, or none known: its page is still searched for
+        since a restart (its look waits for the search, and fires a block past due)."""
+        # Not read since a restart, its look in the table is the state's: older
+        # than any block stored since.
+        latest = now + self._rules.daemon.max_timeout
         process = self._table.process(timer.pid)
-        if ref is None or process is None or not 0 <= ref.index < SLOTS:
-            return None
-        page = self._pages.page_for(process, ref.page)
-        word = 0 if page is None else page.read(ref.index)
-        # Its look in the table is the state's, older than any block stored since.
-        return None if not word else min(word / 1_000_000, now + self._rules.daemon.max_timeout)
+        return self._pages.deadline(process, timer.slot, timer.deadline, latest)
 
     def search(self, until: float) -> bool:
-        """Search for the pages of registrations read from the state until the
-        clock reads ``until`` (between passes that fire timers); whether any is
-        still searched for."""
+        """Search for the pages of registrations read from the state until the clock
+        reads ``until`` (between passes that fire timers); whether any goes on."""
         return self._pages.search(until)
 
     def _came_back(self, key: Key, looked: float) -> None:
         """The look at ``key`` at ``looked`` waited for a search that ended: due
-        again on that time (the state keeps a look no later than it)."""
+        again on that time (the state keeps a look no later than it), unless it
+        went or was read since (an arm over the socket)."""
         timer, process = self._table.get(*key), self._table.process(key[0])
-        # Not when it went, or was read since (an arm over the socket).
-        if timer is None or process is None or key in self._slots or timer.deadline <= looked:
+        if timer is None or process is None or timer.slot is None or timer.deadline <= looked:
             return
-        if timer.watch is not None and timer.watch.slot is not None:
+        if self._pages.slot(process, timer.slot) is None:
             self._writer.moved(process, msgspec.structs.replace(timer, deadline=looked))
 
     def released_count(self) -> int:
         """How many registrations hold no block now, read from their slots."""
-        return sum(not slot.page.read(slot.index) for slot in self._slots.values())
+        return self._pages.released()
 
     def page_for(self, process: P, page: int) -> PageRef | None:
         """Page ``page`` of ``process``, for it to map; None when it has no such
         page, or has exited (whoever holds its connection now is not it)."""
-        if self._processes.exited(process):
-            return None
-        return self._pages.page_for(process, page)
+        slots = None if self._processes.exited(process) else self._pages.page_for(process, page)
+        return None if slots is None else slots.page
 
     def close_all(self) -> None:
         """The daemon stops: every slot closes (blocks go over the socket, to a
@@ -547,21 +544,17 @@ class Slots(Generic[P]):
         since a restart stay open (no search holds a stop up): the next start
         reads them."""
         for timer in list(self._table.timers()):
-            watch, process = timer.watch, self._table.process(timer.pid)
-            if watch is not None and watch.slot is not None and process is not None:
+            ref, process = timer.slot, self._table.process(timer.pid)
+            if ref is not None and process is not None:
                 self.slot_of(timer, process, timer.deadline)
         self._pages.close_all()
-        self._slots.clear()
+        self._known = 0
         self._shares.clear()
 
 
-def _unread(
-    timers_of: Callable[[int], Iterable[Timer]], pid: int, read: Container[Key]
-) -> list[tuple[int, int]]:
-    """The pages and indexes of the registrations of process ``pid`` not ``read``
-    since a restart: its descriptors are read once for all of them."""
+def _slot_refs(timers_of: Callable[[int], Iterable[Timer]], pid: int) -> list[tuple[int, int]]:
+    """The pages and indexes of the registrations of process ``pid``: its
+    descriptors are read once for every one of them not found yet."""
     return [
-        (timer.watch.slot.page, timer.watch.slot.index)
-        for timer in timers_of(pid)
-        if timer.watch is not None and timer.watch.slot is not None and timer.key not in read
+        (timer.slot.page, timer.slot.index) for timer in timers_of(pid) if timer.slot is not None
     ]

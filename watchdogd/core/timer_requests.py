@@ -278,7 +278,7 @@ class Arming(Generic[P]):
             owner=peer.uid,
             now=now,
             exit_releases=request.exit_releases,
-            watch=plan.watch,
+            watch=_kept(plan.watch),
             # A registration's deadline in the table is the next look at its slot.
             deadline=plan.deadline
             if plan.slot is None
@@ -300,10 +300,10 @@ class Arming(Generic[P]):
         """The slot of ``previous``, the registered timer this arm replaces, when
         the arm keeps it (its own process, wanting one, its page still there);
         closed otherwise."""
-        if previous is None or previous.watch is None or previous.watch.slot is None:
+        if previous is None or previous.slot is None:
             return None
         if wanted and self._slots.slot_of(previous, process, now) is not None:
-            return previous.watch.slot
+            return previous.slot
         self._slots.revoke(previous, process, now)
         return None
 
@@ -352,7 +352,7 @@ class Arming(Generic[P]):
             if self._table.process(process.pid) is not process:
                 return Released(id=request.id, found=False)
             held = self._table.get(process.pid, request.scope)
-            if held is not None and held.watch is not None and held.watch.slot is not None:
+            if held is not None and held.slot is not None:
                 found = self._release_slot(held, process, request.pid is None, now)
                 return Released(id=request.id, found=found)
             if request.stored:
@@ -538,6 +538,16 @@ def _wants_slot(request: Acquire, policy: Policy) -> bool:
     )
 
 
+def _kept(watch: Watch | None) -> Watch | SlotRef | None:
+    """What a timer armed with ``watch`` keeps of it: a registration that needs
+    nothing but its slot keeps its bare `SlotRef`, one object fewer (the time its
+    `Watch` says it was armed is its ``armed_at`` already)."""
+    if watch is None or watch.slot is None or watch.progress is not None:
+        return watch
+    bare = Watch(progressed_at=watch.progressed_at, slot=watch.slot)
+    return watch.slot if watch == bare else watch
+
+
 def _watch(
     request: Acquire,
     stall: float,
@@ -555,7 +565,7 @@ def _watch(
     with the same value, a lower one or none leaves the time it last grew as it
     was. A new timer (one released and armed again is new) starts growing now."""
     progress, progressed_at = request.progress, now
-    before = None if previous is None else previous.watch
+    before = None if previous is None else previous.watched
     if before is not None and (
         progress is None or (before.progress is not None and progress <= before.progress)
     ):

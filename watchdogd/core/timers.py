@@ -20,10 +20,10 @@ deadline and arming time (a float each) and two pointers, one in its process's l
 and one in the order: most of what the daemon holds per timer with a million armed
 (bench/scale.py measures it; docs/benchmarks.md gives the figures). Values that
 repeat from timer to timer are shared rather than copied: the pid and start time are
-the process handle's, the policy name and the timeout come from small tables of the
-values seen (`Shared`), and ``seq`` is 0 for every timer but those that tie on a
-deadline (Python keeps small ints as one object; a counter would cost an int a
-timer).
+the process handle's, the policy name, timeout and scope (the processes of a program
+arm the same scopes) come from small tables of the values seen lately (`Shared`), and
+``seq`` is 0 for every timer but those that tie on a deadline (Python keeps small ints
+as one object; a counter would cost an int a timer).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import operator
 import struct
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -41,6 +41,7 @@ import msgspec
 
 from .deadlines import Deadlines
 from .identity import ROOT
+from .interning import Shared
 from .starvation import Sample
 
 
@@ -77,7 +78,9 @@ class Timer(
     recycled pid apart); times are on the table's monotonic clock. An armed timer
     has ``firing`` 0 and no ``run``. A timer that fell due keeps its record, with a
     ``firing`` number of its own and its `Course`, until its policy has finished.
-    ``watch`` holds what only some timers need (`Watch`): None for the others.
+    ``watch`` holds what only some timers need (`Watch`): None for the others, and
+    a registration's bare `SlotRef` when it needs nothing else (one object a
+    registration fewer; `watched` and `slot` read either form).
 
     Timers order by ``(deadline, seq)``, their first two fields (``order=True``
     compares fields in turn, in C): the table's order holds the records
@@ -111,7 +114,7 @@ class Timer(
     exit_releases: bool = False
     firing: int = 0
     run: Course | None = None
-    watch: Watch | None = None
+    watch: Watch | SlotRef | None = None
 
     @property
     def key(self) -> Key:
@@ -128,8 +131,26 @@ class Timer(
         """Whether ``arm`` names this arming: its own number, or the number its
         client gave it under a daemon that kept clients' numbers
         (`Watch.client_arm`)."""
-        watch = self.watch
+        watch = self.watched
         return arm == self.arm or (watch is not None and arm == watch.client_arm)
+
+    @property
+    def watched(self) -> Watch | None:
+        """Its `Watch`, if it keeps one."""
+        watch = self.watch
+        return watch if isinstance(watch, Watch) else None
+
+    @property
+    def as_watch(self) -> Watch:
+        """Its `Watch`, or one made of what it keeps (nothing, or its slot)."""
+        watch = self.watch
+        return watch if isinstance(watch, Watch) else Watch(slot=watch)
+
+    @property
+    def slot(self) -> SlotRef | None:
+        """The slot of a scope registered for the fast path (`Watch.slot`)."""
+        watch = self.watch
+        return watch if watch is None or isinstance(watch, SlotRef) else watch.slot
 
     @property
     def store_key(self) -> StoreKey:
@@ -157,7 +178,7 @@ class Timer(
         """Whether it expires, at its deadline, as stalled: its deadline is its
         progress's (``stall`` seconds after its progress last grew), sooner than
         its timeout's."""
-        watch = self.watch
+        watch = self.watched
         return (
             watch is not None
             and watch.stall > 0
@@ -191,8 +212,9 @@ class Course(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=Fals
     peer: bool = False
 
 
-class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
-    """What a timer keeps beyond its deadline, when it needs to.
+class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False, tag=1):
+    """What a timer keeps beyond its deadline, when it needs to (stored led by its
+    tag, which tells it from a bare `SlotRef`).
 
     - ``progress``: the highest progress counter its renewals carried, and when it
       last grew (``progressed_at``); ``stall`` the seconds its policy allows
@@ -236,38 +258,15 @@ class Watch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False
     slot: SlotRef | None = None
 
 
-class SlotRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+class SlotRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False, tag=2):
     """Where a registered scope's blocks store: slot ``index`` of slot page
     ``page`` (the page's inode, by which a restarted daemon finds it again among
-    its process's descriptors), looked at least once every ``period`` seconds."""
+    its process's descriptors), looked at least once every ``period`` seconds.
+    Stored led by its tag."""
 
     page: int
     index: int
     period: float
-
-
-V = TypeVar("V", bound=Hashable)
-
-
-class Shared(dict[V, V]):
-    """One object for each value seen lately, so that timers holding equal values
-    (a policy name, a timeout) hold one object between them: ``shared[value]``.
-    Bounded: once it holds ``bound`` values it starts over, so values that stopped
-    repeating do not keep it full. (A dict whose misses add the value: a hit, on
-    every arm, is a subscript in C. Meant for values of one type: an int equal to
-    a float held would come back as that float.)"""
-
-    __slots__ = ("bound",)
-
-    def __init__(self, bound: int = 1024) -> None:
-        super().__init__()
-        self.bound = bound
-
-    def __missing__(self, value: V) -> V:
-        if len(self) >= self.bound:
-            self.clear()
-        self[value] = value
-        return value
 
 
 @dataclass(slots=True)
@@ -329,6 +328,7 @@ class TimerTable(Generic[P]):
         "_order",
         "_policies",
         "_processes",
+        "_scopes",
         "_timeouts",
         "_visible",
         "jobs_changed",
@@ -346,6 +346,7 @@ class TimerTable(Generic[P]):
         self.jobs_changed = 0
         self._policies: Shared[str] = Shared()
         self._timeouts: Shared[float] = Shared()
+        self._scopes: Shared[str] = Shared()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -410,6 +411,10 @@ class TimerTable(Generic[P]):
         first = self._order.first()
         return None if first is None else first.deadline
 
+    def shared_scope(self, scope: str) -> str:
+        """The one object the table's timers of ``scope`` hold (armed lately)."""
+        return self._scopes[scope]
+
     def arm(
         self,
         process: P,
@@ -421,7 +426,7 @@ class TimerTable(Generic[P]):
         owner: int,
         now: float,
         exit_releases: bool = False,
-        watch: Watch | None = None,
+        watch: Watch | SlotRef | None = None,
         deadline: float | None = None,
     ) -> tuple[Timer, bool]:
         """Arm or re-arm ``(process.pid, scope)`` to expire at ``deadline``
@@ -433,6 +438,7 @@ class TimerTable(Generic[P]):
         if deadline is None:
             deadline = now + timeout
         policy, timeout = self._policies[policy], self._timeouts[timeout]
+        scope = self.shared_scope(scope)
         start_time = process.start_time
         timer = self._order.insert(
             deadline,
@@ -507,8 +513,8 @@ class TimerTable(Generic[P]):
             for owner, count in Counter(map(_owner_of, timers)).items():
                 self._by_owner[owner] = self._by_owner.get(owner, 0) + count
             for timer in itertools.compress(timers, map(_watched, timers)):
-                if timer.watch is not None and timer.watch.job:
-                    self.jobs_changed += _tally(self._jobs, (timer.owner, timer.watch.job), pid, 1)
+                if (watch := timer.watched) is not None and watch.job:
+                    self.jobs_changed += _tally(self._jobs, (timer.owner, watch.job), pid, 1)
             for viewer, count in _viewers(timers).items():
                 self._visible.setdefault(viewer, {})[pid] = count
             lists.append(timers)
@@ -623,8 +629,8 @@ class TimerTable(Generic[P]):
         """Count ``timer`` in (``step`` 1) or out (-1) of the owner counts and of
         the index of who may see it. (On every arm and release: kept inline.)"""
         owner, uid = timer.owner, timer.uid
-        if timer.watch is not None and timer.watch.job:
-            self.jobs_changed += _tally(self._jobs, (owner, timer.watch.job), timer.pid, step)
+        if (watch := timer.watched) is not None and watch.job:
+            self.jobs_changed += _tally(self._jobs, (owner, watch.job), timer.pid, step)
         by_owner = self._by_owner
         remaining = by_owner.get(owner, 0) + step
         if remaining:

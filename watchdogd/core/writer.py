@@ -31,7 +31,7 @@ from typing import Generic, Protocol, TypeVar
 import msgspec
 
 from .ports import Journal, P, TargetProcess
-from .timers import Expired, Timer, TimerTable, Watch
+from .timers import Expired, SlotRef, Timer, TimerTable, Watch
 
 P_co = TypeVar("P_co", bound=TargetProcess, covariant=True)
 
@@ -56,6 +56,7 @@ class TableView(Protocol[P_co]):
     def soonest(self, after: tuple[float, int] | None = None) -> Iterator[Timer]: ...
     def visible_to(self, uid: int) -> Iterator[Timer]: ...
     def next_deadline(self) -> float | None: ...
+    def shared_scope(self, scope: str) -> str: ...
 
 
 class TableWriter(Generic[P]):
@@ -104,7 +105,7 @@ class TableWriter(Generic[P]):
         owner: int,
         now: float,
         exit_releases: bool,
-        watch: Watch | None,
+        watch: Watch | SlotRef | None,
         deadline: float,
     ) -> tuple[Timer, bool]:
         """`TimerTable.arm`, journaled; ``rewatch`` makes the `Watch` the timer is
@@ -124,7 +125,7 @@ class TableWriter(Generic[P]):
             deadline=deadline,
         )
         if rewatch is not None:
-            watched = msgspec.structs.replace(timer, watch=rewatch(timer.watch))
+            watched = msgspec.structs.replace(timer, watch=rewatch(timer.as_watch))
             timer = self._table.put(process, watched)
         self._journal.put(timer)
         self._wake(timer.deadline)

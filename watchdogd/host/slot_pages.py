@@ -29,14 +29,13 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final
 
 from watchdogd_protocol.slot_page import (
     AUTO,
     BLOCKS,
-    BUCKETS,
     DEADLINE,
     HEADER_MAGIC,
     HEADER_SLOTS,
@@ -44,8 +43,11 @@ from watchdogd_protocol.slot_page import (
     MAGIC,
     PAGE_BYTES,
     PERIOD,
+    ROWS,
+    SHMEM_PAGE,
     SLOTS,
-    counts_of,
+    TAKEN,
+    buckets_in,
     word_of,
 )
 
@@ -67,6 +69,13 @@ _SEALS: Final = _F_SEAL_SEAL | _F_SEAL_SHRINK | _F_SEAL_GROW
 #: The most descriptors of one process looked at to find its page again: a search
 #: costs a readlink(2) each, on the event loop.
 _SEARCHED: Final = 65_536
+#: The first layout of a page: 64 KiB, 63 slots of 8 words from the ninth word,
+#: their period the second of each.
+_FIRST_LAYOUT_BYTES: Final = 64 * 1024
+_FIRST_LAYOUT_SLOTS: Final = 63
+_FIRST_LAYOUT_MAGIC: Final = int.from_bytes(b"WDSLOTS1", "little")
+_FIRST_LAYOUT_PERIOD: Final = 8 + 1
+_FIRST_LAYOUT_SLOT_WORDS: Final = 8
 #: More than a timens_offsets file ever holds (two short lines).
 _OFFSETS_BYTES: Final = 512
 #: The largest offset a time namespace may have (the kernel bounds it by
@@ -106,10 +115,43 @@ class SlotPage:
         """The longest block of slot ``index``, as its process wrote it (us)."""
         return self._words[word_of(index, LARGEST)]
 
-    def counts(self, index: int) -> Sequence[int]:
-        """The duration counts of slot ``index``, by bucket."""
-        at = counts_of(index)
-        return self._counts[at : at + BUCKETS].tolist()
+    def taken(self, index: int) -> int:
+        """The blocks of slot ``index`` the last harvest took (the daemon's word)."""
+        return self._words[word_of(index, TAKEN)]
+
+    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
+        """The duration counts of slot ``index`` that differ from what the last
+        harvest took: ``(bucket, count, taken)``. Only the rows of the memory the
+        kernel holds for the page are read: a read through the mapping of any
+        other would make the kernel give it memory."""
+        counts = self._counts
+        moved = []
+        for shmem_page in self._held():
+            for bucket in buckets_in(shmem_page):
+                at = ROWS[bucket] + index
+                count, taken = counts[at], counts[at + SLOTS]
+                if count != taken:
+                    moved.append((bucket, count, taken))
+        return moved
+
+    def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:
+        """Write what a harvest of slot ``index`` took: its blocks and its counts."""
+        for bucket, count in counts:
+            self._counts[ROWS[bucket] + SLOTS + index] = count
+        self._words[word_of(index, TAKEN)] = blocks
+
+    def _held(self) -> Iterator[int]:
+        """The `SHMEM_PAGE`s of the page that hold data (SEEK_DATA, SEEK_HOLE: the
+        kernel's record, which a process's writes only ever add to, or its punched
+        holes take from, within the page's sealed size)."""
+        offset = 0
+        while offset < PAGE_BYTES:
+            try:
+                start = os.lseek(self.fd, offset, os.SEEK_DATA)
+                offset = os.lseek(self.fd, start, os.SEEK_HOLE)
+            except OSError:  # ENXIO: no data past ``offset``
+                return
+            yield from range(start // SHMEM_PAGE, -(-offset // SHMEM_PAGE))
 
     def write(self, index: int, *, deadline: int | None = None, period: int | None = None) -> None:
         """Write slot ``index``'s deadline (for an arm made over the socket) and
@@ -315,6 +357,12 @@ def _mapped(fd: int, page: int) -> mmap.mmap:
         raise PageError(f"slot page {page}: {exc.strerror}") from None
     if seals & _SEALS != _SEALS or seals & (_F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
         raise PageError(f"slot page {page} is not sealed as a slot page ({seals:#x})")
+    if size == _FIRST_LAYOUT_BYTES:
+        _close_first_layout(fd)
+        raise PageError(
+            f"slot page {page} has the layout of an earlier daemon: its slots are closed, "
+            "its blocks go over the socket"
+        )
     if size != PAGE_BYTES:
         raise PageError(f"slot page {page} is {size} bytes, not {PAGE_BYTES}")
     try:
@@ -328,6 +376,25 @@ def _mapped(fd: int, page: int) -> mmap.mmap:
         mapping.close()
         raise PageError(f"slot page {page} has another layout")
     return mapping
+
+
+def _close_first_layout(fd: int) -> None:
+    """Close every slot of a page of the first layout (``WDSLOTS1``, which a daemon
+    before this one made), so that its process, which reads its slot's period again
+    after each store, arms its blocks over the socket from then on, rather than
+    storing into a page no daemon reads."""
+    try:
+        mapping = mmap.mmap(
+            fd, _FIRST_LAYOUT_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    except OSError:
+        return
+    words = memoryview(mapping).cast("Q")
+    if words[HEADER_MAGIC] == _FIRST_LAYOUT_MAGIC:
+        for index in range(_FIRST_LAYOUT_SLOTS):
+            words[_FIRST_LAYOUT_PERIOD + index * _FIRST_LAYOUT_SLOT_WORDS] = 0
+    words.release()
+    mapping.close()
 
 
 def shares_clock(process: Process) -> bool:

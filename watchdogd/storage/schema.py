@@ -19,7 +19,10 @@ Schema 8 adds to a `Watch` when the restart grace of its arming ends
 (``held_until``), the last of 12 fields: its migration from 7 leaves a timer as
 it is, its watch read as one given no grace yet. Schema 9 adds to a `Watch` the
 slot of a scope registered for the fast path (``slot``, a `SlotRef`), the last of
-13: its migration from 8 leaves a timer as it is, registered nowhere.
+13: its migration from 8 leaves a timer as it is, registered nowhere. Schema 10
+stores a `Watch` and a `SlotRef` each led by its tag, so that a registration that
+needs nothing else of a `Watch` keeps its bare `SlotRef` in its place: its
+migration from 9 leads each with its tag.
 
 Invariants:
 
@@ -53,7 +56,7 @@ import msgspec
 from ..core import StoreKey, Timer
 from .faults import Unreadable
 
-SCHEMA: Final = 9
+SCHEMA: Final = 10
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 #: A timer as a schema stores it: the plain array of its fields, as msgpack
@@ -68,6 +71,11 @@ Migration = Callable[[Fields], Fields]
 #: ``progressed_at``, ``stall``, ``timeout_from``, ``job``, the three ranks,
 #: ``baseline`` and ``extended``.
 _WATCH_6: Final = (None, 0.0, 0.0, "", "", None, None, None, None, 0.0)
+#: The fields of a `Watch` of schema 9, its `SlotRef` the last; and the tags that
+#: lead a `Watch` and a `SlotRef` from schema 10 on.
+_WATCH_9_FIELDS: Final = 13
+_WATCH_TAG: Final = 1
+_SLOT_TAG: Final = 2
 
 
 def _from_6(fields: Fields) -> Fields:
@@ -83,6 +91,19 @@ def _from_6(fields: Fields) -> Fields:
     return [*kept, [*watch, *_WATCH_6[len(watch) :], arm]]
 
 
+def _from_9(fields: Fields) -> Fields:
+    """A timer of schema 9 in schema 10: its `Watch`, and the `SlotRef` in it, each
+    led by its tag."""
+    *kept, watch = fields
+    if watch is None:
+        return fields
+    if not isinstance(watch, list) or len(watch) > _WATCH_9_FIELDS:
+        raise ValueError(f"a watch of schema 9 is an array of at most 13, not {watch!r}")
+    if len(watch) == _WATCH_9_FIELDS and watch[-1] is not None:
+        watch = [*watch[:-1], [_SLOT_TAG, *watch[-1]]]
+    return [*kept, [_WATCH_TAG, *watch]]
+
+
 #: The forward migrations, keyed by the schema each one migrates from. Schema 4
 #: is that of the first release: no migration leads to it.
 MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
@@ -94,6 +115,7 @@ MIGRATIONS: Final[Mapping[int, Migration]] = MappingProxyType(
         # 9 adds a registration's `SlotRef` at the end of its `Watch`: an older
         # timer has none.
         8: lambda fields: fields,
+        9: _from_9,
     }
 )
 
