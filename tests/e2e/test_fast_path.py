@@ -5,6 +5,7 @@ hung block on time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from watchdogd.host.slot_pages import MEMFD_NAME
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.processes import death_time, python_worker, reap, wait_ready
@@ -21,9 +24,10 @@ from helpers.waiting import PATIENCE, wait_until
 #: with a line of JSON: ``blocks N AFTER SCOPE`` runs N empty blocks; ``hang AFTER
 #: SCOPE`` enters a block, prints its entry time on CLOCK_MONOTONIC and sleeps in it;
 #: ``arm``/``release SCOPE`` go through the client's acquire and release;
-#: ``fork SCOPE`` forks a child that runs a block of SCOPE and exits 0.
+#: ``fork SCOPE`` forks a child that runs a block of SCOPE and exits 0; ``hold N``
+#: opens N more descriptors and keeps them.
 WORKER = """
-import json, os, sys, time
+import json, os, resource, sys, time
 from watchdogd_client import Client
 client = Client(timeout=2.0, reconnect_timeout=1.0, on_unavailable=os.environ.get("ON", "raise"))
 print("ready", flush=True)
@@ -56,6 +60,10 @@ for line in sys.stdin:
             out = os.waitpid(pid, 0)[1]
         elif command == "setresuid":
             os.setresuid(*map(int, args))
+        elif command == "hold":
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            held = [os.open(os.devnull, os.O_RDONLY) for _ in range(int(args[0]))]
     except Exception as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     print(json.dumps(out), flush=True)
@@ -230,6 +238,52 @@ def test_a_block_entered_while_the_daemon_is_down_is_killed_after_its_restart(
         started = time.monotonic()
         died = death_time(worker.process)
         assert died - started < 1.0
+    finally:
+        worker.close()
+
+
+#: Restarts under which a worker registers a scope each: each begins a page.
+RESTARTS = 6
+#: Descriptors the worker holds besides its pages: each search reads them all.
+CROWD = 2000
+
+
+def slot_pages_held(pid: int) -> int:
+    """How many slot pages process ``pid`` holds descriptors of."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sum(link == f"/memfd:{MEMFD_NAME} (deleted)" for link in links)
+
+
+def test_after_restarts_that_each_began_a_page_no_released_block_is_listed_as_armed(
+    daemon: RunningDaemon,
+) -> None:
+    """A worker that registers a scope between restarts holds a page for each
+    (and a crowd of other descriptors). From the first status after the next
+    restart, none of its registrations, all released, is listed as armed; a
+    block it entered in the oldest while the daemon was down still dies."""
+    worker = Worker(daemon.socket_path)
+    try:
+        worker.ask(f"hold {CROWD}")
+        for number in range(RESTARTS):
+            worker.ask(f"blocks 2 0.5 s{number}")
+            daemon.stop(signal.SIGKILL)
+            daemon.start()
+        assert slot_pages_held(worker.pid) == RESTARTS
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        started = time.monotonic()
+        with daemon.client(fast=False) as client:
+            while time.monotonic() < started + 0.3:
+                assert [t for t in client.status().timers if t.pid == worker.pid] == []
+        daemon.stop(signal.SIGKILL)
+        worker.tell("hang 0.5 s0")
+        time.sleep(0.8)
+        daemon.start()
+        back = time.monotonic()
+        assert death_time(worker.process) - back < 1.0
     finally:
         worker.close()
 

@@ -14,7 +14,8 @@ released mapping does.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from watchdogd.core.ports import SEARCHING, PageRef, Searching, TargetProcess
 from watchdogd_protocol.slot_page import (
@@ -169,19 +170,34 @@ class FakePage:
 
 
 class FakeSearch:
-    """A search of `FakePages`: it ends at its last step, whatever the clock."""
+    """A search of `FakePages`: it ends at its last step, whatever the clock,
+    finding the pages wanted then that its process holds (a page it was asked
+    for after its first step is found only when ``late_found``: a real search
+    may have read its descriptor already)."""
 
-    def __init__(self, port: FakePages, pid: int, page: int, steps: int) -> None:
-        self._port, self._pid, self._page = port, pid, page
+    def __init__(self, port: FakePages, pid: int, wanted: AbstractSet[int], steps: int) -> None:
+        self._port, self.pid = port, pid
+        self.wanted = wanted
+        self.first = set(wanted)
         self.steps_left = steps
+        self.stepped = False
         self.closed = False
 
-    def step(self, until: float) -> PageRef | Searching | None:
+    def step(self, until: float) -> Mapping[int, PageRef] | Searching:
         assert not self.closed, "a search stepped after it was closed"
+        if not self.stepped:
+            self.stepped = True
+            self.first = set(self.wanted)
         self.steps_left -= 1
         if self.steps_left > 0:
             return SEARCHING
-        return self._port.found(self._pid, self._page)
+        found: dict[int, PageRef] = {}
+        for page in sorted(self.wanted):
+            if page in self.first or self._port.late_found:
+                held = self._port.found(self.pid, page)
+                if held is not None:
+                    found[page] = held
+        return found
 
     def close(self) -> None:
         self.closed = True
@@ -203,14 +219,19 @@ class FakePages:
         self.offsets: dict[int, float | None] = {}
         #: Whether no page can be made now (memfd_create failing).
         self.exhausted = False
-        #: The adoptions asked for, in turn: (pid, page id).
-        self.adoptions: list[tuple[int, int]] = []
         #: The handles searches gave.
         self.adopted: list[FakePage] = []
         #: How many steps a search takes (a process with many descriptors).
         self.search_steps = 1
         #: Every search begun, in turn.
         self.searches: list[FakeSearch] = []
+        #: Whether a page asked for after a search's first step is found by it.
+        self.late_found = True
+
+    @property
+    def adoptions(self) -> list[tuple[int, int]]:
+        """The pages searched for, in turn: (pid, page id), each search's in order."""
+        return [(search.pid, page) for search in self.searches for page in sorted(search.wanted)]
 
     def shares_clock(self, process: TargetProcess) -> bool:
         return process.pid not in self.other_clock
@@ -225,9 +246,8 @@ class FakePages:
         self.made[page.id] = page
         return page
 
-    def search(self, process: TargetProcess, page: int) -> FakeSearch:
-        self.adoptions.append((process.pid, page))
-        search = FakeSearch(self, process.pid, page, self.search_steps)
+    def search(self, process: TargetProcess, wanted: AbstractSet[int]) -> FakeSearch:
+        search = FakeSearch(self, process.pid, wanted, self.search_steps)
         self.searches.append(search)
         return search
 

@@ -436,33 +436,76 @@ def test_a_search_goes_a_slice_at_a_time_through_a_crowd_of_descriptors() -> Non
     with ready_child(CROWDED, [str(page.fd), str(CROWD)], (page.fd,)) as child:
         page.close()
         process = open_process(child.pid)
-        search = Search(process, page_id)
+        search = Search(process, {page_id})
         try:
             steps = 0
             while (found := search.step(-math.inf)) is None:
                 steps += 1
             assert steps >= CROWD
-            assert found.id == page_id
-            found.close()
+            assert list(found) == [page_id]
+            found[page_id].close()
         finally:
             search.close()
             process.close()
 
 
-def test_a_search_of_a_process_that_holds_no_page_ends_in_a_page_error() -> None:
+def test_one_read_of_the_descriptors_finds_every_page_wanted_one_wanted_late_too() -> None:
+    """A process holding pages a restart left it with: one search finds them all,
+    a page wanted once the search had begun (its descriptor not read yet)
+    included; one the process does not hold is not among them."""
+    pages = [new_page() for _ in range(4)]
+    writes = {page.fd: (word_of_deadline(index), 100 + index) for index, page in enumerate(pages)}
+    ids = [page.id for page in pages]
+    try:
+        with holder(writes) as child:
+            process = open_process(child.pid)
+            wanted = {ids[0], ids[1], 12345}
+            search = Search(process, wanted)
+            found: dict[int, SlotPage] = {}
+            try:
+                assert search.step(-math.inf) is None  # one descriptor read: stdin
+                wanted.add(ids[3])
+                found = _search_to_the_end(search)
+                assert sorted(found) == sorted([ids[0], ids[1], ids[3]])
+                assert [found[page].read(ids.index(page)) for page in sorted(found)] == [
+                    100 + ids.index(page) for page in sorted(found)
+                ]
+            finally:
+                for page in found.values():
+                    page.close()
+                search.close()
+                process.close()
+    finally:
+        for page in pages:
+            page.close()
+
+
+def test_a_search_of_a_process_that_holds_no_page_finds_none() -> None:
     victim = sleeper()
     process = open_process(victim.pid)
-    search = Search(process, 12345)
+    search = Search(process, {12345})
     try:
-        with pytest.raises(PageError, match="holds no descriptor"):
-            _search_to_the_end(search)
+        assert _search_to_the_end(search) == {}
     finally:
         search.close()
         process.close()
         reap(victim)
 
 
-def _search_to_the_end(search: Search) -> SlotPage:
+def test_a_search_of_a_process_that_exited_ends_in_a_page_error() -> None:
+    victim = sleeper()
+    process = open_process(victim.pid)
+    search = Search(process, {12345})
+    try:
+        reap(victim)
+        with pytest.raises(PageError):
+            _search_to_the_end(search)
+    finally:
+        search.close()
+        process.close()
+
+
+def _search_to_the_end(search: Search) -> dict[int, SlotPage]:
     while (found := search.step(-math.inf)) is None:
         pass
     return found

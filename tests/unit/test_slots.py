@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
+from watchdogd.core.process_pages import SEARCH_PAUSE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot_shares import LOOKS_PER_UID
-from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE, SEARCH_PAUSE
+from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
 from watchdogd.runtime.metrics import exposition
@@ -929,6 +930,69 @@ def test_a_lost_page_is_searched_for_once_for_every_registration_on_it() -> None
     assert world.host.tracked == set()
 
 
+def test_the_pages_of_a_process_are_found_again_in_one_read_of_its_descriptors() -> None:
+    """A process whose registrations fill three pages: after a restart its
+    descriptors are read once for all three (each read costs a readlink of every
+    descriptor it holds), and every registration is adopted."""
+    before = make_world()
+    for number in range(2 * SLOTS + 1):
+        grant, memory = registered(before, f"s{number}", now=1.0)
+        memory.release(grant.index)
+    assert len(before.pages.made) == 3
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 2
+    assert run(world, 50.0) == []
+    assert world.service.slots.search(50.001) is False
+    assert run(world, 50.5) == []
+    assert len(world.pages.searches) == 1
+    assert sorted(page for _, page in world.pages.adoptions) == sorted(before.pages.made)
+    assert len(world.service.slots) == 2 * SLOTS + 1
+    assert world.service.metrics.slots_lost == 0
+
+
+def test_a_page_asked_for_once_the_read_had_begun_is_searched_for_again_not_lost() -> None:
+    """A second registration's look asks for its page while the read begun by
+    the first goes on, perhaps past that page's descriptor: a page the read did
+    not find is searched for again rather than taken as lost."""
+    before = make_world()
+    for number in range(SLOTS + 1):
+        grant, memory = registered(before, f"s{number}", now=1.0)
+        memory.release(grant.index)
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 2
+    world.pages.late_found = False
+    assert run(world, 50.0) == []
+    assert world.service.slots.search(50.001) is True  # the late page, again
+    assert world.service.slots.search(50.002) is True  # its own two steps
+    assert world.service.slots.search(50.003) is False
+    assert run(world, 50.5) == []
+    first, again = world.pages.searches
+    assert len(first.wanted) == 2
+    assert len(again.wanted) == 1
+    assert len(world.service.slots) == SLOTS + 1
+    assert world.service.metrics.slots_lost == 0
+
+
+def test_a_status_after_a_restart_lists_no_registration_whose_slot_holds_no_block() -> None:
+    """Before its first look a restored registration is read from its page once
+    that is found (until then, none of its blocks is known): the state's look,
+    long past, is never shown as a block due now."""
+    before = make_world()
+    for number in range(SLOTS + 1):
+        grant, memory = registered(before, f"s{number}", now=1.0)
+        memory.release(grant.index)
+    grant, memory = registered(before, "held", now=1.0)
+    memory.store(grant.index, 60.0)  # entered while the daemon was down
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 2
+    assert status(world, world.alice, 50.0).timers == []
+    assert world.service.firing.expire_due(50.0) == []  # the looks begin the search
+    assert world.service.slots.search(50.001) is False
+    [held] = status(world, world.alice, 50.002).timers
+    assert held.scope == "held"
+    assert held.remaining == pytest.approx(60.0 - 50.002)
+
+
 def test_another_callers_arm_before_the_first_look_after_a_restart_closes_the_slot() -> None:
     """Revoked before its page was found again: the process must still see its
     slot closed, or its later blocks store where no daemon reads."""
@@ -960,6 +1024,33 @@ def test_a_page_searched_for_over_several_slices_keeps_its_looks_waiting() -> No
     assert world.service.metrics.slots_lost == 0
     [fired] = run(world, 60.0)
     assert (fired.timer.scope, fired.timer.deadline) == ("step", 60.0)
+
+
+def test_looks_waiting_for_a_search_are_not_polled_and_come_back_when_it_ends() -> None:
+    """A search that takes slices: the looks that wait for it are not taken again
+    meanwhile (hundreds of them, every few milliseconds, would starve the search
+    and the daemon), and are due again the moment it ends: a block hung while
+    the daemon was down dies then, not a pause later."""
+    before = make_world()
+    for number in range(SLOTS + 1):
+        grant, memory = registered(before, f"s{number}", now=1.0)
+        memory.release(grant.index)
+    grant, memory = registered(before, "hung", now=1.0)
+    memory.store(grant.index, 49.0)  # entered while the daemon was down, and hung
+    world = restarted(before, now=50.0)
+    world.pages.search_steps = 4
+    assert run(world, 50.0) == []
+    waiting = look_at(world, "hung")
+    assert waiting == 50.0 + SEARCH_PAUSE
+    assert world.service.slots.search(50.001) is True
+    assert world.service.slots.search(50.002) is True
+    assert world.service.firing.expire_due(50.003) == []  # nothing taken meanwhile
+    assert look_at(world, "hung") == waiting
+    assert world.service.slots.search(50.004) is False
+    assert look_at(world, "hung") == 50.0  # due again at once
+    [fired] = run(world, 50.005)
+    assert (fired.timer.scope, fired.timer.deadline) == ("hung", 49.0)
+    assert len(world.service.slots) == SLOTS + 1
 
 
 def test_a_page_a_search_never_finds_drops_its_registrations_once_it_ends() -> None:

@@ -166,7 +166,7 @@ class Pages(Generic[P]):
         timers: list[TimerInfo] = []
         taken = 0
         for timer in page:
-            deadline = self._deadline(timer)
+            deadline = self._deadline(timer, now)
             if deadline is None:
                 taken += 1  # a registered scope's slot holds no block: none armed
                 continue
@@ -204,12 +204,12 @@ class Pages(Generic[P]):
             )
         return timers, commands, taken
 
-    def _deadline(self, timer: Timer) -> float | None:
-        """``timer``'s deadline: a registered scope's read from its slot now (None
-        while it holds no block)."""
+    def _deadline(self, timer: Timer, now: float) -> float | None:
+        """``timer``'s deadline: a registered scope's read from its slot ``now``
+        (None while it holds no block that is known: `Slots.deadline_of`)."""
         if timer.slot is None:
             return timer.deadline
-        return self._slots.deadline_of(timer)
+        return self._slots.deadline_of(timer, now)
 
     def incidents(
         self, request: Incidents | Incident, peer: Peer
@@ -261,7 +261,7 @@ class Pages(Generic[P]):
             return peer.uid in (ROOT, timer.uid, timer.owner)
 
         armed = [] if process is None else self._table.timers_of(pid)
-        held = [timer for timer in armed if mine(timer) and self._deadline(timer) is not None]
+        held = [timer for timer in armed if mine(timer) and self._deadline(timer, now) is not None]
         held += [timer for timer in self._firing.of_pid(pid) if mine(timer)]
         shown = held[: request.limit]
         timers = [self._why_timer(timer, now) for timer in shown]
@@ -303,7 +303,7 @@ class Pages(Generic[P]):
                 if timer.step < len(steps)
                 else "finishing"
             )
-        deadline = timer.deadline if timer.firing else self._deadline(timer)
+        deadline = timer.deadline if timer.firing else self._deadline(timer, now)
         return WhyTimer(
             scope=timer.scope,
             policy=timer.policy,

@@ -11,7 +11,8 @@ on a fake host in tests.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Final, Protocol, TypeVar
 
 from .identity import Peer
@@ -184,12 +185,13 @@ SEARCHING: Final = Searching.SEARCHING
 
 
 class PageSearch(Protocol):
-    """A search for a page among a process's descriptors, a slice at a time."""
+    """A search for pages among a process's descriptors, all of them in one read
+    of its descriptors, a slice at a time."""
 
-    def step(self, until: float) -> PageRef | Searching | None:
+    def step(self, until: float) -> Mapping[int, PageRef] | Searching:
         """Search on until the clock reads ``until`` (a little further at least):
-        the page found, None (said in the log) once it is known the process holds
-        none, or `SEARCHING`."""
+        `SEARCHING`, or once it ended the wanted pages found, by id (a page not
+        among them is not held by the process, or was wanted too late)."""
 
     def close(self) -> None:
         """Give the search up (or let go of what it read once it ended)."""
@@ -209,9 +211,11 @@ class PagePort(Protocol[P_contra]):
     def new_page(self) -> PageRef | None:
         """A fresh page; None when none can be made now (said in the log)."""
 
-    def search(self, process: P_contra, page: int) -> PageSearch:
-        """A search for page ``page`` among the process's descriptors (a
-        restart), not begun yet."""
+    def search(self, process: P_contra, wanted: AbstractSet[int]) -> PageSearch:
+        """A search for the pages ``wanted`` (by id) among the process's
+        descriptors (a restart), not begun yet. ``wanted`` is read as the search
+        goes: a page added to it may be found, unless its descriptor was read
+        already."""
 
 
 class NoPages:
@@ -226,15 +230,15 @@ class NoPages:
     def new_page(self) -> PageRef | None:
         return None
 
-    def search(self, process: object, page: int) -> PageSearch:
+    def search(self, process: object, wanted: AbstractSet[int]) -> PageSearch:
         return _NothingFound()
 
 
 class _NothingFound:
     """The search of a daemon that offers no fast path: it finds nothing."""
 
-    def step(self, until: float) -> PageRef | Searching | None:
-        return None
+    def step(self, until: float) -> Mapping[int, PageRef] | Searching:
+        return {}
 
     def close(self) -> None:
         pass

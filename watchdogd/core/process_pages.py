@@ -16,27 +16,41 @@ Invariants:
 - The slots of a page are of one executable's (the key of their history): a
   registration of a process that runs another since its newest page was made
   (it exec'd) takes a slot of a new page.
-- A page is searched for among a process's descriptors once: a search reads every
-  descriptor, and one that found nothing finds nothing the next time either. A
-  search goes a slice at a time (`search`), between the passes that fire timers:
-  a process holding tens of thousands of descriptors delays no timer. A slot
-  closed while its page is being searched for (another caller armed its scope)
-  is closed in the page once it is found, so its process sees it closed.
+- A process's descriptors are read once for all the pages its registrations
+  name (`found`: those of every registration not read yet, and any asked for
+  while the read goes on): a worker that outlived restarts, each of which began
+  a page for its next registration, has its descriptors read once, not once a
+  page. A page that read did not find is lost (a later read finds nothing
+  either), unless it was asked for once the read had begun: it is searched for
+  again. A page is held once: one found again while held already is let go.
+  A search goes a slice at a time (`search`), between the passes that fire
+  timers: a process holding tens of thousands of descriptors delays no timer.
+  The looks that wait for a search come back once it ends (``come_back``), not
+  before. A slot closed while its page is being searched for (another caller
+  armed its scope) is closed in the page once it is found, so its process sees
+  it closed.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic
+from typing import Final, Generic
 
 from watchdogd_protocol.slot_page import SLOTS
 
-from .ports import SEARCHING, P, PagePort, PageSearch, Searching, TargetProcess
+from .ports import SEARCHING, P, PagePort, PageRef, PageSearch, Searching, TargetProcess
 from .slot import FREE, PageSlots, Slot
-from .timers import SlotRef
+from .timers import Key, SlotRef
 
 ProcessKey = tuple[int, int]
+
+#: How soon a look whose page is being searched for after a restart comes again
+#: unless the search ends first: its end brings every look that waits for it
+#: back at once (`ProcessPages.wait`), so a look is never polled while the
+#: search goes on.
+SEARCH_PAUSE: Final = 0.25
 
 
 def process_key(process: TargetProcess) -> ProcessKey:
@@ -56,29 +70,42 @@ class _Pages:
 
 
 @dataclass(slots=True, eq=False)
-class _Search:
-    """A page being searched for: the registrations whose looks wait for it, the
-    slots to close in it once found (by index), and the executable of its
-    process when the search began."""
+class _Search(Generic[P]):
+    """A search for pages of one process: the pages it looks for (the set the
+    search reads, which grows while it goes on), those asked for once it had
+    begun (their descriptors may have been read already), the registrations
+    whose looks wait for each page (their indexes), the slots to close in each
+    once found, and the executable of its process when the search began."""
 
+    process: P
     search: PageSearch
+    wanted: set[int]
     executable: str
-    waiting: set[int] = field(default_factory=set)
-    closes: set[int] = field(default_factory=set)
+    begun: bool = False
+    late: set[int] = field(default_factory=set)
+    waiting: dict[int, set[int]] = field(default_factory=dict)
+    closes: dict[int, set[int]] = field(default_factory=dict)
 
 
 class ProcessPages(Generic[P]):
     """Every process's slot pages, made and found again through ``port``."""
 
-    def __init__(self, port: PagePort[P]) -> None:
+    def __init__(self, port: PagePort[P], come_back: Callable[[Key, float], None]) -> None:
+        """``come_back(key, looked)``: the look at registration ``key`` at
+        ``looked`` waited for a search that ended; it may come now."""
         self._port = port
+        self._come_back = come_back
         self._pages: dict[ProcessKey, _Pages] = {}
         #: Every page, by id.
         self._by_id: dict[int, PageSlots] = {}
         #: Pages searched for and not found, by process.
         self._lost: dict[ProcessKey, set[int]] = {}
-        #: Pages being searched for, the oldest search first.
-        self._searches: dict[tuple[ProcessKey, int], _Search] = {}
+        #: The search of each process whose pages are searched for, the oldest
+        #: first.
+        self._searches: dict[ProcessKey, _Search[P]] = {}
+        #: The looks that wait for each process's search: when each looked, by
+        #: registration.
+        self._waiting: dict[ProcessKey, dict[Key, float]] = {}
 
     def new_slot(self, process: P, executable: str) -> tuple[PageSlots, int] | None:
         """A slot for a registration of ``process``, which runs ``executable``: its
@@ -110,79 +137,123 @@ class ProcessPages(Generic[P]):
         return slots, index
 
     def found(
-        self, process: P, page_id: int, index: int, executable: str
+        self,
+        process: P,
+        page_id: int,
+        index: int,
+        executable: str,
+        unread: Callable[[], Iterable[tuple[int, int]]] = tuple,
     ) -> PageSlots | Searching | None:
         """Page ``page_id`` of ``process`` (which runs ``executable``) for its
         registration on slot ``index`` read from the state: one it has already, or
         found again among its descriptors; None when it holds no such page,
-        `SEARCHING` while it is searched for (a first slice is searched at once)."""
+        `SEARCHING` while it is searched for (a first slice is searched at once).
+        ``unread()``: the pages and indexes of its process's other registrations
+        not read yet, looked for in the same read of its descriptors."""
         key = process_key(process)
         slots = self.page_for(process, page_id)
         if slots is None:
             if page_id in self._lost.get(key, ()):
                 return None
-            pending = self._searches.get((key, page_id))
+            pending = self._searches.get(key)
             if pending is None:
-                pending = self._searches[key, page_id] = _Search(
-                    self._port.search(process, page_id), executable
-                )
-                pending.waiting.add(index)
+                pending = self._begin(process, key, {page_id}, executable)
+                lost = self._lost.get(key, ())
+                for other, other_index in unread():
+                    if other not in lost and self.page_for(process, other) is None:
+                        pending.wanted.add(other)
+                        pending.waiting.setdefault(other, set()).add(other_index)
+                pending.waiting.setdefault(page_id, set()).add(index)
                 # As much as one descriptor's worth: a process that holds few is
                 # found at once.
-                if self._step(key, page_id, pending, -math.inf):
+                if self._step(key, pending, -math.inf):
                     return SEARCHING
                 return self.found(process, page_id, index, executable)
-            pending.waiting.add(index)
+            self._want(pending, page_id)
+            pending.waiting.setdefault(page_id, set()).add(index)
             return SEARCHING
         slots.live += 1
         return slots
 
-    def close_found(self, process: P, page_id: int, index: int, executable: str) -> None:
-        """Slot ``index`` of page ``page_id``, which ``process`` holds perhaps,
-        closes: now if its page is known, else once its search finds it."""
-        key = process_key(process)
+    def close_found(self, process: P, ref: SlotRef, executable: str) -> None:
+        """Slot ``ref``, of a page ``process`` holds perhaps, closes: now if its page
+        is known, else once its search finds it."""
+        key, page_id, index = process_key(process), ref.page, ref.index
         slots = self.page_for(process, page_id)
         if slots is not None:
             slots.page.write(index, period=0)
             return
         if page_id in self._lost.get(key, ()):
             return
-        pending = self._searches.get((key, page_id))
+        pending = self._searches.get(key)
         if pending is None:
-            pending = self._searches[key, page_id] = _Search(
-                self._port.search(process, page_id), executable
-            )
-        pending.waiting.discard(index)
-        pending.closes.add(index)
+            pending = self._begin(process, key, {page_id}, executable)
+        self._want(pending, page_id)
+        pending.waiting.get(page_id, set()).discard(index)
+        pending.closes.setdefault(page_id, set()).add(index)
+
+    def _begin(self, process: P, key: ProcessKey, wanted: set[int], executable: str) -> _Search[P]:
+        """A search of ``process``'s descriptors for the pages ``wanted``."""
+        pending = _Search(process, self._port.search(process, wanted), wanted, executable)
+        self._searches[key] = pending
+        return pending
+
+    @staticmethod
+    def _want(pending: _Search[P], page_id: int) -> None:
+        if page_id not in pending.wanted:
+            pending.wanted.add(page_id)
+            if pending.begun:
+                pending.late.add(page_id)
 
     def search(self, until: float) -> bool:
-        """Search for the pages asked for, the oldest search first, until the
+        """Search on for the pages asked for, the oldest search first, until the
         clock reads ``until``; whether any is still searched for."""
-        for (key, page_id), pending in list(self._searches.items()):
-            if self._step(key, page_id, pending, until):
-                return True
-        return False
+        return any(self._step(key, pending, until) for key, pending in list(self._searches.items()))
 
-    def _step(self, key: ProcessKey, page_id: int, pending: _Search, until: float) -> bool:
-        """Search on for ``page_id`` of the process of ``key``; whether it goes on."""
-        page = pending.search.step(until)
-        if page is SEARCHING:
+    def _step(self, key: ProcessKey, pending: _Search[P], until: float) -> bool:
+        """Search on for the pages of the process of ``key``; whether it goes on
+        (a search again for the pages asked for too late to be found)."""
+        pending.begun = True
+        found = pending.search.step(until)
+        if found is SEARCHING:
             return True
-        del self._searches[key, page_id]
+        del self._searches[key]
         pending.search.close()
-        if page is None:
-            self._lost.setdefault(key, set()).add(page_id)
+        again = {page_id for page_id in pending.late if page_id not in found}
+        lost = pending.wanted - found.keys() - again
+        if lost:
+            self._lost.setdefault(key, set()).update(lost)
+        for page_id, page in found.items():
+            self._found(key, pending, page_id, page)
+        if not again:
+            for waiting, looked in self._waiting.pop(key, {}).items():
+                self._come_back(waiting, looked)
             return False
-        for index in pending.closes:
+        retry = self._begin(pending.process, key, again, pending.executable)
+        for page_id in again:
+            retry.waiting[page_id] = pending.waiting.get(page_id, set())
+            retry.closes[page_id] = pending.closes.get(page_id, set())
+        return True
+
+    def wait(self, process: TargetProcess, key: Key, looked: float) -> float:
+        """The look at registration ``key`` at ``looked`` waits for the search of
+        ``process``'s pages: it comes back once that ends (``come_back``). When it
+        comes again if the search has not ended by then."""
+        self._waiting.setdefault(process_key(process), {})[key] = looked
+        return looked + SEARCH_PAUSE
+
+    def _found(self, key: ProcessKey, pending: _Search[P], page_id: int, page: PageRef) -> None:
+        """``page`` was found: its closed slots written, kept while a registration
+        waits for it."""
+        for index in pending.closes.get(page_id, ()):
             page.write(index, period=0)
-        if not pending.waiting:
-            page.close()  # no registration of it is left
-            return False
         own = self._pages.get(key)
+        if not pending.waiting.get(page_id) or (own is not None and page_id in own.pages):
+            page.close()  # no registration of it is left, or it is held already
+            return
         if own is None:
             own = self._pages[key] = _Pages()
         own.pages[page.id] = self._by_id[page.id] = PageSlots(page, key[0], pending.executable)
-        return False
 
     def let_go(self, process: TargetProcess, slots: PageSlots) -> None:
         """A slot of ``slots``'s page is no longer a registration's."""
@@ -215,6 +286,21 @@ class ProcessPages(Generic[P]):
         """Page ``page_id`` of ``process``, if it has one."""
         own = self._pages.get(process_key(process))
         return None if own is None else own.pages.get(page_id)
+
+    def deadline(
+        self, process: TargetProcess | None, ref: SlotRef | None, look: float, latest: float
+    ) -> float | None:
+        """The deadline of the block on slot ``ref`` of ``process``, read now: None
+        while it holds none, or none known (its page is still searched for after
+        a restart). No later than four periods past ``look``, its registration's
+        next look, or ``latest`` for one not read yet since a restart."""
+        if process is None or ref is None or not 0 <= ref.index < SLOTS:
+            return None
+        slots = self.page_for(process, ref.page)
+        word = 0 if slots is None else slots.page.read(ref.index)
+        if not word or slots is None:
+            return None
+        return min(word / 1_000_000, look + ref.period * 4 if slots.known(ref.index) else latest)
 
     def named(self, ref: SlotRef) -> tuple[int, str, Slot] | None:
         """The pid and scope of the registration on slot ``ref``, whichever
@@ -264,8 +350,10 @@ class ProcessPages(Generic[P]):
         self._give_up(key)
 
     def _give_up(self, key: ProcessKey) -> None:
-        for search_key in [found for found in self._searches if found[0] == key]:
-            self._searches.pop(search_key).search.close()
+        self._waiting.pop(key, None)
+        pending = self._searches.pop(key, None)
+        if pending is not None:
+            pending.search.close()
 
     def close_all(self) -> None:
         """The daemon stops: every slot of every page closes, and the pages go."""
@@ -276,6 +364,7 @@ class ProcessPages(Generic[P]):
         self._pages.clear()
         self._by_id.clear()
         self._lost.clear()
+        self._waiting.clear()
         for pending in self._searches.values():
             pending.search.close()
         self._searches.clear()

@@ -55,13 +55,18 @@ Invariants:
   dropped and counted. A page can never fault the daemon (its memfd is sealed).
 - Moving a look is not journaled (by design: the page says it all); registering,
   re-registering and dropping a registration are.
+- A look whose page is being searched for after a restart waits for the search:
+  it is not taken again before the search ends (or
+  `watchdogd.core.process_pages.SEARCH_PAUSE` passes), and is due again as soon
+  as it ends. Until its first look, a registration is read for `status` from its
+  page once that is found, and holds no known block before.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, Generic
 
 import msgspec
@@ -75,7 +80,7 @@ from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
 from .slot import Slot
 from .slot_shares import SlotShares
-from .timers import Expired, SlotRef, Timer
+from .timers import Expired, Key, SlotRef, Timer
 
 if TYPE_CHECKING:
     from .context import CoreContext
@@ -88,8 +93,6 @@ PERIOD_SHARE: Final = 0.875
 MIN_PERIOD: Final = 0.002
 #: How long after a slot closes it is still read before it may be retired.
 CLOSING_WAIT: Final = 0.1
-#: How soon a look whose page is being searched for after a restart comes again.
-SEARCH_PAUSE: Final = 0.01
 
 
 def period_of(timeout: float) -> float:
@@ -115,7 +118,7 @@ class Slots(Generic[P]):
         #: The registrations this daemon knows the slot of: registered, or found
         #: again after a restart.
         self._known = 0
-        self._pages: ProcessPages[P] = ProcessPages(pages)
+        self._pages: ProcessPages[P] = ProcessPages(pages, self._came_back)
         self._shares = SlotShares()
         #: One object for each period: registrations of one timeout share it.
         self._periods: Shared[float] = Shared()
@@ -193,8 +196,7 @@ class Slots(Generic[P]):
             slot.page.write(slot.index, period=0)
             self._let_go(timer, process, slot)
         elif timer.slot is not None:
-            ref, executable = timer.slot, self._processes.executable(process)
-            self._pages.close_found(process, ref.page, ref.index, executable)
+            self._pages.close_found(process, timer.slot, self._processes.executable(process))
 
     # Looks.
 
@@ -220,7 +222,7 @@ class Slots(Generic[P]):
         timer, process = item.timer, item.process
         slot = self._pages.slot(process, ref) or self._adopt(timer, process, ref, now)
         if slot is SEARCHING:
-            self._put(item, now + SEARCH_PAUSE)
+            self._put(item, self._pages.wait(process, timer.key, now))
             return None
         if slot is None:
             self._drop(item, "its slot page is not among its process's descriptors")
@@ -373,11 +375,6 @@ class Slots(Generic[P]):
             return None
         return timer, found[2]
 
-    def _slot_in_table(self, timer: Timer) -> Slot | None:
-        """The slot of registered ``timer`` of the table, when this daemon knows it."""
-        process = self._table.process(timer.pid)
-        return None if process is None else self._pages.slot(process, timer.slot)
-
     def _forget(self, timer: Timer, slot: Slot) -> None:
         """``timer``'s registration, on ``slot``, is no longer kept."""
         self._shares.disowned(timer.owner, slot.ref)
@@ -431,13 +428,14 @@ class Slots(Generic[P]):
 
     def _adopt(self, timer: Timer, process: P, ref: SlotRef, now: float) -> Slot | Searching | None:
         """The slot of a registration read from the state: its page found again
-        among the process's descriptors (once per page, `search`). Its next
-        harvest takes what the daemon before did not (the page says what it took),
-        released since the registration's arming at most."""
+        among the process's descriptors (one read for all its pages, `search`).
+        Its next harvest takes what the daemon before did not (the page says what
+        it took), released since the registration's arming at most."""
         if not 0 <= ref.index < SLOTS or not ref.period > 0:
             return None
         executable = self._processes.executable(process)
-        slots = self._pages.found(process, ref.page, ref.index, executable)
+        unread = functools.partial(_slot_refs, self._table.timers_of, process.pid)
+        slots = self._pages.found(process, ref.page, ref.index, executable, unread)
         if slots is None or slots is SEARCHING:
             return slots
         budget = self._shares.budget(timer.owner)
@@ -503,21 +501,30 @@ class Slots(Generic[P]):
         self._pages.forget(process)
         return armed
 
-    def deadline_of(self, timer: Timer) -> float | None:
-        """The deadline of the block in registered ``timer``'s slot, read now;
-        None while it holds none. (The table's deadline for a slot not yet found
-        again after a restart.)"""
-        slot = self._slot_in_table(timer)
-        if slot is None:
-            return timer.deadline
-        word = slot.page.read(slot.index)
-        return None if not word else min(word / 1_000_000, timer.deadline + slot.period * 4)
+    def deadline_of(self, timer: Timer, now: float) -> float | None:
+        """The deadline of the block in registered ``timer``'s slot, read ``now``;
+        None while it holds none, or none known: its page is still searched for
+        since a restart (its look waits for the search, and fires a block past due)."""
+        # Not read since a restart, its look in the table is the state's: older
+        # than any block stored since.
+        latest = now + self._rules.daemon.max_timeout
+        process = self._table.process(timer.pid)
+        return self._pages.deadline(process, timer.slot, timer.deadline, latest)
 
     def search(self, until: float) -> bool:
-        """Search for the pages of registrations read from the state until the
-        clock reads ``until`` (between passes that fire timers); whether any is
-        still searched for."""
+        """Search for the pages of registrations read from the state until the clock
+        reads ``until`` (between passes that fire timers); whether any goes on."""
         return self._pages.search(until)
+
+    def _came_back(self, key: Key, looked: float) -> None:
+        """The look at ``key`` at ``looked`` waited for a search that ended: due
+        again on that time (the state keeps a look no later than it), unless it
+        went or was read since (an arm over the socket)."""
+        timer, process = self._table.get(*key), self._table.process(key[0])
+        if timer is None or process is None or timer.slot is None or timer.deadline <= looked:
+            return
+        if self._pages.slot(process, timer.slot) is None:
+            self._writer.moved(process, msgspec.structs.replace(timer, deadline=looked))
 
     def released_count(self) -> int:
         """How many registrations hold no block now, read from their slots."""
@@ -526,9 +533,7 @@ class Slots(Generic[P]):
     def page_for(self, process: P, page: int) -> PageRef | None:
         """Page ``page`` of ``process``, for it to map; None when it has no such
         page, or has exited (whoever holds its connection now is not it)."""
-        if self._processes.exited(process):
-            return None
-        slots = self._pages.page_for(process, page)
+        slots = None if self._processes.exited(process) else self._pages.page_for(process, page)
         return None if slots is None else slots.page
 
     def close_all(self) -> None:
@@ -545,3 +550,11 @@ class Slots(Generic[P]):
         self._pages.close_all()
         self._known = 0
         self._shares.clear()
+
+
+def _slot_refs(timers_of: Callable[[int], Iterable[Timer]], pid: int) -> list[tuple[int, int]]:
+    """The pages and indexes of the registrations of process ``pid``: its
+    descriptors are read once for every one of them not found yet."""
+    return [
+        (timer.slot.page, timer.slot.index) for timer in timers_of(pid) if timer.slot is not None
+    ]

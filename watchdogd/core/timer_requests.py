@@ -376,7 +376,7 @@ class Arming(Generic[P]):
         registration goes. Whether its slot held a block."""
         slot = self._slots.slot_of(held, process, now)
         if slot is None or not own:
-            armed = slot is not None and self._slots.deadline_of(held) is not None
+            armed = slot is not None and self._slots.deadline_of(held, now) is not None
             self._slots.revoke(held, process, now)
             _, gone = self._writer.disarm(process.pid, held.scope)
             if gone is not None:

@@ -5,12 +5,13 @@ A page is made here (`SlotPages.new_page`): a memfd of `PAGE_BYTES`, sealed so
 that neither side can shrink or grow it (so no mapping of it can ever fault), and
 mapped here. Its descriptor goes to its process over the socket (`MapPage`), which
 maps it too and keeps a descriptor of it open. That descriptor is what makes a
-page outlive the daemon: after a crash or a restart, the next daemon finds the page
-among the process's open descriptors (`Search`, a slice at a time) by its inode, as
-/proc/PID/fd shows them to anyone who may read the process's memory (root, the
-shipped unit's CAP_SYS_PTRACE, or the process's own user), checks that it is the
-same sealed memfd, and maps it again. So a page lives exactly as long as its
-process keeps it, and nothing of it is left on any disk.
+page outlive the daemon: after a crash or a restart, the next daemon finds the pages
+of a process among its open descriptors by their inodes (`Search`: one read of its
+descriptors for all of them, a slice at a time), as /proc/PID/fd shows them to
+anyone who may read the process's memory (root, the shipped unit's
+CAP_SYS_PTRACE, or the process's own user), checks that each is the same sealed
+memfd, and maps it again. So a page lives exactly as long as its process keeps
+it, and nothing of it is left on any disk.
 
 Nothing found at a path or in a descriptor is trusted: a descriptor is first
 opened with O_PATH (which opens nothing: no FIFO can block, no device act) and
@@ -29,6 +30,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Final
 
 from watchdogd_protocol.slot_page import (
@@ -199,23 +201,34 @@ def new_page() -> SlotPage:
 
 
 class Search:
-    """A search for page ``page`` (its inode) among the descriptors ``process``
-    holds (a restart), a slice at a time: a process may hold tens of thousands of
-    descriptors, and each costs a readlink(2), so no search holds the event loop
-    for more than a slice whatever the process holds."""
+    """A search for the pages ``wanted`` (their inodes) among the descriptors
+    ``process`` holds (a restart), all of them in one read of its descriptors, a
+    slice at a time: a process may hold tens of thousands of descriptors, and
+    each costs a readlink(2), so no search holds the event loop for more than a
+    slice whatever the process holds, and a process holding many pages has its
+    descriptors read once, not once a page.
 
-    def __init__(self, process: Process, page: int) -> None:
+    ``wanted`` is the caller's set, read as each descriptor is: it may grow while
+    the search goes on, and a page added once its descriptor was read is not
+    found (the caller searches for it again)."""
+
+    def __init__(self, process: Process, wanted: AbstractSet[int]) -> None:
         self._process = process
-        self._page = page
+        self._wanted = wanted
         self._directory = f"/proc/{process.pid}/fd"
         self._entries: Iterator[os.DirEntry[str]] = iter(())
         self._close_entries: Callable[[], None] | None = None
         self._searched = 0
+        self._found: dict[int, SlotPage] = {}
+        #: Why each wanted descriptor that was no slot page was refused, by inode.
+        self.refused: dict[int, str] = {}
 
-    def step(self, until: float) -> SlotPage | None:
+    def step(self, until: float) -> dict[int, SlotPage] | None:
         """Search on until CLOCK_MONOTONIC reads ``until`` (one descriptor at
-        least): the page found, or None while the search goes on. Raises
-        `PageError` once it is known that the process holds no such page."""
+        least): once every descriptor is read (or the most a search reads), the
+        wanted pages found, by inode; None while the search goes on. Raises
+        `PageError` once the descriptors cannot be read, or the process exited
+        meanwhile (its pid may be another's: nothing read is kept)."""
         try:
             if self._close_entries is None:
                 entries = os.scandir(self._directory)
@@ -227,45 +240,70 @@ class Search:
                 self._searched += 1
                 if self._searched > _SEARCHED:
                     break
-                fd = _opened(entry.path, self._page)
-                if fd is not None:
-                    self.close()
-                    if not self._process.alive():
-                        os.close(fd)
-                        raise PageError(
-                            f"pid {self._process.pid} exited while its page was searched for"
-                        )
-                    return _checked(fd, self._page)
+                self._take(entry.path)
                 if time.monotonic() >= until:
                     return None
         except OSError as exc:
             self.close()
             raise PageError(f"{self._directory}: {exc.strerror}") from None
-        self.close()
-        raise PageError(f"pid {self._process.pid} holds no descriptor of slot page {self._page}")
+        self._end()
+        if not self._process.alive():
+            self.close()
+            raise PageError(f"pid {self._process.pid} exited while its pages were searched for")
+        found, self._found = self._found, {}
+        return found
 
-    def close(self) -> None:
-        """Let go of the directory it reads (at its end, or when given up)."""
+    def _take(self, path: str) -> None:
+        """Keep the page at descriptor link ``path`` when it is a wanted one."""
+        opened = _opened(path, self._wanted)
+        if opened is None:
+            return
+        inode, fd = opened
+        if inode in self._found:
+            os.close(fd)  # another descriptor of a page found already
+            return
+        try:
+            self._found[inode] = _checked(fd, inode)
+        except PageError as exc:
+            self.refused[inode] = str(exc)
+
+    def _end(self) -> None:
         if self._close_entries is not None:
             self._close_entries()
+            self._close_entries = None
         self._entries = iter(())
+
+    def close(self) -> None:
+        """Let go of the directory it reads and of the pages found and not
+        handed over (at its end, or when given up)."""
+        self._end()
+        for page in self._found.values():
+            page.close()
+        self._found = {}
 
 
 def adopt(process: Process, page: int) -> SlotPage:
     """Page ``page`` again, from the descriptors ``process`` holds, searched in
     one go. Raises `PageError` when it holds none, or it is not a slot page."""
-    search = Search(process, page)
+    search = Search(process, {page})
     try:
         while (found := search.step(math.inf)) is None:
             pass
-        return found
     finally:
         search.close()
+    if page in found:
+        return found[page]
+    for other in found.values():
+        other.close()
+    raise PageError(
+        search.refused.get(page) or f"pid {process.pid} holds no descriptor of slot page {page}"
+    )
 
 
-def _opened(path: str, page: int) -> int | None:
-    """A read-write descriptor of the memfd at descriptor link ``path`` when it is
-    a memfd of a slot page with inode ``page``; None otherwise."""
+def _opened(path: str, wanted: AbstractSet[int]) -> tuple[int, int] | None:
+    """The inode and a read-write descriptor of the memfd at descriptor link
+    ``path`` when it is a memfd of a slot page whose inode is ``wanted``; None
+    otherwise."""
     try:
         if os.readlink(path) != _LINK:
             return None
@@ -275,13 +313,18 @@ def _opened(path: str, page: int) -> int | None:
         return None
     try:
         info = os.fstat(found)
-        if info.st_ino != page or info.st_dev != _memfd_device() or not stat.S_ISREG(info.st_mode):
+        if (
+            info.st_ino not in wanted
+            or info.st_dev != _memfd_device()
+            or not stat.S_ISREG(info.st_mode)
+        ):
             return None
-        return os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     finally:
         os.close(found)
+    return info.st_ino, fd
 
 
 @functools.cache

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 
 from ..core import SEARCHING, PageRef, Searching
 from ..host import slot_pages
@@ -33,8 +34,8 @@ class HostPages:
             self._say("slot_page_failed", str(exc))
             return None
 
-    def search(self, process: Process, page: int) -> _HostSearch:
-        return _HostSearch(slot_pages.Search(process, page), self._say)
+    def search(self, process: Process, wanted: AbstractSet[int]) -> _HostSearch:
+        return _HostSearch(slot_pages.Search(process, wanted), self._say)
 
     def _say(self, event: str, error: str) -> None:
         now = time.monotonic()
@@ -50,13 +51,17 @@ class _HostSearch:
         self._search = search
         self._say = say
 
-    def step(self, until: float) -> PageRef | Searching | None:
+    def step(self, until: float) -> Mapping[int, PageRef] | Searching:
         try:
             found = self._search.step(until)
         except slot_pages.PageError as exc:
             self._say("slot_page_lost", str(exc))
-            return None
-        return SEARCHING if found is None else found
+            return {}
+        if found is None:
+            return SEARCHING
+        for error in self._search.refused.values():
+            self._say("slot_page_lost", error)
+        return found
 
     def close(self) -> None:
         self._search.close()
