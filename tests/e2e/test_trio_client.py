@@ -323,6 +323,13 @@ async def test_an_expired_ranks_incident_hangs_and_why_are_read(daemon: RunningD
 
             await eventually(listed, "the rank's incident")
             [summary] = [i for i in await client.incidents(limit=10) if i.job == "trio-job"]
+
+            async def settled() -> bool:
+                verdict = (await client.incident(summary.id)).verdict
+                return verdict is not None and verdict.settled
+
+            # Read once it no longer changes: the blocking client reads it again below.
+            await eventually(settled, "the incident's verdict")
             incident = await client.incident(summary.id)
             why = await client.why(victim.pid)
             hangs = await client.hangs("trio-job")

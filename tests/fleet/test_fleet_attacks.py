@@ -851,16 +851,17 @@ def test_one_users_thousands_of_jobs_leave_root_on_time(
 
 
 def incident_flood(socket: Path, seconds: float, *, at_least: int = 0) -> Callable[[Say], None]:
-    """For ``seconds`` (and on until ``at_least`` of them, within ten times that
-    long: a busy machine floods slower), arms timers of policy ``log`` due at once,
-    each of a job of its own: every expiry opens an incident. Says how many."""
+    """For ``seconds`` (and on until ``at_least`` of them, within thirty times
+    that long: a machine busy with CPU hogs floods slower), arms timers of policy
+    ``log`` due at once, each of a job of its own: every expiry opens an incident.
+    Says how many."""
 
     def work(say: Say) -> None:
         with Client(socket) as client:
             say("ready")
             start, number = time.monotonic(), 0
             while (elapsed := time.monotonic() - start) < seconds or (
-                number < at_least and elapsed < 10 * seconds
+                number < at_least and elapsed < 30 * seconds
             ):
                 client.acquire(f"f{number}", 0.001, policy="log", job=f"flood-{number}")
                 number += 1
