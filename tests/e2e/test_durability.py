@@ -26,7 +26,6 @@ from helpers.waiting import PATIENCE, wait_until
 
 def arm(client: Client, scope: str, timeout: float, pid: int) -> float:
     """Arm and return the deadline on CLOCK_MONOTONIC (the daemon's clock too)."""
-    time.monotonic()
     remaining = client.acquire(scope, timeout, pid=pid)
     # The latest it can be: a slow answer never makes a canary late.
     return time.monotonic() + remaining

@@ -209,7 +209,6 @@ class Canary:
     def __init__(self, client: Client, timeout: float) -> None:
         self.victim = sleeper()
         self._fd = os.pidfd_open(self.victim.pid)
-        time.monotonic()
         remaining = client.acquire("canary", timeout, pid=self.victim.pid)
         # The latest it can be: a slow answer never makes a canary late.
         self.deadline = time.monotonic() + remaining

@@ -167,7 +167,6 @@ class Canary:
     def __init__(self, daemon: RunningDaemon, after: float) -> None:
         self.victim = sleeper()
         with daemon.client() as client:
-            time.monotonic()
             remaining = client.acquire("canary", after, pid=self.victim.pid)
         # The latest it can be: a slow answer never makes a canary late.
         self.deadline = time.monotonic() + remaining

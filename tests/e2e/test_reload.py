@@ -114,7 +114,6 @@ def arm_canary(client: Client, timeout: float) -> tuple[subprocess.Popen[bytes],
     """A root timer on a fresh ``sleep``; the victim, and its deadline on
     CLOCK_MONOTONIC (the daemon's clock too)."""
     victim = sleeper()
-    time.monotonic()
     remaining = client.acquire(f"canary-{victim.pid}", timeout, pid=victim.pid)
     # The latest it can be: a slow answer never makes a canary late.
     return victim, time.monotonic() + remaining

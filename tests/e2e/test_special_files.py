@@ -84,7 +84,6 @@ def test_a_fifo_as_sqlites_rollback_journal_neither_blocks_the_start_nor_loses_a
         wait_until(lambda: len(journal_files(state.parent)) == 1, what="the journals to be folded")
         with daemon.client() as client:
             # Due after the restart and its grace, whatever a loaded host takes.
-            time.monotonic()
             remaining = client.acquire("canary", 2.5 + RESTART_GRACE, pid=canary.pid)
             # The latest it can be: a slow answer never makes a canary late.
             deadline = time.monotonic() + remaining

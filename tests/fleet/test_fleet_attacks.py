@@ -426,7 +426,6 @@ class Canaries:
 
     def arm(self, timeout: float) -> None:
         victim = sleeper()
-        time.monotonic()
         remaining = self.client.acquire(f"canary-{len(self.armed)}", timeout, pid=victim.pid)
         # The latest it can be: a slow answer never makes a canary late.
         self.armed.append(Canary(victim, time.monotonic() + remaining))

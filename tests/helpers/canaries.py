@@ -26,7 +26,6 @@ class Canary:
         with at_units_priority():
             self.victim = sleeper()
         self._pidfd = os.pidfd_open(self.victim.pid)
-        time.monotonic()
         remaining = client.acquire(scope, timeout, pid=self.victim.pid)
         # The latest it can be: a slow answer never makes a canary late.
         self.deadline = time.monotonic() + remaining
