@@ -230,9 +230,15 @@ class TestRun:
         assert result.stdout.strip() == "x --timeout"
 
     def test_signals_are_forwarded(self, daemon: RunningDaemon) -> None:
+        # It takes the signal twice, as under timeout(1): through its pidfd, and as
+        # its group's leader; the second must not find it exiting with the default
+        # disposition back, so it ignores the signal from the first on.
         handler = (
             "import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+            "def stop(*_):\n"
+            "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "    sys.exit(7)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
             "print('ready', flush=True)\n"
             "time.sleep(30)\n"
         )
