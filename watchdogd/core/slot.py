@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import MutableSequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Generic, TypeVar, overload
 
 from watchdogd_protocol import SlotGrant
 from watchdogd_protocol.slot_page import MAX_MICROSECONDS
 
 from .ports import PageRef
 from .timers import SlotRef
+
+_V = TypeVar("_V", int, float)
 
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
@@ -139,11 +142,41 @@ class PageSlots:
         )
 
 
+class _Column(Generic[_V]):
+    """A field of `Slot` kept at the slot's index in its page's array of the
+    same name (`PageSlots`)."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, slot: None, owner: type) -> _Column[_V]: ...
+    @overload
+    def __get__(self, slot: Slot, owner: type) -> _V: ...
+    def __get__(self, slot: Slot | None, owner: type) -> _V | _Column[_V]:
+        if slot is None:
+            return self
+        column: MutableSequence[_V] = getattr(slot.slots, self.name)
+        return column[slot.index]
+
+    def __set__(self, slot: Slot, value: _V) -> None:
+        column: MutableSequence[_V] = getattr(slot.slots, self.name)
+        column[slot.index] = value
+
+
 class Slot:
     """The slot ``ref`` names, seen through its page's `PageSlots`: made for an arm
     or a look, never kept (what it knows lives in the arrays)."""
 
     __slots__ = ("index", "period", "ref", "slots")
+
+    #: What the daemon knows of it, each in its page's array of that name.
+    due = _Column[float]()
+    word = _Column[int]()
+    idle_since = _Column[float]()
+    looked = _Column[float]()
 
     def __init__(self, slots: PageSlots, ref: SlotRef) -> None:
         self.slots = slots
@@ -165,30 +198,6 @@ class Slot:
         return None if budget == _NO_BUDGET else budget
 
     @property
-    def due(self) -> float:
-        return self.slots.due[self.index]
-
-    @due.setter
-    def due(self, value: float) -> None:
-        self.slots.due[self.index] = value
-
-    @property
-    def word(self) -> int:
-        return self.slots.word[self.index]
-
-    @word.setter
-    def word(self, value: int) -> None:
-        self.slots.word[self.index] = value
-
-    @property
-    def idle_since(self) -> float:
-        return self.slots.idle_since[self.index]
-
-    @idle_since.setter
-    def idle_since(self, value: float) -> None:
-        self.slots.idle_since[self.index] = value
-
-    @property
     def closing(self) -> float:
         return self.slots.closing[self.index]
 
@@ -196,14 +205,6 @@ class Slot:
     def closing(self, value: float) -> None:
         self.slots.closing[self.index] = value
         self.slots.state[self.index] = CLOSING if value else OPEN
-
-    @property
-    def looked(self) -> float:
-        return self.slots.looked[self.index]
-
-    @looked.setter
-    def looked(self, value: float) -> None:
-        self.slots.looked[self.index] = value
 
     def arm(self, deadline: float, auto: float | None, at: float) -> SlotGrant:
         """Armed over the socket at ``at`` until ``deadline`` (``auto``: the timeout
