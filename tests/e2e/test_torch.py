@@ -319,7 +319,11 @@ def _two_scopes_then_hang() -> None:
 
 @pytest.mark.torch_job
 def test_six_torch_processes_even_ranks_hang(env_socket: RunningDaemon) -> None:
-    context = torch_mp.spawn(torch_workers.hang_on_even_ranks, nprocs=6, join=False)
+    # Forked, as torch's start_processes can: six spawned interpreters would each
+    # import torch again, seconds of CPU apiece, for what this test asks of them.
+    context = torch_mp.start_processes(
+        torch_workers.hang_on_even_ranks, nprocs=6, join=False, start_method="fork"
+    )
     for process in context.processes:
         process.join(TORCH_PATIENCE)
     assert [process.exitcode for process in context.processes] == [-9, 0, -9, 0, -9, 0]

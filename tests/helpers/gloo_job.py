@@ -9,15 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import free_ports
+from helpers.processes import Worker, torch_worker
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
 #: The collective timeout of the job's process group: what a rank would wait in a
@@ -89,7 +87,7 @@ class Rank:
 
     number: int
     host: RunningDaemon
-    process: subprocess.Popen[str]
+    process: Worker
     out: Path
 
     def steps(self) -> int:
@@ -112,25 +110,14 @@ class Rank:
         self.process.send_signal(signal.SIGSTOP)
 
 
-def _start(how: str, out: Path, hang_after: float, env: dict[str, str]) -> subprocess.Popen[str]:
-    """A `RANK` process, doing ``how``, saying how far it got in ``out``."""
+def _start(how: str, out: Path, hang_after: float, env: dict[str, str]) -> Worker:
+    """A `RANK` process, doing ``how``, saying how far it got in ``out`` (and what
+    it writes on stderr in ``out.log``)."""
+    socket = Path(env["WATCHDOGD_SOCKET"])
+    args = (how, str(out), str(hang_after), str(COLLECTIVE_TIMEOUT))
     with open(out.with_suffix(".log"), "w") as log:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                textwrap.dedent(RANK),
-                how,
-                str(out),
-                str(hang_after),
-                str(COLLECTIVE_TIMEOUT),
-            ],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,
+        return torch_worker(
+            RANK, *args, socket=socket, env=env, new_session=True, stderr=log.fileno()
         )
 
 

@@ -1,4 +1,5 @@
-"""Daemons and ``watchdogctl`` runs forked from a process that has imported them already.
+"""Daemons, ``watchdogctl`` runs and torch ranks forked from a process that has
+imported them already.
 
 A ``python -m watchdogd`` spends most of its start in Python's own start and in the
 imports (trio, msgspec, click, the daemon's modules), and the suite starts some
@@ -13,6 +14,13 @@ command's own behaviour. What differs: its parent is the launcher, and its comma
 line in /proc is the launcher's. Where the command line itself is what is tested,
 the tests run the real command (the README's, the CLI's, systemd's tests).
 
+Torch ranks (`start_python`) come from a second launcher, one that has imported
+torch: its import is seconds of CPU, paid again by every rank a plain ``python -c``
+starts, while a forked one runs its script at once, as torch's own
+``start_processes(start_method="fork")`` and its data loaders' workers do. The
+script runs as ``python -c`` runs it: in a ``__main__`` module of its own, with
+``sys.argv[0]`` ``-c``.
+
 ``WATCHDOGD_TESTS_EXEC=1`` starts every command with exec instead.
 
 The launcher and its test process speak over a SOCK_SEQPACKET pair: a start is one
@@ -23,7 +31,9 @@ It ends when its test process closes the pair.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import gc
 import importlib
 import json
 import locale
@@ -35,14 +45,26 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 #: The commands the launcher runs, and the modules of their ``main``.
 _ENTRY_POINTS: Final = {
     "watchdogd": "watchdogd.cli.watchdogd",
     "watchdogctl": "watchdogd.cli.watchdogctl",
+}
+#: What each launcher imports before it forks: the commands, or what a torch rank does.
+_PRELOADS: Final = {
+    "commands": tuple(_ENTRY_POINTS.values()),
+    "torch": (
+        "torch",
+        "torch.distributed",
+        "torch.distributed.elastic.timer",
+        "watchdogd_client",
+        "watchdogd_client.torch",
+    ),
 }
 _MESSAGE: Final = 1 << 20
 #: The longest a wait holds the launcher's lock at a time.
@@ -107,17 +129,57 @@ class Forked:
         self.close()
 
 
-class Launcher:
-    """This test process's launcher, started on first use (`launcher`)."""
+class ForkedPython(Forked):
+    """A ``python -c`` the torch launcher forked, with its standard streams as pipes
+    in text mode, as `subprocess.Popen` gives them."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, forked: Forked, stdin: IO[str], stdout: IO[str], stderr: IO[str] | None
+    ) -> None:
+        super().__init__(forked._launcher, forked.pid, forked._pidfd or -1)
+        forked._pidfd = None  # now this one's
+        self.stdin: IO[str] | None = stdin
+        self.stdout: IO[str] | None = stdout
+        self.stderr: IO[str] | None = stderr
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """What it writes on stdout and stderr to its end, stdin closed first."""
+        if self.stdin is not None:
+            self.stdin.close()
+        read: dict[str, str] = {}
+
+        def drain(name: str, stream: IO[str]) -> None:
+            with stream:  # as `subprocess.Popen.communicate`, which closes it
+                read[name] = stream.read()
+
+        readers = [
+            threading.Thread(target=drain, args=(name, stream), daemon=True)
+            for name, stream in (("out", self.stdout), ("err", self.stderr))
+            if stream is not None
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return read.get("out", ""), read.get("err", "")
+
+
+class Launcher:
+    """A launcher of this test process, started on first use (`launcher`):
+    ``preload`` says what it imports (`_PRELOADS`)."""
+
+    def __init__(self, preload: str = "commands") -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = ours
         self._lock = threading.Lock()
         self._exited: dict[int, int] = {}
         code = (
             f"import sys; sys.path.insert(0, {_TESTS!r}); "
-            "from helpers.launcher import serve; serve(int(sys.argv[1]))()"
+            f"from helpers.launcher import serve; serve(int(sys.argv[1]), {preload!r})()"
         )
         self._process = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno())],
@@ -138,10 +200,12 @@ class Launcher:
         stdout: int,
         stderr: int,
         env: Mapping[str, str] | None = None,
+        new_session: bool = False,
     ) -> Forked:
-        """Fork ``command`` (``watchdogd`` or ``watchdogctl``) with ``args``, this
-        process's working directory and umask, and ``env`` (this process's
-        environment if None)."""
+        """Fork ``command`` (``watchdogd`` or ``watchdogctl``; ``python`` from the
+        torch launcher, ``args`` then starting with ``-c`` and its source) with
+        ``args``, this process's working directory and umask, and ``env`` (this
+        process's environment if None), in a session of its own if ``new_session``."""
         umask = os.umask(0o022)
         os.umask(umask)
         request = {
@@ -150,6 +214,7 @@ class Launcher:
             "env": dict(os.environ if env is None else env),
             "cwd": os.getcwd(),
             "umask": umask,
+            "session": new_session,
         }
         with self._lock:
             socket.send_fds(self._socket, [json.dumps(request).encode()], [stdin, stdout, stderr])
@@ -174,11 +239,12 @@ class Launcher:
                 if pid in self._exited:
                     return self._exited.pop(pid)
                 left = _SLICE if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                _, fds = self._receive(min(left, _SLICE))
+                # Out of time, what has come meanwhile is still read (a poll).
+                message, fds = self._receive(max(0.0, min(left, _SLICE)))
                 for fd in fds:  # only a start's answer carries one
                     os.close(fd)
+                if message is None and left <= 0:
+                    return None
 
     def _receive(self, timeout: float | None) -> tuple[dict[str, Any] | None, list[int]]:
         """One message and the descriptors sent with it (exit statuses are kept as
@@ -202,39 +268,86 @@ class Launcher:
         self._process.wait(timeout=10)
 
 
-_launcher: Launcher | None = None
+#: This test process's launchers, by what they preload (one each per test process).
+_launchers: dict[str, Launcher] = {}
 _started = threading.Lock()
 
 
-def launcher() -> Launcher:
-    """This process's launcher, started on first use (again in a child of a fork)."""
-    global _launcher  # noqa: PLW0603 (one per test process)
+def launcher(preload: str = "commands") -> Launcher:
+    """This process's launcher that imported ``preload``, started on first use
+    (again in a child of a fork)."""
     with _started:
-        if _launcher is None or _launcher.owner != os.getpid():
-            _launcher = Launcher()
-        return _launcher
+        found = _launchers.get(preload)
+        if found is None or found.owner != os.getpid():
+            found = _launchers[preload] = Launcher(preload)
+        return found
 
 
 def close_launcher() -> None:
-    """End this process's launcher, if it has one (the end of the test session)."""
-    global _launcher  # noqa: PLW0603
+    """End this process's launchers, if it has any (the end of the test session)."""
     with _started:
-        if _launcher is not None and _launcher.owner == os.getpid():
-            _launcher.close()
-        _launcher = None
+        for started in _launchers.values():
+            if started.owner == os.getpid():
+                started.close()
+        _launchers.clear()
+
+
+def start_python(
+    source: str,
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    new_session: bool = False,
+    stderr: int = subprocess.PIPE,
+) -> ForkedPython:
+    """``python -c source *args`` with pipes for its standard streams (its stderr
+    ``stderr`` if that is a descriptor), forked from the launcher that has
+    imported torch."""
+    piped = stderr == subprocess.PIPE
+    pipes = [os.pipe() for _ in range(3 if piped else 2)]
+    theirs = [pipes[0][0], *(write for _, write in pipes[1:])]
+    ours = [pipes[0][1], *(read for read, _ in pipes[1:])]
+    try:
+        forked = launcher("torch").start(
+            "python",
+            ["-c", source, *args],
+            stdin=theirs[0],
+            stdout=theirs[1],
+            stderr=theirs[2] if piped else stderr,
+            env=env,
+            new_session=new_session,
+        )
+    except BaseException:
+        for end in ours:
+            os.close(end)
+        raise
+    finally:
+        for end in theirs:
+            os.close(end)
+    encoding = locale.getpreferredencoding(False)
+    return ForkedPython(
+        forked,
+        open(ours[0], "w", encoding=encoding),
+        open(ours[1], encoding=encoding),
+        open(ours[2], encoding=encoding) if piped else None,
+    )
 
 
 # The launcher's side.
 
 
-def serve(control_fd: int) -> Callable[[], None]:
-    """Import the commands, then fork a process for each start asked on
+def serve(control_fd: int, preload: str) -> Callable[[], None]:
+    """Import what ``preload`` names, then fork a process for each start asked on
     ``control_fd`` until it closes. Returns only in a forked child: what to run
     there, at the top level of the interpreter, so that it ends as any does."""
     # What every start would import; not the package's __main__, which runs the daemon.
-    for module in _ENTRY_POINTS.values():
+    for module in _PRELOADS[preload]:
         importlib.import_module(module)
 
+    # What is imported now is never garbage: kept out of the collector's reach, a
+    # forked child's collections and exit do not write to (and so copy) every page
+    # of it; a third of a forked command's CPU otherwise.
+    gc.freeze()
     control = socket.socket(fileno=control_fd)
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
@@ -276,12 +389,16 @@ def _child(control: socket.socket, request: dict[str, Any], fds: list[int]) -> C
     # As exec with close_fds: nothing of the launcher's (the pidfds of the other
     # processes it started, the streams passed to it) stays open here.
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    if request["session"]:
+        os.setsid()
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path.remove(_TESTS)
     command, args = request["command"], request["args"]
+    if command == "python":
+        return _python_c(args)
     if command == "watchdogd":
         # As ``python -m watchdogd``: its path first, then the working directory.
         package = Path(sys.modules["watchdogd"].__file__ or "").parent
@@ -296,6 +413,22 @@ def _child(control: socket.socket, request: dict[str, Any], fds: list[int]) -> C
 
     def run() -> None:
         sys.exit(main())
+
+    return run
+
+
+def _python_c(args: list[str]) -> Callable[[], None]:
+    """What ``python -c args[1] *args[2:]`` runs: the source in a ``__main__`` of its
+    own, ``sys.argv`` ``['-c', *args[2:]]``, the working directory first on the path
+    (the launcher's own path is already so)."""
+    code = compile(args[1], "<string>", "exec")
+    sys.argv = ["-c", *args[2:]]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+
+    def run() -> None:
+        exec(code, main.__dict__)
 
     return run
 

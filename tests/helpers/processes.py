@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from helpers.launcher import ForkedPython, forking, start_python
 from helpers.waiting import PATIENCE, wait_until
 
 if TYPE_CHECKING:
@@ -32,11 +33,12 @@ def python_worker(
     socket: Path,
     env: dict[str, str] | None = None,
     new_session: bool = False,
+    stderr: int = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
     """Start a Python process running ``source`` with WATCHDOGD_SOCKET set.
 
     The worker prints "ready" on stdout once its set-up is done; its stdin, stdout
-    and stderr are pipes.
+    and stderr are pipes (its stderr ``stderr`` if that is a descriptor).
     """
     full_env = {**os.environ, "WATCHDOGD_SOCKET": str(socket), **(env or {})}
     return subprocess.Popen(
@@ -44,9 +46,35 @@ def python_worker(
         env=full_env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         start_new_session=new_session,
+    )
+
+
+#: A worker process as the tests use it: a `subprocess.Popen` in text mode, or a
+#: torch worker forked from the launcher that has imported torch.
+Worker = subprocess.Popen[str] | ForkedPython
+
+
+def torch_worker(
+    source: str,
+    *args: str,
+    socket: Path,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+    stderr: int = subprocess.PIPE,
+) -> Worker:
+    """As `python_worker`, for a ``source`` that imports torch: forked from a process
+    that has imported it already (`helpers.launcher.start_python`), unless the suite
+    runs every command with exec."""
+    if not forking():
+        return python_worker(
+            source, *args, socket=socket, env=env, new_session=new_session, stderr=stderr
+        )
+    full_env = {**os.environ, "WATCHDOGD_SOCKET": str(socket), **(env or {})}
+    return start_python(
+        textwrap.dedent(source), args, env=full_env, new_session=new_session, stderr=stderr
     )
 
 
@@ -78,7 +106,7 @@ def forked(action: Callable[[], Any]) -> Any:
     return outcome["ok"]
 
 
-def wait_ready(worker: subprocess.Popen[str]) -> None:
+def wait_ready(worker: Worker) -> None:
     """Block until the worker printed its "ready" line."""
     assert worker.stdout is not None
     line = worker.stdout.readline()
@@ -290,7 +318,7 @@ class Death:
         return self.at
 
 
-def reap(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+def reap(process: subprocess.Popen[bytes] | Worker) -> None:
     """Kill (if need be) and reap a child, and close its pipes."""
     if process.poll() is None:
         process.kill()

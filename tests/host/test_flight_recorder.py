@@ -5,7 +5,6 @@ other never enters."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ pytest.importorskip("torch")
 from watchdogd_protocol import Collective, Evidence, FlightRecord, GroupState
 
 from helpers.fake_daemon import FakeDaemon, ResponderLine
-from helpers.processes import python_worker, reap, wait_ready
+from helpers.processes import Worker, reap, torch_worker, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
 #: A rank of a two-rank gloo job: two all_reduces of the default group and a
@@ -58,11 +57,11 @@ def ranks(tmp_path: Path, socket_path: Path) -> Iterator[dict[int, ResponderLine
     """Both ranks, started, and their responders' connections, by rank."""
     env = {"TORCH_FR_BUFFER_SIZE": "2000", "WATCHDOGD_JOB": "fr-job"}
     store = str(tmp_path / "store")
-    workers: list[subprocess.Popen[str]] = []
+    workers: list[Worker] = []
     with FakeDaemon(socket_path) as fake:
         try:
             for rank in (0, 1):
-                worker = python_worker(
+                worker = torch_worker(
                     RANK, store, str(rank), socket=socket_path, env={**env, "RANK": str(rank)}
                 )
                 workers.append(worker)
@@ -190,7 +189,7 @@ def test_a_rank_before_its_first_collective_and_one_with_the_recorder_off(
     tmp_path: Path, socket_path: Path, buffer: str
 ) -> None:
     with FakeDaemon(socket_path) as fake:
-        worker = python_worker(
+        worker = torch_worker(
             ALONE,
             str(tmp_path / "store"),
             socket=socket_path,
@@ -216,7 +215,7 @@ def test_a_rank_before_its_first_collective_and_one_with_the_recorder_off(
 
 def test_the_adapter_may_do_without_a_responder(socket_path: Path) -> None:
     with FakeDaemon(socket_path) as fake:
-        worker = python_worker(
+        worker = torch_worker(
             """
             import threading
             from torch.distributed.elastic import timer

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from helpers.launcher import Forked, launcher
+from helpers.launcher import Forked, launcher, start_python
 from helpers.waiting import PATIENCE, wait_until
 
 #: Where Linux takes the last pid it gave, so that the next fork gets the one after
@@ -57,3 +58,34 @@ def test_a_new_process_with_an_earlier_ones_pid_is_not_taken_for_ended(tmp_path:
             assert reused.wait(PATIENCE) == -signal.SIGKILL
         return
     pytest.fail("no start got the pid of the one before it in 20 tries")
+
+
+def test_a_forked_python_runs_its_script_as_python_c_does_and_ends_as_it_does() -> None:
+    """A torch rank forked from the torch launcher: its script runs in a
+    ``__main__`` of its own with ``sys.argv[0]`` ``-c``, in a session of its own
+    if asked, and its end reaches `poll` without a wait."""
+    pytest.importorskip("torch")
+    source = """
+        import os, sys
+        print(__name__, sys.argv, "torch" in sys.modules, os.getsid(0) == os.getpid())
+        print(sys.stdin.readline().strip(), flush=True)
+        sys.exit(int(sys.argv[1]))
+    """
+    process = start_python(
+        textwrap.dedent(source), ["3", "x"], env=dict(os.environ), new_session=True
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    process.stdin.write("echo\n")
+    process.stdin.flush()
+    assert process.stdout.readline().split(" ", 1) == ["__main__", "['-c', '3', 'x'] True True\n"]
+    assert process.stdout.readline() == "echo\n"
+    wait_until(lambda: process.poll() is not None, what="the script to end")
+    assert process.returncode == 3
+    out, err = process.communicate(timeout=PATIENCE)
+    assert (out, err) == ("", "")
+
+    failing = start_python("raise ValueError('no')", [], env=dict(os.environ))
+    out, err = failing.communicate(timeout=PATIENCE)
+    assert failing.returncode == 1
+    assert err.splitlines()[-1] == "ValueError: no"

@@ -6,7 +6,6 @@ waiting call raises in the rank's own thread at once, and the store lives on."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from watchdogd_protocol import Unblocked, UnblockOutcome, UnblockWanted
 
 from helpers.etcd import free_ports
 from helpers.fake_daemon import FakeDaemon, ResponderLine
-from helpers.processes import python_worker, reap, wait_ready
+from helpers.processes import Worker, reap, torch_worker, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
 #: Jobs of several torch processes: one runs at a time (tests/conftest.py).
@@ -56,7 +55,7 @@ RANK = """
 @pytest.fixture
 def ranks(
     socket_path: Path,
-) -> Iterator[tuple[dict[int, ResponderLine], list[subprocess.Popen[str]]]]:
+) -> Iterator[tuple[dict[int, ResponderLine], list[Worker]]]:
     """The three ranks, started, with their responders' connections by rank; rank
     2's process does not let its responder unblock it (``WATCHDOGD_UNBLOCK=0``)."""
     [port] = free_ports(1)
@@ -67,14 +66,14 @@ def ranks(
         "TORCH_FR_BUFFER_SIZE": "2000",
         "WATCHDOGD_JOB": "unblock-job",
     }
-    workers: list[subprocess.Popen[str]] = []
+    workers: list[Worker] = []
     with FakeDaemon(socket_path) as fake:
         try:
             for rank in (0, 1, 2):
                 env = {**common, "RANK": str(rank)}
                 if rank == 2:
                     env["WATCHDOGD_UNBLOCK"] = "0"
-                workers.append(python_worker(RANK, socket=socket_path, env=env))
+                workers.append(torch_worker(RANK, socket=socket_path, env=env))
             for worker in workers:
                 wait_ready(worker)
             lines = [fake.next_responder(TORCH_PATIENCE) for _ in workers]
@@ -100,7 +99,7 @@ def waiting(line: ResponderLine) -> Unblocked:
 
 
 def test_a_rank_is_cut_out_only_of_the_collective_its_flight_recorder_confirms(
-    ranks: tuple[dict[int, ResponderLine], list[subprocess.Popen[str]]],
+    ranks: tuple[dict[int, ResponderLine], list[Worker]],
 ) -> None:
     lines, workers = ranks
     assert (lines[0].respond.unblock, lines[2].respond.unblock) == (True, False)
