@@ -4,7 +4,6 @@ cgroup. What tests share besides fixtures is in the ``helpers`` package."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -14,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import Scheduling
 
 from watchdogd.host.cgroups import host_hierarchy
 from watchdogd_client import Client
@@ -24,6 +25,7 @@ from helpers.daemon import SHORT_RESTART, RunningDaemon, configured_daemon
 from helpers.etcd import EtcdServer, running_etcd
 from helpers.launcher import close_launcher
 from helpers.processes import left_behind
+from helpers.scheduling import TorchJobsTogether
 
 # The test process arms timers on itself against many daemons: a responder of its
 # own would stay bound to the first of them. Workers the tests start (processes of
@@ -37,42 +39,9 @@ os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
 
-@pytest.fixture(autouse=True)
-def torch_jobs_in_turn(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """A test marked ``torch_job`` (a job of several torch processes) waits for the
-    one another worker runs to end: two or three at once beside a busy machine
-    starve their ranks. A lock, not one worker for them all: meanwhile the other
-    tests go on."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or not request.node.get_closest_marker("torch_job"):
-        yield
-        return
-    # The workers' temporary directories share this parent, one per run.
-    lock = tmp_path_factory.getbasetemp().parent / "torch-jobs.lock"
-    with lock.open("a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        yield
-
-
-#: The share of the run over which the torch jobs are spread: none is left for its
-#: end, where a worker that waits on the lock holds up the whole run.
-TORCH_JOBS_WITHIN = 0.8
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The torch jobs spread evenly over the run's first part, in their own order,
-    the other tests in theirs: collected in file order they came last, one after
-    another behind their lock while the other workers had nothing left to do.
-    Every worker collects the same items and sorts them alike, as xdist asks."""
-    jobs = [item for item in items if item.get_closest_marker("torch_job")]
-    if not jobs:
-        return
-    others = [item for item in items if not item.get_closest_marker("torch_job")]
-    spacing = TORCH_JOBS_WITHIN * len(others) / len(jobs)
-    for placed, job in enumerate(jobs):
-        others.insert(int((placed + 0.5) * spacing) + placed, job)
-    items[:] = others
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> Scheduling | None:
+    """The torch jobs kept together under ``--dist loadgroup`` (`TorchJobsTogether`)."""
+    return TorchJobsTogether(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

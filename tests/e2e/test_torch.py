@@ -317,7 +317,6 @@ def _two_scopes_then_hang() -> None:
         time.sleep(30)
 
 
-@pytest.mark.torch_job
 def test_six_torch_processes_even_ranks_hang(env_socket: RunningDaemon) -> None:
     # Forked, as torch's start_processes can: six spawned interpreters would each
     # import torch again, seconds of CPU apiece, for what this test asks of them.

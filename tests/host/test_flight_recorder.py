@@ -108,7 +108,6 @@ def caught_up(line: ResponderLine, entered: int | None) -> FlightRecord:
 
 # A job of two torch processes: one such job runs at a time (tests/conftest.py);
 # the tests of one torch process below run beside them.
-@pytest.mark.torch_job
 def test_the_waiting_rank_entered_the_all_reduce_its_peer_never_did_and_waits_inside_it(
     ranks: dict[int, ResponderLine],
 ) -> None:

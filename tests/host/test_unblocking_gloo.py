@@ -22,9 +22,6 @@ from helpers.fake_daemon import FakeDaemon, ResponderLine
 from helpers.processes import Worker, reap, torch_worker, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
-#: Jobs of several torch processes: one runs at a time (tests/conftest.py).
-pytestmark = pytest.mark.torch_job
-
 #: A rank of a three-rank gloo job, rank 0 serving the TCPStore: one all_reduce
 #: that all complete, then ranks 0 and 1 wait in a second one that rank 2 never
 #: enters; a rank whose wait raises says when (the monotonic clock), and writes to

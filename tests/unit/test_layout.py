@@ -9,7 +9,10 @@ the protocol (`CONVENTIONAL` names aside), and no class name twice within one of
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from helpers.scheduling import TORCH_JOBS
 
 TESTS = Path(__file__).resolve().parents[1]
 KINDS = {"unit", "host", "e2e", "fleet", "docs"}
@@ -139,3 +142,19 @@ def test_the_daemon_names_no_class_as_the_protocol_names_its_verdict() -> None:
     # its own judgement of starvation is a `Starvation`.
     assert "Verdict" in _classes("client/watchdogd_protocol")
     assert "Verdict" not in _classes("watchdogd")
+
+
+#: What a test module writes to start a job of several torch processes.
+TORCH_JOB_STARTS = re.compile(r'gloo_job\(|torch_worker\(|/ "torchrun"|two_hosts\.py|torch_mp\.')
+
+
+def test_every_module_that_starts_torch_jobs_has_them_run_together() -> None:
+    """The scheduler keeps the torch jobs on one worker by their modules' paths
+    (`helpers.scheduling.TORCH_JOBS`): a module that starts one and is not named
+    there would run its jobs beside the others."""
+    starting = {
+        str(path.relative_to(TESTS.parent))
+        for path in TESTS.rglob("test_*.py")
+        if path != Path(__file__).resolve() and TORCH_JOB_STARTS.search(path.read_text())
+    }
+    assert starting == TORCH_JOBS
