@@ -10,8 +10,9 @@ start it is asked for. The forked process takes the test's argument list,
 environment, working directory, umask and standard streams, then runs the command's
 ``main`` as its entry point would, and ends as an interpreter does (its threads
 joined, its ``atexit`` hooks run, its streams flushed); so what a test sees is the
-command's own behaviour. What differs: its parent is the launcher, and its command
-line in /proc is the launcher's. Where the command line itself is what is tested,
+command's own behaviour. What differs: its parent is the launcher, its command
+line in /proc is the launcher's, and the teardown of its modules after all that is
+skipped (`_end`). Where the command line itself is what is tested,
 the tests run the real command (the README's, the CLI's, systemd's tests).
 
 Torch ranks (`start_python`) come from a second launcher, one that has imported
@@ -31,6 +32,7 @@ It ends when its test process closes the pair.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import gc
@@ -412,9 +414,34 @@ def _child(control: socket.socket, request: dict[str, Any], fds: list[int]) -> C
     main = sys.modules[_ENTRY_POINTS[command]].main
 
     def run() -> None:
-        sys.exit(main())
+        try:
+            main()
+        except SystemExit as exc:
+            _end(exc.code)
+        _end(0)
 
     return run
+
+
+def _end(code: object) -> None:
+    """End as the interpreter ends a process that exits with ``code``: its threads
+    joined, its ``atexit`` hooks run, its standard streams flushed, the status a
+    ``SystemExit`` of ``code`` gives. What it does then, the teardown of every
+    module, is left out: it writes to (and so copies) each page the launcher had
+    imported, half a forked daemon's CPU, and nothing of it reaches a test."""
+    getattr(threading, "_shutdown")()  # noqa: B009 (what the interpreter calls first)
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status & 0xFF)
 
 
 def _python_c(args: list[str]) -> Callable[[], None]:
