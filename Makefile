@@ -67,8 +67,20 @@ WORKERS ?= 4
 # the suite keeps a bytecode cache of its own in the venv, out of the source tree.
 CACHED := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
 
-pytest: $(TEST_STAMP)
+pytest: $(WARM_STAMP)
 	$(CACHED) $(BIN)/pytest -n $(WORKERS) --dist loadgroup --durations=15
+
+# What the suite's processes import, compiled into that cache once a venv is set up,
+# beside the checks: the suite's workers start together, and each would compile it
+# all at once (torch's part alone, seconds of CPU apiece) before the cache has it.
+WARM_STAMP := $(VENV)/.warmed
+WARM_IMPORTS := import hypothesis, prometheus_client, trio, torch.distributed.elastic.timer, \
+	torch.multiprocessing, watchdogd_client.trio, watchdogd.cli.watchdogd, watchdogd.cli.watchdogctl
+
+$(WARM_STAMP): $(TEST_STAMP)
+	$(CACHED) $(BIN)/python -m compileall -q watchdogd client tests
+	$(CACHED) $(BIN)/python -c '$(WARM_IMPORTS)'
+	touch $@
 
 # The benchmarks start daemons, watchdogctl and workers by the hundred too, and time
 # their starts: with the suite's bytecode cache, what they time is the daemon's
