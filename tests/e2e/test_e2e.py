@@ -22,17 +22,22 @@ def test_a_hung_worker_dies_by_sigkill_about_one_second_after_arming(daemon: Run
         """
         import time
         from watchdogd_client import expires
+        began = time.monotonic()
         with expires(after=1.0):
             print("ready", flush=True)
+            print(began, flush=True)
             time.sleep(30)
         """,
         socket=daemon.socket_path,
     )
     try:
         wait_ready(worker)
-        armed = time.monotonic()
+        assert worker.stdout is not None
+        # Its deadline is a second after the daemon read the arm, itself after this:
+        # the time the test reads the line may come later than either.
+        began = float(worker.stdout.readline())
         status, _ = finish(worker)
-        lived = time.monotonic() - armed
+        lived = time.monotonic() - began
     finally:
         reap(worker)
     assert status == -signal.SIGKILL
