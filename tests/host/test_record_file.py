@@ -166,6 +166,25 @@ def test_the_jobs_hangs_come_back_written_first_and_a_dropped_row_stays_dropped(
     assert again.marked() == [(1000, "a")]
 
 
+def test_a_file_deleted_while_none_of_it_was_open_is_written_whole_again(
+    tmp_path: Path,
+) -> None:
+    """Deleted with its directory after a whole write had closed it: the next
+    write finds a new, empty file there. Appended to, it would hold only the events
+    after the deletion; it is written whole, every event in it."""
+    path = tmp_path / "state.db.record"
+    events, _, record = reopened(path)
+    for pid in (10, 11, 12):
+        events.record(event(pid))
+    record.write_now()
+    record.close()
+    path.unlink()
+    events.record(event(13))
+    record.write_now()
+    record.close()
+    assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [10, 11, 12, 13]
+
+
 def test_a_write_the_daemon_died_in_is_cut_off_and_said_so(tmp_path: Path) -> None:
     path = tmp_path / "state.db.record"
     events, _, record = reopened(path)
