@@ -53,8 +53,7 @@ Invariants:
 - A write that fails (a full, read-only or failing disk) is logged once per run
   of failures; the records stay in memory, bounded as ever, and the next write,
   tried every `RETRY` seconds, writes the file whole. So does the next write after
-  the file was deleted under the daemon (its directory removed), whether a
-  descriptor of it was open then or not.
+  the file was deleted under the daemon (its directory removed), open or not.
 """
 
 from __future__ import annotations
@@ -663,21 +662,18 @@ class RecordFile:
             log.info(logfmt("record_whole", path=self.path, bytes=whole.parts.size))
 
     def _open_append(self) -> int | None:
-        """The file, opened to append to; None when it is not the one last written
-        (a new, empty file where that held records: deleted with its directory
-        while no descriptor of it was open), and so is to be written whole."""
+        """The file, opened to append to; None if it is new where the one written
+        held records (deleted while closed: it is written whole, not only what follows)."""
         try:
             fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except NotRegular as exc:
             # A failed write: the next one writes the file whole, renamed over it.
             raise OSError(errno.EINVAL, f"{self.path} is {exc}") from None
-        empty = os.fstat(fd).st_size == 0
-        if empty and self._size > 0:
-            # Appended to, it would hold only what came after the file was lost.
-            close(fd)
-            self._whole = True
-            return None
-        if empty:
+        if os.fstat(fd).st_size == 0:
+            if self._size > 0:
+                close(fd)
+                self._whole = True
+                return None
             try:
                 write_all(fd, framed(Header(SCHEMA)))
             except OSError:
