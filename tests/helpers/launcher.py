@@ -138,7 +138,8 @@ class ForkedPython(Forked):
     def __init__(
         self, forked: Forked, stdin: IO[str], stdout: IO[str], stderr: IO[str] | None
     ) -> None:
-        super().__init__(forked._launcher, forked.pid, forked._pidfd or -1)
+        assert forked._pidfd is not None  # a start's answer carries it
+        super().__init__(forked._launcher, forked.pid, forked._pidfd)
         forked._pidfd = None  # now this one's
         self.stdin: IO[str] | None = stdin
         self.stdout: IO[str] | None = stdout
