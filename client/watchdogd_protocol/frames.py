@@ -126,16 +126,14 @@ class FrameReader:
     for it. After `FrameTooLarge` the stream is out of sync and must be closed.
     """
 
-    __slots__ = ("_buffer", "_max_frame")
+    __slots__ = ("_buffer", "_max_frame", "buffered")
 
     def __init__(self, max_frame: int) -> None:
         self._max_frame = max_frame
         self._buffer = bytearray()
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received of a frame not yet complete (0 between frames)."""
-        return len(self._buffer)
+        #: Bytes received of a frame not yet complete (0 between frames). An
+        #: attribute, kept by `feed`: a reader asks after each read.
+        self.buffered = 0
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add received bytes; return every frame body they complete, in order."""
@@ -162,6 +160,7 @@ class FrameReader:
             frames.append(bytes(buffer[start + HEADER_SIZE : stop]))
             start = stop
         del buffer[:start]
+        self.buffered = len(buffer)
         return frames
 
     def _check(self, length: int) -> None:

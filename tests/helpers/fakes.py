@@ -120,13 +120,16 @@ class RecordingJournal:
     errors: int = 0
     degraded: bool = False
 
-    def put(self, timer: Timer) -> None:
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
+        if replacing is not None:
+            self.drop(replacing)
         self.changes[timer.store_key] = timer
         self.generation += 1
 
-    def drop(self, timer: Timer) -> None:
-        self.changes[timer.store_key] = None
-        self.generation += 1
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
+        for timer in timers:
+            self.changes[timer.store_key] = None
+            self.generation += 1
 
     def commit(self, generation: int) -> bool:
         return True

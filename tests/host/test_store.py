@@ -172,6 +172,30 @@ async def test_changes_nobody_waits_for_are_written_soon(tmp_path: Path) -> None
     assert len(Store.open(str(tmp_path / "state.db"))[1].timers) == 1
 
 
+async def test_a_firing_record_replaces_its_armed_one_and_is_written_soon(
+    tmp_path: Path,
+) -> None:
+    store, _ = Store.open(str(tmp_path / "state.db"))
+    armed, other = timer(1, "due"), timer(2, "gone")
+    store.put(armed)
+    store.put(other)
+    assert store.commit(store.generation)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        before = store.generation
+        store.drop(soon=True)  # no timer: no change
+        assert store.generation == before
+        store.put(timer(1, "due", firing=4, step=1), replacing=armed, soon=True)
+        store.drop(other)
+        with trio.fail_after(5):
+            while not store.commit(store.generation) or store._pending:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    store.close()
+    [kept] = Store.open(str(tmp_path / "state.db"))[1].timers
+    assert (kept.pid, kept.scope, kept.firing) == (1, "due", 4)
+
+
 async def test_full_journals_are_folded_and_few_files_exist(tmp_path: Path) -> None:
     path = str(tmp_path / "state.db")
     store, _ = Store.open(path, journal_bytes=2000)

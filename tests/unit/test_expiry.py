@@ -609,6 +609,20 @@ def test_next_changes_nothing_until_its_effect_is_observed() -> None:
     assert run.next(FIRED, WALL) == ObserveLateness(FIRED + 0.25 - DEADLINE)
 
 
+def test_answer_is_observe_then_next_in_one_call() -> None:
+    observed, answered = start(TERM), start(TERM)
+    sent = Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED + 0.25)
+    observed.observe(sent)
+    assert answered.answer(sent, FIRED, WALL) == observed.next(FIRED, WALL)
+    assert answered.pending == ObserveLateness(FIRED + 0.25 - DEADLINE)
+    # In the pass: the signal went, so the pass has nothing more of it.
+    assert start(TERM).answer(sent, FIRED, WALL, in_pass=True) is None
+    wrong = start(TERM)
+    with pytest.raises(WrongObservation):
+        wrong.answer(Seen(True), FIRED, WALL)
+    assert wrong.pending == SendSignal(signal.SIGTERM, alive=True)
+
+
 def test_an_observation_that_does_not_answer_the_pending_effect_raises() -> None:
     run = start(TERM)
     assert phase_of(run) is Phase.FIRST_SIGNAL

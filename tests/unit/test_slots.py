@@ -54,13 +54,13 @@ class CountingJournal(RecordingJournal):
     puts: list[Timer] = field(default_factory=list)
     drops: list[Timer] = field(default_factory=list)
 
-    def put(self, timer: Timer) -> None:
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
         self.puts.append(timer)
-        super().put(timer)
+        super().put(timer, replacing=replacing, soon=soon)  # a replaced one through `drop`
 
-    def drop(self, timer: Timer) -> None:
-        self.drops.append(timer)
-        super().drop(timer)
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
+        self.drops += timers
+        super().drop(*timers)
 
 
 class RecordingSink:

@@ -31,11 +31,17 @@ class OrderedJournal:
     errors: int = 0
     degraded: bool = False
 
-    def put(self, timer: Timer) -> None:
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
+        if replacing is not None:
+            self.calls.append(("drop", replacing.scope))
         self.calls.append(("put", timer.scope))
+        if soon:
+            self.commit_soon()
 
-    def drop(self, timer: Timer) -> None:
-        self.calls.append(("drop", timer.scope))
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
+        self.calls += [("drop", timer.scope) for timer in timers]
+        if timers and soon:
+            self.commit_soon()
 
     def commit(self, generation: int) -> bool:
         return True

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from .effects import Finish as Finish
     from .effects import Hooked as Hooked
     from .effects import HookResult as HookResult
+    from .effects import Observation as Observation
     from .effects import ObserveLateness as ObserveLateness
     from .effects import Opened as Opened
     from .effects import OpenTarget as OpenTarget
@@ -155,6 +156,7 @@ __all__ = [
     "Later",
     "Level",
     "NullJournal",
+    "Observation",
     "ObserveLateness",
     "OpenTarget",
     "Opened",
@@ -222,6 +224,7 @@ _WHERE: Final = {
     "Finish": "effects",
     "HookResult": "effects",
     "Hooked": "effects",
+    "Observation": "effects",
     "ObserveLateness": "effects",
     "OpenTarget": "effects",
     "Opened": "effects",

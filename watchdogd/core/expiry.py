@@ -7,8 +7,9 @@ named `Phase`; the runtime's executor (`watchdogd.runtime.executor`) carries the
 effect out and hands back what it observed through one method, `Run.observe`,
 as one of the typed observations of `watchdogd.core.effects`. An observation that
 does not answer the pending effect is a bug of its caller: `Run.observe` raises
-`WrongObservation`.
-Every transition is in `Run.next` and `Run.observe`:
+`WrongObservation`. `Run.answer` is `Run.observe` and then `Run.next`, in one call:
+the executor's loop asks once a turn. Every transition is in `Run.next` and
+`Run.observe`:
 
 =================  =========================================  ====================
 effect             carried out as                             observed as
@@ -304,6 +305,14 @@ class Run:
             return None
         effect = self.next(now, wall)
         return effect if type(effect) in IN_PASS else None
+
+    def answer(
+        self, observation: Observation, now: float, wall: float, *, in_pass: bool = False
+    ) -> Effect | None:
+        """`observe`, then the effect to carry out next (`next`, or `next_in_pass`
+        with ``in_pass``): what the executor asks after each effect it carried out."""
+        self.observe(observation)
+        return self.next_in_pass(now, wall) if in_pass else self.next(now, wall)
 
     def observe(self, observation: Observation) -> None:
         """Take what the executor observed of the pending effect; raises

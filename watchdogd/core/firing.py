@@ -355,12 +355,12 @@ class Firing(Generic[P]):
         firing = self._put_firing(item.timer, next(self._numbers), run)
         return [Expired(firing, item.process, orphaned, note), *peers]
 
-    def _put_firing(self, armed: Timer, number: int, run: Course) -> Timer:
-        """``armed`` firing in the state as number ``number`` with ``run``. The
-        armed record and the firing one go out in the same journal record: a crash
-        leaves one of the two, never neither."""
+    def _put_firing(self, armed: Timer, number: int, run: Course, *, commit: bool = False) -> Timer:
+        """``armed`` firing in the state as number ``number`` with ``run`` (written
+        soon with ``commit``). The armed record and the firing one go out in the
+        same journal record: a crash leaves one of the two, never neither."""
         firing = msgspec.structs.replace(armed, firing=number, run=run)
-        self._writer.fired(armed, firing)
+        self._writer.fired(armed, firing, commit=commit)
         self._firing[firing.store_key] = firing
         self._count_job(firing, +1)
         return firing
@@ -369,8 +369,7 @@ class Firing(Generic[P]):
         """The firing record of ``due``, whose signal has gone out: from here on
         it is firing in the state, as `expire_due` returns it."""
         if self._taken.get(due.timer.store_key) is due:  # not made by `record_taken`
-            self._record(due)
-            self._writer.commit_soon()
+            self._record(due, commit=True)
         firing = self._firing[(due.timer.pid, due.timer.scope, due.number)]
         return Expired(firing, due.process, due.orphaned)
 
@@ -383,9 +382,10 @@ class Firing(Generic[P]):
         if self._taken and (due := self._taken.get((pid, scope, 0))) is not None:
             self._record(due)
 
-    def _record(self, due: Due[P]) -> None:
+    def _record(self, due: Due[P], *, commit: bool = False) -> None:
         del self._taken[due.timer.store_key]
-        self._put_firing(due.timer, due.number, Course(fired_at=due.fired_at, plan=due.policy.plan))
+        run = Course(fired_at=due.fired_at, plan=due.policy.plan)
+        self._put_firing(due.timer, due.number, run, commit=commit)
 
     def step_started(self, timer: Timer, step: int, step_end: float = 0.0) -> Timer:
         """The policy of firing ``timer`` starts its step ``step`` (a wait ending at

@@ -55,11 +55,15 @@ class Journal(Protocol):
     def errors(self) -> int:
         """Writes that failed."""
 
-    def put(self, timer: Timer) -> None:
-        """``timer`` is armed (new or re-armed), or its policy moved on a step."""
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
+        """``timer`` is armed (new or re-armed), or its policy moved on a step;
+        ``replacing``: the record it takes the place of (the armed record of a
+        timer that fell due), dropped in the same journal record. ``soon``: have
+        it written soon, though no reply waits for it (`commit_soon`)."""
 
-    def drop(self, timer: Timer) -> None:
-        """``timer`` is gone: released, its process exited, or its policy ended."""
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
+        """``timers`` are gone: released, their process exited, or their policy
+        ended; ``soon`` as for `put`, when there were any."""
 
     def commit(self, generation: int) -> bool:
         """Write what is pending; whether every change up to ``generation`` is in."""
@@ -76,10 +80,10 @@ class NullJournal:
     errors = 0
     degraded = False
 
-    def put(self, timer: Timer) -> None:
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
         pass
 
-    def drop(self, timer: Timer) -> None:
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
         pass
 
     def commit(self, generation: int) -> bool:

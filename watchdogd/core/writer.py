@@ -142,9 +142,7 @@ class TableWriter(Generic[P]):
         """``timer`` (taken out, or armed) held again on its own deadline, and
         journaled so (written soon with ``commit``); returns it as held."""
         held = self._table.put(process, timer)
-        self._journal.put(held)
-        if commit:
-            self._journal.commit_soon()
+        self._journal.put(held, soon=commit)
         self._wake(held.deadline)
         return held
 
@@ -164,31 +162,24 @@ class TableWriter(Generic[P]):
         is (`fired`, `rearm`, `moved`, `dropped`)."""
         return self._table.pop_due(now, limit)
 
-    def fired(self, armed: Timer, firing: Timer) -> None:
+    def fired(self, armed: Timer, firing: Timer, *, commit: bool = False) -> None:
         """``armed``, taken out, is ``firing`` now: the armed record and the firing
         one go out in the same journal record, so a crash leaves one of the two,
-        never neither."""
-        self._journal.drop(armed)
-        self._journal.put(firing)
+        never neither. Written soon with ``commit``."""
+        self._journal.put(firing, replacing=armed, soon=commit)
 
     def record(self, timer: Timer, *, commit: bool = False) -> None:
         """A record of ``timer`` that is not the table's: a firing timer (a
         peer's run, a step of its policy), or a held timer's arming. Written soon
         with ``commit``."""
-        self._journal.put(timer)
-        if commit:
-            self._journal.commit_soon()
+        self._journal.put(timer, soon=commit)
 
     def dropped(self, timers: Iterable[Timer], *, commit: bool = True) -> int:
         """``timers`` left the state (their policy ended, their registration or
         process went); written soon when any did and ``commit``. How many."""
-        count = 0
-        for timer in timers:
-            self._journal.drop(timer)
-            count += 1
-        if count and commit:
-            self._journal.commit_soon()
-        return count
+        gone = tuple(timers)
+        self._journal.drop(*gone, soon=commit)
+        return len(gone)
 
     def commit_soon(self) -> None:
         """Have the changes made so far written soon, though no reply waits for
@@ -210,8 +201,7 @@ class TableWriter(Generic[P]):
         return taken, left_out
 
     def _settle(self, dropped: Iterable[Timer]) -> None:
-        for timer in dropped:
-            self._journal.drop(timer)
+        self._journal.drop(*dropped)
         earliest = self._table.next_deadline()
         if earliest is not None:
             self._wake(earliest)

@@ -87,6 +87,7 @@ from ..core import (
     Expired,
     Finish,
     Hooked,
+    Observation,
     ObserveLateness,
     Opened,
     OpenTarget,
@@ -309,31 +310,37 @@ class Executor:
 
     # One branch per effect type, by design: every effect is carried out in one place.
     def _advance(  # noqa: PLR0912
-        self, expiry: _Expiry, *, in_pass: bool = False
+        self, expiry: _Expiry, observed: Observation | None = None, *, in_pass: bool = False
     ) -> _Waiting | None:
-        """Carry out the effects of the expiry's run up to one that waits, and
-        return that one, bound, for the expiry's task to await. None once the run
-        has finished or its target is watched; ``in_pass`` (the pass), once the
-        run gives no more effects for the pass (`Run.next_in_pass`)."""
+        """Carry out the effects of the expiry's run (once it took ``observed``)
+        up to one that waits, and return that one, bound, for the expiry's task to
+        await. None once the run has finished or its target is watched;
+        ``in_pass`` (the pass), once the run gives no more effects for the pass
+        (`Run.next_in_pass`). Each effect's observation goes back with the
+        question of the next (`Run.answer`)."""
         run = expiry.run
+        if observed is not None:
+            effect = run.answer(observed, self._clock(), self._wall(), in_pass=in_pass)
+        elif in_pass:
+            effect = run.next_in_pass(self._clock(), self._wall())
+        else:
+            effect = run.next(self._clock(), self._wall())
         while True:
-            now = self._clock()
-            effect = run.next_in_pass(now, self._wall()) if in_pass else run.next(now, self._wall())
             match effect:
                 case None:
                     return None
                 case OpenTarget(check=check):
-                    self._open(expiry, check=check)
+                    observed = self._open(expiry, check=check)
                 case CheckAlive():
-                    run.observe(Seen(self._target(expiry).alive()))
+                    observed = Seen(self._target(expiry).alive())
                 case RecordStep(step=step, step_end=step_end):
                     self._service.firing.step_started(run.timer, step, step_end)
-                    run.observe(Recorded())
+                    observed = Recorded()
                 case SendSignal(signum=signum, alive=alive):
-                    run.observe(self._send(expiry, signum, alive=alive))
+                    observed = self._send(expiry, signum, alive=alive)
                 case ObserveLateness(seconds=seconds):
                     self._service.metrics.observe_lateness(seconds)
-                    run.observe(Counted())
+                    observed = Counted()
                 case WaitUntil(end=end):
                     return functools.partial(self._wait, run, self._target(expiry), end)
                 case AwaitEvidence(incident=incident, until=until):
@@ -343,13 +350,14 @@ class Executor:
                 case UnblockPeers():
                     return functools.partial(unblock_step, self._service, run, effect, self._clock)
                 case WatchExit():
-                    self._watch(expiry, now + self._service.rules.daemon.unkillable_after)
+                    self._watch(expiry, self._clock() + self._service.rules.daemon.unkillable_after)
                     return None
                 case Finish():
                     self._finish(expiry, effect)
                     return None
                 case _:
                     assert_never(effect)
+            effect = run.answer(observed, self._clock(), self._wall(), in_pass=in_pass)
 
     def _send(self, expiry: _Expiry, signum: int, *, alive: bool) -> Signalled:
         """Send a signal of the run: to its target, or, before the target is
@@ -442,7 +450,7 @@ class Executor:
             return None
         return _Expiry(run, taken.process, due=due)
 
-    def _open(self, expiry: _Expiry, *, check: bool) -> None:
+    def _open(self, expiry: _Expiry, *, check: bool) -> Opened:
         """Pin the target (it holds pidfds of its own) and let the process go.
         ``check``: see whether it is gone already; without, the first signal
         tells (polling a pidfd takes a lock that a storm of exits holds, and a
@@ -461,7 +469,7 @@ class Executor:
             process.close()
             expiry.process = None
         alive = target.alive() if check else None
-        run.observe(Opened(command, denied=target.denied, note=target.note, alive=alive))
+        return Opened(command, denied=target.denied, note=target.note, alive=alive)
 
     def _finish(self, expiry: _Expiry, finish: Finish) -> None:
         """Record the expiry's event; it leaves the state."""
@@ -535,8 +543,7 @@ class Executor:
     def _watched(self, expiry: _Expiry, *, alive: bool) -> None:
         """The watch of ``expiry``'s target ended: its run finishes."""
         try:
-            expiry.run.observe(Watched(alive))
-            self._advance(expiry)
+            self._advance(expiry, Watched(alive))
         except Exception:
             self._failed(expiry, "the policy failed")
 

@@ -110,7 +110,7 @@ class Scheduler:
                 with trio.CancelScope() as self._sleep:
                     if timer is not None:
                         timer.set(wake)
-                        await trio.lowlevel.wait_readable(timer)
+                        await trio.lowlevel.wait_readable(timer.fd)
                         timer.clear()
                     else:
                         self._sleep.deadline = trio.current_time() + (wake - self._clock())

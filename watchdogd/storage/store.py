@@ -132,8 +132,7 @@ class Loaded(msgspec.Struct):
 
 class Store:
     """The state's writer: it loads the state, commits changes to the journal,
-    folds journals into the database, and rides out a failing disk. Construct with
-    `Store.open`.
+    folds journals into the database and rides out a failing disk; `Store.open` makes one.
 
     ``snapshot`` (set by the daemon) returns every timer the state must hold, for
     the full write that ends a degraded period; ``on_degraded(degraded, reason)``
@@ -300,19 +299,24 @@ class Store:
         self._written = len(record)
         return fd
 
-    # The hot path.
+    # The hot path, `Journal`'s; the keys are `Timer.store_key`'s written out: a
+    # change is a call into the store and no call back.
 
-    def put(self, timer: Timer) -> None:
-        """``timer`` is armed (new or re-armed), or its policy moved on a step."""
+    def put(self, timer: Timer, *, replacing: Timer | None = None, soon: bool = False) -> None:
+        if replacing is not None:
+            self.drop(replacing)
         if not self.degraded:
-            self._pending[timer.store_key] = timer
+            self._pending[timer.pid, timer.scope, timer.firing] = timer
         self.generation += 1
+        if soon:
+            self._wakeup.set()
 
-    def drop(self, timer: Timer) -> None:
-        """``timer`` is gone: released, its process exited, or its policy ended."""
+    def drop(self, *timers: Timer, soon: bool = False) -> None:
         if not self.degraded:
-            self._pending[timer.store_key] = None
-        self.generation += 1
+            self._pending.update(dict.fromkeys((t.pid, t.scope, t.firing) for t in timers))
+        self.generation += len(timers)
+        if soon and timers:
+            self._wakeup.set()
 
     def commit(self, generation: int) -> bool:
         """Write what is pending; returns whether every change up to
@@ -332,7 +336,6 @@ class Store:
         return self._durable >= generation
 
     def commit_soon(self) -> None:
-        """Have what is pending written soon, though no reply waits for it."""
         self._wakeup.set()
 
     def _append_pending(self) -> None:
