@@ -94,6 +94,8 @@ def test_a_reload_says_what_it_changed(debugging: RunningDaemon, tmp_path: Path)
     os.kill(debugging.pid, signal.SIGHUP)
     wait_until(lambda: lines(debugging, "reload_diff"), what="the reload's changes")
     assert "event=reload_diff changes=3" in lines(debugging, "reload_diff")[0]
+    # Each change is a line of its own, after the count: read once all are out.
+    wait_until(lambda: len(lines(debugging, "config_changed")) >= 3, what="each change")
     changed = [
         line.split("event=config_changed ", 1)[1] for line in lines(debugging, "config_changed")
     ]

@@ -33,7 +33,7 @@ from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.disks import Raw, tmpfs
 from helpers.evidence_flood import evidence_flood, threads
-from helpers.processes import reap, rss_mib
+from helpers.processes import at_units_priority_all, reap, rss_mib
 from helpers.users import NOBODY
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: other uids, a tmpfs")
@@ -82,6 +82,7 @@ def test_one_users_evidence_stays_within_its_budget_in_memory_and_in_the_record(
     socket_path: Path, tmp_path: Path
 ) -> None:
     with configured_daemon(socket_path, tmp_path, CONFIG, for_everyone=True) as daemon:
+        at_units_priority_all(daemon.pid)  # as deployed, as the canary is timed
         record = Path(record_path(daemon.state_path))
         with daemon.client() as client:
             with evidence_flood(socket_path, 4, 1, PAUSE, uid=0) as roots:

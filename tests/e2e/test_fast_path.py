@@ -17,7 +17,14 @@ from pathlib import Path
 from watchdogd.host.slot_pages import MEMFD_NAME
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
-from helpers.processes import death_time, python_worker, reap, wait_ready
+from helpers.processes import (
+    at_units_priority,
+    at_units_priority_all,
+    death_time,
+    python_worker,
+    reap,
+    wait_ready,
+)
 from helpers.waiting import PATIENCE, wait_until
 
 #: A worker that does what its stdin says, one command a line, and answers each
@@ -132,13 +139,18 @@ def test_a_block_hung_after_hundreds_of_fast_ones_dies_on_time_and_is_listed(
 ) -> None:
     worker = Worker(daemon.socket_path)
     try:
+        # Timed as a canary is (`helpers.canaries`): the daemon at the shipped
+        # unit's priority, the worker and the thread that sees its death with it.
+        at_units_priority_all(daemon.pid)
+        at_units_priority_all(worker.pid)
         worker.ask("blocks 500 0.5 step")
         worker.tell("hang 0.5 step")
         assert worker.process.stdout is not None
         entered = json.loads(worker.process.stdout.readline())
         listed = my_scopes(daemon, worker.pid)
         assert 0 < listed["step"] <= 0.5
-        died = death_time(worker.process)
+        with at_units_priority():
+            died = death_time(worker.process)
         assert worker.process.wait() == -signal.SIGKILL
         assert 0.5 <= died - entered < 0.5 + 0.1
     finally:

@@ -66,6 +66,7 @@ from helpers.daemon import RunningDaemon, configured_daemon, expired_event
 from helpers.processes import (
     UNIT_NICE,
     at_units_priority,
+    at_units_priority_all,
     become,
     death_time,
     fork_at_pid,
@@ -138,9 +139,7 @@ class Canaries:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Canaries:
-        for thread in os.listdir(f"/proc/{self._daemon.pid}/task"):
-            with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, int(thread), UNIT_NICE)
+        at_units_priority_all(self._daemon.pid)
         self._thread.start()
         return self
 

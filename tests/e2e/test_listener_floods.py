@@ -38,7 +38,7 @@ from watchdogd_protocol import (
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
 from helpers.etcd import free_ports
-from helpers.processes import UNIT_NICE, death_time, reap, sleeper
+from helpers.processes import at_units_priority_all, death_time, reap, sleeper
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE
 
@@ -234,9 +234,7 @@ def under_attack(
     """``attack`` run by uid 65534 while root asks every half second, with a root
     canary due near the attack's end. The daemon runs at the shipped unit's priority,
     as deployed (every thread of it: priorities are a thread's)."""
-    for thread in os.listdir(f"/proc/{daemon.pid}/task"):
-        with contextlib.suppress(ProcessLookupError):
-            os.setpriority(os.PRIO_PROCESS, int(thread), UNIT_NICE)
+    at_units_priority_all(daemon.pid)
     with attacking_as_nobody(attack):
         time.sleep(1.0)  # the attack builds up
         canary = Canary(daemon, ATTACK_SECONDS - 1.5)

@@ -222,6 +222,14 @@ def at_units_priority() -> Iterator[None]:
         os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
+def at_units_priority_all(pid: int) -> None:
+    """Every thread of ``pid`` at `UNIT_NICE` (a priority is a thread's): a daemon
+    as the shipped unit runs it, or a worker whose death is timed as a canary's."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, int(thread), UNIT_NICE)
+
+
 def sleeper() -> subprocess.Popen[bytes]:
     """A victim that sleeps and dies by whatever signal reaches it. Returned once
     its command line shows in /proc: Popen returns when exec began, and the kernel
