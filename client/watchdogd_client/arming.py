@@ -178,6 +178,9 @@ def check_acquiring(
     """Check every argument of an ``acquire()`` where it is given, as
     `arming_timeout` and `check_acquire` do (and ``exit_releases``, a bool): the
     timeout it sends, and the arming parameters among ``acquiring``."""
+    if not acquiring:  # a scope and a timeout alone: the call made a block at a time
+        check_acquire(scope, None, None)
+        return arming_timeout(timeout, acquiring, maximum=maximum), acquiring
     check_acquire(scope, acquiring.get("pid"), acquiring.get("progress"))
     if not isinstance(acquiring.get("exit_releases", False), bool):
         raise TypeError(f"exit_releases must be a bool, not {acquiring['exit_releases']!r}")
@@ -198,7 +201,7 @@ def arming_of(acquiring: Acquiring) -> Arming:
 def socket_arm(acquiring: Acquiring) -> bool:
     """Whether an ``acquire()`` arms what a block does (the caller itself, with no
     progress counter, not released by its exit): the fast path may take it."""
-    return (
+    return not acquiring or (
         acquiring.get("pid") is None
         and acquiring.get("progress") is None
         and not acquiring.get("exit_releases", False)

@@ -85,3 +85,34 @@ async def test_a_wrong_observation_is_logged_and_fails_its_run_alone(
         for victim in (waiting, killed):
             victim.kill()
             victim.wait()
+
+
+async def test_a_first_signal_goes_in_the_pass_and_its_run_takes_it_when_it_settles() -> None:
+    """The pass sends a burst's first signals and nothing more: what each signal
+    was observed (when it went) is handed to its run when it settles, so the
+    event's lateness is the pass's, however late the settling."""
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        service = _service()
+        caller = service.arming.open_connection(Peer(pid=victim.pid, uid=0, gid=0))
+        service.handle(Acquire(id=1, scope="pass", timeout=0.01), caller, time.monotonic())
+        await trio.sleep(0.05)
+        async with trio.open_nursery() as nursery:
+            executor = Executor(service, nursery, clock=time.monotonic)
+            await nursery.start(executor.run)
+            executor.carry_out(service.firing.take_due(time.monotonic(), 10))
+            assert victim.wait(timeout=5) == -9  # before anything settled
+            assert executor.settling == 1
+            await trio.sleep(0.3)
+            with trio.fail_after(10):
+                while executor.settle(time.monotonic() + 1.0) or len(service.firing):
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        [event] = service.context.events.since(0)
+        assert event.steps[0].result == "sent SIGKILL"
+        assert event.outcome == "exited"
+        assert event.late is not None
+        assert event.late < 0.3
+    finally:
+        victim.kill()
+        victim.wait()

@@ -694,6 +694,21 @@ def test_the_first_signal_is_pending_before_the_target_is_opened() -> None:
     assert driven.of(SendSignal) == [SendSignal(signal.SIGKILL)]
 
 
+def test_a_dues_run_is_made_as_a_fresh_run_of_its_timer_is() -> None:
+    """A `Due`'s run is made in its pass without the checks that decided its first
+    signal (`Run.signalling`): it is the run `Run` makes of the same timer, slot by
+    slot, and goes on with the firing record once that is made (`Run.recorded`)."""
+    armed = msgspec.structs.replace(firing(TERM), firing=0, run=None)
+    made = Run.signalling(armed, TERM, Signal(signal.SIGTERM), daemon_started=3.0)
+    usual = Run(armed, TERM, daemon_started=3.0, evidence_wait=5.0)
+    for name in Run.__slots__:
+        assert getattr(made, name) == getattr(usual, name), name
+    made.observe(Signalled(SignalResult(Delivery.SENT, signal.SIGTERM), FIRED + 0.01))
+    made.recorded(firing(TERM))
+    assert made.timer == firing(TERM)
+    assert made.next(FIRED, WALL) == ObserveLateness(FIRED + 0.01 - DEADLINE)
+
+
 def test_a_first_signal_not_sent_ahead_is_left_to_the_target_opened() -> None:
     why = "uid 1000 may no longer signal pid 42"
     run = Run(firing(KILL), KILL, daemon_started=0.0)

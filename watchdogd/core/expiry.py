@@ -36,9 +36,10 @@ runtime: a signal's `SignalResult` (its `Delivery`), a hook's or a dumper's
 began), so an executor may stop after any effect and ask again later. The burst's
 first signal is no other path: a run that starts afresh with a signal to its own
 process (`first_signal`, the one place that decides it) starts in
-`Phase.FIRST_SIGNAL`, its pending effect that signal, before its target is opened;
-`Run.next_in_pass` gives the effects that go in the pass of the expiry, up to a
-run's first signal to its process alone.
+`Phase.FIRST_SIGNAL`, its pending effect that signal, before its target is opened
+(`Run.signalling` makes it of a `watchdogd.core.firing.Due`, whose signal was
+found when its timer was taken out); `Run.next_in_pass` gives the effects that go
+in the pass of the expiry, up to a run's first signal to its process alone.
 
 Invariants:
 
@@ -131,6 +132,15 @@ class Phase(enum.Enum):
 
 _CHECK: Final = CheckAlive()
 _WATCH: Final = WatchExit()
+#: A first signal's effect by signal number: frozen, so made once.
+_FIRST: dict[int, SendSignal] = {}
+
+
+def _first(signal: Signal) -> SendSignal:
+    effect = _FIRST.get(signal.signum)
+    if effect is None:
+        effect = _FIRST[signal.signum] = SendSignal(signal.signum, alive=True)
+    return effect
 
 
 def is_peer(timer: Timer) -> bool:
@@ -232,38 +242,66 @@ class Run:
         ranks' evidence, if it is part of one."""
         timer, note = resume_point(timer, policy, note)
         first = first_signal(timer, policy, note)
+        incident = timer.run is not None and timer.run.incident and not timer.run.peer
+        self._start(
+            timer,
+            policy,
+            f"{note}; {judged}" if note and judged else note or judged,
+            daemon_started,
+            evidence_wait if incident and _dumps_first(policy) else 0.0,
+        )
+        if timer.step:
+            self.signalled_once = True
+            self._done_before(policy.steps[: timer.step])
+        self.phase: Phase
+        self._pending: Effect | None
+        if first is not None:
+            self.phase, self._pending = Phase.FIRST_SIGNAL, _first(first)
+        else:
+            self.phase, self._pending = Phase.OPENING, self._open_target()
+
+    @classmethod
+    def signalling(
+        cls, timer: Timer, policy: Policy, first: Signal, *, daemon_started: float
+    ) -> Run:
+        """The run of a timer the core took out as a `watchdogd.core.firing.Due`:
+        a fresh run, with nothing to note and no incident, whose first step,
+        ``first``, goes to its own process, as `first_signal` decided when the
+        timer was taken out (the checks that found it are not made again: a
+        burst's runs are made in its pass). ``timer`` is as armed until its
+        firing record is made (`recorded`): the same deadline, process and owner."""
+        run = cls.__new__(cls)
+        run._start(timer, policy, "", daemon_started, 0.0)
+        run.phase, run._pending = Phase.FIRST_SIGNAL, _first(first)
+        return run
+
+    def _start(
+        self, timer: Timer, policy: Policy, note: str, daemon_started: float, evidence_wait: float
+    ) -> None:
+        """What every run starts with: at its timer's step, nothing observed."""
         self.timer = timer
         self.policy = policy
-        self.note = f"{note}; {judged}" if note and judged else note or judged
+        self.note = note
         self.daemon_started = daemon_started
-        incident = timer.run is not None and timer.run.incident and not timer.run.peer
-        self.evidence_wait = evidence_wait if incident and _dumps_first(policy) else 0.0
+        self.evidence_wait = evidence_wait
         #: The first signal still waits for the incident's evidence.
-        self._evidence_owed = bool(self.evidence_wait)
+        self._evidence_owed = bool(evidence_wait)
         #: Where this run started (a resumed expiry: the step it had reached),
         #: and the next step to carry out.
         self.resumed_at = self.step = timer.step
         self.command = self.denied = self.target_note = ""
         self.gone_at_start = self.killed = self._opened = False
         #: A signal was sent (in this run or before a restart); a SIGKILL was sent.
-        self.signalled_once = timer.step > 0
+        self.signalled_once = False
         #: Each step's result; a signal's kept as its value until the run
         #: finishes, so that a burst's signals wait for no words.
         self.results: list[StepResult | tuple[Signal, SignalResult]] = []
-        if timer.step:
-            self._done_before(policy.steps[: timer.step])
         #: When this run carried out its first step (the daemon's clock).
         self.first_step_at: float | None = None
         #: The target as last seen (None: not since the last step), and when the
         #: next step began (None: not yet).
         self._alive: bool | None = None
         self._begun_at: float | None = None
-        self.phase: Phase
-        self._pending: Effect | None
-        if first is not None:
-            self.phase, self._pending = Phase.FIRST_SIGNAL, SendSignal(first.signum, alive=True)
-        else:
-            self.phase, self._pending = Phase.OPENING, self._open_target()
 
     def _done_before(self, steps: tuple[Step, ...]) -> None:
         for step in steps:
@@ -271,6 +309,11 @@ class Run:
             self.killed = self.killed or (
                 isinstance(step, Signal) and step.signum == signal.SIGKILL
             )
+
+    def recorded(self, timer: Timer) -> None:
+        """The firing record of its timer was made (a `signalling` run's, once
+        its first signal went): the run goes on with it."""
+        self.timer = timer
 
     @property
     def signals_next(self) -> bool:
@@ -299,6 +342,8 @@ class Run:
         which goes in the pass of the expiry, before anything else is made of the
         others due with it; None once that signal was sent, and for any other
         run or effect."""
+        if self.phase is Phase.FIRST_SIGNAL:
+            return self._pending  # the signal itself
         if self.first_step_at is not None or self.denied:
             return None
         if self.policy.target != "process" or not self.signals_next:

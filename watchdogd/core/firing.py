@@ -86,15 +86,6 @@ class Due(msgspec.Struct, Generic[P], frozen=True):
     number: int
     fired_at: float
 
-    def fired(self) -> Timer:
-        """The timer as its firing record holds it, once made (`Firing.record`):
-        the run of its policy is made of it before its signal goes."""
-        return msgspec.structs.replace(
-            self.timer,
-            firing=self.number,
-            run=Course(fired_at=self.fired_at, plan=self.policy.plan),
-        )
-
 
 class RestartGrace(Generic[P]):
     """The timers restored at a start (armed before it) that fall due within

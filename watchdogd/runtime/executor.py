@@ -11,8 +11,12 @@ goes through three stages:
    timer's own process (``target = "process"``: ``kill``, ``term``, ``abort``,
    ``signal:NAME``) are carried out at once, in a tight loop over the batch:
    the core decides which (`watchdogd.core.expiry.Run.next_in_pass`), the same
-   `match` as every other effect carries them out (`Executor._advance`). No task
-   and no event yet; in a large batch, no command line read first (the event
+   `match` as every other effect carries them out (`Executor._advance`). What a
+   signal sent in the pass was observed (`watchdogd.core.effects.Signalled`) is
+   kept with its expiry and handed to its run when it settles: the run changes
+   nothing until its effect is observed, so the rest of the batch waits for no
+   bookkeeping of the first. No task and no event yet; in a large batch, no
+   command line read first (the event
    shows the one the process had when its first timer was armed). A run that
    starts afresh with such a signal (`watchdogd.core.expiry.first_signal`) has
    it pending before its target is opened: it goes through the pidfd the daemon
@@ -82,6 +86,7 @@ from ..core import (
     AwaitEvidence,
     CheckAlive,
     Counted,
+    Delivery,
     Due,
     EvidenceIn,
     Expired,
@@ -144,6 +149,8 @@ class _Expiry:
     read_command: bool = True
     #: The command line read before a signal sent ahead of the target.
     command: str = ""
+    #: The signal sent in the pass, as observed: its run takes it when it settles.
+    sent: Signalled | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -211,11 +218,11 @@ class Executor:
         timer of the job but responds: `Service.take_asks`), with ``expired`` empty
         too: another host's incident may bring only such ranks."""
         commands_first = len(expired) <= _COMMANDS_FIRST
+        started = self._service.started
         for taken in expired:
-            expiry = self._begin(taken)
+            expiry = self._begin(taken, started, commands_first)
             if expiry is None:
                 continue
-            expiry.read_command = commands_first
             try:
                 self._advance(expiry, in_pass=True)
             except Exception:
@@ -248,12 +255,11 @@ class Executor:
 
     def _settle_one(self, expiry: _Expiry) -> None:
         try:
-            if expiry.due is not None:
-                self._service.firing.record(expiry.due)  # its signal went: now firing
-                expiry.due = None
+            self._record(expiry)  # its signal went: now firing
             if expiry.target is not None and not expiry.run.command:
                 expiry.run.command = expiry.target.command()
-            waiting = self._advance(expiry)
+            sent, expiry.sent = expiry.sent, None
+            waiting = self._advance(expiry, sent)
             if waiting is not None:
                 self._nursery.start_soon(self._carry_on, expiry, waiting)
         except Exception:
@@ -291,9 +297,7 @@ class Executor:
         self._deadlines.clear()
         while self._settling:
             expiry = self._settling.popleft()
-            if expiry.due is not None:
-                # Its signal went: firing in the state, as every other.
-                self._service.firing.record(expiry.due)
+            self._record(expiry)  # its signal went: firing in the state, as every other
             self._let_go(expiry)
         self._epoll.close()
 
@@ -316,8 +320,11 @@ class Executor:
         up to one that waits, and return that one, bound, for the expiry's task to
         await. None once the run has finished or its target is watched;
         ``in_pass`` (the pass), once the run gives no more effects for the pass
-        (`Run.next_in_pass`). Each effect's observation goes back with the
-        question of the next (`Run.answer`)."""
+        (`Run.next_in_pass`), or once its signal went (sent, or found gone or
+        refused; one not sent is left to its target, in the pass): that observation
+        waits in ``expiry.sent`` for the run to take when it settles. Each
+        effect's observation goes back with the question of the next
+        (`Run.answer`)."""
         run = expiry.run
         if observed is not None:
             effect = run.answer(observed, self._clock(), self._wall(), in_pass=in_pass)
@@ -327,6 +334,12 @@ class Executor:
             effect = run.next(self._clock(), self._wall())
         while True:
             match effect:
+                # First: a burst's first signals are most of what a pass carries out.
+                case SendSignal(signum=signum, alive=alive):
+                    observed = self._send(expiry, signum, alive=alive)
+                    if in_pass and observed.result.delivery is not Delivery.NOT_SENT:
+                        expiry.sent = observed
+                        return None
                 case None:
                     return None
                 case OpenTarget(check=check):
@@ -336,8 +349,6 @@ class Executor:
                 case RecordStep(step=step, step_end=step_end):
                     self._service.firing.step_started(run.timer, step, step_end)
                     observed = Recorded()
-                case SendSignal(signum=signum, alive=alive):
-                    observed = self._send(expiry, signum, alive=alive)
                 case ObserveLateness(seconds=seconds):
                     self._service.metrics.observe_lateness(seconds)
                     observed = Counted()
@@ -423,15 +434,18 @@ class Executor:
 
     # The stages of one expiry.
 
-    def _begin(self, taken: Expired[Process] | Due[Process]) -> _Expiry | None:
-        """The run of ``taken``'s policy: a `Due`'s made of its timer as its firing
-        record will hold it, by the policy it was taken out by."""
-        due = taken if isinstance(taken, Due) else None
-        started = self._service.started
-        wait = self._service.rules.daemon.incident_evidence_wait
+    def _begin(
+        self, taken: Expired[Process] | Due[Process], started: float, read_command: bool
+    ) -> _Expiry | None:
+        """The run of ``taken``'s policy: a `Due`'s made of its timer as armed (its
+        firing record is made when it settles, `_record`), by the policy it was
+        taken out by. ``started``: when the daemon started; ``read_command``: see
+        `_Expiry`."""
+        due = None
         try:
             if isinstance(taken, Due):
-                run = Run(taken.fired(), taken.policy, daemon_started=started, evidence_wait=wait)
+                due = taken
+                run = Run.signalling(due.timer, due.policy, due.signal, daemon_started=started)
             else:
                 policy, note = self._service.rules.policy_for(taken.timer.policy)
                 run = Run(
@@ -440,7 +454,7 @@ class Executor:
                     note,
                     taken.note,
                     daemon_started=started,
-                    evidence_wait=wait,
+                    evidence_wait=self._service.rules.daemon.incident_evidence_wait,
                 )
         except Exception:
             log.exception("could not start the policy of %r", taken.timer)
@@ -448,7 +462,14 @@ class Executor:
             taken.process.close()
             self._service.firing.finished(timer)
             return None
-        return _Expiry(run, taken.process, due=due)
+        return _Expiry(run, taken.process, due=due, read_command=read_command)
+
+    def _record(self, expiry: _Expiry) -> None:
+        """A `Due`'s firing record is made (its signal went, or its run ends):
+        its run goes on with the timer as that record holds it."""
+        if expiry.due is not None:
+            expiry.run.recorded(self._service.firing.record(expiry.due).timer)
+            expiry.due = None
 
     def _open(self, expiry: _Expiry, *, check: bool) -> Opened:
         """Pin the target (it holds pidfds of its own) and let the process go.
@@ -489,9 +510,7 @@ class Executor:
         expiry: its timer leaves the state (a `Due` is recorded first)."""
         log.exception("%s of %r", what, expiry.run.timer)
         self._let_go(expiry)
-        if expiry.due is not None:
-            self._service.firing.record(expiry.due)
-            expiry.due = None
+        self._record(expiry)
         self._service.firing.finished(expiry.run.timer)
 
     def _flush_events(self) -> None:
