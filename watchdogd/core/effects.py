@@ -206,6 +206,13 @@ class Signalled(Struct, frozen=True, gc=False):
     result: SignalResult
     at: float
 
+    @property
+    def went(self) -> bool:
+        """The signal went (sent, or its target found gone, or refused): a run
+        in its pass may take this later (`watchdogd.runtime.executor`). One not
+        sent is left to the target, opened at once (`watchdogd.core.expiry`)."""
+        return self.result.delivery is not Delivery.NOT_SENT
+
 
 class Counted(Struct, frozen=True, gc=False):
     """`ObserveLateness`: counted."""

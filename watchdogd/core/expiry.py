@@ -64,6 +64,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import functools
 import signal
 from typing import Final, assert_never
 
@@ -132,15 +133,12 @@ class Phase(enum.Enum):
 
 _CHECK: Final = CheckAlive()
 _WATCH: Final = WatchExit()
-#: A first signal's effect by signal number: frozen, so made once.
-_FIRST: dict[int, SendSignal] = {}
 
 
-def _first(signal: Signal) -> SendSignal:
-    effect = _FIRST.get(signal.signum)
-    if effect is None:
-        effect = _FIRST[signal.signum] = SendSignal(signal.signum, alive=True)
-    return effect
+@functools.cache
+def _first(signum: int) -> SendSignal:
+    """A first signal's effect: frozen, so made once a signal number."""
+    return SendSignal(signum, alive=True)
 
 
 def is_peer(timer: Timer) -> bool:
@@ -256,7 +254,7 @@ class Run:
         self.phase: Phase
         self._pending: Effect | None
         if first is not None:
-            self.phase, self._pending = Phase.FIRST_SIGNAL, _first(first)
+            self.phase, self._pending = Phase.FIRST_SIGNAL, _first(first.signum)
         else:
             self.phase, self._pending = Phase.OPENING, self._open_target()
 
@@ -272,7 +270,7 @@ class Run:
         firing record is made (`recorded`): the same deadline, process and owner."""
         run = cls.__new__(cls)
         run._start(timer, policy, "", daemon_started, 0.0)
-        run.phase, run._pending = Phase.FIRST_SIGNAL, _first(first)
+        run.phase, run._pending = Phase.FIRST_SIGNAL, _first(first.signum)
         return run
 
     def _start(

@@ -86,7 +86,6 @@ from ..core import (
     AwaitEvidence,
     CheckAlive,
     Counted,
-    Delivery,
     Due,
     EvidenceIn,
     Expired,
@@ -337,7 +336,7 @@ class Executor:
                 # First: a burst's first signals are most of what a pass carries out.
                 case SendSignal(signum=signum, alive=alive):
                     observed = self._send(expiry, signum, alive=alive)
-                    if in_pass and observed.result.delivery is not Delivery.NOT_SENT:
+                    if in_pass and observed.went:
                         expiry.sent = observed
                         return None
                 case None:
