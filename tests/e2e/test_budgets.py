@@ -75,13 +75,19 @@ def end_workers(workers: list[subprocess.Popen[bytes]]) -> None:
 
 async def _pollers(path: str, seconds: float) -> list[int]:
     """Connections asking for the largest status pages; a quarter read every reply
-    (and return the longest frame they saw), the rest never read."""
+    (and return the longest frame they saw), the rest never read. Those begin once
+    a reader has read a page: once they fill the uid's budget, a reader waits for
+    room as they do and may never be the one that gets it."""
     hello = encode_frame(Hello(id=0, version=1))
     burst = b"".join(encode_frame(Status(id=i, limit=10_000)) for i in range(1, 5))
     stop = trio.current_time() + seconds
     longest = [0]
+    page_read = trio.Event()
 
     async def poller(reads: bool) -> None:
+        if not reads:
+            with trio.move_on_at(stop):
+                await page_read.wait()
         while trio.current_time() < stop:
             try:
                 stream = await trio.open_unix_socket(path)
@@ -111,6 +117,8 @@ async def _pollers(path: str, seconds: float) -> list[int]:
                                 if len(pending) < 4 + length:
                                     break
                                 longest[0] = max(longest[0], length)
+                                if length > MAX_REPLY_BYTES // 2:  # a page
+                                    page_read.set()
                                 pending = pending[4 + length :]
                                 frames += 1
                         hello_seen = frames - 4

@@ -19,7 +19,13 @@ from watchdogd_protocol import EventInfo
 from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.disks import require
 from helpers.failing_fs import failing_disk
-from helpers.processes import death_time, reap, sleeper
+from helpers.processes import (
+    at_units_priority,
+    at_units_priority_all,
+    death_time,
+    reap,
+    sleeper,
+)
 from helpers.special_files import NAMED, each_special, freed_after, make_special
 from helpers.waiting import PATIENCE, wait_until
 
@@ -110,17 +116,25 @@ ON_TIME = 0.1
 FOLLOWED = {**NAMED, "symlink": "a character device"}
 
 
-def arm_canary(client: Client, timeout: float) -> tuple[subprocess.Popen[bytes], float]:
+def arm_canary(
+    daemon: RunningDaemon, client: Client, timeout: float
+) -> tuple[subprocess.Popen[bytes], float]:
     """A root timer on a fresh ``sleep``; the victim, and its deadline on
-    CLOCK_MONOTONIC (the daemon's clock too)."""
-    victim = sleeper()
+    CLOCK_MONOTONIC (the daemon's clock too). The daemon runs at the shipped unit's
+    priority, and so do the victim and the thread that times it (`on_time`): beside
+    CPU hogs, a victim at nice 0 takes its time to exit once killed, which is the
+    machine's lateness, not the daemon's."""
+    at_units_priority_all(daemon.pid)
+    with at_units_priority():
+        victim = sleeper()
     remaining = client.acquire(f"canary-{victim.pid}", timeout, pid=victim.pid)
     # The latest it can be: a slow answer never makes a canary late.
     return victim, time.monotonic() + remaining
 
 
 def on_time(victim: subprocess.Popen[bytes], deadline: float) -> None:
-    late = death_time(victim) - deadline
+    with at_units_priority():
+        late = death_time(victim) - deadline
     assert victim.wait() == -signal.SIGKILL
     assert late < ON_TIME, f"the canary died {late * 1000:.0f} ms late"
 
@@ -133,7 +147,7 @@ def test_a_config_that_is_no_regular_file_is_refused_at_reload_and_no_timer_wait
     config.unlink()
     make_special(kind, config)
     with daemon.client() as client:
-        canary, deadline = arm_canary(client, 1.0)
+        canary, deadline = arm_canary(daemon, client, 1.0)
         try:
             # Today's daemon reads a FIFO in its event loop, until a writer comes
             # (here, after 3 s): the canary waits as long.
@@ -171,7 +185,7 @@ def test_a_reload_waiting_on_its_disk_holds_up_no_timer_and_no_stop(
             config.write_text(SECOND)
             disk.stall()  # as a hung network file system: its reads wait
             with daemon.client() as client:
-                canary, deadline = arm_canary(client, 1.0)
+                canary, deadline = arm_canary(daemon, client, 1.0)
                 try:
                     os.kill(daemon.pid, signal.SIGHUP)
                     on_time(canary, deadline)
