@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -246,17 +247,35 @@ class _LongestStep(trio.abc.Instrument):
             self.longest = max(self.longest, time.perf_counter() - self._began)
 
 
-def whole_write(full: Path, path: Path) -> tuple[float, float]:
+def whole_write(full: Path, path: Path) -> tuple[float, float, int]:
     """Seconds of the longest step of the loop's task that writes the record
     ``full`` whole again (to ``path``, on the daemon's CPU): what a due timer's
-    signal may wait for meanwhile; and the framing of its largest record alone (its
-    encoding and checksum)."""
+    signal may wait for meanwhile; the framing of its largest record alone (its
+    encoding and checksum); and the most memory the write holds at once, traced
+    in a second write (tracing slows it: not the one timed)."""
     events, incidents = EventLog(1000), IncidentLog("bench", keep=100)
     RecordFile(str(full), events, incidents).load()
     largest = max(incidents.everything(), key=lambda incident: len(incident.ranks))
     framing = median_time(lambda: zlib.crc32(msgspec.msgpack.encode(largest)), 5)
-    record = RecordFile(str(path), events, incidents)  # never read: it writes whole
     steps = _LongestStep()
+    pin(SERVER_CPU)
+    try:
+        _written_whole(RecordFile(str(path), events, incidents), path, steps)
+        path.unlink()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            _written_whole(RecordFile(str(path), events, incidents), path, None)
+            held = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+    finally:
+        pin(CLIENT_CPU)
+    return steps.longest, framing, held
+
+
+def _written_whole(record: RecordFile, path: Path, steps: _LongestStep | None) -> None:
+    """``record`` (never read: it writes whole) written to ``path``, then closed."""
 
     async def write() -> None:
         async with trio.open_nursery() as nursery:
@@ -265,13 +284,10 @@ def whole_write(full: Path, path: Path) -> tuple[float, float]:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
-    pin(SERVER_CPU)
     try:
-        trio.run(write, instruments=[steps])
+        trio.run(write, instruments=[] if steps is None else [steps])
     finally:
-        pin(CLIENT_CPU)
         record.close()
-    return steps.longest, framing
 
 
 def started(state: Path, socket_path: Path) -> tuple[float, int]:
@@ -609,11 +625,17 @@ def main() -> None:
                        (full_rss - bare_rss) / max(1, os.path.getsize(f"{record}.full")),
                        "x its file's size")
             )  # fmt: skip
-            longest, framing = whole_write(Path(f"{record}.full"), directory / "whole.record")
+            whole = directory / "whole.record"
+            longest, framing, held = whole_write(Path(f"{record}.full"), whole)
             figures.append(
                 Figure("a whole write of the full record: the loop's longest step",
                        longest * 1e3, "ms", longest / framing,
                        "x framing its largest record, an incident of 64 ranks")
+            )  # fmt: skip
+            figures.append(
+                Figure("a whole write of the full record: the most memory it holds",
+                       held / 2**20, "MiB", held / max(1, whole.stat().st_size),
+                       "x the file's size (a part of it at a time)")
             )  # fmt: skip
             if alone is not None and crowded is not None:
                 figures.append(

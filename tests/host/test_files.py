@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd.storage.faults import NotRegular
-from watchdogd.storage.files import open_regular, read_regular, replace_file
+from watchdogd.storage.files import NewFile, open_regular, read_regular, replace_file
 
 from helpers.special_files import NAMED, SPECIAL, freed_after, is_special, make_special
 
@@ -93,3 +93,37 @@ def test_a_whole_write_goes_through_nothing_left_at_its_temporary_name(
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not partial.exists()
     assert target.read_bytes() == b"not to be touched"
+
+
+def test_a_new_file_written_in_parts_replaces_the_old_only_once_committed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record"
+    path.write_bytes(b"old")
+    partial = tmp_path / "state.db.record.new"
+    new = NewFile(str(path))
+    new.open()
+    new.write(b"dropped")
+    new.start_over()  # what was written goes; what follows is the file
+    new.write(b"new ")
+    new.write(bytearray(b"content"))
+    assert path.read_bytes() == b"old"
+    assert partial.read_bytes() == b"new content"
+    new.commit()
+    new.discard()  # after a commit, nothing to remove
+    assert path.read_bytes() == b"new content"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not partial.exists()
+
+
+def test_a_new_file_left_uncommitted_is_removed_and_the_old_one_kept(tmp_path: Path) -> None:
+    path = tmp_path / "state.db.record"
+    path.write_bytes(b"old")
+    new = NewFile(str(path))
+    new.open()
+    new.write(b"half of it")
+    new.discard()  # a failure, a cancellation
+    assert path.read_bytes() == b"old"
+    assert not (tmp_path / "state.db.record.new").exists()
+    with pytest.raises(OSError, match="is not open"):
+        new.write(b"more")  # closed: a write after the end fails, never lands

@@ -13,10 +13,10 @@ Invariants:
   what plainly is no regular file (by lstat) is refused before any open, as a
   device's open(2) may act on it (a tape rewinds, a terminal hangs up).
 - ``O_NONBLOCK`` stays on the descriptor: Linux ignores it for regular files.
-- A file written whole (`replace_file`) goes to a new file beside it, created
-  afresh (``O_EXCL``, so never through a symlink or into a FIFO left there),
-  then renamed over it, so that a crash leaves the old or the new, never half of
-  one. It is readable by its owner alone.
+- A file written whole (`replace_file`, `NewFile`) goes to a new file beside it,
+  created afresh (``O_EXCL``, so never through a symlink or into a FIFO left
+  there), then renamed over it, so that a crash leaves the old or the new, never
+  half of one. It is readable by its owner alone.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Final
 
 from .faults import NotRegular
@@ -102,30 +102,75 @@ def read_regular(path: str, limit: int | None = None, *, follow: bool = False) -
         return file.read() if limit is None else file.read(limit + 1)
 
 
-def replace_file(path: str, parts: Sequence[bytes]) -> None:
+def replace_file(path: str, parts: Iterable[bytes | bytearray]) -> None:
     """Make ``path`` hold ``parts``, in order; raises OSError, leaving no partial
     file behind."""
-    partial = path + ".new"
+    new = NewFile(path)
     try:
+        new.open()
+        for part in parts:
+            new.write(part)
+        new.commit()
+    finally:
+        new.discard()
+
+
+class NewFile:
+    """A file written whole in parts, in turn, so that its writer need not hold
+    them all: ``path`` + ``.new``, made afresh by `open`, renamed over ``path`` by
+    `commit`. Each call but `discard` raises OSError; each may be made in a worker
+    thread, one at a time. `discard` after every write, committed or not: it
+    removes an uncommitted file (a failure, a cancellation), so that no partial
+    file is left behind."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._partial = path + ".new"
+        self._fd: int | None = None
+        self._committed = False
+
+    def open(self) -> None:
         # What an earlier write left there (it died before the rename), or what
         # someone put in the way: the new file is made afresh, never opened
         # through what is there.
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-        fd = os.open(
-            partial,
+            os.unlink(self._partial)
+        self._fd = os.open(
+            self._partial,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
             0o600,
         )
-        try:
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(partial, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
+
+    def write(self, part: bytes | bytearray) -> None:
+        """Append ``part``."""
+        view = memoryview(part)
+        while view:
+            view = view[os.write(self._opened(), view) :]
+
+    def start_over(self) -> None:
+        """Drop what was written: what follows is the whole file."""
+        fd = self._opened()
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+
+    def commit(self) -> None:
+        """``path`` holds what was written."""
+        fd, self._fd = self._opened(), None
+        os.close(fd)
+        os.replace(self._partial, self._path)
+        self._committed = True
+
+    def discard(self) -> None:
+        """Close it, and remove it unless it was committed; never raises."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not self._committed:
+            with contextlib.suppress(OSError):
+                os.unlink(self._partial)
+
+    def _opened(self) -> int:
+        if self._fd is None:
+            raise OSError(errno.EBADF, f"{self._partial} is not open")
+        return self._fd

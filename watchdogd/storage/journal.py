@@ -29,7 +29,7 @@ import glob
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -202,10 +202,22 @@ def unlinked(fd: int | None) -> bool:
     return os.fstat(fd).st_nlink == 0
 
 
-def write_all(fd: int | None, data: bytes) -> None:
+def write_all(fd: int | None, data: bytes | bytearray) -> None:
+    write_parts(fd, [data])
+
+
+#: The most buffers one writev(2) takes (Linux's UIO_MAXIOV).
+_IOV_MAX: Final = 1024
+
+
+def write_parts(fd: int | None, parts: Sequence[bytes | bytearray]) -> None:
+    """Write ``parts`` in one writev(2), without a copy of them joined (unless
+    there are more than it takes); a write made in part raises."""
     if fd is None:
         raise OSError(errno.EBADF, "no journal is open")
-    if os.write(fd, data) != len(data):
+    if len(parts) > _IOV_MAX:
+        parts = [b"".join(parts)]
+    if os.writev(fd, parts) != sum(map(len, parts)):
         raise OSError(errno.ENOSPC, "No space left on device (a record was written in part)")
 
 

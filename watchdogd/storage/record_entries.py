@@ -55,9 +55,14 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Entry)
 
 
-def framed(entry: Entry) -> bytes:
-    payload = _encoder.encode(entry)
-    return RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+def framed(entry: Entry) -> bytearray:
+    """``entry`` as a record of the file, encoded in place behind its header (an
+    incident's record is megabytes of stacks: no second copy of it)."""
+    frame = bytearray(RECORD.size)
+    _encoder.encode_into(entry, frame, RECORD.size)
+    with memoryview(frame) as view, view[RECORD.size :] as payload:
+        RECORD.pack_into(frame, 0, len(payload), zlib.crc32(payload))
+    return frame
 
 
 class Reading(msgspec.Struct):

@@ -23,7 +23,10 @@ Invariants:
   by their own table alone, small, and written first: nothing that makes room
   in this file drops or cuts them (a job whose hang repeats must stay marked).
   When it outgrows twice what it held then (and `_SLACK`), it is written whole
-  again, to a new file renamed over it: a crash leaves the old or the new.
+  again, to a new file renamed over it: a crash leaves the old or the new. Neither
+  kind of write holds a second copy of what it writes: an append is its records'
+  frames in one writev(2), a whole write goes out a part at a time as it is
+  framed (`watchdogd.storage.whole_record`).
 - Bounded in bytes, and never in the room the timers' state needs: the file
   holds at most its ``bound`` (the config's ``record_bytes``), and at most half
   the room its disk has beyond what the state wants left free (``reserve``,
@@ -63,17 +66,16 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Final
 
-import msgspec
 import trio
 
-from ..core import ROOT, Counters, EventLog, IncidentLog, Repeats, trimmed
+from ..core import Counters, EventLog, IncidentLog, Repeats, StoredIncident
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
-from .files import open_regular, replace_file
-from .journal import close, write_all
+from .files import NewFile, open_regular
+from .journal import close, write_all, write_parts
 from .record_entries import (
     SCHEMA,
     DroppedRecord,
@@ -88,6 +90,7 @@ from .record_entries import (
     framed,
     read_records,
 )
+from .whole_record import StartOver, WholeWrite
 
 #: Seconds between a change and its write, at most (changes of one interval share
 #: one write: an incident whose ranks report one by one is not written per rank).
@@ -100,185 +103,12 @@ _SLACK: Final = 4 * 1024 * 1024
 #: seconds): the file may hold hundreds of MiB of stacks, and a due timer's signal
 #: waits for the turn in progress.
 _TURN: Final = 0.002
-#: The frames of a whole write are joined into parts of about this size, which the
-#: worker thread writes in turn (no copy of the whole file in one piece).
-_PART: Final = 1024 * 1024
 #: The config's ``record_bytes`` default: the most the file takes on disk.
 RECORD_BYTES: Final = 256 * 1024 * 1024
-#: In a step's output, where the record left it off.
-_LEFT_OFF: Final = "…(left off the record: its bound, or its disk's room)"
 
 
 def record_path(state_path: str) -> str:
     return state_path + ".record"
-
-
-class _Parts:
-    """The frames of a whole write, joined into parts of about `_PART` bytes."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.size = 0
-        #: The framed size of each entry added, in order.
-        self.sizes: list[int] = []
-        self._batch: list[bytes] = []
-        self._batched = 0
-
-    def add(self, entry: Entry) -> None:
-        frame = framed(entry)
-        self._batch.append(frame)
-        self._batched += len(frame)
-        self.size += len(frame)
-        self.sizes.append(len(frame))
-        if self._batched >= _PART:
-            self.done()
-
-    def framed(self, entries: Iterable[Entry], turn: float) -> Iterator[None]:
-        """Frame ``entries`` in, pausing (a yield) whenever ``turn`` seconds of this
-        thread's CPU have gone since the last pause."""
-        turn_ends = time.thread_time() + turn
-        for entry in entries:
-            self.add(entry)
-            if time.thread_time() >= turn_ends:
-                yield
-                turn_ends = time.thread_time() + turn
-
-    def done(self) -> list[bytes]:
-        if self._batch:
-            self.parts.append(b"".join(self._batch))
-            self._batch, self._batched = [], 0
-        return self.parts
-
-
-def _paced(turn: float) -> Callable[[], bool]:
-    """Whether ``turn`` seconds of this thread's CPU have gone since it last said so."""
-    ends = time.thread_time() + turn
-
-    def due() -> bool:
-        nonlocal ends
-        if time.thread_time() < ends:
-            return False
-        ends = time.thread_time() + turn
-        return True
-
-    return due
-
-
-def _cut(entry: Entry) -> Entry | None:
-    """``entry`` with each stack or output cut to its main thread's innermost
-    frames (`watchdogd.core.ranks.trimmed`), or None when nothing is to cut."""
-    match entry:
-        case EventRecord(event=event) if any(step.output for step in event.steps):
-            steps = [
-                msgspec.structs.replace(step, output=trimmed(step.output)) for step in event.steps
-            ]
-            if steps == event.steps:
-                return None
-            return EventRecord(msgspec.structs.replace(event, steps=steps, note=_noted(event.note)))
-        case IncidentRecord(incident=stored):
-            ranks = [
-                msgspec.structs.replace(rank, stack=cut, note=_noted(rank.note))
-                if (cut := trimmed(rank.stack)) != rank.stack
-                else rank
-                for rank in stored.ranks
-            ]
-            if ranks == stored.ranks:
-                return None
-            return IncidentRecord(msgspec.structs.replace(stored, ranks=ranks))
-    return None
-
-
-def _noted(note: str) -> str:
-    return f"{note}; {_LEFT_OFF}" if note else _LEFT_OFF
-
-
-def _first_left_off(entry: Entry) -> tuple[bool, bool]:
-    """The order whole records are left off in: other users' before root's, their
-    incidents before their events (then the oldest first)."""
-    match entry:
-        case EventRecord(event=event):
-            return (event.uid == ROOT, True)
-        case IncidentRecord(incident=stored):
-            return (stored.info.uid == ROOT, False)
-    return (True, True)
-
-
-class _Fit:
-    """Which of a whole write's ``entries`` (framed to ``sizes``) fit ``target``
-    bytes, and how: the module says in which order stacks are cut and records
-    left off. ``chosen`` are the entries to write, ``left`` the bytes left off."""
-
-    def __init__(self, entries: list[Entry], sizes: list[int], target: int) -> None:
-        self.entries = entries
-        self.sizes = sizes
-        self.target = target
-        self.chosen: list[Entry] = []
-        self.left = 0
-
-    def run(self, turn: float) -> Iterator[None]:
-        """Choose, pausing (a yield) every ``turn`` CPU seconds."""
-        due = _paced(turn)
-        cuts: list[Entry | None] = []
-        small: list[int] = []
-        for entry, size in zip(self.entries, self.sizes, strict=True):
-            cut = _cut(entry)
-            cuts.append(cut)
-            small.append(size if cut is None else len(framed(cut)))
-            if due():
-                yield
-        self._choose(cuts, small)
-
-    def _choose(self, cuts: list[Entry | None], small: list[int]) -> None:
-        """Leave off whole records, in order, until the cut ones fit; then put
-        back whole the cut ones that still fit, the other way round."""
-        entries = self.entries
-        total = sum(small)
-        events = [i for i, entry in enumerate(entries) if isinstance(entry, EventRecord)]
-        rows = [i for i, entry in enumerate(entries) if isinstance(entry, RowRecord)]
-        spared = {0, *events[-1:], *rows}  # the header, the newest event, the jobs' rows
-        order = sorted(range(len(entries)), key=lambda i: (*_first_left_off(entries[i]), i))
-        kept = [True] * len(entries)
-        for index in order:
-            if total <= self.target:
-                break
-            if index not in spared:
-                kept[index] = False
-                total -= small[index]
-        whole = [cut is None for cut in cuts]
-        for index in reversed(order):
-            grown = total - small[index] + self.sizes[index]
-            if kept[index] and not whole[index] and grown <= self.target:
-                whole[index], total = True, grown
-        self.chosen = [
-            entry if whole[index] else cuts[index] or entry
-            for index, entry in enumerate(entries)
-            if kept[index]
-        ]
-        self.left = sum(self.sizes) - total
-
-
-class _Whole:
-    """A whole write of the file: ``entries`` framed into ``parts``, cut to fit
-    ``target`` bytes when they do not (``left``: the bytes left off), the last
-    event in it numbered ``written``."""
-
-    def __init__(self, entries: list[Entry], written: int, target: int) -> None:
-        self.entries = entries
-        self.written = written
-        self.target = target
-        self.parts = _Parts()
-        self.left = 0
-
-    def framed(self, turn: float) -> Iterator[None]:
-        """Frame it, pausing (a yield) every ``turn`` CPU seconds."""
-        yield from self.parts.framed(self.entries, turn)
-        if self.parts.size > self.target:
-            fit = _Fit(self.entries, self.parts.sizes, self.target)
-            yield from fit.run(turn)
-            self.left = fit.left
-            self.parts = _Parts()
-            yield from self.parts.framed(fit.chosen, turn)
-        self.entries = []
 
 
 class RecordFile:
@@ -424,8 +254,8 @@ class RecordFile:
                 self._append()
 
     async def _write_whole(self) -> None:
-        """Write the file whole, framed in turns, in a worker thread; what it was
-        framed into is let go once written (up to half of ``bound``)."""
+        """Write the file whole, framed in turns, each part written in a worker
+        thread as it is framed (`watchdogd.storage.whole_record`)."""
         # Set first: an event appended while the whole file is framed would be
         # lost with the file it replaces (`through` waits instead).
         self._replacing = trio.Event()
@@ -434,10 +264,22 @@ class RecordFile:
             if whole.target <= 0:
                 self._no_room()
                 return
-            for _ in whole.framed(self._turn):
-                await trio.lowlevel.checkpoint()
-            if await trio.to_thread.run_sync(self._replace, whole.parts.done()):
-                self._wrote_whole(whole)
+            new = NewFile(self.path)
+            try:
+                await trio.to_thread.run_sync(new.open)
+                for step in whole.framed(self._turn):
+                    if step is None:
+                        await trio.lowlevel.checkpoint()
+                    else:
+                        await trio.to_thread.run_sync(_carry_out, new, step)
+                await trio.to_thread.run_sync(new.commit)
+            except OSError as exc:
+                self._failed(exc)
+                return
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(new.discard)
+            self._wrote_whole(whole)
         finally:
             self._replacing.set()
             self._replacing = None
@@ -473,10 +315,19 @@ class RecordFile:
         if whole.target <= 0:
             self._no_room()
             return
-        for _ in whole.framed(math.inf):  # the daemon stops: no turns
-            pass
-        if self._replace(whole.parts.done()):
-            self._wrote_whole(whole)
+        new = NewFile(self.path)
+        try:
+            new.open()
+            for step in whole.framed(math.inf):  # the daemon stops: no turns
+                if step is not None:
+                    _carry_out(new, step)
+            new.commit()
+        except OSError as exc:
+            self._failed(exc)
+            return
+        finally:
+            new.discard()
+        self._wrote_whole(whole)
 
     def _whole_due(self) -> bool:
         """Whether the file is to be written whole now: it must be (a write
@@ -573,38 +424,22 @@ class RecordFile:
             *(RowDroppedRecord(uid, job) for uid, job in gone),
             *(EventRecord(event) for event in events),
         ]
-        news = b"".join(map(framed, first))
-        cap = self._cap()
-        # Stacks are the bulk of an incident: one that plainly does not fit is
-        # not framed (megabytes, on the loop) to find it out.
-        stacks = sum(len(rank.stack) for incident in changed for rank in incident.ranks)
-        data, fits = news, self._size + len(news) + stacks <= cap
-        if fits:
-            entries: Iterable[Entry] = (
-                *(IncidentRecord(incident) for incident in changed),
-                *(DroppedRecord(incident_id) for incident_id in dropped),
-            )
-            data += b"".join(map(framed, entries))
-        if not fits or self._size + len(data) > cap:
-            # Past its bound, or its room: the next whole write fits it. The
-            # events go now if they fit, the numbers a reply shows among them.
-            self._whole = True
-            if not (events or rows or gone) or self._size + len(news) > cap:
-                return
-            data = news
+        data = self._fitting(first, changed, dropped)
+        if not data:
+            return
         try:
             if self._fd is None:
                 self._fd = self._open_append()
                 if self._fd is None:
                     return
-            write_all(self._fd, data)
+            write_parts(self._fd, data)
             lost = os.fstat(self._fd).st_nlink == 0
         except OSError as exc:
             self._failed(exc)
             return
         if events:
             self._written = events[-1].seq
-        self._size += len(data)
+        self._size += sum(map(len, data))
         if lost:
             # Deleted under the daemon (its directory removed): what it holds is
             # written whole again, where the store makes the directory anew.
@@ -614,7 +449,34 @@ class RecordFile:
             return
         self._recovered()
 
-    def _everything(self) -> _Whole:
+    def _fitting(
+        self, first: list[Entry], changed: list[StoredIncident], dropped: list[str]
+    ) -> list[bytearray]:
+        """What an append writes: the frames of ``first`` and of the incidents
+        ``changed`` and ``dropped``; of ``first`` alone when those pass the
+        file's bound or room (the next whole write fits them), or nothing when
+        ``first`` does too. Frames, not a copy of them joined: the changes of an
+        incident are megabytes of stacks, and one writev(2) writes them as one
+        write."""
+        news = [framed(entry) for entry in first]
+        cap = self._cap()
+        # Stacks are the bulk of an incident: one that plainly does not fit is
+        # not framed (megabytes, on the loop) to find it out.
+        stacks = sum(len(rank.stack) for incident in changed for rank in incident.ranks)
+        size = self._size + sum(map(len, news))
+        if size + stacks <= cap:
+            data = [
+                *news,
+                *(framed(IncidentRecord(incident)) for incident in changed),
+                *(framed(DroppedRecord(incident_id)) for incident_id in dropped),
+            ]
+            if self._size + sum(map(len, data)) <= cap:
+                return data
+        self._whole = True
+        # The events go now if they fit, the numbers a reply shows among them.
+        return news if first and size <= cap else []
+
+    def _everything(self) -> WholeWrite:
         """The whole file if it is written now (copies of the records as they are
         now: framing them may take many turns), to fit half of what it may hold."""
         self._incidents.changes.take()  # all of them are in it
@@ -627,23 +489,14 @@ class RecordFile:
             *(EventRecord(event) for event in events),
             *(IncidentRecord(incident) for incident in self._incidents.everything()),
         ]
-        return _Whole(entries, self._events.last, self._target())
+        return WholeWrite(entries, self._events.last, self._target())
 
-    def _replace(self, parts: list[bytes]) -> bool:
-        """Write ``parts`` as the whole file (possibly in a worker thread)."""
-        try:
-            replace_file(self.path, parts)
-        except OSError as exc:
-            self._failed(exc)
-            return False
-        return True
-
-    def _wrote_whole(self, whole: _Whole) -> None:
+    def _wrote_whole(self, whole: WholeWrite) -> None:
         if self._fd is not None:
             close(self._fd)  # of the file replaced
             self._fd = None
         self._written = whole.written
-        self._size = self._base = whole.parts.size
+        self._size = self._base = whole.size
         self._whole = self._roomless = False
         self._recovered()
         was, self._metrics.record_left_off = self._metrics.record_left_off, whole.left
@@ -653,13 +506,13 @@ class RecordFile:
                 logfmt(
                     "record_trimmed",
                     path=self.path,
-                    kept=whole.parts.size,
+                    kept=whole.size,
                     left_off=whole.left,
                     note="within record_bytes and the room the state leaves; kept in memory",
                 )
             )
         elif was and not whole.left:
-            log.info(logfmt("record_whole", path=self.path, bytes=whole.parts.size))
+            log.info(logfmt("record_whole", path=self.path, bytes=whole.size))
 
     def _open_append(self) -> int | None:
         """The file, opened to append to; None if it is new where the one written
@@ -698,3 +551,11 @@ class RecordFile:
         if self._failing:
             self._failing = False
             log.info(logfmt("record_written", path=self.path))
+
+
+def _carry_out(new: NewFile, step: bytes | bytearray | StartOver) -> None:
+    """A step of a whole write (`watchdogd.storage.whole_record.Step`) on ``new``."""
+    if isinstance(step, StartOver):
+        new.start_over()
+    else:
+        new.write(step)
