@@ -203,7 +203,12 @@ def unlinked(fd: int | None) -> bool:
 
 
 def write_all(fd: int | None, data: bytes | bytearray) -> None:
-    write_parts(fd, [data])
+    # The journal's write of every acknowledged change: one write(2), not a
+    # writev(2) of one buffer (which costs a list and its sum a call).
+    if fd is None:
+        raise OSError(errno.EBADF, "no journal is open")
+    if os.write(fd, data) != len(data):
+        raise OSError(errno.ENOSPC, "No space left on device (a record was written in part)")
 
 
 #: The most buffers one writev(2) takes (Linux's UIO_MAXIOV).
