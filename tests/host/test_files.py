@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from watchdogd.storage.faults import NotRegular
-from watchdogd.storage.files import NewFile, open_regular, read_regular, replace_file
+from watchdogd.storage.files import (
+    NewFile,
+    empty_regular,
+    open_regular,
+    read_regular,
+    replace_file,
+)
 
 from helpers.special_files import NAMED, SPECIAL, freed_after, is_special, make_special
 
@@ -127,3 +133,27 @@ def test_a_new_file_left_uncommitted_is_removed_and_the_old_one_kept(tmp_path: P
     assert not (tmp_path / "state.db.record.new").exists()
     with pytest.raises(OSError, match="is not open"):
         new.write(b"more")  # closed: a write after the end fails, never lands
+
+
+def test_emptying_a_file_gives_its_room_back_though_another_descriptor_holds_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db.record.new"
+    held = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(held, b"x" * 1_000_000)
+        assert empty_regular(str(path)) == 1_000_000
+        assert os.fstat(held).st_blocks == 0
+    finally:
+        os.close(held)
+    with pytest.raises(FileNotFoundError):
+        empty_regular(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_emptying_opens_nothing_but_a_regular_file(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "state.db.record.new"
+    make_special(kind, path)
+    with freed_after(path):
+        assert empty_regular(str(path)) == 0
+    assert is_special(path, kind)

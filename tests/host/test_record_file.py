@@ -21,10 +21,12 @@ from watchdogd.core.incidents import IncidentLog
 from watchdogd.core.repeats import Hang, Print, Repeats
 from watchdogd.storage.journal import RECORD
 from watchdogd.storage.record_file import RecordFile
+from watchdogd.storage.whole_record import PART
 from watchdogd_protocol import EventInfo, RankInfo, StepResult
 
 from helpers.disks import fill_space, tmpfs
 from helpers.special_files import each_special, freed_after, make_special, moved_aside
+from helpers.waiting import PATIENCE
 
 DUMP = 'Thread 7 (idle): "MainThread"\n    all_reduce (c10d.py:2288)\n    step (train.py:8)\n'
 
@@ -373,6 +375,55 @@ async def test_a_whole_write_is_framed_in_turns_and_loses_nothing_recorded_meanw
     # header, 40 events, and the thread's write.
     assert steps.steps >= 40
     assert [e.pid for e in reopened(path)[0].page(None, 100, 0)] == [*range(40), 1000]
+
+
+def used(disk: Path) -> int:
+    """The bytes of ``disk`` that files hold."""
+    found = os.statvfs(disk)
+    return (found.f_blocks - found.f_bfree) * found.f_frsize
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+async def test_a_whole_write_under_way_gives_its_room_back_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The state finds its disk full while the record is written whole: the new
+    file, which the write holds open, is emptied at once (removed alone, its room
+    would stay taken until the write ended), the write stops without a failure
+    and renames nothing into place, and every record is written once the state
+    is."""
+    with tmpfs(size="64m") as disk:
+        path, partial = disk / "state.db.record", disk / "state.db.record.new"
+        events, incidents = EventLog(1000, per_uid=1000), IncidentLog("a", window=30.0)
+        failing = [False]
+        record = RecordFile(str(path), events, incidents, turn=0.0,
+                            state_failing=lambda: failing[0])  # fmt: skip
+        record.load()
+        flooded(events, 65534, range(400), size=64 * 1024)
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(record.run)
+                while not partial.exists() or partial.stat().st_blocks * 512 < 4 * PART:
+                    await trio.lowlevel.checkpoint()
+                failing[0] = True
+                assert record.give_way()
+                # A part may be under way in a worker thread, and land after.
+                assert used(disk) <= 2 * PART
+                while record._replacing is not None:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert not path.exists()
+        assert not partial.exists()
+        assert used(disk) <= 64 * 1024
+        assert "record_write_failed" not in caplog.text
+        failing[0] = False
+        record.write_now()
+        record.close()
+        events = EventLog(1000, per_uid=1000)
+        again = RecordFile(str(path), events, IncidentLog("a", window=30.0))
+        again.load()
+        again.close()
+        assert events.kept(65534) == 400
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

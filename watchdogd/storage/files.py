@@ -15,8 +15,9 @@ Invariants:
 - ``O_NONBLOCK`` stays on the descriptor: Linux ignores it for regular files.
 - A file written whole (`replace_file`, `NewFile`) goes to a new file beside it,
   created afresh (``O_EXCL``, so never through a symlink or into a FIFO left
-  there), then renamed over it, so that a crash leaves the old or the new, never
-  half of one. It is readable by its owner alone.
+  there), then renamed over it, so that a crash of the daemon leaves the old or
+  the new, never half of one (nothing is fsynced, as nothing of the state is:
+  `watchdogd.storage.store`). It is readable by its owner alone.
 """
 
 from __future__ import annotations
@@ -100,6 +101,34 @@ def read_regular(path: str, limit: int | None = None, *, follow: bool = False) -
     over it without reading it whole."""
     with open(open_regular(path, follow=follow), "rb") as file:
         return file.read() if limit is None else file.read(limit + 1)
+
+
+def empty_regular(path: str) -> int:
+    """Empty the regular file at ``path`` (`open_regular`: nothing else is
+    opened), so that its room comes back now even while another descriptor
+    holds it open; the bytes it held, 0 when something else is there. Raises
+    OSError as open(2) does (FileNotFoundError: nothing is there)."""
+    try:
+        fd = open_regular(path, os.O_WRONLY)
+    except NotRegular:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    return size
+
+
+def removed_now(path: str) -> int:
+    """Remove the file at ``path``, its room given back now even while another
+    descriptor holds it open (`empty_regular`): the bytes it held, 0 when nothing
+    was removed."""
+    with contextlib.suppress(OSError):
+        size = empty_regular(path)
+        os.unlink(path)
+        return size
+    return 0
 
 
 def replace_file(path: str, parts: Iterable[bytes | bytearray]) -> None:

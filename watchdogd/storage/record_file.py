@@ -11,7 +11,7 @@ Invariants:
   (`watchdogd.storage.journal.RECORD`): a header naming the file's schema first,
   then jobs' rows of hangs, events, incidents as they now are (the last record
   of an incident or a row is what it is) and incidents and rows dropped. What
-  changed is written within `WRITE_INTERVAL` of the change, in one ``write(2)``,
+  changed is written within `WRITE_INTERVAL` of the change, in one ``writev(2)``,
   and before any reply that shows an event's number is sent
   (`RecordFile.through`): numbering goes on after the last event read at start,
   so a number a client saw is never given to another event; a row changes with
@@ -40,7 +40,10 @@ Invariants:
 - The timers' state is written first: nothing is written here while it cannot
   be written (``state_failing``), and when it finds its disk full, this file
   gives its room back at once (`give_way`: it is removed, its records kept in
-  memory and written whole again, within the room left, once the state is).
+  memory and written whole again, within the room left, once the state is); a
+  whole write under way then stops at its next part, its new file emptied at
+  once (it holds the file open: removed alone, its room would stay taken until
+  that write ended) and never renamed into place.
 - Read at start, in order, each record typed and bounded as a reply is, and
   only from a regular file (`watchdogd.storage.files.open_regular`: anything
   else at its name is moved aside unread, ``.not-regular-TIME``). A record cut
@@ -74,7 +77,7 @@ import trio
 from ..core import Counters, EventLog, IncidentLog, Repeats, StoredIncident
 from ..logs import log, logfmt
 from .faults import Aside, NotRegular, reason
-from .files import NewFile, open_regular
+from .files import NewFile, open_regular, removed_now
 from .journal import close, write_all, write_parts
 from .record_entries import (
     SCHEMA,
@@ -157,6 +160,8 @@ class RecordFile:
         #: The next write writes the file whole (a write failed, or it was damaged).
         self._whole = True
         self._failing = False
+        #: Times it gave way (`give_way`): a whole write stops when it changes.
+        self._gave_way = 0
         #: Set when a whole write, under way in a worker thread, has ended.
         self._replacing: trio.Event | None = None
         #: No whole write before this (monotonic): the last one left records off.
@@ -259,6 +264,7 @@ class RecordFile:
         # Set first: an event appended while the whole file is framed would be
         # lost with the file it replaces (`through` waits instead).
         self._replacing = trio.Event()
+        given = self._gave_way
         try:
             whole = self._everything()
             if whole.target <= 0:
@@ -268,17 +274,26 @@ class RecordFile:
             try:
                 await trio.to_thread.run_sync(new.open)
                 for step in whole.framed(self._turn):
+                    if self._gave_way != given:
+                        return
                     if step is None:
                         await trio.lowlevel.checkpoint()
                     else:
                         await trio.to_thread.run_sync(_carry_out, new, step)
-                await trio.to_thread.run_sync(new.commit)
+                if self._gave_way == given:
+                    await trio.to_thread.run_sync(new.commit)
             except OSError as exc:
-                self._failed(exc)
+                if self._gave_way == given:  # else its file went from under it
+                    self._failed(exc)
                 return
             finally:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(new.discard)
+            if self._gave_way != given:
+                # The state asked for the room while the new file was renamed
+                # into place: it goes as the old one did.
+                self.give_way()
+                return
             self._wrote_whole(whole)
         finally:
             self._replacing.set()
@@ -381,12 +396,10 @@ class RecordFile:
         """The state found its disk full: this file goes, so that the state is
         written (its records stay in memory, and are written whole, within the
         room left, once the state is written again). Whether it freed anything."""
-        freed = 0
-        for path in (self.path, self.path + ".new"):
-            with contextlib.suppress(OSError):
-                size = os.stat(path).st_size
-                os.unlink(path)
-                freed += size
+        # A whole write under way stops at its next part (`_write_whole`); the
+        # new file it holds open gives its room back now (`removed_now`).
+        self._gave_way += 1
+        freed = removed_now(self.path) + removed_now(self.path + ".new")
         self.close()
         self._whole = True
         self._size = self._base = 0

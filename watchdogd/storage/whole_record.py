@@ -10,9 +10,10 @@ Invariants:
 - The parts handed out are the file, in order. A part goes out only while every
   part so far fits the target; once one would not, the rest are framed for their
   sizes alone, the records are cut to fit (`_Fit`), and `START_OVER` comes before
-  the parts of what was kept. So no more than the target is ever written (the
-  disk's room is the state's first), and the parts after the last `START_OVER`
-  are the whole file.
+  the parts of what was kept. So no more than the target is written (the disk's
+  room is the state's first), but for what is never left off (the header, the
+  jobs' rows of hangs, the newest event) when that alone passes it; the parts
+  after the last `START_OVER` are the whole file.
 """
 
 from __future__ import annotations
