@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ from watchdogd.storage.files import (
     empty_regular,
     open_regular,
     read_regular,
+    removed_now,
     replace_file,
 )
 
 from helpers.special_files import NAMED, SPECIAL, freed_after, is_special, make_special
+from helpers.users import NOBODY, run_as
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
 
@@ -157,3 +160,14 @@ def test_emptying_opens_nothing_but_a_regular_file(tmp_path: Path, kind: str) ->
     with freed_after(path):
         assert empty_regular(str(path)) == 0
     assert is_special(path, kind)
+
+
+def test_a_file_that_may_not_be_written_is_still_removed() -> None:
+    """(By a user other than root, as a per-user daemon is: root may write any file.)"""
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o777)
+        path = Path(directory) / "state.db.record"
+        path.write_bytes(b"x" * 1000)
+        path.chmod(0o400)
+        assert run_as(NOBODY, lambda: removed_now(str(path))) == 1000
+        assert not path.exists()

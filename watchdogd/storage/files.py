@@ -122,13 +122,16 @@ def empty_regular(path: str) -> int:
 
 def removed_now(path: str) -> int:
     """Remove the file at ``path``, its room given back now even while another
-    descriptor holds it open (`empty_regular`): the bytes it held, 0 when nothing
-    was removed."""
-    with contextlib.suppress(OSError):
-        size = empty_regular(path)
+    descriptor holds it open (`empty_regular`, when it may be written): the bytes
+    it held, 0 when nothing was removed."""
+    try:
+        size = os.stat(path).st_size
+        with contextlib.suppress(OSError):
+            empty_regular(path)
         os.unlink(path)
-        return size
-    return 0
+    except OSError:
+        return 0
+    return size
 
 
 def replace_file(path: str, parts: Iterable[bytes | bytearray]) -> None:
