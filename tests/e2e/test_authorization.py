@@ -28,7 +28,14 @@ from watchdogd_protocol import EventInfo
 
 from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
-from helpers.processes import gone, python_worker, reap, sleeper, wait_ready
+from helpers.processes import (
+    at_units_priority_all,
+    gone,
+    python_worker,
+    reap,
+    sleeper,
+    wait_ready,
+)
 from helpers.users import NOBODY, as_nobody, mixed_family, nobody_sleeper
 from helpers.waiting import PATIENCE, wait_until
 
@@ -528,6 +535,7 @@ def test_a_workers_late_release_never_disarms_a_newer_arming_whoever_made_it(
     try:
         wait_ready(worker)
         # A root canary due while the two armings and the late release go on.
+        at_units_priority_all(daemon.pid)  # as deployed, as the canary is timed
         canary = Canary(canary_client, 1.0)
         if by == "root":
             done = ctl(daemon.socket_path, *REARM, "--pid", str(worker.pid))

@@ -128,6 +128,7 @@ def daemon_on_small_disk(socket_path: Path, tmp_path: Path) -> Iterator[tuple[Pa
         args = ["--state", str(disk / "state.db"), "--config", str(config)]
         daemon = RunningDaemon(socket_path, tmp_path / "watchdogd.log", args)
         daemon.start()
+        at_units_priority_all(daemon.pid)  # as deployed, as the canary is timed
         try:
             yield disk, daemon
         finally:

@@ -47,7 +47,16 @@ from watchdogd_protocol import (
 )
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
-from helpers.processes import PidHolder, become, fork_at_pid, reap, sleeper
+from helpers.processes import (
+    UNIT_NICE,
+    PidHolder,
+    at_units_priority,
+    at_units_priority_all,
+    become,
+    fork_at_pid,
+    reap,
+    sleeper,
+)
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE
 
@@ -207,7 +216,8 @@ class Canary:
     it died."""
 
     def __init__(self, client: Client, timeout: float) -> None:
-        self.victim = sleeper()
+        with at_units_priority():
+            self.victim = sleeper()
         self._fd = os.pidfd_open(self.victim.pid)
         remaining = client.acquire("canary", timeout, pid=self.victim.pid)
         # The latest it can be: a slow answer never makes a canary late.
@@ -217,6 +227,7 @@ class Canary:
         self._watcher.start()
 
     def _wait(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICE)  # this thread (see at_units_priority)
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         if poller.poll(PATIENCE * 2000):
@@ -253,6 +264,7 @@ def taken_by(pid: int, work: Callable[[int], object], *, uid: int = 0) -> PidHol
 def root_canary(daemon: RunningDaemon, after: float) -> Iterator[Client]:
     """A root client, and a canary it arms due ``after`` seconds on, during what the
     block does: on time once the block is over."""
+    at_units_priority_all(daemon.pid)  # as deployed, as the canary is timed
     with daemon.client() as client:
         canary = Canary(client, after)
         try:

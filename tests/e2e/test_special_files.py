@@ -24,7 +24,7 @@ from watchdogd_protocol import RESTART_GRACE
 from helpers.canaries import Canary
 from helpers.daemon import RunningDaemon
 from helpers.disks import Raw, journal_files
-from helpers.processes import death_time, reap, sleeper
+from helpers.processes import at_units_priority_all, death_time, reap, sleeper
 from helpers.special_files import SPECIAL, make_special, moved_aside
 from helpers.waiting import PATIENCE, wait_until
 
@@ -42,6 +42,7 @@ def test_a_daemon_starts_and_serves_whatever_sits_at_its_state_files_names(
         make_special(kind, name)
     daemon = RunningDaemon(socket_path, tmp_path / "log", ["--state", str(state)])
     daemon.start(timeout=PATIENCE)  # today's waits in open(2) and never answers
+    at_units_priority_all(daemon.pid)  # as deployed, as the canary is timed
     victim = sleeper()
     try:
         raw = Raw(socket_path)
@@ -91,6 +92,7 @@ def test_a_fifo_as_sqlites_rollback_journal_neither_blocks_the_start_nor_loses_a
         rollback = Path(f"{state}-journal")
         os.mkfifo(rollback)
         daemon.start()  # today's waits in SQLite's first read for ever
+        at_units_priority_all(daemon.pid)
         with daemon.client() as client:
             status = client.status()
         assert sorted(t.scope for t in status.timers) == ["canary", "kept"]
