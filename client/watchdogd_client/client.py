@@ -75,7 +75,7 @@ from .errors import DaemonUnavailable
 from .fastpath import fast_path, map_page
 from .outage import OnUnavailable, Outage
 from .paths import Place, find_socket, what_is_there
-from .responder import release_carrier, settle_responder
+from .responder import EXIT_WAIT, release_carrier, settle_responder
 from .trust import vet
 
 __all__ = [
@@ -521,14 +521,12 @@ def _settle_releases(client: Client, timeout: float) -> None:
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
-#: How long an exiting process waits for the answers of its releases.
-_EXIT_WAIT: Final = 2.0
 
 
 @atexit.register
 def _settle_at_exit() -> None:
     for client in list(_live_clients):
-        _settle_releases(client, _EXIT_WAIT)
+        _settle_releases(client, EXIT_WAIT)
 
 
 def _reset_clients_in_child() -> None:

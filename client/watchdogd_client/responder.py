@@ -53,10 +53,15 @@ Invariants:
   by a client made with ``responder=False``, means the process has none.
   ``WATCHDOGD_UNBLOCK=0`` (`watchdogd_client.switches.UNBLOCK`) keeps the responder
   but says in `Respond` that it does not unblock: the daemon never asks it to.
+- A process that exits while its responder answers the daemon waits, for up to
+  `EXIT_WAIT`, for that answer to go out: a cut makes the program's collective
+  raise at once, so the program may end before the answer is sent, and the
+  daemon knows what its responder did only from the answer.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -120,6 +125,9 @@ _PASSING: Final = frozenset({ErrorCode.LIMIT_EXCEEDED, ErrorCode.UNAVAILABLE})
 _RELEASE_PAUSE: Final = 0.05
 #: How long sending releases again may wait for room in the socket's buffer.
 _SEND_TIMEOUT: Final = 1.0
+#: How long an exiting process waits for what is on its way to the daemon: the
+#: answer its responder has begun, and its client's releases' answers.
+EXIT_WAIT: Final = 2.0
 
 
 class _Stop(Exception):
@@ -157,6 +165,9 @@ class Responder:
         self._send_lock = threading.Lock()
         #: The releases sent again on the current connection: request id, token.
         self._resent: dict[int, int] = {}
+        #: Clear while an answer is begun and not yet sent (`finish` waits on it).
+        self._quiet = threading.Event()
+        self._quiet.set()
         self._thread = threading.Thread(target=self._run, name="watchdogd-responder", daemon=True)
 
     def __repr__(self) -> str:
@@ -179,6 +190,11 @@ class Responder:
             # Wakes the thread from its recv; close() alone would not.
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+    def finish(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the answer it is giving, if any, to
+        be sent; whether none is left."""
+        return self._quiet.wait(timeout)
 
     def carries(self, socket_path: str) -> bool:
         """Whether releases to the daemon at ``socket_path`` may go without waiting
@@ -375,6 +391,13 @@ class Responder:
     def _answer(self, sock: socket.socket, connection: Connection, wanted: Wanted) -> None:
         if connection.state != "open":
             return
+        self._quiet.clear()
+        try:
+            self._give_answer(sock, connection, wanted)
+        finally:
+            self._quiet.set()
+
+    def _give_answer(self, sock: socket.socket, connection: Connection, wanted: Wanted) -> None:
         request_id = self._engine.next_id()
         answer: Evidence | Unblocked
         if isinstance(wanted, UnblockWanted):
@@ -503,6 +526,13 @@ def release_carrier(socket_path: str, arm: int) -> Responder | None:
     this process's responder `carries` releases to the daemon at ``socket_path``."""
     responder = _ThisProcess.responder if arm else None
     return responder if responder is not None and responder.carries(socket_path) else None
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    responder = _ThisProcess.responder
+    if responder is not None and responder.pid == os.getpid():
+        responder.finish(EXIT_WAIT)
 
 
 def _reset_in_child() -> None:

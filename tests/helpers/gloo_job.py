@@ -15,7 +15,8 @@ from pathlib import Path
 
 from helpers.daemon import RunningDaemon
 from helpers.etcd import free_ports
-from helpers.processes import Worker, torch_worker
+from helpers.fake_daemon import FakeDaemon, ResponderLine
+from helpers.processes import Worker, reap, torch_worker, wait_ready
 from helpers.waiting import TORCH_PATIENCE, wait_until
 
 #: The collective timeout of the job's process group: what a rank would wait in a
@@ -170,3 +171,40 @@ def gloo_job(
             for stream in (rank.process.stdin, rank.process.stdout):
                 if stream is not None:
                     stream.close()
+
+
+@contextlib.contextmanager
+def ranks_on_a_fake_daemon(
+    socket_path: Path,
+    source: str,
+    job: str,
+    world: int,
+    env: Mapping[int, Mapping[str, str]] | None = None,
+) -> Iterator[tuple[dict[int, ResponderLine], list[Worker]]]:
+    """``world`` ranks of the gloo job ``job``, rank 0 serving the TCPStore, each a
+    process running ``source`` (which prints "ready" once its responder runs) with
+    what ``env`` adds to its environment, against a daemon the test plays at
+    ``socket_path``: their responders' connections by rank, and their processes
+    (by rank), each killed at the end."""
+    [port] = free_ports(1)
+    common = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "WATCHDOGD_JOB": job,
+    }
+    workers: list[Worker] = []
+    with FakeDaemon(socket_path) as fake:
+        try:
+            for rank in range(world):
+                given = {**common, "RANK": str(rank), **(env or {}).get(rank, {})}
+                workers.append(torch_worker(source, socket=socket_path, env=given))
+            for worker in workers:
+                wait_ready(worker)
+            lines = [fake.next_responder(TORCH_PATIENCE) for _ in workers]
+            by_rank = {line.respond.rank: line for line in lines}
+            yield {rank: line for rank, line in by_rank.items() if rank is not None}, workers
+        finally:
+            for worker in workers:
+                reap(worker)

@@ -18,6 +18,7 @@ TORCH_JOBS: Final = frozenset(
         "tests/fleet/test_torchrun_verdict.py",
         "tests/fleet/test_unblocking_across_hosts.py",
         "tests/host/test_flight_recorder.py",
+        "tests/host/test_unblocking_at_exit.py",
         "tests/host/test_unblocking_gloo.py",
     }
 )

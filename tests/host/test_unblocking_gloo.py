@@ -17,10 +17,10 @@ pytest.importorskip("torch")
 
 from watchdogd_protocol import Unblocked, UnblockOutcome, UnblockWanted
 
-from helpers.etcd import free_ports
-from helpers.fake_daemon import FakeDaemon, ResponderLine
-from helpers.processes import Worker, reap, torch_worker, wait_ready
-from helpers.waiting import TORCH_PATIENCE, wait_until
+from helpers.fake_daemon import ResponderLine
+from helpers.gloo_job import ranks_on_a_fake_daemon
+from helpers.processes import Worker
+from helpers.waiting import wait_until
 
 #: A rank of a three-rank gloo job, rank 0 serving the TCPStore: one all_reduce
 #: that all complete, then ranks 0 and 1 wait in a second one that rank 2 never
@@ -55,30 +55,9 @@ def ranks(
 ) -> Iterator[tuple[dict[int, ResponderLine], list[Worker]]]:
     """The three ranks, started, with their responders' connections by rank; rank
     2's process does not let its responder unblock it (``WATCHDOGD_UNBLOCK=0``)."""
-    [port] = free_ports(1)
-    common = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": "3",
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "WATCHDOGD_JOB": "unblock-job",
-    }
-    workers: list[Worker] = []
-    with FakeDaemon(socket_path) as fake:
-        try:
-            for rank in (0, 1, 2):
-                env = {**common, "RANK": str(rank)}
-                if rank == 2:
-                    env["WATCHDOGD_UNBLOCK"] = "0"
-                workers.append(torch_worker(RANK, socket=socket_path, env=env))
-            for worker in workers:
-                wait_ready(worker)
-            lines = [fake.next_responder(TORCH_PATIENCE) for _ in workers]
-            by_rank = {line.respond.rank: line for line in lines}
-            yield {rank: line for rank, line in by_rank.items() if rank is not None}, workers
-        finally:
-            for worker in workers:
-                reap(worker)
+    without = {2: {"WATCHDOGD_UNBLOCK": "0"}}
+    with ranks_on_a_fake_daemon(socket_path, RANK, "unblock-job", 3, env=without) as ranks:
+        yield ranks
 
 
 def waiting(line: ResponderLine) -> Unblocked:

@@ -145,7 +145,9 @@ def test_the_daemon_names_no_class_as_the_protocol_names_its_verdict() -> None:
 
 
 #: What a test module writes to start a job of several torch processes.
-TORCH_JOB_STARTS = re.compile(r'gloo_job\(|torch_worker\(|/ "torchrun"|two_hosts\.py|torch_mp\.')
+TORCH_JOB_STARTS = re.compile(
+    r'gloo_job\(|ranks_on_a_fake_daemon\(|torch_worker\(|/ "torchrun"|two_hosts\.py|torch_mp\.'
+)
 
 
 def test_every_module_that_starts_torch_jobs_has_them_run_together() -> None:
