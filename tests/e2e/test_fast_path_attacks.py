@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd_client import Client, RequestRefused
 from watchdogd_client.engine import Connection, Engine
@@ -55,6 +56,7 @@ from watchdogd_protocol.slot_page import (
     DEADLINE,
     MAX_MICROSECONDS,
     PAGE_BYTES,
+    PERIOD,
     SLOTS,
     TAKEN,
     count_of,
@@ -363,6 +365,20 @@ def register_released(prefix: str, count: int, timeout: float) -> list[str]:
             refused.append(str(exc))
         _client().release(f"{prefix}{number}")
     return refused[:3]
+
+
+def register_storing(prefix: str, count: int, timeout: float, seconds: float) -> None:
+    """Register ``count`` scopes, storing a deadline ``seconds`` from now after
+    each into every slot whose period says it is not open: one closed by that
+    registration is armed by a store at once, long before the daemon's next look."""
+    for number in range(count):
+        with contextlib.suppress(RequestRefused):
+            _client().acquire(f"{prefix}{number}", timeout, policy="log")
+        deadline = int((time.monotonic() + seconds) * 1_000_000)
+        for page in _fast()._pages.values():
+            for index in range(SLOTS):
+                if not page.words[word_of(index, PERIOD)]:
+                    page.words[word_of(index, DEADLINE)] = deadline
 
 
 def release_many(prefix: str, count: int) -> None:
@@ -724,6 +740,18 @@ def own_timers(daemon: RunningDaemon, uid: int) -> list[str]:
         return [timer.scope for timer in client.status().timers if timer.uid == uid]
 
 
+def slot_outcomes(daemon: RunningDaemon) -> dict[str, float]:
+    """What became of the fast path's slots, as the daemon counts it by outcome."""
+    with daemon.client(fast=False) as client:
+        text = client.metrics()
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "watchdogd_slot_outcomes"
+        for sample in family.samples
+    }
+
+
 # The attacks.
 
 
@@ -833,6 +861,11 @@ def test_the_daemon_keeps_nothing_of_a_process_whose_registrations_went_before_i
 #: past it they make.
 LIMIT = 1_000 if SOAK else 50
 ROUNDS = 5
+#: The timeout of the reclaim test's arms nearer than a registration's period: long
+#: enough that arming a round's registrations again and releasing them all ends
+#: before the first falls due (a block that fires takes its registration with it,
+#: and then there is nothing to reclaim), on a loaded machine too.
+NEARER = LIMIT / 100
 
 
 def test_registrations_past_the_limit_reclaim_their_own_and_the_uid_stays_within_its_bound(
@@ -859,11 +892,18 @@ def test_registrations_past_the_limit_reclaim_their_own_and_the_uid_stays_within
                         ),
                         what=f"every registration of round {round_} to be taken",
                     )
-                    attacker("rearm_many", prefix, LIMIT, 0.05, "log")
+                    attacker("rearm_many", prefix, LIMIT, NEARER, "log")
                     attacker("release_many", prefix, LIMIT)
                     time.sleep(0.3)
                 # Another user, meanwhile, has its own limit whole.
                 assert other("register_many", "o", LIMIT, 60, "log") == []
+            # Each registration past the first round took the place of one of the
+            # round before's, and each round's closed ones went before the round
+            # after next could take their places.
+            outcomes = slot_outcomes(daemon)
+            assert outcomes["reclaimed"] >= (ROUNDS - 1) * LIMIT, outcomes
+            assert outcomes["retired"] >= (ROUNDS - 2) * LIMIT, outcomes
+            assert outcomes["lost"] == 0, outcomes
             # Every slot it ever had, armed: what the daemon still holds is listed.
             attacker("store_everywhere", 1000)
             time.sleep(0.2)
@@ -885,13 +925,13 @@ def test_stores_into_closed_slots_never_let_a_uid_hold_more_than_twice_its_limit
                     # Each round reclaims the last one's, whose slots, closed, are
                     # armed by stores at once, and never seen released again.
                     prefix = f"r{round_}-"
-                    attacker("register_many", prefix, LIMIT, 0.2, "log")
-                    attacker("store_everywhere", 1000)
+                    attacker("register_storing", prefix, LIMIT, NEARER, 1000)
                     attacker("release_many", prefix, LIMIT)
                     time.sleep(0.4)
             attacker("store_everywhere", 1000)
             time.sleep(0.2)
             assert len(own_timers(daemon, NOBODY)) <= 2 * LIMIT
+            assert slot_outcomes(daemon)["reclaimed"] >= LIMIT
         finally:
             attacker.close()
 
