@@ -37,6 +37,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from watchdogd.core.slot_shares import LOOKS_PER_UID
+from watchdogd.core.slots import period_of
 from watchdogd_client import Client, RequestRefused
 from watchdogd_client.engine import Connection, Engine
 from watchdogd_client.fastpath import FastPath, _exchange, fast_path
@@ -379,6 +381,11 @@ def register_storing(prefix: str, count: int, timeout: float, seconds: float) ->
             for index in range(SLOTS):
                 if not page.words[word_of(index, PERIOD)]:
                     page.words[word_of(index, DEADLINE)] = deadline
+
+
+def slots_held() -> int:
+    """How many scopes of this process hold a slot."""
+    return len(_fast()._slots)
 
 
 def release_many(prefix: str, count: int) -> None:
@@ -752,6 +759,13 @@ def slot_outcomes(daemon: RunningDaemon) -> dict[str, float]:
     }
 
 
+def within_looks(count: int) -> float:
+    """A timeout at which ``count`` registrations of one uid all get slots: each
+    asks for two looks a period of the uid's `LOOKS_PER_UID` a second (a tenth
+    more, for room)."""
+    return 1.1 * count * 2 / LOOKS_PER_UID / period_of(1.0)
+
+
 # The attacks.
 
 
@@ -761,7 +775,10 @@ def test_a_worker_scribbling_on_its_page_and_registering_thousands_never_delays_
     before = rss_mib(daemon.pid)
     attacker = Actor(NOBODY, daemon.socket_path)
     try:
-        assert attacker("register_many", "s", SCOPES, 60, "log") == []
+        # Released at once, so none falls due while the others register, and looked
+        # at each period (a second or more) while the attack goes on.
+        assert attacker("register_released", "s", SCOPES, within_looks(SCOPES)) == []
+        assert attacker("slots_held") == SCOPES
         registered = rss_mib(daemon.pid)
         refused = attacker("abuse_pages")
         assert {name: code for name, code in refused.items() if name != "punch a hole"} == {
@@ -773,6 +790,11 @@ def test_a_worker_scribbling_on_its_page_and_registering_thousands_never_delays_
         with Canaries(daemon):
             attacker.keep(attacker("scribble", ATTACK_SECONDS))
             time.sleep(ATTACK_SECONDS)
+        # The daemon read what was scribbled: deadlines past its bound, counts no
+        # process could have made.
+        outcomes = slot_outcomes(daemon)
+        assert outcomes["clamped"] > 0, outcomes
+        assert outcomes["scribbled"] > 0, outcomes
         after = rss_mib(daemon.pid)
         # Each registration's record, and each page's 64 KiB once read whole.
         pages = SCOPES // SLOTS + 1
@@ -1173,12 +1195,14 @@ def test_deadlines_kept_just_ahead_of_every_look_never_delay_a_root_canary(
     daemon: RunningDaemon,
 ) -> None:
     attacker = Actor(NOBODY, daemon.socket_path)
+    timeout = max(3.0, within_looks(STORMED))
     try:
-        assert attacker("register_many", "s", STORMED, 3.0, "log") == []
-        # Each look finds the slot's deadline 50 ms on, so the next look is then:
-        # twenty looks a second at each slot, however long their periods.
-        attacker.keep(attacker("keep_ahead", ATTACK_SECONDS + 5, 0.05))
-        time.sleep(2.5)  # the first looks, a period after the registrations
+        # Released at once, so none falls due before the storm begins.
+        assert attacker("register_released", "s", STORMED, timeout) == []
+        assert attacker("slots_held") == STORMED
+        # Each look finds the slot's deadline 50 ms on.
+        attacker.keep(attacker("keep_ahead", ATTACK_SECONDS + period_of(timeout) + 5, 0.05))
+        time.sleep(period_of(timeout))  # the first looks, a period after the registrations
         with Canaries(daemon):
             time.sleep(ATTACK_SECONDS)
     finally:
@@ -1192,8 +1216,11 @@ def test_registrations_with_the_shortest_period_left_released_never_delay_a_root
     try:
         with Canaries(daemon):
             # Each released at once by a store, and then looked at every period
-            # (2 ms) for as long as it idles: a request buys thousands of looks.
+            # (2 ms) for as long as it idles: a request would buy hundreds of
+            # looks a second, were the uid's looks not bounded (the rest of its
+            # arms are plain timers, released over the socket).
             assert attacker("register_released", "s", STORMED, 0.0025) == []
+            assert 0 < attacker("slots_held") <= LOOKS_PER_UID * period_of(0.0025) / 2
             time.sleep(ATTACK_SECONDS)
     finally:
         attacker.close()

@@ -14,6 +14,7 @@ import pytest
 from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.process_pages import SEARCH_PAUSE
 from watchdogd.core.service import Caller, Service
+from watchdogd.core.slot import SCRIBBLED_PAUSE
 from watchdogd.core.slot_shares import LOOKS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
@@ -489,6 +490,32 @@ def test_counts_that_could_not_be_real_are_refused_and_counted() -> None:
     for _ in range(3):
         memory.release(0, held=2.0)
     assert suggested_count(world, "step", 9.5) == 3
+
+
+def test_looks_leave_alone_for_a_while_the_counts_of_a_slot_they_refused() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    memory.store(0, 1000.0)  # armed throughout: looked at each period
+    bucket = bucket_of(microseconds(0.5))
+    memory.scribble_counts(0, bucket, 2**32 - 1, blocks=1)
+    run(world, 8.0)
+    assert world.service.metrics.slots_scribbled == 1
+    # Written over again: the looks within the pause read no counts.
+    memory.scribble_counts(0, bucket, 2**31, blocks=2)
+    run(world, 8.0 + SCRIBBLED_PAUSE - 1)
+    assert world.service.metrics.slots_scribbled == 1
+    run(world, 8.0 + SCRIBBLED_PAUSE + 2 * TIMEOUT)
+    assert world.service.metrics.slots_scribbled == 2
+
+
+def test_a_block_count_no_process_could_reach_is_refused_before_its_counts_are_read() -> None:
+    world = make_world()
+    _, memory = registered(world, "step", now=1.0)
+    bucket = bucket_of(microseconds(0.5))
+    memory.scribble_counts(0, bucket, 5, blocks=2**63)
+    run(world, 8.0)
+    assert world.service.metrics.slots_scribbled == 1
+    assert memory.taken(0, bucket) == 0  # no row read, none written
 
 
 # Reclaiming, revoking, releasing.

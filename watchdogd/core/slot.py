@@ -33,6 +33,12 @@ _V = TypeVar("_V", int, float)
 #: The most blocks a harvest takes for each second since the last: more than any
 #: process can run, so a count past it was scribbled, not counted.
 _BLOCKS_A_SECOND: Final = 5_000_000
+#: How long looks leave alone the counts of a slot whose counts were refused as
+#: scribbled: a read of them reads every row of counts its page holds, and a
+#: process that writes all over its page would have every look pay for it. A
+#: harvest asked for (`suggest`, an ``after="auto"`` arm, its process's exit)
+#: reads them all the same.
+SCRIBBLED_PAUSE: Final = 60.0
 #: A slot's state in `PageSlots.state`.
 FREE: Final = 0
 OPEN: Final = 1
@@ -95,7 +101,8 @@ class PageSlots:
         #: When its word was last read, or written over the socket (-inf: not yet).
         self.looked = array("d")
         #: When its counts were last taken (or, for a slot found again after a
-        #: restart, a time before: its registration's arming).
+        #: restart, a time before: its registration's arming; for one whose counts
+        #: were refused as scribbled, when looks may take them again).
         self.harvested = array("d")
         #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
         self.budget = array("I")
@@ -226,22 +233,32 @@ class Slot:
         self.word = 0
         return armed
 
-    def take(self, now: float) -> Taken | None:
+    def take(self, now: float, *, looking: bool = False) -> Taken | None:
         """The blocks its process released by a store since the last take, as
         its slot counts them (what was taken is written in the page, so the next
         take, this daemon's or the next one's, adds only what came since); None
-        when it released none."""
+        when it released none, or when a look (``looking``) comes within
+        `SCRIBBLED_PAUSE` of a take that refused its counts."""
         page, index = self.page, self.index
-        blocks = page.blocks(index)
-        if blocks == page.taken(index):
+        harvested = self.slots.harvested
+        if looking and now < harvested[index]:
             return None
+        blocks, taken_blocks = page.blocks(index), page.taken(index)
+        if blocks == taken_blocks:
+            return None
+        bound = _BLOCKS_A_SECOND * max(now - harvested[index], 0.0) + 1000
+        if (blocks - taken_blocks) % 2**64 > bound:
+            # More blocks than any process could release: refused before a row
+            # of counts is read.
+            harvested[index] = now + SCRIBBLED_PAUSE
+            return Taken({}, scribbled=True)
         counts = page.counts(index)
         page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
         added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
-        harvested = self.slots.harvested
-        since, harvested[index] = harvested[index], now
-        if sum(added.values()) > _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000:
+        if sum(added.values()) > bound:
+            harvested[index] = now + SCRIBBLED_PAUSE
             return Taken({}, scribbled=True)
+        harvested[index] = now
         return Taken(added)
 
 

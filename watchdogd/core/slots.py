@@ -245,7 +245,7 @@ class Slots(Generic[P]):
             self._changed(item, word, deadline, now)
             return None
         looked, slot.looked = slot.looked, now
-        active = self._harvest(timer, process, slot, now)
+        active = self._harvest(timer, process, slot, now, look=True)
         if not word:
             slot.word = 0
             self._idle_look(item, slot, now, active)
@@ -445,10 +445,11 @@ class Slots(Generic[P]):
         self._shares.count_looks(budget, ref.period, 1)
         return Slot(slots, ref)
 
-    def _harvest(self, timer: Timer, process: P, slot: Slot, now: float) -> bool:
-        """Add to the scope's history the blocks its process released by a store
-        since the last harvest, as its slot counts them; whether it released any."""
-        taken = slot.take(now)
+    def _harvest(
+        self, timer: Timer, process: P, slot: Slot, now: float, look: bool = False
+    ) -> bool:
+        """Take ``slot``'s new counts into its scope's history (`Slot.take`); whether any."""
+        taken = slot.take(now, looking=look)
         if taken is None:
             return False
         if taken.scribbled:
