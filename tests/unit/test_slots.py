@@ -508,6 +508,25 @@ def test_looks_leave_alone_for_a_while_the_counts_of_a_slot_they_refused() -> No
     assert world.service.metrics.slots_scribbled == 2
 
 
+def test_blocks_released_through_the_pause_after_a_refusal_count_once_it_is_over() -> None:
+    world = make_world()
+    grant = arm(world, world.alice, "step", 1.0, timeout=0.1).slot  # looked at every 87.5 ms
+    assert grant is not None
+    memory = world.pages.hand(ALICE.pid, grant.page)
+    memory.store(0, 1000.0)
+    bucket = bucket_of(microseconds(0.05))
+    memory.scribble_counts(0, bucket, 2**32 - 1, blocks=1)
+    run(world, 2.0)
+    assert world.service.metrics.slots_scribbled == 1
+    # Through the pause, more blocks than a moment allows, far fewer than a minute
+    # does, as a process releases them (its count and its blocks move together).
+    memory.scribble_counts(0, bucket, 2**32 - 1 + 600_000 - 2**32, blocks=1 + 600_000)
+    later = 2.0 + SCRIBBLED_PAUSE + 1.0
+    run(world, later)
+    assert world.service.metrics.slots_scribbled == 1  # taken, not refused again
+    assert suggested_count(world, "step", later) > 0  # (the history halves past its bound)
+
+
 def test_a_block_count_no_process_could_reach_is_refused_before_its_counts_are_read() -> None:
     world = make_world()
     _, memory = registered(world, "step", now=1.0)

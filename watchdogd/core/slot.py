@@ -71,6 +71,7 @@ class PageSlots:
         "looked",
         "page",
         "pid",
+        "refused",
         "scopes",
         "state",
         "word",
@@ -100,10 +101,12 @@ class PageSlots:
         self.closing = array("d")
         #: When its word was last read, or written over the socket (-inf: not yet).
         self.looked = array("d")
-        #: When its counts were last taken (or, for a slot found again after a
-        #: restart, a time before: its registration's arming; for one whose counts
-        #: were refused as scribbled, when looks may take them again).
+        #: When its counts were last taken, or refused (or, for a slot found again
+        #: after a restart, a time before: its registration's arming).
         self.harvested = array("d")
+        #: The slots whose counts the last take refused as scribbled: looks leave
+        #: them alone until `SCRIBBLED_PAUSE` after it.
+        self.refused: set[int] = set()
         #: The uid whose look budget it counts against (`LOOKS_PER_UID`), if any.
         self.budget = array("I")
 
@@ -130,12 +133,14 @@ class PageSlots:
         self.word[index] = 0
         self.looked[index] = -math.inf
         self.harvested[index] = harvested
+        self.refused.discard(index)
         self.budget[index] = _NO_BUDGET if budget is None else budget
 
     def free(self, index: int) -> None:
         """Slot ``index`` is no registration's any more."""
         self.state[index] = FREE
         self.scopes[index] = ""
+        self.refused.discard(index)
 
     def _arrays(self) -> tuple[array[float] | array[int], ...]:
         return (
@@ -239,26 +244,28 @@ class Slot:
         take, this daemon's or the next one's, adds only what came since); None
         when it released none, or when a look (``looking``) comes within
         `SCRIBBLED_PAUSE` of a take that refused its counts."""
-        page, index = self.page, self.index
-        harvested = self.slots.harvested
-        if looking and now < harvested[index]:
+        page, index, slots = self.page, self.index, self.slots
+        since = slots.harvested[index]
+        if looking and index in slots.refused and now < since + SCRIBBLED_PAUSE:
             return None
         blocks, taken_blocks = page.blocks(index), page.taken(index)
         if blocks == taken_blocks:
             return None
-        bound = _BLOCKS_A_SECOND * max(now - harvested[index], 0.0) + 1000
+        slots.harvested[index] = now
+        bound = _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000
         if (blocks - taken_blocks) % 2**64 > bound:
             # More blocks than any process could release: refused before a row
             # of counts is read.
-            harvested[index] = now + SCRIBBLED_PAUSE
+            page.took(index, blocks, ())
+            slots.refused.add(index)
             return Taken({}, scribbled=True)
         counts = page.counts(index)
         page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
         added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
         if sum(added.values()) > bound:
-            harvested[index] = now + SCRIBBLED_PAUSE
+            slots.refused.add(index)
             return Taken({}, scribbled=True)
-        harvested[index] = now
+        slots.refused.discard(index)
         return Taken(added)
 
 
