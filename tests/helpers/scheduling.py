@@ -24,23 +24,12 @@ TORCH_JOBS: Final = frozenset(
 )
 
 
-#: The modules whose tests time root's canaries beside an attack that keeps their
-#: daemon busy at the unit's priority (`Nice=-10`): their tests run one after
-#: another on one worker, since two such attacks at once are two daemons at that
-#: priority on two cores, and each test's canaries then wait for the other's daemon.
-ROOT_CANARIES: Final = frozenset({"tests/e2e/test_fast_path_attacks.py"})
-
-
 class TorchJobsTogether(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
     """xdist's load scheduling, each test a unit of its own but the torch jobs one
-    unit and the attacks timed by root's canaries another, handed out first as the
-    largest (xdist orders units by size): one worker runs each while the others
-    share out the rest. Not xdist's ``xdist_group``
+    unit, handed out first as the largest (xdist orders units by size): one worker
+    runs them while the others share out the rest. Not xdist's ``xdist_group``
     marks, which reach the scheduler by a rename of each test that pytest 9 no
     longer takes; and not a lock each torch job waits on, its worker idle meanwhile."""
 
     def _split_scope(self, nodeid: str) -> str:
-        module = nodeid.split("::", 1)[0]
-        if module in TORCH_JOBS:
-            return "torch jobs"
-        return "root canaries" if module in ROOT_CANARIES else nodeid
+        return "torch jobs" if nodeid.split("::", 1)[0] in TORCH_JOBS else nodeid
