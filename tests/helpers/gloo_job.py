@@ -135,14 +135,7 @@ def gloo_job(
     what it says (`RANK`), with what ``env`` adds to its environment, started
     together and ready (each done with its first all_reduce); every one of them
     killed at the end."""
-    [port] = free_ports(1)
-    common = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(len(placement)),
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "WATCHDOGD_JOB": job,
-    }
+    common = _job_env(job, len(placement))
     ranks: dict[int, Rank] = {}
     try:
         for number, (daemon, how) in sorted(placement.items()):
@@ -186,14 +179,7 @@ def ranks_on_a_fake_daemon(
     what ``env`` adds to its environment, against a daemon the test plays at
     ``socket_path``: their responders' connections by rank, and their processes
     (by rank), each killed at the end."""
-    [port] = free_ports(1)
-    common = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world),
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "WATCHDOGD_JOB": job,
-    }
+    common = _job_env(job, world)
     workers: list[Worker] = []
     with FakeDaemon(socket_path) as fake:
         try:
@@ -208,3 +194,16 @@ def ranks_on_a_fake_daemon(
         finally:
             for worker in workers:
                 reap(worker)
+
+
+def _job_env(job: str, world: int) -> dict[str, str]:
+    """What every rank of ``job``, of ``world`` ranks, has in its environment: a
+    free port for rank 0's TCPStore, its Flight Recorder on, the job's name."""
+    [port] = free_ports(1)
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "WATCHDOGD_JOB": job,
+    }

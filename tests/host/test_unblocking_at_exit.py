@@ -1,7 +1,7 @@
 """A rank cut out of its collective that ends at once, against a daemon the test
 plays: a real gloo job of two ranks, where rank 0 waits in an all_reduce that rank
 1 never enters. Rank 0's program exits as soon as its collective raises, and its
-log is slow to write (a handler that takes a second), so the program ends while
+log is slow to write (a filter that takes a second a record), so the program ends while
 its responder is still answering: the daemon hears the answer all the same."""
 
 from __future__ import annotations
