@@ -10,16 +10,21 @@ the other host gathers their evidence all the same."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from subprocess import Popen
+
+import pytest
 
 from watchdogd_protocol import IncidentInfo
 
 from helpers.daemon import RunningDaemon
-from helpers.etcd import EtcdServer, registered
+from helpers.etcd import EtcdServer, incident_heads, registered
 from helpers.fleet import daemons_of
-from helpers.jobs import incidents, start_job_rank, whole
-from helpers.processes import reap
+from helpers.jobs import JOB_RANK, incidents, start_job_rank, whole
+from helpers.processes import python_worker, reap, wait_ready
 from helpers.waiting import wait_until
 
 HOSTS = ("host-a", "host-b")
@@ -28,8 +33,10 @@ CONFIG = """
 [daemon]
 incident_window = 30
 
+# A second before the dump: long enough to see what an incident shows of a rank
+# between its expiry and its dump.
 [policies.rank]
-steps = [ {{ dump = true }}, {{ signal = "SIGKILL" }} ]
+steps = [ {{ wait = 1 }}, {{ dump = true }}, {{ signal = "SIGKILL" }} ]
 
 [fleet]
 etcd = ["{etcd}"]
@@ -40,9 +47,40 @@ lease = 2
 
 
 def two_hosts(
-    etcd: EtcdServer, root: Path
+    etcd: EtcdServer, root: Path, lease: int = 2
 ) -> contextlib.AbstractContextManager[list[RunningDaemon]]:
-    return daemons_of(etcd, root, CONFIG, HOSTS)
+    return daemons_of(etcd, root, CONFIG.replace("lease = 2", f"lease = {lease}"), HOSTS)
+
+
+#: A rank to start: its host's daemon, its number, its ``after``, how it hangs
+#: (`helpers.jobs.JOB_RANK`) and the wall-clock deadline it waits under, if any.
+Rank = tuple[RunningDaemon, int, float, str, float | None]
+
+
+@contextlib.contextmanager
+def job_ranks(etcd: EtcdServer, job: str, wanted: list[Rank]) -> Iterator[list[Popen[str]]]:
+    """The ``wanted`` ranks of ``job``, started together, once each is ready and
+    both hosts' jobs are in etcd; reaped at the end."""
+    ranks = [
+        python_worker(
+            JOB_RANK,
+            *(job, str(rank), str(after), how),
+            *(() if until is None else (str(until),)),
+            socket=daemon.socket_path,
+        )
+        for daemon, rank, after, how, until in wanted
+    ]
+    try:
+        for rank in ranks:
+            wait_ready(rank)
+        wait_until(
+            lambda: all(["root", job] in registered(etcd, host) for host in HOSTS),
+            what="both hosts' jobs in etcd",
+        )
+        yield ranks
+    finally:
+        for rank in ranks:
+            reap(rank)
 
 
 def verdict_on(daemon: RunningDaemon, ranks: int = 3) -> IncidentInfo | None:
@@ -56,41 +94,44 @@ def verdict_on(daemon: RunningDaemon, ranks: int = 3) -> IncidentInfo | None:
     return incident if len(incident.ranks) == ranks and settled else None
 
 
+@pytest.mark.parametrize("later", [0.0, 1.0], ids=["together", "rank-1-later"])
 def test_two_hosts_converge_on_one_incident_and_one_verdict(
-    own_etcd: EtcdServer, tmp_path: Path
+    own_etcd: EtcdServer, tmp_path: Path, later: float
 ) -> None:
+    """Ranks 0 and 1 share one deadline, or rank 1's comes ``later``: then it is
+    dumped as a peer of host-a's incident first and its own expiry lists it as
+    expired after (as on a loaded machine, where each daemon holds the deadline
+    from when it took the arm). The verdict names rank 2 all along."""
     with two_hosts(own_etcd, tmp_path) as (a, b):
         job = "run-3"
-        # One deadline for ranks 0 and 1, however long starting them takes: a
-        # rank whose timer expired later would first be dumped as a peer of the
-        # other host's incident, and the verdict could settle before it expired.
         until = time.time() + 6
-        ranks = [
-            start_job_rank(a.socket_path, job, 2, 60, "elsewhere"),
-            start_job_rank(a.socket_path, job, 0, 0, "waits", until=until),
-            start_job_rank(b.socket_path, job, 1, 0, "waits", until=until),
-        ]
-        try:
-            wait_until(
-                lambda: all(["root", job] in registered(own_etcd, host) for host in HOSTS),
-                what="both hosts' jobs in etcd",
-            )
+        wanted: list[Rank] = [(a, 2, 60, "elsewhere", None), (a, 0, 0, "waits", until)]
+        with job_ranks(own_etcd, job, [*wanted, (b, 1, 0, "waits", until + later)]) as ranks:
             seen: dict[str, IncidentInfo] = {}
+            kinds: set[str] = set()
+            expected = {0: "expired", 1: "expired", 2: "peer"}
 
             def both() -> bool:
                 for daemon, host in ((a, "host-a"), (b, "host-b")):
-                    if (incident := verdict_on(daemon)) is not None:
+                    incident = verdict_on(daemon)
+                    if incident is None or incident.verdict is None:
+                        continue
+                    kinds.add(incident.verdict.kind)
+                    if {rank.rank: rank.role for rank in incident.ranks} == expected:
                         seen[host] = incident
                 return len(seen) == 2
 
-            wait_until(both, what="one incident with a settled verdict on each host", timeout=30)
+            wait_until(
+                both,
+                what="one incident of ranks 0 and 1 expired, settled, on each host",
+                timeout=30,
+            )
+            assert kinds == {"odd_frame"}
             on_a, on_b = seen["host-a"], seen["host-b"]
             assert on_a.id == on_b.id
             for incident in (on_a, on_b):
                 pids = [(rank.host, rank.pid) for rank in incident.ranks]
                 assert len(pids) == len(set(pids)) == 3, pids
-                roles = {rank.rank: rank.role for rank in incident.ranks}
-                assert roles == {0: "expired", 1: "expired", 2: "peer"}
                 verdict = incident.verdict
                 assert verdict is not None
                 assert verdict.kind == "odd_frame", verdict
@@ -105,9 +146,6 @@ def test_two_hosts_converge_on_one_incident_and_one_verdict(
             for daemon in (a, b):
                 other = whole(daemon.socket_path, on_a.id)
                 assert other.id == on_a.id
-        finally:
-            for rank in ranks:
-                reap(rank)
 
 
 def test_ranks_that_only_respond_give_their_evidence_to_another_hosts_incident(
@@ -153,3 +191,39 @@ def test_ranks_that_only_respond_give_their_evidence_to_another_hosts_incident(
         finally:
             for rank in ranks:
                 reap(rank)
+
+
+def test_a_rank_due_while_its_daemon_was_stopped_is_expired_there_not_a_peer(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """host-b's daemon is stopped across the deadline its rank shares with host-a's
+    and goes on once host-a's incident is in etcd: the other host's incident and
+    its own rank's expiry wait for it together. The rank fires as itself, is listed
+    as expired on both hosts, and no peer policy runs on it. (The lease outlasts
+    the stop: host-b is late, not lost.)"""
+    with two_hosts(own_etcd, tmp_path, lease=10) as (a, b):
+        until = time.time() + 6
+        wanted: list[Rank] = [(a, 0, 0, "waits", until), (b, 1, 0, "waits", until)]
+        assert b.process is not None
+        with job_ranks(own_etcd, "run-stopped", wanted):
+            time.sleep(max(0.0, until - 0.5 - time.time()))
+            b.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(lambda: incident_heads(own_etcd) == 1, what="host-a's incident in etcd")
+            finally:
+                b.process.send_signal(signal.SIGCONT)
+            seen: dict[str, IncidentInfo] = {}
+
+            def both() -> bool:
+                for daemon, host in ((a, "host-a"), (b, "host-b")):
+                    if (incident := verdict_on(daemon, 2)) is not None:
+                        seen[host] = incident
+                return len(seen) == 2
+
+            wait_until(both, what="one incident with a settled verdict on each host", timeout=30)
+            for incident in seen.values():
+                roles = {rank.rank: rank.role for rank in incident.ranks}
+                assert roles == {0: "expired", 1: "expired"}, incident.ranks
+            with b.client() as client:
+                peers = [e.pid for e in client.events(limit=1000).events if e.kind == "peer"]
+            assert peers == []

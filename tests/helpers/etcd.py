@@ -289,15 +289,29 @@ def urls(servers: Sequence[EtcdServer]) -> list[str]:
     return [server.url for server in servers]
 
 
-def registered(etcd: EtcdServer, host: str, prefix: str = "/watchdogd-test") -> list[list[str]]:
-    """The jobs ``host`` has registered in etcd under ``prefix``, read over etcd's
-    own gateway."""
-    key = base64.b64encode(f"{prefix}/hosts/{host}".encode()).decode()
+def _range(etcd: EtcdServer, key: str, *, prefix: bool = False) -> list[dict[str, Any]]:
+    """The keys and values at ``key`` (every key under it with ``prefix``), read
+    over etcd's own gateway."""
+    wanted = {"key": base64.b64encode(key.encode()).decode()}
+    if prefix:
+        end = key[:-1] + chr(ord(key[-1]) + 1)
+        wanted["range_end"] = base64.b64encode(end.encode()).decode()
     request = urllib.request.Request(
-        etcd.url + "/v3/kv/range", data=json.dumps({"key": key}).encode(), method="POST"
+        etcd.url + "/v3/kv/range", data=json.dumps(wanted).encode(), method="POST"
     )
     with urllib.request.urlopen(request, timeout=2) as reply:
-        kvs = json.load(reply).get("kvs", [])
+        kvs: list[dict[str, Any]] = json.load(reply).get("kvs", [])
+    return kvs
+
+
+def registered(etcd: EtcdServer, host: str, prefix: str = "/watchdogd-test") -> list[list[str]]:
+    """The jobs ``host`` has registered in etcd under ``prefix``."""
+    kvs = _range(etcd, f"{prefix}/hosts/{host}")
     if not kvs:
         return []
     return list(json.loads(base64.b64decode(kvs[0]["value"]))["jobs"])
+
+
+def incident_heads(etcd: EtcdServer, prefix: str = "/watchdogd-test") -> int:
+    """How many incidents the fleet has published in etcd under ``prefix``."""
+    return len(_range(etcd, f"{prefix}/incidents/", prefix=True))

@@ -433,6 +433,33 @@ def test_a_peer_whose_own_timer_then_expires_is_listed_once_as_expired() -> None
     assert [(r.pid, r.role) for r in whole.ranks] == [(20, "expired")]
 
 
+def test_a_peer_that_then_expires_keeps_its_peer_dumps_evidence_until_its_own_replaces_it() -> None:
+    """Its verdict does not lose the rank between its own expiry and its own dump,
+    and a policy of its own that dumps nothing leaves it the peer dump's stack."""
+    a, b = _two_hosts()
+    job = (1000, "train")
+    a.expired(job, "alice", rank(10, 0, host="a"), "timeout", 100.0)
+    kept = b.merge(_head(a, "a-1"))
+    b.add(kept, rank(20, 1, role="peer", host="b"))
+    b.dumped(kept, 20, "peer", (1000, 1000), evidence="worker")
+    b.finished(finished(kept, 20, kind="peer"))
+    b.expired(job, "alice", rank(20, 1, host="b"), "timeout", 100.2)
+
+    def shown() -> RankInfo:
+        whole = b.get("a-1", 0, 0)
+        assert whole is not None
+        [only] = whole.ranks
+        return only
+
+    expired = shown()
+    assert (expired.role, expired.state, expired.evidence) == ("expired", "pending", "worker")
+    assert (expired.stack, expired.reader_uid) == (DUMP, 1000)
+    assert expired.frame.startswith("all_reduce")
+    killed = msgspec.structs.replace(finished(kept, 20), steps=[])
+    b.finished(killed)
+    assert (shown().state, shown().stack) == ("done", DUMP)
+
+
 def test_a_verdicts_frame_is_shown_only_to_who_may_see_that_ranks_stack() -> None:
     log = IncidentLog("a", window=30.0)
     job = (1000, "train")

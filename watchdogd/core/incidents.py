@@ -70,6 +70,7 @@ from .ranks import (
     stack_of,
     state_of,
     unread,
+    with_evidence_of,
 )
 from .shares import Shares
 from .user_frames import Library
@@ -282,10 +283,12 @@ class IncidentLog:
         held = self._incidents.get(self._open.get(job, ""))
         if held is not None and wall < held.open_until:
             # A process listed already (a peer, the job's incident having come from
-            # another host first) is listed once: as expired, from now on.
+            # another host first) is listed once: as expired, from now on. What its
+            # peer dump gave stays its evidence until its own policy's replaces it:
+            # the verdict does not lose the rank in between.
             for index, listed in enumerate(held.ranks):
                 if (listed.host, listed.pid) == (rank.host, rank.pid):
-                    held.put(index, rank)
+                    held.put(index, with_evidence_of(rank, listed))
                     self._judges.judge(held)
                     self._listener(_whole(held))
                     return held.info.id, False
@@ -413,7 +416,8 @@ class IncidentLog:
         if found is None:
             return
         incident, index = found
-        stack = stack_of(event)
+        # A policy that dumps nothing leaves the stack a peer dump gave.
+        stack = stack_of(event) or incident.ranks[index].stack
         incident.update(
             index, state=state_of(event), stack=stack, frame=first_frame(stack), note=event.note
         )

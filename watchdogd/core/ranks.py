@@ -28,6 +28,23 @@ _CLIPPED: Final = "\n…(cut)\n"
 _TRIMMED: Final = "    ...(trimmed)\n"
 #: A thread's header in py-spy's dump: ``Thread 4242 (idle): "MainThread"``.
 _THREAD: Final = re.compile(r'^Thread \S+ \([^)]*\): "(?P<name>[^"]*)"')
+#: What a rank holds that a dump of it (or an unblocking) gave: its evidence.
+_EVIDENCE: Final = (
+    "frame",
+    "stack",
+    "reader_uid",
+    "reader_gid",
+    "evidence",
+    "flight",
+    "unblocked",
+    "unblocked_at",
+)
+
+
+def with_evidence_of(rank: RankInfo, listed: RankInfo) -> RankInfo:
+    """``rank`` holding the evidence ``listed`` (the same process, listed before
+    in another role) holds."""
+    return msgspec.structs.replace(rank, **{name: getattr(listed, name) for name in _EVIDENCE})
 
 
 def may_read(rank: RankInfo, viewer: int, viewer_gid: int) -> bool:
