@@ -282,10 +282,9 @@ class IncidentLog:
         are then to be acted on)."""
         held = self._incidents.get(self._open.get(job, ""))
         if held is not None and wall < held.open_until:
-            # A process listed already (a peer, the job's incident having come from
-            # another host first) is listed once: as expired, from now on. What its
-            # peer dump gave stays its evidence until its own policy's replaces it:
-            # the verdict does not lose the rank in between.
+            # A process listed already (a peer: the incident came from another host
+            # first) is listed once, as expired from now on, keeping what its peer
+            # dump gave until its own dump replaces it (the verdict still has it).
             for index, listed in enumerate(held.ranks):
                 if (listed.host, listed.pid) == (rank.host, rank.pid):
                     held.put(index, with_evidence_of(rank, listed))
@@ -416,8 +415,7 @@ class IncidentLog:
         if found is None:
             return
         incident, index = found
-        # A policy that dumps nothing leaves the stack a peer dump gave.
-        stack = stack_of(event) or incident.ranks[index].stack
+        stack = stack_of(event) or incident.ranks[index].stack  # none dumped: a peer's
         incident.update(
             index, state=state_of(event), stack=stack, frame=first_frame(stack), note=event.note
         )
