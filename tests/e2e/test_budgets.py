@@ -23,7 +23,7 @@ from watchdogd_client import Client, RequestRefused
 from watchdogd_protocol import MAX_REPLY_BYTES, Hello, Status, encode_frame
 
 from helpers.daemon import RunningDaemon, configured_daemon
-from helpers.processes import reap, rss_mib, sleeper
+from helpers.processes import at_units_priority_all, reap, rss_mib, sleeper
 from helpers.users import NOBODY, as_nobody
 from helpers.waiting import wait_until
 
@@ -133,6 +133,10 @@ async def _pollers(path: str, seconds: float) -> list[int]:
 def test_many_connections_asking_for_big_pages_hold_little_and_delay_nothing(
     daemon: RunningDaemon,
 ) -> None:
+    """Root's timers stay on time while uid 65534's connections ask for pages as
+    large as a reply may be and never read them; the daemon runs at the shipped
+    unit's priority, as deployed."""
+    at_units_priority_all(daemon.pid)
     workers = nobody_workers(WORKERS)
     victims: list[subprocess.Popen[bytes]] = []
     read_end, write_end = os.pipe()
