@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.runtime.executor import BATCH
 from watchdogd_client import Client
@@ -28,6 +27,7 @@ from watchdogd_protocol import (
 )
 
 from helpers.daemon import RunningDaemon
+from helpers.metrics import samples
 from helpers.processes import reap, sleeper
 from helpers.waiting import PATIENCE, wait_until
 
@@ -140,9 +140,7 @@ def test_a_burst_of_several_batches_signals_each_victim_once_and_records_each(
             assert wait in ("exited", "skipped: target exited"), event
     kills = VICTIMS - sum(policy == "term_quick" for policy in policies.values())
     counted = {
-        (sample.labels["policy"], sample.labels["outcome"]): sample.value
-        for family in text_string_to_metric_families(metrics)
-        if family.name == "watchdogd_expiries"
-        for sample in family.samples
+        (labels["policy"], labels["outcome"]): value
+        for labels, value in samples(metrics, "watchdogd_expiries_total")
     }
     assert counted == {("kill", "exited"): kills, ("term_quick", "exited"): VICTIMS - kills}

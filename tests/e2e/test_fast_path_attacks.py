@@ -35,7 +35,6 @@ from typing import Any
 
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.core.slot_shares import LOOKS_PER_UID
 from watchdogd.core.slots import period_of
@@ -67,6 +66,7 @@ from watchdogd_protocol.slot_page import (
 )
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
+from helpers.metrics import samples
 from helpers.processes import (
     UNIT_NICE,
     at_units_priority,
@@ -752,10 +752,7 @@ def slot_outcomes(daemon: RunningDaemon) -> dict[str, float]:
     with daemon.client(fast=False) as client:
         text = client.metrics()
     return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "watchdogd_slot_outcomes"
-        for sample in family.samples
+        labels["outcome"]: value for labels, value in samples(text, "watchdogd_slot_outcomes_total")
     }
 
 

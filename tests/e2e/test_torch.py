@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.multiprocessing as torch_mp  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from torch.distributed.elastic import timer  # noqa: E402
 
 from watchdogd_client import Client, DaemonUnavailable, NoOpTimer, configure  # noqa: E402
@@ -27,6 +26,7 @@ from watchdogd_client.torch import TimerServerUnavailable, WatchdogdTimerClient 
 
 from helpers import torch_workers  # noqa: E402
 from helpers.daemon import RunningDaemon  # noqa: E402
+from helpers.metrics import samples  # noqa: E402
 from helpers.processes import (  # noqa: E402
     reap,
     released_while_frozen,
@@ -241,10 +241,10 @@ def test_many_clients_with_nested_scopes_lose_no_request(
     assert [process.exitcode for process in processes] == [0] * 10
     with env_socket.client() as client:
         assert client.status().timers == []
-        families = {f.name: f for f in text_string_to_metric_families(client.metrics())}
+        text = client.metrics()
     requests = {
-        (sample.labels["op"], sample.labels["result"]): sample.value
-        for sample in families["watchdogd_requests"].samples
+        (labels["op"], labels["result"]): value
+        for labels, value in samples(text, "watchdogd_requests_total")
     }
     # torch's expires() nests: each level re-arms the shared scope, each release
     # after the innermost finds nothing. Every one of the 200 requests arrived.

@@ -39,7 +39,6 @@ from urllib.parse import quote
 import msgspec
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.cli.watchdogctl import main as ctl_main
 from watchdogd.core.config import parse_config
@@ -53,6 +52,7 @@ from watchdogd_protocol import EventInfo, IncidentInfo
 
 from helpers.daemon import RunningDaemon, ctl_command
 from helpers.etcd import EtcdServer, running_etcd
+from helpers.metrics import sample
 from helpers.processes import reap, sleeper
 from helpers.users import NOBODY
 from helpers.waiting import PATIENCE, wait_until
@@ -233,11 +233,7 @@ def metric(daemon: RunningDaemon, name: str, **labels: str) -> float | None:
     """A sample of the daemon's metrics (None: not shown)."""
     with daemon.client() as client:
         text = client.metrics()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return None
+    return sample(text, name, **labels)
 
 
 def rejected(daemon: RunningDaemon, reason: str) -> float:

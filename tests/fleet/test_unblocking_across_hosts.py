@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.fleet.etcd import EtcdClient
 from watchdogd_protocol import EventInfo, IncidentInfo
@@ -29,6 +28,7 @@ from helpers.etcd import EtcdServer, registered
 from helpers.fleet import daemons_of
 from helpers.gloo_job import COLLECTIVE_TIMEOUT, Rank, gloo_job
 from helpers.jobs import incidents, whole
+from helpers.metrics import samples
 from helpers.waiting import PATIENCE, wait_until
 
 pytest.importorskip("torch")
@@ -81,10 +81,9 @@ def asked(daemon: RunningDaemon, cause: str) -> dict[str, float]:
     with daemon.client() as client:
         text = client.metrics()
     return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "watchdogd_unblocks_total" and sample.labels.get("cause") == cause
+        labels["outcome"]: value
+        for labels, value in samples(text, "watchdogd_unblocks_total")
+        if labels.get("cause") == cause
     }
 
 
