@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -501,6 +502,29 @@ def scribble(seconds: float) -> int:
     return _fork(work)
 
 
+def count_plausibly(seconds: float) -> int:
+    """For ``seconds``, from a forked child (its pid): every bucket of every slot
+    of every page this process holds counts one block past what the daemon last
+    took, and each slot's blocks as many: counts no bound refuses, in every row."""
+    fds = page_descriptors()
+
+    def work() -> None:
+        pages = _mapped(fds)
+        counts = [page.cast("B").cast("I") for page in pages]
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            for page, count in zip(pages, counts, strict=True):
+                for bucket in range(BUCKETS):
+                    taken = count[taken_of(0, bucket) : taken_of(SLOTS, bucket)]
+                    row = count_of(0, bucket)
+                    count[row : row + SLOTS] = array("I", [(n + 1) % 2**32 for n in taken])
+                for index in range(SLOTS):
+                    page[word_of(index, BLOCKS)] = (page[word_of(index, TAKEN)] + BUCKETS) % 2**64
+            time.sleep(0.01)
+
+    return _fork(work)
+
+
 def keep_releasing(seconds: float, first: int) -> int:
     """A child (its pid) that keeps this process's pages and, for ``seconds``,
     stores 0 (released) into the deadline of every slot from ``first`` on."""
@@ -798,6 +822,36 @@ def test_a_worker_scribbling_on_its_page_and_registering_thousands_never_delays_
         assert registered - before < 8 + SCOPES * 2 / 1024, (before, registered)
         assert after - registered < 8 + pages / 16, (registered, after)
         assert attacker("register", "still-served", 60, "log")
+    finally:
+        attacker.close()
+
+
+#: The slots whose counts move in every row, and for how long: as many at the
+#: suite's size as at the soak's, registered in a few seconds, so that their
+#: looks come together (each of them a period apart, 8.8 s).
+COUNTED = 8_000
+COUNTING_SECONDS = 20.0 if SOAK else 12.0
+
+
+def test_counts_that_pass_every_bound_in_every_row_never_delay_a_root_canary(
+    daemon: RunningDaemon,
+) -> None:
+    """Counts no bound refuses, one block more in every bucket of every slot before
+    each look: each look's harvest would read every row of its page. Without a
+    bound on a uid's harvests, canaries fired 0.3-1.1 s late."""
+    attacker = Actor(NOBODY, daemon.socket_path)
+    try:
+        assert attacker("register_released", "p", COUNTED, within_looks(COUNTED)) == []
+        assert attacker("slots_held") == COUNTED
+
+        with Canaries(daemon):
+            attacker.keep(attacker("count_plausibly", COUNTING_SECONDS))
+            time.sleep(COUNTING_SECONDS)
+        # The daemon read what was counted, and left for later what was past the
+        # uid's share of harvests.
+        outcomes = slot_outcomes(daemon)
+        assert outcomes["deferred"] > 0, outcomes
+        assert outcomes["scribbled"] == 0, outcomes
     finally:
         attacker.close()
 

@@ -15,7 +15,7 @@ from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.process_pages import SEARCH_PAUSE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot import SCRIBBLED_PAUSE
-from watchdogd.core.slot_shares import LOOKS_PER_UID
+from watchdogd.core.slot_shares import HARVEST_BURST, HARVESTS_PER_UID, LOOKS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
@@ -535,6 +535,40 @@ def test_a_block_count_no_process_could_reach_is_refused_before_its_counts_are_r
     run(world, 8.0)
     assert world.service.metrics.slots_scribbled == 1
     assert memory.taken(0, bucket) == 0  # no row read, none written
+
+
+def test_a_uids_looks_harvest_at_most_its_share_and_the_next_looks_take_the_rest() -> None:
+    """Each harvest reads every row of counts its page holds, and a process may
+    fill them all: a uid's looks take at most `HARVEST_BURST` at once, and
+    `HARVESTS_PER_UID` a second. The counts left are totals in the page: the
+    next looks take them, and nothing is lost."""
+    assert HARVEST_BURST < HARVESTS_PER_UID * PERIOD
+    world = make_world()
+    scopes = [f"step-{number}" for number in range(HARVEST_BURST + 10)]
+    slots = [registered(world, scope, now=1.0) for scope in scopes]
+    for grant, memory in slots:
+        memory.store(grant.index, 1000.0)  # armed throughout: looked at each period
+        memory.release(grant.index, held=0.5)
+        memory.store(grant.index, 1000.0)
+    bucket = bucket_of(microseconds(0.5))
+    run(world, 1.0 + PERIOD + 0.01)  # every first look, a moment apart
+    assert world.service.metrics.slots_deferred == 10
+    taken = [memory.taken(grant.index, bucket) for grant, memory in slots]
+    assert sorted(taken) == [0] * 10 + [1] * HARVEST_BURST
+    run(world, 1.0 + 2 * PERIOD + 0.01)  # a period later, the share is whole again
+    assert [memory.taken(grant.index, bucket) for grant, memory in slots] == [1] * len(scopes)
+    assert world.service.metrics.slots_deferred == 10
+    assert sum(suggested_count(world, scope, 20.0) for scope in scopes) == len(scopes)
+    # Root's looks count against no share.
+    for number in range(HARVEST_BURST + 10):
+        roots = arm(world, world.root, f"root-{number}", 20.0).slot
+        assert roots is not None
+        memory = world.pages.hand(ROOT.pid, roots.page)
+        memory.store(roots.index, 1000.0)
+        memory.release(roots.index, held=0.5)
+        memory.store(roots.index, 1000.0)
+    run(world, 20.0 + PERIOD + 0.01)
+    assert world.service.metrics.slots_deferred == 10
 
 
 # Reclaiming, revoking, releasing.

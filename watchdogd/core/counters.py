@@ -52,10 +52,12 @@ class Counters:
         self.exited = 0
         self.unkillable = 0
         #: Slots of the fast path: deadlines past the bound a look clamped, counts
-        #: a harvest refused as scribbled, registrations dropped for a page lost
-        #: or uids changed, reclaimed at a uid's limit, retired after closing.
+        #: a harvest refused as scribbled, harvests a look left for later past its
+        #: uid's share, registrations dropped for a page lost or uids changed,
+        #: reclaimed at a uid's limit, retired after closing.
         self.slots_clamped = 0
         self.slots_scribbled = 0
+        self.slots_deferred = 0
         self.slots_lost = 0
         self.slots_reclaimed = 0
         self.slots_retired = 0

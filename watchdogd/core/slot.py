@@ -238,19 +238,25 @@ class Slot:
         self.word = 0
         return armed
 
+    def has_blocks(self, now: float, *, looking: bool = False) -> bool:
+        """Whether its process released blocks by a store since the last take
+        (never, to a look (``looking``) within `SCRIBBLED_PAUSE` of a take that
+        refused its counts): two words read, no row of counts."""
+        index, slots = self.index, self.slots
+        if looking and index in slots.refused and now < slots.harvested[index] + SCRIBBLED_PAUSE:
+            return False
+        return self.page.blocks(index) != self.page.taken(index)
+
     def take(self, now: float, *, looking: bool = False) -> Taken | None:
         """The blocks its process released by a store since the last take, as
         its slot counts them (what was taken is written in the page, so the next
         take, this daemon's or the next one's, adds only what came since); None
-        when it released none, or when a look (``looking``) comes within
-        `SCRIBBLED_PAUSE` of a take that refused its counts."""
+        when `has_blocks` says there are none."""
+        if not self.has_blocks(now, looking=looking):
+            return None
         page, index, slots = self.page, self.index, self.slots
         since = slots.harvested[index]
-        if looking and index in slots.refused and now < since + SCRIBBLED_PAUSE:
-            return None
         blocks, taken_blocks = page.blocks(index), page.taken(index)
-        if blocks == taken_blocks:
-            return None
         slots.harvested[index] = now
         bound = _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000
         if (blocks - taken_blocks) % 2**64 > bound:

@@ -13,6 +13,8 @@ Invariants:
   registration) and may name one that went (a reader skips it).
 - The closing count of a uid is what its closing registrations are: retiring,
   so not counted at its limit, but no more of them than its limit.
+- A non-root uid's looks harvest at most `HARVEST_BURST` slots at once and
+  `HARVESTS_PER_UID` a second; root's are not counted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from .timers import SlotRef
 #: The reads a second a non-root uid's registrations may ask for, at two a period
 #: each (what a registration with a timeout of 10 s asks for is 0.23).
 LOOKS_PER_UID: Final = 2_000
+#: The harvests a second a non-root uid's looks make at most, and at once: each
+#: reads every row of counts its page holds, and a process may fill them all (a
+#: harvest asked for, `suggest`, an ``after="auto"`` arm, an exit, is not counted).
+HARVESTS_PER_UID: Final = 200
+HARVEST_BURST: Final = 20
 #: How many of a uid's least recently armed registrations a reclaim reads at most
 #: for one released now (when none was seen released at a look): its cost is
 #: bounded however many a uid keeps armed.
@@ -46,6 +53,8 @@ class SlotShares:
         self._looks: dict[int, float] = {}
         #: Closing registrations by uid.
         self._closing: dict[int, int] = {}
+        #: The harvests each non-root uid's looks have left, and when that was.
+        self._harvests: dict[int, tuple[float, float]] = {}
 
     # Reads.
 
@@ -67,6 +76,18 @@ class SlotShares:
             self._looks[budget] = left
         else:
             self._looks.pop(budget, None)
+            self._harvests.pop(budget, None)
+
+    def harvest(self, budget: int | None, now: float) -> bool:
+        """Whether a look at ``now`` of a registration counted against ``budget``
+        may harvest its slot (counted if so)."""
+        if budget is None:
+            return True
+        left, at = self._harvests.get(budget, (HARVEST_BURST, now))
+        left = min(HARVEST_BURST, left + (now - at) * HARVESTS_PER_UID)
+        allowed = left >= 1
+        self._harvests[budget] = (left - allowed, now)
+        return allowed
 
     # Closing.
 

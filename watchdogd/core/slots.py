@@ -174,11 +174,6 @@ class Slots(Generic[P]):
         self._shares.armed(timer.owner, slot.ref)
         return grant
 
-    def released(self, timer: Timer, slot: Slot) -> bool:
-        """Registered ``timer`` was released over the socket by its own process:
-        whether its slot was armed. It stays registered."""
-        return slot.release()
-
     def block_began(self, timer: Timer, slot: Slot) -> float:
         """When the block in ``timer``'s slot began, as near as its deadline tells
         (what a release over the socket records as the time it was held)."""
@@ -448,7 +443,12 @@ class Slots(Generic[P]):
     def _harvest(
         self, timer: Timer, process: P, slot: Slot, now: float, look: bool = False
     ) -> bool:
-        """Take ``slot``'s new counts into its scope's history (`Slot.take`); whether any."""
+        """Take ``slot``'s new counts into its scope's history (`Slot.take`); whether
+        any. A look past its uid's share (`SlotShares.harvest`) leaves them in the page."""
+        shares = self._shares
+        if look and slot.has_blocks(now, looking=True) and not shares.harvest(slot.budget, now):
+            self._metrics.slots_deferred += 1
+            return True
         taken = slot.take(now, looking=look)
         if taken is None:
             return False

@@ -383,7 +383,7 @@ class Arming(Generic[P]):
                 self._processes.untrack(gone)
             return armed
         began = self._slots.block_began(held, slot)
-        found = self._slots.released(held, slot)
+        found = slot.release()
         if found:
             self._history.record(self._history_key(process, held.scope), max(0.0, now - began))
         return found

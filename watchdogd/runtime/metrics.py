@@ -54,6 +54,7 @@ def _keyed(items: Mapping[Any, int]) -> Iterable[tuple[Sequence[object], float]]
 def _slot_outcomes(m: Counters) -> Iterable[tuple[Sequence[object], float]]:
     yield ("clamped",), m.slots_clamped
     yield ("scribbled",), m.slots_scribbled
+    yield ("deferred",), m.slots_deferred
     yield ("lost",), m.slots_lost
     yield ("reclaimed",), m.slots_reclaimed
     yield ("retired",), m.slots_retired
@@ -109,7 +110,8 @@ _FAMILIES: tuple[_Family, ...] = (
      (), lambda m: m.record_left_off),
     (_COUNTER, "slot_outcomes",
      "Slots of the fast path, by what became of them: deadlines past max_timeout a "
-     "look clamped (clamped), counts refused as scribbled (scribbled), "
+     "look clamped (clamped), counts refused as scribbled (scribbled), harvests a "
+     "look left for later past its uid's share (deferred), "
      "registrations dropped for a page lost or uids changed (lost), reclaimed at "
      "a uid's limit (reclaimed), retired after closing (retired).",
      ("outcome",), _slot_outcomes),
