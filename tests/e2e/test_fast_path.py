@@ -109,12 +109,33 @@ class Worker:
 def requests_seen(daemon: RunningDaemon) -> int:
     """How many requests the daemon answered before this count's own two (the
     hello of its connection and its status, counted once answered)."""
+    return _counts(daemon)[0]
+
+
+def _counts(daemon: RunningDaemon) -> tuple[int, int]:
+    """`requests_seen`, and the connections open (this count's own among them)."""
     with daemon.client(fast=False) as client:
-        return client.status_page(limit=1).daemon.requests - 1
+        seen = client.status_page(limit=1).daemon
+    return seen.requests - 1, seen.connections
 
 
 #: What one `requests_seen` adds to the next one's count: its hello and its status.
 COUNTING = 2
+
+
+def requests_settled(daemon: RunningDaemon) -> int:
+    """`requests_seen` once the one worker's responder, which connects on a thread
+    of its own after the first arm, is connected beside its client, and no request
+    came between two counts: what the worker's blocks are counted from."""
+    seen = [requests_seen(daemon)]
+
+    def settled() -> bool:
+        requests, connections = _counts(daemon)
+        seen.append(requests)
+        return connections == 3 and seen[-1] - seen[-2] == COUNTING
+
+    wait_until(settled, what="the worker's client and responder connected, and quiet")
+    return seen[-1]
 
 
 def my_scopes(daemon: RunningDaemon, pid: int) -> dict[str, float]:
@@ -126,7 +147,7 @@ def test_blocks_after_the_first_arm_send_no_frame(daemon: RunningDaemon) -> None
     worker = Worker(daemon.socket_path)
     try:
         assert isinstance(worker.ask("blocks 1 60 step"), float)
-        before = requests_seen(daemon)
+        before = requests_settled(daemon)
         assert isinstance(worker.ask("blocks 2000 60 step"), float)
         assert requests_seen(daemon) - before == COUNTING
         assert my_scopes(daemon, worker.pid) == {}
