@@ -18,7 +18,7 @@ from watchdogd.host.slot_pages import MEMFD_NAME
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
 from helpers.processes import (
-    at_units_priority,
+    at_timing_priority,
     at_units_priority_all,
     death_time,
     python_worker,
@@ -170,7 +170,7 @@ def test_a_block_hung_after_hundreds_of_fast_ones_dies_on_time_and_is_listed(
         entered = json.loads(worker.process.stdout.readline())
         listed = my_scopes(daemon, worker.pid)
         assert 0 < listed["step"] <= 0.5
-        with at_units_priority():
+        with at_timing_priority():
             died = death_time(worker.process)
         assert worker.process.wait() == -signal.SIGKILL
         assert 0.5 <= died - entered < 0.5 + 0.1

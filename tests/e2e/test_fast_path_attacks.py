@@ -70,7 +70,7 @@ from helpers.daemon import RunningDaemon, configured_daemon, expired_event
 from helpers.metrics import samples
 from helpers.processes import (
     UNIT_NICE,
-    at_units_priority,
+    at_timing_priority,
     at_units_priority_all,
     become,
     death_time,
@@ -131,10 +131,9 @@ class Canaries:
     seconds, its death timed through a pidfd. On leaving the block every one
     must have died within `ON_TIME` of its deadline.
 
-    The daemon runs at the shipped unit's ``Nice=-10`` while they do, and so do
-    the thread that times them and the sleepers it starts: beside CPU hogs, a
-    victim at nice 0 takes its time to exit once killed, and a timer at nice 0
-    takes its time to see it, which is the machine's lateness, not the daemon's."""
+    The daemon runs at the shipped unit's ``Nice=-10`` while they do; the thread
+    that times them and the sleepers it starts at real time
+    (`helpers.processes.at_timing_priority_now`): what is timed is the daemon."""
 
     def __init__(self, daemon: RunningDaemon) -> None:
         self._daemon = daemon
@@ -167,7 +166,7 @@ class Canaries:
 
     def _run(self) -> None:
         try:
-            with at_units_priority(), self._daemon.client(fast=False) as client:
+            with at_timing_priority(), self._daemon.client(fast=False) as client:
                 while not self._stop.is_set() or not self.lates:
                     victim = sleeper()
                     try:
@@ -1058,7 +1057,7 @@ def test_a_restart_that_searches_descriptor_tables_full_of_forgeries_never_delay
         daemon.start()
         with Canaries(daemon), daemon.client(fast=False) as client:
             # One more canary, due as the looks that search begin.
-            with at_units_priority():
+            with at_timing_priority():
                 victim = sleeper()
                 try:
                     due = looked + 0.02 - time.monotonic()

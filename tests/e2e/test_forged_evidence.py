@@ -48,9 +48,9 @@ from watchdogd_protocol import (
 
 from helpers.daemon import RunningDaemon, configured_daemon, expired_event
 from helpers.processes import (
-    UNIT_NICE,
     PidHolder,
-    at_units_priority,
+    at_timing_priority,
+    at_timing_priority_now,
     at_units_priority_all,
     become,
     fork_at_pid,
@@ -216,7 +216,7 @@ class Canary:
     it died."""
 
     def __init__(self, client: Client, timeout: float) -> None:
-        with at_units_priority():
+        with at_timing_priority():
             self.victim = sleeper()
         self._fd = os.pidfd_open(self.victim.pid)
         remaining = client.acquire("canary", timeout, pid=self.victim.pid)
@@ -227,7 +227,7 @@ class Canary:
         self._watcher.start()
 
     def _wait(self) -> None:
-        os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICE)  # this thread (see at_units_priority)
+        at_timing_priority_now()
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         if poller.poll(PATIENCE * 2000):

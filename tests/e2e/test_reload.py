@@ -20,7 +20,7 @@ from helpers.daemon import RunningDaemon, configured_daemon
 from helpers.disks import require
 from helpers.failing_fs import failing_disk
 from helpers.processes import (
-    at_units_priority,
+    at_timing_priority,
     at_units_priority_all,
     death_time,
     reap,
@@ -121,11 +121,10 @@ def arm_canary(
 ) -> tuple[subprocess.Popen[bytes], float]:
     """A root timer on a fresh ``sleep``; the victim, and its deadline on
     CLOCK_MONOTONIC (the daemon's clock too). The daemon runs at the shipped unit's
-    priority, and so do the victim and the thread that times it (`on_time`): beside
-    CPU hogs, a victim at nice 0 takes its time to exit once killed, which is the
-    machine's lateness, not the daemon's."""
+    priority; the victim and the thread that times it (`on_time`) at real time
+    (`helpers.processes.at_timing_priority_now`): what is timed is the daemon."""
     at_units_priority_all(daemon.pid)
-    with at_units_priority():
+    with at_timing_priority():
         victim = sleeper()
     remaining = client.acquire(f"canary-{victim.pid}", timeout, pid=victim.pid)
     # The latest it can be: a slow answer never makes a canary late.
@@ -133,7 +132,7 @@ def arm_canary(
 
 
 def on_time(victim: subprocess.Popen[bytes], deadline: float) -> None:
-    with at_units_priority():
+    with at_timing_priority():
         late = death_time(victim) - deadline
     assert victim.wait() == -signal.SIGKILL
     assert late < ON_TIME, f"the canary died {late * 1000:.0f} ms late"

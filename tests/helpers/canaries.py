@@ -13,7 +13,7 @@ import time
 from watchdogd_client import Client
 
 from helpers.daemon import expired_event
-from helpers.processes import UNIT_NICE, at_units_priority, reap, sleeper
+from helpers.processes import at_timing_priority, at_timing_priority_now, reap, sleeper
 from helpers.waiting import PATIENCE
 
 
@@ -23,7 +23,7 @@ class Canary:
 
     def __init__(self, client: Client, timeout: float, scope: str = "canary") -> None:
         self.client = client
-        with at_units_priority():
+        with at_timing_priority():
             self.victim = sleeper()
         self._pidfd = os.pidfd_open(self.victim.pid)
         remaining = client.acquire(scope, timeout, pid=self.victim.pid)
@@ -34,7 +34,7 @@ class Canary:
         self._watcher.start()
 
     def _wait(self) -> None:
-        os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICE)  # this thread (see at_units_priority)
+        at_timing_priority_now()
         ready, _, _ = select.select([self._pidfd], [], [], PATIENCE * 4)
         if ready:
             self.died = time.monotonic()
