@@ -837,7 +837,7 @@ def test_counts_that_pass_every_bound_in_every_row_never_delay_a_root_canary(
 ) -> None:
     """Counts no bound refuses, one block more in every bucket of every slot before
     each look: each look's harvest would read every row of its page. Without a
-    bound on a uid's harvests, canaries fired 0.3-1.1 s late."""
+    bound on the rows a uid's harvests read, canaries fired 0.3-1.1 s late."""
     attacker = Actor(NOBODY, daemon.socket_path)
     try:
         assert attacker("register_released", "p", COUNTED, within_looks(COUNTED)) == []

@@ -137,11 +137,15 @@ class FakePage:
     def taken(self, index: int) -> int:
         return self._words()[word_of(index, TAKEN)]
 
-    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
+    def rows(self) -> Sequence[int]:
+        self._words()
+        return range(BUCKETS)  # the memory is a bytearray: every row is held
+
+    def counts(self, index: int, rows: Iterable[int]) -> Sequence[tuple[int, int, int]]:
         self._words()
         counts = self.memory.counts
-        pairs = ((counts[count_of(index, b)], counts[taken_of(index, b)]) for b in range(BUCKETS))
-        return [(b, count, taken) for b, (count, taken) in enumerate(pairs) if count != taken]
+        pairs = ((b, counts[count_of(index, b)], counts[taken_of(index, b)]) for b in rows)
+        return [(b, count, taken) for b, count, taken in pairs if count != taken]
 
     def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:
         for bucket, count in counts:

@@ -15,7 +15,7 @@ from watchdogd.core.config import Config, DaemonConfig, PolicyConfig
 from watchdogd.core.process_pages import SEARCH_PAUSE
 from watchdogd.core.service import Caller, Service
 from watchdogd.core.slot import SCRIBBLED_PAUSE
-from watchdogd.core.slot_shares import HARVEST_BURST, HARVESTS_PER_UID, LOOKS_PER_UID
+from watchdogd.core.slot_shares import LOOKS_PER_UID, ROWS_BURST, ROWS_PER_UID
 from watchdogd.core.slots import CLOSING_WAIT, MIN_PERIOD, PERIOD_SHARE
 from watchdogd.core.timers import Expired, SlotRef, Timer
 from watchdogd.errors import Refusal
@@ -37,7 +37,7 @@ from watchdogd_protocol import (
     Why,
     WhyReply,
 )
-from watchdogd_protocol.slot_page import SLOTS, bucket_of
+from watchdogd_protocol.slot_page import BUCKETS, SLOTS, bucket_of
 
 from helpers.fakes import ALICE, BOB, DAEMON_PID, ROOT, FakeHost, FakeProcess, RecordingJournal
 from helpers.slot_pages import FakePages, Memory, microseconds
@@ -537,14 +537,16 @@ def test_a_block_count_no_process_could_reach_is_refused_before_its_counts_are_r
     assert memory.taken(0, bucket) == 0  # no row read, none written
 
 
-def test_a_uids_looks_harvest_at_most_its_share_and_the_next_looks_take_the_rest() -> None:
+def test_a_uids_harvests_read_at_most_its_share_of_rows_and_the_next_looks_take_the_rest() -> None:
     """Each harvest reads every row of counts its page holds, and a process may
-    fill them all: a uid's looks take at most `HARVEST_BURST` at once, and
-    `HARVESTS_PER_UID` a second. The counts left are totals in the page: the
-    next looks take them, and nothing is lost."""
-    assert HARVEST_BURST < HARVESTS_PER_UID * PERIOD
+    fill them all: a uid's harvests read at most `ROWS_BURST` rows at once and
+    `ROWS_PER_UID` a second (a fake page holds every row: a harvest reads them all).
+    The counts left are totals in the page: the next looks take them, and nothing
+    is lost."""
+    at_once = ROWS_BURST // BUCKETS
+    assert at_once < ROWS_PER_UID // BUCKETS * PERIOD
     world = make_world()
-    scopes = [f"step-{number}" for number in range(HARVEST_BURST + 10)]
+    scopes = [f"step-{number}" for number in range(at_once + 10)]
     slots = [registered(world, scope, now=1.0) for scope in scopes]
     for grant, memory in slots:
         memory.store(grant.index, 1000.0)  # armed throughout: looked at each period
@@ -554,13 +556,13 @@ def test_a_uids_looks_harvest_at_most_its_share_and_the_next_looks_take_the_rest
     run(world, 1.0 + PERIOD + 0.01)  # every first look, a moment apart
     assert world.service.metrics.slots_deferred == 10
     taken = [memory.taken(grant.index, bucket) for grant, memory in slots]
-    assert sorted(taken) == [0] * 10 + [1] * HARVEST_BURST
+    assert sorted(taken) == [0] * 10 + [1] * at_once
     run(world, 1.0 + 2 * PERIOD + 0.01)  # a period later, the share is whole again
     assert [memory.taken(grant.index, bucket) for grant, memory in slots] == [1] * len(scopes)
     assert world.service.metrics.slots_deferred == 10
     assert sum(suggested_count(world, scope, 20.0) for scope in scopes) == len(scopes)
     # Root's looks count against no share.
-    for number in range(HARVEST_BURST + 10):
+    for number in range(at_once + 10):
         roots = arm(world, world.root, f"root-{number}", 20.0).slot
         assert roots is not None
         memory = world.pages.hand(ROOT.pid, roots.page)
@@ -569,6 +571,25 @@ def test_a_uids_looks_harvest_at_most_its_share_and_the_next_looks_take_the_rest
         memory.store(roots.index, 1000.0)
     run(world, 20.0 + PERIOD + 0.01)
     assert world.service.metrics.slots_deferred == 10
+
+
+def test_suggest_harvests_within_each_owners_share_whoever_asks() -> None:
+    """A harvest asked for (`suggest`, root's over every process) reads a page's
+    rows within its owner's share, as a look does: asking again and again never
+    makes the daemon read more of a uid's rows than the share."""
+    at_once = ROWS_BURST // BUCKETS
+    world = make_world()
+    slots = [registered(world, f"step-{number}", now=1.0) for number in range(3 * at_once)]
+    for grant, memory in slots:
+        memory.release(grant.index, held=0.5)
+    world.service.handle(Suggest(id=3), world.root, 1.0)
+    world.service.handle(Suggest(id=4), world.alice, 1.0)
+    assert world.service.metrics.slots_deferred == 2 * (2 * at_once)
+    bucket = bucket_of(microseconds(0.5))
+    assert sum(memory.taken(grant.index, bucket) for grant, memory in slots) == at_once
+    # A second on, the share is whole again; the rest is counted, none twice.
+    assert sum(suggested_count(world, f"step-{n}", 2.0) for n in range(3 * at_once)) == 2 * at_once
+    assert sum(suggested_count(world, f"step-{n}", 3.0) for n in range(3 * at_once)) == 3 * at_once
 
 
 # Reclaiming, revoking, releasing.

@@ -52,8 +52,8 @@ class Counters:
         self.exited = 0
         self.unkillable = 0
         #: Slots of the fast path: deadlines past the bound a look clamped, counts
-        #: a harvest refused as scribbled, harvests a look left for later past its
-        #: uid's share, registrations dropped for a page lost or uids changed,
+        #: a harvest refused as scribbled, harvests left for later past their uid's
+        #: share of rows, registrations dropped for a page lost or uids changed,
         #: reclaimed at a uid's limit, retired after closing.
         self.slots_clamped = 0
         self.slots_scribbled = 0

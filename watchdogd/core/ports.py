@@ -157,10 +157,14 @@ class PageRef(Protocol):
         """How many of them the daemon had released at its last harvest (its own
         word, which the process may have written over all the same)."""
 
-    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
-        """Their durations' counts that moved since the last harvest: ``(bucket,
-        count, taken)``, for each history bucket whose count differs from what was
-        taken of it (read only where the page holds memory)."""
+    def rows(self) -> Sequence[int]:
+        """The history buckets whose rows of counts the page holds memory for:
+        the rows a harvest reads (a harvest costs one read of each)."""
+
+    def counts(self, index: int, rows: Iterable[int]) -> Sequence[tuple[int, int, int]]:
+        """Their durations' counts in ``rows`` that moved since the last harvest:
+        ``(bucket, count, taken)``, for each whose count differs from what was
+        taken of it."""
 
     def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:
         """Write what a harvest took of slot ``index``: its ``blocks``, and its

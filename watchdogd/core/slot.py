@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar, overload
 
@@ -54,6 +54,13 @@ class Taken:
 
     added: dict[int, int]
     scribbled: bool = False
+    #: Its rows were not read: past its uid's share of reads (`take`'s ``share``).
+    deferred: bool = False
+
+
+#: A take that read no row, its uid's share of reads spent: the counts stay in the
+#: page, totals the next take reads whole.
+DEFERRED: Final = Taken({}, deferred=True)
 
 
 class PageSlots:
@@ -238,34 +245,39 @@ class Slot:
         self.word = 0
         return armed
 
-    def has_blocks(self, now: float, *, looking: bool = False) -> bool:
-        """Whether its process released blocks by a store since the last take
-        (never, to a look (``looking``) within `SCRIBBLED_PAUSE` of a take that
-        refused its counts): two words read, no row of counts."""
-        index, slots = self.index, self.slots
-        if looking and index in slots.refused and now < slots.harvested[index] + SCRIBBLED_PAUSE:
-            return False
-        return self.page.blocks(index) != self.page.taken(index)
-
-    def take(self, now: float, *, looking: bool = False) -> Taken | None:
+    def take(
+        self,
+        now: float,
+        *,
+        looking: bool = False,
+        share: Callable[[Callable[[], Sequence[int]]], Sequence[int] | None] | None = None,
+    ) -> Taken | None:
         """The blocks its process released by a store since the last take, as
         its slot counts them (what was taken is written in the page, so the next
         take, this daemon's or the next one's, adds only what came since); None
-        when `has_blocks` says there are none."""
-        if not self.has_blocks(now, looking=looking):
-            return None
+        when it released none, or when a look (``looking``) comes within
+        `SCRIBBLED_PAUSE` of a take that refused its counts. ``share`` gives the
+        rows it may read, given how to find the page's, or None: `DEFERRED`."""
         page, index, slots = self.page, self.index, self.slots
         since = slots.harvested[index]
+        if looking and index in slots.refused and now < since + SCRIBBLED_PAUSE:
+            return None
         blocks, taken_blocks = page.blocks(index), page.taken(index)
-        slots.harvested[index] = now
+        if blocks == taken_blocks:
+            return None
         bound = _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000
         if (blocks - taken_blocks) % 2**64 > bound:
             # More blocks than any process could release: refused before a row
             # of counts is read.
+            slots.harvested[index] = now
             page.took(index, blocks, ())
             slots.refused.add(index)
             return Taken({}, scribbled=True)
-        counts = page.counts(index)
+        rows = page.rows() if share is None else share(page.rows)
+        if rows is None:
+            return DEFERRED
+        slots.harvested[index] = now
+        counts = page.counts(index, rows)
         page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
         added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
         if sum(added.values()) > bound:

@@ -13,15 +13,17 @@ Invariants:
   registration) and may name one that went (a reader skips it).
 - The closing count of a uid is what its closing registrations are: retiring,
   so not counted at its limit, but no more of them than its limit.
-- A non-root uid's looks harvest at most `HARVEST_BURST` slots at once and
-  `HARVESTS_PER_UID` a second; root's are not counted.
+- A non-root uid's harvests read at most `ROWS_BURST` rows of counts at once and
+  `ROWS_PER_UID` a second; root's are not counted.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
+
+from watchdogd_protocol.slot_page import BUCKETS
 
 from .identity import ROOT
 from .timers import SlotRef
@@ -29,11 +31,11 @@ from .timers import SlotRef
 #: The reads a second a non-root uid's registrations may ask for, at two a period
 #: each (what a registration with a timeout of 10 s asks for is 0.23).
 LOOKS_PER_UID: Final = 2_000
-#: The harvests a second a non-root uid's looks make at most, and at once: each
-#: reads every row of counts its page holds, and a process may fill them all (a
-#: harvest asked for, `suggest`, an ``after="auto"`` arm, an exit, is not counted).
-HARVESTS_PER_UID: Final = 200
-HARVEST_BURST: Final = 20
+#: The rows of counts a non-root uid's harvests read a second at most, and at once:
+#: 200 and 20 harvests of pages whose every row is held, as a process that writes
+#: all over its rows makes them (one that counts honestly fills a few).
+ROWS_PER_UID: Final = 200 * BUCKETS
+ROWS_BURST: Final = 20 * BUCKETS
 #: How many of a uid's least recently armed registrations a reclaim reads at most
 #: for one released now (when none was seen released at a look): its cost is
 #: bounded however many a uid keeps armed.
@@ -53,8 +55,8 @@ class SlotShares:
         self._looks: dict[int, float] = {}
         #: Closing registrations by uid.
         self._closing: dict[int, int] = {}
-        #: The harvests each non-root uid's looks have left, and when that was.
-        self._harvests: dict[int, tuple[float, float]] = {}
+        #: The rows each non-root uid's harvests may still read, and when that was.
+        self._rows: dict[int, tuple[float, float]] = {}
 
     # Reads.
 
@@ -76,18 +78,25 @@ class SlotShares:
             self._looks[budget] = left
         else:
             self._looks.pop(budget, None)
-            self._harvests.pop(budget, None)
+            self._rows.pop(budget, None)
 
-    def harvest(self, budget: int | None, now: float) -> bool:
-        """Whether a look at ``now`` of a registration counted against ``budget``
-        may harvest its slot (counted if so)."""
+    def read(
+        self, budget: int | None, now: float, rows: Callable[[], Sequence[int]]
+    ) -> Sequence[int] | None:
+        """The rows of counts a harvest at ``now`` of a registration counted against
+        ``budget`` reads: ``rows()`` (its page's, looked for only while the share
+        has room for a page's every row), counted; None past the share."""
         if budget is None:
-            return True
-        left, at = self._harvests.get(budget, (HARVEST_BURST, now))
-        left = min(HARVEST_BURST, left + (now - at) * HARVESTS_PER_UID)
-        allowed = left >= 1
-        self._harvests[budget] = (left - allowed, now)
-        return allowed
+            return rows()
+        left, at = self._rows.get(budget, (ROWS_BURST, now))
+        left = min(ROWS_BURST, left + max(now - at, 0.0) * ROWS_PER_UID)
+        wanted = rows() if left >= BUCKETS else None
+        if wanted is not None and len(wanted) <= left:
+            left -= len(wanted)
+        else:
+            wanted = None
+        self._rows[budget] = (left, now)
+        return wanted
 
     # Closing.
 
@@ -168,3 +177,4 @@ class SlotShares:
         self._owned.clear()
         self._looks.clear()
         self._closing.clear()
+        self._rows.clear()

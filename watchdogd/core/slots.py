@@ -443,16 +443,15 @@ class Slots(Generic[P]):
     def _harvest(
         self, timer: Timer, process: P, slot: Slot, now: float, look: bool = False
     ) -> bool:
-        """Take ``slot``'s new counts into its scope's history (`Slot.take`); whether
-        any. A look past its uid's share (`SlotShares.harvest`) leaves them in the page."""
-        shares = self._shares
-        if look and slot.has_blocks(now, looking=True) and not shares.harvest(slot.budget, now):
-            self._metrics.slots_deferred += 1
-            return True
-        taken = slot.take(now, looking=look)
+        """Take ``slot``'s new counts into its scope's history (`Slot.take`), within
+        its uid's reads (`SlotShares.read`); whether any."""
+        share = functools.partial(self._shares.read, slot.budget, now)
+        taken = slot.take(now, looking=look, share=share)
         if taken is None:
             return False
-        if taken.scribbled:
+        if taken.deferred:
+            self._metrics.slots_deferred += 1
+        elif taken.scribbled:
             self._metrics.slots_scribbled += 1
         elif taken.added:
             largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)

@@ -119,19 +119,22 @@ class SlotPage:
         """The blocks of slot ``index`` the last harvest took (the daemon's word)."""
         return self._words[word_of(index, TAKEN)]
 
-    def counts(self, index: int) -> Sequence[tuple[int, int, int]]:
-        """The duration counts of slot ``index`` that differ from what the last
-        harvest took: ``(bucket, count, taken)``. Only the rows of the memory the
-        kernel holds for the page are read: a read through the mapping of any
+    def rows(self) -> list[int]:
+        """The buckets whose rows of counts lie in the memory the kernel holds for
+        the page: the only rows read, since a read through the mapping of any
         other would make the kernel give it memory."""
+        return [bucket for shmem_page in self._held() for bucket in buckets_in(shmem_page)]
+
+    def counts(self, index: int, rows: Iterable[int]) -> Sequence[tuple[int, int, int]]:
+        """The duration counts of slot ``index`` in ``rows`` (buckets) that differ
+        from what the last harvest took: ``(bucket, count, taken)``."""
         counts = self._counts
         moved = []
-        for shmem_page in self._held():
-            for bucket in buckets_in(shmem_page):
-                at = ROWS[bucket] + index
-                count, taken = counts[at], counts[at + SLOTS]
-                if count != taken:
-                    moved.append((bucket, count, taken))
+        for bucket in rows:
+            at = ROWS[bucket] + index
+            count, taken = counts[at], counts[at + SLOTS]
+            if count != taken:
+                moved.append((bucket, count, taken))
         return moved
 
     def took(self, index: int, blocks: int, counts: Iterable[tuple[int, int]]) -> None:

@@ -110,8 +110,8 @@ _FAMILIES: tuple[_Family, ...] = (
      (), lambda m: m.record_left_off),
     (_COUNTER, "slot_outcomes",
      "Slots of the fast path, by what became of them: deadlines past max_timeout a "
-     "look clamped (clamped), counts refused as scribbled (scribbled), harvests a "
-     "look left for later past its uid's share (deferred), "
+     "look clamped (clamped), counts refused as scribbled (scribbled), harvests "
+     "left for later past their uid's share of rows (deferred), "
      "registrations dropped for a page lost or uids changed (lost), reclaimed at "
      "a uid's limit (reclaimed), retired after closing (retired).",
      ("outcome",), _slot_outcomes),
