@@ -31,9 +31,10 @@ from .timers import SlotRef
 #: The reads a second a non-root uid's registrations may ask for, at two a period
 #: each (what a registration with a timeout of 10 s asks for is 0.23).
 LOOKS_PER_UID: Final = 2_000
-#: The rows of counts a non-root uid's harvests read a second at most, and at once:
-#: 200 and 20 harvests of pages whose every row is held, as a process that writes
-#: all over its rows makes them (one that counts honestly fills a few).
+#: The rows of counts a non-root uid's harvests read a second at most, and at once
+#: (looks, harvests asked for, an exit's): 200 and 20 harvests of pages whose every
+#: row is held, as a process that writes all over its rows makes them (one that
+#: counts honestly fills a few).
 ROWS_PER_UID: Final = 200 * BUCKETS
 ROWS_BURST: Final = 20 * BUCKETS
 #: How many of a uid's least recently armed registrations a reclaim reads at most
