@@ -17,6 +17,7 @@ from pathlib import Path
 from watchdogd.host.slot_pages import MEMFD_NAME
 
 from helpers.daemon import RunningDaemon, configured_daemon, ctl
+from helpers.metrics import sample
 from helpers.processes import (
     at_timing_priority,
     at_units_priority_all,
@@ -110,6 +111,14 @@ def requests_seen(daemon: RunningDaemon) -> int:
     """How many requests the daemon answered before this count's own two (the
     hello of its connection and its status, counted once answered)."""
     return _counts(daemon)[0]
+
+
+def slots_lost(daemon: RunningDaemon) -> float:
+    """How many registrations the daemon let go without a block to fire (a
+    process whose uids changed among them)."""
+    with daemon.client(fast=False) as client:
+        text = client.metrics()
+    return sample(text, "watchdogd_slot_outcomes_total", outcome="lost") or 0.0
 
 
 def _counts(daemon: RunningDaemon) -> tuple[int, int]:
@@ -362,9 +371,14 @@ def test_a_process_whose_uids_changed_loses_its_slot_and_arms_over_the_socket(
 ) -> None:
     worker = Worker(daemon.socket_path)
     try:
-        worker.ask("blocks 3 0.1 step")
+        # Blocks of a second: a look at its slot comes a second after its first,
+        # and a worker held off the CPU by a loaded machine is not taken for hung.
+        worker.ask("blocks 3 1 step")
         worker.ask("setresuid 65534 65534 0")
-        time.sleep(0.3)  # a look at its slot or two
+        wait_until(
+            lambda: slots_lost(daemon) == 1,
+            what="a look that finds its uids changed and lets its slot go",
+        )
         before = requests_seen(daemon)
         # Blocks of seconds: over the socket, a release late on a loaded machine
         # must not be taken for a hang.

@@ -327,6 +327,35 @@ def test_a_hung_rank_that_joins_elsewhere_sends_the_peer_policy_to_new_local_ran
         item.process.close()
 
 
+def test_a_rank_whose_deadline_passed_before_another_hosts_incident_came_is_expired() -> None:
+    """On a loaded host the fleet's news is taken before the expiry of a rank whose
+    deadline has passed too: that rank fires as itself, the incident lists it as
+    expired, and no peer policy runs on it; a rank not due yet is a peer."""
+    world = make_world()
+    service = world.service
+    for pid, timeout in ((200, 1.0), (201, 60.0)):
+        caller = service.arming.open_connection(Peer(pid=pid, uid=1000, gid=1000, pidfd=-1))
+        service.handle(Acquire(id=1, scope="step", timeout=timeout, job="j", rank=pid), caller, 0.0)
+    wall = service.context.wall() - 0.5  # opened there first, a moment ago
+    head = IncidentInfo(
+        id="b-1", job="j", user="alice", uid=1000, host="b", scope="s", reason="timeout", time=wall
+    )
+    runs = service.fleet.fleet_incident(head, 1000, 1.5)
+    assert [(item.timer.pid, item.timer.policy) for item in runs] == [
+        (200, "kill"),
+        (201, "peer_dump"),
+    ]
+    shown = service.incidents.get("b-1", 1000, 1000)
+    assert shown is not None
+    assert sorted((rank.pid, rank.role) for rank in shown.ranks) == [
+        (200, "expired"),
+        (201, "peer"),
+    ]
+    assert service.firing.expire_due(1.5) == []
+    for item in runs:
+        item.process.close()
+
+
 def test_a_stack_is_shown_to_the_user_ptrace_let_read_it_when_it_was_dumped() -> None:
     log = IncidentLog("a")
     incident, _ = log.expired((1000, "train"), "alice", rank(10, 0, uid=1000), "timeout", 1.0)

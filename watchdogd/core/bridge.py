@@ -11,7 +11,9 @@ Invariants:
 
 - An incident from another host is kept here only when this host holds timers of
   its job; each local process of that job then gets the peer policy of its own
-  timer's policy, once (an incident already known brings nothing).
+  timer's policy, once (an incident already known brings nothing); what is due
+  here fires first, so a process whose own deadline has passed is listed as
+  expired, not as a peer.
 - One uid's many jobs never crowd another's out of what this host registers.
 - Without a fleet the state is "", and no fleet gauge is shown.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Generic, Protocol
+from typing import TYPE_CHECKING, Final, Generic, Protocol
 
 import msgspec
 
@@ -34,6 +36,14 @@ from .unblocks import PEERS, Unblocks
 
 if TYPE_CHECKING:
     from .context import CoreContext
+
+
+#: The most timers due that fire before another host's incident is taken in
+#: (`FleetBridge.fleet_incident`): on a loaded host the fleet's news can be taken
+#: a moment before the expiry of a rank whose deadline has passed too, which is
+#: then an expired rank of the incident, not a peer dumped in its stead. A burst's
+#: rest fires in the daemon's passes, as it would have.
+DUE_FIRST: Final = 256
 
 
 class IncidentListener(Protocol):
@@ -142,8 +152,9 @@ class FleetBridge(Generic[P]):
         job = (uid, incident.job)
         if not self.holds(job):
             return []
+        due = self._firing.expire_due(now, DUE_FIRST)
         kept = self._incidents.merge(msgspec.structs.replace(incident, uid=uid))
-        return self._firing.peers(kept, job, None, self._incidents.pids(kept), now)
+        return due + self._firing.peers(kept, job, None, self._incidents.pids(kept), now)
 
     def holds(self, job: tuple[int, str]) -> bool:
         """Whether this host holds ``job``: a process of it holds a timer, one's
