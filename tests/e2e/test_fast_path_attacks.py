@@ -119,7 +119,15 @@ def daemon_with(config: str, socket_path: Path, tmp_path: Path) -> Any:
 
 
 def descriptors_of(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """How many of ``pid``'s descriptors are of the kinds a connection, its caller
+    or a page brings (sockets, pidfds, memfds): its storage's files, opened as it
+    writes (a journal's next file, a record, a watch), are not counted."""
+    kinds = ("socket:", "anon_inode:[pidfd]", "/memfd:")
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(kinds)
+    return count
 
 
 # Root's canaries.
