@@ -116,6 +116,17 @@ def word_of(slot: int, word: int) -> int:
     return (HEADER_BYTES // 8) + slot * SLOT_WORDS + word
 
 
+def moved_slots(words: memoryview) -> list[int]:
+    """The slots whose `BLOCKS` word differs from their `TAKEN` word, in the page
+    seen as 64-bit words ``words``: those released by a store since the daemon's
+    last harvest of them, read two slices at a time."""
+    first, end = word_of(0, 0), word_of(SLOTS, 0)
+    blocks = words[first + BLOCKS : end : SLOT_WORDS].tolist()
+    taken = words[first + TAKEN : end : SLOT_WORDS].tolist()
+    pairs = enumerate(zip(blocks, taken, strict=True))
+    return [slot for slot, (count, took) in pairs if count != took]
+
+
 def count_of(slot: int, bucket: int) -> int:
     """The index of ``slot``'s count of ``bucket`` in the page seen as 32-bit words."""
     return ROWS[bucket] + slot

@@ -33,6 +33,7 @@ from watchdogd_protocol.slot_page import (
     TAKEN,
     bucket_of,
     count_of,
+    moved_slots,
     taken_of,
     word_of,
 )
@@ -136,6 +137,9 @@ class FakePage:
 
     def taken(self, index: int) -> int:
         return self._words()[word_of(index, TAKEN)]
+
+    def moved(self) -> Sequence[int]:
+        return moved_slots(self._words())
 
     def rows(self) -> Sequence[int]:
         self._words()

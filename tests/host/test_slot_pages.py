@@ -32,6 +32,7 @@ from watchdogd.host.slot_pages import (
     shares_clock,
 )
 from watchdogd_protocol.slot_page import (
+    BLOCKS,
     DEADLINE,
     MAGIC,
     PAGE_BYTES,
@@ -318,6 +319,20 @@ def test_a_harvest_reads_only_the_memory_the_kernel_holds_for_the_page() -> None
         for index in range(SLOTS):
             page.counts(index, page.rows())
         assert held_bytes(page.fd) == 2 * SHMEM_PAGE
+    finally:
+        page.close()
+
+
+def test_the_slots_a_harvest_takes_from_are_those_whose_block_count_moved() -> None:
+    page = new_page()
+    try:
+        assert page.moved() == []
+        # The process released blocks of slots 0, 7 and the last by stores.
+        for index, blocks in ((0, 1), (7, 2**64 - 1), (SLOTS - 1, 5)):
+            os.pwrite(page.fd, blocks.to_bytes(8, "little"), 8 * word_of(index, BLOCKS))
+        assert page.moved() == [0, 7, SLOTS - 1]
+        page.took(7, 2**64 - 1, [])
+        assert page.moved() == [0, SLOTS - 1]
     finally:
         page.close()
 

@@ -26,6 +26,7 @@ than the largest sample seen, rounded up to three significant digits.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -211,10 +212,12 @@ class History:
             source += f", held to the {'floor' if chosen == floor else 'ceiling'} {chosen:g} s"
         return chosen, source
 
-    def suggestions(self, uid: int | None = None) -> Iterator[SuggestionInfo]:
-        """Every key's suggestion (``uid``'s only, when given), sorted by key."""
+    def suggestions(self, uid: int | None = None, start: int = 0) -> Iterator[SuggestionInfo]:
+        """Every key's suggestion (``uid``'s only, when given), sorted by key, from
+        the ``start``-th on: each made as it is asked for, so a page of them costs
+        its own rows only."""
         keys: Iterable[Key] = self._histograms if uid is None else self._by_uid.get(uid, ())
-        for key in sorted(keys):
+        for key in itertools.islice(sorted(keys), start, None):
             yield self._suggest(key, self._histograms[key])
 
     def encode(self) -> bytes:

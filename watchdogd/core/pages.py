@@ -231,13 +231,14 @@ class Pages(Generic[P]):
         """A page of what history says, the caller's own uid's (root: all), cut
         to fit a reply like a status page; the blocks the slots of the fast path
         counted are harvested first, so every block released so far counts."""
+        uid = None if peer.uid == ROOT else peer.uid
         if not request.cursor:
-            self._slots.harvest_all(now, None if peer.uid == ROOT else peer.uid)
-        rows = self._history.suggestions(None if peer.uid == ROOT else peer.uid)
+            self._slots.harvest_all(now, uid)
+        rows = self._history.suggestions(uid, request.cursor)
         page: list[SuggestionInfo] = []
         room = _STATUS_PAGE_BYTES
         cursor: int | None = None
-        for index, row in enumerate(itertools.islice(rows, request.cursor, None)):
+        for index, row in enumerate(rows):
             cost = _SUGGESTION_BYTES + len(row.executable.encode()) + len(row.scope.encode())
             if len(page) == request.limit or (cost > room and page):
                 cursor = request.cursor + index

@@ -157,6 +157,10 @@ class PageRef(Protocol):
         """How many of them the daemon had released at its last harvest (its own
         word, which the process may have written over all the same)."""
 
+    def moved(self) -> Sequence[int]:
+        """The slots whose block count differs from what the daemon took of it:
+        those a harvest takes anything of (the others' counts are read by none)."""
+
     def rows(self) -> Sequence[int]:
         """The history buckets whose rows of counts the page holds memory for:
         the rows a harvest reads (a harvest costs one read of each)."""

@@ -34,7 +34,8 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final, Generic
 
@@ -330,9 +331,21 @@ class ProcessPages(Generic[P]):
             if state != FREE
         )
 
-    def processes(self) -> list[ProcessKey]:
-        """The key of every process that has pages."""
-        return list(self._pages)
+    def moved(
+        self, uid: int | None, spent: AbstractSet[int]
+    ) -> Iterator[tuple[ProcessKey, PageSlots, int]]:
+        """The slot of each registration released by a store since its last
+        harvest (`PageRef.moved`), with its process's key: ``uid``'s only when
+        given, none counted against a budget in ``spent`` (which the caller grows
+        as it goes: a page of a uid whose budget is spent is not read)."""
+        pages = [(key, slots) for key, own in self._pages.items() for slots in own.pages.values()]
+        for key, slots in pages:
+            if uid is not None and (uid in spent or uid not in slots.budget):
+                continue
+            for index in slots.page.moved():
+                budget = slots.budget[index] if slots.known(index) else None
+                if budget is not None and budget not in spent and uid in (None, budget):
+                    yield key, slots, index
 
     def forget(self, process: TargetProcess) -> None:
         """``process`` is gone: its pages go, and what was not found of them."""

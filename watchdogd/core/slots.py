@@ -78,7 +78,7 @@ from .interning import Shared
 from .logline import Level, logfmt
 from .ports import SEARCHING, P, PagePort, PageRef, Searching
 from .process_pages import ProcessPages
-from .slot import Slot
+from .slot import DEFERRED, Slot, Taken
 from .slot_shares import SlotShares
 from .timers import Expired, Key, SlotRef, Timer
 
@@ -240,7 +240,7 @@ class Slots(Generic[P]):
             self._changed(item, word, deadline, now)
             return None
         looked, slot.looked = slot.looked, now
-        active = self._harvest(timer, process, slot, now, look=True)
+        active = self._harvest(timer, process, slot, now, look=True) is not None
         if not word:
             slot.word = 0
             self._idle_look(item, slot, now, active)
@@ -442,13 +442,13 @@ class Slots(Generic[P]):
 
     def _harvest(
         self, timer: Timer, process: P, slot: Slot, now: float, look: bool = False
-    ) -> bool:
+    ) -> Taken | None:
         """Take ``slot``'s new counts into its scope's history (`Slot.take`), within
-        its uid's reads (`SlotShares.read`); whether any."""
+        its uid's reads (`SlotShares.read`): what was taken (None: nothing moved)."""
         share = functools.partial(self._shares.read, slot.budget, now)
         taken = slot.take(now, looking=look, share=share)
         if taken is None:
-            return False
+            return None
         if taken.deferred:
             self._metrics.slots_deferred += 1
         elif taken.scribbled:
@@ -457,26 +457,27 @@ class Slots(Generic[P]):
             largest = min(slot.page.largest(slot.index) / 1_000_000, self._rules.daemon.max_timeout)
             key = (process.uid, slot.executable, timer.scope)
             self._history.record_counts(key, taken.added, largest)
-        return True
+        return taken
 
     def harvest(self, timer: Timer, process: P, now: float) -> None:
         """Harvest registered ``timer``'s slot now (an arm of ``after="auto"``
         learns from every block released so far)."""
-        slot = self.slot_of(timer, process, now)
-        if slot is not None:
+        if (slot := self.slot_of(timer, process, now)) is not None:
             self._harvest(timer, process, slot, now)
 
     def harvest_all(self, now: float, uid: int | None = None) -> None:
-        """Harvest every slot (of ``uid``'s processes, when given) now: what
-        `suggest` shows counts every block released so far."""
-        for pid, start_time in self._pages.processes():
-            process = self._table.process(pid)
-            if process is None or process.start_time != start_time:
+        """Harvest now the slots (``uid``'s, when given) released since their last
+        harvest, within each owner's share (`suggest` counts every block so far):
+        once one of a uid's is put off, its others wait unread for the next."""
+        spent: set[int] = set()
+        for (pid, start_time), slots, index in self._pages.moved(uid, spent):
+            process, timer = self._table.process(pid), self._table.get(pid, slots.scopes[index])
+            if process is None or process.start_time != start_time or timer is None:
                 continue
-            for timer in self._table.timers_of(pid):
-                slot = self._pages.slot(process, timer.slot)
-                if slot is not None and (uid is None or uid == timer.owner):
-                    self._harvest(timer, process, slot, now)
+            if (ref := timer.slot) is None or (ref.page, ref.index) != (slots.page.id, index):
+                continue
+            if self._harvest(timer, process, Slot(slots, ref), now) is DEFERRED:
+                spent.add(slots.budget[index])
 
     def exited(self, process: P, timers: Iterable[Timer], now: float) -> list[Timer]:
         """``process`` exited with ``timers``: its slots are read a last time

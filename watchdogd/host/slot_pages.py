@@ -48,6 +48,7 @@ from watchdogd_protocol.slot_page import (
     SLOTS,
     TAKEN,
     buckets_in,
+    moved_slots,
     word_of,
 )
 
@@ -118,6 +119,9 @@ class SlotPage:
     def taken(self, index: int) -> int:
         """The blocks of slot ``index`` the last harvest took (the daemon's word)."""
         return self._words[word_of(index, TAKEN)]
+
+    def moved(self) -> list[int]:
+        return moved_slots(self._words)
 
     def rows(self) -> list[int]:
         """The buckets whose rows of counts lie in the memory the kernel holds for
