@@ -178,6 +178,11 @@ class Responder:
         """Whether its thread still runs (it ends only when stopped or refused)."""
         return self._thread.is_alive()
 
+    @property
+    def registered(self) -> bool:
+        """Whether the daemon took its `Respond` on the connection it has now."""
+        return self._registered
+
     def start(self) -> None:
         """Start its thread, which connects on its own."""
         self._thread.start()

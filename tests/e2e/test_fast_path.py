@@ -37,6 +37,7 @@ from helpers.waiting import PATIENCE, wait_until
 WORKER = """
 import json, os, resource, sys, time
 from watchdogd_client import Client
+from watchdogd_client.responder import process_responder
 client = Client(timeout=2.0, reconnect_timeout=1.0, on_unavailable=os.environ.get("ON", "raise"))
 print("ready", flush=True)
 for line in sys.stdin:
@@ -66,6 +67,12 @@ for line in sys.stdin:
                     pass
                 os._exit(0)
             out = os.waitpid(pid, 0)[1]
+        elif command == "responder":
+            responder = process_responder()
+            until = time.monotonic() + float(args[0])
+            while not (responder and responder.registered) and time.monotonic() < until:
+                time.sleep(0.01)
+            out = bool(responder and responder.registered)
         elif command == "setresuid":
             os.setresuid(*map(int, args))
         elif command == "hold":
@@ -110,7 +117,8 @@ class Worker:
 def requests_seen(daemon: RunningDaemon) -> int:
     """How many requests the daemon answered before this count's own two (the
     hello of its connection and its status, counted once answered)."""
-    return _counts(daemon)[0]
+    with daemon.client(fast=False) as client:
+        return client.status_page(limit=1).daemon.requests - 1
 
 
 def slots_lost(daemon: RunningDaemon) -> float:
@@ -121,29 +129,23 @@ def slots_lost(daemon: RunningDaemon) -> float:
     return sample(text, "watchdogd_slot_outcomes_total", outcome="lost") or 0.0
 
 
-def _counts(daemon: RunningDaemon) -> tuple[int, int]:
-    """`requests_seen`, and the connections open (this count's own among them)."""
-    with daemon.client(fast=False) as client:
-        seen = client.status_page(limit=1).daemon
-    return seen.requests - 1, seen.connections
-
-
 #: What one `requests_seen` adds to the next one's count: its hello and its status.
 COUNTING = 2
 
 
-def requests_settled(daemon: RunningDaemon) -> int:
-    """`requests_seen` once the one worker's responder, which connects on a thread
-    of its own after the first arm, is connected beside its client, and no request
-    came between two counts: what the worker's blocks are counted from."""
+def requests_settled(daemon: RunningDaemon, worker: Worker) -> int:
+    """`requests_seen` once ``worker``'s responder, which connects on a thread of
+    its own after the first arm and then sends two requests, says the daemon took
+    the second, and no request came between two counts: what the worker's blocks
+    are counted from."""
+    assert worker.ask(f"responder {PATIENCE}") is True
     seen = [requests_seen(daemon)]
 
     def settled() -> bool:
-        requests, connections = _counts(daemon)
-        seen.append(requests)
-        return connections == 3 and seen[-1] - seen[-2] == COUNTING
+        seen.append(requests_seen(daemon))
+        return seen[-1] - seen[-2] == COUNTING
 
-    wait_until(settled, what="the worker's client and responder connected, and quiet")
+    wait_until(settled, what="no request but the count's own between two counts")
     return seen[-1]
 
 
@@ -156,7 +158,7 @@ def test_blocks_after_the_first_arm_send_no_frame(daemon: RunningDaemon) -> None
     worker = Worker(daemon.socket_path)
     try:
         assert isinstance(worker.ask("blocks 1 60 step"), float)
-        before = requests_settled(daemon)
+        before = requests_settled(daemon, worker)
         assert isinstance(worker.ask("blocks 2000 60 step"), float)
         assert requests_seen(daemon) - before == COUNTING
         assert my_scopes(daemon, worker.pid) == {}
