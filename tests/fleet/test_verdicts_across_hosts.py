@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from subprocess import Popen
 
@@ -94,6 +94,29 @@ def verdict_on(daemon: RunningDaemon, ranks: int = 3) -> IncidentInfo | None:
     return incident if len(incident.ranks) == ranks and settled else None
 
 
+def settled_on_both(
+    a: RunningDaemon,
+    b: RunningDaemon,
+    ranks: int,
+    wanted: Callable[[IncidentInfo], bool],
+    what: str,
+) -> dict[str, IncidentInfo]:
+    """Each host's one incident once it has all its ``ranks``, a settled verdict
+    and what ``wanted`` asks of it (``wanted`` sees every settled one on the way),
+    by host."""
+    seen: dict[str, IncidentInfo] = {}
+
+    def both() -> bool:
+        for daemon, host in ((a, "host-a"), (b, "host-b")):
+            incident = verdict_on(daemon, ranks)
+            if incident is not None and wanted(incident):
+                seen[host] = incident
+        return len(seen) == 2
+
+    wait_until(both, what=what, timeout=30)
+    return seen
+
+
 @pytest.mark.parametrize("later", [0.0, 1.0], ids=["together", "rank-1-later"])
 def test_two_hosts_converge_on_one_incident_and_one_verdict(
     own_etcd: EtcdServer, tmp_path: Path, later: float
@@ -107,25 +130,16 @@ def test_two_hosts_converge_on_one_incident_and_one_verdict(
         until = time.time() + 6
         wanted: list[Rank] = [(a, 2, 60, "elsewhere", None), (a, 0, 0, "waits", until)]
         with job_ranks(own_etcd, job, [*wanted, (b, 1, 0, "waits", until + later)]) as ranks:
-            seen: dict[str, IncidentInfo] = {}
             kinds: set[str] = set()
             expected = {0: "expired", 1: "expired", 2: "peer"}
 
-            def both() -> bool:
-                for daemon, host in ((a, "host-a"), (b, "host-b")):
-                    incident = verdict_on(daemon)
-                    if incident is None or incident.verdict is None:
-                        continue
-                    kinds.add(incident.verdict.kind)
-                    if {rank.rank: rank.role for rank in incident.ranks} == expected:
-                        seen[host] = incident
-                return len(seen) == 2
+            def final(incident: IncidentInfo) -> bool:
+                assert incident.verdict is not None
+                kinds.add(incident.verdict.kind)
+                return {rank.rank: rank.role for rank in incident.ranks} == expected
 
-            wait_until(
-                both,
-                what="one incident of ranks 0 and 1 expired, settled, on each host",
-                timeout=30,
-            )
+            what = "one incident of ranks 0 and 1 expired, settled, on each host"
+            seen = settled_on_both(a, b, 3, final, what)
             assert kinds == {"odd_frame"}
             on_a, on_b = seen["host-a"], seen["host-b"]
             assert on_a.id == on_b.id
@@ -169,17 +183,11 @@ def test_ranks_that_only_respond_give_their_evidence_to_another_hosts_incident(
                 what="both hosts' jobs in etcd",
             )
             ranks.append(start_job_rank(b.socket_path, job, 2, 2.0, "hangs"))
-            seen: dict[str, IncidentInfo] = {}
 
-            def both() -> bool:
-                for daemon, host in ((a, "host-a"), (b, "host-b")):
-                    incident = verdict_on(daemon, 4)
-                    verdict = None if incident is None else incident.verdict
-                    if incident is not None and verdict is not None and verdict.kind == "odd_frame":
-                        seen[host] = incident
-                return len(seen) == 2
+            def odd_frame(incident: IncidentInfo) -> bool:
+                return incident.verdict is not None and incident.verdict.kind == "odd_frame"
 
-            wait_until(both, what="the culprit named on both hosts", timeout=30)
+            seen = settled_on_both(a, b, 4, odd_frame, "the culprit named on both hosts")
             for incident in seen.values():
                 assert all(rank.state == "done" for rank in incident.ranks), incident.ranks
                 given = {rank.rank: rank.evidence for rank in incident.ranks}
@@ -217,15 +225,8 @@ def test_a_rank_due_while_its_daemon_was_stopped_is_expired_there_not_a_peer(
                 time.sleep(max(0.0, until + 0.5 - time.time()))
             finally:
                 b.process.send_signal(signal.SIGCONT)
-            seen: dict[str, IncidentInfo] = {}
-
-            def both() -> bool:
-                for daemon, host in ((a, "host-a"), (b, "host-b")):
-                    if (incident := verdict_on(daemon, 2)) is not None:
-                        seen[host] = incident
-                return len(seen) == 2
-
-            wait_until(both, what="one incident with a settled verdict on each host", timeout=30)
+            what = "one incident with a settled verdict on each host"
+            seen = settled_on_both(a, b, 2, lambda incident: True, what)
             for incident in seen.values():
                 roles = {rank.rank: rank.role for rank in incident.ranks}
                 assert roles == {0: "expired", 1: "expired"}, incident.ranks
