@@ -831,6 +831,7 @@ def test_a_worker_scribbling_on_its_page_and_registering_thousands_never_delays_
         }
         with Canaries(daemon):
             attacker.keep(attacker("scribble", ATTACK_SECONDS))
+            attacker.keep(attacker("keep_suggesting", ATTACK_SECONDS))
             time.sleep(ATTACK_SECONDS)
         # The daemon read what was scribbled: deadlines past its bound, counts no
         # process could have made.

@@ -593,6 +593,19 @@ def test_suggest_harvests_within_each_owners_share_whoever_asks() -> None:
     assert sum(suggested_count(world, f"step-{n}", 3.0) for n in range(3 * at_once)) == 3 * at_once
 
 
+def test_a_harvest_that_refuses_a_slots_blocks_counts_against_its_owners_share() -> None:
+    """Blocks written over in every slot between two `suggest`s: each refusal costs
+    the share as a read does, so a request stops where any other would."""
+    at_once = ROWS_BURST // BUCKETS  # the fake page holds every row: a take reads them all
+    world = make_world()
+    slots = [registered(world, f"step-{number}", now=1.0) for number in range(3 * at_once)]
+    for grant, memory in slots:
+        memory.scribble_counts(grant.index, 0, 1, blocks=2**63)
+    world.service.handle(Suggest(id=3), world.alice, 1.0)
+    assert world.service.metrics.slots_scribbled == at_once
+    assert world.service.metrics.slots_deferred == 1
+
+
 # Reclaiming, revoking, releasing.
 
 

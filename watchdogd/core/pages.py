@@ -230,7 +230,8 @@ class Pages(Generic[P]):
     def suggest(self, request: Suggest, peer: Peer, now: float) -> SuggestReply:
         """A page of what history says, the caller's own uid's (root: all), cut
         to fit a reply like a status page; the blocks the slots of the fast path
-        counted are harvested first, so every block released so far counts."""
+        counted are harvested first, within each owner's share of rows, so every
+        block released so far counts unless its uid's harvests are past it."""
         uid = None if peer.uid == ROOT else peer.uid
         if not request.cursor:
             self._slots.harvest_all(now, uid)

@@ -265,18 +265,20 @@ class Slot:
         blocks, taken_blocks = page.blocks(index), page.taken(index)
         if blocks == taken_blocks:
             return None
-        bound = _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000
-        if (blocks - taken_blocks) % 2**64 > bound:
-            # More blocks than any process could release: refused before a row
-            # of counts is read.
-            slots.harvested[index] = now
-            page.took(index, blocks, ())
-            slots.refused.add(index)
-            return Taken({}, scribbled=True)
+        # Counted before the blocks are judged: a take refused costs the share as
+        # one read, so a walk over slots whose blocks are written over and over
+        # stops where any other does.
         rows = page.rows() if share is None else share(page.rows)
         if rows is None:
             return DEFERRED
         slots.harvested[index] = now
+        bound = _BLOCKS_A_SECOND * max(now - since, 0.0) + 1000
+        if (blocks - taken_blocks) % 2**64 > bound:
+            # More blocks than any process could release: refused before a row
+            # of counts is read.
+            page.took(index, blocks, ())
+            slots.refused.add(index)
+            return Taken({}, scribbled=True)
         counts = page.counts(index, rows)
         page.took(index, blocks, [(bucket, count) for bucket, count, _ in counts])
         added = {bucket: (count - taken) % 2**32 for bucket, count, taken in counts}
