@@ -465,12 +465,24 @@ class TestRunTargets:
             wait_until((job / "pid").exists, what="the script to start")
             script = int((job / "pid").read_text())
             wait_until(lambda: state_of(script) == "T", what="the script to stop itself")
+            # Until the shell's fork runs sleep, it takes a SIGTERM with the trap it
+            # inherited, and drops it: the sleep would run on (as under timeout).
+            wait_until(lambda: runs_sleep(run.pid), what="the script's sleep to start")
             run.send_signal(signal.SIGTERM)
             assert ended(run, job)[0] == 0
             assert (job / "got").read_text() == "term\n"
             wait_until(lambda: in_session(run.pid) == [], what="the script's sleep to die")
         finally:
             end_session(run)
+
+
+def runs_sleep(sid: int) -> bool:
+    """Whether a process of session ``sid`` runs ``sleep 100`` (has exec'd it)."""
+    for pid in in_session(sid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x00100\x00":
+                return True
+    return False
 
 
 def state_of(pid: int) -> str:
